@@ -1,0 +1,1 @@
+"""HTTP API: validates programs, queues them in Redis, hands out realtime channels."""

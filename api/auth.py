@@ -1,0 +1,73 @@
+"""Who is calling: the API token holder (a backend) or the holder of one job's token.
+
+Tokens are compared in constant time. A job token never submits jobs, and for any other
+job it behaves exactly like an unknown job (404), so ids cannot be probed with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgspec
+from starlette.requests import Request
+
+from api.errors import ApiError
+from shared.settings import Settings
+from shared.tokens import mint_job_token, tokens_equal, verify_job_token
+
+__all__ = ["Authenticator", "Principal"]
+
+
+class Principal(msgspec.Struct, frozen=True):
+    # Set for the API token holder: an opaque id of that token, stored as the job's owner.
+    owner: str | None = None
+    # Set for a job-token holder: the one job it may touch.
+    job_id: str | None = None
+
+    def may_access(self, job_id: str, job_owner: str) -> bool:
+        if self.job_id is not None:
+            return self.job_id == job_id
+        return self.owner is not None and tokens_equal(self.owner, job_owner)
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+class Authenticator:
+    def __init__(self, settings: Settings) -> None:
+        self._api_token = settings.api_token
+        self._owner = hashlib.sha256(b"owner:" + settings.api_token.encode()).hexdigest()[:32]
+        self._secret = settings.job_token_secret or hashlib.sha256(b"jobtoken:" + settings.api_token.encode()).hexdigest()
+        self._ttl_s = settings.job_token_ttl_s
+
+    def principal(self, request: Request, fallback_token: str | None = None) -> Principal:
+        """Authenticate a request by its bearer token (or a token passed in the body).
+
+        Raises:
+            ApiError: 401 when no valid token is presented.
+        """
+        token = _bearer(request) or fallback_token
+        if not token:
+            raise ApiError(401, "Missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if self._api_token and tokens_equal(token, self._api_token):
+            return Principal(owner=self._owner)
+        job_id = verify_job_token(self._secret, token, int(time.time()))
+        if job_id is not None:
+            return Principal(job_id=job_id)
+        raise ApiError(401, "Invalid or expired token", headers={"WWW-Authenticate": "Bearer"})
+
+    def backend(self, request: Request) -> Principal:
+        """Only the API token holder."""
+        principal = self.principal(request)
+        if principal.owner is None:
+            raise ApiError(403, "A job token cannot do this; use the API token")
+        return principal
+
+    def mint(self, job_id: str) -> str:
+        return mint_job_token(self._secret, job_id, int(time.time()), self._ttl_s)

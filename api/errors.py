@@ -1,0 +1,81 @@
+"""One error envelope for every failure: `{"error": "<sentence>", "details": [...]}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shared.errors import FieldError, ValidationError
+
+__all__ = ["ApiError", "error_response", "exception_handlers"]
+
+log = logging.getLogger(__name__)
+_encoder = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    """An HTTP error with a human sentence, optional field details and extra body fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        details: list[FieldError] | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.details = details or []
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def error_response(
+    status: int, message: str, details: list[FieldError] | None = None, headers: dict[str, str] | None = None, **extra: Any
+) -> Response:
+    body: dict[str, Any] = {"error": message, "details": details or []}
+    body.update(extra)
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.message, exc.details, exc.headers, **exc.extra)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ValidationError)
+    return error_response(400, exc.sentence, exc.details)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    messages = {404: "Not found", 405: "Method not allowed"}
+    return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)), headers=exc.headers)
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    log.warning("redis unavailable during %s %s: %s", request.method, request.url.path, exc)
+    return error_response(503, "Redis is unavailable; retry shortly", retryAfterMs=1000)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(500, "Internal server error")
+
+
+exception_handlers: dict[Any, Any] = {
+    ApiError: _api_error,
+    ValidationError: _validation_error,
+    HTTPException: _http_exception,
+    RedisError: _redis_error,
+    Exception: _unexpected,
+}

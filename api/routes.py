@@ -1,0 +1,201 @@
+"""HTTP handlers: decode, check, call the store, encode. Nothing else lives here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+from urllib.parse import parse_qs
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from api.errors import ApiError
+from api.state import AppState
+from api.store import StoredStatus, now_ms
+from shared import keys
+from shared.codec import decode_request
+from shared.errors import FieldError, ValidationError
+from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
+from shared.messages import TERMINAL_STATES, ExecuteAccepted, ExecuteRequest, JobSpec, JobState, RealtimeInfo
+from shared.pusher import channel_auth, valid_socket_id
+from shared.validation import check_args, check_stdin, decode_files
+
+__all__ = ["routes"]
+
+log = logging.getLogger(__name__)
+_encoder = msgspec.json.Encoder()
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json")
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.coderunner  # type: ignore[no-any-return]
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"Request body must be at most {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"Request body must be at most {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _job_for(request: Request, state: AppState) -> StoredStatus:
+    """The job named in the path, if the caller may see it; one uniform 404 otherwise."""
+    job_id = request.path_params["job_id"]
+    principal = state.auth.principal(request)
+    if not keys.is_job_id(job_id):
+        raise ApiError(404, "Job not found")
+    status = await state.store.status(job_id)
+    if status is None or not principal.may_access(job_id, status.owner):
+        raise ApiError(404, "Job not found")
+    return status
+
+
+async def execute(request: Request) -> Response:
+    """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full."""
+    state = _state(request)
+    principal = state.auth.backend(request)
+    body = await _body(request, state.settings.max_request_bytes)
+    req = decode_request(ExecuteRequest, body)
+    manifest, version = await state.catalog.resolve(req.language, req.version)
+    decode_files(req.files, state.settings.max_files_bytes)
+    check_args(req.args)
+    check_stdin(req.stdin)
+    if req.args and "{args}" not in manifest.run:
+        raise ValidationError([FieldError("args", f"are not supported for {manifest.language}")])
+    defaults = with_overrides(DEFAULT_LIMITS, manifest.limits)
+    limits = resolve_limits(req.limits, defaults, state.settings.limit_maxima)
+
+    job_id = uuid.uuid4().hex
+    spec = JobSpec(
+        job_id=job_id,
+        language=manifest.language,
+        version=version,
+        files=req.files,
+        limits=limits,
+        created_at_ms=now_ms(),
+        owner=principal.owner or "",
+        stdin=req.stdin,
+        args=req.args,
+        collect_output=req.collect_output,
+    )
+    if not await state.store.enqueue(spec, state.settings.max_queue_depth):
+        retry = state.settings.queue_retry_after_ms
+        raise ApiError(
+            429,
+            f"The queue is full ({state.settings.max_queue_depth} jobs waiting); retry later",
+            headers={"Retry-After": str(max(1, retry // 1000))},
+            retryAfterMs=retry,
+        )
+    log.info("job %s queued language=%s version=%s", job_id, spec.language, spec.version)
+    accepted = ExecuteAccepted(
+        job_id=job_id,
+        channel=keys.realtime_channel(job_id),
+        status=JobState.QUEUED,
+        job_token=state.auth.mint(job_id),
+    )
+    return _json(accepted, 202)
+
+
+async def start_job(request: Request) -> Response:
+    """Durable start signal. 202 {ok:true}; idempotent; 409 once the job ended without starting."""
+    state = _state(request)
+    status = await _job_for(request, state)
+    if status.state in TERMINAL_STATES and not status.started:
+        raise ApiError(409, f"Job has already ended ({status.state.value}) and can no longer start")
+    if status.state not in TERMINAL_STATES:
+        await state.store.send_start(status.job_id)
+    return _json({"ok": True}, 202)
+
+
+async def get_job(request: Request) -> Response:
+    """Current JobStatus (with the result once the job has ended)."""
+    state = _state(request)
+    status = await _job_for(request, state)
+    return _json(status.view())
+
+
+async def languages(request: Request) -> Response:
+    """Runtimes live workers can run right now, with their probed versions."""
+    state = _state(request)
+    state.auth.principal(request)
+    return _json(await state.catalog.live())
+
+
+async def channel_auth_route(request: Request) -> Response:
+    """Sign a `private-run-<jobId>` subscription for the job's owner or its job-token holder."""
+    state = _state(request)
+    body = await _body(request, 16 * 1024)
+    fields = _form_or_json(request, body)
+    socket_id = fields.get("socket_id", "")
+    channel = fields.get("channel_name", "")
+    principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
+    if not socket_id or not valid_socket_id(socket_id):
+        raise ValidationError([FieldError("socket_id", "is missing or malformed")])
+    if not channel:
+        raise ValidationError([FieldError("channel_name", "is required")])
+    job_id = keys.job_id_from_channel(channel)
+    if job_id is None:
+        raise ApiError(403, "Only private-run-<jobId> channels can be authorised")
+    status = await state.store.status(job_id)
+    if status is None or not principal.may_access(job_id, status.owner):
+        raise ApiError(403, "Not allowed to subscribe to this channel")
+    settings = state.settings
+    return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
+
+
+def _form_or_json(request: Request, body: bytes) -> dict[str, str]:
+    content_type = request.headers.get("content-type", "")
+    if "json" in content_type:
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            raise ValidationError([FieldError("body", "is not valid JSON")]) from None
+        if not isinstance(data, dict):
+            raise ValidationError([FieldError("body", "must be a JSON object")])
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    try:
+        parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=16)
+    except (UnicodeDecodeError, ValueError):
+        raise ValidationError([FieldError("body", "is not a valid form")]) from None
+    return {k: v[0] for k, v in parsed.items()}
+
+
+async def realtime(request: Request) -> Response:
+    """What a pusher-js client needs to connect (public; holds no secret)."""
+    settings = _state(request).settings
+    info = RealtimeInfo(
+        key=settings.pusher_key,
+        ws_host=settings.realtime_host,
+        ws_port=settings.realtime_port,
+        force_tls=settings.pusher_scheme == "https",
+    )
+    return _json(info)
+
+
+async def health(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+routes = [
+    Route("/v1/execute", execute, methods=["POST"]),
+    Route("/v1/jobs/{job_id}/start", start_job, methods=["POST"]),
+    Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+    Route("/v1/languages", languages, methods=["GET"]),
+    Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
+    Route("/v1/realtime", realtime, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+]

@@ -1,0 +1,1 @@
+"""The `coderunner` command: `up` (whole dev stack), `api`, `worker`."""

@@ -1,0 +1,72 @@
+"""Turn a byte stream into UTF-8 text chunks of bounded size, never splitting a character.
+
+Invalid UTF-8 becomes U+FFFD in the text chunks (the exact bytes are kept elsewhere for
+the pullable result). A character cut by a read boundary is held back until its
+remaining bytes arrive.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CHUNK_MAX_BYTES", "Utf8Chunker", "split_utf8"]
+
+CHUNK_MAX_BYTES = 8192
+
+
+def _incomplete_tail(buf: bytes) -> int:
+    """How many trailing bytes of `buf` start a UTF-8 sequence that is not finished yet."""
+    n = len(buf)
+    for back in range(1, min(4, n) + 1):
+        byte = buf[n - back]
+        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
+            continue
+        if byte >= 0xF0:
+            need = 4
+        elif byte >= 0xE0:
+            need = 3
+        elif byte >= 0xC0:
+            need = 2
+        else:
+            return 0
+        return back if back < need else 0
+    return 0
+
+
+def split_utf8(text: str, max_bytes: int = CHUNK_MAX_BYTES) -> list[str]:
+    """Split text into pieces whose UTF-8 encoding is at most `max_bytes`, on character boundaries."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= max_bytes:
+        return [text] if text else []
+    out: list[str] = []
+    start = 0
+    while start < len(data):
+        end = min(start + max_bytes, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:
+            end -= 1
+        out.append(data[start:end].decode("utf-8", "surrogatepass"))
+        start = end
+    return out
+
+
+class Utf8Chunker:
+    """Incremental decoder: feed bytes, get text chunks of at most `max_bytes` each."""
+
+    def __init__(self, max_bytes: int = CHUNK_MAX_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        buf = self._pending + data if self._pending else data
+        keep = _incomplete_tail(buf)
+        if keep:
+            self._pending = buf[-keep:]
+            buf = buf[:-keep]
+        else:
+            self._pending = b""
+        if not buf:
+            return []
+        return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes)
+
+    def flush(self) -> list[str]:
+        """Decode whatever is held back (an unfinished character becomes U+FFFD)."""
+        buf, self._pending = self._pending, b""
+        return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes) if buf else []

@@ -1,0 +1,76 @@
+"""One encoder and one typed decoder per message type, created once.
+
+Decoding failures of client input become ValidationError with the field path rewritten
+from msgspec's `$.files[0].name` form to `files[0].name`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from shared.errors import FieldError, ValidationError
+from shared.messages import (
+    CtrlMessage,
+    ExecuteRequest,
+    JobSpec,
+    ResultEvent,
+    RunResult,
+    StdinMessage,
+    WorkerInfo,
+)
+
+__all__ = ["decode_request", "decode_stored", "encode", "json_decoder"]
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {
+    cls: msgspec.json.Decoder(cls)
+    for cls in (ExecuteRequest, JobSpec, ResultEvent, RunResult, CtrlMessage, StdinMessage, WorkerInfo)
+}
+
+_PATH = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def json_decoder(cls: type[T]) -> msgspec.json.Decoder[T]:
+    decoder = _decoders.get(cls)
+    if decoder is None:
+        decoder = _decoders[cls] = msgspec.json.Decoder(cls)
+    return decoder
+
+
+def decode_request(cls: type[T], body: bytes) -> T:
+    """Decode client input, turning every msgspec complaint into a ValidationError."""
+    try:
+        return json_decoder(cls).decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValidationError([_field_error(str(exc))]) from None
+    except msgspec.ValidationError as exc:
+        raise ValidationError([_field_error(str(exc))]) from None
+
+
+def decode_stored(cls: type[T], raw: bytes | str) -> T:
+    """Decode a message this system wrote itself; errors propagate as msgspec errors."""
+    return json_decoder(cls).decode(raw)
+
+
+def _field_error(text: str) -> FieldError:
+    match = _PATH.match(text)
+    message = match.group("message") if match else text
+    path = (match.group("path") or "").lstrip(".") if match else ""
+    if message.startswith(("JSON is malformed", "Input data was truncated")):
+        return FieldError("body", f"is not valid JSON ({message})")
+    if message.startswith("Object missing required field"):
+        missing = message.split("`")[1]
+        return FieldError(f"{path}.{missing}" if path else missing, "is required")
+    if message.startswith("Object contains unknown field"):
+        unknown = message.split("`")[1]
+        return FieldError(f"{path}.{unknown}" if path else unknown, "is not a known field")
+    return FieldError(path or "body", f"is invalid: {message}")

@@ -1,0 +1,82 @@
+"""Redis key and channel names: the only place they are spelled.
+
+Seed-product names are kept (`jobs:queue`, `job:<id>:spec`, `job:<id>:status`,
+`job:<id>:output`, `ctrl:<id>`, `stdin:<id>`, `start:<id>`) so operators can read both.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHANNEL_PREFIX",
+    "QUEUE",
+    "WORKERS",
+    "ctrl_channel",
+    "events_key",
+    "job_id_from_channel",
+    "output_key",
+    "realtime_channel",
+    "spec_key",
+    "start_flag_key",
+    "status_key",
+    "stdin_channel",
+    "worker_alive_key",
+    "worker_claimed_key",
+]
+
+QUEUE = "jobs:queue"
+# Hash: worker id -> WorkerInfo (JSON). A worker is live while worker_alive_key exists.
+WORKERS = "workers"
+CHANNEL_PREFIX = "private-run-"
+
+
+def spec_key(job_id: str) -> str:
+    return f"job:{job_id}:spec"
+
+
+def status_key(job_id: str) -> str:
+    return f"job:{job_id}:status"
+
+
+def events_key(job_id: str) -> str:
+    return f"job:{job_id}:events"
+
+
+def output_key(job_id: str) -> str:
+    return f"job:{job_id}:output"
+
+
+def start_flag_key(job_id: str) -> str:
+    return f"start:{job_id}"
+
+
+def ctrl_channel(job_id: str) -> str:
+    return f"ctrl:{job_id}"
+
+
+def stdin_channel(job_id: str) -> str:
+    return f"stdin:{job_id}"
+
+
+def worker_alive_key(worker_id: str) -> str:
+    return f"worker:{worker_id}:alive"
+
+
+def worker_claimed_key(worker_id: str) -> str:
+    return f"worker:{worker_id}:claimed"
+
+
+def realtime_channel(job_id: str) -> str:
+    return f"{CHANNEL_PREFIX}{job_id}"
+
+
+def job_id_from_channel(channel: str) -> str | None:
+    """The job id of a `private-run-<id>` channel, or None for any other channel."""
+    if not channel.startswith(CHANNEL_PREFIX):
+        return None
+    job_id = channel[len(CHANNEL_PREFIX) :]
+    return job_id if is_job_id(job_id) else None
+
+
+def is_job_id(value: str) -> bool:
+    """Job ids are 32 lowercase hex digits (uuid4().hex)."""
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)

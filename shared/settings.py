@@ -1,0 +1,159 @@
+"""Settings: one frozen Struct, read once from an environment mapping at an entry point.
+
+Names follow the seed product where it has one (``REDIS_URL``, ``EXECUTOR_API_TOKEN``,
+``WORKER_MAX_SANDBOXES``, ``WORKER_WARMUP_MS``, ``MAX_QUEUE_DEPTH``, ``RUN_RESULT_TTL``,
+``PUSHER_*``). Every parse error names the variable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from shared.errors import ConfigError
+from shared.limits import DEFAULT_MAXIMA, Limits
+
+__all__ = ["ENV_NAMES", "Settings", "load_settings"]
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    api_token: str = ""
+    job_token_secret: str = ""
+    job_token_ttl_s: int = 3600
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    max_queue_depth: int = 256
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_files_bytes: int = 8 * 1024 * 1024
+    # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
+    limit_maxima: Limits = DEFAULT_MAXIMA
+    queue_retry_after_ms: int = 1000
+
+    pusher_host: str = "127.0.0.1"
+    pusher_port: int = 6001
+    pusher_scheme: str = "http"
+    pusher_app_id: str = "1"
+    pusher_key: str = "coderunner-key"
+    pusher_secret: str = ""
+    # What browsers connect to; defaults to the server-side address.
+    pusher_ws_host: str = ""
+    pusher_ws_port: int = 0
+    pusher_timeout_ms: int = 2000
+
+    worker_id: str = ""
+    worker_max_sandboxes: int = 8
+    worker_warmup_ms: int = 30000
+    worker_heartbeat_ms: int = 2000
+    worker_lease_ttl_ms: int = 10000
+    worker_shutdown_grace_ms: int = 10000
+    run_result_ttl_s: int = 600
+    job_record_ttl_s: int = 86400
+
+    sandbox_profiles_dir: str = ""
+    sandbox_work_root: str = "/run/coderunner"
+    sandbox_cgroup_name: str = "coderunner"
+    sandbox_uid_base: int = 61000
+    nsjail_path: str = ""
+
+    log_level: str = "INFO"
+
+    @property
+    def realtime_host(self) -> str:
+        return self.pusher_ws_host or self.pusher_host
+
+    @property
+    def realtime_port(self) -> int:
+        return self.pusher_ws_port or self.pusher_port
+
+
+# Environment variable -> (field, parser). Parsers raise ValueError with a short reason.
+def _int(raw: str) -> int:
+    return int(raw.strip(), 10)
+
+
+def _positive_int(raw: str) -> int:
+    value = _int(raw)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _str(raw: str) -> str:
+    return raw
+
+
+ENV_NAMES: dict[str, tuple[str, Any]] = {
+    "REDIS_URL": ("redis_url", _str),
+    "EXECUTOR_API_TOKEN": ("api_token", _str),
+    "JOB_TOKEN_SECRET": ("job_token_secret", _str),
+    "JOB_TOKEN_TTL": ("job_token_ttl_s", _positive_int),
+    "API_HOST": ("api_host", _str),
+    "API_PORT": ("api_port", _positive_int),
+    "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
+    "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
+    "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
+    "PUSHER_HOST": ("pusher_host", _str),
+    "PUSHER_PORT": ("pusher_port", _positive_int),
+    "PUSHER_SCHEME": ("pusher_scheme", _str),
+    "PUSHER_APP_ID": ("pusher_app_id", _str),
+    "PUSHER_KEY": ("pusher_key", _str),
+    "PUSHER_SECRET": ("pusher_secret", _str),
+    "PUSHER_WS_HOST": ("pusher_ws_host", _str),
+    "PUSHER_WS_PORT": ("pusher_ws_port", _positive_int),
+    "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
+    "WORKER_ID": ("worker_id", _str),
+    "WORKER_MAX_SANDBOXES": ("worker_max_sandboxes", _positive_int),
+    "WORKER_WARMUP_MS": ("worker_warmup_ms", _positive_int),
+    "WORKER_HEARTBEAT_MS": ("worker_heartbeat_ms", _positive_int),
+    "WORKER_LEASE_TTL_MS": ("worker_lease_ttl_ms", _positive_int),
+    "WORKER_SHUTDOWN_GRACE_MS": ("worker_shutdown_grace_ms", _positive_int),
+    "RUN_RESULT_TTL": ("run_result_ttl_s", _positive_int),
+    "JOB_RECORD_TTL": ("job_record_ttl_s", _positive_int),
+    "SANDBOX_PROFILES_DIR": ("sandbox_profiles_dir", _str),
+    "SANDBOX_WORK_ROOT": ("sandbox_work_root", _str),
+    "SANDBOX_CGROUP_NAME": ("sandbox_cgroup_name", _str),
+    "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
+    "NSJAIL_PATH": ("nsjail_path", _str),
+    "LOG_LEVEL": ("log_level", _str),
+}
+
+
+def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
+    """Build Settings from an environment mapping (and explicit overrides).
+
+    Raises:
+        ConfigError: naming the variable that could not be parsed or is inconsistent.
+    """
+    values: dict[str, Any] = {}
+    for env_name, (field, parse) in ENV_NAMES.items():
+        raw = environ.get(env_name)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{env_name}={raw!r} is invalid: {exc}") from None
+    maxima: dict[str, int] = {}
+    for field in Limits.__struct_fields__:
+        env_name = "MAX_" + field.upper()
+        raw = environ.get(env_name)
+        if raw:
+            try:
+                maxima[field] = _positive_int(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{env_name}={raw!r} is invalid: {exc}") from None
+    if maxima:
+        values["limit_maxima"] = msgspec.structs.replace(DEFAULT_MAXIMA, **maxima)
+    values.update(overrides)
+    settings = Settings(**values)
+    if settings.pusher_scheme not in ("http", "https"):
+        raise ConfigError("PUSHER_SCHEME must be 'http' or 'https'")
+    if not settings.pusher_app_id.isdigit():
+        raise ConfigError("PUSHER_APP_ID must be numeric (Pusher clients require it)")
+    if settings.worker_lease_ttl_ms <= settings.worker_heartbeat_ms:
+        raise ConfigError("WORKER_LEASE_TTL_MS must be larger than WORKER_HEARTBEAT_MS")
+    return settings

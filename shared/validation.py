@@ -1,0 +1,129 @@
+"""Pure checks of submitted files, stdin and args (defence R11), shared by API and worker.
+
+The API refuses bad input with a 400 naming the field; the worker runs the same checks
+again before it writes anything, because Redis is not a trust boundary.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import unicodedata
+
+from shared.errors import FieldError, ValidationError
+from shared.messages import FileSpec
+
+__all__ = ["MAX_FILES", "MAX_NAME_BYTES", "check_args", "check_file_name", "check_stdin", "decode_files"]
+
+MAX_FILES = 100
+MAX_NAME_BYTES = 255
+MAX_DEPTH = 16
+MAX_STDIN_BYTES = 1024 * 1024
+MAX_ARG_TOTAL_BYTES = 64 * 1024
+
+
+def _bad_char(ch: str) -> bool:
+    # Cc: C0/C1 controls incl. NUL, CR, LF, ESC. Cf: invisible formatting such as U+202E
+    # (right-to-left override), which makes names lie about their extension.
+    # Zl/Zp: line and paragraph separators.
+    return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+def check_file_name(name: str) -> str | None:
+    """Why `name` is not acceptable as a workspace-relative path, or None if it is."""
+    if not name:
+        return "must not be empty"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid UTF-8"
+    if len(encoded) > MAX_NAME_BYTES:
+        return f"must be at most {MAX_NAME_BYTES} bytes"
+    if any(_bad_char(ch) for ch in name):
+        return "must not contain control or invisible formatting characters"
+    if "\\" in name:
+        return "must use '/' as the only separator"
+    if name.startswith("/"):
+        return "must be a relative path"
+    parts = name.split("/")
+    if len(parts) > MAX_DEPTH:
+        return f"must be at most {MAX_DEPTH} directories deep"
+    for part in parts:
+        if part == "":
+            return "must not contain empty path components (leading, trailing or double '/')"
+        if part in (".", ".."):
+            return "must not contain '.' or '..' components"
+        if part.startswith("-"):
+            return "must not start a component with '-' (it would read as an option)"
+    return None
+
+
+def decode_files(files: list[FileSpec], max_total_bytes: int) -> list[tuple[str, bytes]]:
+    """Validate and decode submitted files to `(relative path, exact bytes)`.
+
+    Raises:
+        ValidationError: naming the first offending field (e.g. `files[2].name`).
+    """
+    if not files:
+        raise ValidationError([FieldError("files", "must contain at least one file")])
+    if len(files) > MAX_FILES:
+        raise ValidationError([FieldError("files", f"must contain at most {MAX_FILES} files")])
+    out: list[tuple[str, bytes]] = []
+    seen: set[str] = set()
+    directories: set[str] = set()
+    total = 0
+    for index, spec in enumerate(files):
+        why = check_file_name(spec.name)
+        if why:
+            raise ValidationError([FieldError(f"files[{index}].name", why)])
+        if spec.name in seen:
+            raise ValidationError([FieldError(f"files[{index}].name", "is given twice")])
+        parents = spec.name.split("/")[:-1]
+        prefixes = {"/".join(parents[: i + 1]) for i in range(len(parents))}
+        if spec.name in directories or prefixes & seen:
+            raise ValidationError([FieldError(f"files[{index}].name", "clashes with a directory of another file")])
+        seen.add(spec.name)
+        directories |= prefixes
+        if spec.encoding == "base64":
+            try:
+                data = base64.b64decode(spec.content, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValidationError([FieldError(f"files[{index}].content", "is not valid base64")]) from None
+        else:
+            data = spec.content.encode("utf-8", "surrogatepass")
+            if _has_lone_surrogate(spec.content):
+                raise ValidationError([FieldError(f"files[{index}].content", "is not valid UTF-8 text")])
+        total += len(data)
+        if total > max_total_bytes:
+            raise ValidationError([FieldError("files", f"must total at most {max_total_bytes} bytes")])
+        out.append((spec.name, data))
+    return out
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_args(args: list[str]) -> None:
+    total = 0
+    for index, arg in enumerate(args):
+        if "\x00" in arg:
+            raise ValidationError([FieldError(f"args[{index}]", "must not contain NUL")])
+        if _has_lone_surrogate(arg):
+            raise ValidationError([FieldError(f"args[{index}]", "must be valid UTF-8")])
+        total += len(arg.encode())
+    if total > MAX_ARG_TOTAL_BYTES:
+        raise ValidationError([FieldError("args", f"must total at most {MAX_ARG_TOTAL_BYTES} bytes")])
+
+
+def check_stdin(stdin: str | None) -> None:
+    if stdin is None:
+        return
+    if _has_lone_surrogate(stdin):
+        raise ValidationError([FieldError("stdin", "must be valid UTF-8 text")])
+    if len(stdin.encode()) > MAX_STDIN_BYTES:
+        raise ValidationError([FieldError("stdin", f"must be at most {MAX_STDIN_BYTES} bytes")])

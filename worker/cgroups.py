@@ -1,0 +1,382 @@
+"""Per-job cgroups the worker owns, on pure cgroup v2 hosts and on hybrid (v1 + v2) hosts.
+
+The worker, not nsjail, creates every cgroup, writes the limits and reads the counters:
+nsjail's own per-jail cgroups vanish when it exits, taking the OOM counter with them, and
+the counters must come from a channel the job cannot write (defence R12).
+
+Layout under the configured name (default `coderunner`):
+
+    pure v2:  <v2>/coderunner/jobs/<jobId>      memory.max, memory.swap.max, pids.max, cpu.max
+              <v2>/coderunner/supervisor        nsjail itself, once the jail is running
+    hybrid:   memory/coderunner/<jobId>, pids/coderunner/<jobId>, cpu/coderunner/<jobId> (v1 limits)
+              <unified>/coderunner/jobs/<jobId> (v2 without controllers: cpu.stat, cgroup.kill)
+              .../coderunner/supervisor in each hierarchy
+
+nsjail starts inside the job cgroups (so the jail inherits them) and is moved to the
+supervisor cgroups as soon as the jail exists, so only jailed processes are limited,
+counted and killed. Reading cgroupfs files is an in-kernel copy that never blocks on I/O,
+so it is done directly on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import errno
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CgroupError", "CgroupLayout", "CgroupMode", "JobCgroup", "JobCounters", "detect_layout"]
+
+log = logging.getLogger(__name__)
+
+CPU_PERIOD_US = 100_000
+
+
+class CgroupError(Exception):
+    """cgroups cannot enforce the sandbox's limits; the message says what is missing."""
+
+
+class CgroupMode(enum.StrEnum):
+    V2 = "v2"
+    HYBRID = "hybrid"
+
+
+@dataclass(frozen=True)
+class JobCounters:
+    cpu_us: int
+    memory_peak_bytes: int
+    oom_kills: int
+
+
+def _read(path: Path) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return f.read().decode()
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "wb", buffering=0) as f:
+        f.write(value.encode())
+
+
+def _keyed(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[name] = int(value)
+    return out
+
+
+def _mounts(mounts_text: str) -> tuple[Path | None, dict[str, Path]]:
+    """The first cgroup2 mount point and the v1 mount point of every controller."""
+    v2: Path | None = None
+    v1: dict[str, Path] = {}
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        where, fstype, options = fields[1], fields[2], fields[3].split(",")
+        if fstype == "cgroup2" and v2 is None:
+            v2 = Path(where)
+        elif fstype == "cgroup":
+            for option in options:
+                if option in ("memory", "pids", "cpu", "cpuacct"):
+                    v1.setdefault(option, Path(where))
+    return v2, v1
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    mode: CgroupMode
+    name: str
+    # pure v2: the single hierarchy. hybrid: the unified mount (may be None).
+    v2: Path | None
+    v1_memory: Path | None = None
+    v1_pids: Path | None = None
+    v1_cpu: Path | None = None
+    v1_cpuacct: Path | None = None
+
+    def describe(self) -> str:
+        if self.mode is CgroupMode.V2:
+            return f"cgroup v2 at {self.v2}"
+        parts = [f"v1 memory at {self.v1_memory}", f"v1 pids at {self.v1_pids}"]
+        parts.append(f"cgroup2 at {self.v2} for cpu.stat/cgroup.kill" if self.v2 else "no cgroup2 (cpuacct, signal sweep)")
+        return "hybrid: " + ", ".join(parts)
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _v2_base(self) -> Path | None:
+        return self.v2 / self.name if self.v2 else None
+
+    def prepare(self) -> None:
+        """Create the parent folders (idempotent). Raises CgroupError with a fix-it hint."""
+        try:
+            if self.mode is CgroupMode.V2:
+                self._prepare_v2_controllers()
+            base = self._v2_base()
+            if base is not None:
+                (base / "jobs").mkdir(parents=True, exist_ok=True)
+                (base / "supervisor").mkdir(exist_ok=True)
+                if self.mode is CgroupMode.V2:
+                    _write(base / "jobs" / "cgroup.subtree_control", "+memory +pids +cpu")
+            for root in (self.v1_memory, self.v1_pids, self.v1_cpu):
+                if root is not None:
+                    (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
+
+    def _prepare_v2_controllers(self) -> None:
+        assert self.v2 is not None
+        wanted = {"memory", "pids", "cpu"}
+        available = set(_read(self.v2 / "cgroup.controllers").split())
+        missing = {"memory", "pids"} - available
+        if missing:
+            raise CgroupError(
+                f"cgroup v2 at {self.v2} lacks the {', '.join(sorted(missing))} controller(s); "
+                "enable them in the parent's cgroup.subtree_control (or run the worker with its own delegated cgroup)"
+            )
+        enable = " ".join(f"+{c}" for c in sorted(wanted & available))
+        base = self.v2 / self.name
+        base.mkdir(exist_ok=True)
+        try:
+            _write(self.v2 / "cgroup.subtree_control", enable)
+        except OSError as exc:
+            # EBUSY: the hierarchy root has processes of its own (inside a container). Move ours aside.
+            if exc.errno != errno.EBUSY:
+                raise
+            leaf = self.v2 / "init"
+            leaf.mkdir(exist_ok=True)
+            for pid in _read(self.v2 / "cgroup.procs").split():
+                try:
+                    _write(leaf / "cgroup.procs", pid)
+                except OSError:
+                    pass
+            _write(self.v2 / "cgroup.subtree_control", enable)
+        _write(base / "cgroup.subtree_control", enable)
+
+    def job(self, job_id: str) -> JobCgroup:
+        return JobCgroup(self, job_id)
+
+    async def sweep_stale(self, keep: set[str]) -> int:
+        """Kill and remove job cgroups left by a previous worker on this host; returns how many."""
+        removed = 0
+        base = self._v2_base()
+        dirs: list[Path] = []
+        if base is not None and (base / "jobs").is_dir():
+            dirs.append(base / "jobs")
+        for root in (self.v1_memory, self.v1_pids, self.v1_cpu):
+            if root is not None and (root / self.name).is_dir():
+                dirs.append(root / self.name)
+        stale: set[str] = set()
+        for d in dirs:
+            for child in d.iterdir():
+                if child.is_dir() and child.name not in ("supervisor", "jobs") and child.name not in keep:
+                    stale.add(child.name)
+        for job_id in stale:
+            cg = self.job(job_id)
+            cg.kill()
+            if await cg.remove(timeout_s=2.0):
+                removed += 1
+        return removed
+
+
+def detect_layout(name: str, mounts_text: str | None = None) -> CgroupLayout:
+    """Work out which cgroup layout this host has, or say why sandboxing is impossible."""
+    if mounts_text is None:
+        mounts_text = _read(Path("/proc/self/mounts"))
+    v2, v1 = _mounts(mounts_text)
+    if v2 is not None and "memory" not in v1 and "pids" not in v1:
+        controllers = set(_read(v2 / "cgroup.controllers").split()) if (v2 / "cgroup.controllers").exists() else set()
+        if {"memory", "pids"} <= controllers:
+            return CgroupLayout(mode=CgroupMode.V2, name=name, v2=v2)
+        raise CgroupError(
+            f"cgroup v2 at {v2} does not offer the memory and pids controllers (has: {' '.join(sorted(controllers)) or 'none'}); "
+            "the worker cannot enforce memory and process limits"
+        )
+    if "memory" in v1 and "pids" in v1:
+        return CgroupLayout(
+            mode=CgroupMode.HYBRID,
+            name=name,
+            v2=v2,
+            v1_memory=v1["memory"],
+            v1_pids=v1["pids"],
+            v1_cpu=v1.get("cpu"),
+            v1_cpuacct=v1.get("cpuacct") if v2 is None else None,
+        )
+    raise CgroupError(
+        "neither cgroup v2 with memory+pids nor cgroup v1 memory and pids hierarchies are mounted; "
+        "mount them (e.g. boot with systemd.unified_cgroup_hierarchy=1) so the worker can enforce limits"
+    )
+
+
+class JobCgroup:
+    """The cgroups of one job: create with limits, enter, count, kill, remove."""
+
+    def __init__(self, layout: CgroupLayout, job_id: str) -> None:
+        self.layout = layout
+        self.job_id = job_id
+        base = layout.v2 / layout.name if layout.v2 else None
+        self.v2_dir = base / "jobs" / job_id if base else None
+        self.v2_supervisor = base / "supervisor" if base else None
+        self.v1_dirs: dict[str, Path] = {}
+        for ctrl, root in (("memory", layout.v1_memory), ("pids", layout.v1_pids), ("cpu", layout.v1_cpu)):
+            if root is not None:
+                self.v1_dirs[ctrl] = root / layout.name / job_id
+        self._cpuacct = layout.v1_cpuacct / layout.name / job_id if layout.v1_cpuacct else None
+
+    def _all_dirs(self) -> list[Path]:
+        dirs = list(self.v1_dirs.values())
+        if self.v2_dir is not None:
+            dirs.append(self.v2_dir)
+        if self._cpuacct is not None:
+            dirs.append(self._cpuacct)
+        return dirs
+
+    def create(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0) -> None:
+        """Make the cgroups and write the limits. Raises OSError on failure."""
+        for d in self._all_dirs():
+            d.mkdir()
+        quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2_dir is not None
+            _write(self.v2_dir / "memory.max", str(memory_bytes))
+            _write(self.v2_dir / "memory.swap.max", "0")
+            _write(self.v2_dir / "pids.max", str(pids))
+            if (self.v2_dir / "cpu.max").exists():
+                _write(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
+            if (self.v2_dir / "memory.oom.group").exists():
+                _write(self.v2_dir / "memory.oom.group", "1")
+            return
+        mem = self.v1_dirs["memory"]
+        _write(mem / "memory.limit_in_bytes", str(memory_bytes))
+        if (mem / "memory.memsw.limit_in_bytes").exists():
+            _write(mem / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        if (mem / "memory.swappiness").exists():
+            try:
+                _write(mem / "memory.swappiness", "0")
+            except OSError:
+                pass
+        _write(self.v1_dirs["pids"] / "pids.max", str(pids))
+        cpu = self.v1_dirs.get("cpu")
+        if cpu is not None:
+            _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            _write(cpu / "cpu.cfs_quota_us", str(quota))
+
+    def procs_files(self) -> list[str]:
+        """Files a launcher writes its own pid into before it execs nsjail."""
+        return [str(d / "cgroup.procs") for d in self._all_dirs()]
+
+    def release_supervisor(self, pid: int) -> None:
+        """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
+        targets: list[Path] = []
+        if self.v2_supervisor is not None:
+            targets.append(self.v2_supervisor)
+        for _ctrl, root in (("memory", self.layout.v1_memory), ("pids", self.layout.v1_pids), ("cpu", self.layout.v1_cpu)):
+            if root is not None:
+                targets.append(root / self.layout.name / "supervisor")
+        if self._cpuacct is not None and self.layout.v1_cpuacct is not None:
+            supervisor = self.layout.v1_cpuacct / self.layout.name / "supervisor"
+            supervisor.mkdir(parents=True, exist_ok=True)
+            targets.append(supervisor)
+        for target in targets:
+            try:
+                _write(target / "cgroup.procs", str(pid))
+            except ProcessLookupError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    return
+                raise
+
+    def counters(self) -> JobCounters:
+        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=self.memory_peak_bytes(), oom_kills=self.oom_kills())
+
+    def cpu_us(self) -> int:
+        try:
+            if self.v2_dir is not None:
+                return _keyed(_read(self.v2_dir / "cpu.stat")).get("usage_usec", 0)
+            if self._cpuacct is not None:
+                return int(_read(self._cpuacct / "cpuacct.usage")) // 1000
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def memory_peak_bytes(self) -> int:
+        try:
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                peak = self.v2_dir / "memory.peak"
+                return int(_read(peak)) if peak.exists() else int(_read(self.v2_dir / "memory.current"))
+            return int(_read(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
+        except (OSError, ValueError):
+            return 0
+
+    def oom_kills(self) -> int:
+        try:
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                return _keyed(_read(self.v2_dir / "memory.events")).get("oom_kill", 0)
+            return _keyed(_read(self.v1_dirs["memory"] / "memory.oom_control")).get("oom_kill", 0)
+        except (OSError, ValueError):
+            return 0
+
+    def pids(self) -> list[int]:
+        seen: set[int] = set()
+        for d in self._all_dirs():
+            try:
+                seen.update(int(p) for p in _read(d / "cgroup.procs").split())
+            except (OSError, ValueError):
+                continue
+        return sorted(seen)
+
+    def populated(self) -> bool:
+        return bool(self.pids())
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job, however it detached or whatever it ignores."""
+        if self.v2_dir is not None and (self.v2_dir / "cgroup.kill").exists():
+            try:
+                _write(self.v2_dir / "cgroup.kill", "1")
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    log.warning("job %s: cgroup.kill failed: %s", self.job_id, exc)
+        # Also signal what the v1 hierarchies list: covers hosts without cgroup.kill, and a
+        # process that forked while the kill was walking the tree.
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                log.warning("job %s: cannot signal pid %s", self.job_id, pid)
+
+    def try_remove(self) -> bool:
+        """Remove the job's cgroups; False while some still hold processes."""
+        leftover = False
+        for d in self._all_dirs():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    log.warning("job %s: cannot remove %s: %s", self.job_id, d, exc)
+                leftover = True
+        return not leftover
+
+    async def remove(self, timeout_s: float = 2.0) -> bool:
+        """Kill stragglers and remove the cgroups; True when all are gone."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.try_remove():
+            if loop.time() > deadline:
+                log.error("job %s: cgroups still busy after %.1fs: pids %s", self.job_id, timeout_s, self.pids())
+                return False
+            self.kill()
+            await asyncio.sleep(0.005)
+        return True

@@ -1,0 +1,73 @@
+"""A job's event stream: numbering (`seq`), durable append to Redis, then the live publish.
+
+Redis is the source of truth, so an event is appended to the job's log (fenced by the
+claim's attempt) before it is handed to soketi. One lock keeps numbering and appending in
+the same order when stdout and stderr race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from shared.messages import ChunkEvent, JobState, StageEvent
+from worker.publisher import JobLane
+from worker.queue import WorkerQueue
+
+__all__ = ["JobEvents"]
+
+_encoder = msgspec.json.Encoder()
+
+
+class JobEvents:
+    def __init__(self, queue: WorkerQueue, lane: JobLane, job_id: str, attempt: int, next_seq: int) -> None:
+        self._queue = queue
+        self._lane = lane
+        self.job_id = job_id
+        self.attempt = attempt
+        self.next_seq = next_seq
+        self._lock = asyncio.Lock()
+
+    async def emit(
+        self,
+        items: list[tuple[str, Callable[[int], Any]]],
+        state: JobState | None = None,
+        started: bool = False,
+    ) -> None:
+        """Append events (each built from its seq) and optionally move the job's state.
+
+        Raises:
+            Fenced: the job is no longer this worker's.
+        """
+        async with self._lock:
+            encoded: list[tuple[int, str, bytes]] = []
+            seq = self.next_seq
+            for name, build in items:
+                encoded.append((seq, name, _encoder.encode(build(seq))))
+                seq += 1
+            await self._queue.advance(self.job_id, self.attempt, encoded, state=state, started=started)
+            self.next_seq = seq
+            for _, name, data in encoded:
+                self._lane.send(name, data)
+
+    async def stage(self, phase: str, state: JobState | None = None, started: bool = False) -> None:
+        await self.emit([("stage", lambda seq: StageEvent(phase=phase, seq=seq))], state=state, started=started)  # type: ignore[arg-type]
+
+    async def chunks(self, name: str, texts: list[str]) -> None:
+        if texts:
+            await self.emit([(name, lambda seq, t=text: ChunkEvent(chunk=t, seq=seq)) for text in texts])
+
+    async def state(self, state: JobState, started: bool = False) -> None:
+        await self.emit([], state=state, started=started)
+
+    def take_result_seq(self) -> int:
+        """The seq of the terminal result (written by the finishing script, not by emit)."""
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def publish(self, name: str, data: bytes) -> None:
+        self._lane.send(name, data)

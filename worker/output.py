@@ -1,0 +1,47 @@
+"""The output budget and the exact bytes of stdout/stderr.
+
+`outputKb` caps what the live events and the stored result hold, across both streams;
+the rest is dropped (the program keeps running, its pipes keep draining) and `truncated`
+is set. Text chunks for events never split a UTF-8 character; the exact bytes are kept
+for the pullable result.
+"""
+
+from __future__ import annotations
+
+import base64
+
+from shared.chunking import Utf8Chunker
+
+__all__ = ["OutputBudget", "exact_text"]
+
+
+class OutputBudget:
+    def __init__(self, limit_bytes: int, keep_bytes: bool) -> None:
+        self.left = limit_bytes
+        self.truncated = False
+        self._keep = keep_bytes
+        self.data: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self._chunkers = {"stdout": Utf8Chunker(), "stderr": Utf8Chunker()}
+
+    def feed(self, stream: str, data: bytes) -> list[str]:
+        """Account for bytes read from `stream`; returns the text chunks to publish."""
+        if len(data) > self.left:
+            data = data[: self.left]
+            self.truncated = True
+        if not data:
+            return []
+        self.left -= len(data)
+        if self._keep:
+            self.data[stream] += data
+        return self._chunkers[stream].feed(data)
+
+    def flush(self, stream: str) -> list[str]:
+        return self._chunkers[stream].flush()
+
+
+def exact_text(data: bytes) -> tuple[str, str]:
+    """The stored form of output bytes: UTF-8 text when valid, else base64 (and which one)."""
+    try:
+        return data.decode("utf-8"), "utf8"
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode(), "base64"

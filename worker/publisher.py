@@ -1,0 +1,128 @@
+"""Best-effort delivery of job events to soketi through the Pusher HTTP API.
+
+Redis holds the durable log; this is only the live view, so it must never stall a run:
+each job gets an ordered in-memory lane drained by one task, bursts go out through the
+batch endpoint (soketi accepts up to 10 events per batch), requests have a short
+timeout, and after a failure the publisher backs off for a moment instead of making
+every job wait for a dead server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import httpx
+import msgspec
+
+from shared.pusher import signed_query
+from shared.settings import Settings
+
+__all__ = ["JobLane", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 10
+BACKOFF_S = 2.0
+
+
+class _Event(msgspec.Struct, frozen=True):
+    channel: str
+    name: str
+    data: str
+
+
+class _Batch(msgspec.Struct, frozen=True):
+    batch: list[_Event]
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class Publisher:
+    def __init__(self, settings: Settings) -> None:
+        self._key = settings.pusher_key
+        self._secret = settings.pusher_secret
+        self._app_id = settings.pusher_app_id
+        base = f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}"
+        timeout_s = settings.pusher_timeout_ms / 1000
+        self._client = httpx.AsyncClient(
+            base_url=base,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 1.0)),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+        )
+        self._down_until = 0.0
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def lane(self, channel: str) -> JobLane:
+        return JobLane(self, channel)
+
+    async def _post(self, events: list[_Event]) -> None:
+        if time.monotonic() < self._down_until:
+            self.dropped += len(events)
+            return
+        if len(events) == 1:
+            path = f"/apps/{self._app_id}/events"
+            body = _encoder.encode({"name": events[0].name, "channel": events[0].channel, "data": events[0].data})
+        else:
+            path = f"/apps/{self._app_id}/batch_events"
+            body = _encoder.encode(_Batch(events))
+        params = signed_query("POST", path, body, self._key, self._secret, int(time.time()))
+        try:
+            response = await self._client.post(path, params=params, content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            self.failed += len(events)
+            self._down_until = time.monotonic() + BACKOFF_S
+            log.warning("soketi unreachable (%s); live events paused for %.0fs", exc.__class__.__name__, BACKOFF_S)
+            return
+        if response.status_code >= 400:
+            self.failed += len(events)
+            log.warning("soketi refused %d events: %s %s", len(events), response.status_code, response.text[:200])
+            return
+        self.sent += len(events)
+
+
+class JobLane:
+    """Events of one channel, delivered in order by a single drain task."""
+
+    def __init__(self, publisher: Publisher, channel: str) -> None:
+        self._publisher = publisher
+        self._channel = channel
+        self._pending: deque[_Event] = deque()
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
+
+    def send(self, name: str, data: bytes) -> None:
+        """Queue an event (payload already JSON-encoded); never waits."""
+        self._pending.append(_Event(self._channel, name, data.decode()))
+        self._wakeup.set()
+
+    async def _drain(self) -> None:
+        while True:
+            if not self._pending:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
+            await self._publisher._post(batch)
+
+    async def close(self, timeout_s: float) -> None:
+        """Deliver what is queued (up to `timeout_s`), then stop."""
+        self._closing = True
+        self._wakeup.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            self._publisher.dropped += len(self._pending)
+            self._task.cancel()
+            log.warning("channel %s: %d live events not delivered in time", self._channel, len(self._pending))

@@ -1,0 +1,291 @@
+"""The worker's side of Redis: claim, advance, finish, hand back, heartbeat and reap.
+
+A claim moves the job id atomically from `jobs:queue` into this worker's own claimed
+list (BLMOVE), so a worker that dies between pop and record leaves the id where a reaper
+finds it. Every claim bumps the job's `attempt`; every write a worker makes checks that
+number first (fencing), so a worker that lost its lease can no longer touch the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.codec import decode_stored, encode
+from shared.messages import JobSpec, JobState, WorkerInfo
+
+__all__ = ["Claim", "Fenced", "WorkerQueue", "now_ms"]
+
+log = logging.getLogger(__name__)
+
+_TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
+
+# KEYS: status, spec, claimed. ARGV: worker id, job id, now ms.
+_CLAIM = """
+local state = redis.call('HGET', KEYS[1], 'state')
+local spec = redis.call('GET', KEYS[2])
+if (not state) or (not spec) or state ~= 'queued' then
+  redis.call('LREM', KEYS[3], 1, ARGV[2])
+  return false
+end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'worker', ARGV[1], 'updatedAtMs', ARGV[3])
+local seq = redis.call('HGET', KEYS[1], 'nextSeq') or '0'
+local start = redis.call('EXISTS', KEYS[4])
+return {attempt, seq, spec, start}
+"""
+
+# KEYS: status, events. ARGV: attempt, ttl s, new state or '', now ms, started ('1' or ''),
+# then (seq, name, data) triples. Returns 0 when fenced off or already finished.
+_ADVANCE = (
+    _TERMINAL_LUA
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
+local last = nil
+for i = 6, #ARGV, 3 do
+  redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], 'data', ARGV[i + 2])
+  last = tonumber(ARGV[i])
+end
+if last then
+  redis.call('HSET', KEYS[1], 'nextSeq', last + 1)
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4]) end
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'started', '1') end
+return 1
+"""
+)
+
+# KEYS: status, events, output, spec, start flag, claimed. ARGV: attempt, ttl s, state, now ms,
+# result json, seq, output json or '', job id.
+_FINISH = (
+    _TERMINAL_LUA
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then
+  redis.call('LREM', KEYS[6], 1, ARGV[8])
+  return 0
+end
+redis.call('XADD', KEYS[2], '*', 'seq', ARGV[6], 'name', 'result', 'data', ARGV[5])
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1)
+redis.call('HDEL', KEYS[1], 'worker')
+if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[2]) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
+redis.call('DEL', KEYS[5])
+redis.call('LREM', KEYS[6], 1, ARGV[8])
+return 1
+"""
+)
+
+# KEYS: status, claimed, queue. ARGV: attempt, job id, now ms. A parked job goes back to the
+# head of the queue with its start flag untouched.
+_HAND_BACK = (
+    _TERMINAL_LUA
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state]
+   or redis.call('HGET', KEYS[1], 'started') == '1' then
+  return 0
+end
+redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
+redis.call('HDEL', KEYS[1], 'worker')
+redis.call('LREM', KEYS[2], 1, ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[2])
+return 1
+"""
+)
+
+# KEYS: status, dead worker's claimed list, queue, events, spec, start flag.
+# ARGV: job id, now ms, ttl s, result json before seq, result json after seq.
+# Returns 1 (re-queued: it never ran), {2, seq, data} (it had started: now lost), or 0.
+_REAP = (
+    _TERMINAL_LUA
+    + """
+if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
+local state = redis.call('HGET', KEYS[1], 'state')
+if (not state) or terminal[state] then return 0 end
+redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HDEL', KEYS[1], 'worker')
+if redis.call('HGET', KEYS[1], 'started') == '1' then
+  local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
+  local data = ARGV[4] .. seq .. ARGV[5]
+  redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
+  redis.call('HSET', KEYS[1], 'state', 'lost', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
+  redis.call('EXPIRE', KEYS[5], ARGV[3])
+  redis.call('DEL', KEYS[6])
+  return {2, seq, data}
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+)
+
+_LOST_PREFIX = (
+    b'{"exitCode":null,"signal":null,"timedOut":false,"idleTimedOut":false,"truncated":false,'
+    b'"durationMs":0,"cpuMs":0,"memoryKb":0,"outcome":"lost","compile":null,"seq":'
+)
+_LOST_SUFFIX = b',"message":"the worker running this job vanished after the program started; it is not re-run"}'
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Fenced(Exception):
+    """This worker no longer holds the job (its lease was taken over, or the job ended)."""
+
+
+class Claim(msgspec.Struct, frozen=True):
+    spec: JobSpec
+    attempt: int
+    next_seq: int
+    start_flag: bool
+    claimed_at: float  # loop.time() of the claim
+
+
+class WorkerQueue:
+    def __init__(self, redis: Redis, worker_id: str, record_ttl_s: int, result_ttl_s: int) -> None:
+        self._redis = redis
+        self.worker_id = worker_id
+        self._claimed = keys.worker_claimed_key(worker_id)
+        self._record_ttl_s = record_ttl_s
+        self._result_ttl_s = result_ttl_s
+        self._claim = redis.register_script(_CLAIM)
+        self._advance = redis.register_script(_ADVANCE)
+        self._finish = redis.register_script(_FINISH)
+        self._hand_back = redis.register_script(_HAND_BACK)
+        self._reap = redis.register_script(_REAP)
+
+    # -- claiming --------------------------------------------------------------------
+
+    async def claim(self, timeout_s: float, now: float) -> Claim | None:
+        """Wait up to `timeout_s` for a job; None on timeout or when the job vanished."""
+        job_raw = await self._redis.blmove(keys.QUEUE, self._claimed, timeout_s, "RIGHT", "LEFT")
+        if job_raw is None:
+            return None
+        job_id = job_raw.decode()
+        loaded = await self._claim(
+            keys=[keys.status_key(job_id), keys.spec_key(job_id), self._claimed, keys.start_flag_key(job_id)],
+            args=[self.worker_id, job_id, now_ms()],
+        )
+        if not loaded:
+            log.warning("job %s: claimed id had no queued record; dropped", job_id)
+            return None
+        attempt, seq, spec_raw, start = loaded
+        return Claim(
+            spec=decode_stored(JobSpec, spec_raw),
+            attempt=int(attempt),
+            next_seq=int(seq),
+            start_flag=bool(int(start)),
+            claimed_at=now,
+        )
+
+    async def start_flag(self, job_id: str) -> bool:
+        return bool(await self._redis.exists(keys.start_flag_key(job_id)))
+
+    # -- progress ----------------------------------------------------------------------
+
+    async def advance(
+        self,
+        job_id: str,
+        attempt: int,
+        events: list[tuple[int, str, bytes]],
+        state: JobState | None = None,
+        started: bool = False,
+    ) -> None:
+        """Append events to the durable log and/or move the job's state, fenced by attempt.
+
+        Raises:
+            Fenced: the job is no longer this worker's to write.
+        """
+        args: list[object] = [attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else ""]
+        for seq, name, data in events:
+            args.extend((seq, name, data))
+        ok = await self._advance(keys=[keys.status_key(job_id), keys.events_key(job_id)], args=args)
+        if not ok:
+            raise Fenced(job_id)
+
+    async def finish(
+        self, job_id: str, attempt: int, state: JobState, seq: int, result_json: bytes, output_json: bytes | None
+    ) -> bool:
+        """Write the terminal state, the result event and the pullable output in one step."""
+        ok = await self._finish(
+            keys=[
+                keys.status_key(job_id),
+                keys.events_key(job_id),
+                keys.output_key(job_id),
+                keys.spec_key(job_id),
+                keys.start_flag_key(job_id),
+                self._claimed,
+            ],
+            args=[attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id],
+        )
+        return bool(ok)
+
+    async def hand_back(self, job_id: str, attempt: int) -> bool:
+        """Return a job that never started to the head of the queue (start flag kept)."""
+        ok = await self._hand_back(
+            keys=[keys.status_key(job_id), self._claimed, keys.QUEUE], args=[attempt, job_id, now_ms()]
+        )
+        return bool(ok)
+
+    # -- liveness ---------------------------------------------------------------------
+
+    async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms)
+            pipe.hset(keys.WORKERS, self.worker_id, encode(info))
+            await pipe.execute()
+
+    async def unregister(self) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.worker_alive_key(self.worker_id))
+            pipe.hdel(keys.WORKERS, self.worker_id)
+            await pipe.execute()
+
+    async def reap_dead_workers(self) -> list[tuple[str, int, bytes]]:
+        """Recover the claims of workers whose lease expired.
+
+        Jobs that never started go back to the queue; jobs whose program had started end as
+        `lost`. Returns the `(job id, seq, result json)` of every job it declared lost, so the
+        caller can publish those results live.
+        """
+        lost: list[tuple[str, int, bytes]] = []
+        workers = await self._redis.hkeys(keys.WORKERS)
+        for raw in workers:
+            wid = raw.decode()
+            if wid == self.worker_id or await self._redis.exists(keys.worker_alive_key(wid)):
+                continue
+            claimed = keys.worker_claimed_key(wid)
+            for job_raw in await self._redis.lrange(claimed, 0, -1):
+                job_id = job_raw.decode()
+                outcome = await self._reap(
+                    keys=[
+                        keys.status_key(job_id),
+                        claimed,
+                        keys.QUEUE,
+                        keys.events_key(job_id),
+                        keys.spec_key(job_id),
+                        keys.start_flag_key(job_id),
+                    ],
+                    args=[job_id, now_ms(), self._result_ttl_s, _LOST_PREFIX, _LOST_SUFFIX],
+                )
+                if outcome == 1:
+                    log.warning("job %s: worker %s vanished before the program started; re-queued", job_id, wid)
+                elif isinstance(outcome, list):
+                    log.warning("job %s: worker %s vanished while it ran; marked lost", job_id, wid)
+                    lost.append((job_id, int(outcome[1]), bytes(outcome[2])))
+            if not await self._redis.llen(claimed):
+                await self._redis.hdel(keys.WORKERS, wid)
+        return lost

@@ -1,0 +1,135 @@
+"""Per-job workspace: a size- and inode-capped tmpfs the worker mounts, fills, then discards.
+
+Every file is written before any untrusted step runs (compilers included), through
+descriptors opened with O_NOFOLLOW relative to the workspace's own descriptor, and owned
+by the job's uid from the moment it exists. After launch the worker only unmounts the
+tmpfs (a detach needs no walk of a tree the job could have booby-trapped) and reads files
+through no-follow descriptors (defence R1). tmpfs writes never wait for a disk, so these
+syscalls run directly on the event loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from pathlib import Path
+
+__all__ = ["Workspace", "WorkspaceError", "sweep_stale_workspaces"]
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MNT_DETACH = 0x2
+
+
+class WorkspaceError(Exception):
+    """The workspace could not be created or staged (a platform failure, not the program's)."""
+
+
+def _mount_tmpfs(target: Path, options: str) -> None:
+    if _libc.mount(b"coderunner-ws", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise WorkspaceError(f"mount tmpfs on {target}: {os.strerror(err)}")
+
+
+def _umount(target: Path) -> None:
+    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):
+            raise WorkspaceError(f"umount {target}: {os.strerror(err)}")
+
+
+class Workspace:
+    def __init__(self, root: Path, job_id: str, uid: int, gid: int) -> None:
+        self.path = root / job_id
+        self.uid = uid
+        self.gid = gid
+        self._mounted = False
+
+    def create(self, size_bytes: int, inodes: int) -> None:
+        try:
+            self.path.mkdir(mode=0o700)
+        except FileExistsError:
+            raise WorkspaceError(f"workspace {self.path} already exists") from None
+        _mount_tmpfs(self.path, f"size={size_bytes},nr_inodes={inodes},mode=0755,uid={self.uid},gid={self.gid}")
+        self._mounted = True
+
+    def stage(self, files: list[tuple[str, bytes]]) -> None:
+        """Write the submitted files (already validated names) into the fresh workspace."""
+        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name, data in files:
+                self._write_file(root_fd, name, data)
+        except OSError as exc:
+            raise WorkspaceError(f"cannot stage {len(files)} files: {exc}") from None
+        finally:
+            os.close(root_fd)
+
+    def _write_file(self, root_fd: int, name: str, data: bytes) -> None:
+        *parents, leaf = name.split("/")
+        dir_fd = os.dup(root_fd)
+        try:
+            for part in parents:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                    created = True
+                except FileExistsError:
+                    created = False
+                next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = next_fd
+                if created:
+                    os.fchown(dir_fd, self.uid, self.gid)
+            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            try:
+                os.fchown(fd, self.uid, self.gid)
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+    def destroy(self) -> None:
+        """Detach the tmpfs (its pages are freed once no jail holds it) and remove the mount point."""
+        if self._mounted:
+            _umount(self.path)
+            self._mounted = False
+        try:
+            self.path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("workspace %s could not be removed: %s", self.path, exc)
+
+
+def sweep_stale_workspaces(root: Path, mounts_text: str) -> int:
+    """Detach tmpfs mounts a crashed worker left under `root`; returns how many."""
+    count = 0
+    prefix = str(root).rstrip("/") + "/"
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[1].startswith(prefix):
+            target = Path(fields[1])
+            try:
+                _umount(target)
+                target.rmdir()
+                count += 1
+            except (WorkspaceError, OSError) as exc:
+                log.warning("stale workspace %s: %s", target, exc)
+    if root.is_dir():
+        for child in root.iterdir():
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+    return count
