@@ -22,7 +22,6 @@ from worker.cgroups import CgroupError, CgroupLayout, detect_layout
 from worker.context import SandboxConfig
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 from worker.selftest import SandboxUnavailable, self_test
-from worker.workspace import sweep_stale_workspaces
 
 __all__ = ["main", "preflight"]
 
@@ -58,11 +57,6 @@ async def preflight(settings: Settings) -> tuple[CgroupLayout, dict[str, Runtime
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
     work_root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    mounts = Path("/proc/self/mounts").read_text()
-    swept = sweep_stale_workspaces(work_root, mounts)
-    swept_cgroups = await layout.sweep_stale(keep=set())
-    if swept or swept_cgroups:
-        log.warning("cleaned %d stale workspaces and %d stale job cgroups from an earlier run", swept, swept_cgroups)
     sandbox = SandboxConfig(nsjail=nsjail, profiles_dir=pdir, work_root=work_root)
     await self_test(sandbox, layout, settings)
     runtimes = await discover_runtimes(load_manifests(pdir))

@@ -161,27 +161,20 @@ class CgroupLayout:
     def job(self, job_id: str) -> JobCgroup:
         return JobCgroup(self, job_id)
 
-    async def sweep_stale(self, keep: set[str]) -> int:
-        """Kill and remove job cgroups left by a previous worker on this host; returns how many."""
-        removed = 0
-        base = self._v2_base()
+    def job_ids(self) -> set[str]:
+        """Names of the job cgroups that exist on this host (any worker's)."""
         dirs: list[Path] = []
-        if base is not None and (base / "jobs").is_dir():
+        base = self._v2_base()
+        if base is not None:
             dirs.append(base / "jobs")
         for root in (self.v1_memory, self.v1_pids, self.v1_cpu):
-            if root is not None and (root / self.name).is_dir():
+            if root is not None:
                 dirs.append(root / self.name)
-        stale: set[str] = set()
+        names: set[str] = set()
         for d in dirs:
-            for child in d.iterdir():
-                if child.is_dir() and child.name not in ("supervisor", "jobs") and child.name not in keep:
-                    stale.add(child.name)
-        for job_id in stale:
-            cg = self.job(job_id)
-            cg.kill()
-            if await cg.remove(timeout_s=2.0):
-                removed += 1
-        return removed
+            if d.is_dir():
+                names.update(c.name for c in d.iterdir() if c.is_dir() and c.name not in ("supervisor", "jobs"))
+        return names
 
 
 def detect_layout(name: str, mounts_text: str | None = None) -> CgroupLayout:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
-# KEYS: status, spec, claimed. ARGV: worker id, job id, now ms.
+# KEYS: status, spec, claimed, start flag. ARGV: worker id, job id, now ms.
 _CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 local spec = redis.call('GET', KEYS[2])
@@ -156,6 +156,7 @@ class Claim(msgspec.Struct, frozen=True):
 
 class WorkerQueue:
     def __init__(self, redis: Redis, worker_id: str, record_ttl_s: int, result_ttl_s: int) -> None:
+        self.redis = redis
         self._redis = redis
         self.worker_id = worker_id
         self._claimed = keys.worker_claimed_key(worker_id)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
@@ -40,7 +41,7 @@ from worker.events import JobEvents
 from worker.jail import Jail, JailError, JailExit, JailSpec
 from worker.output import OutputBudget, exact_text
 from worker.queue import Claim, Fenced
-from worker.workspace import Workspace, WorkspaceError
+from worker.workspace import Workspace, WorkspaceError, detach_workspace
 
 __all__ = ["JobRun"]
 
@@ -180,11 +181,13 @@ class JobRun:
         uid = self.ctx.settings.sandbox_uid_base + self.slot
 
         self.workspace = Workspace(sandbox.work_root, self.job_id, uid, uid)
+        self.cgroup = self.ctx.cgroups.job(self.job_id)
+        if self.claim.attempt > 1:
+            await self._clear_earlier_attempt()
         self.workspace.create(sandbox.workspace_bytes, sandbox.workspace_inodes)
         self.workspace.stage(files)
 
         limits = spec.limits
-        self.cgroup = self.ctx.cgroups.job(self.job_id)
         # +1 pid: the gate shell is replaced by the program, but nsjail's clone counts once.
         self.cgroup.create(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
 
@@ -208,6 +211,16 @@ class JobRun:
         )
         self.jail = await Jail.launch(sandbox.nsjail, sandbox.profile(manifest.profile), jail_spec, self.cgroup)
         await self.jail.wait_ready(sandbox.ready_timeout_s)
+
+    async def _clear_earlier_attempt(self) -> None:
+        """A worker that died on this host may have left this job's jail and workspace behind."""
+        assert self.cgroup is not None and self.workspace is not None
+        if self.cgroup.populated() or self.job_id in self.ctx.cgroups.job_ids():
+            log.warning("job %s: removing the leftovers of an earlier attempt", self.job_id)
+            self.cgroup.kill()
+            await self.cgroup.remove(timeout_s=2.0)
+        if self.workspace.path.exists():
+            detach_workspace(self.workspace.path, Path("/proc/self/mounts").read_text())
 
     # ------------------------------------------------------------------ run
 

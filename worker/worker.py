@@ -24,6 +24,7 @@ from shared.settings import Settings
 from worker.cgroups import CgroupLayout
 from worker.context import SandboxConfig, WorkerContext
 from worker.control import ControlBus
+from worker.janitor import sweep_orphans
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
@@ -45,7 +46,7 @@ class Worker:
         self.cgroups = cgroups
         self.runtimes = runtimes
         self.sandbox = sandbox
-        self._jobs: set[asyncio.Task[None]] = set()
+        self._jobs: dict[asyncio.Task[None], str] = {}
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(settings.worker_max_sandboxes):
             self._free_slots.put_nowait(slot)
@@ -81,6 +82,7 @@ class Worker:
         )
         self._install_signal_handlers(ctx)
         await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
+        await sweep_orphans(redis, self.cgroups, self.sandbox.work_root, mine=set())
         await control.start()
         upkeep = asyncio.create_task(self._upkeep(ctx), name="upkeep")
         log.info(
@@ -147,13 +149,13 @@ class Worker:
                     continue
                 run = JobRun(ctx, claim, slot)
                 task = asyncio.create_task(run.execute(), name=f"job:{claim.spec.job_id}")
-                self._jobs.add(task)
+                self._jobs[task] = claim.spec.job_id
                 task.add_done_callback(lambda t, s=slot: self._job_done(t, s))
         finally:
             stopping.cancel()
 
     def _job_done(self, task: asyncio.Task[None], slot: int) -> None:
-        self._jobs.discard(task)
+        self._jobs.pop(task, None)
         self._free_slots.put_nowait(slot)
 
     async def _drain(self, ctx: WorkerContext) -> None:
@@ -176,10 +178,12 @@ class Worker:
         while True:
             try:
                 await ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms)
-                for job_id, _seq, result in await ctx.queue.reap_dead_workers():
+                lost = await ctx.queue.reap_dead_workers()
+                for job_id, _seq, result in lost:
                     lane = ctx.publisher.lane(keys.realtime_channel(job_id))
                     lane.send("result", result)
                     await lane.close(timeout_s=2.0)
+                await sweep_orphans(ctx.queue.redis, self.cgroups, self.sandbox.work_root, mine=set(self._jobs.values()))
             except RedisError as exc:
                 log.warning("upkeep: redis error: %s", exc)
             await asyncio.sleep(interval_s)

@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["Workspace", "WorkspaceError", "sweep_stale_workspaces"]
+__all__ = ["Workspace", "WorkspaceError", "detach_workspace"]
 
 log = logging.getLogger(__name__)
 
@@ -112,24 +112,13 @@ class Workspace:
             log.error("workspace %s could not be removed: %s", self.path, exc)
 
 
-def sweep_stale_workspaces(root: Path, mounts_text: str) -> int:
-    """Detach tmpfs mounts a crashed worker left under `root`; returns how many."""
-    count = 0
-    prefix = str(root).rstrip("/") + "/"
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) >= 2 and fields[1].startswith(prefix):
-            target = Path(fields[1])
-            try:
-                _umount(target)
-                target.rmdir()
-                count += 1
-            except (WorkspaceError, OSError) as exc:
-                log.warning("stale workspace %s: %s", target, exc)
-    if root.is_dir():
-        for child in root.iterdir():
-            try:
-                child.rmdir()
-            except OSError:
-                pass
-    return count
+def detach_workspace(path: Path, mounts_text: str) -> None:
+    """Detach a workspace tmpfs left behind by a dead worker and remove its mount point."""
+    if any(line.split()[1:2] == [str(path)] for line in mounts_text.splitlines()):
+        _umount(path)
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("stale workspace %s: %s", path, exc)

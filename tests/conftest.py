@@ -1,0 +1,66 @@
+"""Fixtures: real stacks (redis-server, soketi, API, worker) as child process groups."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from launcher.stack import Stack
+from tests.helpers import Api, Realtime
+
+StackFactory = Callable[..., Stack]
+
+
+def _dump_logs(stack: Stack) -> None:
+    for name in ("api", "worker", "soketi", "redis"):
+        text = stack.log(name)
+        if text:
+            print(f"----- {name} log (last 40 lines) -----")
+            print("\n".join(text.splitlines()[-40:]))
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    """The shared stack: 4 sandbox slots, default warm-up."""
+    s = Stack(extra_env={"WORKER_MAX_SANDBOXES": "4", "LOG_LEVEL": "INFO"})
+    s.start()
+    try:
+        yield s
+    finally:
+        if s.dead_children():
+            _dump_logs(s)
+        s.cleanup()
+
+
+@pytest.fixture
+def make_stack() -> Iterator[StackFactory]:
+    """Build a private stack with its own settings; every one is stopped after the test."""
+    built: list[Stack] = []
+
+    def build(with_worker: bool = True, **env: str) -> Stack:
+        s = Stack(extra_env={k: str(v) for k, v in env.items()}, with_worker=with_worker)
+        built.append(s)
+        s.start()
+        return s
+
+    yield build
+    for s in built:
+        if os.environ.get("CODERUNNER_TEST_LOGS"):
+            _dump_logs(s)
+        s.cleanup()
+
+
+@pytest.fixture
+def api(stack: Stack) -> Iterator[Api]:
+    client = Api(stack)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def realtime(stack: Stack) -> Iterator[Realtime]:
+    rt = Realtime(stack)
+    yield rt
+    rt.close()

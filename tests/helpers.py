@@ -1,0 +1,134 @@
+"""Test clients for a real stack: httpx for the API, pysher (a real Pusher client) for events."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pysher
+
+from launcher.stack import Stack
+
+__all__ = ["Api", "Followed", "Realtime", "py_job"]
+
+
+def py_job(code: str, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"language": "python", "files": [{"name": "main.py", "content": code}]}
+    body.update(extra)
+    return body
+
+
+class Api:
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.url = stack.api_url
+        self.client = httpx.Client(base_url=self.url, timeout=10)
+
+    def headers(self, token: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token or self.stack.api_token}"}
+
+    def post(self, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
+        return self.client.post(path, headers=self.headers(token), **kwargs)
+
+    def get(self, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
+        return self.client.get(path, headers=self.headers(token), **kwargs)
+
+    def execute(self, body: dict[str, Any]) -> dict[str, Any]:
+        response = self.post("/v1/execute", json=body)
+        assert response.status_code == 202, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def start(self, job: dict[str, Any], token: str | None = None) -> httpx.Response:
+        return self.post(f"/v1/jobs/{job['jobId']}/start", token=token or job["jobToken"])
+
+    def status(self, job: dict[str, Any]) -> dict[str, Any]:
+        response = self.get(f"/v1/jobs/{job['jobId']}")
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def wait_state(self, job: dict[str, Any], states: set[str], timeout_s: float = 20) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status(job)
+            if status["state"] in states:
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job stayed {status['state']!r}, wanted {states}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Followed:
+    """Every event received on one job's channel, in arrival order."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.subscribed = threading.Event()
+        self.finished = threading.Event()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, raw: str) -> None:
+        payload = json.loads(raw)
+        with self._lock:
+            self.events.append((name, payload))
+        if name == "result":
+            self.finished.set()
+
+    def wait_result(self, timeout_s: float = 20) -> dict[str, Any]:
+        if not self.finished.wait(timeout_s):
+            raise AssertionError(f"no result within {timeout_s}s; got {self.events}")
+        # A few more moments in case a duplicate result were on its way (there must be none).
+        return self.results()[0]
+
+    def results(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [p for n, p in self.events if n == "result"]
+
+    def text(self, stream: str) -> str:
+        with self._lock:
+            ordered = sorted((p["seq"], p["chunk"]) for n, p in self.events if n == stream)
+        return "".join(chunk for _, chunk in ordered)
+
+
+class Realtime:
+    """One pysher connection; subscribe to many job channels on it."""
+
+    EVENTS = ("stage", "compile_output", "stdout", "stderr", "result", "artifact")
+
+    def __init__(self, stack: Stack, auth_token: str | None = None) -> None:
+        info = httpx.get(f"{stack.api_url}/v1/realtime").json()
+        self._connected = threading.Event()
+        self.pusher = pysher.Pusher(
+            info["key"],
+            custom_host=info["wsHost"],
+            port=info["wsPort"],
+            secure=info["forceTls"],
+            auth_endpoint=f"{stack.api_url}/v1/channel-auth",
+            auth_endpoint_headers={"Authorization": f"Bearer {auth_token or stack.api_token}"},
+            reconnect_interval=1,
+        )
+        self.pusher.connection.bind("pusher:connection_established", lambda _data: self._connected.set())
+        self.pusher.connect()
+        if not self._connected.wait(10):
+            raise AssertionError("pysher could not connect to soketi")
+
+    def follow(self, job: dict[str, Any], timeout_s: float = 10) -> Followed:
+        followed = Followed(job)
+        channel = self.pusher.subscribe(job["channel"])
+        channel.bind("pusher_internal:subscription_succeeded", lambda _data: followed.subscribed.set())
+        for name in self.EVENTS:
+            channel.bind(name, lambda data, name=name: followed.add(name, data))
+        if not followed.subscribed.wait(timeout_s):
+            raise AssertionError(f"subscription to {job['channel']} did not succeed")
+        return followed
+
+    def close(self) -> None:
+        # pysher joins its socket thread without a timeout; a closing websocket-client loop can
+        # linger, and the thread is a daemon, so do not wait on it.
+        self.pusher.disconnect(timeout=1)

@@ -1,0 +1,134 @@
+"""The durable start flag, the warm-up expiry, and claims that survive a dying worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
+
+
+def _jail_processes(job_id: str) -> list[int]:
+    """Host pids whose command line mentions the job's workspace (its nsjail and jail)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if job_id.encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_start_sent_while_no_worker_runs_is_honoured(make_stack: StackFactory) -> None:
+    stack = make_stack(with_worker=False)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('ran after all')"))
+        followed = rt.follow(job)
+        assert api.start(job).status_code == 202
+        time.sleep(0.5)
+        assert api.status(job)["state"] == "queued"  # nobody to run it yet
+        stack.start_worker()
+        result = followed.wait_result()
+        assert result["outcome"] == "completed" and result["exitCode"] == 0
+        assert followed.text("stdout") == "ran after all\n"
+        assert api.status(job)["state"] == "done"
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_no_start_expires_and_frees_the_slot(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_WARMUP_MS="1500", WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        parked = api.execute(py_job("print('never')"))
+        followed = rt.follow(parked)
+        t0 = time.monotonic()
+        result = followed.wait_result(timeout_s=10)
+        waited = time.monotonic() - t0
+        assert result["outcome"] == "expired"
+        assert result["exitCode"] is None and result["durationMs"] == 0
+        assert 1.0 <= waited < 5.0
+        assert [n for n, _ in followed.events if n in ("stdout", "stderr")] == []
+        status = api.status(parked)
+        assert status["state"] == "expired" and status["result"]["outcome"] == "expired"
+        # A start after expiry is refused: the job can no longer run.
+        assert api.start(parked).status_code == 409
+
+        # The only slot is free again: the next job runs.
+        nxt = api.execute(py_job("print('next')"))
+        f2 = rt.follow(nxt)
+        api.start(nxt)
+        assert f2.wait_result()["outcome"] == "completed"
+        assert f2.text("stdout") == "next\n"
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS="1000")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('second life')"))
+        followed = rt.follow(job)
+        # Wait until the first worker has claimed and parked it, then kill that worker hard.
+        deadline = time.monotonic() + 5
+        while not any(n == "stage" for n, _ in followed.events):
+            assert time.monotonic() < deadline, "job was never claimed"
+            time.sleep(0.02)
+        os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
+        stack.procs["worker"].wait()
+        api.start(job)  # durable: stored while nobody holds the job
+        stack.start_worker()
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "completed"
+        assert followed.text("stdout") == "second life\n"
+        # The second claim continued the same sequence: no gaps, no doubles.
+        seqs = sorted(p["seq"] for _, p in followed.events)
+        assert seqs == list(range(len(seqs)))
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS="1000")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("import time\nprint('started', flush=True)\ntime.sleep(30)\n"))
+        followed = rt.follow(job)
+        api.start(job)
+        deadline = time.monotonic() + 10
+        while "started" not in followed.text("stdout"):
+            assert time.monotonic() < deadline, "program never printed"
+            time.sleep(0.02)
+        os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
+        stack.procs["worker"].wait()
+        stack.start_worker()  # its reaper notices the dead lease
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "lost"
+        assert api.status(job)["state"] == "lost"
+        time.sleep(1.0)
+        assert len(followed.results()) == 1
+        assert followed.text("stdout") == "started\n"  # never re-run
+        # The dead worker's jail was found and removed by the surviving worker's janitor.
+        leftovers = Path("/sys/fs/cgroup/unified/coderunner/jobs") / job["jobId"]
+        deadline = time.monotonic() + 10
+        while leftovers.exists() or _jail_processes(job["jobId"]):
+            assert time.monotonic() < deadline, f"leftovers of {job['jobId']}: {_jail_processes(job['jobId'])}"
+            time.sleep(0.1)
+    finally:
+        rt.close()
+        api.close()
