@@ -220,7 +220,7 @@ class RealtimeInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     key: str
     ws_host: str
     ws_port: int
-    force_tls: bool
+    force_tls: bool = msgspec.field(name="forceTLS")
     cluster: str = "mt1"
 
 

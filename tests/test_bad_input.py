@@ -1,0 +1,122 @@
+"""Bad input gets a clear 4xx naming the field; nothing is queued and the service keeps working."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from launcher.stack import Stack
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack]
+
+
+def _error(response, status: int) -> dict:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert isinstance(body["error"], str) and body["error"]
+    assert isinstance(body["details"], list)
+    return body  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"language": "klingon", "files": [{"name": "a", "content": "x"}]}, "language", "unknown"),
+        ({"language": "python", "files": []}, "files", "at least one"),
+        ({"language": "python"}, "files", "required"),
+        ({"files": [{"name": "main.py", "content": "x"}]}, "language", "required"),
+        ({"language": "python", "files": [{"name": "../etc/passwd", "content": "x"}]}, "files[0].name", ".."),
+        ({"language": "python", "files": [{"name": "/abs.py", "content": "x"}]}, "files[0].name", "relative"),
+        ({"language": "python", "files": [{"name": "a\u0000b", "content": "x"}]}, "files[0].name", "control"),
+        ({"language": "python", "files": [{"name": "ok.py", "content": "x"}, {"name": "x\u202egnp.py", "content": "x"}]}, "files[1].name", "invisible"),
+        ({"language": "python", "files": [{"name": "a" * 300, "content": "x"}]}, "files[0].name", "255"),
+        ({"language": "python", "files": [{"name": "-o", "content": "x"}]}, "files[0].name", "option"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "%%%", "encoding": "base64"}]}, "files[0].content", "base64"),
+        ({"language": "python", "files": [{"name": "m.py", "content": 5}]}, "files[0].content", "Expected `str`"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"memoryMb": 999999}}, "limits.memoryMb", "at most"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"cpuMs": 0}}, "limits.cpuMs", ">= 1"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"bogus": 1}}, "limits.bogus", "not a known field"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "version": "1.0"}, "version", "not available"),
+        ({"language": "python", "files": [{"name": f"f{i}.py", "content": ""} for i in range(101)]}, "files", "at most 100"),
+    ],
+)
+def test_bad_execute_bodies_name_the_field(api: Api, body: dict, field: str, words: str) -> None:  # type: ignore[type-arg]
+    err = _error(api.post("/v1/execute", json=body), 400)
+    assert err["details"][0]["field"] == field, err
+    assert words in err["error"], err
+    assert err["error"].startswith(field)
+
+
+def test_bad_json_and_non_object(api: Api) -> None:
+    err = _error(api.post("/v1/execute", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert "JSON" in err["error"]
+    err = _error(api.post("/v1/execute", json=[1, 2]), 400)
+    assert "object" in err["error"]
+
+
+def test_tokens(api: Api, stack: Stack) -> None:
+    _error(api.client.post("/v1/execute", json=py_job("print(1)")), 401)
+    _error(api.client.post("/v1/execute", json=py_job("print(1)"), headers={"Authorization": "Bearer nope"}), 401)
+    _error(api.client.post("/v1/execute", json=py_job("print(1)"), headers={"Authorization": "Basic abc"}), 401)
+    forged = "0" * 32 + ".9999999999." + "f" * 40
+    _error(api.client.get(f"/v1/jobs/{'0' * 32}", headers={"Authorization": f"Bearer {forged}"}), 401)
+    # Unknown and malformed job ids look alike.
+    _error(api.get(f"/v1/jobs/{'0' * 32}"), 404)
+    _error(api.get("/v1/jobs/not-a-job"), 404)
+    _error(api.post(f"/v1/jobs/{'0' * 32}/start"), 404)
+
+
+def test_channel_auth_rules(api: Api) -> None:
+    job = api.execute(py_job("print(1)"))
+    ok = api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": job["channel"]})
+    assert ok.status_code == 200 and ok.json()["auth"].startswith(api.stack.pusher_key + ":")
+    # pusher-js posts a form; JSON works too; the job token may ride in the body.
+    as_json = api.client.post("/v1/channel-auth", json={"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"]})
+    assert as_json.status_code == 200 and as_json.json() == ok.json()
+    _error(api.post("/v1/channel-auth", data={"socket_id": "nope", "channel_name": job["channel"]}), 400)
+    _error(api.post("/v1/channel-auth", data={"socket_id": "1.2"}), 400)
+    _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "private-other"}), 403)
+    _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "presence-run-" + job["jobId"]}), 403)
+    _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "private-run-" + "0" * 32}), 403)
+    api.start(job)
+
+
+def test_service_keeps_working_after_abuse(api: Api, realtime: Realtime) -> None:
+    for body in (b"", b"\xff\xfe", b"{" * 10000, b'{"language": "python", "files": [{"name": 1}]}'):
+        assert api.post("/v1/execute", content=body, headers={"content-type": "application/json"}).status_code == 400
+    huge = "x" * (20 * 1024 * 1024)
+    assert api.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"}).status_code == 413
+    assert api.client.get("/v1/nope").status_code == 404
+    assert api.client.delete("/v1/execute").status_code == 405
+    # Still healthy: a base64, multi-file program runs.
+    job = api.execute(
+        {
+            "language": "py",
+            "files": [
+                {"name": "main.py", "content": "from pkg.helper import word\nprint(word)"},
+                {"name": "pkg/helper.py", "content": base64.b64encode(b"word = 'ok'\n").decode(), "encoding": "base64"},
+            ],
+        }
+    )
+    followed = realtime.follow(job)
+    api.start(job)
+    result = followed.wait_result()
+    assert result["outcome"] == "completed", followed.events
+    assert followed.text("stdout") == "ok\n"
+
+
+def test_queue_full_is_429_after_validation(make_stack: StackFactory) -> None:
+    stack = make_stack(with_worker=False, MAX_QUEUE_DEPTH="2")
+    api = Api(stack)
+    try:
+        for _ in range(2):
+            api.execute(py_job("print(1)"))
+        full = _error(api.post("/v1/execute", json=py_job("print(1)")), 429)
+        assert full["retryAfterMs"] > 0
+        # Validation comes first: a bad body is still a 400 while the queue is full.
+        _error(api.post("/v1/execute", json={"language": "python", "files": []}), 400)
+    finally:
+        api.close()

@@ -1,0 +1,42 @@
+"""Many jobs at once on few slots: each gets exactly one result with its own output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+
+def test_twenty_jobs_on_four_slots(api: Api, realtime: Realtime) -> None:
+    # Each program prints its own marker on both streams, more than one chunk's worth on
+    # stdout, and exits with its own code, so any cross-talk between jobs would show.
+    jobs = []
+    for i in range(20):
+        code = (
+            "import sys, time\n"
+            f"sys.stdout.write('job-{i}:' + 'x' * 9000 + '\\n')\n"
+            f"print('err-{i}', file=sys.stderr)\n"
+            "time.sleep(0.2)\n"
+            f"sys.exit({i})\n"
+        )
+        jobs.append(api.execute(py_job(code)))
+    followed = [realtime.follow(job) for job in jobs]
+    for job in jobs:
+        assert api.start(job).status_code == 202
+    results = [f.wait_result(timeout_s=60) for f in followed]
+    time.sleep(0.5)
+    for i, (f, result) in enumerate(zip(followed, results, strict=True)):
+        assert len(f.results()) == 1, f"job {i} got {len(f.results())} results"
+        assert result["outcome"] == "completed"
+        assert result["exitCode"] == i
+        assert f.text("stdout") == f"job-{i}:" + "x" * 9000 + "\n"
+        assert f.text("stderr") == f"err-{i}\n"
+        assert all(len(p["chunk"].encode()) <= 8192 for n, p in f.events if n == "stdout")
+        seqs = sorted(p["seq"] for _, p in f.events)
+        assert seqs == list(range(len(seqs)))
+    for job in jobs:
+        assert api.status(job)["state"] == "done"

@@ -1,0 +1,218 @@
+"""Unit tests of the pure wire-contract package (no I/O, no services)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import hmac
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.chunking import Utf8Chunker, split_utf8
+from shared.codec import decode_request, encode
+from shared.errors import ConfigError, ValidationError
+from shared.limits import DEFAULT_LIMITS, DEFAULT_MAXIMA, RequestedLimits, resolve_limits, with_overrides
+from shared.manifest import expand_argv, parse_manifest
+from shared.messages import ExecuteRequest, FileSpec, JobSpec, RealtimeInfo, ResultEvent
+from shared.paths import REPO_ROOT
+from shared.pusher import channel_auth, signed_query, valid_socket_id
+from shared.settings import load_settings
+from shared.tokens import mint_job_token, verify_job_token
+from shared.validation import check_file_name, decode_files
+
+# ------------------------------------------------------------------ chunking
+
+
+@given(st.lists(st.binary(max_size=300), max_size=40), st.integers(min_value=4, max_value=64))
+def test_chunker_never_splits_characters_and_respects_size(pieces: list[bytes], size: int) -> None:
+    chunker = Utf8Chunker(max_bytes=size)
+    out = [c for piece in pieces for c in chunker.feed(piece)] + chunker.flush()
+    assert all(0 < len(c.encode("utf-8")) <= size for c in out)
+    whole = b"".join(pieces)
+    assert "".join(out) == whole.decode("utf-8", "replace") or _equivalent_replacement("".join(out), whole)
+
+
+def _equivalent_replacement(text: str, raw: bytes) -> bool:
+    # Read boundaries may change how many U+FFFD an invalid run becomes; valid text must match.
+    return text.replace("\ufffd", "") == raw.decode("utf-8", "replace").replace("\ufffd", "")
+
+
+@given(st.text(max_size=2000))
+def test_valid_text_round_trips_exactly_across_any_split(text: str) -> None:
+    data = text.encode("utf-8")
+    for cut in (1, 2, 3, 7, 8192):
+        chunker = Utf8Chunker()
+        out = [c for i in range(0, len(data), cut) for c in chunker.feed(data[i : i + cut])] + chunker.flush()
+        assert "".join(out) == text
+
+
+def test_split_utf8_keeps_multibyte_whole() -> None:
+    text = "é" * 5000  # 10000 bytes
+    parts = split_utf8(text, 8192)
+    assert [len(p.encode()) for p in parts] == [8192, 1808]
+    assert "".join(parts) == text
+
+
+def test_nul_and_invalid_bytes_do_not_break_the_stream() -> None:
+    chunker = Utf8Chunker()
+    assert chunker.feed(b"a\x00b\xff\xfec") == ["a\x00b\ufffd\ufffdc"]
+    assert chunker.feed(b"\xe2\x82") == []  # half of a euro sign is held back
+    assert chunker.feed(b"\xac!") == ["€!"]
+    assert chunker.feed(b"\xe2") == [] and chunker.flush() == ["\ufffd"]
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc/passwd", "/etc/cron.d/job", "a/../../x", "..", ".", "", "a\x00b", "line\nbreak", "-o/tmp/pwn.c",
+     "--help", "x" * 5000, "dir/", "a//../../b", "\u202egnp.py", "main.py\r", "main.py/.", "a\\b"],
+)  # fmt: skip
+def test_hostile_names_are_refused(name: str) -> None:
+    assert check_file_name(name) is not None
+
+
+@pytest.mark.parametrize("name", ["main.py", "src/lib/util.rs", "Main.java", "données.txt", "a-b_c.d"])
+def test_ordinary_names_pass(name: str) -> None:
+    assert check_file_name(name) is None
+
+
+def test_decode_files_checks_everything() -> None:
+    ok = decode_files([FileSpec(name="a.py", content="x"), FileSpec(name="d/b.bin", content="AAE=", encoding="base64")], 100)
+    assert ok == [("a.py", b"x"), ("d/b.bin", b"\x00\x01")]
+    for files, field in [
+        ([FileSpec(name="a", content="x"), FileSpec(name="a", content="y")], "files[1].name"),
+        ([FileSpec(name="a", content="x"), FileSpec(name="a/b", content="y")], "files[1].name"),
+        ([FileSpec(name="a/b", content="x"), FileSpec(name="a", content="y")], "files[1].name"),
+        ([FileSpec(name="a", content="x" * 101)], "files"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            decode_files(files, 100)
+        assert info.value.details[0].field == field
+
+
+# ------------------------------------------------------------------ limits
+
+
+def test_limits_resolution() -> None:
+    defaults = with_overrides(DEFAULT_LIMITS, RequestedLimits(memory_mb=256))
+    assert defaults.memory_mb == 256 and defaults.wall_time_ms == 30000
+    limits = resolve_limits(RequestedLimits(cpu_ms=500, wall_time_ms=120000), defaults, DEFAULT_MAXIMA)
+    assert (limits.cpu_ms, limits.wall_time_ms, limits.memory_mb) == (500, 120000, 256)
+    with pytest.raises(ValidationError) as info:
+        resolve_limits(RequestedLimits(memory_mb=10**6, pids=10**6), defaults, DEFAULT_MAXIMA)
+    assert [d.field for d in info.value.details] == ["limits.memoryMb", "limits.pids"]
+    assert info.value.sentence == f"limits.memoryMb must be at most {DEFAULT_MAXIMA.memory_mb}"
+
+
+# ------------------------------------------------------------------ tokens and signing
+
+
+def test_job_tokens() -> None:
+    job = "ab" * 16
+    token = mint_job_token("s3cret", job, now_s=1000, ttl_s=60)
+    assert verify_job_token("s3cret", token, now_s=1059) == job
+    assert verify_job_token("s3cret", token, now_s=1061) is None  # expired
+    assert verify_job_token("other", token, now_s=1000) is None  # forged
+    tampered = token.replace(job, "cd" * 16)
+    assert verify_job_token("s3cret", tampered, now_s=1000) is None
+    assert verify_job_token("s3cret", "garbage", now_s=1000) is None
+
+
+def test_pusher_signatures_match_the_protocol() -> None:
+    # Channel auth: HMAC-SHA256 of "socket_id:channel" with the app secret.
+    expected = hmac.new(b"sec", b"1234.5678:private-run-x", hashlib.sha256).hexdigest()
+    assert channel_auth("key", "sec", "1234.5678", "private-run-x") == f"key:{expected}"
+    assert valid_socket_id("1234.5678") and not valid_socket_id("1234.5678:evil")
+    # HTTP API: sorted query string, body md5, signature over method/path/query.
+    params = signed_query("POST", "/apps/1/events", b'{"a":1}', "key", "sec", 1353088179)
+    assert params["body_md5"] == hashlib.md5(b'{"a":1}').hexdigest()
+    query = f"auth_key=key&auth_timestamp=1353088179&auth_version=1.0&body_md5={params['body_md5']}"
+    assert params["auth_signature"] == hmac.new(b"sec", f"POST\n/apps/1/events\n{query}".encode(), hashlib.sha256).hexdigest()
+
+
+# ------------------------------------------------------------------ messages and settings
+
+
+def test_realtime_info_uses_pusher_js_names() -> None:
+    data = msgspec.json.decode(encode(RealtimeInfo(key="k", ws_host="h", ws_port=1, force_tls=False)))
+    assert data == {"key": "k", "wsHost": "h", "wsPort": 1, "forceTLS": False, "cluster": "mt1"}
+
+
+def test_result_event_shape_is_the_contract() -> None:
+    event = ResultEvent(exit_code=None, signal="SIGKILL", timed_out=True, idle_timed_out=False, truncated=False,
+                        duration_ms=1, cpu_ms=2, memory_kb=3, outcome="timed_out", compile=None, seq=7)  # type: ignore[arg-type]  # fmt: skip
+    data = msgspec.json.decode(encode(event))
+    assert data == {"exitCode": None, "signal": "SIGKILL", "timedOut": True, "idleTimedOut": False, "truncated": False,
+                    "durationMs": 1, "cpuMs": 2, "memoryKb": 3, "outcome": "timed_out", "compile": None, "seq": 7}  # fmt: skip
+
+
+def test_old_job_payload_decodes_in_new_code() -> None:
+    # A job queued before fields with defaults were added must still decode.
+    old = b'{"jobId":"x","language":"python","version":"3","files":[{"name":"a","content":"b"}],' + (
+        b'"limits":' + encode(DEFAULT_LIMITS) + b',"createdAtMs":1}'
+    )
+    spec = msgspec.json.decode(old, type=JobSpec)
+    assert spec.collect_output is False and spec.args == [] and spec.spec_version == 1
+
+
+def test_request_decoding_names_fields() -> None:
+    with pytest.raises(ValidationError) as info:
+        decode_request(ExecuteRequest, b'{"language":"python","files":[{"name":"a"}]}')
+    assert info.value.sentence == "files[0].content is required"
+
+
+def test_settings_errors_name_the_variable() -> None:
+    assert load_settings({"WORKER_MAX_SANDBOXES": "3"}).worker_max_sandboxes == 3
+    assert load_settings({"MAX_MEMORY_MB": "64"}).limit_maxima.memory_mb == 64
+    for env, name in [({"WORKER_MAX_SANDBOXES": "lots"}, "WORKER_MAX_SANDBOXES"), ({"PUSHER_APP_ID": "app"}, "PUSHER_APP_ID"),
+                      ({"MAX_CPU_MS": "-5"}, "MAX_CPU_MS")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=name):
+            load_settings(env)
+
+
+# ------------------------------------------------------------------ manifests
+
+
+def test_every_shipped_manifest_parses() -> None:
+    paths = sorted((REPO_ROOT / "sandbox-profiles" / "languages").glob("*.toml"))
+    assert paths
+    for path in paths:
+        manifest = parse_manifest(path.read_text(), str(path))
+        assert manifest.run and manifest.version_probe
+
+
+def test_argv_expansion() -> None:
+    argv = expand_argv(["cc", "-o", "main", "{sources}", "-Xmx{heapMb}m", "run:{entry}", "{args}"],
+                       entry="a.c", sources=["a.c", "b.c"], args=["x", "y z"], memory_mb=100)  # fmt: skip
+    assert argv == ["cc", "-o", "main", "a.c", "b.c", "-Xmx60m", "run:a.c", "x", "y z"]
+
+
+def test_manifest_errors_name_the_file() -> None:
+    with pytest.raises(Exception, match="bad.toml"):
+        parse_manifest('language = "x"\nrun = []', "bad.toml")
+
+
+# ------------------------------------------------------------------ boundaries
+
+
+def _imports(package: str) -> set[str]:
+    found: set[str] = set()
+    for path in (REPO_ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_shared_does_no_io_and_api_worker_never_meet() -> None:
+    assert not _imports("shared") & {"redis", "httpx", "starlette", "uvicorn", "socket", "subprocess", "api", "worker"}
+    assert "worker" not in _imports("api")
+    assert "api" not in _imports("worker")
+

@@ -1,0 +1,74 @@
+"""Worker pieces that need no services: cgroup layout detection, nsjail argv and log parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.cgroups import CgroupError, CgroupMode, detect_layout
+from worker.jail import JailSpec, build_argv
+
+HYBRID = """\
+tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
+cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0
+cgroup /sys/fs/cgroup/cpuacct cgroup rw,relatime,cpuacct 0 0
+cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
+cgroup /sys/fs/cgroup/pids cgroup rw,relatime,pids 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+
+
+def test_hybrid_layout_is_recognised() -> None:
+    layout = detect_layout("coderunner", HYBRID)
+    assert layout.mode is CgroupMode.HYBRID
+    assert layout.v1_memory == Path("/sys/fs/cgroup/memory") and layout.v1_pids == Path("/sys/fs/cgroup/pids")
+    assert layout.v2 == Path("/sys/fs/cgroup/unified")
+    job = layout.job("ab" * 16)
+    files = job.procs_files()
+    assert "/sys/fs/cgroup/memory/coderunner/" + "ab" * 16 + "/cgroup.procs" in files
+    assert "/sys/fs/cgroup/unified/coderunner/jobs/" + "ab" * 16 + "/cgroup.procs" in files
+
+
+def test_pure_v2_without_controllers_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(CgroupError, match="memory and pids"):
+        detect_layout("coderunner", f"cgroup2 {tmp_path} cgroup2 rw 0 0\n")
+
+
+def test_pure_v2_with_controllers(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    layout = detect_layout("coderunner", f"cgroup2 {tmp_path} cgroup2 rw 0 0\n")
+    assert layout.mode is CgroupMode.V2
+    assert layout.job("ab" * 16).procs_files() == [str(tmp_path / "coderunner" / "jobs" / ("ab" * 16) / "cgroup.procs")]
+
+
+def test_no_cgroups_at_all_is_refused_with_a_reason() -> None:
+    with pytest.raises(CgroupError, match="neither"):
+        detect_layout("coderunner", "proc /proc proc rw 0 0\n")
+
+
+def test_nsjail_argv_is_a_list_and_gates_the_program() -> None:
+    spec = JailSpec(
+        argv=["/usr/bin/python3", "-u", "main.py", "; rm -rf /"],
+        env={"A": "1"},
+        workspace=Path("/run/coderunner/x"),
+        uid=61003,
+        gid=61003,
+        extra_mounts=["/opt/tool"],
+        backstop_s=40,
+        rlimit_cpu_s=16,
+        rlimit_fsize_mb=64,
+        rlimit_nofile=64,
+    )
+    argv = build_argv("/bin/nsjail", Path("/p/base.cfg"), spec, 9, ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"])
+    assert argv[:5] == ["/bin/sh", "-c", argv[2], "coderunner-enter", "2"]
+    assert argv[5:7] == ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
+    assert argv[7] == "/bin/nsjail"
+    assert argv[argv.index("--user") + 1] == "65534:61003:1"
+    assert argv[argv.index("--bindmount") + 1] == "/run/coderunner/x:/workspace"
+    assert argv[argv.index("--bindmount_ro") + 1] == "/opt/tool"
+    tail = argv[argv.index("--") + 1 :]
+    assert tail[:2] == ["/bin/sh", "-c"] and tail[3] == "gate"
+    # The user-controlled argument stays one argv element; no shell ever parses it.
+    assert tail[-1] == "; rm -rf /"
