@@ -131,7 +131,7 @@ def main() -> int:
     for name in ("execute_to_result", "start_to_result", "bare_nsjail", "bare_python"):
         s = figures[name]
         print(f"{name:<22}{s['p50_ms']:>10}{s['p90_ms']:>10}{s['mean_ms']:>10}{s['min_ms']:>10}")
-    print(f"start→result / bare nsjail (p50): {figures['ratio_start_to_result_vs_bare_nsjail_p50']}×")
+    print(f"start→result / bare nsjail (p50): {figures['ratio_start_to_result_vs_bare_nsjail_p50']}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

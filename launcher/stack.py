@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,10 +91,16 @@ class Stack:
         self.pusher_key = "coderunner-" + secrets.token_hex(6)
         self.pusher_secret = secrets.token_hex(24)
         self.pusher_app_id = str(100000 + secrets.randbelow(900000))
+        # Each stack is its own deployment: its own cgroup tree, workspace root and job uids,
+        # so stacks side by side (tests, a dev stack next to CI) never judge each other's
+        # sandboxes (a worker's janitor removes sandboxes of workers its Redis calls dead).
+        self.deployment = "coderunner-" + secrets.token_hex(4)
+        self.uid_base = 100000 + 1000 * secrets.randbelow(800)
         self._tmp = tempfile.TemporaryDirectory(prefix="coderunner-stack-")
         self.data_dir = Path(self._tmp.name)
         self.log_dir = self.log_dir or self.data_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.worker_ids: dict[str, str] = {}
         self._workers: list[subprocess.Popen[bytes]] = []
 
     # -------------------------------------------------------------- addresses
@@ -119,6 +126,9 @@ class Stack:
                 "PUSHER_APP_ID": self.pusher_app_id,
                 "PUSHER_KEY": self.pusher_key,
                 "PUSHER_SECRET": self.pusher_secret,
+                "SANDBOX_CGROUP_NAME": self.deployment,
+                "SANDBOX_WORK_ROOT": f"/run/{self.deployment}",
+                "SANDBOX_UID_BASE": str(self.uid_base),
                 "API_HOST": self.api_host,
                 "API_PORT": str(self.api_port),
                 "PYTHONUNBUFFERED": "1",
@@ -207,6 +217,7 @@ class Stack:
         proc = self._spawn(name, [sys.executable, "-m", "worker"], env)
         self._workers.append(proc)
         self.procs[name] = proc
+        self.worker_ids[name] = worker_id
         _wait_for(lambda: self._redis_exists(f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc)
         return proc
 
@@ -254,7 +265,43 @@ class Stack:
 
     def cleanup(self) -> None:
         self.stop()
+        self._remove_deployment()
         self._tmp.cleanup()
+
+    def _remove_deployment(self) -> None:
+        """Remove what this stack's workers left on the host: cgroups, mounts, workspace root.
+
+        Workers clean up after themselves when stopped; this also covers a worker that was
+        killed (tests do that on purpose) with no other worker left to run its janitor.
+        """
+        from worker.workspace import detach_workspace
+
+        roots = [Path("/sys/fs/cgroup") / c / self.deployment for c in ("memory", "pids", "cpu", "cpuacct", "unified")]
+        roots.append(Path("/sys/fs/cgroup") / self.deployment)
+        for root in roots:
+            if not root.is_dir():
+                continue
+            walk = sorted(os.walk(root), key=lambda w: -w[0].count("/"))
+            for dirpath, _dirs, _files in walk:
+                kill = Path(dirpath) / "cgroup.kill"
+                if kill.exists() and dirpath != str(root):
+                    try:
+                        kill.write_text("1")
+                    except OSError:
+                        pass
+            time.sleep(0.05)
+            for dirpath, _dirs, _files in walk:
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
+        work_root = Path(f"/run/{self.deployment}")
+        if work_root.is_dir():
+            mounts = Path("/proc/self/mounts").read_text()
+            for child in work_root.iterdir():
+                if child.is_dir():
+                    detach_workspace(child, mounts)
+            shutil.rmtree(work_root, ignore_errors=True)
 
     def log(self, name: str) -> str:
         assert self.log_dir is not None

@@ -14,7 +14,8 @@ StackFactory = Callable[..., Stack]
 
 
 def _dump_logs(stack: Stack) -> None:
-    for name in ("api", "worker", "soketi", "redis"):
+    assert stack.log_dir is not None
+    for name in sorted(p.stem for p in stack.log_dir.glob("*.log")):
         text = stack.log(name)
         if text:
             print(f"----- {name} log (last 40 lines) -----")

@@ -36,7 +36,9 @@ def test_twenty_jobs_on_four_slots(api: Api, realtime: Realtime) -> None:
         assert f.text("stdout") == f"job-{i}:" + "x" * 9000 + "\n"
         assert f.text("stderr") == f"err-{i}\n"
         assert all(len(p["chunk"].encode()) <= 8192 for n, p in f.events if n == "stdout")
+        # stage{queued} is published at claim time and may precede this late subscription
+        # (the durable log keeps it); everything after start must have arrived, once each.
         seqs = sorted(p["seq"] for _, p in f.events)
-        assert seqs == list(range(len(seqs)))
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] in (0, 1)
     for job in jobs:
         assert api.status(job)["state"] == "done"

@@ -15,17 +15,17 @@ from tests.helpers import Api, Realtime, py_job
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
 
-def _jail_processes(job_id: str) -> list[int]:
-    """Host pids whose command line mentions the job's workspace (its nsjail and jail)."""
-    found = []
+def _leftovers(worker_id: str) -> list[str]:
+    """Sandbox cgroups of that worker and host processes whose command line names them."""
+    found = [p.name for p in Path("/sys/fs/cgroup/unified/coderunner/jobs").iterdir() if p.name.startswith(worker_id + ".")]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if job_id.encode() in cmdline:
-                found.append(int(entry.name))
+            if f"/{worker_id}.".encode() in cmdline:
+                found.append(entry.name)
     return found
 
 
@@ -93,7 +93,7 @@ def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> 
         api.start(job)  # durable: stored while nobody holds the job
         stack.start_worker()
         result = followed.wait_result(timeout_s=20)
-        assert result["outcome"] == "completed"
+        assert result["outcome"] == "completed", result.get("message")
         assert followed.text("stdout") == "second life\n"
         # The second claim continued the same sequence: no gaps, no doubles.
         seqs = sorted(p["seq"] for _, p in followed.events)
@@ -123,11 +123,12 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
         time.sleep(1.0)
         assert len(followed.results()) == 1
         assert followed.text("stdout") == "started\n"  # never re-run
-        # The dead worker's jail was found and removed by the surviving worker's janitor.
-        leftovers = Path("/sys/fs/cgroup/unified/coderunner/jobs") / job["jobId"]
+        # The dead worker's jails (the running one and its warm spares) were found and removed
+        # by the surviving worker's janitor.
+        dead = stack.worker_ids["worker"]
         deadline = time.monotonic() + 10
-        while leftovers.exists() or _jail_processes(job["jobId"]):
-            assert time.monotonic() < deadline, f"leftovers of {job['jobId']}: {_jail_processes(job['jobId'])}"
+        while _leftovers(dead):
+            assert time.monotonic() < deadline, f"leftovers of {dead}: {_leftovers(dead)}"
             time.sleep(0.1)
     finally:
         rt.close()

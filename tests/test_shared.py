@@ -193,7 +193,7 @@ def test_argv_expansion() -> None:
 
 
 def test_manifest_errors_name_the_file() -> None:
-    with pytest.raises(Exception, match="bad.toml"):
+    with pytest.raises(Exception, match=r"bad\.toml"):
         parse_manifest('language = "x"\nrun = []', "bad.toml")
 
 

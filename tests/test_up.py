@@ -3,6 +3,7 @@ pusher-js (the browser client) drives a job through it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -54,7 +55,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _sandbox_mounts() -> set[str]:
+    return {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines() if line.startswith("coderunner-ws ")}
+
+
 def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
+    mounts_before = _sandbox_mounts()
     port = free_port()
     env = dict(os.environ)
     env.pop("EXECUTOR_API_TOKEN", None)
@@ -98,11 +104,15 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
             timeout=60,
         )
         assert client.returncode == 0, client.stderr
-        events = [__import__("json").loads(line) for line in client.stdout.splitlines()]
-        assert [e["event"] for e in events][:2] == ["stage", "stage"]
+        events = sorted((json.loads(line) for line in client.stdout.splitlines()), key=lambda e: e["data"]["seq"])
+        # stage{queued} may be published before the client subscribes; from `running` on,
+        # every event arrives, in seq order without gaps.
+        phases = [e["data"]["phase"] for e in events if e["event"] == "stage"]
+        assert phases in (["queued", "running"], ["running"]), events
+        seqs = [e["data"]["seq"] for e in events]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         assert events[-1]["event"] == "result" and events[-1]["data"]["outcome"] == "completed"
-        stdout = "".join(e["data"]["chunk"] for e in sorted(events, key=lambda e: e["data"]["seq"]) if e["event"] == "stdout")
-        assert stdout == "hello pusher-js\n"
+        assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "hello pusher-js\n"
         family = _descendants(up.pid)  # now includes nothing new, but refresh anyway
     finally:
         up.send_signal(signal.SIGINT)
@@ -115,6 +125,8 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     time.sleep(0.2)
     survivors = [pid for pid in family if _alive(pid)]
     assert survivors == [], f"left behind: {survivors}"
+    # No workspace mount or sandbox cgroup is left either.
+    assert _sandbox_mounts() <= mounts_before, _sandbox_mounts() - mounts_before
     # Nothing else is listening on the API port either.
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
 
 from worker.cgroups import CgroupError, CgroupMode, detect_layout
-from worker.jail import JailSpec, build_argv
+from worker.jail import JailSpec, Program, build_argv
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -48,10 +49,9 @@ def test_no_cgroups_at_all_is_refused_with_a_reason() -> None:
         detect_layout("coderunner", "proc /proc proc rw 0 0\n")
 
 
-def test_nsjail_argv_is_a_list_and_gates_the_program() -> None:
+def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
     spec = JailSpec(
-        argv=["/usr/bin/python3", "-u", "main.py", "; rm -rf /"],
-        env={"A": "1"},
+        gate=Path("/run/coderunner/.gate-x"),
         workspace=Path("/run/coderunner/x"),
         uid=61003,
         gid=61003,
@@ -67,8 +67,22 @@ def test_nsjail_argv_is_a_list_and_gates_the_program() -> None:
     assert argv[7] == "/bin/nsjail"
     assert argv[argv.index("--user") + 1] == "65534:61003:1"
     assert argv[argv.index("--bindmount") + 1] == "/run/coderunner/x:/workspace"
-    assert argv[argv.index("--bindmount_ro") + 1] == "/opt/tool"
-    tail = argv[argv.index("--") + 1 :]
-    assert tail[:2] == ["/bin/sh", "-c"] and tail[3] == "gate"
-    # The user-controlled argument stays one argv element; no shell ever parses it.
-    assert tail[-1] == "; rm -rf /"
+    assert "/run/coderunner/.gate-x:/.coderunner/gate" in argv
+    assert "/opt/tool" in argv
+    assert argv[argv.index("--") + 1 :] == ["/.coderunner/gate"]
+
+
+def test_gate_frame_carries_argv_verbatim() -> None:
+    program = Program(argv=["/usr/bin/python3", "main.py", "; rm -rf /", "a\nb"], env={"A": "1"}, rlimit_cpu_s=3)
+    frame = program.frame()
+    assert frame.startswith(b"CRG1")
+    argc = struct.unpack_from("<I", frame, 4)[0]
+    assert argc == 4
+    offset, args = 8, []
+    for _ in range(argc):
+        (n,) = struct.unpack_from("<I", frame, offset)
+        args.append(frame[offset + 4 : offset + 4 + n].decode())
+        offset += 4 + n
+    # A user-controlled argument stays one argv element; no shell ever parses it.
+    assert args == program.argv
+    assert struct.unpack_from("<QQQ", frame, len(frame) - 24) == (3, 0, 0)

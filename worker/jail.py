@@ -2,14 +2,15 @@
 
 Launch path (all argv, never a shell string built from user data):
 
-    /bin/sh -c ENTER  <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /bin/sh -c GATE gate <program argv>
+    /bin/sh -c ENTER  <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
 
-ENTER writes its own pid into the job's cgroups and execs nsjail, so the jail is born
+ENTER writes its own pid into the sandbox's cgroups and execs nsjail, so the jail is born
 inside them. When nsjail logs that the jail is executing, the worker moves nsjail itself
-out, leaving only jailed processes in the job's cgroups. GATE, already inside the jail,
-blocks on one line of stdin; `go()` writes it and the program replaces the gate. All the
-costly work (namespaces, mounts, cgroups, uid maps) therefore happens while the job is
-parked, and start costs one pipe write.
+out, leaving only jailed processes in those cgroups. The gate (worker/gate.c), already
+inside the jail, blocks on stdin until `go()` sends it the program's argv, environment
+and rlimits as one binary frame; it then execs the program in its place. All the costly
+work (namespaces, mounts, cgroups, uid maps) therefore happens before a job even exists,
+and start costs one pipe write.
 
 nsjail's log goes to a pipe only the worker holds (never mixed with the program's
 stderr), and it is the source of the exit status and signal (defence R12).
@@ -22,6 +23,7 @@ import logging
 import os
 import re
 import signal
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +33,8 @@ __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
 
 log = logging.getLogger(__name__)
 
-GO_LINE = b"go\n"
+GATE_IN_JAIL = "/.coderunner/gate"
 _ENTER = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
-_GATE = 'read -r line || exit 0; [ "$line" = go ] || exit 0; unset PWD OLDPWD; exec "$@"'
 
 _EXITED = re.compile(rb"exited with status: (\d+)")
 _SIGNALLED = re.compile(rb"terminated with signal: (SIG[A-Z0-9]+) \((\d+)\)")
@@ -45,9 +46,31 @@ class JailError(Exception):
 
 
 @dataclass(frozen=True)
-class JailSpec:
+class Program:
+    """What the gate execs: argv, extra environment, and rlimits (0 = keep the jail's)."""
+
     argv: list[str]
     env: dict[str, str]
+    rlimit_cpu_s: int = 0
+    rlimit_fsize_bytes: int = 0
+    rlimit_nofile: int = 0
+
+    def frame(self) -> bytes:
+        out = [b"CRG1", struct.pack("<I", len(self.argv))]
+        for arg in self.argv:
+            data = arg.encode("utf-8", "surrogateescape")
+            out += [struct.pack("<I", len(data)), data]
+        env = [f"{k}={v}".encode() for k, v in self.env.items()]
+        out.append(struct.pack("<I", len(env)))
+        for item in env:
+            out += [struct.pack("<I", len(item)), item]
+        out.append(struct.pack("<QQQ", self.rlimit_cpu_s, self.rlimit_fsize_bytes, self.rlimit_nofile))
+        return b"".join(out)
+
+
+@dataclass(frozen=True)
+class JailSpec:
+    gate: Path
     workspace: Path
     uid: int
     gid: int
@@ -74,6 +97,7 @@ def build_argv(nsjail: str, profile: Path, spec: JailSpec, log_fd: int, procs_fi
         "--user", f"65534:{spec.uid}:1",
         "--group", f"65534:{spec.gid}:1",
         "--bindmount", f"{spec.workspace}:/workspace",
+        "--bindmount_ro", f"{spec.gate}:{GATE_IN_JAIL}",
         "--time_limit", str(spec.backstop_s),
         "--rlimit_cpu", str(spec.rlimit_cpu_s),
         "--rlimit_fsize", str(spec.rlimit_fsize_mb),
@@ -83,11 +107,9 @@ def build_argv(nsjail: str, profile: Path, spec: JailSpec, log_fd: int, procs_fi
         flags += ["--seccomp_policy", str(spec.seccomp_policy)]
     for mount in spec.extra_mounts:
         flags += ["--bindmount_ro", mount]
-    for name, value in spec.env.items():
-        flags += ["--env", f"{name}={value}"]
     return [
         "/bin/sh", "-c", _ENTER, "coderunner-enter", str(len(procs_files)), *procs_files,
-        nsjail, *flags, "--", "/bin/sh", "-c", _GATE, "gate", *spec.argv,
+        nsjail, *flags, "--", GATE_IN_JAIL,
     ]  # fmt: skip
 
 
@@ -167,10 +189,10 @@ class Jail:
             if line.startswith((b"[E]", b"[F]", b"[W]"))
         ]
 
-    def go(self) -> None:
+    def go(self, program: Program) -> None:
         """Release the gate: the program starts now."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(GO_LINE)
+        self.proc.stdin.write(program.frame())
 
     async def wait(self) -> JailExit:
         if self._exit is None:

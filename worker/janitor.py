@@ -1,9 +1,10 @@
 """Clean up after workers that died on this host: their jails, cgroups and workspaces.
 
-nsjail runs in its own session, so a worker killed with SIGKILL leaves its jails running.
-Any worker on the same host finds them: a job cgroup or workspace whose job is not held by
-a live worker is killed and removed. Jobs of live workers (including this one) are never
-touched, so several workers can share a host.
+nsjail runs in its own session, so a worker killed with SIGKILL leaves its sandboxes (and
+any program running in one) alive. Sandbox names start with the owning worker's id, so any
+worker on the host can find them: a sandbox whose owner no longer holds its liveness key
+is killed and removed. Live workers' sandboxes (this one's included) are never touched,
+so several workers can share a host.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from worker.cgroups import CgroupLayout
+from worker.sandbox import owner_of
 from worker.workspace import detach_workspace
 
 __all__ = ["sweep_orphans"]
@@ -22,28 +24,24 @@ __all__ = ["sweep_orphans"]
 log = logging.getLogger(__name__)
 
 
-async def _orphaned(redis: Redis, job_ids: set[str], mine: set[str]) -> set[str]:
-    orphans: set[str] = set()
-    for job_id in job_ids - mine:
-        owner = await redis.hget(keys.status_key(job_id), "worker")
-        if owner is None or not await redis.exists(keys.worker_alive_key(owner.decode())):
-            orphans.add(job_id)
-    return orphans
-
-
-async def sweep_orphans(redis: Redis, layout: CgroupLayout, work_root: Path, mine: set[str]) -> int:
-    """Kill and remove the leftovers of jobs no live worker holds; returns how many jobs."""
-    local = {job_id for job_id in layout.job_ids() if keys.is_job_id(job_id)}
-    workspaces = {p.name for p in work_root.iterdir() if keys.is_job_id(p.name)} if work_root.is_dir() else set()
-    orphans = await _orphaned(redis, local | workspaces, mine)
-    for job_id in orphans:
-        cgroup = layout.job(job_id)
+async def sweep_orphans(redis: Redis, layout: CgroupLayout, work_root: Path, me: str) -> int:
+    """Kill and remove sandboxes whose worker is gone; returns how many."""
+    cgroups = layout.job_ids()
+    workspaces = {p.name for p in work_root.iterdir() if p.is_dir()} if work_root.is_dir() else set()
+    owners = {name: owner_of(name) for name in cgroups | workspaces}
+    dead: dict[str, bool] = {}
+    for owner in set(owners.values()):
+        if owner is not None and owner != me:
+            dead[owner] = not await redis.exists(keys.worker_alive_key(owner))
+    orphans = {name for name, owner in owners.items() if owner is not None and dead.get(owner, False)}
+    for name in orphans & cgroups:
+        cgroup = layout.job(name)
         cgroup.kill()
         await cgroup.remove(timeout_s=2.0)
     if orphans & workspaces:
         mounts = Path("/proc/self/mounts").read_text()
-        for job_id in orphans & workspaces:
-            detach_workspace(work_root / job_id, mounts)
+        for name in orphans & workspaces:
+            detach_workspace(work_root / name, mounts)
     if orphans:
-        log.warning("removed the leftovers of %d job(s) whose worker died: %s", len(orphans), ", ".join(sorted(orphans)))
+        log.warning("removed %d sandbox(es) of dead workers: %s", len(orphans), ", ".join(sorted(orphans)))
     return len(orphans)

@@ -1,12 +1,12 @@
-"""The life of one claimed job: park, prepare, start, run under the clocks, report once.
+"""The life of one claimed job: load, park, start, run under the clocks, report once.
 
-    claim ─ subscribe ─ stage{queued} ─┬─ prepare (workspace, cgroups, jail at the gate)
-                                       └─ wait for start (flag or ctrl message) ≤ warm-up
+    claim (with the slot's ready sandbox) ─ subscribe ─ stage{queued} ─ load files + limits
+      └─ park: wait for start (durable flag or ctrl message) ≤ warm-up
     start ─ starting ─ stage{running} (started=1 in Redis first) ─ go ─ stream ─ exit
-    kill the cgroup ─ read counters ─ remove everything ─ one result (atomic, fenced)
+    kill the cgroup ─ read counters ─ destroy the sandbox ─ one result (atomic, fenced)
 
-Only untrusted-code-free work happens before start, so start→first byte is one pipe
-write plus the program's own start-up. Exactly one result is written by `_finish`; every
+The jail was built before the job existed (worker/sandbox.py), so start→first byte is one
+pipe write plus the program's own start-up. Exactly one result is written by `_finish`; every
 path out of `execute` goes through it, except losing the job to another worker (Fenced),
 where writing anything would be wrong.
 """
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
@@ -26,7 +24,6 @@ from shared.errors import ValidationError
 from shared.manifest import expand_argv
 from shared.messages import (
     OUTCOME_STATE,
-    CompileInfo,
     CtrlMessage,
     JobSpec,
     JobState,
@@ -35,13 +32,13 @@ from shared.messages import (
     RunResult,
 )
 from shared.validation import decode_files
-from worker.cgroups import JobCgroup
 from worker.context import WorkerContext
 from worker.events import JobEvents
-from worker.jail import Jail, JailError, JailExit, JailSpec
+from worker.jail import Jail, JailExit, Program
 from worker.output import OutputBudget, exact_text
 from worker.queue import Claim, Fenced
-from worker.workspace import Workspace, WorkspaceError, detach_workspace
+from worker.sandbox import Sandbox
+from worker.workspace import WorkspaceError
 
 __all__ = ["JobRun"]
 
@@ -71,17 +68,15 @@ class RunFacts:
 
 
 class JobRun:
-    def __init__(self, ctx: WorkerContext, claim: Claim, slot: int) -> None:
+    def __init__(self, ctx: WorkerContext, claim: Claim, sandbox: Sandbox) -> None:
         self.ctx = ctx
         self.claim = claim
         self.spec: JobSpec = claim.spec
         self.job_id = claim.spec.job_id
-        self.slot = slot
+        self.sandbox = sandbox
         self.lane = ctx.publisher.lane(keys.realtime_channel(self.job_id))
         self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq)
-        self.cgroup: JobCgroup | None = None
-        self.workspace: Workspace | None = None
-        self.jail: Jail | None = None
+        self._destroyed = False
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
 
@@ -93,12 +88,16 @@ class JobRun:
         try:
             sub = await self.ctx.control.subscribe(self.job_id)
             await self.events.stage("queued")
-            prepare = asyncio.create_task(self._prepare(), name=f"prepare:{self.job_id}")
+            try:
+                program = self._load()
+            except (PlatformError, ValidationError, WorkspaceError, OSError) as exc:
+                log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
+                await self._destroy()
+                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
+                return
             signal = await self._park(sub.queue, loop.time)
             if signal != "start":
-                prepare.cancel()
-                await asyncio.gather(prepare, return_exceptions=True)
-                await self._teardown()
+                await self._destroy()
                 if signal == "handback":
                     if await self.ctx.queue.hand_back(self.job_id, self.claim.attempt):
                         log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
@@ -106,18 +105,11 @@ class JobRun:
                 elif signal == "kill":
                     await self._finish_without_run(Outcome.KILLED, "killed before it started")
                 else:
-                    await self._finish_without_run(Outcome.EXPIRED, "no start signal within the warm-up window")
+                    await self._finish_without_run(Outcome.EXPIRED, None)
                 return
             await self.events.state(JobState.STARTING)
-            try:
-                await prepare
-            except (PlatformError, JailError, WorkspaceError, ValidationError, OSError) as exc:
-                log.error("job %s: sandbox preparation failed: %s", self.job_id, exc)
-                await self._teardown()
-                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
-                return
-            facts = await self._run(sub.queue)
-            await self._teardown()
+            facts = await self._run(sub.queue, program)
+            await self._destroy()
             await self._finish_run(facts)
         except Fenced:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
@@ -129,6 +121,8 @@ class JobRun:
             log.exception("job %s: unexpected failure", self.job_id)
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
+            if not self._destroyed:
+                await asyncio.shield(self._destroy())
             if sub is not None:
                 await self.ctx.control.unsubscribe(sub)
             await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
@@ -166,9 +160,10 @@ class JobRun:
         finally:
             stopping.cancel()
 
-    # ------------------------------------------------------------------ prepare
+    # ------------------------------------------------------------------ load
 
-    async def _prepare(self) -> None:
+    def _load(self) -> Program:
+        """Put the job's files and limits into the ready sandbox; returns what to exec on start."""
         spec = self.spec
         runtime = self.ctx.runtimes.get(spec.language)
         if runtime is None:
@@ -177,61 +172,22 @@ class JobRun:
             raise PlatformError(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
         manifest = runtime.manifest
-        sandbox = self.ctx.sandbox
-        uid = self.ctx.settings.sandbox_uid_base + self.slot
-
-        self.workspace = Workspace(sandbox.work_root, self.job_id, uid, uid)
-        self.cgroup = self.ctx.cgroups.job(self.job_id)
-        if self.claim.attempt > 1:
-            await self._clear_earlier_attempt()
-        self.workspace.create(sandbox.workspace_bytes, sandbox.workspace_inodes)
-        self.workspace.stage(files)
-
-        limits = spec.limits
-        # +1 pid: the gate shell is replaced by the program, but nsjail's clone counts once.
-        self.cgroup.create(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
-
+        self.sandbox.load(files, spec.limits)
         names = [name for name, _ in files]
         entry = names[0]
         sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
-        argv = expand_argv(manifest.run, entry=entry, sources=sources, args=spec.args, memory_mb=limits.memory_mb)
-        warmup_s = self.ctx.settings.worker_warmup_ms / 1000
-        jail_spec = JailSpec(
-            argv=argv,
-            env=dict(manifest.env),
-            workspace=self.workspace.path,
-            uid=uid,
-            gid=uid,
-            extra_mounts=list(manifest.mounts),
-            # nsjail's own clock is only a backstop: it also covers the parked time.
-            backstop_s=math.ceil(warmup_s + limits.wall_time_ms / 1000) + 2,
-            rlimit_cpu_s=math.ceil(limits.cpu_ms / 1000) + 1,
-            rlimit_fsize_mb=sandbox.rlimit_fsize_mb,
-            rlimit_nofile=sandbox.rlimit_nofile,
-        )
-        self.jail = await Jail.launch(sandbox.nsjail, sandbox.profile(manifest.profile), jail_spec, self.cgroup)
-        await self.jail.wait_ready(sandbox.ready_timeout_s)
-
-    async def _clear_earlier_attempt(self) -> None:
-        """A worker that died on this host may have left this job's jail and workspace behind."""
-        assert self.cgroup is not None and self.workspace is not None
-        if self.cgroup.populated() or self.job_id in self.ctx.cgroups.job_ids():
-            log.warning("job %s: removing the leftovers of an earlier attempt", self.job_id)
-            self.cgroup.kill()
-            await self.cgroup.remove(timeout_s=2.0)
-        if self.workspace.path.exists():
-            detach_workspace(self.workspace.path, Path("/proc/self/mounts").read_text())
+        argv = expand_argv(manifest.run, entry=entry, sources=sources, args=spec.args, memory_mb=spec.limits.memory_mb)
+        return Program(argv=argv, env=dict(manifest.env), **self.ctx.sandboxes.program_rlimits(spec.limits))
 
     # ------------------------------------------------------------------ run
 
-    async def _run(self, inbox: asyncio.Queue[object]) -> RunFacts:
-        jail, cgroup, limits = self.jail, self.cgroup, self.spec.limits
-        assert jail is not None and cgroup is not None
+    async def _run(self, inbox: asyncio.Queue[object], program: Program) -> RunFacts:
+        jail, cgroup, limits = self.sandbox.jail, self.sandbox.cgroup, self.spec.limits
         loop = asyncio.get_running_loop()
 
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         cpu_base = cgroup.cpu_us()
-        jail.go()
+        jail.go(program)
         go_at = loop.time()
         self._last_activity = go_at
         stdin_task = asyncio.create_task(self._feed_stdin(jail), name=f"stdin:{self.job_id}")
@@ -326,20 +282,11 @@ class JobRun:
 
     # ------------------------------------------------------------------ finish
 
-    async def _teardown(self) -> None:
+    async def _destroy(self) -> None:
         """Kill and remove everything the job had: processes, cgroups, workspace."""
-        if self.cgroup is not None:
-            self.cgroup.kill()
-        if self.jail is not None:
-            try:
-                await asyncio.wait_for(self.jail.wait(), EXIT_GRACE_S)
-            except TimeoutError:
-                self.jail.terminate_supervisor()
-                await self.jail.wait()
-        if self.cgroup is not None:
-            await self.cgroup.remove()
-        if self.workspace is not None:
-            self.workspace.destroy()
+        if not self._destroyed:
+            self._destroyed = True
+            await self.sandbox.destroy()
 
     def _result(self, facts: RunFacts) -> tuple[Outcome, ResultEvent]:
         exit_info = facts.exit
@@ -451,7 +398,7 @@ class JobRun:
 
     async def _abort(self, message: str) -> None:
         try:
-            await self._teardown()
+            await self._destroy()
         except Exception:
             log.exception("job %s: teardown failed", self.job_id)
         if not self._finished:
@@ -460,6 +407,3 @@ class JobRun:
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
 
-
-# CompileInfo is part of the result contract; the compile stage fills it for compiled languages.
-_ = CompileInfo

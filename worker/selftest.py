@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 
-from shared.settings import Settings
-from worker.cgroups import CgroupLayout
-from worker.context import SandboxConfig
-from worker.jail import Jail, JailError, JailSpec
-from worker.workspace import Workspace, WorkspaceError
+from shared.limits import DEFAULT_LIMITS
+from worker.jail import JailError, Program
+from worker.sandbox import Sandbox, SandboxFactory
+from worker.workspace import WorkspaceError
 
 __all__ = ["SandboxUnavailable", "self_test"]
 
@@ -18,45 +16,25 @@ class SandboxUnavailable(Exception):
     """This host cannot run jobs safely; the message says what is missing."""
 
 
-async def self_test(sandbox: SandboxConfig, layout: CgroupLayout, settings: Settings) -> None:
-    job_id = "selftest-" + uuid.uuid4().hex[:12]
-    uid = settings.sandbox_uid_base + settings.worker_max_sandboxes  # a uid no job slot uses
-    workspace = Workspace(sandbox.work_root, job_id, uid, uid)
-    cgroup = layout.job(job_id)
-    jail: Jail | None = None
+async def self_test(factory: SandboxFactory, owner: str, slot: int) -> None:
+    """Build a sandbox, run a probe that checks the workspace is writable and the
+    toolchain is not, and tear it down. Raises SandboxUnavailable with nsjail's reasons."""
+    sandbox: Sandbox | None = None
     try:
-        workspace.create(1024 * 1024, 64)
-        cgroup.create(memory_bytes=64 * 1024 * 1024, pids=8)
-        spec = JailSpec(
-            argv=["/bin/sh", "-c", "test -w /workspace && test ! -w /usr && exit 7"],
-            env={},
-            workspace=workspace.path,
-            uid=uid,
-            gid=uid,
-            extra_mounts=[],
-            backstop_s=10,
-            rlimit_cpu_s=5,
-            rlimit_fsize_mb=1,
-            rlimit_nofile=16,
-        )
-        jail = await Jail.launch(sandbox.nsjail, sandbox.profile("base"), spec, cgroup)
-        await jail.wait_ready(sandbox.ready_timeout_s)
-        jail.go()
-        assert jail.proc.stdin is not None
-        jail.proc.stdin.close()
-        result = await asyncio.wait_for(jail.wait(), 10)
+        sandbox = await factory.prepare(owner, slot)
+        sandbox.load([("probe", b"ok")], DEFAULT_LIMITS)
+        probe = 'test -w /workspace && test ! -w /usr && test "$(cat probe)" = ok && [ "$(id -u)" = 65534 ] && exit 7'
+        sandbox.start(Program(argv=["/bin/sh", "-c", probe], env={}))
+        assert sandbox.jail.proc.stdin is not None
+        sandbox.jail.proc.stdin.close()
+        result = await asyncio.wait_for(sandbox.jail.wait(), 10)
         if result.exit_code != 7:
             raise SandboxUnavailable(
                 f"a test jail did not behave (exit {result.exit_code}, signal {result.signal}): "
-                + "; ".join(result.errors or jail.error_lines())
+                + "; ".join(result.errors or sandbox.jail.error_lines())
             )
-    except (TimeoutError, JailError, WorkspaceError, OSError) as exc:
-        detail = "; ".join(jail.error_lines()) if jail is not None else ""
-        raise SandboxUnavailable(f"nsjail cannot build a jail here: {exc} {detail}".strip()) from None
+    except (JailError, WorkspaceError, OSError, TimeoutError) as exc:
+        raise SandboxUnavailable(f"nsjail cannot build a jail here: {exc}") from None
     finally:
-        cgroup.kill()
-        if jail is not None and jail.proc.returncode is None:
-            jail.terminate_supervisor()
-            await jail.proc.wait()
-        await cgroup.remove()
-        workspace.destroy()
+        if sandbox is not None:
+            await sandbox.destroy()

@@ -1,5 +1,9 @@
 """The worker process: N sandbox slots, one claimer, upkeep (heartbeat + reaper), clean stop.
 
+Every free slot holds a ready sandbox (a jail parked at its gate); the claimer only takes a
+job when a slot with a ready sandbox is free, and a slot re-arms itself with a fresh
+sandbox as soon as its job is over.
+
 Stop is two-staged: the first SIGTERM/SIGINT stops claiming, hands parked jobs back to
 the queue (start flags kept) and lets running jobs finish within the grace period; a
 second signal, or the end of the grace period, cancels what is left (each cancelled run
@@ -10,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
-import uuid
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -21,14 +22,14 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.messages import WorkerInfo
 from shared.settings import Settings
-from worker.cgroups import CgroupLayout
-from worker.context import SandboxConfig, WorkerContext
+from worker.context import WorkerContext
 from worker.control import ControlBus
 from worker.janitor import sweep_orphans
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
 from worker.runtimes import Runtime
+from worker.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
 
 __all__ = ["Worker"]
 
@@ -38,19 +39,16 @@ CLAIM_POLL_S = 1.0
 
 
 class Worker:
-    def __init__(
-        self, settings: Settings, cgroups: CgroupLayout, runtimes: dict[str, Runtime], sandbox: SandboxConfig
-    ) -> None:
+    def __init__(self, settings: Settings, worker_id: str, sandboxes: SandboxFactory, runtimes: dict[str, Runtime]) -> None:
         self.settings = settings
-        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.cgroups = cgroups
+        self.worker_id = worker_id
+        self.sandboxes = sandboxes
         self.runtimes = runtimes
-        self.sandbox = sandbox
         self._jobs: dict[asyncio.Task[None], str] = {}
-        self._free_slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(settings.worker_max_sandboxes):
-            self._free_slots.put_nowait(slot)
+        self._ready: asyncio.Queue[Sandbox] = asyncio.Queue()
+        self._arming: set[asyncio.Task[None]] = set()
         self._signals = 0
+        self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self.started_at_ms = now_ms()
 
@@ -76,13 +74,15 @@ class Worker:
             queue=queue,
             control=control,
             publisher=publisher,
-            cgroups=self.cgroups,
+            sandboxes=self.sandboxes,
             runtimes=self.runtimes,
-            sandbox=self.sandbox,
+            stopping=self._stopping,
         )
         self._install_signal_handlers(ctx)
         await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
-        await sweep_orphans(redis, self.cgroups, self.sandbox.work_root, mine=set())
+        await sweep_orphans(redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id)
+        for slot in range(settings.worker_max_sandboxes):
+            self._arm(slot)
         await control.start()
         upkeep = asyncio.create_task(self._upkeep(ctx), name="upkeep")
         log.info(
@@ -97,6 +97,7 @@ class Worker:
         finally:
             upkeep.cancel()
             await asyncio.gather(upkeep, return_exceptions=True)
+            await self._disarm()
             try:
                 await queue.unregister()
             except RedisError:
@@ -126,37 +127,76 @@ class Worker:
             except NotImplementedError:  # pragma: no cover - not on Linux
                 pass
 
+    # -- slots ----------------------------------------------------------------------
+
+    def _arm(self, slot: int, delay_s: float = 0.0) -> None:
+        """Build a fresh sandbox for `slot` in the background; it becomes claimable when ready."""
+
+        async def arm() -> None:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            try:
+                sandbox = await self.sandboxes.prepare(self.worker_id, slot)
+            except Exception as exc:
+                log.error("slot %d: cannot build a sandbox (%s); retrying in 2s", slot, exc)
+                self._arm(slot, delay_s=2.0)
+                return
+            self._ready.put_nowait(sandbox)
+
+        task = asyncio.create_task(arm(), name=f"arm-slot-{slot}")
+        self._arming.add(task)
+        task.add_done_callback(self._arming.discard)
+
+    async def _take_sandbox(self, stopping: asyncio.Future[object]) -> Sandbox | None:
+        """The next ready sandbox (replacing one that sat idle too long), or None when stopping."""
+        while True:
+            getter = asyncio.ensure_future(self._ready.get())
+            done, _ = await asyncio.wait({getter, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                return None
+            sandbox = getter.result()
+            if sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None:
+                return sandbox
+            await sandbox.destroy()
+            self._arm(sandbox.slot)
+
+    async def _disarm(self) -> None:
+        for task in list(self._arming):
+            task.cancel()
+        await asyncio.gather(*self._arming, return_exceptions=True)
+        ready = [self._ready.get_nowait() for _ in range(self._ready.qsize())]
+        await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
+
     async def _claim_loop(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> None:
         loop = asyncio.get_running_loop()
         stopping = asyncio.ensure_future(ctx.stopping.wait())
         try:
             while not ctx.stopping.is_set():
-                slot_get = asyncio.ensure_future(self._free_slots.get())
-                done, _ = await asyncio.wait({slot_get, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if slot_get not in done:
-                    slot_get.cancel()
+                sandbox = await self._take_sandbox(stopping)
+                if sandbox is None:
                     return
-                slot = slot_get.result()
                 try:
                     claim = await claim_queue.claim(CLAIM_POLL_S, loop.time())
                 except RedisError as exc:
-                    self._free_slots.put_nowait(slot)
+                    self._ready.put_nowait(sandbox)
                     log.warning("claim failed (%s); retrying", exc)
                     await asyncio.sleep(0.5)
                     continue
                 if claim is None:
-                    self._free_slots.put_nowait(slot)
+                    self._ready.put_nowait(sandbox)
                     continue
-                run = JobRun(ctx, claim, slot)
+                run = JobRun(ctx, claim, sandbox)
                 task = asyncio.create_task(run.execute(), name=f"job:{claim.spec.job_id}")
                 self._jobs[task] = claim.spec.job_id
-                task.add_done_callback(lambda t, s=slot: self._job_done(t, s))
+                task.add_done_callback(lambda t, slot=sandbox.slot: self._job_done(t, slot))
         finally:
             stopping.cancel()
 
     def _job_done(self, task: asyncio.Task[None], slot: int) -> None:
         self._jobs.pop(task, None)
-        self._free_slots.put_nowait(slot)
+        if not self._stopping.is_set():
+            self._arm(slot)
 
     async def _drain(self, ctx: WorkerContext) -> None:
         if not self._jobs:
@@ -183,7 +223,7 @@ class Worker:
                     lane = ctx.publisher.lane(keys.realtime_channel(job_id))
                     lane.send("result", result)
                     await lane.close(timeout_s=2.0)
-                await sweep_orphans(ctx.queue.redis, self.cgroups, self.sandbox.work_root, mine=set(self._jobs.values()))
+                await sweep_orphans(ctx.queue.redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id)
             except RedisError as exc:
                 log.warning("upkeep: redis error: %s", exc)
             await asyncio.sleep(interval_s)

@@ -1,0 +1,172 @@
+"""Slot sandboxes: a jail parked at its gate in a fresh workspace and fresh cgroups.
+
+Each sandbox slot keeps one ready before any job arrives (a warm pool of one per slot), so
+a claimed job only has its files written and its limits set, and `start` is a pipe
+write. A sandbox serves exactly one job and is destroyed with it; the slot then prepares
+the next one. Names are `<workerId>.<slot>.<n>`, so the janitor of any worker on the
+host can tell whose leftovers it finds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.limits import Limits
+from worker.cgroups import CgroupLayout, JobCgroup
+from worker.jail import Jail, JailSpec, Program
+from worker.workspace import Workspace
+
+__all__ = ["GateBuildError", "Sandbox", "SandboxFactory", "build_gate", "owner_of"]
+
+log = logging.getLogger(__name__)
+
+GATE_SOURCE = Path(__file__).with_name("gate.c")
+# A sandbox left idle this long is replaced before use (it also bounds nsjail's backstop).
+MAX_IDLE_S = 1200.0
+
+
+class GateBuildError(Exception):
+    """The jail gate could not be compiled (no C compiler?)."""
+
+
+def owner_of(name: str) -> str | None:
+    """The worker id inside a sandbox name `<workerId>.<slot>.<n>`, or None for other names."""
+    parts = name.rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0]
+
+
+async def build_gate(work_root: Path) -> Path:
+    """Compile worker/gate.c once per source version; returns the binary's path."""
+    source = GATE_SOURCE.read_bytes()
+    dest = work_root / f".gate-{hashlib.sha256(source).hexdigest()[:16]}"
+    if dest.is_file() and os.access(dest, os.X_OK):
+        return dest
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise GateBuildError("a C compiler (cc) is needed once at start-up to build the jail gate (apt install gcc)")
+    tmp = dest.with_suffix(f".tmp{os.getpid()}")
+    for static in (["-static"], []):  # static needs libc.a; the dynamic build works too (the jail has /lib)
+        proc = await asyncio.create_subprocess_exec(
+            compiler, "-O2", *static, "-o", str(tmp), str(GATE_SOURCE),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        if proc.returncode == 0:
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, dest)
+            return dest
+    raise GateBuildError(f"building the jail gate failed: {out.decode(errors='replace')[-400:]}")
+
+
+@dataclass
+class Sandbox:
+    name: str
+    slot: int
+    uid: int
+    workspace: Workspace
+    cgroup: JobCgroup
+    jail: Jail
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def idle_s(self) -> float:
+        return time.monotonic() - self.created_at
+
+    def load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
+        """Write the job's files and set its memory and process limits (before start)."""
+        self.workspace.stage(files)
+        # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
+        self.cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
+
+    def start(self, program: Program) -> None:
+        self.jail.go(program)
+
+    async def destroy(self, exit_grace_s: float = 5.0) -> None:
+        """Kill every process of the sandbox and remove its cgroups and workspace."""
+        self.cgroup.kill()
+        try:
+            await asyncio.wait_for(self.jail.wait(), exit_grace_s)
+        except TimeoutError:
+            log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
+            self.jail.terminate_supervisor()
+            await self.jail.wait()
+        await self.cgroup.remove()
+        self.workspace.destroy()
+
+
+@dataclass
+class SandboxFactory:
+    """Everything needed to build sandboxes on this host."""
+
+    nsjail: str
+    profiles_dir: Path
+    work_root: Path
+    gate: Path
+    cgroups: CgroupLayout
+    uid_base: int
+    max_limits: Limits
+    extra_mounts: list[str] = field(default_factory=list)
+    workspace_bytes: int = 64 * 1024 * 1024
+    workspace_inodes: int = 4096
+    rlimit_fsize_mb: int = 64
+    rlimit_nofile: int = 64
+    ready_timeout_s: float = 10.0
+    _counter: int = 0
+
+    def profile(self, name: str = "base") -> Path:
+        return self.profiles_dir / f"{name}.cfg"
+
+    def program_rlimits(self, limits: Limits) -> dict[str, int]:
+        return {
+            # Per-process CPU backstop above the job-level CPU clock the worker enforces.
+            "rlimit_cpu_s": math.ceil(limits.cpu_ms / 1000) + 1,
+            "rlimit_fsize_bytes": self.rlimit_fsize_mb * 1024 * 1024,
+            "rlimit_nofile": self.rlimit_nofile,
+        }
+
+    async def prepare(self, owner: str, slot: int) -> Sandbox:
+        """Build a fresh sandbox for `slot` and wait until its jail sits at the gate."""
+        self._counter += 1
+        name = f"{owner}.{slot}.{self._counter}"
+        uid = self.uid_base + slot
+        workspace = Workspace(self.work_root, name, uid, uid)
+        cgroup = self.cgroups.job(name)
+        jail: Jail | None = None
+        try:
+            workspace.create(self.workspace_bytes, self.workspace_inodes)
+            cgroup.create()
+            cgroup.set_limits(memory_bytes=self.max_limits.memory_mb * 1024 * 1024, pids=self.max_limits.pids + 1)
+            spec = JailSpec(
+                gate=self.gate,
+                workspace=workspace.path,
+                uid=uid,
+                gid=uid,
+                extra_mounts=self.extra_mounts,
+                # nsjail's own clock is only a backstop behind the worker's clocks: it covers the
+                # longest a sandbox may wait for a job, then for a start, then run.
+                backstop_s=int(MAX_IDLE_S + 120 + self.max_limits.wall_time_ms / 1000 + 60),
+                rlimit_cpu_s=math.ceil(self.max_limits.cpu_ms / 1000) + 1,
+                rlimit_fsize_mb=self.rlimit_fsize_mb,
+                rlimit_nofile=self.rlimit_nofile,
+            )
+            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup)
+            await jail.wait_ready(self.ready_timeout_s)
+        except BaseException:
+            cgroup.kill()
+            if jail is not None:
+                jail.terminate_supervisor()
+                await asyncio.shield(jail.wait())
+            await asyncio.shield(cgroup.remove())
+            workspace.destroy()
+            raise
+        return Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail)
