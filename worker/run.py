@@ -3,7 +3,7 @@
     claim (with the slot's ready sandbox) ─ subscribe ─ stage{queued} ─ load files + limits
       └─ park: wait for start (durable flag or ctrl message) ≤ warm-up
     start ─ starting ─ stage{running} (started=1 in Redis first) ─ go ─ stream ─ exit
-    kill the cgroup ─ read counters ─ destroy the sandbox ─ one result (atomic, fenced)
+    kill the cgroup ─ read counters ─ one result (atomic, fenced) ─ destroy the sandbox
 
 The jail was built before the job existed (worker/sandbox.py), so start→first byte is one
 pipe write plus the program's own start-up. Exactly one result is written by `_finish`; every
@@ -109,7 +109,8 @@ class JobRun:
                 return
             await self.events.state(JobState.STARTING)
             facts = await self._run(sub.queue, program)
-            await self._destroy()
+            # Every process is dead already (killed, counters read); removing the cgroups and
+            # the workspace happens right after the result, off the user's critical path.
             await self._finish_run(facts)
         except Fenced:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
