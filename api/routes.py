@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api.errors import ApiError
+from api.events import job_events
 from api.state import AppState
 from api.store import StoredStatus, now_ms
 from shared import keys
@@ -194,6 +195,7 @@ routes = [
     Route("/v1/execute", execute, methods=["POST"]),
     Route("/v1/jobs/{job_id}/start", start_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
     Route("/v1/languages", languages, methods=["GET"]),
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),

@@ -115,6 +115,22 @@ class JobStore:
         raw = await self._redis.hgetall(keys.WORKERS)
         return [decode_stored(WorkerInfo, value) for value in raw.values()]
 
+    async def events(self, job_id: str, after_stream_id: str, block_ms: int | None) -> list[tuple[str, int, str, bytes]]:
+        """Entries of the job's durable log after a stream id: (stream id, seq, name, data).
+
+        With `block_ms`, waits up to that long for the first new entry.
+        """
+        key = keys.events_key(job_id)
+        if block_ms is None:
+            raw = await self._redis.xrange(key, min=f"({after_stream_id}" if after_stream_id != "0" else "-", count=500)
+        else:
+            answer = await self._redis.xread({key: after_stream_id}, count=500, block=block_ms)
+            raw = answer[0][1] if answer else []
+        return [
+            (entry_id.decode(), int(fields[b"seq"]), fields[b"name"].decode(), fields[b"data"])
+            for entry_id, fields in raw
+        ]
+
     async def queue_depth(self) -> int:
         return int(await self._redis.llen(keys.QUEUE))
 

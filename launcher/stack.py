@@ -232,6 +232,12 @@ class Stack:
                 data += chunk
         return b":1\r\n" in data
 
+    def redis(self):  # type: ignore[no-untyped-def]
+        """A synchronous client of this stack's Redis (for tests and tools)."""
+        import redis
+
+        return redis.Redis.from_url(self.redis_url)
+
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
         proc = self.procs.get(name)
         if proc is None:

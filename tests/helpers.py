@@ -50,6 +50,25 @@ class Api:
         assert response.status_code == 200, response.text
         return response.json()  # type: ignore[no-any-return]
 
+    def replay(self, job: dict[str, Any], after: int | None = None, timeout_s: float = 30) -> list[tuple[str, dict[str, Any]]]:
+        """Every event of the job from the durable log (SSE), until the result."""
+        params = {} if after is None else {"after": str(after)}
+        events: list[tuple[str, dict[str, Any]]] = []
+        with self.client.stream("GET", f"/v1/jobs/{job['jobId']}/events", headers=self.headers(), params=params,
+                                timeout=timeout_s) as response:  # fmt: skip
+            assert response.status_code == 200, response.read()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            name = data = None
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                elif line == "" and name is not None:
+                    events.append((name, data))  # type: ignore[arg-type]
+                    name = data = None
+        return events
+
     def wait_state(self, job: dict[str, Any], states: set[str], timeout_s: float = 20) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -84,10 +84,12 @@ def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> 
         job = api.execute(py_job("print('second life')"))
         followed = rt.follow(job)
         # Wait until the first worker has claimed and parked it, then kill that worker hard.
+        claimed = f"worker:{stack.worker_ids['worker']}:claimed"
         deadline = time.monotonic() + 5
-        while not any(n == "stage" for n, _ in followed.events):
-            assert time.monotonic() < deadline, "job was never claimed"
-            time.sleep(0.02)
+        with stack.redis() as redis:
+            while job["jobId"].encode() not in redis.lrange(claimed, 0, -1):
+                assert time.monotonic() < deadline, "job was never claimed"
+                time.sleep(0.02)
         os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
         stack.procs["worker"].wait()
         api.start(job)  # durable: stored while nobody holds the job
@@ -95,9 +97,16 @@ def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> 
         result = followed.wait_result(timeout_s=20)
         assert result["outcome"] == "completed", result.get("message")
         assert followed.text("stdout") == "second life\n"
-        # The second claim continued the same sequence: no gaps, no doubles.
-        seqs = sorted(p["seq"] for _, p in followed.events)
-        assert seqs == list(range(len(seqs)))
+        # The second claim continued the same sequence: the durable log holds both claims'
+        # stage{queued} and everything after, numbered without gaps or doubles.
+        with stack.redis() as redis:
+            log = [(int(f[b"seq"]), f[b"name"].decode()) for _, f in redis.xrange(f"job:{job['jobId']}:events")]
+        assert [seq for seq, _ in log] == list(range(len(log)))
+        names = [name for _, name in log]
+        assert names[:3] == ["stage", "stage", "stage"] and names[-1] == "result"
+        assert set(names[3:-1]) == {"stdout"}  # one or more chunks, as the pipe delivered them
+        received = sorted(p["seq"] for _, p in followed.events)
+        assert received == list(range(received[0], len(log)))
     finally:
         rt.close()
         api.close()

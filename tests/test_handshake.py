@@ -27,14 +27,20 @@ def test_happy_path_events_order_and_seq(api: Api, realtime: Realtime) -> None:
     result = followed.wait_result()
     time.sleep(0.3)  # a duplicate result, if one existed, would arrive in this window
 
+    # The durable log (SSE) holds every event: seq 0..n-1, each once, in this order.
+    log = api.replay(job)
+    assert [p["seq"] for _, p in log] == list(range(len(log)))
+    assert log[0] == ("stage", {"phase": "queued", "seq": 0})
+    assert log[1] == ("stage", {"phase": "running", "seq": 1})
+    assert log[-1] == ("result", result)
+    assert {n for n, _ in log[2:-1]} == {"stdout", "stderr"}
+    # Live, the client saw everything from start on (stage{queued} is published at claim
+    # time and may precede the subscription): contiguous, in order, identical to the log.
+    live = sorted(followed.events, key=lambda e: e[1]["seq"])
+    first = live[0][1]["seq"]
+    assert first in (0, 1)
+    assert live == log[first:]
     names = [name for name, _ in followed.events]
-    seqs = [payload["seq"] for _, payload in followed.events]
-    # Nothing lost and nothing doubled: seq is 0..n-1 exactly once each.
-    assert sorted(seqs) == list(range(len(seqs)))
-    by_seq = [name for _, name in sorted(zip(seqs, names, strict=True))]
-    assert by_seq[0] == "stage" and by_seq[-1] == "result"
-    stages = [p["phase"] for n, p in sorted(followed.events, key=lambda e: e[1]["seq"]) if n == "stage"]
-    assert stages == ["queued", "running"]
     assert names.count("result") == 1
     assert followed.text("stdout") == "hello\n"
     assert followed.text("stderr") == "oops\n"
@@ -48,13 +54,29 @@ def test_happy_path_events_order_and_seq(api: Api, realtime: Realtime) -> None:
     assert 0 <= result["durationMs"] < 5000
     assert result["memoryKb"] > 0
     # stage{running} precedes every output chunk.
-    running_seq = next(p["seq"] for n, p in followed.events if n == "stage" and p["phase"] == "running")
-    assert all(p["seq"] > running_seq for n, p in followed.events if n in ("stdout", "stderr"))
+    assert all(p["seq"] > 1 for n, p in followed.events if n in ("stdout", "stderr"))
 
     status = api.status(job)
     assert status["state"] == "done"
     assert status["result"] == result
     assert status["language"] == "python" and status["version"]
+
+
+def test_event_log_resumes_after_last_event_id(api: Api, realtime: Realtime) -> None:
+    job = api.execute(py_job("for i in range(3): print(i)"))
+    followed = realtime.follow(job)
+    api.start(job)
+    followed.wait_result()
+    full = api.replay(job)
+    assert api.replay(job, after=1) == full[2:]
+    with api.client.stream("GET", f"/v1/jobs/{job['jobId']}/events", headers={**api.headers(), "Last-Event-ID": str(len(full) - 2)}) as r:
+        body = r.read().decode()
+    assert body.count("event: ") == 1 and "event: result" in body
+    # The job token reads it too; another job's token does not.
+    assert api.get(f"/v1/jobs/{job['jobId']}/events", token=job["jobToken"]).status_code == 200
+    other = api.execute(py_job("print(0)"))
+    assert api.get(f"/v1/jobs/{job['jobId']}/events", token=other["jobToken"]).status_code == 404
+    api.start(other)
 
 
 def test_states_move_queued_to_done(api: Api, realtime: Realtime) -> None:

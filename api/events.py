@@ -1,0 +1,73 @@
+"""`GET /v1/jobs/:id/events`: the durable event log as Server-Sent Events.
+
+Every event a job ever emitted is in its Redis stream, so a client that subscribed late,
+or lost its WebSocket, fetches exactly what it missed: `Last-Event-ID` (or `?after=`)
+names the last seq it has, the stream resumes after it, and it ends after `result`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from api.errors import ApiError
+from api.state import AppState
+from api.store import JobStore
+from shared import keys
+from shared.messages import TERMINAL_STATES
+
+__all__ = ["job_events"]
+
+BLOCK_MS = 15000
+
+
+def _after(request: Request) -> int:
+    raw = request.headers.get("last-event-id") or request.query_params.get("after")
+    if raw is None or raw == "":
+        return -1
+    if not raw.lstrip("-").isdigit():
+        raise ApiError(400, "after must be an integer event seq", details=[])
+    return int(raw)
+
+
+async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator[bytes]:
+    cursor = "0"
+    backlog = True
+    while True:
+        entries = await store.events(job_id, cursor, None if backlog else BLOCK_MS)
+        if backlog and not entries:
+            backlog = False
+            status = await store.status(job_id)
+            if status is None or (status.state in TERMINAL_STATES and status.result is None):
+                return
+            continue
+        if not entries:
+            yield b": keep-alive\n\n"
+            status = await store.status(job_id)
+            if status is None:
+                return
+            continue
+        for entry_id, seq, name, data in entries:
+            cursor = entry_id
+            if seq > after_seq:
+                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, name.encode(), data)
+            if name == "result":
+                return
+
+
+async def job_events(request: Request) -> Response:
+    """SSE of every event of the job after `Last-Event-ID`/`?after=`; ends after `result`."""
+    state: AppState = request.app.state.coderunner
+    job_id = request.path_params["job_id"]
+    principal = state.auth.principal(request)
+    status = await state.store.status(job_id) if keys.is_job_id(job_id) else None
+    if status is None or not principal.may_access(job_id, status.owner):
+        raise ApiError(404, "Job not found")
+    after_seq = _after(request)
+    return StreamingResponse(
+        _stream(state.store, job_id, after_seq),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
