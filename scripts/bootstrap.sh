@@ -13,6 +13,9 @@ say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 apt_missing=()
 command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
 command -v node >/dev/null 2>&1 || apt_missing+=(nodejs npm)
+# The worker compiles its tiny jail gate (worker/gate.c) once at start-up.
+command -v cc >/dev/null 2>&1 || apt_missing+=(gcc)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || apt_missing+=(libc6-dev)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     say "installing ${apt_missing[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
