@@ -35,8 +35,11 @@ extras=""
 [ $want_test = 1 ] && extras="[test]"
 if [ ! -f "$stamp$extras" ] || [ pyproject.toml -nt "$stamp$extras" ]; then
     say "installing the coderunner package$extras into .venv"
-    .venv/bin/pip install -q --upgrade pip >/dev/null
-    .venv/bin/pip install -q -e ".$extras"
+    if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e ".$extras"; } >.venv/install.log 2>&1; then
+        tail -30 .venv/install.log >&2
+        echo "pip install failed (full log: .venv/install.log)" >&2
+        exit 1
+    fi
     touch "$stamp$extras"
 fi
 
