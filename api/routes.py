@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -129,6 +130,37 @@ async def get_job(request: Request) -> Response:
     return _json(status.view())
 
 
+MAX_WAIT_MS = 60000
+
+
+async def job_output(request: Request) -> Response:
+    """The pullable RunResult of a `collectOutput` job; `?waitMs=` long-polls for it.
+
+    One uniform 404 covers an unknown job, a job that did not collect output, and an
+    expired one, so job ids cannot be probed.
+    """
+    state = _state(request)
+    status = await _job_for(request, state)
+    raw_wait = request.query_params.get("waitMs", "0")
+    if not raw_wait.isdigit():
+        raise ValidationError([FieldError("waitMs", "must be a non-negative integer")])
+    wait_ms = min(int(raw_wait), MAX_WAIT_MS)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_ms / 1000
+    delay = 0.02
+    while True:
+        raw = await state.store.output(status.job_id)
+        if raw is not None:
+            return Response(raw, media_type="application/json")
+        if loop.time() >= deadline:
+            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
+        current = await state.store.status(status.job_id)
+        if current is None or current.state in TERMINAL_STATES:
+            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
+        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+        delay = min(delay * 1.5, 0.25)
+
+
 async def languages(request: Request) -> Response:
     """Runtimes live workers can run right now, with their probed versions."""
     state = _state(request)
@@ -196,6 +228,7 @@ routes = [
     Route("/v1/jobs/{job_id}/start", start_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/output", job_output, methods=["GET"]),
     Route("/v1/languages", languages, methods=["GET"]),
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),

@@ -131,6 +131,11 @@ class JobStore:
             for entry_id, fields in raw
         ]
 
+    async def output(self, job_id: str) -> bytes | None:
+        """The stored RunResult JSON (jobs with collectOutput), or None."""
+        raw = await self._redis.get(keys.output_key(job_id))
+        return bytes(raw) if raw is not None else None
+
     async def queue_depth(self) -> int:
         return int(await self._redis.llen(keys.QUEUE))
 

@@ -304,8 +304,9 @@ class Stack:
         work_root = Path(f"/run/{self.deployment}")
         if work_root.is_dir():
             mounts = Path("/proc/self/mounts").read_text()
-            for child in work_root.iterdir():
-                if child.is_dir():
+            toolchains = work_root / ".toolchains"
+            for child in [*work_root.iterdir(), *(toolchains.iterdir() if toolchains.is_dir() else [])]:
+                if child.is_dir() and child != toolchains:
                     detach_workspace(child, mounts)
             shutil.rmtree(work_root, ignore_errors=True)
 

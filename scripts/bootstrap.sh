@@ -13,6 +13,12 @@ say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 apt_missing=()
 command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
 command -v node >/dev/null 2>&1 || apt_missing+=(nodejs npm)
+# Toolchains of the languages in sandbox-profiles/languages (a missing one is simply not
+# offered; these are the ones this project installs and tests).
+command -v go >/dev/null 2>&1 || apt_missing+=(golang-go)
+command -v ruby >/dev/null 2>&1 || apt_missing+=(ruby)
+command -v javac >/dev/null 2>&1 || apt_missing+=(default-jdk-headless)
+command -v g++ >/dev/null 2>&1 || apt_missing+=(g++)
 # The worker compiles its tiny jail gate (worker/gate.c) once at start-up.
 command -v cc >/dev/null 2>&1 || apt_missing+=(gcc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || apt_missing+=(libc6-dev)

@@ -12,7 +12,8 @@ import msgspec
 
 from shared.errors import FieldError, ValidationError
 
-__all__ = ["DEFAULT_LIMITS", "DEFAULT_MAXIMA", "Limits", "RequestedLimits", "resolve_limits", "wire_name", "with_overrides"]
+__all__ = [
+    "COMPILE_DEFAULTS","DEFAULT_LIMITS", "DEFAULT_MAXIMA", "Limits", "RequestedLimits", "resolve_limits", "wire_name", "with_overrides"]
 
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**40)]
 
@@ -53,6 +54,18 @@ DEFAULT_LIMITS = Limits(
     output_kb=512,
     max_artifacts=20,
     max_artifact_bytes=4 * 1024 * 1024,
+)
+
+# Compile steps: the manifest's `compile.limits` override these; requests cannot change them.
+COMPILE_DEFAULTS = Limits(
+    wall_time_ms=20000,
+    idle_ms=20000,
+    cpu_ms=15000,
+    memory_mb=512,
+    pids=64,
+    output_kb=64,
+    max_artifacts=0,
+    max_artifact_bytes=0,
 )
 
 DEFAULT_MAXIMA = Limits(

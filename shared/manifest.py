@@ -1,19 +1,24 @@
 """Language manifests: the data in `sandbox-profiles/languages/*.toml`, parsed and checked.
 
-Nothing about a language is hard-coded in Python; a manifest says how to probe the
-version, which file names to expect, how to compile and run, what extra read-only paths
-the toolchain needs, and the language's default limits.
+Nothing about a language is hard-coded in Python; a manifest says where the toolchain
+is, how to probe its version, which file names to expect, how to compile and run, what
+extra read-only paths and environment it needs, and its default run and compile limits.
 
-Placeholders in argv templates:
-    {entry}     the first submitted file (the program's entry point)
-    {sources}   every submitted file whose name ends with one of `source_extensions`
-                (expands to several arguments)
-    {args}      the request's `args` (run only; expands to several arguments)
-    {memoryMb}, {heapMb}   the job's memory limit, and 60 % of it (for -Xmx and similar)
+Placeholders:
+    {home}        the toolchain folder printed by `home_probe` (anywhere: argv, env, mounts,
+                  version_probe); for toolchains that do not live under /usr
+    {entry}       the first submitted file (the program's entry point)
+    {entryStem}   {entry} without its extension (a Java class name)
+    {sources}     every submitted file ending in one of `source_extensions` (several arguments)
+    {args}        the request's `args` (run only; several arguments)
+    {memoryMb}, {heapMb}   the step's memory limit, and 60 % of it (for -Xmx and similar)
+
+Mount entries are `path` (same path inside the jail) or `host_path:jail_path`.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from typing import Annotated
 
@@ -22,19 +27,23 @@ import msgspec
 from shared.errors import ManifestError
 from shared.limits import RequestedLimits
 
-__all__ = ["PLACEHOLDERS", "CompileStep", "Manifest", "expand_argv", "parse_manifest"]
+__all__ = ["CompileStep", "Manifest", "expand_argv", "parse_manifest", "with_home"]
 
-PLACEHOLDERS = ("{entry}", "{sources}", "{args}", "{memoryMb}", "{heapMb}")
+SCALARS = ("{entry}", "{entryStem}", "{memoryMb}", "{heapMb}", "{home}")
+LISTS = ("{sources}", "{args}")
+_PLACEHOLDER = re.compile(r"\{[A-Za-z]+\}")
 
 NonEmptyArgv = Annotated[list[str], msgspec.Meta(min_length=1)]
 
 
 class CompileStep(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     argv: NonEmptyArgv
+    # Limits of the compile step (its own clocks and cgroup); unset fields take the
+    # platform's compile defaults.
     limits: RequestedLimits = RequestedLimits()
     # Compiler output beyond this is dropped (with a marker) from events and the result.
-    output_kb: int = 64
-    # Extra environment for the compiler only.
+    output_kb: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    # Environment for the compiler only (on top of the manifest's `env`).
     env: dict[str, str] = {}
 
 
@@ -44,17 +53,18 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     interactive: bool = True
     source_file: str
     source_extensions: list[str] = []
+    # Optional: prints the toolchain folder, which becomes {home}.
+    home_probe: list[str] = []
+    # Extra PATH entries for the probes (host side, e.g. where rustup puts its proxies).
+    probe_path: list[str] = []
     version_probe: NonEmptyArgv
     # Regular expression with one group that extracts the version from the probe's output.
     version_pattern: str
     run: NonEmptyArgv
     compile: CompileStep | None = None
     env: dict[str, str] = {}
-    # Extra read-only bind mounts (host path, same path inside), beyond the base profile's.
     mounts: list[str] = []
     limits: RequestedLimits = RequestedLimits()
-    # Seccomp/profile knobs a runtime needs; the base profile applies when empty.
-    profile: str = "base"
 
     @property
     def compiled(self) -> bool:
@@ -63,6 +73,19 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def names(self) -> list[str]:
         return [self.language, *self.aliases]
+
+
+def _check_templates(manifest: Manifest, origin: str) -> None:
+    templates: list[tuple[str, list[str]]] = [("run", manifest.run), ("version_probe", manifest.version_probe)]
+    if manifest.compile is not None:
+        templates.append(("compile.argv", manifest.compile.argv))
+    for where, template in templates:
+        for item in template:
+            if item in LISTS:
+                continue
+            for found in _PLACEHOLDER.findall(item):
+                if found not in SCALARS:
+                    raise ManifestError(f"{origin}: unknown placeholder {found} in {where}")
 
 
 def parse_manifest(text: str, origin: str) -> Manifest:
@@ -79,20 +102,37 @@ def parse_manifest(text: str, origin: str) -> Manifest:
         manifest = msgspec.convert(data, Manifest)
     except msgspec.ValidationError as exc:
         raise ManifestError(f"{origin}: {exc}") from None
-    for template in (manifest.run, manifest.compile.argv if manifest.compile else []):
-        for item in template:
-            if "{" in item and item not in PLACEHOLDERS and not _only_known(item):
-                raise ManifestError(f"{origin}: unknown placeholder in {item!r}")
+    _check_templates(manifest, origin)
     if "/" in manifest.source_file or manifest.source_file.startswith("."):
         raise ManifestError(f"{origin}: source_file must be a plain file name")
+    try:
+        re.compile(manifest.version_pattern)
+    except re.error as exc:
+        raise ManifestError(f"{origin}: version_pattern is not a regular expression: {exc}") from None
     return manifest
 
 
-def _only_known(item: str) -> bool:
-    rest = item
-    for placeholder in ("{entry}", "{memoryMb}", "{heapMb}"):
-        rest = rest.replace(placeholder, "")
-    return "{" not in rest and "}" not in rest
+def with_home(manifest: Manifest, home: str) -> Manifest:
+    """The manifest with {home} filled in everywhere it may appear."""
+
+    def fill(items: list[str]) -> list[str]:
+        return [item.replace("{home}", home) for item in items]
+
+    compile_step = manifest.compile
+    if compile_step is not None:
+        compile_step = msgspec.structs.replace(
+            compile_step,
+            argv=fill(compile_step.argv),
+            env={k: v.replace("{home}", home) for k, v in compile_step.env.items()},
+        )
+    return msgspec.structs.replace(
+        manifest,
+        run=fill(manifest.run),
+        version_probe=fill(manifest.version_probe),
+        mounts=fill(manifest.mounts),
+        env={k: v.replace("{home}", home) for k, v in manifest.env.items()},
+        compile=compile_step,
+    )
 
 
 def expand_argv(
@@ -104,7 +144,13 @@ def expand_argv(
     memory_mb: int,
 ) -> list[str]:
     """Fill a manifest argv template; list placeholders expand in place."""
-    heap_mb = max(16, memory_mb * 6 // 10)
+    stem = entry.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    scalars = {
+        "{entry}": entry,
+        "{entryStem}": stem,
+        "{memoryMb}": str(memory_mb),
+        "{heapMb}": str(max(16, memory_mb * 6 // 10)),
+    }
     out: list[str] = []
     for item in template:
         if item == "{sources}":
@@ -112,9 +158,5 @@ def expand_argv(
         elif item == "{args}":
             out.extend(args)
         else:
-            out.append(
-                item.replace("{entry}", entry)
-                .replace("{memoryMb}", str(memory_mb))
-                .replace("{heapMb}", str(heap_mb))
-            )
+            out.append(_PLACEHOLDER.sub(lambda m: scalars.get(m.group(0), m.group(0)), item))
     return out

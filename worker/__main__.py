@@ -24,6 +24,7 @@ from worker.cgroups import CgroupError, detect_layout
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 from worker.sandbox import GateBuildError, SandboxFactory, build_gate
 from worker.selftest import SandboxUnavailable, self_test
+from worker.toolchains import ToolchainError, expose_mounts
 
 __all__ = ["main", "preflight"]
 
@@ -66,7 +67,14 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
     runtimes = await discover_runtimes(load_manifests(pdir))
     if not runtimes:
         raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
-    mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})
+    try:
+        mounts = expose_mounts(
+            sorted({m for r in runtimes.values() for m in r.manifest.mounts}),
+            work_root,
+            Path("/proc/self/mounts").read_text(),
+        )
+    except ToolchainError as exc:
+        raise SandboxUnavailable(str(exc)) from None
     factory = SandboxFactory(
         nsjail=nsjail,
         profiles_dir=pdir,

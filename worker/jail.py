@@ -129,7 +129,10 @@ class Jail:
         self.released = False
 
     @classmethod
-    async def launch(cls, nsjail: str, profile: Path, spec: JailSpec, cgroup: JobCgroup) -> Jail:
+    async def launch(
+        cls, nsjail: str, profile: Path, spec: JailSpec, cgroup: JobCgroup, merge_stderr: bool = False
+    ) -> Jail:
+        """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers)."""
         read_fd, write_fd = os.pipe()
         try:
             argv = build_argv(nsjail, profile, spec, write_fd, cgroup.procs_files())
@@ -137,7 +140,7 @@ class Jail:
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
                 pass_fds=(write_fd,),
                 env={},
                 start_new_session=True,

@@ -12,7 +12,7 @@ import base64
 
 from shared.chunking import Utf8Chunker
 
-__all__ = ["OutputBudget", "exact_text"]
+__all__ = ["CompileOutput", "OutputBudget", "exact_text"]
 
 
 class OutputBudget:
@@ -45,3 +45,31 @@ def exact_text(data: bytes) -> tuple[str, str]:
         return data.decode("utf-8"), "utf8"
     except UnicodeDecodeError:
         return base64.b64encode(data).decode(), "base64"
+
+
+class CompileOutput:
+    """Interleaved compiler output, capped; the cap adds one visible marker, then drops."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._budget = OutputBudget(limit_bytes, keep_bytes=True)
+        self._limit_kb = limit_bytes // 1024
+        self._marked = False
+
+    def feed(self, data: bytes) -> list[str]:
+        chunks = self._budget.feed("stdout", data)
+        if self._budget.truncated and not self._marked:
+            self._marked = True
+            chunks = [*chunks, *self._budget.flush("stdout"), self.marker]
+        return chunks
+
+    def flush(self) -> list[str]:
+        return [] if self._marked else self._budget.flush("stdout")
+
+    @property
+    def marker(self) -> str:
+        return f"\n[compiler output truncated at {self._limit_kb} KiB]\n"
+
+    @property
+    def text(self) -> str:
+        text = bytes(self._budget.data["stdout"]).decode("utf-8", "replace")
+        return text + self.marker if self._marked else text

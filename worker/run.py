@@ -1,14 +1,16 @@
-"""The life of one claimed job: load, park, start, run under the clocks, report once.
+"""The life of one claimed job: load, park, start, [compile], run under the clocks, report once.
 
     claim (with the slot's ready sandbox) ─ subscribe ─ stage{queued} ─ load files + limits
+      ├─ compiled languages: build the compile jail over the same workspace (while parked)
       └─ park: wait for start (durable flag or ctrl message) ≤ warm-up
-    start ─ starting ─ stage{running} (started=1 in Redis first) ─ go ─ stream ─ exit
+    start ─ starting ─ [stage{compiling} ─ compile_output… ─ stop here on failure]
+          ─ stage{running} (started=1 in Redis first) ─ go ─ stdout/stderr… ─ exit
     kill the cgroup ─ read counters ─ one result (atomic, fenced) ─ destroy the sandbox
 
-The jail was built before the job existed (worker/sandbox.py), so start→first byte is one
-pipe write plus the program's own start-up. Exactly one result is written by `_finish`; every
-path out of `execute` goes through it, except losing the job to another worker (Fenced),
-where writing anything would be wrong.
+The run jail was built before the job existed (worker/sandbox.py), so start→first byte is
+one pipe write plus the program's own start-up. Exactly one result is written by
+`_finish`; every path out of `execute` goes through it, except losing the job to another
+worker (Fenced), where writing anything would be wrong.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import msgspec
 
 from shared import keys
 from shared.errors import ValidationError
+from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
 from shared.manifest import expand_argv
 from shared.messages import (
     OUTCOME_STATE,
+    CompileInfo,
     CtrlMessage,
     JobSpec,
     JobState,
@@ -34,10 +38,12 @@ from shared.messages import (
 from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.events import JobEvents
-from worker.jail import Jail, JailExit, Program
-from worker.output import OutputBudget, exact_text
+from worker.jail import JailError, Program
+from worker.outcome import compile_info, compile_succeeded, judge_run
+from worker.output import CompileOutput, OutputBudget, exact_text
 from worker.queue import Claim, Fenced
 from worker.sandbox import Sandbox
+from worker.supervise import Activity, Clocks, StepFacts, supervise
 from worker.workspace import WorkspaceError
 
 __all__ = ["JobRun"]
@@ -45,9 +51,6 @@ __all__ = ["JobRun"]
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 
-CPU_POLL_S = 0.05
-READ_SIZE = 65536
-EXIT_GRACE_S = 5.0
 FINISH_RETRY_S = 30.0
 
 
@@ -55,16 +58,12 @@ class PlatformError(Exception):
     """The platform failed before user code ran (becomes outcome internal_error)."""
 
 
-@dataclass
-class RunFacts:
-    """What the supervision of a run observed."""
-
-    exit: JailExit
-    fired: str | None  # "wall" | "cpu" | "idle" | "user" | None
-    duration_ms: int
-    cpu_ms: int
-    memory_kb: int
-    oom_kills: int
+@dataclass(frozen=True)
+class Plan:
+    run: Program
+    compile: Program | None = None
+    compile_limits: Limits | None = None
+    compile_output_kb: int = 64
 
 
 class JobRun:
@@ -76,27 +75,32 @@ class JobRun:
         self.sandbox = sandbox
         self.lane = ctx.publisher.lane(keys.realtime_channel(self.job_id))
         self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq)
-        self._destroyed = False
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
+        self._destroyed = False
 
     # ------------------------------------------------------------------ entry point
 
     async def execute(self) -> None:
-        loop = asyncio.get_running_loop()
         sub = None
+        compile_jail: asyncio.Task[None] | None = None
         try:
             sub = await self.ctx.control.subscribe(self.job_id)
             await self.events.stage("queued")
             try:
-                program = self._load()
+                plan = self._load()
             except (PlatformError, ValidationError, WorkspaceError, OSError) as exc:
                 log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
                 await self._destroy()
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
-            signal = await self._park(sub.queue, loop.time)
+            if plan.compile is not None and plan.compile_limits is not None:
+                compile_jail = asyncio.create_task(
+                    self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
+                )
+            signal = await self._park(sub.queue)
             if signal != "start":
+                await self._discard(compile_jail)
                 await self._destroy()
                 if signal == "handback":
                     if await self.ctx.queue.hand_back(self.job_id, self.claim.attempt):
@@ -108,10 +112,23 @@ class JobRun:
                     await self._finish_without_run(Outcome.EXPIRED, None)
                 return
             await self.events.state(JobState.STARTING)
-            facts = await self._run(sub.queue, program)
+            compiled: CompileInfo | None = None
+            if compile_jail is not None and plan.compile is not None:
+                try:
+                    await compile_jail
+                except (JailError, OSError) as exc:
+                    log.error("job %s: compile jail failed: %s", self.job_id, exc)
+                    await self._destroy()
+                    await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
+                    return
+                facts, compiled = await self._compile(sub.queue, plan)
+                if not compile_succeeded(facts):
+                    await self._finish_compile_failure(facts, compiled)
+                    return
+            facts = await self._run(sub.queue, plan.run)
             # Every process is dead already (killed, counters read); removing the cgroups and
             # the workspace happens right after the result, off the user's critical path.
-            await self._finish_run(facts)
+            await self._finish_run(facts, compiled)
         except Fenced:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
             self._finished = True
@@ -122,15 +139,57 @@ class JobRun:
             log.exception("job %s: unexpected failure", self.job_id)
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
+            await self._discard(compile_jail)
             if not self._destroyed:
                 await asyncio.shield(self._destroy())
             if sub is not None:
                 await self.ctx.control.unsubscribe(sub)
             await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
 
+    @staticmethod
+    async def _discard(task: asyncio.Task[None] | None) -> None:
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ load
+
+    def _load(self) -> Plan:
+        """Put the job's files and limits into the ready sandbox; returns what to exec."""
+        spec = self.spec
+        runtime = self.ctx.runtimes.get(spec.language)
+        if runtime is None:
+            raise PlatformError(f"language {spec.language} is not offered by this worker")
+        if spec.version and spec.version != runtime.version:
+            raise PlatformError(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
+        files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
+        manifest = runtime.manifest
+        self.sandbox.load(files, spec.limits)
+        names = [name for name, _ in files]
+        entry = names[0]
+        sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
+        factory = self.ctx.sandboxes
+        run = Program(
+            argv=expand_argv(manifest.run, entry=entry, sources=sources, args=spec.args, memory_mb=spec.limits.memory_mb),
+            env=dict(manifest.env),
+            **factory.program_rlimits(spec.limits),
+        )
+        step = manifest.compile
+        if step is None:
+            return Plan(run=run)
+        limits = with_overrides(COMPILE_DEFAULTS, step.limits)
+        compile_program = Program(
+            argv=expand_argv(step.argv, entry=entry, sources=sources, args=[], memory_mb=limits.memory_mb),
+            env={**manifest.env, **step.env},
+            rlimit_cpu_s=limits.cpu_ms // 1000 + 1,
+            rlimit_fsize_bytes=factory.workspace_bytes,
+            rlimit_nofile=256,
+        )
+        return Plan(run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
+
     # ------------------------------------------------------------------ park
 
-    async def _park(self, inbox: asyncio.Queue[object], clock: object) -> str:
+    async def _park(self, inbox: asyncio.Queue[object]) -> str:
         """Wait for start. Returns "start", "expired", "kill" or "handback"."""
         loop = asyncio.get_running_loop()
         if self.claim.start_flag or await self.ctx.queue.start_flag(self.job_id):
@@ -161,125 +220,76 @@ class JobRun:
         finally:
             stopping.cancel()
 
-    # ------------------------------------------------------------------ load
+    # ------------------------------------------------------------------ compile
 
-    def _load(self) -> Program:
-        """Put the job's files and limits into the ready sandbox; returns what to exec on start."""
-        spec = self.spec
-        runtime = self.ctx.runtimes.get(spec.language)
-        if runtime is None:
-            raise PlatformError(f"language {spec.language} is not offered by this worker")
-        if spec.version and spec.version != runtime.version:
-            raise PlatformError(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
-        files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
-        manifest = runtime.manifest
-        self.sandbox.load(files, spec.limits)
-        names = [name for name, _ in files]
-        entry = names[0]
-        sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
-        argv = expand_argv(manifest.run, entry=entry, sources=sources, args=spec.args, memory_mb=spec.limits.memory_mb)
-        return Program(argv=argv, env=dict(manifest.env), **self.ctx.sandboxes.program_rlimits(spec.limits))
+    async def _compile(self, inbox: asyncio.Queue[object], plan: Plan) -> tuple[StepFacts, CompileInfo]:
+        assert plan.compile is not None and plan.compile_limits is not None
+        jail, cgroup = self.sandbox.compile_jail, self.sandbox.compile_cgroup
+        assert jail is not None and cgroup is not None
+        await self.events.stage("compiling")
+        output = CompileOutput(plan.compile_output_kb * 1024)
+
+        async def on_output(data: bytes) -> None:
+            await self.events.chunks("compile_output", output.feed(data))
+
+        async def close_stdin(_activity: Activity) -> None:
+            if jail.proc.stdin is not None:
+                jail.proc.stdin.close()
+
+        limits = plan.compile_limits
+        facts = await supervise(
+            jail,
+            cgroup,
+            plan.compile,
+            Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms),
+            [(jail.stdout, on_output)],
+            inbox,
+            feed_stdin=close_stdin,
+        )
+        await self.events.chunks("compile_output", output.flush())
+        return facts, compile_info(facts, output.text)
+
+    async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
+        outcome = Outcome.KILLED if facts.fired == "user" else Outcome.COMPILE_ERROR
+        await self._finish(outcome, self._empty_result(outcome, None, compiled))
 
     # ------------------------------------------------------------------ run
 
-    async def _run(self, inbox: asyncio.Queue[object], program: Program) -> RunFacts:
-        jail, cgroup, limits = self.sandbox.jail, self.sandbox.cgroup, self.spec.limits
-        loop = asyncio.get_running_loop()
-
+    async def _run(self, inbox: asyncio.Queue[object], program: Program) -> StepFacts:
+        jail, limits = self.sandbox.jail, self.spec.limits
         await self.events.stage("running", state=JobState.RUNNING, started=True)
-        cpu_base = cgroup.cpu_us()
-        jail.go(program)
-        go_at = loop.time()
-        self._last_activity = go_at
-        stdin_task = asyncio.create_task(self._feed_stdin(jail), name=f"stdin:{self.job_id}")
-        readers = [
-            asyncio.create_task(self._pump(jail.stdout, "stdout"), name=f"stdout:{self.job_id}"),
-            asyncio.create_task(self._pump(jail.stderr, "stderr"), name=f"stderr:{self.job_id}"),
-        ]
-        exit_task = asyncio.create_task(jail.wait(), name=f"exit:{self.job_id}")
-        inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
-        fired: str | None = None
-        ended_at = go_at
-        try:
-            while True:
-                now = loop.time()
-                cpu_used_us = cgroup.cpu_us() - cpu_base
-                if now - go_at >= limits.wall_time_ms / 1000:
-                    fired = "wall"
-                elif cpu_used_us >= limits.cpu_ms * 1000:
-                    fired = "cpu"
-                elif now - self._last_activity >= limits.idle_ms / 1000:
-                    fired = "idle"
-                if fired:
-                    ended_at = now
-                    cgroup.kill()
-                    break
-                timeout = min(
-                    go_at + limits.wall_time_ms / 1000 - now,
-                    self._last_activity + limits.idle_ms / 1000 - now,
-                    CPU_POLL_S,
-                )
-                done, _ = await asyncio.wait({exit_task, inbox_task}, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
-                if exit_task in done:
-                    ended_at = loop.time()
-                    break
-                if inbox_task in done:
-                    item = inbox_task.result()
-                    inbox_task = asyncio.ensure_future(inbox.get())
-                    if isinstance(item, CtrlMessage) and item.type == "kill":
-                        fired = "user"
-                        ended_at = loop.time()
-                        cgroup.kill()
-                        break
-        finally:
-            inbox_task.cancel()
 
-        # Whatever ended the run, nothing of the job may outlive it.
-        cgroup.kill()
-        try:
-            exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
-        except TimeoutError:
-            log.error("job %s: nsjail did not exit after the kill; killing it", self.job_id)
-            jail.terminate_supervisor()
-            exit_info = await exit_task
-        await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-        for task in (*readers, stdin_task):
-            task.cancel()
-        await asyncio.gather(*readers, stdin_task, return_exceptions=True)
+        async def on_stdout(data: bytes) -> None:
+            await self.events.chunks("stdout", self.budget.feed("stdout", data))
+
+        async def on_stderr(data: bytes) -> None:
+            await self.events.chunks("stderr", self.budget.feed("stderr", data))
+
+        async def feed_stdin(activity: Activity) -> None:
+            writer = jail.proc.stdin
+            assert writer is not None
+            try:
+                if self.spec.stdin:
+                    writer.write(self.spec.stdin.encode())
+                    await writer.drain()
+                    activity.touch()
+                writer.close()
+                await writer.wait_closed()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the program exited without reading its input: not an error
+
+        facts = await supervise(
+            jail,
+            self.sandbox.cgroup,
+            program,
+            Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
+            [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
+            inbox,
+            feed_stdin=feed_stdin,
+        )
         for stream in ("stdout", "stderr"):
             await self.events.chunks(stream, self.budget.flush(stream))
-
-        counters = cgroup.counters()
-        return RunFacts(
-            exit=exit_info,
-            fired=fired,
-            duration_ms=max(0, round((ended_at - go_at) * 1000)),
-            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
-            memory_kb=counters.memory_peak_bytes // 1024,
-            oom_kills=counters.oom_kills,
-        )
-
-    async def _pump(self, reader: asyncio.StreamReader | None, stream: str) -> None:
-        assert reader is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            data = await reader.read(READ_SIZE)
-            if not data:
-                return
-            self._last_activity = loop.time()
-            await self.events.chunks(stream, self.budget.feed(stream, data))
-
-    async def _feed_stdin(self, jail: Jail) -> None:
-        writer = jail.proc.stdin
-        assert writer is not None
-        try:
-            if self.spec.stdin:
-                writer.write(self.spec.stdin.encode())
-                await writer.drain()
-            writer.close()
-            await writer.wait_closed()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the program exited without reading its input: not an error
+        return facts
 
     # ------------------------------------------------------------------ finish
 
@@ -289,46 +299,27 @@ class JobRun:
             self._destroyed = True
             await self.sandbox.destroy()
 
-    def _result(self, facts: RunFacts) -> tuple[Outcome, ResultEvent]:
-        exit_info = facts.exit
-        timed_out = facts.fired in ("wall", "cpu") or (exit_info.backstop_fired and facts.fired is None)
-        idle = facts.fired == "idle"
-        message = None
-        if facts.fired == "user":
-            outcome = Outcome.KILLED
-        elif timed_out:
-            outcome = Outcome.TIMED_OUT
-        elif idle:
-            outcome = Outcome.IDLE_TIMED_OUT
-        elif facts.oom_kills > 0 and exit_info.signal == "SIGKILL":
-            outcome = Outcome.MEMORY_EXCEEDED
-        elif exit_info.exit_code is None and exit_info.signal is None:
-            outcome = Outcome.INTERNAL_ERROR
-            message = "sandbox failure: " + "; ".join(exit_info.errors)
-        else:
-            outcome = Outcome.COMPLETED
+    async def _finish_run(self, facts: StepFacts, compiled: CompileInfo | None) -> None:
+        verdict = judge_run(facts)
         event = ResultEvent(
-            exit_code=exit_info.exit_code,
-            signal=exit_info.signal,
-            timed_out=timed_out,
-            idle_timed_out=idle,
+            exit_code=facts.exit.exit_code,
+            signal=facts.exit.signal,
+            timed_out=verdict.timed_out,
+            idle_timed_out=verdict.idle_timed_out,
             truncated=self.budget.truncated,
             duration_ms=facts.duration_ms,
             cpu_ms=facts.cpu_ms,
             memory_kb=facts.memory_kb,
-            outcome=outcome,
-            compile=None,
+            outcome=verdict.outcome,
+            compile=compiled,
             seq=0,
-            message=message,
+            message=verdict.message,
         )
-        return outcome, event
+        await self._finish(verdict.outcome, event)
 
-    async def _finish_run(self, facts: RunFacts) -> None:
-        outcome, event = self._result(facts)
-        await self._finish(outcome, event)
-
-    async def _finish_without_run(self, outcome: Outcome, message: str | None) -> None:
-        event = ResultEvent(
+    @staticmethod
+    def _empty_result(outcome: Outcome, message: str | None, compiled: CompileInfo | None = None) -> ResultEvent:
+        return ResultEvent(
             exit_code=None,
             signal=None,
             timed_out=False,
@@ -338,11 +329,13 @@ class JobRun:
             cpu_ms=0,
             memory_kb=0,
             outcome=outcome,
-            compile=None,
+            compile=compiled,
             seq=0,
-            message=message if outcome is not Outcome.EXPIRED else None,
+            message=message,
         )
-        await self._finish(outcome, event)
+
+    async def _finish_without_run(self, outcome: Outcome, message: str | None) -> None:
+        await self._finish(outcome, self._empty_result(outcome, message))
 
     async def _finish(self, outcome: Outcome, event: ResultEvent) -> None:
         if self._finished:
@@ -407,4 +400,3 @@ class JobRun:
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, message)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
-

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.manifest import Manifest, parse_manifest
+from shared.manifest import Manifest, parse_manifest, with_home
 from shared.messages import LanguageInfo
 
 __all__ = ["Runtime", "discover_runtimes", "load_manifests"]
@@ -39,33 +40,45 @@ def load_manifests(profiles_dir: Path) -> list[Manifest]:
     ]
 
 
-async def _probe(manifest: Manifest, timeout_s: float) -> str | None:
+async def _run_probe(argv: list[str], path: list[str], timeout_s: float) -> tuple[int | None, str]:
+    env = {"PATH": ":".join([*path, "/usr/local/bin", "/usr/bin", "/bin"]), "LANG": "C.UTF-8", "HOME": os.environ.get("HOME", "/root")}
     try:
         proc = await asyncio.create_subprocess_exec(
-            *manifest.version_probe,
+            *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+            env=env,
         )
     except OSError as exc:
-        log.info("language %s not offered: %s", manifest.language, exc)
-        return None
+        return None, str(exc)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        log.warning("language %s not offered: version probe timed out", manifest.language)
+        return None, "timed out"
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def _probe(manifest: Manifest, timeout_s: float) -> Runtime | None:
+    """The runtime a manifest describes on this host, or None (with a log line saying why)."""
+    if manifest.home_probe:
+        code, out = await _run_probe(manifest.home_probe, manifest.probe_path, timeout_s)
+        home = out.strip().splitlines()[-1] if code == 0 and out.strip() else ""
+        if not home.startswith("/"):
+            log.info("language %s not offered: home probe failed: %s", manifest.language, out.strip()[:200])
+            return None
+        manifest = with_home(manifest, home)
+    code, out = await _run_probe(manifest.version_probe, manifest.probe_path, timeout_s)
+    match = re.search(manifest.version_pattern, out) if code == 0 else None
+    if match is None:
+        log.info("language %s not offered: version probe %s gave %s: %r", manifest.language, manifest.version_probe[0], code, out[:200])
         return None
-    match = re.search(manifest.version_pattern, out.decode(errors="replace"))
-    if proc.returncode != 0 or not match:
-        log.warning("language %s not offered: probe exited %s: %r", manifest.language, proc.returncode, out[:200])
-        return None
-    return match.group(1)
+    return Runtime(manifest, match.group(1))
 
 
 async def discover_runtimes(manifests: list[Manifest], timeout_s: float = 20.0) -> dict[str, Runtime]:
     """Probe every manifest's toolchain concurrently; returns language -> Runtime."""
-    versions = await asyncio.gather(*(_probe(m, timeout_s) for m in manifests))
-    return {m.language: Runtime(m, v) for m, v in zip(manifests, versions, strict=False) if v is not None}
+    runtimes = await asyncio.gather(*(_probe(m, timeout_s) for m in manifests))
+    return {r.manifest.language: r for r in runtimes if r is not None}

@@ -77,6 +77,10 @@ class Sandbox:
     cgroup: JobCgroup
     jail: Jail
     created_at: float = field(default_factory=time.monotonic)
+    # Compiled languages get a second jail over the same workspace, with its own cgroup
+    # and limits, built while the job is parked.
+    compile_cgroup: JobCgroup | None = None
+    compile_jail: Jail | None = None
 
     @property
     def idle_s(self) -> float:
@@ -93,14 +97,18 @@ class Sandbox:
 
     async def destroy(self, exit_grace_s: float = 5.0) -> None:
         """Kill every process of the sandbox and remove its cgroups and workspace."""
-        self.cgroup.kill()
-        try:
-            await asyncio.wait_for(self.jail.wait(), exit_grace_s)
-        except TimeoutError:
-            log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
-            self.jail.terminate_supervisor()
-            await self.jail.wait()
-        await self.cgroup.remove()
+        pairs = [(self.cgroup, self.jail)]
+        if self.compile_cgroup is not None and self.compile_jail is not None:
+            pairs.append((self.compile_cgroup, self.compile_jail))
+        for cgroup, jail in pairs:
+            cgroup.kill()
+            try:
+                await asyncio.wait_for(jail.wait(), exit_grace_s)
+            except TimeoutError:
+                log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
+                jail.terminate_supervisor()
+                await jail.wait()
+            await cgroup.remove()
         self.workspace.destroy()
 
 
@@ -134,18 +142,19 @@ class SandboxFactory:
             "rlimit_nofile": self.rlimit_nofile,
         }
 
-    async def prepare(self, owner: str, slot: int) -> Sandbox:
-        """Build a fresh sandbox for `slot` and wait until its jail sits at the gate."""
+    def _name(self, owner: str, slot: int) -> str:
         self._counter += 1
-        name = f"{owner}.{slot}.{self._counter}"
-        uid = self.uid_base + slot
-        workspace = Workspace(self.work_root, name, uid, uid)
+        return f"{owner}.{slot}.{self._counter}"
+
+    async def _launch(
+        self, name: str, uid: int, workspace: Workspace, limits: Limits, merge_stderr: bool
+    ) -> tuple[JobCgroup, Jail]:
+        """Cgroup plus a jail parked at the gate, over an existing workspace."""
         cgroup = self.cgroups.job(name)
         jail: Jail | None = None
         try:
-            workspace.create(self.workspace_bytes, self.workspace_inodes)
             cgroup.create()
-            cgroup.set_limits(memory_bytes=self.max_limits.memory_mb * 1024 * 1024, pids=self.max_limits.pids + 1)
+            cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
             spec = JailSpec(
                 gate=self.gate,
                 workspace=workspace.path,
@@ -154,12 +163,12 @@ class SandboxFactory:
                 extra_mounts=self.extra_mounts,
                 # nsjail's own clock is only a backstop behind the worker's clocks: it covers the
                 # longest a sandbox may wait for a job, then for a start, then run.
-                backstop_s=int(MAX_IDLE_S + 120 + self.max_limits.wall_time_ms / 1000 + 60),
-                rlimit_cpu_s=math.ceil(self.max_limits.cpu_ms / 1000) + 1,
-                rlimit_fsize_mb=self.rlimit_fsize_mb,
-                rlimit_nofile=self.rlimit_nofile,
+                backstop_s=int(MAX_IDLE_S + 120 + limits.wall_time_ms / 1000 + 60),
+                rlimit_cpu_s=math.ceil(limits.cpu_ms / 1000) + 1,
+                rlimit_fsize_mb=max(self.rlimit_fsize_mb, self.workspace_bytes >> 20),
+                rlimit_nofile=max(self.rlimit_nofile, 256),
             )
-            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup)
+            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr)
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
             cgroup.kill()
@@ -167,6 +176,24 @@ class SandboxFactory:
                 jail.terminate_supervisor()
                 await asyncio.shield(jail.wait())
             await asyncio.shield(cgroup.remove())
+            raise
+        return cgroup, jail
+
+    async def prepare(self, owner: str, slot: int) -> Sandbox:
+        """Build a fresh sandbox for `slot` and wait until its jail sits at the gate."""
+        name = self._name(owner, slot)
+        uid = self.uid_base + slot
+        workspace = Workspace(self.work_root, name, uid, uid)
+        try:
+            workspace.create(self.workspace_bytes, self.workspace_inodes)
+            cgroup, jail = await self._launch(name, uid, workspace, self.max_limits, merge_stderr=False)
+        except BaseException:
             workspace.destroy()
             raise
         return Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail)
+
+    async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
+        """Give `sandbox` a compile jail (own cgroup and limits, stderr merged into stdout)."""
+        name = self._name(owner, sandbox.slot)
+        cgroup, jail = await self._launch(name, sandbox.uid, sandbox.workspace, limits, merge_stderr=True)
+        sandbox.compile_cgroup, sandbox.compile_jail = cgroup, jail

@@ -1,0 +1,152 @@
+"""Run one released jail under the clocks and collect what happened.
+
+The same supervision serves the compile step and the run step:
+    wall  — time since go, never resets
+    cpu   — CPU of every process of the step, from its cgroup, polled every 50 ms
+    idle  — no output (and, for interactive runs, no stdin) for the window; run step only
+The first clock to fire (or a kill request) SIGKILLs the whole cgroup. Output pumps read
+until EOF so nothing the program wrote before dying is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from shared.messages import CtrlMessage
+from worker.cgroups import JobCgroup
+from worker.jail import Jail, JailExit, Program
+
+__all__ = ["Activity", "Clocks", "StepFacts", "supervise"]
+
+log = logging.getLogger(__name__)
+
+CPU_POLL_S = 0.05
+READ_SIZE = 65536
+EXIT_GRACE_S = 5.0
+
+OnData = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Clocks:
+    wall_ms: int
+    cpu_ms: int
+    idle_ms: int | None = None
+
+
+class Activity:
+    """When the program last showed signs of life (output, or input reaching it)."""
+
+    def __init__(self, now: float) -> None:
+        self.last = now
+
+    def touch(self) -> None:
+        self.last = asyncio.get_running_loop().time()
+
+
+@dataclass
+class StepFacts:
+    exit: JailExit
+    fired: str | None  # "wall" | "cpu" | "idle" | "user" | None
+    duration_ms: int
+    cpu_ms: int
+    memory_kb: int
+    oom_kills: int
+
+
+async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: Activity) -> None:
+    if reader is None:
+        return
+    while True:
+        data = await reader.read(READ_SIZE)
+        if not data:
+            return
+        activity.touch()
+        await on_data(data)
+
+
+async def supervise(
+    jail: Jail,
+    cgroup: JobCgroup,
+    program: Program,
+    clocks: Clocks,
+    pumps: list[tuple[asyncio.StreamReader | None, OnData]],
+    inbox: asyncio.Queue[object],
+    feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
+) -> StepFacts:
+    """Release the jail's gate with `program` and watch it to the end."""
+    loop = asyncio.get_running_loop()
+    cpu_base = cgroup.cpu_us()
+    jail.go(program)
+    go_at = loop.time()
+    activity = Activity(go_at)
+    readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
+    stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None else None
+    exit_task = asyncio.create_task(jail.wait())
+    inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
+    fired: str | None = None
+    ended_at = go_at
+    wall_s = clocks.wall_ms / 1000
+    idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
+    try:
+        while True:
+            now = loop.time()
+            if now - go_at >= wall_s:
+                fired = "wall"
+            elif cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
+                fired = "cpu"
+            elif idle_s is not None and now - activity.last >= idle_s:
+                fired = "idle"
+            if fired:
+                ended_at = now
+                cgroup.kill()
+                break
+            timeout = min(go_at + wall_s - now, CPU_POLL_S)
+            if idle_s is not None:
+                timeout = min(timeout, activity.last + idle_s - now)
+            done, _ = await asyncio.wait(
+                {exit_task, inbox_task}, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED
+            )
+            if exit_task in done:
+                ended_at = loop.time()
+                break
+            if inbox_task in done:
+                item = inbox_task.result()
+                inbox_task = asyncio.ensure_future(inbox.get())
+                if isinstance(item, CtrlMessage) and item.type == "kill":
+                    fired = "user"
+                    ended_at = loop.time()
+                    cgroup.kill()
+                    break
+    finally:
+        inbox_task.cancel()
+
+    # Whatever ended the step, nothing of it may outlive it.
+    cgroup.kill()
+    try:
+        exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
+    except TimeoutError:
+        log.error("nsjail did not exit after the kill; killing it")
+        jail.terminate_supervisor()
+        exit_info = await exit_task
+    await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+    leftovers = [*readers, *([stdin_task] if stdin_task else [])]
+    for task in leftovers:
+        task.cancel()
+    outcomes = await asyncio.gather(*leftovers, return_exceptions=True)
+    for outcome in outcomes:
+        # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
+        if isinstance(outcome, Exception):
+            raise outcome
+    counters = cgroup.counters()
+    return StepFacts(
+        exit=exit_info,
+        fired=fired,
+        duration_ms=max(0, round((ended_at - go_at) * 1000)),
+        cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
+        memory_kb=counters.memory_peak_bytes // 1024,
+        oom_kills=counters.oom_kills,
+    )

@@ -1,0 +1,76 @@
+"""Make read-only toolchain mounts reachable from inside a jail.
+
+nsjail performs its bind mounts from inside the new user namespace, as the jail's
+unprivileged identity, so a toolchain under a folder others cannot traverse (rustup's
+`/root/.rustup`, `/root` being 0700) cannot be bound directly. For such a source the
+worker first binds it, read-only, under its own work root (a path the jail can reach)
+and hands nsjail that path instead; the jail still sees the toolchain at its original
+location. No host permission is changed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["ToolchainError", "expose_mounts"]
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+
+
+class ToolchainError(Exception):
+    """A toolchain folder could not be made visible to jails."""
+
+
+def _reachable_by_others(path: Path) -> bool:
+    """True when every folder on the way to `path` can be traversed by any user."""
+    current = Path("/")
+    for part in path.parts[1:]:
+        current = current / part
+        try:
+            mode = current.stat().st_mode
+        except OSError:
+            return False
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def _mount(source: str, target: str, flags: int) -> None:
+    if _libc.mount(source.encode(), target.encode(), None, flags, None) != 0:
+        raise ToolchainError(f"bind {source} on {target}: {os.strerror(ctypes.get_errno())}")
+
+
+def expose_mounts(mounts: list[str], work_root: Path, mounts_text: str) -> list[str]:
+    """Rewrite manifest mount entries (`path` or `src:dst`) so nsjail can bind every one."""
+    mounted = {line.split()[1] for line in mounts_text.splitlines() if len(line.split()) > 1}
+    out: list[str] = []
+    for entry in mounts:
+        source, _, target = entry.partition(":")
+        target = target or source
+        if _reachable_by_others(Path(source)):
+            out.append(f"{source}:{target}")
+            continue
+        staging = work_root / ".toolchains" / hashlib.sha256(source.encode()).hexdigest()[:16]
+        if str(staging) not in mounted:
+            staging.mkdir(parents=True, exist_ok=True)
+            os.chmod(staging.parent, 0o711)
+            _mount(source, str(staging), MS_BIND | MS_REC)
+            _mount("none", str(staging), MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            log.info("toolchain %s is bound read-only at %s for the jails", source, staging)
+        out.append(f"{staging}:{target}")
+    return out
