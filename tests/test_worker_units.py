@@ -61,7 +61,7 @@ def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
         rlimit_fsize_mb=64,
         rlimit_nofile=64,
     )
-    argv = build_argv("/bin/nsjail", Path("/p/base.cfg"), spec, 9, ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"])
+    argv = build_argv("/bin/nsjail", Path("/p/base.cfg"), spec, 9, 10, ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"])
     assert argv[:5] == ["/bin/sh", "-c", argv[2], "coderunner-enter", "2"]
     assert argv[5:7] == ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
     assert argv[7] == "/bin/nsjail"
@@ -69,7 +69,8 @@ def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
     assert argv[argv.index("--bindmount") + 1] == "/run/coderunner/x:/workspace"
     assert "/run/coderunner/.gate-x:/.coderunner/gate" in argv
     assert "/opt/tool" in argv
-    assert argv[argv.index("--") + 1 :] == ["/.coderunner/gate"]
+    assert argv[argv.index("--pass_fd") + 1] == "10"
+    assert argv[argv.index("--") + 1 :] == ["/.coderunner/gate", "10"]
 
 
 def test_gate_frame_carries_argv_verbatim() -> None:

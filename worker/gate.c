@@ -9,18 +9,32 @@
  *   u32 envc,  envc x (u32 len, bytes)        "NAME=value" added to the inherited environment
  *   u64 cpu_seconds, u64 fsize_bytes, u64 nofile   rlimits (soft = hard), 0 = leave as is
  *
- * (integers little-endian). It lowers the rlimits and execs the program in its own place,
- * so the program keeps the gate's pid (pid 1 of the jail) and stdin continues with the
- * bytes after the frame. EOF or a malformed frame ends the gate quietly: the job never
- * started. It is read with exact-size read(2)s so no user stdin is consumed by accident.
+ * (integers little-endian). It lowers the rlimits, forks, and the child execs the program;
+ * stdin continues with the bytes after the frame (read with exact-size read(2)s so no
+ * user stdin is consumed by accident). EOF or a malformed frame ends the gate quietly:
+ * the job never started.
+ *
+ * The gate stays pid 1 of the jail's pid namespace, so the program is an ordinary
+ * process: the kernel drops signals a namespace's init sends itself, which would turn
+ * abort() into SIGSEGV and make kill(getpid(), SIGTERM) a no-op. As init, the gate reaps
+ * orphans, and when the program ends it exits at once, which ends every process left in
+ * the namespace. The program's wait status goes to the worker over the status pipe whose
+ * descriptor number is argv[1]: "exit N" or "signal N". The program never holds that
+ * descriptor (close-on-exec) and cannot reach it through /proc/1/fd (the gate is not
+ * dumpable), so what the worker reads there is the truth about how the program ended.
  *
  * Built statically by the worker at start-up; it runs as the job's unprivileged uid.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MAX_ITEMS 4096
@@ -82,7 +96,21 @@ static void limit(int resource, uint64_t value) {
     if (setrlimit(resource, &rl) != 0) _exit(124);
 }
 
-int main(void) {
+static void report(int status_fd, int status) {
+    char line[32];
+    int n = WIFSIGNALED(status) ? snprintf(line, sizeof line, "signal %d\n", WTERMSIG(status))
+                                : snprintf(line, sizeof line, "exit %d\n", WEXITSTATUS(status));
+    if (status_fd >= 0 && n > 0) {
+        ssize_t ignored = write(status_fd, line, (size_t)n);
+        (void)ignored;
+    }
+}
+
+int main(int gate_argc, char **gate_argv) {
+    int status_fd = gate_argc > 1 ? atoi(gate_argv[1]) : -1;
+    if (status_fd >= 0) fcntl(status_fd, F_SETFD, FD_CLOEXEC);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+
     char magic[4];
     if (read_exact(magic, 4) || memcmp(magic, "CRG1", 4) != 0) return 0;
     uint32_t argc, envc;
@@ -100,7 +128,26 @@ int main(void) {
     limit(RLIMIT_FSIZE, fsize);
     limit(RLIMIT_NOFILE, nofile);
 
-    execve(argv[0], argv, environ);
-    /* 127 like a shell: the program could not be executed at all. */
-    _exit(127);
+    pid_t child = fork();
+    if (child < 0) _exit(125);
+    if (child == 0) {
+        execve(argv[0], argv, environ);
+        /* 127 like a shell: the program could not be executed at all. */
+        _exit(127);
+    }
+    /* The gate needs nothing more from stdin, and must not keep the pipe open. */
+    close(0);
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) {
+            if (errno == EINTR) continue;
+            _exit(125);
+        }
+        if (pid == child) {
+            report(status_fd, status);
+            _exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
+        }
+        /* An orphan the program left behind: reaped, nothing more. */
+    }
 }

@@ -12,8 +12,9 @@ and rlimits as one binary frame; it then execs the program in its place. All the
 work (namespaces, mounts, cgroups, uid maps) therefore happens before a job even exists,
 and start costs one pipe write.
 
-nsjail's log goes to a pipe only the worker holds (never mixed with the program's
-stderr), and it is the source of the exit status and signal (defence R12).
+The gate stays pid 1 and reports the program's wait status on a status pipe the program
+cannot reach; nsjail's log goes to another pipe only the worker holds (never mixed with the
+program's stderr). Exit status and signal come from those two channels only (defence R12).
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ class JailExit:
     errors: list[str] = field(default_factory=list)
 
 
-def build_argv(nsjail: str, profile: Path, spec: JailSpec, log_fd: int, procs_files: list[str]) -> list[str]:
+def build_argv(
+    nsjail: str, profile: Path, spec: JailSpec, log_fd: int, status_fd: int, procs_files: list[str]
+) -> list[str]:
     flags = [
         "--config", str(profile),
         "--log_fd", str(log_fd),
+        "--pass_fd", str(status_fd),
         "--user", f"65534:{spec.uid}:1",
         "--group", f"65534:{spec.gid}:1",
         "--bindmount", f"{spec.workspace}:/workspace",
@@ -109,15 +113,25 @@ def build_argv(nsjail: str, profile: Path, spec: JailSpec, log_fd: int, procs_fi
         flags += ["--bindmount_ro", mount]
     return [
         "/bin/sh", "-c", _ENTER, "coderunner-enter", str(len(procs_files)), *procs_files,
-        nsjail, *flags, "--", GATE_IN_JAIL,
+        nsjail, *flags, "--", GATE_IN_JAIL, str(status_fd),
     ]  # fmt: skip
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"
 
 
 class Jail:
     """A launched jail. Use `wait_ready()`, then `go()`, then read `stdout`/`stderr` and `wait()`."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_reader: asyncio.StreamReader, cgroup: JobCgroup) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, log_reader: asyncio.StreamReader, status_fd: int, cgroup: JobCgroup
+    ) -> None:
         self.proc = proc
+        self._status_fd = status_fd
         self.stdout = proc.stdout
         self.stderr = proc.stderr
         self._cgroup = cgroup
@@ -134,26 +148,29 @@ class Jail:
     ) -> Jail:
         """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers)."""
         read_fd, write_fd = os.pipe()
+        status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            argv = build_argv(nsjail, profile, spec, write_fd, cgroup.procs_files())
+            argv = build_argv(nsjail, profile, spec, write_fd, status_write, cgroup.procs_files())
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
-                pass_fds=(write_fd,),
+                pass_fds=(write_fd, status_write),
                 env={},
                 start_new_session=True,
             )
         except BaseException:
             os.close(read_fd)
+            os.close(status_read)
             raise
         finally:
             os.close(write_fd)
+            os.close(status_write)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 20)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", 0))
-        return cls(proc, reader, cgroup)
+        return cls(proc, reader, status_read, cgroup)
 
     async def _read_log(self) -> None:
         while True:
@@ -201,16 +218,36 @@ class Jail:
         if self._exit is None:
             await self.proc.wait()
             await self._log_task
-            self._exit = self._parse_exit()
+            self._exit = self._parse_exit(self._read_status())
         return self._exit
 
-    def _parse_exit(self) -> JailExit:
+    def _read_status(self) -> bytes:
+        """The gate's report; every writer is gone once nsjail has exited, so this never blocks."""
+        if self._status_fd < 0:
+            return b""
+        chunks = []
+        try:
+            while chunk := os.read(self._status_fd, 256):
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(self._status_fd)
+            self._status_fd = -1
+        return b"".join(chunks)
+
+    def _parse_exit(self, status: bytes) -> JailExit:
+        backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)
+        kind, _, value = status.strip().partition(b" ")
+        if kind == b"exit" and value.isdigit():
+            return JailExit(int(value), None, backstop)
+        if kind == b"signal" and value.isdigit():
+            return JailExit(None, _signal_name(int(value)), backstop)
+        # No report: the gate itself was killed (a clock fired, the memory limit, a kill
+        # request) or never ran the program; nsjail's log says how the jail ended.
         exit_code: int | None = None
         sig: str | None = None
-        backstop = False
         for line in self._log_lines:
-            if _TIME_LIMIT.search(line):
-                backstop = True
             match = _EXITED.search(line)
             if match:
                 exit_code = int(match.group(1))
