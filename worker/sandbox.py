@@ -126,7 +126,7 @@ class SandboxFactory:
     extra_mounts: list[str] = field(default_factory=list)
     workspace_bytes: int = 64 * 1024 * 1024
     workspace_inodes: int = 4096
-    rlimit_fsize_mb: int = 64
+    rlimit_fsize_mb: int = 16
     rlimit_nofile: int = 64
     ready_timeout_s: float = 10.0
     _counter: int = 0
