@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shared.paths import REPO_ROOT
 
-__all__ = ["Stack", "StackError", "free_port", "soketi_entry"]
+__all__ = ["Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
 
 
 class StackError(Exception):
@@ -70,6 +70,43 @@ def _redis_ping(port: int, password: str) -> bool:
                 break
             data += chunk
         return b"PONG" in data
+
+
+def remove_deployment(deployment: str) -> None:
+    """Remove what a deployment's workers left on this host: cgroups, mounts, work root.
+
+    Workers clean up after themselves when stopped; this also covers a worker that was
+    killed (tests do that on purpose) with no other worker left to run its janitor.
+    """
+    from worker.workspace import detach_workspace
+
+    roots = [Path("/sys/fs/cgroup") / c / deployment for c in ("memory", "pids", "cpu", "cpuacct", "unified")]
+    roots.append(Path("/sys/fs/cgroup") / deployment)
+    for root in roots:
+        if not root.is_dir():
+            continue
+        walk = sorted(os.walk(root), key=lambda w: -w[0].count("/"))
+        for dirpath, _dirs, _files in walk:
+            kill = Path(dirpath) / "cgroup.kill"
+            if kill.exists() and dirpath != str(root):
+                try:
+                    kill.write_text("1")
+                except OSError:
+                    pass
+        time.sleep(0.05)
+        for dirpath, _dirs, _files in walk:
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+    work_root = Path(f"/run/{deployment}")
+    if work_root.is_dir():
+        mounts = Path("/proc/self/mounts").read_text()
+        toolchains = work_root / ".toolchains"
+        for child in [*work_root.iterdir(), *(toolchains.iterdir() if toolchains.is_dir() else [])]:
+            if child.is_dir() and child != toolchains:
+                detach_workspace(child, mounts)
+        shutil.rmtree(work_root, ignore_errors=True)
 
 
 @dataclass
@@ -275,40 +312,7 @@ class Stack:
         self._tmp.cleanup()
 
     def _remove_deployment(self) -> None:
-        """Remove what this stack's workers left on the host: cgroups, mounts, workspace root.
-
-        Workers clean up after themselves when stopped; this also covers a worker that was
-        killed (tests do that on purpose) with no other worker left to run its janitor.
-        """
-        from worker.workspace import detach_workspace
-
-        roots = [Path("/sys/fs/cgroup") / c / self.deployment for c in ("memory", "pids", "cpu", "cpuacct", "unified")]
-        roots.append(Path("/sys/fs/cgroup") / self.deployment)
-        for root in roots:
-            if not root.is_dir():
-                continue
-            walk = sorted(os.walk(root), key=lambda w: -w[0].count("/"))
-            for dirpath, _dirs, _files in walk:
-                kill = Path(dirpath) / "cgroup.kill"
-                if kill.exists() and dirpath != str(root):
-                    try:
-                        kill.write_text("1")
-                    except OSError:
-                        pass
-            time.sleep(0.05)
-            for dirpath, _dirs, _files in walk:
-                try:
-                    os.rmdir(dirpath)
-                except OSError:
-                    pass
-        work_root = Path(f"/run/{self.deployment}")
-        if work_root.is_dir():
-            mounts = Path("/proc/self/mounts").read_text()
-            toolchains = work_root / ".toolchains"
-            for child in [*work_root.iterdir(), *(toolchains.iterdir() if toolchains.is_dir() else [])]:
-                if child.is_dir() and child != toolchains:
-                    detach_workspace(child, mounts)
-            shutil.rmtree(work_root, ignore_errors=True)
+        remove_deployment(self.deployment)
 
     def log(self, name: str) -> str:
         assert self.log_dir is not None

@@ -57,6 +57,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     sandbox_work_root: str = "/run/coderunner"
     sandbox_cgroup_name: str = "coderunner"
     sandbox_uid_base: int = 61000
+    # Where the worker reads the mount table to find cgroup hierarchies (tests point it at
+    # a fabricated table to exercise the refusal path).
+    sandbox_mounts_file: str = "/proc/self/mounts"
     nsjail_path: str = ""
 
     log_level: str = "INFO"
@@ -117,6 +120,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "SANDBOX_WORK_ROOT": ("sandbox_work_root", _str),
     "SANDBOX_CGROUP_NAME": ("sandbox_cgroup_name", _str),
     "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
+    "SANDBOX_MOUNTS_FILE": ("sandbox_mounts_file", _str),
     "NSJAIL_PATH": ("nsjail_path", _str),
     "LOG_LEVEL": ("log_level", _str),
 }

@@ -54,9 +54,9 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
     if not (pdir / "base.cfg").is_file():
         raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
     try:
-        layout = detect_layout(settings.sandbox_cgroup_name)
+        layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
         layout.prepare()
-    except CgroupError as exc:
+    except (CgroupError, OSError) as exc:
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
     work_root.mkdir(parents=True, exist_ok=True, mode=0o711)

@@ -1,0 +1,104 @@
+"""cgroup handling in both layouts, and the refusal to run when limits cannot be enforced.
+
+This machine is hybrid (v1 memory/pids/cpu + a v2 mount for cpu.stat and cgroup.kill), and
+every other sandbox test exercises that layout for real. A pure v2 host cannot be made here
+(the memory and pids controllers are bound to v1), so the v2 code path runs against a
+fabricated cgroup2 tree: it proves what the worker writes and reads, not the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.stack import remove_deployment
+from shared.paths import REPO_ROOT
+from worker.cgroups import CgroupError, CgroupMode, detect_layout
+
+
+def _fake_v2(root: Path) -> str:
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
+    (root / "cgroup.subtree_control").write_text("")
+    (root / "cgroup.procs").write_text("")
+    return f"cgroup2 {root} cgroup2 rw,nosuid,nodev,noexec,relatime 0 0\n"
+
+
+def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    assert layout.mode is CgroupMode.V2
+    layout.prepare()
+    base = tmp_path / "coderunner"
+    assert (base / "jobs").is_dir() and (base / "supervisor").is_dir()
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (base / "jobs" / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+
+    job = layout.job("w.0.1")
+    job.create()
+    d = base / "jobs" / "w.0.1"
+    for name in ("cpu.max", "memory.oom.group", "cgroup.kill"):
+        (d / name).write_text("")
+    job.set_limits(memory_bytes=128 << 20, pids=33)
+    assert (d / "memory.max").read_text() == str(128 << 20)
+    assert (d / "memory.swap.max").read_text() == "0"  # swap off: an OOM kill, never thrashing
+    assert (d / "pids.max").read_text() == "33"
+    assert (d / "cpu.max").read_text() == "100000 100000"  # one core
+    assert (d / "memory.oom.group").read_text() == "1"  # an OOM ends the whole job
+    assert job.procs_files() == [str(d / "cgroup.procs")]
+
+    (d / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    (d / "memory.peak").write_text(str(100 << 20))
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\noom_group_kill 1\n")
+    counters = job.counters()
+    assert (counters.cpu_us, counters.memory_peak_bytes, counters.oom_kills) == (2_500_000, 100 << 20, 1)
+
+    (d / "cgroup.procs").write_text("")
+    job.kill()
+    assert (d / "cgroup.kill").read_text() == "1"
+
+
+@pytest.mark.parametrize(
+    ("mounts", "reason"),
+    [
+        ("proc /proc proc rw 0 0\n", "neither cgroup v2"),
+        ("cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n", "neither cgroup v2"),
+    ],
+)
+def test_layouts_that_cannot_enforce_limits_are_refused(mounts: str, reason: str) -> None:
+    with pytest.raises(CgroupError, match=reason):
+        detect_layout("coderunner", mounts)
+
+
+def test_v2_without_memory_and_pids_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(CgroupError, match="memory and pids"):
+        detect_layout("coderunner", f"cgroup2 {tmp_path} cgroup2 rw 0 0\n")
+
+
+@pytest.mark.sandbox
+def test_worker_refuses_to_start_without_cgroups(tmp_path: Path) -> None:
+    """End to end: the real worker, shown a host without cgroups, exits and says why."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text("proc /proc proc rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n")
+    env = dict(os.environ, PUSHER_SECRET="x", SANDBOX_MOUNTS_FILE=str(mounts),
+               SANDBOX_WORK_ROOT=str(tmp_path / "work"), SANDBOX_CGROUP_NAME="refusal-test")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "worker"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "cannot sandbox on this host" in proc.stderr
+    assert "memory and pids" in proc.stderr or "neither cgroup v2" in proc.stderr
+    # It never got as far as claiming: it refused before connecting to Redis at all.
+    assert "ready" not in proc.stderr
+
+
+@pytest.mark.sandbox
+def test_worker_check_reports_the_hybrid_layout() -> None:
+    env = dict(os.environ, PUSHER_SECRET="x", SANDBOX_WORK_ROOT="/run/coderunner-check-test", SANDBOX_CGROUP_NAME="coderunner-check-test")
+    proc = subprocess.run([sys.executable, "-m", "worker", "--check"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: hybrid") or proc.stdout.startswith("ok: cgroup v2")
+    for language in ("python", "c", "java", "rust"):
+        assert language in proc.stdout
+    remove_deployment("coderunner-check-test")
