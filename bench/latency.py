@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,26 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import summary, time_job
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, Realtime, py_job
 
 PROGRAM = "print(1)\n"
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(pct(values, 50), 2),
-        "p90_ms": round(pct(values, 90), 2),
-        "mean_ms": round(statistics.fmean(values), 2),
-        "min_ms": round(min(values), 2),
-    }
 
 
 def bench_stack(stack: Stack, n: int, warmup: int) -> tuple[list[float], list[float]]:
@@ -53,19 +38,10 @@ def bench_stack(stack: Stack, n: int, warmup: int) -> tuple[list[float], list[fl
     start_to_result: list[float] = []
     try:
         for i in range(n + warmup):
-            t0 = time.perf_counter()
-            job = api.execute(py_job(PROGRAM))
-            followed = rt.follow(job)
-            t1 = time.perf_counter()
-            api.start(job)
-            result = followed.wait_result(timeout_s=30)
-            t2 = time.perf_counter()
-            if result["outcome"] != "completed" or followed.text("stdout") != "1\n":
-                raise SystemExit(f"job {i} misbehaved: {result} {followed.events}")
-            rt.pusher.unsubscribe(job["channel"])
+            total, from_start = time_job(api, rt, py_job(PROGRAM), "1\n")
             if i >= warmup:
-                execute_to_result.append((t2 - t0) * 1000)
-                start_to_result.append((t2 - t1) * 1000)
+                execute_to_result.append(total)
+                start_to_result.append(from_start)
     finally:
         rt.close()
         api.close()

@@ -42,3 +42,18 @@ def test_twenty_jobs_on_four_slots(api: Api, realtime: Realtime) -> None:
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] in (0, 1)
     for job in jobs:
         assert api.status(job)["state"] == "done"
+
+
+def test_parallel_jobs_near_their_memory_limit_do_not_hurt_each_other(api: Api, realtime: Realtime) -> None:
+    # G2: each job touches 80 % of its 128 MiB; with per-job cgroups none is OOM-killed
+    # however many run side by side.
+    code = "b = bytearray(100 * 1024 * 1024)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\nprint('ok')\n"
+    jobs = [api.execute(py_job(code, limits={"memoryMb": 128})) for _ in range(8)]
+    followed = [realtime.follow(job) for job in jobs]
+    for job in jobs:
+        api.start(job)
+    for f in followed:
+        result = f.wait_result(timeout_s=60)
+        assert result["outcome"] == "completed" and result["exitCode"] == 0, result
+        assert 100 * 1024 <= result["memoryKb"] <= 128 * 1024
+        assert f.text("stdout") == "ok\n"

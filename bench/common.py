@@ -1,0 +1,45 @@
+"""Shared bits of the benchmarks: percentiles and a stack-driven job timer."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.helpers import Api, Realtime
+
+__all__ = ["pct", "summary", "time_job"]
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(pct(values, 50), 2),
+        "p90_ms": round(pct(values, 90), 2),
+        "mean_ms": round(statistics.fmean(values), 2),
+        "min_ms": round(min(values), 2),
+    }
+
+
+def time_job(api: Api, rt: Realtime, body: dict[str, Any], expect_stdout: str) -> tuple[float, float]:
+    """(execute→result, start→result) in ms for one job driven like an IDE would."""
+    t0 = time.perf_counter()
+    job = api.execute(body)
+    followed = rt.follow(job)
+    t1 = time.perf_counter()
+    api.start(job)
+    result = followed.wait_result(timeout_s=60)
+    t2 = time.perf_counter()
+    if result["outcome"] != "completed" or followed.text("stdout") != expect_stdout:
+        raise SystemExit(f"job misbehaved: {result} {followed.events}")
+    rt.pusher.unsubscribe(job["channel"])
+    return (t2 - t0) * 1000, (t2 - t1) * 1000
