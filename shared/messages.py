@@ -147,6 +147,9 @@ class ResultEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omi
     outcome: Outcome
     compile: CompileInfo | None
     seq: int
+    # Which limit ended the run, when one did: "wall", "cpu", "idle", "memory", or "user" (a
+    # kill request). timedOut alone does not say whether the wall or the CPU clock fired.
+    killed_by: Literal["wall", "cpu", "idle", "memory", "user"] | None = None
     # Only set for outcomes where the platform, not the program, decided (e.g. internal_error).
     message: str | None = None
 
@@ -170,6 +173,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     stderr_encoding: Literal["utf8", "base64"] = "utf8"
     artifacts: list[dict[str, object]] = []
     artifacts_truncated: bool = False
+    killed_by: Literal["wall", "cpu", "idle", "memory", "user"] | None = None
     message: str | None = None
 
 

@@ -15,9 +15,10 @@ from tests.helpers import Api, Realtime, py_job
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
 
-def _leftovers(worker_id: str) -> list[str]:
+def _leftovers(deployment: str, worker_id: str) -> list[str]:
     """Sandbox cgroups of that worker and host processes whose command line names them."""
-    found = [p.name for p in Path("/sys/fs/cgroup/unified/coderunner/jobs").iterdir() if p.name.startswith(worker_id + ".")]
+    jobs = Path("/sys/fs/cgroup/unified") / deployment / "jobs"
+    found = [p.name for p in jobs.iterdir() if p.name.startswith(worker_id + ".")]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -136,8 +137,8 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
         # by the surviving worker's janitor.
         dead = stack.worker_ids["worker"]
         deadline = time.monotonic() + 10
-        while _leftovers(dead):
-            assert time.monotonic() < deadline, f"leftovers of {dead}: {_leftovers(dead)}"
+        while _leftovers(stack.deployment, dead):
+            assert time.monotonic() < deadline, f"leftovers of {dead}: {_leftovers(stack.deployment, dead)}"
             time.sleep(0.1)
     finally:
         rt.close()

@@ -18,26 +18,28 @@ __all__ = ["RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
 @dataclass(frozen=True)
 class RunVerdict:
     outcome: Outcome
-    timed_out: bool
-    idle_timed_out: bool
+    timed_out: bool = False
+    idle_timed_out: bool = False
+    killed_by: str | None = None
     message: str | None = None
 
 
 def judge_run(facts: StepFacts) -> RunVerdict:
     exit_info = facts.exit
-    # nsjail's own time limit is only a backstop; if it ever fires, it is still a timeout.
-    timed_out = facts.fired in ("wall", "cpu") or (facts.fired is None and exit_info.backstop_fired)
     if facts.fired == "user":
-        return RunVerdict(Outcome.KILLED, False, False)
-    if timed_out:
-        return RunVerdict(Outcome.TIMED_OUT, True, False)
+        return RunVerdict(Outcome.KILLED, killed_by="user")
+    if facts.fired in ("wall", "cpu"):
+        return RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by=facts.fired)
+    if facts.fired is None and exit_info.backstop_fired:
+        # nsjail's own time limit is only a backstop; if it ever fires, it is a wall timeout.
+        return RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by="wall")
     if facts.fired == "idle":
-        return RunVerdict(Outcome.IDLE_TIMED_OUT, False, True)
+        return RunVerdict(Outcome.IDLE_TIMED_OUT, idle_timed_out=True, killed_by="idle")
     if facts.oom_kills > 0 and exit_info.signal == "SIGKILL":
-        return RunVerdict(Outcome.MEMORY_EXCEEDED, False, False)
+        return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory")
     if exit_info.exit_code is None and exit_info.signal is None:
-        return RunVerdict(Outcome.INTERNAL_ERROR, False, False, "sandbox failure: " + "; ".join(exit_info.errors))
-    return RunVerdict(Outcome.COMPLETED, False, False)
+        return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: " + "; ".join(exit_info.errors))
+    return RunVerdict(Outcome.COMPLETED)
 
 
 def compile_succeeded(facts: StepFacts) -> bool:

@@ -313,6 +313,7 @@ class JobRun:
             outcome=verdict.outcome,
             compile=compiled,
             seq=0,
+            killed_by=verdict.killed_by,  # type: ignore[arg-type]
             message=verdict.message,
         )
         await self._finish(verdict.outcome, event)
@@ -387,6 +388,7 @@ class JobRun:
             stderr=stderr,
             stdout_encoding=stdout_encoding,  # type: ignore[arg-type]
             stderr_encoding=stderr_encoding,  # type: ignore[arg-type]
+            killed_by=event.killed_by,
             message=event.message,
         )
 
