@@ -135,7 +135,12 @@ class ChunkEvent(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
 
 
-class ResultEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+KilledBy = Literal["wall", "cpu", "idle", "memory", "user"]
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """The fields the result event and the pullable result share."""
+
     exit_code: int | None
     signal: str | None
     timed_out: bool
@@ -146,35 +151,26 @@ class ResultEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omi
     memory_kb: int
     outcome: Outcome
     compile: CompileInfo | None
-    seq: int
     # Which limit ended the run, when one did: "wall", "cpu", "idle", "memory", or "user" (a
     # kill request). timedOut alone does not say whether the wall or the CPU clock fired.
-    killed_by: Literal["wall", "cpu", "idle", "memory", "user"] | None = None
+    killed_by: KilledBy | None = None
     # Only set for outcomes where the platform, not the program, decided (e.g. internal_error).
     message: str | None = None
 
 
-class RunResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
-    """The pullable result (`collectOutput`): the result event plus the exact output."""
+class ResultEvent(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    seq: int
 
-    exit_code: int | None
-    signal: str | None
-    timed_out: bool
-    idle_timed_out: bool
-    truncated: bool
-    duration_ms: int
-    cpu_ms: int
-    memory_kb: int
-    outcome: Outcome
-    compile: CompileInfo | None
+
+class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """The pullable result (`collectOutput`): the result fields plus the exact output."""
+
     stdout: str
     stderr: str
     stdout_encoding: Literal["utf8", "base64"] = "utf8"
     stderr_encoding: Literal["utf8", "base64"] = "utf8"
     artifacts: list[dict[str, object]] = []
     artifacts_truncated: bool = False
-    killed_by: Literal["wall", "cpu", "idle", "memory", "user"] | None = None
-    message: str | None = None
 
 
 # ---------------------------------------------------------------- control plane (Redis pub/sub)

@@ -34,6 +34,7 @@ from shared.messages import (
     Outcome,
     ResultEvent,
     RunResult,
+    Verdict,
 )
 from shared.validation import decode_files
 from worker.context import WorkerContext
@@ -373,23 +374,13 @@ class JobRun:
     def _run_result(self, event: ResultEvent) -> RunResult:
         stdout, stdout_encoding = exact_text(bytes(self.budget.data["stdout"]))
         stderr, stderr_encoding = exact_text(bytes(self.budget.data["stderr"]))
+        shared = {f: getattr(event, f) for f in Verdict.__struct_fields__}
         return RunResult(
-            exit_code=event.exit_code,
-            signal=event.signal,
-            timed_out=event.timed_out,
-            idle_timed_out=event.idle_timed_out,
-            truncated=event.truncated,
-            duration_ms=event.duration_ms,
-            cpu_ms=event.cpu_ms,
-            memory_kb=event.memory_kb,
-            outcome=event.outcome,
-            compile=event.compile,
+            **shared,
             stdout=stdout,
             stderr=stderr,
             stdout_encoding=stdout_encoding,  # type: ignore[arg-type]
             stderr_encoding=stderr_encoding,  # type: ignore[arg-type]
-            killed_by=event.killed_by,
-            message=event.message,
         )
 
     async def _abort(self, message: str) -> None:
