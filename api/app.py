@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 
 from api.auth import Authenticator
@@ -21,6 +26,13 @@ from shared.settings import Settings
 
 __all__ = ["create_app"]
 
+# A dropped connection (Redis restarting, a proxy closing idle sockets) is re-dialled and
+# the command retried a few times before a request sees a 503.
+_RECONNECTING: dict[str, Any] = {
+    "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), 6),
+    "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+}
+
 
 def create_app(settings: Settings) -> Starlette:
     if not settings.api_token:
@@ -33,8 +45,20 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(settings.redis_url, health_check_interval=30)
-        store = JobStore(redis, settings.job_record_ttl_s)
+        # Requests wait briefly for a pooled connection instead of failing when all are busy.
+        redis = Redis(
+            connection_pool=BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=64, timeout=5, **_RECONNECTING
+            )
+        )
+        # Event streams block in XREAD for seconds at a time: they get their own bounded pool,
+        # so however many are open, the rest of the API keeps its connections.
+        streams = Redis(
+            connection_pool=BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=settings.max_event_streams, timeout=5, **_RECONNECTING
+            )
+        )
+        store = JobStore(redis, settings.job_record_ttl_s, streams=streams)
         app.state.coderunner = AppState(
             settings=settings,
             redis=redis,
@@ -45,6 +69,7 @@ def create_app(settings: Settings) -> Starlette:
         try:
             yield
         finally:
+            await streams.aclose()
             await redis.aclose()
 
     return Starlette(

@@ -7,6 +7,7 @@ names the last seq it has, the stream resumes after it, and it ends after `resul
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -16,6 +17,7 @@ from api.errors import ApiError
 from api.state import AppState
 from api.store import JobStore
 from shared import keys
+from shared.errors import FieldError, ValidationError
 from shared.messages import TERMINAL_STATES
 
 __all__ = ["job_events"]
@@ -23,12 +25,15 @@ __all__ = ["job_events"]
 BLOCK_MS = 15000
 
 
+_SEQ = re.compile(r"-?[0-9]{1,18}")
+
+
 def _after(request: Request) -> int:
     raw = request.headers.get("last-event-id") or request.query_params.get("after")
     if raw is None or raw == "":
         return -1
-    if not raw.lstrip("-").isdigit():
-        raise ApiError(400, "after must be an integer event seq", details=[])
+    if not _SEQ.fullmatch(raw):
+        raise ValidationError([FieldError("after", "must be an integer event seq (Last-Event-ID or ?after=)")])
     return int(raw)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from typing import Any
 from urllib.parse import parse_qs
@@ -142,7 +143,7 @@ async def job_output(request: Request) -> Response:
     state = _state(request)
     status = await _job_for(request, state)
     raw_wait = request.query_params.get("waitMs", "0")
-    if not raw_wait.isdigit():
+    if not re.fullmatch(r"[0-9]{1,9}", raw_wait):
         raise ValidationError([FieldError("waitMs", "must be a non-negative integer")])
     wait_ms = min(int(raw_wait), MAX_WAIT_MS)
     loop = asyncio.get_running_loop()
@@ -156,6 +157,10 @@ async def job_output(request: Request) -> Response:
             raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
         current = await state.store.status(status.job_id)
         if current is None or current.state in TERMINAL_STATES:
+            # The result and the output are written together: one more look settles a race.
+            raw = await state.store.output(status.job_id)
+            if raw is not None:
+                return Response(raw, media_type="application/json")
             raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
         await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
         delay = min(delay * 1.5, 0.25)
@@ -164,7 +169,7 @@ async def job_output(request: Request) -> Response:
 async def languages(request: Request) -> Response:
     """Runtimes live workers can run right now, with their probed versions."""
     state = _state(request)
-    state.auth.principal(request)
+    state.auth.backend(request)
     return _json(await state.catalog.live())
 
 

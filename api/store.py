@@ -54,8 +54,9 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobStore:
-    def __init__(self, redis: Redis, record_ttl_s: int) -> None:
+    def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None) -> None:
         self._redis = redis
+        self._streams = streams or redis
         self._record_ttl_s = record_ttl_s
         self._enqueue = redis.register_script(_ENQUEUE)
 
@@ -124,7 +125,7 @@ class JobStore:
         if block_ms is None:
             raw = await self._redis.xrange(key, min=f"({after_stream_id}" if after_stream_id != "0" else "-", count=500)
         else:
-            answer = await self._redis.xread({key: after_stream_id}, count=500, block=block_ms)
+            answer = await self._streams.xread({key: after_stream_id}, count=500, block=block_ms)
             raw = answer[0][1] if answer else []
         return [
             (entry_id.decode(), int(fields[b"seq"]), fields[b"name"].decode(), fields[b"data"])

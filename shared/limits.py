@@ -24,7 +24,8 @@ class RequestedLimits(msgspec.Struct, frozen=True, kw_only=True, rename="camel",
     wall_time_ms: Positive | None = None
     idle_ms: Positive | None = None
     cpu_ms: Positive | None = None
-    memory_mb: Positive | None = None
+    # Below 16 MiB no runtime starts, and nsjail's own set-up pages are charged there too.
+    memory_mb: Annotated[int, msgspec.Meta(ge=16, le=2**20)] | None = None
     pids: Positive | None = None
     output_kb: Positive | None = None
     max_artifacts: Annotated[int, msgspec.Meta(ge=0, le=2**20)] | None = None

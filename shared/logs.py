@@ -12,11 +12,9 @@ _ESCAPES[0x7F] = "\\x7f"
 
 
 class _EscapingFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        if record.exc_info:
-            return text  # tracebacks are ours, keep their newlines
-        return text.translate(_ESCAPES)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message line is escaped; a traceback the base class appends keeps its newlines.
+        return super().formatMessage(record).translate(_ESCAPES)
 
 
 def configure_logging(level: str) -> None:

@@ -32,6 +32,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
     limit_maxima: Limits = DEFAULT_MAXIMA
     queue_retry_after_ms: int = 1000
+    # Open GET /v1/jobs/:id/events streams per API process (each holds a Redis connection).
+    max_event_streams: int = 256
 
     pusher_host: str = "127.0.0.1"
     pusher_port: int = 6001
@@ -99,6 +101,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
+    "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
     "PUSHER_PORT": ("pusher_port", _positive_int),
     "PUSHER_SCHEME": ("pusher_scheme", _str),

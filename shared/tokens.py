@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 from shared.keys import is_job_id
 
@@ -24,10 +25,13 @@ def mint_job_token(secret: str, job_id: str, now_s: int, ttl_s: int) -> str:
     return f"{job_id}.{expires_at_s}.{_signature(secret, job_id, expires_at_s)}"
 
 
+_EXPIRY = re.compile(r"[0-9]{1,12}")
+
+
 def verify_job_token(secret: str, token: str, now_s: int) -> str | None:
     """The job id the token grants, or None if it is malformed, forged or expired."""
     parts = token.split(".")
-    if len(parts) != 3 or not is_job_id(parts[0]) or not parts[1].isdigit() or len(parts[1]) > 12:
+    if len(parts) != 3 or not is_job_id(parts[0]) or not _EXPIRY.fullmatch(parts[1]):
         return None
     job_id, expires_raw, signature = parts
     expires_at_s = int(expires_raw)
@@ -39,5 +43,5 @@ def verify_job_token(secret: str, token: str, now_s: int) -> str | None:
 
 
 def tokens_equal(a: str, b: str) -> bool:
-    """Constant-time comparison of two secrets."""
-    return hmac.compare_digest(a.encode(), b.encode())
+    """Constant-time comparison of two secrets (any string, even one with lone surrogates)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))

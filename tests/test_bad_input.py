@@ -120,3 +120,34 @@ def test_queue_full_is_429_after_validation(make_stack: StackFactory) -> None:
         _error(api.post("/v1/execute", json={"language": "python", "files": []}), 400)
     finally:
         api.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "headers"),
+    [
+        ("/v1/jobs/{id}/events", {"after": "--1"}, {}),
+        ("/v1/jobs/{id}/events", {}, {"Last-Event-ID": "²".encode()}),
+        ("/v1/jobs/{id}/output", {"waitMs": "²"}, {}),
+        ("/v1/jobs/{id}/output", {"waitMs": "-5"}, {}),
+    ],
+)
+def test_odd_numbers_are_400_not_500(api: Api, path: str, params: dict, headers: dict) -> None:  # type: ignore[type-arg]
+    job = api.execute(py_job("print(1)", collectOutput=True))
+    response = api.client.get(path.format(id=job["jobId"]), params=params, headers={**api.headers(), **headers})
+    assert response.status_code == 400, response.text
+    api.start(job)
+
+
+def test_odd_tokens_are_401_not_500(api: Api) -> None:
+    job = api.execute(py_job("print(1)"))
+    for token in (f"{job['jobId']}.\\u00b2.{'0' * 40}", f"{job['jobId']}.99999999999999999999.x", "\\ud800"):
+        body = '{"socket_id": "1.2", "channel_name": "' + job["channel"] + '", "jobToken": "' + token + '"}'
+        response = api.client.post("/v1/channel-auth", content=body.encode(), headers={"content-type": "application/json"})
+        assert response.status_code == 401, (token, response.text)
+    api.start(job)
+
+
+def test_job_token_cannot_list_languages(api: Api) -> None:
+    job = api.execute(py_job("print(1)"))
+    assert api.get("/v1/languages", token=job["jobToken"]).status_code == 403
+    api.start(job)

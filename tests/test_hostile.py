@@ -514,6 +514,11 @@ CASES = [
          both(expect(outcome="idle_timed_out", killedBy="idle", stdout="stopping\n"))),
     Case("D11-python-inherited-descriptors", "python", "import os\nprint(sorted(os.listdir('/proc/self/fd')))\n",
          both(expect(outcome="completed", stdout="['0', '1', '2', '3']\n"))),
+    Case("D12-python-inotify-instances", "python",
+         "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+         "print(libc.inotify_init1(0), ctypes.get_errno())\n",
+         # Each instance would count against root's inotify quota on the host.
+         both(expect(outcome="completed", exitCode=0, stdout="-1 1\n"))),
     # ---- G. supervisor faults
     Case("G2-nsjail-killed-mid-run", "bash", "echo running; sleep 100000 & while :; do :; done\n",
          both(where(lambda o: o["outcome"] in ("internal_error", "killed") and o["durationMs"] < 5000, "ends cleanly, no hang"))),

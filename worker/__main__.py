@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import errno
 import logging
 import os
 import socket
@@ -31,6 +33,16 @@ __all__ = ["main", "preflight"]
 log = logging.getLogger("worker")
 
 
+def _x32_enabled() -> bool:
+    """True when the kernel serves x32-ABI system calls (probed with a harmless getpid)."""
+    if os.uname().machine != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    result = libc.syscall(ctypes.c_long(0x40000000 | 39))
+    return not (result == -1 and ctypes.get_errno() == errno.ENOSYS)
+
+
 def find_nsjail(settings: Settings) -> str:
     if settings.nsjail_path:
         return settings.nsjail_path
@@ -46,6 +58,11 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
     if os.geteuid() != 0:
         raise SandboxUnavailable(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
+        )
+    if _x32_enabled():
+        raise SandboxUnavailable(
+            "the kernel accepts x32 system calls, which a seccomp deny-list written for x86-64 numbers "
+            "does not see; boot with x32 disabled (syscall.x32=n, or a kernel without CONFIG_X86_X32_ABI)"
         )
     nsjail = find_nsjail(settings)
     if not os.access(nsjail, os.X_OK):
@@ -96,7 +113,7 @@ def new_worker_id(settings: Settings) -> str:
 
 
 async def _serve(settings: Settings) -> int:
-    from worker.worker import Worker
+    from worker.worker import Worker, WorkerIdInUse
 
     worker_id = new_worker_id(settings)
     try:
@@ -104,7 +121,11 @@ async def _serve(settings: Settings) -> int:
     except SandboxUnavailable as exc:
         print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
         return 3
-    await Worker(settings, worker_id, factory, runtimes).run()
+    try:
+        await Worker(settings, worker_id, factory, runtimes).run()
+    except WorkerIdInUse as exc:
+        print(f"coderunner worker: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

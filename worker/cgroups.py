@@ -221,6 +221,9 @@ class JobCgroup:
                 self.v1_dirs[ctrl] = root / layout.name / job_id
         self._cpuacct = layout.v1_cpuacct / layout.name / job_id if layout.v1_cpuacct else None
 
+    def paths(self) -> list[Path]:
+        return self._all_dirs()
+
     def _all_dirs(self) -> list[Path]:
         dirs = list(self.v1_dirs.values())
         if self.v2_dir is not None:

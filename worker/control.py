@@ -62,9 +62,13 @@ class ControlBus:
         for channel in channels:
             sub._confirmed[channel] = loop.create_future()
             self._subs[channel] = sub
-        async with self._lock:
-            await self._pubsub.subscribe(*channels)
-        await asyncio.wait_for(asyncio.gather(*sub._confirmed.values()), timeout_s)
+        try:
+            async with self._lock:
+                await self._pubsub.subscribe(*channels)
+            await asyncio.wait_for(asyncio.gather(*sub._confirmed.values()), timeout_s)
+        except BaseException:
+            await self.unsubscribe(sub)
+            raise
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:

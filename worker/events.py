@@ -63,11 +63,12 @@ class JobEvents:
     async def state(self, state: JobState, started: bool = False) -> None:
         await self.emit([], state=state, started=started)
 
-    def take_result_seq(self) -> int:
+    async def take_result_seq(self) -> int:
         """The seq of the terminal result (written by the finishing script, not by emit)."""
-        seq = self.next_seq
-        self.next_seq += 1
-        return seq
+        async with self._lock:
+            seq = self.next_seq
+            self.next_seq += 1
+            return seq
 
     def publish(self, name: str, data: bytes) -> None:
         self._lane.send(name, data)

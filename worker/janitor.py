@@ -10,6 +10,7 @@ so several workers can share a host.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from redis.asyncio import Redis
@@ -24,8 +25,27 @@ __all__ = ["sweep_orphans"]
 log = logging.getLogger(__name__)
 
 
-async def sweep_orphans(redis: Redis, layout: CgroupLayout, work_root: Path, me: str) -> int:
-    """Kill and remove sandboxes whose worker is gone; returns how many."""
+def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
+    """When a sandbox was made: the newest timestamp of its workspace folder or cgroup."""
+    stamps = [0.0]
+    for path in (work_root / name, *layout.job(name).paths()):
+        try:
+            stamps.append(path.stat().st_mtime)
+        except OSError:
+            continue
+    return max(stamps)
+
+
+async def sweep_orphans(
+    redis: Redis, layout: CgroupLayout, work_root: Path, me: str, min_age_s: float = 0.0, starting: bool = False
+) -> int:
+    """Kill and remove sandboxes whose worker is gone; returns how many.
+
+    Sandboxes of `me` (this worker) are left alone, except when `starting`: before the first
+    job, every sandbox carrying this id belongs to a killed previous incarnation with the
+    same WORKER_ID. Others' sandboxes younger than `min_age_s` are left alone too: a worker
+    that is starting builds its self-test sandbox before it first heartbeats.
+    """
     cgroups = layout.job_ids()
     workspaces = {p.name for p in work_root.iterdir() if p.is_dir()} if work_root.is_dir() else set()
     owners = {name: owner_of(name) for name in cgroups | workspaces}
@@ -33,7 +53,13 @@ async def sweep_orphans(redis: Redis, layout: CgroupLayout, work_root: Path, me:
     for owner in set(owners.values()):
         if owner is not None and owner != me:
             dead[owner] = not await redis.exists(keys.worker_alive_key(owner))
-    orphans = {name for name, owner in owners.items() if owner is not None and dead.get(owner, False)}
+    now = time.time()
+    orphans = {
+        name
+        for name, owner in owners.items()
+        if (starting and owner == me)
+        or (owner is not None and dead.get(owner, False) and now - _created(layout, work_root, name) >= min_age_s)
+    }
     for name in orphans & cgroups:
         cgroup = layout.job(name)
         cgroup.kill()

@@ -67,7 +67,13 @@ _FINISH = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
-if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then
+local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
+if mine and state and terminal[state] and redis.call('HGET', KEYS[1], 'result') == ARGV[5] then
+  -- Our own earlier write, whose reply was lost with the connection.
+  redis.call('LREM', KEYS[6], 1, ARGV[8])
+  return 1
+end
+if (not mine) or (not state) or terminal[state] then
   redis.call('LREM', KEYS[6], 1, ARGV[8])
   return 0
 end
@@ -103,9 +109,11 @@ return 1
 """
 )
 
-# KEYS: status, dead worker's claimed list, queue, events, spec, start flag.
-# ARGV: job id, now ms, ttl s, result json before seq, result json after seq.
-# Returns 1 (re-queued: it never ran), {2, seq, data} (it had started: now lost), or 0.
+# KEYS: status, the claimed list holding it, queue, events, spec, start flag.
+# ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
+# "requeue" or "end". With "requeue", a job whose program never started goes back to the
+# queue; otherwise (or once started) it ends with the given result.
+# Returns 1 (re-queued), {2, seq, data} (ended), or 0 (not ours to touch any more).
 _REAP = (
     _TERMINAL_LUA
     + """
@@ -114,11 +122,11 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return 0 end
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HDEL', KEYS[1], 'worker')
-if redis.call('HGET', KEYS[1], 'started') == '1' then
+if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
   local data = ARGV[4] .. seq .. ARGV[5]
   redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
-  redis.call('HSET', KEYS[1], 'state', 'lost', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
+  redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[5], ARGV[3])
@@ -131,11 +139,17 @@ return 1
 """
 )
 
-_LOST_PREFIX = (
-    b'{"exitCode":null,"signal":null,"timedOut":false,"idleTimedOut":false,"truncated":false,'
-    b'"durationMs":0,"cpuMs":0,"memoryKb":0,"outcome":"lost","compile":null,"seq":'
-)
-_LOST_SUFFIX = b',"message":"the worker running this job vanished after the program started; it is not re-run"}'
+def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
+    """A result event's JSON split around its seq, for scripts that pick the seq themselves."""
+    prefix = (
+        b'{"exitCode":null,"signal":null,"timedOut":false,"idleTimedOut":false,"truncated":false,'
+        b'"durationMs":0,"cpuMs":0,"memoryKb":0,"outcome":"' + outcome.encode() + b'","compile":null,"seq":'
+    )
+    return prefix, b',"message":' + msgspec.json.encode(message) + b"}"
+
+
+_LOST = _result_template("lost", "the worker running this job vanished after the program started; it is not re-run")
+_UNREADABLE = _result_template("internal_error", "the stored job could not be read by this worker")
 
 
 def now_ms() -> int:
@@ -167,6 +181,8 @@ class WorkerQueue:
         self._finish = redis.register_script(_FINISH)
         self._hand_back = redis.register_script(_HAND_BACK)
         self._reap = redis.register_script(_REAP)
+        # Results of jobs ended while claiming (unreadable specs), for the worker to publish.
+        self.orphan_results: list[tuple[str, bytes]] = []
 
     # -- claiming --------------------------------------------------------------------
 
@@ -184,13 +200,15 @@ class WorkerQueue:
             log.warning("job %s: claimed id had no queued record; dropped", job_id)
             return None
         attempt, seq, spec_raw, start = loaded
-        return Claim(
-            spec=decode_stored(JobSpec, spec_raw),
-            attempt=int(attempt),
-            next_seq=int(seq),
-            start_flag=bool(int(start)),
-            claimed_at=now,
-        )
+        try:
+            spec = decode_stored(JobSpec, spec_raw)
+        except msgspec.MsgspecError as exc:
+            log.error("job %s: stored spec is unreadable (%s); ending it", job_id, exc)
+            ended = await self._recover(self._claimed, job_id, "end", _UNREADABLE, JobState.ERROR)
+            if ended is not None:
+                self.orphan_results.append(ended)
+            return None
+        return Claim(spec=spec, attempt=int(attempt), next_seq=int(seq), start_flag=bool(int(start)), claimed_at=now)
 
     async def start_flag(self, job_id: str) -> bool:
         return bool(await self._redis.exists(keys.start_flag_key(job_id)))
@@ -255,38 +273,64 @@ class WorkerQueue:
             pipe.hdel(keys.WORKERS, self.worker_id)
             await pipe.execute()
 
-    async def reap_dead_workers(self) -> list[tuple[str, int, bytes]]:
+    async def _recover(
+        self, claimed: str, job_id: str, mode: str, template: tuple[bytes, bytes], state: JobState
+    ) -> tuple[str, bytes] | None:
+        """Run the recovery script on one claim; returns (job id, result json) when it ended the job."""
+        outcome = await self._reap(
+            keys=[
+                keys.status_key(job_id),
+                claimed,
+                keys.QUEUE,
+                keys.events_key(job_id),
+                keys.spec_key(job_id),
+                keys.start_flag_key(job_id),
+            ],
+            args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode],
+        )
+        if isinstance(outcome, list):
+            return job_id, bytes(outcome[2])
+        if outcome == 1:
+            log.warning("job %s: its program had not started; re-queued", job_id)
+        return None
+
+    async def reap_dead_workers(self) -> list[tuple[str, bytes]]:
         """Recover the claims of workers whose lease expired.
 
         Jobs that never started go back to the queue; jobs whose program had started end as
-        `lost`. Returns the `(job id, seq, result json)` of every job it declared lost, so the
+        `lost`. Returns the `(job id, result json)` of every job it declared lost, so the
         caller can publish those results live.
         """
-        lost: list[tuple[str, int, bytes]] = []
+        lost: list[tuple[str, bytes]] = []
         workers = await self._redis.hkeys(keys.WORKERS)
         for raw in workers:
             wid = raw.decode()
             if wid == self.worker_id or await self._redis.exists(keys.worker_alive_key(wid)):
                 continue
-            claimed = keys.worker_claimed_key(wid)
-            for job_raw in await self._redis.lrange(claimed, 0, -1):
-                job_id = job_raw.decode()
-                outcome = await self._reap(
-                    keys=[
-                        keys.status_key(job_id),
-                        claimed,
-                        keys.QUEUE,
-                        keys.events_key(job_id),
-                        keys.spec_key(job_id),
-                        keys.start_flag_key(job_id),
-                    ],
-                    args=[job_id, now_ms(), self._result_ttl_s, _LOST_PREFIX, _LOST_SUFFIX],
-                )
-                if outcome == 1:
-                    log.warning("job %s: worker %s vanished before the program started; re-queued", job_id, wid)
-                elif isinstance(outcome, list):
-                    log.warning("job %s: worker %s vanished while it ran; marked lost", job_id, wid)
-                    lost.append((job_id, int(outcome[1]), bytes(outcome[2])))
-            if not await self._redis.llen(claimed):
+            lost += await self.recover_claims(wid)
+            if not await self._redis.llen(keys.worker_claimed_key(wid)):
                 await self._redis.hdel(keys.WORKERS, wid)
         return lost
+
+    async def claimed_ids(self, worker_id: str) -> list[str]:
+        return [raw.decode() for raw in await self._redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
+
+    async def recover_claims(self, worker_id: str, only: set[str] | None = None) -> list[tuple[str, bytes]]:
+        """Recover the claims in `worker_id`'s list (all, or `only` those).
+
+        Used for dead workers, for this worker's own previous incarnation (same WORKER_ID),
+        and for this worker's own strays: ids a failed claim round trip left in its list.
+        """
+        claimed = keys.worker_claimed_key(worker_id)
+        ended: list[tuple[str, bytes]] = []
+        for job_id in await self.claimed_ids(worker_id):
+            if only is not None and job_id not in only:
+                continue
+            result = await self._recover(claimed, job_id, "requeue", _LOST, JobState.LOST)
+            if result is not None:
+                log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
+                ended.append(result)
+        return ended
+
+    async def alive(self, worker_id: str) -> bool:
+        return bool(await self._redis.exists(keys.worker_alive_key(worker_id)))

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+from redis.exceptions import RedisError
 
 from shared import keys
 from shared.errors import ValidationError
@@ -52,7 +53,9 @@ __all__ = ["JobRun"]
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 
-FINISH_RETRY_S = 30.0
+# A produced result is kept trying for this long through a Redis outage (reconnecting with
+# backoff); past it, the claim is left for the stray-claim recovery of this worker's upkeep.
+FINISH_RETRY_S = 300.0
 
 
 class PlatformError(Exception):
@@ -86,7 +89,16 @@ class JobRun:
         sub = None
         compile_jail: asyncio.Task[None] | None = None
         try:
-            sub = await self.ctx.control.subscribe(self.job_id)
+            try:
+                sub = await self.ctx.control.subscribe(self.job_id)
+            except (RedisError, TimeoutError) as exc:
+                log.warning("job %s: cannot subscribe to its control channels (%s); handing it back", self.job_id, exc)
+                self._finished = True
+                try:
+                    await self.ctx.queue.hand_back(self.job_id, self.claim.attempt)
+                except RedisError:
+                    pass  # the stray-claim recovery re-queues it once Redis is back
+                return
             await self.events.stage("queued")
             try:
                 plan = self._load()
@@ -134,18 +146,22 @@ class JobRun:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
             self._finished = True
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort("the worker shut down before the program finished"))
+            # Only a worker stopping cancels a job (after its grace period): the program was
+            # killed on purpose, by the operator, so the verdict is `killed`, not a failure.
+            await asyncio.shield(self._abort("the worker shut down before the program finished", Outcome.KILLED))
             raise
         except Exception:
             log.exception("job %s: unexpected failure", self.job_id)
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
-            await self._discard(compile_jail)
-            if not self._destroyed:
-                await asyncio.shield(self._destroy())
-            if sub is not None:
-                await self.ctx.control.unsubscribe(sub)
-            await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+            try:
+                await self._discard(compile_jail)
+                if not self._destroyed:
+                    await asyncio.shield(self._destroy())
+            finally:
+                if sub is not None:
+                    await self.ctx.control.unsubscribe(sub)
+                await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
 
     @staticmethod
     async def _discard(task: asyncio.Task[None] | None) -> None:
@@ -343,7 +359,7 @@ class JobRun:
         if self._finished:
             return
         self._finished = True
-        seq = self.events.take_result_seq()
+        seq = await self.events.take_result_seq()
         event = msgspec.structs.replace(event, seq=seq)
         result_json = _encoder.encode(event)
         output_json = _encoder.encode(self._run_result(event)) if self.spec.collect_output else None
@@ -356,12 +372,13 @@ class JobRun:
                     self.job_id, self.claim.attempt, OUTCOME_STATE[outcome], seq, result_json, output_json
                 )
                 break
-            except (ConnectionError, OSError, TimeoutError) as exc:
+            except (RedisError, OSError) as exc:
                 if loop.time() > deadline:
                     log.error("job %s: could not store the result: %s", self.job_id, exc)
                     return
+                log.warning("job %s: storing the result failed (%s); retrying in %.1fs", self.job_id, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 5.0)
         if written:
             self.events.publish("result", result_json)
             log.info(
@@ -383,13 +400,13 @@ class JobRun:
             stderr_encoding=stderr_encoding,  # type: ignore[arg-type]
         )
 
-    async def _abort(self, message: str) -> None:
+    async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:
         try:
             await self._destroy()
         except Exception:
             log.exception("job %s: teardown failed", self.job_id)
         if not self._finished:
             try:
-                await self._finish_without_run(Outcome.INTERNAL_ERROR, message)
+                await self._finish_without_run(outcome, message)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)

@@ -100,16 +100,23 @@ class Sandbox:
         pairs = [(self.cgroup, self.jail)]
         if self.compile_cgroup is not None and self.compile_jail is not None:
             pairs.append((self.compile_cgroup, self.compile_jail))
-        for cgroup, jail in pairs:
-            cgroup.kill()
-            try:
-                await asyncio.wait_for(jail.wait(), exit_grace_s)
-            except TimeoutError:
-                log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
-                jail.terminate_supervisor()
-                await jail.wait()
-            await cgroup.remove()
-        self.workspace.destroy()
+        try:
+            for cgroup, jail in pairs:
+                try:
+                    cgroup.kill()
+                    try:
+                        await asyncio.wait_for(jail.wait(), exit_grace_s)
+                    except TimeoutError:
+                        log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
+                        jail.terminate_supervisor()
+                        await jail.wait()
+                except Exception:
+                    log.exception("sandbox %s: waiting for nsjail failed", self.name)
+                    jail.terminate_supervisor()
+                finally:
+                    await cgroup.remove()
+        finally:
+            self.workspace.destroy()
 
 
 @dataclass
@@ -172,10 +179,14 @@ class SandboxFactory:
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
             cgroup.kill()
-            if jail is not None:
-                jail.terminate_supervisor()
-                await asyncio.shield(jail.wait())
-            await asyncio.shield(cgroup.remove())
+            try:
+                if jail is not None:
+                    jail.terminate_supervisor()
+                    await asyncio.shield(jail.wait())
+            except Exception:
+                log.exception("sandbox %s: nsjail failed while being torn down", name)
+            finally:
+                await asyncio.shield(cgroup.remove())
             raise
         return cgroup, jail
 

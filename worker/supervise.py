@@ -87,6 +87,7 @@ async def supervise(
     stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None else None
     exit_task = asyncio.create_task(jail.wait())
     inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
+    children = [*readers, *([stdin_task] if stdin_task else [])]
     fired: str | None = None
     ended_at = go_at
     wall_s = clocks.wall_ms / 1000
@@ -102,15 +103,20 @@ async def supervise(
                 fired = "idle"
             if fired:
                 ended_at = now
-                cgroup.kill()
                 break
             timeout = min(go_at + wall_s - now, CPU_POLL_S)
             if idle_s is not None:
                 timeout = min(timeout, activity.last + idle_s - now)
             done, _ = await asyncio.wait(
-                {exit_task, inbox_task}, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED
+                {exit_task, inbox_task, *readers}, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED
             )
             if exit_task in done:
+                ended_at = loop.time()
+                break
+            failed = [r for r in readers if r.done() and not r.cancelled() and r.exception() is not None]
+            if failed:
+                # Nothing drains that pipe any more (e.g. the job was fenced off while
+                # publishing): stop the program now rather than let it block on a full pipe.
                 ended_at = loop.time()
                 break
             if inbox_task in done:
@@ -119,24 +125,26 @@ async def supervise(
                 if isinstance(item, CtrlMessage) and item.type == "kill":
                     fired = "user"
                     ended_at = loop.time()
-                    cgroup.kill()
                     break
-    finally:
-        inbox_task.cancel()
 
-    # Whatever ended the step, nothing of it may outlive it.
-    cgroup.kill()
-    try:
-        exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
-    except TimeoutError:
-        log.error("nsjail did not exit after the kill; killing it")
-        jail.terminate_supervisor()
-        exit_info = await exit_task
-    await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-    leftovers = [*readers, *([stdin_task] if stdin_task else [])]
-    for task in leftovers:
-        task.cancel()
-    outcomes = await asyncio.gather(*leftovers, return_exceptions=True)
+        # Whatever ended the step, nothing of it may outlive it.
+        cgroup.kill()
+        try:
+            exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
+        except TimeoutError:
+            log.error("nsjail did not exit after the kill; killing it")
+            jail.terminate_supervisor()
+            exit_info = await exit_task
+        await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+    finally:
+        # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
+        cgroup.kill()
+        inbox_task.cancel()
+        if not exit_task.done():
+            exit_task.cancel()
+        for task in children:
+            task.cancel()
+        outcomes = await asyncio.gather(*children, return_exceptions=True)
     for outcome in outcomes:
         # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
         if isinstance(outcome, Exception):

@@ -15,9 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.messages import WorkerInfo
@@ -31,11 +36,22 @@ from worker.run import JobRun
 from worker.runtimes import Runtime
 from worker.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "WorkerIdInUse"]
 
 log = logging.getLogger(__name__)
 
 CLAIM_POLL_S = 1.0
+
+# A dropped connection is re-dialled and the command retried before anything fails; a job's
+# events and result must survive a Redis blip, not end the job.
+_RECONNECTING: dict[str, Any] = {
+    "retry": Retry(ExponentialBackoff(cap=1.0, base=0.02), 8),
+    "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+}
+
+
+class WorkerIdInUse(Exception):
+    """Another live worker holds this worker's id."""
 
 
 class Worker:
@@ -47,6 +63,11 @@ class Worker:
         self._jobs: dict[asyncio.Task[None], str] = {}
         self._ready: asyncio.Queue[Sandbox] = asyncio.Queue()
         self._arming: set[asyncio.Task[None]] = set()
+        # Ids in our claimed list with no task, seen at the previous upkeep. Only ids seen
+        # twice are recovered, so a claim between BLMOVE and its task is never mistaken.
+        self._suspects: set[str] = set()
+        # The janitor leaves sandboxes younger than this alone (a neighbour's self-test).
+        self._young_s = 2 * settings.worker_lease_ttl_ms / 1000
         self._signals = 0
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
@@ -62,9 +83,9 @@ class Worker:
 
     async def run(self) -> None:
         settings = self.settings
-        redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+        redis = Redis.from_url(settings.redis_url, health_check_interval=30, **_RECONNECTING)
         # Blocking claims get their own connection so they never delay other commands.
-        claim_redis = Redis.from_url(settings.redis_url, socket_timeout=None)
+        claim_redis = Redis.from_url(settings.redis_url, socket_timeout=None, **_RECONNECTING)
         control = ControlBus(redis)
         publisher = Publisher(settings)
         queue = WorkerQueue(redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
@@ -79,12 +100,22 @@ class Worker:
             stopping=self._stopping,
         )
         self._install_signal_handlers(ctx)
+        if await queue.alive(self.worker_id):
+            raise WorkerIdInUse(f"another live worker already uses the id {self.worker_id!r} (WORKER_ID)")
+        # A previous incarnation with the same id (WORKER_ID) that was killed: nobody else
+        # reaps its claims or sweeps its sandboxes, because they carry our id.
+        self._publish_results(ctx, await queue.recover_claims(self.worker_id))
+        await sweep_orphans(
+            redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, min_age_s=self._young_s, starting=True
+        )
         await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
-        await sweep_orphans(redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id)
         for slot in range(settings.worker_max_sandboxes):
             self._arm(slot)
         await control.start()
-        upkeep = asyncio.create_task(self._upkeep(ctx), name="upkeep")
+        background = [
+            asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
+            asyncio.create_task(self._upkeep(ctx), name="upkeep"),
+        ]
         log.info(
             "worker %s ready: %d slots, languages: %s",
             self.worker_id,
@@ -93,10 +124,12 @@ class Worker:
         )
         try:
             await self._claim_loop(ctx, claim_queue)
-            await self._drain(ctx)
         finally:
-            upkeep.cancel()
-            await asyncio.gather(upkeep, return_exceptions=True)
+            # Running jobs always get their grace and their result, even if claiming failed.
+            await self._drain(ctx)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await self._disarm()
             try:
                 await queue.unregister()
@@ -183,6 +216,16 @@ class Worker:
                     log.warning("claim failed (%s); retrying", exc)
                     await asyncio.sleep(0.5)
                     continue
+                except Exception:
+                    # Never let one bad claim stop the worker; the stray-claim recovery in
+                    # upkeep puts back whatever a failed claim left in our list.
+                    self._ready.put_nowait(sandbox)
+                    log.exception("claim failed unexpectedly; retrying")
+                    await asyncio.sleep(0.5)
+                    continue
+                finally:
+                    self._publish_results(ctx, claim_queue.orphan_results)
+                    claim_queue.orphan_results = []
                 if claim is None:
                     self._ready.put_nowait(sandbox)
                     continue
@@ -213,17 +256,42 @@ class Worker:
             await asyncio.gather(*self._jobs, return_exceptions=True)
         all_done.cancel()
 
-    async def _upkeep(self, ctx: WorkerContext) -> None:
+    async def _heartbeat(self, ctx: WorkerContext) -> None:
+        """Keep the lease alive; nothing else shares this loop, so nothing can delay it."""
         interval_s = self.settings.worker_heartbeat_ms / 1000
         while True:
             try:
                 await ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms)
-                lost = await ctx.queue.reap_dead_workers()
-                for job_id, _seq, result in lost:
-                    lane = ctx.publisher.lane(keys.realtime_channel(job_id))
-                    lane.send("result", result)
-                    await lane.close(timeout_s=2.0)
-                await sweep_orphans(ctx.queue.redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id)
-            except RedisError as exc:
-                log.warning("upkeep: redis error: %s", exc)
+            except Exception as exc:  # a failed beat is retried at the next interval
+                log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+    async def _upkeep(self, ctx: WorkerContext) -> None:
+        """Reap dead workers' claims, recover our own strays, remove dead workers' sandboxes."""
+        interval_s = self.settings.worker_heartbeat_ms / 1000
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self._publish_results(ctx, await ctx.queue.reap_dead_workers())
+                strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+                confirmed, self._suspects = strays & self._suspects, strays - self._suspects
+                if confirmed:
+                    self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=confirmed))
+                await sweep_orphans(
+                    ctx.queue.redis,
+                    self.sandboxes.cgroups,
+                    self.sandboxes.work_root,
+                    me=self.worker_id,
+                    min_age_s=self._young_s,
+                )
+            except Exception:
+                log.exception("upkeep failed; trying again at the next interval")
+
+    def _publish_results(self, ctx: WorkerContext, ended: list[tuple[str, bytes]]) -> None:
+        """Publish results recovery wrote, without waiting for soketi."""
+        for job_id, result in ended:
+            lane = ctx.publisher.lane(keys.realtime_channel(job_id))
+            lane.send("result", result)
+            task = asyncio.create_task(lane.close(timeout_s=2.0))
+            self._arming.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._arming.discard)
