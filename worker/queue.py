@@ -104,7 +104,11 @@ redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('LREM', KEYS[2], 1, ARGV[2])
-redis.call('RPUSH', KEYS[3], ARGV[2])
+if ARGV[4] == 'back' then
+  redis.call('LPUSH', KEYS[3], ARGV[2])
+else
+  redis.call('RPUSH', KEYS[3], ARGV[2])
+end
 return 1
 """
 )
@@ -252,10 +256,12 @@ class WorkerQueue:
         )
         return bool(ok)
 
-    async def hand_back(self, job_id: str, attempt: int) -> bool:
-        """Return a job that never started to the head of the queue (start flag kept)."""
+    async def hand_back(self, job_id: str, attempt: int, to_back: bool = False) -> bool:
+        """Return a job that never started to the queue, its start flag kept: to the head
+        (it was next; a stopping worker), or to the back (this worker cannot run it)."""
         ok = await self._hand_back(
-            keys=[keys.status_key(job_id), self._claimed, keys.QUEUE], args=[attempt, job_id, now_ms()]
+            keys=[keys.status_key(job_id), self._claimed, keys.QUEUE],
+            args=[attempt, job_id, now_ms(), "back" if to_back else "head"],
         )
         return bool(ok)
 

@@ -62,6 +62,14 @@ class PlatformError(Exception):
     """The platform failed before user code ran (becomes outcome internal_error)."""
 
 
+class NotOfferedHere(PlatformError):
+    """This worker lacks the job's language or version; another worker may have it."""
+
+
+# A job no worker can run is handed around this many times before it ends internal_error.
+MAX_HANDOVERS = 20
+
+
 @dataclass(frozen=True)
 class Plan:
     run: Program
@@ -102,6 +110,18 @@ class JobRun:
             await self.events.stage("queued")
             try:
                 plan = self._load()
+            except NotOfferedHere as exc:
+                # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
+                # worker that has it take the job, unless it has gone round too often.
+                await self._destroy()
+                if self.claim.attempt < MAX_HANDOVERS:
+                    log.info("job %s: %s; handing it to another worker", self.job_id, exc)
+                    await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=True)
+                    self._finished = True
+                    await asyncio.sleep(1.0)  # keep this slot from taking it straight back
+                else:
+                    await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
+                return
             except (PlatformError, ValidationError, WorkspaceError, OSError) as exc:
                 log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
                 await self._destroy()
@@ -176,9 +196,9 @@ class JobRun:
         spec = self.spec
         runtime = self.ctx.runtimes.get(spec.language)
         if runtime is None:
-            raise PlatformError(f"language {spec.language} is not offered by this worker")
+            raise NotOfferedHere(f"language {spec.language} is not offered by this worker")
         if spec.version and spec.version != runtime.version:
-            raise PlatformError(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
+            raise NotOfferedHere(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
         manifest = runtime.manifest
         self.sandbox.load(files, spec.limits)

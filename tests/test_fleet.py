@@ -1,0 +1,42 @@
+"""A mixed fleet: a worker that lacks a job's language hands it to one that has it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared.paths import REPO_ROOT
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+
+def test_job_reaches_a_worker_that_offers_its_language(make_stack: StackFactory, tmp_path: Path) -> None:
+    bash_only = tmp_path / "profiles"
+    (bash_only / "languages").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "sandbox-profiles" / "base.cfg", bash_only / "base.cfg")
+    shutil.copy(REPO_ROOT / "sandbox-profiles" / "languages" / "bash.toml", bash_only / "languages" / "bash.toml")
+
+    stack = make_stack(with_worker=False)
+    stack.start_worker(extra_env={"SANDBOX_PROFILES_DIR": str(bash_only), "WORKER_MAX_SANDBOXES": "2"})
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        jobs = [api.execute(py_job(f"print({i})")) for i in range(3)]
+        followed = [rt.follow(job) for job in jobs]
+        for job in jobs:
+            api.start(job)
+        stack.start_worker(extra_env={"WORKER_MAX_SANDBOXES": "2"})
+        for i, f in enumerate(followed):
+            result = f.wait_result(timeout_s=30)
+            assert result["outcome"] == "completed", result
+            assert f.text("stdout") == f"{i}\n"
+        bash = api.execute({"language": "bash", "files": [{"name": "main.sh", "content": "echo fine"}]})
+        fb = rt.follow(bash)
+        api.start(bash)
+        assert fb.wait_result()["outcome"] == "completed"
+    finally:
+        rt.close()
+        api.close()
