@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from redis.exceptions import RedisError
@@ -47,17 +47,17 @@ def error_response(
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
+    exc = cast(ApiError, exc)
     return error_response(exc.status, exc.message, exc.details, exc.headers, **exc.extra)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ValidationError)
+    exc = cast(ValidationError, exc)
     return error_response(400, exc.sentence, exc.details)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
+    exc = cast(HTTPException, exc)
     messages = {404: "Not found", 405: "Method not allowed"}
     return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 

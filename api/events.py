@@ -13,10 +13,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api.errors import ApiError
 from api.state import AppState
 from api.store import JobStore
-from shared import keys
 from shared.errors import FieldError, ValidationError
 from shared.messages import TERMINAL_STATES
 
@@ -65,14 +63,10 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
 async def job_events(request: Request) -> Response:
     """SSE of every event of the job after `Last-Event-ID`/`?after=`; ends after `result`."""
     state: AppState = request.app.state.coderunner
-    job_id = request.path_params["job_id"]
-    principal = state.auth.principal(request)
-    status = await state.store.status(job_id) if keys.is_job_id(job_id) else None
-    if status is None or not principal.may_access(job_id, status.owner):
-        raise ApiError(404, "Job not found")
+    status = await state.visible_job(request)
     after_seq = _after(request)
     return StreamingResponse(
-        _stream(state.store, job_id, after_seq),
+        _stream(state.store, status.job_id, after_seq),
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )

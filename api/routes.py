@@ -18,7 +18,7 @@ from starlette.routing import Route
 from api.errors import ApiError
 from api.events import job_events
 from api.state import AppState
-from api.store import StoredStatus, now_ms
+from api.store import now_ms
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
@@ -53,18 +53,6 @@ async def _body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"Request body must be at most {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def _job_for(request: Request, state: AppState) -> StoredStatus:
-    """The job named in the path, if the caller may see it; one uniform 404 otherwise."""
-    job_id = request.path_params["job_id"]
-    principal = state.auth.principal(request)
-    if not keys.is_job_id(job_id):
-        raise ApiError(404, "Job not found")
-    status = await state.store.status(job_id)
-    if status is None or not principal.may_access(job_id, status.owner):
-        raise ApiError(404, "Job not found")
-    return status
 
 
 async def execute(request: Request) -> Response:
@@ -116,7 +104,7 @@ async def execute(request: Request) -> Response:
 async def start_job(request: Request) -> Response:
     """Durable start signal. 202 {ok:true}; idempotent; 409 once the job ended without starting."""
     state = _state(request)
-    status = await _job_for(request, state)
+    status = await state.visible_job(request)
     if status.state in TERMINAL_STATES and not status.started:
         raise ApiError(409, f"Job has already ended ({status.state.value}) and can no longer start")
     if status.state not in TERMINAL_STATES:
@@ -127,7 +115,7 @@ async def start_job(request: Request) -> Response:
 async def get_job(request: Request) -> Response:
     """Current JobStatus (with the result once the job has ended)."""
     state = _state(request)
-    status = await _job_for(request, state)
+    status = await state.visible_job(request)
     return _json(status.view())
 
 
@@ -141,7 +129,7 @@ async def job_output(request: Request) -> Response:
     expired one, so job ids cannot be probed.
     """
     state = _state(request)
-    status = await _job_for(request, state)
+    status = await state.visible_job(request)
     raw_wait = request.query_params.get("waitMs", "0")
     if not re.fullmatch(r"[0-9]{1,9}", raw_wait):
         raise ValidationError([FieldError("waitMs", "must be a non-negative integer")])

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from starlette.requests import Request
 
 from api.auth import Authenticator
 from api.catalog import Catalog
-from api.store import JobStore
+from api.errors import ApiError
+from api.store import JobStore, StoredStatus
+from shared import keys
 from shared.settings import Settings
 
 __all__ = ["AppState"]
@@ -21,3 +24,12 @@ class AppState:
     store: JobStore
     catalog: Catalog
     auth: Authenticator
+
+    async def visible_job(self, request: Request) -> StoredStatus:
+        """The job named in the path, if the caller may see it; one uniform 404 otherwise."""
+        job_id = request.path_params["job_id"]
+        principal = self.auth.principal(request)
+        status = await self.store.status(job_id) if keys.is_job_id(job_id) else None
+        if status is None or not principal.may_access(job_id, status.owner):
+            raise ApiError(404, "Job not found")
+        return status

@@ -137,9 +137,6 @@ class JobStore:
         raw = await self._redis.get(keys.output_key(job_id))
         return bytes(raw) if raw is not None else None
 
-    async def queue_depth(self) -> int:
-        return int(await self._redis.llen(keys.QUEUE))
-
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000

@@ -60,18 +60,6 @@ def _http_ok(url: str) -> bool:
         return bool(response.status == 200)
 
 
-def _redis_ping(port: int, password: str) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-        s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
-        data = b""
-        while b"PONG" not in data and len(data) < 256:
-            chunk = s.recv(256)
-            if not chunk:
-                break
-            data += chunk
-        return b"PONG" in data
-
-
 def remove_deployment(deployment: str) -> None:
     """Remove what a deployment's workers left on this host: cgroups, mounts, work root.
 
@@ -214,7 +202,7 @@ class Stack:
             "--daemonize", "no",
         ]  # fmt: skip
         self.procs["redis"] = proc = self._spawn("redis", argv)
-        _wait_for(lambda: _redis_ping(self.redis_port, self.redis_password), "redis-server", timeout_s, proc)
+        _wait_for(lambda: self._redis_call("ping"), "redis-server", timeout_s, proc)
 
     def _start_soketi(self, timeout_s: float) -> None:
         entry = soketi_entry()
@@ -255,19 +243,12 @@ class Stack:
         self._workers.append(proc)
         self.procs[name] = proc
         self.worker_ids[name] = worker_id
-        _wait_for(lambda: self._redis_exists(f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc)
+        _wait_for(lambda: self._redis_call("exists", f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc)
         return proc
 
-    def _redis_exists(self, key: str) -> bool:
-        with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
-            s.sendall(f"AUTH {self.redis_password}\r\nEXISTS {key}\r\n".encode())
-            data = b""
-            while data.count(b"\r\n") < 2:
-                chunk = s.recv(256)
-                if not chunk:
-                    break
-                data += chunk
-        return b":1\r\n" in data
+    def _redis_call(self, command: str, *args: str) -> bool:
+        with self.redis() as redis:
+            return bool(getattr(redis, command)(*args))
 
     def redis(self):  # type: ignore[no-untyped-def]
         """A synchronous client of this stack's Redis (for tests and tools)."""

@@ -339,9 +339,6 @@ class JobCgroup:
                 continue
         return sorted(seen)
 
-    def populated(self) -> bool:
-        return bool(self.pids())
-
     def kill(self) -> None:
         """SIGKILL every process of the job, however it detached or whatever it ignores."""
         if self.v2_dir is not None and (self.v2_dir / "cgroup.kill").exists():

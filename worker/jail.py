@@ -80,7 +80,6 @@ class JailSpec:
     rlimit_cpu_s: int
     rlimit_fsize_mb: int
     rlimit_nofile: int
-    seccomp_policy: Path | None = None
 
 
 @dataclass
@@ -107,8 +106,6 @@ def build_argv(
         "--rlimit_fsize", str(spec.rlimit_fsize_mb),
         "--rlimit_nofile", str(spec.rlimit_nofile),
     ]  # fmt: skip
-    if spec.seccomp_policy is not None:
-        flags += ["--seccomp_policy", str(spec.seccomp_policy)]
     for mount in spec.extra_mounts:
         flags += ["--bindmount_ro", mount]
     return [

@@ -175,7 +175,6 @@ class Claim(msgspec.Struct, frozen=True):
 class WorkerQueue:
     def __init__(self, redis: Redis, worker_id: str, record_ttl_s: int, result_ttl_s: int) -> None:
         self.redis = redis
-        self._redis = redis
         self.worker_id = worker_id
         self._claimed = keys.worker_claimed_key(worker_id)
         self._record_ttl_s = record_ttl_s
@@ -192,7 +191,7 @@ class WorkerQueue:
 
     async def claim(self, timeout_s: float, now: float) -> Claim | None:
         """Wait up to `timeout_s` for a job; None on timeout or when the job vanished."""
-        job_raw = await self._redis.blmove(keys.QUEUE, self._claimed, timeout_s, "RIGHT", "LEFT")
+        job_raw = await self.redis.blmove(keys.QUEUE, self._claimed, timeout_s, "RIGHT", "LEFT")
         if job_raw is None:
             return None
         job_id = job_raw.decode()
@@ -215,7 +214,7 @@ class WorkerQueue:
         return Claim(spec=spec, attempt=int(attempt), next_seq=int(seq), start_flag=bool(int(start)), claimed_at=now)
 
     async def start_flag(self, job_id: str) -> bool:
-        return bool(await self._redis.exists(keys.start_flag_key(job_id)))
+        return bool(await self.redis.exists(keys.start_flag_key(job_id)))
 
     # -- progress ----------------------------------------------------------------------
 
@@ -268,13 +267,13 @@ class WorkerQueue:
     # -- liveness ---------------------------------------------------------------------
 
     async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms)
             pipe.hset(keys.WORKERS, self.worker_id, encode(info))
             await pipe.execute()
 
     async def unregister(self) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys.worker_alive_key(self.worker_id))
             pipe.hdel(keys.WORKERS, self.worker_id)
             await pipe.execute()
@@ -308,18 +307,18 @@ class WorkerQueue:
         caller can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
-        workers = await self._redis.hkeys(keys.WORKERS)
+        workers = await self.redis.hkeys(keys.WORKERS)
         for raw in workers:
             wid = raw.decode()
-            if wid == self.worker_id or await self._redis.exists(keys.worker_alive_key(wid)):
+            if wid == self.worker_id or await self.redis.exists(keys.worker_alive_key(wid)):
                 continue
             lost += await self.recover_claims(wid)
-            if not await self._redis.llen(keys.worker_claimed_key(wid)):
-                await self._redis.hdel(keys.WORKERS, wid)
+            if not await self.redis.llen(keys.worker_claimed_key(wid)):
+                await self.redis.hdel(keys.WORKERS, wid)
         return lost
 
     async def claimed_ids(self, worker_id: str) -> list[str]:
-        return [raw.decode() for raw in await self._redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
+        return [raw.decode() for raw in await self.redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
 
     async def recover_claims(self, worker_id: str, only: set[str] | None = None) -> list[tuple[str, bytes]]:
         """Recover the claims in `worker_id`'s list (all, or `only` those).
@@ -339,4 +338,4 @@ class WorkerQueue:
         return ended
 
     async def alive(self, worker_id: str) -> bool:
-        return bool(await self._redis.exists(keys.worker_alive_key(worker_id)))
+        return bool(await self.redis.exists(keys.worker_alive_key(worker_id)))

@@ -218,9 +218,7 @@ class JobRun:
         compile_program = Program(
             argv=expand_argv(step.argv, entry=entry, sources=sources, args=[], memory_mb=limits.memory_mb),
             env={**manifest.env, **step.env},
-            rlimit_cpu_s=limits.cpu_ms // 1000 + 1,
-            rlimit_fsize_bytes=factory.workspace_bytes,
-            rlimit_nofile=256,
+            **factory.program_rlimits(limits, compiler=True),
         )
         return Plan(run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
 

@@ -141,12 +141,16 @@ class SandboxFactory:
     def profile(self, name: str = "base") -> Path:
         return self.profiles_dir / f"{name}.cfg"
 
-    def program_rlimits(self, limits: Limits) -> dict[str, int]:
+    def program_rlimits(self, limits: Limits, compiler: bool = False) -> dict[str, int]:
+        """The rlimits the gate applies to a step's program.
+
+        Compilers may write up to the whole workspace (object files) and open more files.
+        """
         return {
-            # Per-process CPU backstop above the job-level CPU clock the worker enforces.
+            # Per-process CPU backstop above the step-level CPU clock the worker enforces.
             "rlimit_cpu_s": math.ceil(limits.cpu_ms / 1000) + 1,
-            "rlimit_fsize_bytes": self.rlimit_fsize_mb * 1024 * 1024,
-            "rlimit_nofile": self.rlimit_nofile,
+            "rlimit_fsize_bytes": self.workspace_bytes if compiler else self.rlimit_fsize_mb * 1024 * 1024,
+            "rlimit_nofile": 256 if compiler else self.rlimit_nofile,
         }
 
     def _name(self, owner: str, slot: int) -> str:

@@ -10,27 +10,17 @@ location. No host permission is changed.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
 import stat
 from pathlib import Path
 
+from worker.mounts import MS_BIND, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC, MS_REMOUNT, MountError, mount
+
 __all__ = ["ToolchainError", "expose_mounts"]
 
 log = logging.getLogger(__name__)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
-
-MS_RDONLY = 0x1
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
-MS_REMOUNT = 0x20
-MS_BIND = 0x1000
-MS_REC = 0x4000
-
 
 class ToolchainError(Exception):
     """A toolchain folder could not be made visible to jails."""
@@ -50,11 +40,6 @@ def _reachable_by_others(path: Path) -> bool:
     return True
 
 
-def _mount(source: str, target: str, flags: int) -> None:
-    if _libc.mount(source.encode(), target.encode(), None, flags, None) != 0:
-        raise ToolchainError(f"bind {source} on {target}: {os.strerror(ctypes.get_errno())}")
-
-
 def expose_mounts(mounts: list[str], work_root: Path, mounts_text: str) -> list[str]:
     """Rewrite manifest mount entries (`path` or `src:dst`) so nsjail can bind every one."""
     mounted = {line.split()[1] for line in mounts_text.splitlines() if len(line.split()) > 1}
@@ -69,8 +54,11 @@ def expose_mounts(mounts: list[str], work_root: Path, mounts_text: str) -> list[
         if str(staging) not in mounted:
             staging.mkdir(parents=True, exist_ok=True)
             os.chmod(staging.parent, 0o711)
-            _mount(source, str(staging), MS_BIND | MS_REC)
-            _mount("none", str(staging), MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            try:
+                mount(source, str(staging), None, MS_BIND | MS_REC)
+                mount("none", str(staging), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            except MountError as exc:
+                raise ToolchainError(str(exc)) from None
             log.info("toolchain %s is bound read-only at %s for the jails", source, staging)
         out.append(f"{staging}:{target}")
     return out

@@ -10,40 +10,18 @@ syscalls run directly on the event loop.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 from pathlib import Path
+
+from worker.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
 
 __all__ = ["Workspace", "WorkspaceError", "detach_workspace"]
 
 log = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
-_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
-MNT_DETACH = 0x2
-
-
 class WorkspaceError(Exception):
     """The workspace could not be created or staged (a platform failure, not the program's)."""
-
-
-def _mount_tmpfs(target: Path, options: str) -> None:
-    if _libc.mount(b"coderunner-ws", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()) != 0:
-        err = ctypes.get_errno()
-        raise WorkspaceError(f"mount tmpfs on {target}: {os.strerror(err)}")
-
-
-def _umount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):
-            raise WorkspaceError(f"umount {target}: {os.strerror(err)}")
 
 
 class Workspace:
@@ -58,7 +36,11 @@ class Workspace:
             self.path.mkdir(mode=0o700)
         except FileExistsError:
             raise WorkspaceError(f"workspace {self.path} already exists") from None
-        _mount_tmpfs(self.path, f"size={size_bytes},nr_inodes={inodes},mode=0755,uid={self.uid},gid={self.gid}")
+        try:
+            mount("coderunner-ws", str(self.path), "tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size={size_bytes},nr_inodes={inodes},mode=0755,uid={self.uid},gid={self.gid}")  # fmt: skip
+        except MountError as exc:
+            raise WorkspaceError(str(exc)) from None
         self._mounted = True
 
     def stage(self, files: list[tuple[str, bytes]]) -> None:
@@ -102,7 +84,7 @@ class Workspace:
     def destroy(self) -> None:
         """Detach the tmpfs (its pages are freed once no jail holds it) and remove the mount point."""
         if self._mounted:
-            _umount(self.path)
+            detach(str(self.path))
             self._mounted = False
         try:
             self.path.rmdir()
@@ -115,7 +97,7 @@ class Workspace:
 def detach_workspace(path: Path, mounts_text: str) -> None:
     """Detach a workspace tmpfs left behind by a dead worker and remove its mount point."""
     if any(line.split()[1:2] == [str(path)] for line in mounts_text.splitlines()):
-        _umount(path)
+        detach(str(path))
     try:
         path.rmdir()
     except FileNotFoundError:
