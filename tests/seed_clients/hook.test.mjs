@@ -1,0 +1,148 @@
+// @teovilla/code-runner-react 0.4.2 (CodeRunnerProvider + useCodeRunnerJob on pusher-js),
+// mounted with react-dom in jsdom, against a real coderunner stack; the seed SDK
+// (@teovilla/code-runner-sdk-node 0.4.0) drives the jobs. Neither package is changed.
+import assert from "node:assert/strict";
+import { afterEach, test } from "node:test";
+import { ENDED, endJobs, eventLog, execute, mountJob, py, rawListener, sdk, sleep, unmountAll, waitFor, waitState } from "./lib.mjs";
+
+afterEach(async () => {
+  unmountAll();
+  await endJobs();
+});
+
+const client = sdk();
+
+test("interactive stdin: the hook shows the prompt, sendStdin answers it, the transcript is exact", { timeout: 30000 }, async () => {
+  const job = await execute(client, py('name = input("What is your name? ")\nprint(f"Hello, {name}!")\n'));
+  assert.equal(job.status, "queued");
+  assert.equal(job.channel, `private-run-${job.jobId}`);
+  assert.match(job.jobId, /^[0-9a-f]{32}$/);
+
+  // A second, plain pusher-js subscriber records the raw events with their seq numbers.
+  const raw = await rawListener(job, job.jobToken);
+  try {
+    await Promise.race([raw.subscribed, sleep(10000).then(() => Promise.reject(new Error("raw subscription timed out")))]);
+    const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) });
+
+    await view.waitFor((s) => s.stdout === "What is your name? ", 15000, "the prompt never showed");
+    assert.equal(view.state.status, "running");
+    assert.equal(view.state.stage, "running");
+    assert.equal(view.state.result, null);
+    assert.equal(view.text("stdout"), "What is your name? ");
+
+    await client.sendStdin(job.jobId, "Ada\n");
+    await view.waitFor((s) => s.status === "done", 15000, "no result after the answer");
+    const state = view.state;
+    assert.equal(state.stdout, "What is your name? Hello, Ada!\n");
+    assert.equal(state.stderr, "");
+    assert.equal(state.compileOutput, "");
+    assert.equal(state.result.exitCode, 0);
+    assert.equal(state.result.signal, null);
+    assert.equal(state.result.outcome, "completed");
+    assert.equal(state.result.timedOut, false);
+    assert.equal(view.text("stdout"), "What is your name? Hello, Ada!\n");
+    assert.equal(view.text("status"), "done");
+
+    // seq numbers: the durable log starts at 0 with stage{queued} and has no gap; what the
+    // live subscriber saw is exactly the log's tail (stage{queued} is published when the
+    // worker claims the job, usually before anyone can have subscribed).
+    const log = await eventLog(job.jobId);
+    assert.deepEqual(log[0], { event: "stage", data: { phase: "queued", seq: 0 } });
+    assert.deepEqual(log.map((e) => e.data.seq), log.map((_, i) => i));
+    assert.equal(log.at(-1).event, "result");
+    assert.deepEqual(log.filter((e) => e.event === "stage").map((e) => e.data.phase), ["queued", "running"]);
+    await waitFor(() => raw.events.some((e) => e.event === "result"), 5000, () => `raw listener: ${JSON.stringify(raw.events)}`);
+    const first = raw.events[0].data.seq;
+    assert.ok(first === 0 || first === 1, `first live seq ${first}`);
+    assert.deepEqual(raw.events, log.slice(first));
+    assert.deepEqual(raw.events.at(-1).data, { ...state.result });
+    view.unmount();
+  } finally {
+    raw.close();
+  }
+});
+
+test("kill: a running infinite loop ends killed by SIGKILL", { timeout: 30000 }, async () => {
+  const job = await execute(client, py('print("spinning", flush=True)\nwhile True:\n    pass\n', { limits: { wallTimeMs: 10000 } }));
+  const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) });
+  await view.waitFor((s) => s.stdout === "spinning\n", 15000, "the loop never started");
+  assert.equal(view.state.status, "running");
+
+  const killedAt = Date.now();
+  await client.kill(job.jobId);
+  await view.waitFor((s) => s.status === "done", 10000, "no result after kill");
+  const { result } = view.state;
+  assert.equal(result.outcome, "killed");
+  assert.equal(result.signal, "SIGKILL");
+  assert.equal(result.killedBy, "user");
+  assert.equal(result.timedOut, false);
+  assert.ok(Date.now() - killedAt < 5000, `kill took ${Date.now() - killedAt} ms`);
+  assert.equal(view.state.stdout, "spinning\n");
+  const status = await client.getJob(job.jobId);
+  assert.equal(status.state, "killed");
+  assert.equal(status.result.outcome, "killed");
+  view.unmount();
+});
+
+test("closeStdin: a program reading all of stdin gets exactly the chunks sent, then EOF", { timeout: 30000 }, async () => {
+  const job = await execute(client, py("import sys\nsys.stdout.write(sys.stdin.read())\n"));
+  const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) });
+  await view.waitFor((s) => s.stage === "running", 15000, "the program never started");
+
+  for (const chunk of ["alpha\n", "beta\n", "gamma"]) await client.sendStdin(job.jobId, chunk);
+  // stdin stays open: the program is still reading.
+  await sleep(300);
+  assert.equal(view.state.status, "running");
+  assert.equal(view.state.result, null);
+  assert.equal((await client.getJob(job.jobId)).state, "running");
+
+  await client.closeStdin(job.jobId);
+  await view.waitFor((s) => s.status === "done", 10000, "no result after closeStdin");
+  assert.equal(view.state.stdout, "alpha\nbeta\ngamma");
+  assert.equal(view.state.stderr, "");
+  assert.equal(view.state.result.exitCode, 0);
+  assert.equal(view.state.result.outcome, "completed");
+  view.unmount();
+});
+
+test("compile error: the hook shows gcc's diagnostic in compileOutput", { timeout: 30000 }, async () => {
+  const source = '#include <stdio.h>\n\nint main(void) {\n    printf("%d\\n", undeclared_value);\n    return 0;\n}\n';
+  const job = await execute(client, { language: "c", files: [{ name: "main.c", content: source }] });
+  const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) });
+  await view.waitFor((s) => s.status === "done", 25000, "no result for the compile error");
+  const state = view.state;
+  assert.match(state.compileOutput, /error/);
+  assert.match(state.compileOutput, /undeclared_value/);
+  assert.match(state.compileOutput, /main\.c:4/);
+  assert.equal(view.text("compile"), state.compileOutput);
+  assert.equal(state.result.outcome, "compile_error");
+  assert.notEqual(state.result.compile.exitCode, 0);
+  assert.equal(state.result.compile.output, state.compileOutput);
+  assert.equal(state.stdout, "");
+  assert.equal(state.stage, "compiling");
+  view.unmount();
+});
+
+test("late subscriber: onResolveStatus reconciles a job that ended before the hook mounted", { timeout: 30000 }, async () => {
+  const job = await execute(client, py('print("early bird")\n'));
+  await client.start(job.jobId);
+  const ended = await waitState(client, job.jobId, ENDED);
+  assert.equal(ended.state, "done");
+  assert.equal(ended.result.exitCode, 0);
+
+  // Control: without onResolveStatus nothing arrives on the channel any more, the status stays.
+  let subscribed = false;
+  const blind = await mountJob(job, { jobId: job.jobId, onSubscribed: () => (subscribed = true) });
+  await waitFor(() => subscribed, 10000, () => "the control hook never subscribed");
+  await sleep(300);
+  assert.equal(blind.state.status, "queued");
+  blind.unmount();
+
+  const view = await mountJob(job, {
+    jobId: job.jobId,
+    onResolveStatus: () => client.getStatus(job.jobId).then((s) => s.state),
+  });
+  await view.waitFor((s) => s.status === "done", 10000, "status never reconciled to done");
+  assert.equal(view.text("status"), "done");
+  view.unmount();
+});
