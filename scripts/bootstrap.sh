@@ -59,6 +59,7 @@ npm_install() {
 }
 npm_install realtime
 npm_install clients/js
+npm_install tests/seed_clients
 
 # --- nsjail cgroup parents -------------------------------------------------------------
 # The worker creates its own per-job cgroups under these at start-up; nsjail's default
