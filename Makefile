@@ -28,4 +28,4 @@ lint: test-deps
 	@.venv/bin/ruff check .
 
 clean:
-	rm -rf .venv realtime/node_modules clients/js/node_modules .pytest_cache
+	rm -rf .venv .tools realtime/node_modules clients/js/node_modules .pytest_cache

@@ -2,18 +2,97 @@
 
 `up` runs the whole stack on this machine: a private redis-server and soketi on free
 ports, the API, and one worker; Ctrl-C or SIGTERM stops every child (whole process
-groups), so nothing is left behind.
+groups), so nothing is left behind. Its logs go to `.coderunner/logs/<UTC time>/` of this
+checkout (or `CODERUNNER_LOG_ROOT`), and outlive the stack: the last `KEEP_LOG_RUNS` runs
+are kept.
+
+`node` runs the Node.js (>= 20) this checkout uses (see launcher/node.py) with the
+arguments, e.g. `coderunner node clients/js/run-job.mjs ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
+import shutil
 import signal
+import socket
 import sys
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
-__all__ = ["main"]
+from shared.paths import REPO_ROOT
+
+__all__ = ["KEEP_LOG_RUNS", "main", "new_log_dir", "port_in_use"]
+
+KEEP_LOG_RUNS = 10
+_RUN_NAME = re.compile(r"^\d{8}T\d{6}Z(-\d+)?$")
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound for listening (None: it can).
+
+    Binds the way uvicorn does (SO_REUSEADDR, so a closed socket in TIME_WAIT does not
+    count) and closes again at once.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc}"
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "in use"
+                return exc.strerror or str(exc)
+    return None
+
+
+def new_log_dir(root: Path, keep: int = KEEP_LOG_RUNS) -> Path:
+    """A fresh `<root>/<UTC time>/` for one run's logs; only the newest `keep` runs stay.
+
+    `<root>/latest` points at the new one.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+    def order(name: str) -> tuple[str, int]:
+        return name[:16], int(name[17:] or 1)
+
+    def runs() -> list[Path]:
+        found = (p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _RUN_NAME.match(p.name))
+        return sorted(found, key=lambda p: order(p.name))
+
+    # Runs in the same second get -2, -3 ... after the newest of that second, so a new run
+    # never takes the name of one that was pruned and never sorts before an older one.
+    n = max([order(p.name)[1] for p in runs() if p.name[:16] == stamp], default=0) + 1
+    while True:
+        run = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            run.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    all_runs = runs()
+    for old in all_runs[: max(0, len(all_runs) - keep)]:
+        if old != run:
+            shutil.rmtree(old, ignore_errors=True)
+    latest = root / "latest"
+    try:
+        if latest.is_symlink() or not latest.exists():
+            tmp = root / f".latest-{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(run.name)
+            tmp.replace(latest)
+    except OSError:
+        pass
+    return run
 
 
 def _up(argv: list[str]) -> int:
@@ -25,7 +104,20 @@ def _up(argv: list[str]) -> int:
     parser.add_argument("--no-worker", action="store_true", help="start everything but the worker")
     args = parser.parse_args(argv)
 
-    stack = Stack(api_port=args.port, api_host=args.host, with_worker=not args.no_worker)
+    # Before anything starts or is printed: a second `make up` must not get as far as a
+    # banner and a token for a stack that cannot serve.
+    busy = port_in_use(args.host, args.port)
+    if busy is not None:
+        print(
+            f"coderunner up: cannot listen on {args.host}:{args.port} ({busy}; is another `make up` running?).\n"
+            f"  Pick another port: make up PORT=9000   (or: coderunner up --port 9000)",
+            file=sys.stderr,
+        )
+        return 1
+
+    log_root = Path(os.environ.get("CODERUNNER_LOG_ROOT") or REPO_ROOT / ".coderunner" / "logs")
+    log_dir = new_log_dir(log_root)
+    stack = Stack(api_port=args.port, api_host=args.host, with_worker=not args.no_worker, log_dir=log_dir)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -44,6 +136,7 @@ def _up(argv: list[str]) -> int:
             if tail:
                 print(f"--- {name} log ---\n" + "\n".join(tail), file=sys.stderr)
         stack.cleanup()
+        print(f"coderunner up: logs kept in {log_dir}", file=sys.stderr)
         return 1
     print(
         f"\n  API         {stack.api_url}\n"
@@ -66,22 +159,28 @@ def _up(argv: list[str]) -> int:
         time.sleep(0.2)
     print("coderunner: stopping...", flush=True)
     stack.cleanup()
+    print(f"coderunner: stopped; logs kept in {log_dir}", flush=True)
     return status
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("up", "api", "worker")
+    commands = ("up", "api", "worker", "node")
     if not argv or argv[0] not in commands:
-        print("usage: coderunner {up,api,worker} [options]\n"
+        print("usage: coderunner {up,api,worker,node} [options]\n"
               "  up      run the whole stack (redis-server, soketi, API, worker) on this machine\n"
               "  api     serve the HTTP API (production: behind a load balancer)\n"
-              "  worker  claim and run jobs under nsjail (production: on every execution host)",
+              "  worker  claim and run jobs under nsjail (production: on every execution host)\n"
+              "  node    run the Node.js >= 20 this checkout uses, e.g. node clients/js/run-job.mjs ...",
               file=sys.stderr)  # fmt: skip
         return 2
     command, rest = argv[0], argv[1:]
     if command == "up":
         return _up(rest)
+    if command == "node":
+        from launcher.node import main as node_main
+
+        return node_main(rest)
     if command == "api":
         from api.__main__ import main as api_main
 

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.node import NodeNotFound, find_node
 from shared.paths import REPO_ROOT
 
 __all__ = ["Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
@@ -124,6 +125,7 @@ class Stack:
         self._tmp = tempfile.TemporaryDirectory(prefix="coderunner-stack-")
         self.data_dir = Path(self._tmp.name)
         self.log_dir = self.log_dir or self.data_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.worker_ids: dict[str, str] = {}
         self._workers: list[subprocess.Popen[bytes]] = []
@@ -208,6 +210,10 @@ class Stack:
         entry = soketi_entry()
         if not entry.exists():
             raise StackError(f"soketi is not installed ({entry} missing): run `make deps`")
+        try:
+            node = find_node()
+        except NodeNotFound as exc:
+            raise StackError(str(exc)) from None
         env = dict(os.environ)
         env.update(
             {
@@ -223,7 +229,7 @@ class Stack:
                 "NODE_NO_WARNINGS": "1",
             }
         )
-        self.procs["soketi"] = proc = self._spawn("soketi", ["node", str(entry), "start"], env)
+        self.procs["soketi"] = proc = self._spawn("soketi", [node, str(entry), "start"], env)
         _wait_for(lambda: _http_ok(f"http://127.0.0.1:{self.soketi_port}/ready"), "soketi", timeout_s, proc)
 
     def _start_api(self, timeout_s: float) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launcher.node import find_node
 from launcher.stack import free_port
 from shared.paths import REPO_ROOT
 
@@ -59,11 +62,62 @@ def _sandbox_mounts() -> set[str]:
     return {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines() if line.startswith("coderunner-ws ")}
 
 
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment carries CODERUNNER_TEST_MARK=<mark> (every child of an
+    `up` started with it inherits it, whatever session or process group it moved to)."""
+    needle = f"CODERUNNER_TEST_MARK={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _alive(int(entry.name)):
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _up_env(tmp_path: Path) -> tuple[dict[str, str], str]:
+    mark = secrets.token_hex(8)
+    env = dict(os.environ)
+    env.pop("EXECUTOR_API_TOKEN", None)
+    env["CODERUNNER_TEST_MARK"] = mark
+    env["CODERUNNER_LOG_ROOT"] = str(tmp_path / "logs")
+    return env, mark
+
+
+def test_up_on_a_busy_port_says_so_before_anything_starts(tmp_path: Path) -> None:
+    env, mark = _up_env(tmp_path)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        started = time.monotonic()
+        up = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", "up", "--port", str(port)],
+            capture_output=True,
+            cwd=REPO_ROOT,
+            env=env,
+            text=True,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    output = up.stdout + up.stderr
+    assert up.returncode != 0, output
+    assert f"127.0.0.1:{port}" in output and "in use" in output, output
+    assert "make up PORT=9000" in output, output
+    # Nothing was printed for a stack that never ran: no banner, no token, no start line.
+    assert up.stdout == "", up.stdout
+    assert "API token" not in output and "starting" not in output and "Playground" not in output, output
+    assert elapsed < 15, elapsed  # it checked first instead of starting Redis and soketi
+    assert _marked(mark) == [], "children were started"
+    assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").rglob("*"))
+
+
 def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     mounts_before = _sandbox_mounts()
     port = free_port()
-    env = dict(os.environ)
-    env.pop("EXECUTOR_API_TOKEN", None)
+    env, mark = _up_env(tmp_path)
     up = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "up", "--port", str(port)],
         stdout=subprocess.PIPE,
@@ -82,6 +136,8 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
             banner += line
             assert time.monotonic() < deadline, banner
         token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
+        log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
+        assert log_dir.parent == tmp_path / "logs" and log_dir.is_dir(), banner
         api = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{api}/health").json() == {"status": "ok"}
         page = httpx.get(f"{api}/")
@@ -98,12 +154,16 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
         program = tmp_path / "echo.py"
         program.write_text("name = input()\nprint(f'hello {name}')\n")
         client = subprocess.run(
-            ["node", str(REPO_ROOT / "clients/js/run-job.mjs"), api, token, "python", str(program), "pusher-js\n"],
+            [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), api, token, "python", str(program), "pusher-js\n"],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert client.returncode == 0, client.stderr
+        # The job id goes to stderr, so stdout is nothing but JSON lines.
+        job_id = re.search(r"job (\S+) \(waiting up to (\d+) s", client.stderr)
+        assert job_id is not None, client.stderr
+        assert int(job_id.group(2)) >= 30 + 30, client.stderr  # wall limit plus warm-up, at least
         events = sorted((json.loads(line) for line in client.stdout.splitlines()), key=lambda e: e["data"]["seq"])
         # stage{queued} may be published before the client subscribes; from `running` on,
         # every event arrives, in seq order without gaps.
@@ -117,7 +177,7 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     finally:
         up.send_signal(signal.SIGINT)
         try:
-            up.wait(30)
+            rest, _ = up.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             up.kill()
             raise
@@ -125,6 +185,14 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     time.sleep(0.2)
     survivors = [pid for pid in family if _alive(pid)]
     assert survivors == [], f"left behind: {survivors}"
+    assert _marked(mark) == [], "left behind"
+    # The logs outlive the stack, and `up` says where they are as it stops.
+    assert f"logs kept in {log_dir}" in rest, rest
+    for name in ("api", "worker", "redis", "soketi"):
+        assert (log_dir / f"{name}.log").is_file(), name
+    assert job_id.group(1) in (log_dir / "worker.log").read_text(errors="replace")
+    api_log = (log_dir / "api.log").read_text(errors="replace")
+    assert "startup complete" in api_log and "shutdown complete" in api_log, api_log  # written up to the end
     # No workspace mount is left either (other stacks of this test session keep theirs).
     other_deployments = {Path(m).parent for m in mounts_before}
     left = {m for m in _sandbox_mounts() if Path(m).parent not in other_deployments}

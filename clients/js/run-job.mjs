@@ -3,16 +3,63 @@
 // start only after the subscription succeeded, print every event as a JSON line, and
 // exit after the single `result` event.
 //
-//   node run-job.mjs <apiUrl> <apiToken> <language> <file> [stdin]
+//   node run-job.mjs [--wall-ms N] [--limits JSON] <apiUrl> <apiToken> <language> <file> [stdin]
+//
+// stdout carries only the events (one JSON object per line); the job id and any trouble
+// go to stderr. It waits as long as the job may legitimately take: the queue wait and the
+// warm-up before start, a compile step, then the job's own wall time limit.
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
+import { parseArgs } from "node:util";
 import Pusher from "pusher-js";
 
-const [apiUrl, apiToken, language, file, stdin] = process.argv.slice(2);
-if (!file) {
-  console.error("usage: node run-job.mjs <apiUrl> <apiToken> <language> <file> [stdin]");
+const USAGE =
+  "usage: node run-job.mjs [--wall-ms N] [--limits JSON] <apiUrl> <apiToken> <language> <file> [stdin]\n" +
+  "  --wall-ms N     limits.wallTimeMs of the job (server default 30000)\n" +
+  "  --limits JSON   any request limits, e.g. '{\"cpuMs\":2000,\"memoryMb\":256}'";
+
+let parsed;
+try {
+  parsed = parseArgs({
+    allowPositionals: true,
+    options: { "wall-ms": { type: "string" }, limits: { type: "string" }, help: { type: "boolean", short: "h" } },
+  });
+} catch (error) {
+  console.error(`${error.message}\n${USAGE}`);
   process.exit(2);
 }
+const [apiUrl, apiToken, language, file, stdin] = parsed.positionals;
+if (parsed.values.help || !file) {
+  console.error(USAGE);
+  process.exit(parsed.values.help ? 0 : 2);
+}
+
+let limits = {};
+try {
+  if (parsed.values.limits !== undefined) limits = JSON.parse(parsed.values.limits);
+  if (typeof limits !== "object" || limits === null || Array.isArray(limits)) throw new Error("not an object");
+} catch (error) {
+  console.error(`--limits must be a JSON object (${error.message})`);
+  process.exit(2);
+}
+if (parsed.values["wall-ms"] !== undefined) {
+  const wall = Number(parsed.values["wall-ms"]);
+  if (!Number.isInteger(wall) || wall <= 0) {
+    console.error("--wall-ms must be a positive whole number of milliseconds");
+    process.exit(2);
+  }
+  limits.wallTimeMs = wall;
+}
+
+// How long to wait for the result: the job's wall time limit (the server's default when
+// the request does not set one) plus the longest the server lets a job spend before its
+// run starts: a queue wait and the warm-up (WORKER_WARMUP_MS, default 30 s) and a compile
+// step (at most 30 s wall), with some slack for delivery.
+const DEFAULT_WALL_MS = 30000;
+const WARMUP_MS = 30000;
+const COMPILE_MS = 30000;
+const SLACK_MS = 15000;
+const waitMs = (limits.wallTimeMs ?? DEFAULT_WALL_MS) + WARMUP_MS + COMPILE_MS + SLACK_MS;
 
 async function call(method, path, token, body) {
   const response = await fetch(apiUrl + path, {
@@ -25,45 +72,65 @@ async function call(method, path, token, body) {
   return data;
 }
 
-const realtime = await (await fetch(apiUrl + "/v1/realtime")).json();
-const job = await call("POST", "/v1/execute", apiToken, {
-  language,
-  files: [{ name: basename(file), content: readFileSync(file, "utf8") }],
-  ...(stdin === undefined ? {} : { stdin }),
-});
-
-const pusher = new Pusher(realtime.key, {
-  cluster: realtime.cluster,
-  wsHost: realtime.wsHost,
-  wsPort: realtime.wsPort,
-  forceTLS: realtime.forceTLS,
-  enabledTransports: ["ws"],
-  channelAuthorization: {
-    endpoint: apiUrl + "/v1/channel-auth",
-    transport: "ajax",
-    headers: { Authorization: `Bearer ${job.jobToken}` },
-  },
-});
-
-const timer = setTimeout(() => {
-  console.error("timed out waiting for the result");
+let job;
+try {
+  const realtime = await (await fetch(apiUrl + "/v1/realtime")).json();
+  job = await call("POST", "/v1/execute", apiToken, {
+    language,
+    files: [{ name: basename(file), content: readFileSync(file, "utf8") }],
+    ...(stdin === undefined ? {} : { stdin }),
+    ...(Object.keys(limits).length === 0 ? {} : { limits }),
+  });
+  console.error(`job ${job.jobId} (waiting up to ${Math.round(waitMs / 1000)} s for its result)`);
+  follow(realtime);
+} catch (error) {
+  console.error(error.message);
   process.exit(1);
-}, 30000);
+}
 
-const channel = pusher.subscribe(job.channel);
-channel.bind("pusher:subscription_error", (error) => {
-  console.error("subscription failed", JSON.stringify(error));
-  process.exit(1);
-});
-channel.bind("pusher:subscription_succeeded", async () => {
-  await call("POST", `/v1/jobs/${job.jobId}/start`, job.jobToken);
-});
-channel.bind_global((event, data) => {
-  if (event.startsWith("pusher:")) return;
-  console.log(JSON.stringify({ event, data }));
-  if (event === "result") {
-    clearTimeout(timer);
-    pusher.disconnect();
-    process.exit(0);
-  }
-});
+function follow(realtime) {
+  const pusher = new Pusher(realtime.key, {
+    cluster: realtime.cluster,
+    wsHost: realtime.wsHost,
+    wsPort: realtime.wsPort,
+    forceTLS: realtime.forceTLS,
+    enabledTransports: ["ws"],
+    channelAuthorization: {
+      endpoint: apiUrl + "/v1/channel-auth",
+      transport: "ajax",
+      headers: { Authorization: `Bearer ${job.jobToken}` },
+    },
+  });
+
+  const timer = setTimeout(async () => {
+    let state = "unknown";
+    try {
+      state = (await call("GET", `/v1/jobs/${job.jobId}`, job.jobToken)).state;
+    } catch {}
+    console.error(`job ${job.jobId}: no result after ${Math.round(waitMs / 1000)} s (state: ${state})`);
+    process.exit(1);
+  }, waitMs);
+
+  const channel = pusher.subscribe(job.channel);
+  channel.bind("pusher:subscription_error", (error) => {
+    console.error("subscription failed", JSON.stringify(error));
+    process.exit(1);
+  });
+  channel.bind("pusher:subscription_succeeded", async () => {
+    try {
+      await call("POST", `/v1/jobs/${job.jobId}/start`, job.jobToken);
+    } catch (error) {
+      console.error(error.message);
+      process.exit(1);
+    }
+  });
+  channel.bind_global((event, data) => {
+    if (event.startsWith("pusher:")) return;
+    console.log(JSON.stringify({ event, data }));
+    if (event === "result") {
+      clearTimeout(timer);
+      pusher.disconnect();
+      process.exit(0);
+    }
+  });
+}

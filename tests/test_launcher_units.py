@@ -1,0 +1,134 @@
+"""The launcher's small parts: which node runs soketi and the clients, the persistent log
+folders of `coderunner up`, and the port check it makes before starting anything."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+import launcher.node as node_mod
+from launcher.cli import new_log_dir, port_in_use
+from launcher.node import NodeNotFound, find_node, node_major
+
+
+def fake_node(folder: Path, version: str, real: str | None = None, marker: Path | None = None) -> Path:
+    """A `node` that prints `version` for --version; with `real`, runs that node otherwise."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "node"
+    body = f'if [ "$1" = "--version" ]; then echo {version}; exit 0; fi\n'
+    if marker is not None:
+        body += f'echo "$@" >> {marker}\n'
+    body += f'exec {real} "$@"\n' if real else "exit 1\n"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CODERUNNER_SYSTEM_NODE", raising=False)
+
+
+def test_node_major_reads_the_version(tmp_path: Path) -> None:
+    assert node_major(fake_node(tmp_path / "a", "v18.19.0")) == 18
+    assert node_major(fake_node(tmp_path / "b", "v20.18.0")) == 20
+    assert node_major(tmp_path / "missing") is None
+    assert node_major(fake_node(tmp_path / "c", "not-a-version")) is None
+
+
+def test_system_node_20_or_newer_is_chosen(tmp_path: Path) -> None:
+    system = fake_node(tmp_path / "sys", "v22.3.0")
+    local = fake_node(tmp_path / "local", "v20.18.0")
+    assert find_node(path=str(system.parent), local=local) == str(system)
+
+
+def test_an_old_system_node_falls_back_to_the_local_one(tmp_path: Path) -> None:
+    system = fake_node(tmp_path / "sys", "v18.19.0")
+    local = fake_node(tmp_path / "local", "v20.18.0")
+    assert find_node(path=str(system.parent), local=local) == str(local)
+    # No system node at all: the local one too.
+    (tmp_path / "empty").mkdir()
+    assert find_node(path=str(tmp_path / "empty"), local=local) == str(local)
+
+
+def test_no_usable_node_says_what_it_found_and_what_to_run(tmp_path: Path) -> None:
+    system = fake_node(tmp_path / "sys", "v18.19.0")
+    with pytest.raises(NodeNotFound) as excinfo:
+        find_node(path=str(system.parent), local=tmp_path / "nowhere" / "node")
+    message = str(excinfo.value)
+    assert "Node.js 18" in message and str(system) in message and "make deps" in message
+    # A local node that is itself too old is not taken either.
+    old_local = fake_node(tmp_path / "local", "v16.20.0")
+    with pytest.raises(NodeNotFound, match=r"Node\.js 16"):
+        find_node(path=str(system.parent), local=old_local)
+
+
+def test_the_override_stands_in_for_the_system_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    new_system = fake_node(tmp_path / "sys", "v22.3.0")
+    local = fake_node(tmp_path / "local", "v20.18.0")
+    monkeypatch.setenv("CODERUNNER_SYSTEM_NODE", str(fake_node(tmp_path / "old", "v18.19.0")))
+    assert find_node(path=str(new_system.parent), local=local) == str(local)
+    monkeypatch.setenv("CODERUNNER_SYSTEM_NODE", str(tmp_path / "does-not-exist"))
+    assert find_node(path=str(new_system.parent), local=local) == str(local)
+    with pytest.raises(NodeNotFound, match="CODERUNNER_SYSTEM_NODE"):
+        find_node(path=str(new_system.parent), local=tmp_path / "nowhere")
+
+
+def test_this_machine_has_a_node_20() -> None:
+    node = find_node()
+    major = node_major(node)
+    assert major is not None and major >= 20, node
+    assert node in {node_mod.system_node(), str(node_mod.LOCAL_NODE)}
+
+
+def test_log_dirs_are_fresh_and_only_the_newest_are_kept(tmp_path: Path) -> None:
+    root = tmp_path / "logs"
+    made = [new_log_dir(root, keep=3) for _ in range(5)]
+    assert len(set(made)) == 5  # same second: suffixed, never shared
+    kept = sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.name != "latest")
+    assert kept == sorted(made[-3:]), kept
+    assert (root / "latest").resolve() == made[-1].resolve()
+    # Folders that are not runs are never touched.
+    (root / "notes").mkdir()
+    new_log_dir(root, keep=1)
+    assert (root / "notes").is_dir()
+
+
+def test_port_in_use_is_detected(tmp_path: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_in_use("127.0.0.1", port) == "in use"
+        assert port_in_use("0.0.0.0", port) == "in use"
+    assert port_in_use("127.0.0.1", port) is None
+    assert port_in_use("no-such-host.invalid", 8000) is not None
+
+
+def test_stack_runs_soketi_with_the_chosen_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack starts soketi with find_node()'s choice, here the local fallback."""
+    from launcher.stack import Stack
+
+    real = find_node()
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("CODERUNNER_SYSTEM_NODE", str(fake_node(tmp_path / "old", "v18.19.0")))
+    monkeypatch.setattr(node_mod, "LOCAL_NODE", fake_node(tmp_path / "local", "v20.18.0", real=real, marker=marker))
+    stack = Stack(with_worker=False, log_dir=tmp_path / "logs")
+    try:
+        stack.start()
+        assert "soketi" in marker.read_text() and " start" in marker.read_text()
+    finally:
+        stack.cleanup()
+    # No local node either: the stack says what is missing instead of starting soketi.
+    monkeypatch.setattr(node_mod, "LOCAL_NODE", tmp_path / "nowhere" / "node")
+    stack = Stack(with_worker=False, log_dir=tmp_path / "logs2")
+    try:
+        with pytest.raises(Exception, match=r"Node\.js >= 20 is needed"):
+            stack.start()
+    finally:
+        stack.cleanup()
+    assert os.path.isdir(tmp_path / "logs2")
