@@ -1,0 +1,279 @@
+"""The playground page (web/index.html) driven like a person would, in a real headless Chromium.
+
+The page is loaded through the link `coderunner up` prints (`<api>/#token=<apiToken>`); each
+scenario saves a screenshot under test-output/playground/ and prints its path.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.stack import Stack
+from shared.paths import REPO_ROOT
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Without the background-networking flags Chromium tries to reach outside hosts.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+SHOTS = REPO_ROOT / "test-output" / "playground"
+RUN_TIMEOUT_MS = 30000
+
+ASK_NAME = 'name = input("What is your name?\\n")\nprint(f"Hello, {name}!")\n'
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.fail("chromium is not installed (scripts/bootstrap.sh --test installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser: Any, stack: Stack) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    p = context.new_page()
+    p.set_default_timeout(RUN_TIMEOUT_MS)
+    errors: list[str] = []
+    p.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield p
+    context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+def expect() -> Any:
+    from playwright.sync_api import expect as _expect
+
+    return _expect
+
+
+def shot(page: Any, name: str) -> Path:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")
+    return path
+
+
+def open_playground(page: Any, stack: Stack) -> None:
+    """Open the link `coderunner up` prints and check the token left the address bar and storage."""
+    page.goto(f"{stack.api_url}/#token={stack.api_token}")
+    expect()(page.locator("#status")).to_have_text(re.compile("ready"), timeout=15000)
+    href = page.evaluate("location.href")
+    assert stack.api_token not in href and "token" not in href, href
+    assert stack.api_token not in page.url
+    storage = page.evaluate(
+        "JSON.stringify([Object.entries(localStorage), Object.entries(sessionStorage), document.cookie])"
+    )
+    assert stack.api_token not in storage, storage
+    # (pusher-js keeps its transport cache in localStorage; nothing of ours is there.)
+    assert "token" not in page.evaluate("JSON.stringify(Object.keys(localStorage))").lower()
+    # The history entry was rewritten too: going "back" cannot bring the fragment again.
+    assert stack.api_token not in page.evaluate("history.state === null ? '' : JSON.stringify(history.state)")
+    assert stack.api_token not in page.locator("#token").input_value()
+
+
+def run_and_wait(page: Any, timeout_ms: int = RUN_TIMEOUT_MS) -> dict[str, Any]:
+    page.click("#run")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", re.compile(r"\w"), timeout=timeout_ms)
+    return {
+        "outcome": page.get_attribute("#result", "data-outcome"),
+        "exit": page.get_attribute("#result", "data-exit-code"),
+        "text": page.inner_text("#result"),
+        "output": page.inner_text("#output"),
+    }
+
+
+def test_token_link_then_reload_asks_again(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    # The picker starts on the editor's sample language; every runtime is offered.
+    assert page.input_value("#language") == "python"
+    assert "What is your name?" in page.input_value("#code")
+    offered = page.eval_on_selector_all("#language option", "os => os.map(o => o.value)")
+    assert set(offered) >= {"python", "javascript", "c", "cpp", "rust", "java", "bash", "go", "ruby"}, offered
+    # Each language has its own sample that asks for a name.
+    page.select_option("#language", "go")
+    assert "What is your name?" in page.input_value("#code") and "package main" in page.input_value("#code")
+    page.select_option("#language", "python")
+    assert 'print("What is your name?")' in page.input_value("#code")
+
+    page.reload()
+    expect()(page.locator("#token")).to_be_visible()
+    expect()(page.locator("#status")).to_contain_text("API token")
+    assert stack.api_token not in page.evaluate("JSON.stringify(Object.entries(localStorage))")
+    page.fill("#token", stack.api_token)
+    page.press("#token", "Enter")
+    expect()(page.locator("#status")).to_have_text(re.compile("ready"))
+    assert page.input_value("#token") == ""  # the field keeps no copy
+    shot(page, "0-token")
+
+
+def test_python_asks_a_name_and_greets(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    # The python sample as shipped: prompt, read a line, greet.
+    page.click("#run")
+    output = page.locator("#output")
+    expect()(output).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    expect()(page.locator("#status")).to_contain_text("running")
+    page.fill("#stdin-line", "Ada")
+    page.press("#stdin-line", "Enter")
+    expect()(output).to_contain_text("Hello, Ada!")
+    result = page.locator("#result")
+    expect()(result).to_have_attribute("data-outcome", "completed")
+    expect()(result).to_have_attribute("data-exit-code", "0")
+    expect()(result).to_contain_text("exit 0")
+    for part in ("wall", "CPU", "memory"):
+        expect()(result).to_contain_text(part)
+    # The transcript reads naturally: prompt (stdout), the echoed line (input), the greeting.
+    text = page.inner_text("#output")
+    assert text.index("What is your name?") < text.index("Ada") < text.index("Hello, Ada!"), text
+    assert page.inner_text("#output .stdin") == "Ada\n"
+    assert "Hello, Ada!" in " ".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    shot(page, "1-python-greets")
+
+    # Send EOF instead of a name: the sample says so on stderr, shown as stderr.
+    page.click("#run")
+    expect()(output).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    page.click("#eof")
+    expect()(output).to_contain_text("Hello, stranger!")
+    expect()(page.locator("#output .stderr")).to_contain_text("No name given (stdin closed)")
+    expect()(result).to_have_attribute("data-outcome", "completed")
+    shot(page, "1b-python-eof-stderr")
+
+
+def test_stop_kills_an_infinite_loop(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    page.fill("#code", "print('spinning', flush=True)\nwhile True:\n    pass\n")
+    page.click("#run")
+    expect()(page.locator("#output")).to_contain_text("spinning", timeout=RUN_TIMEOUT_MS)
+    expect()(page.locator("#stop")).to_be_enabled()
+    time.sleep(0.5)
+    page.click("#stop")
+    result = page.locator("#result")
+    expect()(result).to_have_attribute("data-outcome", "killed", timeout=10000)
+    expect()(result).to_contain_text("killed")
+    expect()(result).to_contain_text("SIGKILL")
+    expect()(result).to_contain_text("stopped by you")
+    expect()(page.locator("#run")).to_be_enabled()
+    expect()(page.locator("#stop")).to_be_disabled()
+    shot(page, "2-stop-killed")
+
+
+def test_c_compile_error_is_shown_as_one(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    page.select_option("#language", "c")
+    assert "#include <stdio.h>" in page.input_value("#code")
+    page.fill("#code", '#include <stdio.h>\nint main(void) {\n    printf("missing semicolon")\n    return 0;\n}\n')
+    result = run_and_wait(page, timeout_ms=60000)
+    assert result["outcome"] == "compile_error", result
+    assert "compile_error" in result["text"] and "compile error" in result["text"]
+    compiler = page.inner_text("#output .compile")
+    assert "error" in compiler and "main.c" in compiler, compiler
+    assert page.locator("#output .stdout").count() == 0
+    expect()(page.locator("#status")).to_contain_text("compile error")
+    shot(page, "3-c-compile-error")
+
+
+def test_ten_quick_runs_in_a_row_all_finish(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    timings = []
+    for i in range(10):
+        page.fill("#code", f"print('run {i}')\n")
+        t0 = time.monotonic()
+        result = run_and_wait(page, timeout_ms=20000)
+        timings.append(round((time.monotonic() - t0) * 1000))
+        assert result["outcome"] == "completed" and result["exit"] == "0", (i, result)
+        assert result["output"].strip().endswith(f"run {i}"), (i, result)
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    print(f"10 runs, click → result ms: {timings}; page stats: {stats}")
+    assert stats["runs"] == 10
+    # Live delivery carried every run: no run needed the status poll to finish.
+    assert stats["statusPolls"] == 0, stats
+    shot(page, "4-ten-runs")
+
+
+def test_bad_limit_is_a_400_naming_the_field(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    page.fill("#limit-memoryMb", "99999")
+    page.click("#run")
+    result = page.locator("#result")
+    expect()(result).to_contain_text("limits.memoryMb")
+    expect()(result).to_contain_text("400")
+    expect()(page.locator("#limit-memoryMb")).to_have_attribute("aria-invalid", "true")
+    expect()(page.locator("#run")).to_be_enabled()
+    shot(page, "5-bad-limit")
+    # Fixing the field clears the mark on the next run.
+    page.fill("#limit-memoryMb", "64")
+    page.fill("#code", "print('fits')\n")
+    out = run_and_wait(page)
+    assert out["outcome"] == "completed", out
+    assert page.get_attribute("#limit-memoryMb", "aria-invalid") is None
+
+
+def test_lost_websocket_frames_are_recovered_from_the_event_log(page: Any, stack: Stack) -> None:
+    """A frame that never arrives leaves a gap: the page fills it from the SSE log, in order, once."""
+    dropped: list[str] = []
+
+    def relay(ws: Any) -> None:
+        server = ws.connect_to_server()
+        ws.on_message(server.send)
+
+        def to_page(message: str | bytes) -> None:
+            text = message if isinstance(message, str) else message.decode()
+            if '"event":"stdout"' in text and "one" in text and not dropped:
+                dropped.append(text)  # lose this one
+                return
+            ws.send(message)
+            if '"event":"std' in text:
+                ws.send(message)  # and deliver every other output frame twice
+
+        server.on_message(to_page)
+
+    page.route_web_socket(re.compile(r"^ws://"), relay)
+    open_playground(page, stack)
+    page.fill("#code", "import time\nfor word in ('one', 'two', 'three'):\n    print(word)\n    time.sleep(0.3)\n")
+    result = run_and_wait(page)
+    assert dropped, "the test did not drop a frame"
+    assert result["outcome"] == "completed", result
+    assert result["output"].startswith("one\ntwo\nthree\n"), result["output"]
+    assert result["output"].count("two") == 1
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats
+    shot(page, "6-gap-filled-from-log")
+
+
+def test_without_realtime_the_event_log_carries_the_run(page: Any, stack: Stack) -> None:
+    """soketi unreachable: the page starts anyway and follows the SSE log, input included."""
+    page.route(
+        re.compile(r".*/v1/realtime$"),
+        lambda route: route.fulfill(
+            json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}
+        ),
+    )
+    open_playground(page, stack)
+    page.click("#run")
+    output = page.locator("#output")
+    expect()(output).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    expect()(output).to_contain_text("following the event log")
+    page.fill("#stdin-line", "Grace")
+    page.press("#stdin-line", "Enter")
+    expect()(output).to_contain_text("Hello, Grace!")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed")
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats
+    shot(page, "7-no-realtime")
