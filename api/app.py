@@ -17,6 +17,7 @@ from api.auth import Authenticator
 from api.catalog import Catalog, load_manifests
 from api.errors import exception_handlers
 from api.playground import playground_routes
+from api.realtime import RealtimePublisher
 from api.routes import routes
 from api.state import AppState
 from api.store import JobStore
@@ -59,16 +60,19 @@ def create_app(settings: Settings) -> Starlette:
             )
         )
         store = JobStore(redis, settings.job_record_ttl_s, streams=streams)
+        realtime = RealtimePublisher(settings)
         app.state.coderunner = AppState(
             settings=settings,
             redis=redis,
             store=store,
             catalog=Catalog(manifests, store),
             auth=Authenticator(settings),
+            realtime=realtime,
         )
         try:
             yield
         finally:
+            await realtime.aclose()
             await streams.aclose()
             await redis.aclose()
 

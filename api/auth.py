@@ -46,13 +46,25 @@ class Authenticator:
         self._secret = settings.job_token_secret or hashlib.sha256(b"jobtoken:" + settings.api_token.encode()).hexdigest()
         self._ttl_s = settings.job_token_ttl_s
 
-    def principal(self, request: Request, fallback_token: str | None = None) -> Principal:
+    def principal(self, request: Request, fallback_token: str | None = None, url_token: str | None = None) -> Principal:
         """Authenticate a request by its bearer token (or a token passed in the body).
+
+        `url_token` is a token from the query string (a browser `EventSource` cannot send
+        headers): only a job token is accepted there, never the API token, which would
+        end up in access logs and browser history.
 
         Raises:
             ApiError: 401 when no valid token is presented.
         """
         token = _bearer(request) or fallback_token
+        if not token and url_token:
+            if self._api_token and tokens_equal(url_token, self._api_token):
+                raise ApiError(
+                    401,
+                    "The API token is never accepted in a URL; send it in the Authorization header",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            token = url_token
         if not token:
             raise ApiError(401, "Missing bearer token", headers={"WWW-Authenticate": "Bearer"})
         if self._api_token and tokens_equal(token, self._api_token):

@@ -63,7 +63,7 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
 async def job_events(request: Request) -> Response:
     """SSE of every event of the job after `Last-Event-ID`/`?after=`; ends after `result`."""
     state: AppState = request.app.state.coderunner
-    status = await state.visible_job(request)
+    status = await state.visible_job(request, url_token=True)
     after_seq = _after(request)
     return StreamingResponse(
         _stream(state.store, status.job_id, after_seq),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import re
@@ -18,12 +20,20 @@ from starlette.routing import Route
 from api.errors import ApiError
 from api.events import job_events
 from api.state import AppState
-from api.store import now_ms
+from api.store import StoredStatus, now_ms
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
 from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
-from shared.messages import TERMINAL_STATES, ExecuteAccepted, ExecuteRequest, JobSpec, JobState, RealtimeInfo
+from shared.messages import (
+    TERMINAL_STATES,
+    ExecuteAccepted,
+    ExecuteRequest,
+    JobSpec,
+    JobState,
+    RealtimeInfo,
+    StdinRequest,
+)
 from shared.pusher import channel_auth, valid_socket_id
 from shared.validation import check_args, check_stdin, decode_files
 
@@ -80,6 +90,7 @@ async def execute(request: Request) -> Response:
         created_at_ms=now_ms(),
         owner=principal.owner or "",
         stdin=req.stdin,
+        close_stdin=req.close_stdin if req.close_stdin is not None else req.stdin is not None,
         args=req.args,
         collect_output=req.collect_output,
     )
@@ -113,10 +124,100 @@ async def start_job(request: Request) -> Response:
 
 
 async def get_job(request: Request) -> Response:
-    """Current JobStatus (with the result once the job has ended)."""
+    """Current JobStatus (with the result once the job has ended). Also at `/status`."""
     state = _state(request)
     status = await state.visible_job(request)
     return _json(status.view())
+
+
+# A stdin body holds at most one capped frame: 64 KiB of bytes is 88 KiB of base64, and
+# JSON escaping of text can take a few times more.
+MAX_STDIN_BODY = 512 * 1024
+
+
+def _stdin_bytes(body: bytes) -> bytes:
+    req = decode_request(StdinRequest, body or b"{}")
+    if (req.chunk is None) == (req.data is None):
+        raise ValidationError([FieldError("chunk", "or data (with encoding \"base64\") is required, not both")])
+    if req.chunk is not None:
+        if req.encoding is not None:
+            raise ValidationError([FieldError("encoding", "applies to data, not chunk")])
+        try:
+            data = req.chunk.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError([FieldError("chunk", "must be valid UTF-8 text")]) from None
+        field = "chunk"
+    else:
+        if req.encoding != "base64":
+            raise ValidationError([FieldError("encoding", 'must be "base64" when data is given')])
+        try:
+            data = base64.b64decode(req.data or "", validate=True)
+        except (binascii.Error, ValueError):
+            raise ValidationError([FieldError("data", "is not valid base64")]) from None
+        field = "data"
+    if not data:
+        raise ValidationError([FieldError(field, "must not be empty")])
+    return data
+
+
+async def _write_stdin(state: AppState, status: StoredStatus, data: bytes, close: bool) -> Response:
+    settings = state.settings
+    answer = await state.store.stdin(
+        status.job_id, data, close, settings.stdin_max_frames_per_s, settings.stdin_max_pending_bytes
+    )
+    if answer.frame is not None:
+        return _json({"ok": True})
+    if answer.refused == "rate":
+        raise ApiError(
+            429,
+            f"Too many stdin frames: at most {settings.stdin_max_frames_per_s} per second per job",
+            headers={"Retry-After": str(max(1, -(-answer.retry_after_ms // 1000)))},
+            retryAfterMs=answer.retry_after_ms,
+        )
+    if answer.refused == "cap":
+        cap = settings.stdin_max_pending_bytes
+        raise ApiError(
+            429,
+            f"Too much stdin waiting: {answer.pending_bytes} bytes are not yet read by the program and "
+            f"at most {cap} may wait (send smaller frames, or wait for the program to read)",
+            capBytes=cap,
+        )
+    if answer.refused == "closed":
+        raise ApiError(409, "stdin of this job is closed")
+    raise ApiError(409, f"Job has already ended ({answer.state or 'gone'}); it takes no more input")
+
+
+async def send_stdin(request: Request) -> Response:
+    """Bytes for the program's stdin, kept durably. 200 {ok:true}; 429 past the caps; 409 once ended."""
+    state = _state(request)
+    status = await state.visible_job(request)
+    data = _stdin_bytes(await _body(request, MAX_STDIN_BODY))
+    return await _write_stdin(state, status, data, close=False)
+
+
+async def close_stdin(request: Request) -> Response:
+    """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed."""
+    state = _state(request)
+    return await _write_stdin(state, await state.visible_job(request), b"", close=True)
+
+
+async def kill_job(request: Request) -> Response:
+    """Ask for the job to be killed. 202 {ok:true} is acceptance; the `result` is the proof."""
+    state = _state(request)
+    status = await state.visible_job(request)
+    answer = await state.store.kill(status.job_id, state.settings.run_result_ttl_s)
+    if answer.ended_state is not None:
+        raise ApiError(409, f"Job has already ended ({answer.ended_state or 'gone'})")
+    if answer.result is not None:
+        log.info("job %s killed before any worker held it", status.job_id)
+        # No worker holds the job, so nobody else will tell a subscriber it ended.
+        task = asyncio.create_task(state.realtime.publish(keys.realtime_channel(status.job_id), "result", answer.result))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+    return _json({"ok": True}, 202)
+
+
+_background: set[asyncio.Task[None]] = set()
 
 
 MAX_WAIT_MS = 60000
@@ -220,6 +321,10 @@ routes = [
     Route("/v1/execute", execute, methods=["POST"]),
     Route("/v1/jobs/{job_id}/start", start_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/status", get_job, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/stdin", send_stdin, methods=["POST"]),
+    Route("/v1/jobs/{job_id}/stdin/close", close_stdin, methods=["POST"]),
+    Route("/v1/jobs/{job_id}/kill", kill_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
     Route("/v1/jobs/{job_id}/output", job_output, methods=["GET"]),
     Route("/v1/languages", languages, methods=["GET"]),

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from api.auth import Authenticator
 from api.catalog import Catalog
 from api.errors import ApiError
+from api.realtime import RealtimePublisher
 from api.store import JobStore, StoredStatus
 from shared import keys
 from shared.settings import Settings
@@ -24,11 +25,15 @@ class AppState:
     store: JobStore
     catalog: Catalog
     auth: Authenticator
+    realtime: RealtimePublisher
 
-    async def visible_job(self, request: Request) -> StoredStatus:
-        """The job named in the path, if the caller may see it; one uniform 404 otherwise."""
+    async def visible_job(self, request: Request, url_token: bool = False) -> StoredStatus:
+        """The job named in the path, if the caller may see it; one uniform 404 otherwise.
+
+        With `url_token`, a job token may also come as `?token=` (see Authenticator).
+        """
         job_id = request.path_params["job_id"]
-        principal = self.auth.principal(request)
+        principal = self.auth.principal(request, url_token=request.query_params.get("token") if url_token else None)
         status = await self.store.status(job_id) if keys.is_job_id(job_id) else None
         if status is None or not principal.may_access(job_id, status.owner):
             raise ApiError(404, "Job not found")

@@ -18,7 +18,8 @@ from shared.messages import (
     JobSpec,
     ResultEvent,
     RunResult,
-    StdinMessage,
+    StdinFrame,
+    StdinRequest,
     WorkerInfo,
 )
 
@@ -29,7 +30,7 @@ T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {
     cls: msgspec.json.Decoder(cls)
-    for cls in (ExecuteRequest, JobSpec, ResultEvent, RunResult, CtrlMessage, StdinMessage, WorkerInfo)
+    for cls in (ExecuteRequest, JobSpec, ResultEvent, RunResult, CtrlMessage, StdinFrame, StdinRequest, WorkerInfo)
 }
 
 _PATH = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)

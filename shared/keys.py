@@ -19,6 +19,8 @@ __all__ = [
     "start_flag_key",
     "status_key",
     "stdin_channel",
+    "stdin_key",
+    "stdin_rate_key",
     "worker_alive_key",
     "worker_claimed_key",
 ]
@@ -43,6 +45,16 @@ def events_key(job_id: str) -> str:
 
 def output_key(job_id: str) -> str:
     return f"job:{job_id}:output"
+
+
+def stdin_key(job_id: str) -> str:
+    """Stream of the job's accepted stdin frames (durable; the worker reads it by id)."""
+    return f"job:{job_id}:stdin"
+
+
+def stdin_rate_key(job_id: str) -> str:
+    """List of the arrival times (ms) of the job's most recent stdin frames."""
+    return f"job:{job_id}:stdin:rate"
 
 
 def start_flag_key(job_id: str) -> str:

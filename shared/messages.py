@@ -31,8 +31,11 @@ __all__ = [
     "ResultEvent",
     "RunResult",
     "StageEvent",
-    "StdinMessage",
+    "StdinFrame",
+    "StdinRequest",
     "WorkerInfo",
+    "result_template",
+    "result_without_run",
 ]
 
 # ---------------------------------------------------------------- requests
@@ -49,9 +52,20 @@ class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", 
     files: list[FileSpec]
     version: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     stdin: str | None = None
+    # EOF after the up-front stdin. Unset: yes when `stdin` is given (a grader's input),
+    # no otherwise (an IDE keeps stdin open for POST /stdin until POST /stdin/close).
+    close_stdin: bool | None = None
     args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=64)] = []
     limits: RequestedLimits | None = None
     collect_output: bool = False
+
+
+class StdinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/jobs/:id/stdin`: `{chunk}` (UTF-8 text) or `{data, encoding: "base64"}` (bytes)."""
+
+    chunk: str | None = None
+    data: str | None = None
+    encoding: Literal["base64"] | None = None
 
 
 # ---------------------------------------------------------------- stored job
@@ -68,6 +82,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     created_at_ms: int
     owner: str = ""
     stdin: str | None = None
+    close_stdin: bool = True
     args: list[str] = []
     collect_output: bool = False
     spec_version: int = 1
@@ -75,6 +90,8 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class JobState(enum.StrEnum):
     QUEUED = "queued"
+    # Claimed by a worker, waiting for start (no worker holds a queued job).
+    PARKED = "parked"
     STARTING = "starting"
     RUNNING = "running"
     DONE = "done"
@@ -182,10 +199,18 @@ class CtrlMessage(msgspec.Struct, frozen=True, kw_only=True):
     type: Literal["start", "kill", "stdin_close"]
 
 
-class StdinMessage(msgspec.Struct, frozen=True, kw_only=True):
-    """Published on `stdin:<jobId>`; `data` is base64 of the exact bytes."""
+class StdinFrame(msgspec.Struct, frozen=True, kw_only=True):
+    """One accepted stdin frame, as published on `stdin:<jobId>` after it is stored.
 
-    data: str
+    The durable copy is entry `id` of the job's stdin stream; `n` numbers the job's frames
+    from 0, so a worker that sees a gap reads the stream from where it is. `data` is base64
+    of the exact bytes; a `close` frame (EOF) has none.
+    """
+
+    n: int
+    id: str
+    kind: Literal["data", "close"]
+    data: str = ""
 
 
 # ---------------------------------------------------------------- HTTP responses
@@ -206,6 +231,8 @@ class JobStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     state: JobState
     updated_at_ms: int
     result: ResultEvent | None = None
+    # A kill was accepted and the job has not ended yet (the `result` confirms it).
+    kill_requested: bool = False
 
 
 class LanguageInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,3 +258,36 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     slots: int
     runtimes: list[LanguageInfo]
     started_at_ms: int
+
+
+def result_without_run(outcome: Outcome, message: str | None, compile: CompileInfo | None = None) -> ResultEvent:
+    """The result of a job whose program did not run to an end of its own (seq filled in later).
+
+    A kill request always reads the same, whenever it landed: `signal: "SIGKILL"`,
+    `killedBy: "user"`.
+    """
+    killed = outcome == Outcome.KILLED
+    return ResultEvent(
+        exit_code=None,
+        signal="SIGKILL" if killed else None,
+        timed_out=False,
+        idle_timed_out=False,
+        truncated=False,
+        duration_ms=0,
+        cpu_ms=0,
+        memory_kb=0,
+        outcome=outcome,
+        compile=compile,
+        seq=0,
+        killed_by="user" if killed else None,
+        message=message,
+    )
+
+
+def result_template(result: ResultEvent) -> tuple[bytes, bytes]:
+    """A result's JSON split around its seq, for Redis scripts that pick the seq themselves."""
+    raw = msgspec.json.encode(msgspec.structs.replace(result, seq=0))
+    prefix, found, suffix = raw.partition(b'"seq":0')
+    if not found:  # pragma: no cover - seq is a required field
+        raise ValueError("result has no seq")
+    return prefix + b'"seq":', suffix

@@ -34,6 +34,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     queue_retry_after_ms: int = 1000
     # Open GET /v1/jobs/:id/events streams per API process (each holds a Redis connection).
     max_event_streams: int = 256
+    # Interactive stdin caps per job (the seed product's): frames per second, and bytes
+    # accepted but not yet written to the program.
+    stdin_max_frames_per_s: int = 30
+    stdin_max_pending_bytes: int = 64 * 1024
 
     pusher_host: str = "127.0.0.1"
     pusher_port: int = 6001
@@ -102,6 +106,8 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
+    "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
+    "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
     "PUSHER_PORT": ("pusher_port", _positive_int),
     "PUSHER_SCHEME": ("pusher_scheme", _str),

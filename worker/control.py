@@ -3,6 +3,9 @@
 A single reader task dispatches messages to the job that subscribed. `subscribe` returns
 only once Redis has confirmed both channels, so a caller that checks the durable start
 flag afterwards cannot miss a start published in between.
+
+Pub/sub is only the fast path: every signal it carries is also stored (the start flag,
+the kill flag, the stdin stream), and a job re-reads those when a message may be missing.
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.codec import decode_stored
-from shared.messages import CtrlMessage, StdinMessage
+from shared.messages import CtrlMessage, StdinFrame
 
 __all__ = ["ControlBus", "Subscription"]
 
 log = logging.getLogger(__name__)
 
-ControlItem = CtrlMessage | StdinMessage
 
 
 class Subscription:
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
-        self.queue: asyncio.Queue[ControlItem] = asyncio.Queue()
+        self.ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
+        self.stdin: asyncio.Queue[StdinFrame] = asyncio.Queue()
         self._confirmed: dict[str, asyncio.Future[None]] = {}
 
 
@@ -105,8 +108,8 @@ class ControlBus:
                 continue
             try:
                 if channel.startswith("ctrl:"):
-                    sub.queue.put_nowait(decode_stored(CtrlMessage, message["data"]))
+                    sub.ctrl.put_nowait(decode_stored(CtrlMessage, message["data"]))
                 else:
-                    sub.queue.put_nowait(decode_stored(StdinMessage, message["data"]))
+                    sub.stdin.put_nowait(decode_stored(StdinFrame, message["data"]))
             except msgspec.MsgspecError:
                 log.warning("job %s: ignored malformed control message on %s", sub.job_id, channel)

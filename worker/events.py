@@ -3,6 +3,11 @@
 Redis is the source of truth, so an event is appended to the job's log (fenced by the
 claim's attempt) before it is handed to soketi. One lock keeps numbering and appending in
 the same order when stdout and stderr race.
+
+Nothing is published before the start-handshake completes: a client subscribes and then
+starts, so an event published earlier (`stage{queued}` at claim) would reach nobody and
+leave a hole at the front of its sequence. Until `go_live()` events only go to the log;
+`go_live()` publishes the whole log so far, in order, then every later event as it comes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ class JobEvents:
         self.attempt = attempt
         self.next_seq = next_seq
         self._lock = asyncio.Lock()
+        self.live = False
+        # Events this worker logged before go_live. An earlier claim of the same job (handed
+        # back before it started) may have logged some too: then the log is read instead.
+        self._backlog: list[tuple[int, str, bytes]] = []
+        self._log_has_more = next_seq > 0
+
+    async def go_live(self) -> None:
+        """Publish every logged event so far, in seq order, and every later one as it comes."""
+        async with self._lock:
+            if self.live:
+                return
+            backlog = await self._queue.event_log(self.job_id) if self._log_has_more else self._backlog
+            for _, name, data in backlog:
+                self._lane.send(name, data)
+            self._backlog = []
+            self.live = True
 
     async def emit(
         self,
@@ -50,6 +71,9 @@ class JobEvents:
                 seq += 1
             await self._queue.advance(self.job_id, self.attempt, encoded, state=state, started=started)
             self.next_seq = seq
+            if not self.live:
+                self._backlog += encoded
+                return
             for _, name, data in encoded:
                 self._lane.send(name, data)
 
@@ -71,4 +95,5 @@ class JobEvents:
             return seq
 
     def publish(self, name: str, data: bytes) -> None:
+        """Publish an event another script logged (the result); the caller went live first."""
         self._lane.send(name, data)

@@ -27,6 +27,10 @@ class RunVerdict:
 def judge_run(facts: StepFacts) -> RunVerdict:
     exit_info = facts.exit
     if facts.fired == "user":
+        if exit_info.exit_code is not None and exit_info.signal is None:
+            # The program exited by itself in the moment between the kill request and the
+            # kill: it was not killed, and saying so would be wrong.
+            return RunVerdict(Outcome.COMPLETED)
         return RunVerdict(Outcome.KILLED, killed_by="user")
     if facts.fired in ("wall", "cpu"):
         return RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by=facts.fired)

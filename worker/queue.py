@@ -18,7 +18,7 @@ from shared import keys
 from shared.codec import decode_stored, encode
 from shared.messages import JobSpec, JobState, WorkerInfo
 
-__all__ = ["Claim", "Fenced", "WorkerQueue", "now_ms"]
+__all__ = ["Claim", "Fenced", "StoredFrame", "WorkerQueue", "now_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,24 @@ if (not state) or (not spec) or state ~= 'queued' then
   return false
 end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'worker', ARGV[1], 'updatedAtMs', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'parked', 'worker', ARGV[1], 'updatedAtMs', ARGV[3])
 local seq = redis.call('HGET', KEYS[1], 'nextSeq') or '0'
 local start = redis.call('EXISTS', KEYS[4])
-return {attempt, seq, spec, start}
+local kill = redis.call('HGET', KEYS[1], 'kill') == '1' and 1 or 0
+return {attempt, seq, spec, start, kill}
 """
+
+# KEYS: status. ARGV: attempt, bytes of stdin written to the program so far (absolute, so
+# a retried write changes nothing).
+_STDIN_WRITTEN = (
+    _TERMINAL_LUA
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
+redis.call('HSET', KEYS[1], 'stdinWritten', ARGV[2])
+return 1
+"""
+)
 
 # KEYS: status, events. ARGV: attempt, ttl s, new state or '', now ms, started ('1' or ''),
 # then (seq, name, data) triples. Returns 0 when fenced off or already finished.
@@ -61,8 +74,8 @@ return 1
 """
 )
 
-# KEYS: status, events, output, spec, start flag, claimed. ARGV: attempt, ttl s, state, now ms,
-# result json, seq, output json or '', job id.
+# KEYS: status, events, output, spec, start flag, claimed, stdin. ARGV: attempt, ttl s, state,
+# now ms, result json, seq, output json or '', job id.
 _FINISH = (
     _TERMINAL_LUA
     + """
@@ -84,6 +97,7 @@ if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[2]) end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
+redis.call('EXPIRE', KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 return 1
@@ -170,6 +184,16 @@ class Claim(msgspec.Struct, frozen=True):
     next_seq: int
     start_flag: bool
     claimed_at: float  # loop.time() of the claim
+    kill_flag: bool = False
+
+
+class StoredFrame(msgspec.Struct, frozen=True):
+    """One entry of a job's stdin stream."""
+
+    id: str
+    n: int
+    kind: str  # "data" | "close"
+    data: bytes
 
 
 class WorkerQueue:
@@ -180,6 +204,7 @@ class WorkerQueue:
         self._record_ttl_s = record_ttl_s
         self._result_ttl_s = result_ttl_s
         self._claim = redis.register_script(_CLAIM)
+        self._stdin_written = redis.register_script(_STDIN_WRITTEN)
         self._advance = redis.register_script(_ADVANCE)
         self._finish = redis.register_script(_FINISH)
         self._hand_back = redis.register_script(_HAND_BACK)
@@ -202,7 +227,7 @@ class WorkerQueue:
         if not loaded:
             log.warning("job %s: claimed id had no queued record; dropped", job_id)
             return None
-        attempt, seq, spec_raw, start = loaded
+        attempt, seq, spec_raw, start, kill = loaded
         try:
             spec = decode_stored(JobSpec, spec_raw)
         except msgspec.MsgspecError as exc:
@@ -211,10 +236,45 @@ class WorkerQueue:
             if ended is not None:
                 self.orphan_results.append(ended)
             return None
-        return Claim(spec=spec, attempt=int(attempt), next_seq=int(seq), start_flag=bool(int(start)), claimed_at=now)
+        return Claim(
+            spec=spec,
+            attempt=int(attempt),
+            next_seq=int(seq),
+            start_flag=bool(int(start)),
+            claimed_at=now,
+            kill_flag=bool(int(kill)),
+        )
 
-    async def start_flag(self, job_id: str) -> bool:
-        return bool(await self.redis.exists(keys.start_flag_key(job_id)))
+    async def flags(self, job_id: str) -> tuple[bool, bool]:
+        """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(keys.start_flag_key(job_id))
+            pipe.hget(keys.status_key(job_id), "kill")
+            start, kill = await pipe.execute()
+        return bool(start), kill == b"1"
+
+    async def kill_requested(self, job_id: str) -> bool:
+        return await self.redis.hget(keys.status_key(job_id), "kill") == b"1"
+
+    # -- stdin -------------------------------------------------------------------------
+
+    async def stdin_frames(self, job_id: str, after_id: str | None, count: int = 64) -> list[StoredFrame]:
+        """Stored stdin frames after stream id `after_id` (all from the first when None)."""
+        low = "-" if after_id is None else f"({after_id}"
+        raw = await self.redis.xrange(keys.stdin_key(job_id), min=low, count=count)
+        return [
+            StoredFrame(id=entry_id.decode(), n=int(fields[b"n"]), kind=fields[b"kind"].decode(), data=fields[b"data"])
+            for entry_id, fields in raw
+        ]
+
+    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int) -> None:
+        """Record how many accepted stdin bytes reached the program (frees the pending cap)."""
+        await self._stdin_written(keys=[keys.status_key(job_id)], args=[attempt, total_bytes])
+
+    async def event_log(self, job_id: str) -> list[tuple[int, str, bytes]]:
+        """Every event in the job's durable log, as (seq, name, data)."""
+        raw = await self.redis.xrange(keys.events_key(job_id))
+        return [(int(fields[b"seq"]), fields[b"name"].decode(), bytes(fields[b"data"])) for _, fields in raw]
 
     # -- progress ----------------------------------------------------------------------
 
@@ -250,6 +310,7 @@ class WorkerQueue:
                 keys.spec_key(job_id),
                 keys.start_flag_key(job_id),
                 self._claimed,
+                keys.stdin_key(job_id),
             ],
             args=[attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id],
         )

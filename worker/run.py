@@ -1,10 +1,10 @@
 """The life of one claimed job: load, park, start, [compile], run under the clocks, report once.
 
-    claim (with the slot's ready sandbox) ─ subscribe ─ stage{queued} ─ load files + limits
-      ├─ compiled languages: build the compile jail over the same workspace (while parked)
-      └─ park: wait for start (durable flag or ctrl message) ≤ warm-up
-    start ─ starting ─ [stage{compiling} ─ compile_output… ─ stop here on failure]
-          ─ stage{running} (started=1 in Redis first) ─ go ─ stdout/stderr… ─ exit
+    claim (with the slot's ready sandbox) ─ subscribe ─ stage{queued} (logged, not published)
+      ├─ load files + limits; compiled languages: build the compile jail (while parked)
+      └─ park: wait for start or kill (durable flags or ctrl messages) ≤ warm-up
+    start ─ publish the log so far ─ starting ─ [stage{compiling} ─ compile_output… ─ stop on failure]
+          ─ stage{running} (started=1 in Redis first) ─ go ─ stdout/stderr… (stdin fed) ─ exit
     kill the cgroup ─ read counters ─ one result (atomic, fenced) ─ destroy the sandbox
 
 The run jail was built before the job existed (worker/sandbox.py), so start→first byte is
@@ -35,7 +35,9 @@ from shared.messages import (
     Outcome,
     ResultEvent,
     RunResult,
+    StdinFrame,
     Verdict,
+    result_without_run,
 )
 from shared.validation import decode_files
 from worker.context import WorkerContext
@@ -45,6 +47,7 @@ from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, exact_text
 from worker.queue import Claim, Fenced
 from worker.sandbox import Sandbox
+from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
 from worker.workspace import WorkspaceError
 
@@ -68,6 +71,10 @@ class NotOfferedHere(PlatformError):
 
 # A job no worker can run is handed around this many times before it ends internal_error.
 MAX_HANDOVERS = 20
+
+# How often a parked or running job re-reads its durable start and kill flags, in case
+# the pub/sub message that carried one was lost with a connection.
+FLAG_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class JobRun:
     async def execute(self) -> None:
         sub = None
         compile_jail: asyncio.Task[None] | None = None
+        kill_watch: asyncio.Task[None] | None = None
         try:
             try:
                 sub = await self.ctx.control.subscribe(self.job_id)
@@ -107,7 +115,13 @@ class JobRun:
                 except RedisError:
                     pass  # the stray-claim recovery re-queues it once Redis is back
                 return
-            await self.events.stage("queued")
+            if self.claim.kill_flag:
+                await self._destroy()
+                await self._finish_without_run(Outcome.KILLED, "killed before it started")
+                return
+            if self.claim.next_seq == 0:
+                # A job handed back before it started logged this already.
+                await self.events.stage("queued")
             try:
                 plan = self._load()
             except NotOfferedHere as exc:
@@ -131,7 +145,7 @@ class JobRun:
                 compile_jail = asyncio.create_task(
                     self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
                 )
-            signal = await self._park(sub.queue)
+            signal = await self._park(sub.ctrl)
             if signal != "start":
                 await self._discard(compile_jail)
                 await self._destroy()
@@ -144,7 +158,11 @@ class JobRun:
                 else:
                     await self._finish_without_run(Outcome.EXPIRED, None)
                 return
+            # The client subscribed before it started: from here on it sees every event,
+            # starting with the ones logged while the job was parked.
+            await self.events.go_live()
             await self.events.state(JobState.STARTING)
+            kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             compiled: CompileInfo | None = None
             if compile_jail is not None and plan.compile is not None:
                 try:
@@ -154,11 +172,11 @@ class JobRun:
                     await self._destroy()
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                     return
-                facts, compiled = await self._compile(sub.queue, plan)
+                facts, compiled = await self._compile(sub.ctrl, plan)
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
-            facts = await self._run(sub.queue, plan.run)
+            facts = await self._run(sub.ctrl, sub.stdin, plan.run)
             # Every process is dead already (killed, counters read); removing the cgroups and
             # the workspace happens right after the result, off the user's critical path.
             await self._finish_run(facts, compiled)
@@ -175,6 +193,7 @@ class JobRun:
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
             try:
+                await self._discard(kill_watch)
                 await self._discard(compile_jail)
                 if not self._destroyed:
                     await asyncio.shield(self._destroy())
@@ -182,6 +201,17 @@ class JobRun:
                 if sub is not None:
                     await self.ctx.control.unsubscribe(sub)
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+
+    async def _watch_kill(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
+        """Turn a stored kill flag into a kill message, should the live one have been lost."""
+        while True:
+            await asyncio.sleep(FLAG_POLL_S)
+            try:
+                if await self.ctx.queue.kill_requested(self.job_id):
+                    ctrl.put_nowait(CtrlMessage(type="kill"))
+                    return
+            except RedisError as exc:
+                log.warning("job %s: reading the kill flag failed: %s", self.job_id, exc)
 
     @staticmethod
     async def _discard(task: asyncio.Task[None] | None) -> None:
@@ -224,11 +254,17 @@ class JobRun:
 
     # ------------------------------------------------------------------ park
 
-    async def _park(self, inbox: asyncio.Queue[object]) -> str:
+    async def _durable_signal(self) -> str | None:
+        """"kill" or "start" from the stored flags (a kill wins), or None."""
+        start, kill = await self.ctx.queue.flags(self.job_id)
+        return "kill" if kill else "start" if start else None
+
+    async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
         """Wait for start. Returns "start", "expired", "kill" or "handback"."""
         loop = asyncio.get_running_loop()
-        if self.claim.start_flag or await self.ctx.queue.start_flag(self.job_id):
-            return "start"
+        signal = await self._durable_signal()
+        if signal is not None:
+            return signal
         deadline = self.claim.claimed_at + self.ctx.settings.worker_warmup_ms / 1000
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         try:
@@ -236,28 +272,29 @@ class JobRun:
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
-                    return "start" if await self.ctx.queue.start_flag(self.job_id) else "expired"
+                    return await self._durable_signal() or "expired"
                 getter = asyncio.ensure_future(inbox.get())
-                done, _ = await asyncio.wait({getter, stopping}, timeout=min(left, 1.0), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {getter, stopping}, timeout=min(left, FLAG_POLL_S), return_when=asyncio.FIRST_COMPLETED
+                )
                 if getter in done:
                     item = getter.result()
-                    if isinstance(item, CtrlMessage) and item.type == "start":
-                        return "start"
-                    if isinstance(item, CtrlMessage) and item.type == "kill":
-                        return "kill"
+                    if item.type in ("start", "kill"):
+                        return item.type
                     continue
                 getter.cancel()
                 if stopping in done:
                     return "handback"
-                # Periodic re-check of the durable flag covers a dropped pub/sub connection.
-                if await self.ctx.queue.start_flag(self.job_id):
-                    return "start"
+                # Periodic re-check of the durable flags covers a dropped pub/sub connection.
+                signal = await self._durable_signal()
+                if signal is not None:
+                    return signal
         finally:
             stopping.cancel()
 
     # ------------------------------------------------------------------ compile
 
-    async def _compile(self, inbox: asyncio.Queue[object], plan: Plan) -> tuple[StepFacts, CompileInfo]:
+    async def _compile(self, inbox: asyncio.Queue[CtrlMessage], plan: Plan) -> tuple[StepFacts, CompileInfo]:
         assert plan.compile is not None and plan.compile_limits is not None
         jail, cgroup = self.sandbox.compile_jail, self.sandbox.compile_cgroup
         assert jail is not None and cgroup is not None
@@ -286,13 +323,22 @@ class JobRun:
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
         outcome = Outcome.KILLED if facts.fired == "user" else Outcome.COMPILE_ERROR
-        await self._finish(outcome, self._empty_result(outcome, None, compiled))
+        message = "killed while compiling" if outcome == Outcome.KILLED else None
+        await self._finish(outcome, result_without_run(outcome, message, compiled))
 
     # ------------------------------------------------------------------ run
 
-    async def _run(self, inbox: asyncio.Queue[object], program: Program) -> StepFacts:
+    async def _run(self, inbox: asyncio.Queue[CtrlMessage], stdin: asyncio.Queue[StdinFrame], program: Program) -> StepFacts:
         jail, limits = self.sandbox.jail, self.spec.limits
         await self.events.stage("running", state=JobState.RUNNING, started=True)
+        feed = StdinFeed(
+            self.ctx.queue,
+            self.job_id,
+            self.claim.attempt,
+            stdin,
+            self.spec.stdin.encode() if self.spec.stdin else None,
+            close_after_upfront=self.spec.close_stdin and self.spec.stdin is not None,
+        )
 
         async def on_stdout(data: bytes) -> None:
             await self.events.chunks("stdout", self.budget.feed("stdout", data))
@@ -301,17 +347,8 @@ class JobRun:
             await self.events.chunks("stderr", self.budget.feed("stderr", data))
 
         async def feed_stdin(activity: Activity) -> None:
-            writer = jail.proc.stdin
-            assert writer is not None
-            try:
-                if self.spec.stdin:
-                    writer.write(self.spec.stdin.encode())
-                    await writer.drain()
-                    activity.touch()
-                writer.close()
-                await writer.wait_closed()
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the program exited without reading its input: not an error
+            assert jail.proc.stdin is not None
+            await feed.run(jail.proc.stdin, activity)
 
         facts = await supervise(
             jail,
@@ -336,9 +373,12 @@ class JobRun:
 
     async def _finish_run(self, facts: StepFacts, compiled: CompileInfo | None) -> None:
         verdict = judge_run(facts)
+        signal = facts.exit.signal
+        if verdict.outcome == Outcome.KILLED and signal is None:
+            signal = "SIGKILL"  # the whole cgroup got SIGKILL; nsjail may only say the gate ended
         event = ResultEvent(
-            exit_code=facts.exit.exit_code,
-            signal=facts.exit.signal,
+            exit_code=facts.exit.exit_code if signal is None else None,
+            signal=signal,
             timed_out=verdict.timed_out,
             idle_timed_out=verdict.idle_timed_out,
             truncated=self.budget.truncated,
@@ -353,25 +393,8 @@ class JobRun:
         )
         await self._finish(verdict.outcome, event)
 
-    @staticmethod
-    def _empty_result(outcome: Outcome, message: str | None, compiled: CompileInfo | None = None) -> ResultEvent:
-        return ResultEvent(
-            exit_code=None,
-            signal=None,
-            timed_out=False,
-            idle_timed_out=False,
-            truncated=False,
-            duration_ms=0,
-            cpu_ms=0,
-            memory_kb=0,
-            outcome=outcome,
-            compile=compiled,
-            seq=0,
-            message=message,
-        )
-
     async def _finish_without_run(self, outcome: Outcome, message: str | None) -> None:
-        await self._finish(outcome, self._empty_result(outcome, message))
+        await self._finish(outcome, result_without_run(outcome, message))
 
     async def _finish(self, outcome: Outcome, event: ResultEvent) -> None:
         if self._finished:
@@ -398,6 +421,12 @@ class JobRun:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if written:
+            try:
+                # A job that ends without having started (expired, killed) has its parked
+                # events published now, before its result.
+                await self.events.go_live()
+            except RedisError as exc:
+                log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
             self.events.publish("result", result_json)
             log.info(
                 "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",

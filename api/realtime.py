@@ -1,0 +1,50 @@
+"""The API's own, rare publishes to soketi: a result the API wrote itself.
+
+Workers publish every event of the jobs they hold. The one result the API writes (a kill
+that ended a job no worker held yet) is published from here, so a client following the
+channel learns of it like of any other result. Best effort, like every live delivery:
+the durable log already holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import msgspec
+
+from shared.pusher import signed_query
+from shared.settings import Settings
+
+__all__ = ["RealtimePublisher"]
+
+log = logging.getLogger(__name__)
+
+
+class RealtimePublisher:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._path = f"/apps/{settings.pusher_app_id}/events"
+        self._client = httpx.AsyncClient(
+            base_url=f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}",
+            timeout=settings.pusher_timeout_ms / 1000,
+        )
+
+    async def publish(self, channel: str, name: str, data: bytes) -> None:
+        # Pusher's `data` is a string holding the event's JSON.
+        body = msgspec.json.encode({"name": name, "channel": channel, "data": data.decode()})
+        query = signed_query("POST", self._path, body, self._settings.pusher_key, self._settings.pusher_secret, int(time.time()))
+        try:
+            response = await self._client.post(
+                self._path, params=query, content=body, headers={"content-type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            log.warning("soketi unreachable while publishing %s on %s: %s", name, channel, exc)
+            return
+        if response.status_code >= 400:
+            log.warning("soketi refused %s on %s: %s %s", name, channel, response.status_code, response.text[:200])
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+

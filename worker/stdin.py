@@ -1,0 +1,135 @@
+"""Interactive stdin: a job's accepted frames, written to its program in order, exactly once.
+
+The API stores every accepted frame in the job's stdin stream, numbered n = 0, 1, 2 …, and
+only then publishes it on `stdin:<id>`. The published copy is the fast path: a frame whose
+n is the next one is written at once. A gap (a message lost with a pub/sub connection) or
+a quiet second sends the feeder to the stream, to read on from the last frame it wrote; a
+frame below its cursor was written already and is skipped. So a frame the API accepted
+reaches the program once, in order, whatever happened to pub/sub.
+
+A `close` frame is EOF: the pipe is closed after every frame before it was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+
+from redis.exceptions import RedisError
+
+from shared.messages import StdinFrame
+from worker.queue import WorkerQueue
+from worker.supervise import Activity
+
+__all__ = ["StdinFeed"]
+
+log = logging.getLogger(__name__)
+
+# How long the feeder trusts pub/sub before it looks at the stream itself.
+POLL_S = 1.0
+BATCH = 64
+
+
+class StdinFeed:
+    def __init__(
+        self,
+        queue: WorkerQueue,
+        job_id: str,
+        attempt: int,
+        inbox: asyncio.Queue[StdinFrame],
+        upfront: bytes | None,
+        close_after_upfront: bool,
+    ) -> None:
+        self._queue = queue
+        self._job_id = job_id
+        self._attempt = attempt
+        self._inbox = inbox
+        self._upfront = upfront
+        self._close_after_upfront = close_after_upfront
+        self.next_n = 0
+        self.last_id: str | None = None
+        self.written_bytes = 0
+        # The program closed its stdin (or exited): later frames are consumed unwritten.
+        self._broken = False
+
+    async def run(self, writer: asyncio.StreamWriter, activity: Activity) -> None:
+        """Feed the program until EOF; cancelled when the step ends."""
+        try:
+            if self._upfront:
+                await self._write(writer, self._upfront, activity)
+            if self._close_after_upfront:
+                return
+            await self._follow(writer, activity)
+        finally:
+            self._close(writer)
+
+    async def _follow(self, writer: asyncio.StreamWriter, activity: Activity) -> None:
+        catch_up = True
+        while True:
+            if catch_up:
+                try:
+                    frames = await self._queue.stdin_frames(self._job_id, self.last_id, BATCH)
+                except RedisError as exc:
+                    log.warning("job %s: reading stdin failed (%s); retrying", self._job_id, exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                for frame in frames:
+                    if frame.n < self.next_n:
+                        continue
+                    if await self._apply(writer, activity, frame.id, frame.kind, bytes(frame.data)):
+                        return
+                catch_up = len(frames) == BATCH
+                if catch_up:
+                    continue
+            try:
+                message = await asyncio.wait_for(self._inbox.get(), POLL_S)
+            except TimeoutError:
+                catch_up = True
+                continue
+            if message.n < self.next_n:
+                continue  # written already (read from the stream before its message came)
+            if message.n > self.next_n:
+                catch_up = True  # a message went missing: the stream has it
+                continue
+            try:
+                data = base64.b64decode(message.data, validate=True)
+            except (binascii.Error, ValueError):
+                catch_up = True
+                continue
+            if await self._apply(writer, activity, message.id, message.kind, data):
+                return
+
+    async def _apply(self, writer: asyncio.StreamWriter, activity: Activity, frame_id: str, kind: str, data: bytes) -> bool:
+        """Write one frame; True when it was EOF."""
+        self.next_n += 1
+        self.last_id = frame_id
+        if kind == "close":
+            return True
+        await self._write(writer, data, activity)
+        self.written_bytes += len(data)
+        try:
+            await self._queue.stdin_written(self._job_id, self._attempt, self.written_bytes)
+        except RedisError as exc:
+            # The bytes reached the program; only the pending count lags until the next frame.
+            log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)
+        return False
+
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes, activity: Activity) -> None:
+        if self._broken:
+            return
+        try:
+            writer.write(data)
+            await writer.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            self._broken = True  # the program stopped reading its input: not an error
+            return
+        activity.touch()
+
+    @staticmethod
+    def _close(writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.close()
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            pass
