@@ -15,11 +15,15 @@ test-deps:
 up: deps
 	@$(PY) -m launcher.cli up --port $(PORT)
 
+# Tests that run a plain `node` get Node.js >= 20 first on PATH: the system's, or the one
+# bootstrap.sh put in .tools/node (see launcher/node.py).
+WITH_NODE = node=$$($(PY) -m launcher.node) && PATH="$${node%/*}:$$PATH"
+
 test: test-deps
-	@$(PY) -m pytest -q
+	@$(WITH_NODE) $(PY) -m pytest -q
 
 test-fast: test-deps
-	@$(PY) -m pytest -q -m "not slow"
+	@$(WITH_NODE) $(PY) -m pytest -q -m "not slow"
 
 bench: test-deps
 	@$(PY) bench/latency.py

