@@ -3,7 +3,7 @@
 // (@teovilla/code-runner-sdk-node 0.4.0) drives the jobs. Neither package is changed.
 import assert from "node:assert/strict";
 import { afterEach, test } from "node:test";
-import { ENDED, endJobs, eventLog, execute, mountJob, py, rawListener, sdk, sleep, unmountAll, waitFor, waitState } from "./lib.mjs";
+import { ENDED, endJobs, eventLog, execute, mountJob, py, rawListener, sdk, sleep, unmountAll, waitFor, waitState, withTimeout } from "./lib.mjs";
 
 afterEach(async () => {
   unmountAll();
@@ -21,7 +21,7 @@ test("interactive stdin: the hook shows the prompt, sendStdin answers it, the tr
   // A second, plain pusher-js subscriber records the raw events with their seq numbers.
   const raw = await rawListener(job, job.jobToken);
   try {
-    await Promise.race([raw.subscribed, sleep(10000).then(() => Promise.reject(new Error("raw subscription timed out")))]);
+    await withTimeout(raw.subscribed, 10000, "the raw pusher-js subscription");
     const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) });
 
     await view.waitFor((s) => s.stdout === "What is your name? ", 15000, "the prompt never showed");

@@ -19,6 +19,19 @@ if (!/^http:\/\/(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:\d+)?$/.test(API_URL)) {
 
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+/** `promise`, or a rejection naming `what` after `ms` (the timer never outlives the race). */
+export async function withTimeout(promise, ms, what) {
+  let timer;
+  const timeout = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`timed out after ${ms} ms: ${what}`)), ms);
+  });
+  try {
+    return await Promise.race([promise, timeout]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 /** The seed SDK client, exactly as its README builds it. */
 export function sdk(token = API_TOKEN) {
   return new CodeRunnerClient({ baseUrl: API_URL, token });
