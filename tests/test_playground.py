@@ -277,3 +277,35 @@ def test_without_realtime_the_event_log_carries_the_run(page: Any, stack: Stack)
     stats = page.evaluate("window.coderunnerPlayground.stats")
     assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats
     shot(page, "7-no-realtime")
+
+
+def test_limits_are_sent_and_the_limit_that_fired_is_named(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    page.fill("#limit-idleMs", "1000")
+    # The sample waits for a name; nobody types: the idle clock ends it.
+    result = run_and_wait(page)
+    assert result["outcome"] == "idle_timed_out", result
+    assert "killed by the idle limit" in result["text"] and "SIGKILL" in result["text"], result
+    assert "What is your name?" in result["output"]
+    shot(page, "8-idle-limit")
+
+
+def test_fast_typing_past_the_stdin_rate_is_retried_not_lost(page: Any, stack: Stack) -> None:
+    """More lines than the 30 frames/s cap allows: the page waits retryAfterMs and resends."""
+    open_playground(page, stack)
+    page.fill(
+        "#code", "import sys\nlines = sys.stdin.readlines()\nprint(len(lines), 'lines, last', lines[-1].strip())\n"
+    )
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    page.evaluate("""() => {
+        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
+        for (let i = 0; i < 45; i++) { line.value = "line " + i; form.requestSubmit(); }
+    }""")
+    page.click("#eof")
+    output = page.locator("#output")
+    expect()(output).to_contain_text("45 lines, last line 44")
+    expect()(output).to_contain_text("retrying in")
+    assert page.locator("#output .note").count() == 1  # said once, not per line
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed")
+    shot(page, "9-stdin-rate-retried")
