@@ -309,3 +309,33 @@ def test_fast_typing_past_the_stdin_rate_is_retried_not_lost(page: Any, stack: S
     assert page.locator("#output .note").count() == 1  # said once, not per line
     expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed")
     shot(page, "9-stdin-rate-retried")
+
+
+def test_lost_tail_of_a_run_is_noticed_by_its_silence(page: Any, stack: Stack) -> None:
+    """Live delivery loses every frame after the first line, result included (no gap to see):
+    the page asks the job's status after a few silent seconds and takes the rest from the log."""
+    seen_first: list[bool] = []
+
+    def relay(ws: Any) -> None:
+        server = ws.connect_to_server()
+        ws.on_message(server.send)
+
+        def to_page(message: str | bytes) -> None:
+            text = message if isinstance(message, str) else message.decode()
+            if seen_first and ('"event":"std' in text or '"event":"result"' in text):
+                return
+            if '"event":"stdout"' in text and "first" in text:
+                seen_first.append(True)
+            ws.send(message)
+
+        server.on_message(to_page)
+
+    page.route_web_socket(re.compile(r"^ws://"), relay)
+    open_playground(page, stack)
+    page.fill("#code", "import time\nprint('first')\ntime.sleep(0.3)\nprint('last')\n")
+    result = run_and_wait(page, timeout_ms=15000)
+    assert seen_first
+    assert result["outcome"] == "completed", result
+    assert result["output"] == "first\nlast\n", result["output"]
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats
