@@ -37,6 +37,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _dev_token() -> str:
+    """A random API token that no command line mistakes for an option (no leading "-")."""
+    while (token := secrets.token_urlsafe(24)).startswith("-"):
+        pass
+    return token
+
+
 def soketi_entry() -> Path:
     return REPO_ROOT / "realtime" / "node_modules" / "@soketi" / "soketi" / "bin" / "server.js"
 
@@ -109,7 +116,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.api_port = self.api_port or free_port()
-        self.api_token = self.api_token or os.environ.get("EXECUTOR_API_TOKEN") or secrets.token_urlsafe(24)
+        self.api_token = self.api_token or os.environ.get("EXECUTOR_API_TOKEN") or _dev_token()
         self.redis_port = free_port()
         self.redis_password = secrets.token_hex(16)
         self.soketi_port = free_port()

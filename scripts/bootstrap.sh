@@ -44,6 +44,7 @@ venv_ready() { [ -x .venv/bin/python ] && [ -x .venv/bin/pip ]; }
 # --- system packages -------------------------------------------------------------------
 apt_missing=()
 command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
+command -v curl >/dev/null 2>&1 || apt_missing+=(curl)  # the README's examples use it
 # Python: Debian ships venv (with ensurepip) as a separate package.
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     apt_missing+=(python3 python3-venv)

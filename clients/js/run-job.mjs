@@ -10,7 +10,6 @@
 // warm-up before start, a compile step, then the job's own wall time limit.
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
-import { parseArgs } from "node:util";
 import Pusher from "pusher-js";
 
 const USAGE =
@@ -18,32 +17,44 @@ const USAGE =
   "  --wall-ms N     limits.wallTimeMs of the job (server default 30000)\n" +
   "  --limits JSON   any request limits, e.g. '{\"cpuMs\":2000,\"memoryMb\":256}'";
 
-let parsed;
-try {
-  parsed = parseArgs({
-    allowPositionals: true,
-    options: { "wall-ms": { type: "string" }, limits: { type: "string" }, help: { type: "boolean", short: "h" } },
-  });
-} catch (error) {
-  console.error(`${error.message}\n${USAGE}`);
-  process.exit(2);
+// Only these options are recognised; every other argument is positional, so an API token
+// or stdin that starts with "-" is taken as it is.
+const options = { "--wall-ms": undefined, "--limits": undefined };
+const positionals = [];
+const argv = process.argv.slice(2);
+for (let i = 0; i < argv.length; i++) {
+  const arg = argv[i];
+  const name = arg.split("=", 1)[0];
+  if (arg === "--help" || arg === "-h") {
+    console.log(USAGE);
+    process.exit(0);
+  } else if (name in options) {
+    const value = arg.includes("=") ? arg.slice(name.length + 1) : argv[++i];
+    if (value === undefined) {
+      console.error(`${name} needs a value\n${USAGE}`);
+      process.exit(2);
+    }
+    options[name] = value;
+  } else {
+    positionals.push(arg);
+  }
 }
-const [apiUrl, apiToken, language, file, stdin] = parsed.positionals;
-if (parsed.values.help || !file) {
+const [apiUrl, apiToken, language, file, stdin] = positionals;
+if (!file || positionals.length > 5) {
   console.error(USAGE);
-  process.exit(parsed.values.help ? 0 : 2);
+  process.exit(2);
 }
 
 let limits = {};
 try {
-  if (parsed.values.limits !== undefined) limits = JSON.parse(parsed.values.limits);
+  if (options["--limits"] !== undefined) limits = JSON.parse(options["--limits"]);
   if (typeof limits !== "object" || limits === null || Array.isArray(limits)) throw new Error("not an object");
 } catch (error) {
   console.error(`--limits must be a JSON object (${error.message})`);
   process.exit(2);
 }
-if (parsed.values["wall-ms"] !== undefined) {
-  const wall = Number(parsed.values["wall-ms"]);
+if (options["--wall-ms"] !== undefined) {
+  const wall = Number(options["--wall-ms"]);
   if (!Number.isInteger(wall) || wall <= 0) {
     console.error("--wall-ms must be a positive whole number of milliseconds");
     process.exit(2);
