@@ -132,12 +132,17 @@ OUTCOME_STATE: dict[Outcome, JobState] = {
 # ---------------------------------------------------------------- events (soketi + durable log)
 
 
-class CompileInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+class CompileInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     exit_code: int | None
     signal: str | None
     timed_out: bool
     duration_ms: int
+    # The compiler's stdout and stderr interleaved as they came (what `compile_output` streamed).
     output: str
+    # Each stream on its own, as the seed product's CompileResult has them (in the pullable
+    # RunResult only: the published result event keeps to `output`).
+    stdout: str | None = None
+    stderr: str | None = None
 
 
 class StageEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -178,3 +178,11 @@ def test_compile_error(api: Api, realtime: Realtime, language: str) -> None:
     live_output = "".join(p["chunk"] for n, p in ordered if n == "compile_output")
     assert live_output == compile_block["output"]
     assert api.status(followed.job)["state"] == "done"
+    # The pullable result also has each stream apart, as the seed's CompileResult does; the
+    # interleaved log is both of them together.
+    assert spec["broken_says"] in compile_block["stdout"] + compile_block["stderr"]
+    assert sorted(compile_block["output"]) == sorted(compile_block["stdout"] + compile_block["stderr"])
+    # The published result (and the status) keep to the interleaved log.
+    published = followed.results()[0]["compile"]
+    assert "stdout" not in published and "stderr" not in published
+    assert published["output"] == compile_block["output"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.messages import CompileInfo, Outcome
+from worker.output import CompileOutput
 from worker.supervise import StepFacts
 
 __all__ = ["RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
@@ -50,12 +51,14 @@ def compile_succeeded(facts: StepFacts) -> bool:
     return facts.fired is None and facts.exit.signal is None and facts.exit.exit_code == 0
 
 
-def compile_info(facts: StepFacts, output: str) -> CompileInfo:
+def compile_info(facts: StepFacts, output: CompileOutput) -> CompileInfo:
     timed_out = facts.fired in ("wall", "cpu") or facts.exit.backstop_fired
     return CompileInfo(
         exit_code=facts.exit.exit_code,
         signal=facts.exit.signal,
         timed_out=timed_out,
         duration_ms=facts.duration_ms,
-        output=output,
+        output=output.text,
+        stdout=output.stream_text("stdout"),
+        stderr=output.stream_text("stderr"),
     )

@@ -48,14 +48,22 @@ def exact_text(data: bytes) -> tuple[str, str]:
 
 
 class CompileOutput:
-    """Interleaved compiler output, capped; the cap adds one visible marker, then drops."""
+    """Compiler output: interleaved as it arrived (`output`, the live `compile_output`
+    events) and per stream (`stdout`, `stderr`, as the seed's CompileResult has them), each
+    capped; the cap adds one visible marker, then drops.
+
+    The two streams come through separate pipes, so their interleaving is the order in
+    which the worker read them, which is the order written except within a few µs.
+    """
 
     def __init__(self, limit_bytes: int) -> None:
         self._budget = OutputBudget(limit_bytes, keep_bytes=True)
+        self._streams = OutputBudget(2 * limit_bytes, keep_bytes=True)
         self._limit_kb = limit_bytes // 1024
         self._marked = False
 
-    def feed(self, data: bytes) -> list[str]:
+    def feed(self, data: bytes, stream: str = "stdout") -> list[str]:
+        self._streams.feed(stream, data)
         chunks = self._budget.feed("stdout", data)
         if self._budget.truncated and not self._marked:
             self._marked = True
@@ -73,3 +81,6 @@ class CompileOutput:
     def text(self) -> str:
         text = bytes(self._budget.data["stdout"]).decode("utf-8", "replace")
         return text + self.marker if self._marked else text
+
+    def stream_text(self, stream: str) -> str:
+        return bytes(self._streams.data[stream]).decode("utf-8", "replace")

@@ -97,6 +97,7 @@ class JobRun:
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
         self._destroyed = False
+        self._compile_streams: CompileInfo | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -172,7 +173,10 @@ class JobRun:
                     await self._destroy()
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                     return
-                facts, compiled = await self._compile(sub.ctrl, plan)
+                facts, self._compile_streams = await self._compile(sub.ctrl, plan)
+                # The result event carries the interleaved log only (it is published, and
+                # published payloads have a size limit); the pullable result has both streams.
+                compiled = msgspec.structs.replace(self._compile_streams, stdout=None, stderr=None)
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
@@ -301,8 +305,11 @@ class JobRun:
         await self.events.stage("compiling")
         output = CompileOutput(plan.compile_output_kb * 1024)
 
-        async def on_output(data: bytes) -> None:
-            await self.events.chunks("compile_output", output.feed(data))
+        async def on_stdout(data: bytes) -> None:
+            await self.events.chunks("compile_output", output.feed(data, "stdout"))
+
+        async def on_stderr(data: bytes) -> None:
+            await self.events.chunks("compile_output", output.feed(data, "stderr"))
 
         async def close_stdin(_activity: Activity) -> None:
             if jail.proc.stdin is not None:
@@ -314,12 +321,12 @@ class JobRun:
             cgroup,
             plan.compile,
             Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms),
-            [(jail.stdout, on_output)],
+            [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
             inbox,
             feed_stdin=close_stdin,
         )
         await self.events.chunks("compile_output", output.flush())
-        return facts, compile_info(facts, output.text)
+        return facts, compile_info(facts, output)
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
         outcome = Outcome.KILLED if facts.fired == "user" else Outcome.COMPILE_ERROR
@@ -439,6 +446,8 @@ class JobRun:
         stdout, stdout_encoding = exact_text(bytes(self.budget.data["stdout"]))
         stderr, stderr_encoding = exact_text(bytes(self.budget.data["stderr"]))
         shared = {f: getattr(event, f) for f in Verdict.__struct_fields__}
+        if self._compile_streams is not None:
+            shared["compile"] = self._compile_streams
         return RunResult(
             **shared,
             stdout=stdout,

@@ -208,7 +208,7 @@ class SandboxFactory:
         return Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail)
 
     async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
-        """Give `sandbox` a compile jail (own cgroup and limits, stderr merged into stdout)."""
+        """Give `sandbox` a compile jail (its own cgroup and limits)."""
         name = self._name(owner, sandbox.slot)
-        cgroup, jail = await self._launch(name, sandbox.uid, sandbox.workspace, limits, merge_stderr=True)
+        cgroup, jail = await self._launch(name, sandbox.uid, sandbox.workspace, limits, merge_stderr=False)
         sandbox.compile_cgroup, sandbox.compile_jail = cgroup, jail
