@@ -94,14 +94,17 @@ async def execute(request: Request) -> Response:
         args=req.args,
         collect_output=req.collect_output,
     )
-    if not await state.store.enqueue(spec, state.settings.max_queue_depth):
-        retry = state.settings.queue_retry_after_ms
-        raise ApiError(
-            429,
-            f"The queue is full ({state.settings.max_queue_depth} jobs waiting); retry later",
-            headers={"Retry-After": str(max(1, retry // 1000))},
-            retryAfterMs=retry,
+    settings = state.settings
+    queued = await state.store.enqueue(spec, settings.max_queue_depth, settings.max_parked_per_principal)
+    if queued != 1:
+        retry = settings.queue_retry_after_ms
+        why = (
+            f"The queue is full ({settings.max_queue_depth} jobs waiting); retry later"
+            if queued == 0
+            else f"You have {settings.max_parked_per_principal} jobs waiting for start (the most one client may "
+            "have); start or kill some, or retry later"
         )
+        raise ApiError(429, why, headers={"Retry-After": str(max(1, retry // 1000))}, retryAfterMs=retry)
     log.info("job %s queued language=%s version=%s", job_id, spec.language, spec.version)
     accepted = ExecuteAccepted(
         job_id=job_id,
@@ -262,14 +265,30 @@ async def languages(request: Request) -> Response:
     return _json(await state.catalog.live())
 
 
+# A channel-auth body is a small flat form or JSON object.
+MAX_CHANNEL_AUTH_BODY = 16 * 1024
+MAX_CHANNEL_AUTH_DEPTH = 8
+
+
 async def channel_auth_route(request: Request) -> Response:
-    """Sign a `private-run-<jobId>` subscription for the job's owner or its job-token holder."""
+    """Sign a `private-run-<jobId>` subscription for the job's owner or its job-token holder.
+
+    The bearer token is checked before the body is read. Some clients send a job token in
+    the body (`jobToken`) instead: only then is the body parsed first, size- and
+    depth-bounded, and a body that cannot be parsed is a 401 (no token), not a 400.
+    """
     state = _state(request)
-    body = await _body(request, 16 * 1024)
-    fields = _form_or_json(request, body)
+    if state.auth.has_bearer(request):
+        principal = state.auth.principal(request)
+        fields = _form_or_json(request, await _body(request, MAX_CHANNEL_AUTH_BODY))
+    else:
+        try:
+            fields = _form_or_json(request, await _body(request, MAX_CHANNEL_AUTH_BODY))
+        except (ValidationError, ApiError):
+            fields = {}
+        principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
     socket_id = fields.get("socket_id", "")
     channel = fields.get("channel_name", "")
-    principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
     if not socket_id or not valid_socket_id(socket_id):
         raise ValidationError([FieldError("socket_id", "is missing or malformed")])
     if not channel:
@@ -284,9 +303,30 @@ async def channel_auth_route(request: Request) -> Response:
     return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
 
 
+# JSON strings (escapes included; an unterminated one runs to the end) and brackets: enough
+# to measure nesting in one linear pass (possessive, so no input makes it backtrack).
+_JSON_NESTING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?|[\[\]{}]', re.S)
+
+
+def _json_depth_exceeds(body: bytes, limit: int) -> bool:
+    depth = 0
+    for match in _JSON_NESTING.finditer(body):
+        token = match.group()
+        if token in (b"{", b"["):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"}", b"]"):
+            depth -= 1
+    return False
+
+
 def _form_or_json(request: Request, body: bytes) -> dict[str, str]:
     content_type = request.headers.get("content-type", "")
     if "json" in content_type:
+        # Nesting is checked before any parser recurses (5,000 levels would be a RecursionError).
+        if _json_depth_exceeds(body, MAX_CHANNEL_AUTH_DEPTH):
+            raise ValidationError([FieldError("body", f"is nested more than {MAX_CHANNEL_AUTH_DEPTH} levels deep")])
         try:
             data = json.loads(body or b"{}")
         except ValueError:

@@ -32,15 +32,37 @@ __all__ = ["JobStore", "KillAnswer", "StdinAnswer", "StoredStatus"]
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
 # KEYS: queue, spec, status. ARGV: max depth, spec json, now ms, ttl s, job id, language, version, owner.
-_ENQUEUE = """
+# KEYS: queue, spec, status, the owner's unstarted set. ARGV: max depth, spec json, now ms,
+# ttl s, job id, language, version, owner, max unstarted jobs per owner.
+# Returns 1 (queued), 0 (queue full) or -1 (the owner has too many jobs waiting for start).
+# A job id is new for every request, so a record that exists already is this script's own
+# earlier run whose reply was lost: it must not be queued twice.
+_ENQUEUE = (
+    _TERMINAL_LUA
+    + """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local cap = tonumber(ARGV[9])
+if redis.call('ZCARD', KEYS[4]) >= cap then
+  -- Forget the owner's jobs that started or ended since; only then judge.
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+    local st = redis.call('HMGET', 'job:' .. id .. ':status', 'state', 'started')
+    if (not st[1]) or terminal[st[1]] or st[1] == 'starting' or st[1] == 'running' or st[2] == '1' then
+      redis.call('ZREM', KEYS[4], id)
+    end
+  end
+  if redis.call('ZCARD', KEYS[4]) >= cap then return -1 end
+end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
            'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[4])
 redis.call('LPUSH', KEYS[1], ARGV[5])
 return 1
 """
+)
 
 # Store one accepted stdin frame (or the EOF frame) and notify the job's worker.
 # KEYS: status, stdin stream, rate list. ARGV: now ms, bytes, kind ('data'|'close'),
@@ -164,10 +186,11 @@ class JobStore:
         self._stdin = redis.register_script(_STDIN)
         self._kill = redis.register_script(_KILL)
 
-    async def enqueue(self, spec: JobSpec, max_depth: int) -> bool:
-        """Store the job and queue it; False (nothing written) when the queue is full."""
+    async def enqueue(self, spec: JobSpec, max_depth: int, max_unstarted: int) -> int:
+        """Store the job and queue it: 1; nothing written: 0 when the queue is full, -1 when
+        the owner already has `max_unstarted` jobs waiting for start (queued or parked)."""
         done = await self._enqueue(
-            keys=[keys.QUEUE, keys.spec_key(spec.job_id), keys.status_key(spec.job_id)],
+            keys=[keys.QUEUE, keys.spec_key(spec.job_id), keys.status_key(spec.job_id), keys.unstarted_key(spec.owner)],
             args=[
                 max_depth,
                 encode(spec),
@@ -177,9 +200,10 @@ class JobStore:
                 spec.language,
                 spec.version,
                 spec.owner,
+                max_unstarted,
             ],
         )
-        return bool(done)
+        return int(done)
 
     async def status(self, job_id: str) -> StoredStatus | None:
         values = await self._redis.hmget(keys.status_key(job_id), _STATUS_FIELDS)

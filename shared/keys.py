@@ -21,6 +21,7 @@ __all__ = [
     "stdin_channel",
     "stdin_key",
     "stdin_rate_key",
+    "unstarted_key",
     "worker_alive_key",
     "worker_claimed_key",
 ]
@@ -55,6 +56,11 @@ def stdin_key(job_id: str) -> str:
 def stdin_rate_key(job_id: str) -> str:
     """List of the arrival times (ms) of the job's most recent stdin frames."""
     return f"job:{job_id}:stdin:rate"
+
+
+def unstarted_key(owner: str) -> str:
+    """Sorted set of an API principal's jobs that have not started yet (queued or parked)."""
+    return f"owner:{owner}:unstarted"
 
 
 def start_flag_key(job_id: str) -> str:

@@ -27,6 +27,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     max_queue_depth: int = 256
+    # Jobs one API principal may have submitted but not started (queued or parked), so one
+    # client cannot take every claim of the fleet.
+    max_parked_per_principal: int = 500
     max_request_bytes: int = 16 * 1024 * 1024
     max_files_bytes: int = 8 * 1024 * 1024
     # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
@@ -34,6 +37,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     queue_retry_after_ms: int = 1000
     # Open GET /v1/jobs/:id/events streams per API process (each holds a Redis connection).
     max_event_streams: int = 256
+    # Of those, at most this many for one job, and for one caller (the API token holder, or
+    # one job token), counted per API process, so no caller can hold the whole pool.
+    max_event_streams_per_job: int = 4
+    max_event_streams_per_principal: int = 32
+    # Slow clients: a request's headers must arrive within the first timeout (from its
+    # first byte, or from the connection's opening), its body within the second (from the
+    # end of its headers).
+    api_header_timeout_ms: int = 10000
+    api_body_timeout_ms: int = 30000
     # Interactive stdin caps per job (the seed product's): frames per second, and bytes
     # accepted but not yet written to the program.
     stdin_max_frames_per_s: int = 30
@@ -52,6 +64,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     worker_id: str = ""
     worker_max_sandboxes: int = 8
+    # Parked (claimed, not started) jobs one worker holds at most; they hold no sandbox.
+    worker_max_parked: int = 1000
     worker_warmup_ms: int = 30000
     worker_heartbeat_ms: int = 2000
     worker_lease_ttl_ms: int = 10000
@@ -103,9 +117,14 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "API_HOST": ("api_host", _str),
     "API_PORT": ("api_port", _positive_int),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
+    "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
+    "MAX_EVENT_STREAMS_PER_JOB": ("max_event_streams_per_job", _positive_int),
+    "MAX_EVENT_STREAMS_PER_PRINCIPAL": ("max_event_streams_per_principal", _positive_int),
+    "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
+    "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
@@ -119,6 +138,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
     "WORKER_ID": ("worker_id", _str),
     "WORKER_MAX_SANDBOXES": ("worker_max_sandboxes", _positive_int),
+    "WORKER_MAX_PARKED": ("worker_max_parked", _positive_int),
     "WORKER_WARMUP_MS": ("worker_warmup_ms", _positive_int),
     "WORKER_HEARTBEAT_MS": ("worker_heartbeat_ms", _positive_int),
     "WORKER_LEASE_TTL_MS": ("worker_lease_ttl_ms", _positive_int),
@@ -169,4 +189,9 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError("PUSHER_APP_ID must be numeric (Pusher clients require it)")
     if settings.worker_lease_ttl_ms <= settings.worker_heartbeat_ms:
         raise ConfigError("WORKER_LEASE_TTL_MS must be larger than WORKER_HEARTBEAT_MS")
+    if settings.max_event_streams_per_principal >= settings.max_event_streams:
+        raise ConfigError(
+            f"MAX_EVENT_STREAMS_PER_PRINCIPAL ({settings.max_event_streams_per_principal}) must be smaller than "
+            f"MAX_EVENT_STREAMS ({settings.max_event_streams}), so one caller cannot hold every event stream"
+        )
     return settings

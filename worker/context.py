@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from shared.settings import Settings
 from worker.control import ControlBus
+from worker.pool import SandboxPool
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue
 from worker.runtimes import Runtime
@@ -22,6 +23,7 @@ class WorkerContext:
     control: ControlBus
     publisher: Publisher
     sandboxes: SandboxFactory
+    pool: SandboxPool
     runtimes: dict[str, Runtime]
     # Set on SIGTERM: parked jobs go back to the queue, nothing new is claimed.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)

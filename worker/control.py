@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 
 
 
+class _CountingPubSub(PubSub):
+    """Counts (re)connections: messages published while it was disconnected are lost, so a
+    new connection tells parked jobs to re-read their durable flags."""
+
+    connections = 0
+
+    async def on_connect(self, connection):  # type: ignore[no-untyped-def]
+        self.connections += 1
+        await super().on_connect(connection)
+
+
 class Subscription:
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
@@ -39,10 +50,15 @@ class Subscription:
 class ControlBus:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
-        self._pubsub: PubSub = redis.pubsub(ignore_subscribe_messages=False)
+        self._pubsub = _CountingPubSub(redis.connection_pool, ignore_subscribe_messages=False)
         self._subs: dict[str, Subscription] = {}
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def generation(self) -> int:
+        """How many times the pub/sub connection was (re)established."""
+        return self._pubsub.connections
 
     async def start(self) -> None:
         # A placeholder subscription keeps the connection in pub/sub mode for the reader.

@@ -75,10 +75,13 @@ MAX_HANDOVERS = 20
 # How often a parked or running job re-reads its durable start and kill flags, in case
 # the pub/sub message that carried one was lost with a connection.
 FLAG_POLL_S = 1.0
+# A parked job reads its stored flags this often even when pub/sub looks healthy.
+PARKED_POLL_S = 10.0
 
 
 @dataclass(frozen=True)
 class Plan:
+    files: list[tuple[str, bytes]]
     run: Program
     compile: Program | None = None
     compile_limits: Limits | None = None
@@ -86,12 +89,13 @@ class Plan:
 
 
 class JobRun:
-    def __init__(self, ctx: WorkerContext, claim: Claim, sandbox: Sandbox) -> None:
+    def __init__(self, ctx: WorkerContext, claim: Claim) -> None:
         self.ctx = ctx
         self.claim = claim
         self.spec: JobSpec = claim.spec
         self.job_id = claim.spec.job_id
-        self.sandbox = sandbox
+        # Taken from the warm pool when the job starts; a parked job holds none.
+        self.sandbox: Sandbox | None = None
         self.lane = ctx.publisher.lane(keys.realtime_channel(self.job_id))
         self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq)
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
@@ -103,7 +107,6 @@ class JobRun:
 
     async def execute(self) -> None:
         sub = None
-        compile_jail: asyncio.Task[None] | None = None
         kill_watch: asyncio.Task[None] | None = None
         try:
             try:
@@ -117,62 +120,50 @@ class JobRun:
                     pass  # the stray-claim recovery re-queues it once Redis is back
                 return
             if self.claim.kill_flag:
-                await self._destroy()
                 await self._finish_without_run(Outcome.KILLED, "killed before it started")
                 return
             if self.claim.next_seq == 0:
                 # A job handed back before it started logged this already.
                 await self.events.stage("queued")
             try:
-                plan = self._load()
+                plan = self._plan()
             except NotOfferedHere as exc:
                 # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
                 # worker that has it take the job, unless it has gone round too often.
-                await self._destroy()
                 if self.claim.attempt < MAX_HANDOVERS:
                     log.info("job %s: %s; handing it to another worker", self.job_id, exc)
                     await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=True)
                     self._finished = True
-                    await asyncio.sleep(1.0)  # keep this slot from taking it straight back
+                    await asyncio.sleep(1.0)  # keep this worker from taking it straight back
                 else:
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
                 return
-            except (PlatformError, ValidationError, WorkspaceError, OSError) as exc:
-                log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
-                await self._destroy()
+            except (PlatformError, ValidationError) as exc:
+                log.error("job %s: cannot plan the job: %s", self.job_id, exc)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
-            if plan.compile is not None and plan.compile_limits is not None:
-                compile_jail = asyncio.create_task(
-                    self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
-                )
             signal = await self._park(sub.ctrl)
             if signal != "start":
-                await self._discard(compile_jail)
-                await self._destroy()
-                if signal == "handback":
-                    if await self.ctx.queue.hand_back(self.job_id, self.claim.attempt):
-                        log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
-                    self._finished = True
-                elif signal == "kill":
-                    await self._finish_without_run(Outcome.KILLED, "killed before it started")
-                else:
-                    await self._finish_without_run(Outcome.EXPIRED, None)
+                await self._end_unstarted(signal)
                 return
             # The client subscribed before it started: from here on it sees every event,
             # starting with the ones logged while the job was parked.
             await self.events.go_live()
             await self.events.state(JobState.STARTING)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+            signal = await self._acquire_sandbox(sub.ctrl)
+            if signal != "start":
+                await self._end_unstarted(signal, "killed before it ran")
+                return
+            try:
+                await self._load(plan)
+            except (JailError, WorkspaceError, OSError) as exc:
+                log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
+                await self._destroy()
+                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
+                return
             compiled: CompileInfo | None = None
-            if compile_jail is not None and plan.compile is not None:
-                try:
-                    await compile_jail
-                except (JailError, OSError) as exc:
-                    log.error("job %s: compile jail failed: %s", self.job_id, exc)
-                    await self._destroy()
-                    await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
-                    return
+            if plan.compile is not None:
                 facts, self._compile_streams = await self._compile(sub.ctrl, plan)
                 # The result event carries the interleaved log only (it is published, and
                 # published payloads have a size limit); the pullable result has both streams.
@@ -198,13 +189,49 @@ class JobRun:
         finally:
             try:
                 await self._discard(kill_watch)
-                await self._discard(compile_jail)
                 if not self._destroyed:
                     await asyncio.shield(self._destroy())
             finally:
                 if sub is not None:
                     await self.ctx.control.unsubscribe(sub)
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+
+    async def _end_unstarted(self, signal: str, killed_message: str = "killed before it started") -> None:
+        """End a job whose program never ran: handed back, killed or expired."""
+        if signal == "handback":
+            if await self.ctx.queue.hand_back(self.job_id, self.claim.attempt):
+                log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
+            self._finished = True
+        elif signal == "kill":
+            await self._finish_without_run(Outcome.KILLED, killed_message)
+        else:
+            await self._finish_without_run(Outcome.EXPIRED, None)
+
+    async def _acquire_sandbox(self, ctrl: asyncio.Queue[CtrlMessage]) -> str:
+        """Take a warm sandbox (first started, first served). Returns "start" once it holds
+        one, "kill" if a kill came first, "handback" if the worker is stopping."""
+        take = asyncio.ensure_future(self.ctx.pool.take())
+        stopping = asyncio.ensure_future(self.ctx.stopping.wait())
+        try:
+            while True:
+                message = asyncio.ensure_future(ctrl.get())
+                done, _ = await asyncio.wait({take, stopping, message}, return_when=asyncio.FIRST_COMPLETED)
+                if take in done:
+                    message.cancel()
+                    if message.done() and not message.cancelled():
+                        ctrl.put_nowait(message.result())  # keep a kill for the run to see
+                    self.sandbox = take.result()
+                    return "start"
+                if message in done and message.result().type == "kill":
+                    return "kill"
+                if stopping in done:
+                    message.cancel()
+                    return "handback"
+        finally:
+            stopping.cancel()
+            if not take.done():
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
 
     async def _watch_kill(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
         """Turn a stored kill flag into a kill message, should the live one have been lost."""
@@ -225,8 +252,8 @@ class JobRun:
 
     # ------------------------------------------------------------------ load
 
-    def _load(self) -> Plan:
-        """Put the job's files and limits into the ready sandbox; returns what to exec."""
+    def _plan(self) -> Plan:
+        """What to exec for this job (no sandbox needed yet); refuses what this worker lacks."""
         spec = self.spec
         runtime = self.ctx.runtimes.get(spec.language)
         if runtime is None:
@@ -235,7 +262,6 @@ class JobRun:
             raise NotOfferedHere(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
         manifest = runtime.manifest
-        self.sandbox.load(files, spec.limits)
         names = [name for name, _ in files]
         entry = names[0]
         sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
@@ -247,14 +273,22 @@ class JobRun:
         )
         step = manifest.compile
         if step is None:
-            return Plan(run=run)
+            return Plan(files=files, run=run)
         limits = with_overrides(COMPILE_DEFAULTS, step.limits)
         compile_program = Program(
             argv=expand_argv(step.argv, entry=entry, sources=sources, args=[], memory_mb=limits.memory_mb),
             env={**manifest.env, **step.env},
             **factory.program_rlimits(limits, compiler=True),
         )
-        return Plan(run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
+        return Plan(files=files, run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
+
+    async def _load(self, plan: Plan) -> None:
+        """Put the job's files and limits into its sandbox; compiled languages get their
+        compile jail over the same workspace."""
+        assert self.sandbox is not None
+        self.sandbox.load(plan.files, self.spec.limits)
+        if plan.compile_limits is not None:
+            await self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
 
     # ------------------------------------------------------------------ park
 
@@ -264,16 +298,25 @@ class JobRun:
         return "kill" if kill else "start" if start else None
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
-        """Wait for start. Returns "start", "expired", "kill" or "handback"."""
+        """Wait for start. Returns "start", "expired", "kill" or "handback".
+
+        The live ctrl message is the fast path. The stored flags are read on arrival, again
+        whenever the pub/sub connection was re-established (what it carried meanwhile is
+        lost), and every PARKED_POLL_S besides, so a thousand parked jobs cost Redis little.
+        """
         loop = asyncio.get_running_loop()
+        control = self.ctx.control
+        generation = control.generation
         signal = await self._durable_signal()
         if signal is not None:
             return signal
         deadline = self.claim.claimed_at + self.ctx.settings.worker_warmup_ms / 1000
+        next_poll = loop.time() + PARKED_POLL_S
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         try:
             while True:
-                left = deadline - loop.time()
+                now = loop.time()
+                left = deadline - now
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
                     return await self._durable_signal() or "expired"
@@ -289,10 +332,12 @@ class JobRun:
                 getter.cancel()
                 if stopping in done:
                     return "handback"
-                # Periodic re-check of the durable flags covers a dropped pub/sub connection.
-                signal = await self._durable_signal()
-                if signal is not None:
-                    return signal
+                if control.generation != generation or loop.time() >= next_poll:
+                    generation = control.generation
+                    next_poll = loop.time() + PARKED_POLL_S
+                    signal = await self._durable_signal()
+                    if signal is not None:
+                        return signal
         finally:
             stopping.cancel()
 
@@ -373,10 +418,14 @@ class JobRun:
     # ------------------------------------------------------------------ finish
 
     async def _destroy(self) -> None:
-        """Kill and remove everything the job had: processes, cgroups, workspace."""
-        if not self._destroyed:
+        """Kill and remove everything the job had (processes, cgroups, workspace); its slot
+        then builds the next sandbox."""
+        if not self._destroyed and self.sandbox is not None:
             self._destroyed = True
-            await self.sandbox.destroy()
+            try:
+                await self.sandbox.destroy()
+            finally:
+                self.ctx.pool.rearm(self.sandbox.slot)
 
     async def _finish_run(self, facts: StepFacts, compiled: CompileInfo | None) -> None:
         verdict = judge_run(facts)

@@ -1,8 +1,11 @@
-"""The worker process: N sandbox slots, one claimer, upkeep (heartbeat + reaper), clean stop.
+"""The worker process: N sandbox slots, many parked jobs, one claimer, upkeep, clean stop.
 
-Every free slot holds a ready sandbox (a jail parked at its gate); the claimer only takes a
-job when a slot with a ready sandbox is free, and a slot re-arms itself with a fresh
-sandbox as soon as its job is over.
+Every slot keeps a ready sandbox (a jail parked at its gate) in the warm pool. Parked jobs
+hold no sandbox, only a record and a subscription, so the claimer keeps claiming up to
+WORKER_MAX_PARKED of them; a job takes a sandbox when its start arrives, and the slot
+builds a fresh one as soon as that job is over. The claimer stops claiming while as many
+started jobs wait for a sandbox as there are slots, so a busy worker leaves started work
+in the queue for idle workers.
 
 Stop is two-staged: the first SIGTERM/SIGINT stops claiming, hands parked jobs back to
 the queue (start flags kept) and lets running jobs finish within the grace period; a
@@ -30,11 +33,12 @@ from shared.settings import Settings
 from worker.context import WorkerContext
 from worker.control import ControlBus
 from worker.janitor import sweep_orphans
+from worker.pool import SandboxPool
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
 from worker.runtimes import Runtime
-from worker.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
+from worker.sandbox import SandboxFactory
 
 __all__ = ["Worker", "WorkerIdInUse"]
 
@@ -61,8 +65,9 @@ class Worker:
         self.sandboxes = sandboxes
         self.runtimes = runtimes
         self._jobs: dict[asyncio.Task[None], str] = {}
-        self._ready: asyncio.Queue[Sandbox] = asyncio.Queue()
-        self._arming: set[asyncio.Task[None]] = set()
+        self.pool = SandboxPool(sandboxes, worker_id, settings.worker_max_sandboxes)
+        self._background: set[asyncio.Task[None]] = set()
+        self._job_ended = asyncio.Event()
         # Ids in our claimed list with no task, seen at the previous upkeep. Only ids seen
         # twice are recovered, so a claim between BLMOVE and its task is never mistaken.
         self._suspects: set[str] = set()
@@ -96,6 +101,7 @@ class Worker:
             control=control,
             publisher=publisher,
             sandboxes=self.sandboxes,
+            pool=self.pool,
             runtimes=self.runtimes,
             stopping=self._stopping,
         )
@@ -109,8 +115,7 @@ class Worker:
             redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, min_age_s=self._young_s, starting=True
         )
         await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
-        for slot in range(settings.worker_max_sandboxes):
-            self._arm(slot)
+        self.pool.start()
         await control.start()
         background = [
             asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
@@ -130,7 +135,7 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self._disarm()
+            await self.pool.close()
             try:
                 await queue.unregister()
             except RedisError:
@@ -160,66 +165,34 @@ class Worker:
             except NotImplementedError:  # pragma: no cover - not on Linux
                 pass
 
-    # -- slots ----------------------------------------------------------------------
+    # -- claiming -------------------------------------------------------------------
 
-    def _arm(self, slot: int, delay_s: float = 0.0) -> None:
-        """Build a fresh sandbox for `slot` in the background; it becomes claimable when ready."""
-
-        async def arm() -> None:
-            if delay_s:
-                await asyncio.sleep(delay_s)
-            try:
-                sandbox = await self.sandboxes.prepare(self.worker_id, slot)
-            except Exception as exc:
-                log.error("slot %d: cannot build a sandbox (%s); retrying in 2s", slot, exc)
-                self._arm(slot, delay_s=2.0)
-                return
-            self._ready.put_nowait(sandbox)
-
-        task = asyncio.create_task(arm(), name=f"arm-slot-{slot}")
-        self._arming.add(task)
-        task.add_done_callback(self._arming.discard)
-
-    async def _take_sandbox(self, stopping: asyncio.Future[object]) -> Sandbox | None:
-        """The next ready sandbox (replacing one that sat idle too long), or None when stopping."""
-        while True:
-            getter = asyncio.ensure_future(self._ready.get())
-            done, _ = await asyncio.wait({getter, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                return None
-            sandbox = getter.result()
-            if sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None:
-                return sandbox
-            await sandbox.destroy()
-            self._arm(sandbox.slot)
-
-    async def _disarm(self) -> None:
-        for task in list(self._arming):
-            task.cancel()
-        await asyncio.gather(*self._arming, return_exceptions=True)
-        ready = [self._ready.get_nowait() for _ in range(self._ready.qsize())]
-        await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
+    def _may_claim(self) -> bool:
+        return len(self._jobs) < self.settings.worker_max_parked + self.pool.slots and self.pool.waiting < self.pool.slots
 
     async def _claim_loop(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> None:
         loop = asyncio.get_running_loop()
         stopping = asyncio.ensure_future(ctx.stopping.wait())
         try:
             while not ctx.stopping.is_set():
-                sandbox = await self._take_sandbox(stopping)
-                if sandbox is None:
-                    return
+                if not self._may_claim():
+                    # Full: wait until a job ends or a sandbox frees up.
+                    self._job_ended.clear()
+                    self.pool.changed.clear()
+                    waits = {asyncio.ensure_future(self._job_ended.wait()), asyncio.ensure_future(self.pool.changed.wait())}
+                    await asyncio.wait({*waits, stopping}, timeout=CLAIM_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits:
+                        w.cancel()
+                    continue
                 try:
                     claim = await claim_queue.claim(CLAIM_POLL_S, loop.time())
                 except RedisError as exc:
-                    self._ready.put_nowait(sandbox)
                     log.warning("claim failed (%s); retrying", exc)
                     await asyncio.sleep(0.5)
                     continue
                 except Exception:
                     # Never let one bad claim stop the worker; the stray-claim recovery in
                     # upkeep puts back whatever a failed claim left in our list.
-                    self._ready.put_nowait(sandbox)
                     log.exception("claim failed unexpectedly; retrying")
                     await asyncio.sleep(0.5)
                     continue
@@ -227,19 +200,17 @@ class Worker:
                     self._publish_results(ctx, claim_queue.orphan_results)
                     claim_queue.orphan_results = []
                 if claim is None:
-                    self._ready.put_nowait(sandbox)
                     continue
-                run = JobRun(ctx, claim, sandbox)
+                run = JobRun(ctx, claim)
                 task = asyncio.create_task(run.execute(), name=f"job:{claim.spec.job_id}")
                 self._jobs[task] = claim.spec.job_id
-                task.add_done_callback(lambda t, slot=sandbox.slot: self._job_done(t, slot))
+                task.add_done_callback(self._job_done)
         finally:
             stopping.cancel()
 
-    def _job_done(self, task: asyncio.Task[None], slot: int) -> None:
+    def _job_done(self, task: asyncio.Task[None]) -> None:
         self._jobs.pop(task, None)
-        if not self._stopping.is_set():
-            self._arm(slot)
+        self._job_ended.set()
 
     async def _drain(self, ctx: WorkerContext) -> None:
         if not self._jobs:
@@ -293,5 +264,5 @@ class Worker:
             lane = ctx.publisher.lane(keys.realtime_channel(job_id))
             lane.send("result", result)
             task = asyncio.create_task(lane.close(timeout_s=2.0))
-            self._arming.add(task)  # keep a reference until it is done
-            task.add_done_callback(self._arming.discard)
+            self._background.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._background.discard)

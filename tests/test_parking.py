@@ -1,0 +1,119 @@
+"""Parking costs no sandbox: many unstarted jobs never keep a started one waiting.
+
+A parked job is a record and a subscription; the warm sandboxes go to jobs that start.
+One client's unstarted jobs are capped so it cannot take every claim of the fleet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
+
+
+def _states(stack, jobs) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    counts: dict[str, int] = {}
+    with stack.redis() as redis:
+        for job in jobs:
+            state = redis.hget(f"job:{job['jobId']}:status", "state").decode()
+            counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def _wait_states(stack, jobs, want: dict[str, int], timeout_s: float = 15) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while (got := _states(stack, jobs)) != want:
+        assert time.monotonic() < deadline, f"states {got}, wanted {want}"
+        time.sleep(0.05)
+
+
+def test_a_started_job_runs_at_once_while_50_unstarted_jobs_are_parked(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        idle = [api.execute(py_job("print('never started')")) for _ in range(50)]
+        _wait_states(stack, idle, {"parked": 50})
+        job = api.execute(py_job("print('me first')"))
+        followed = rt.follow(job)
+        t0 = time.monotonic()
+        api.start(job)
+        result = followed.wait_result(timeout_s=10)
+        took = time.monotonic() - t0
+        assert result["outcome"] == "completed" and followed.text("stdout") == "me first\n"
+        assert took < 3.0, f"the started job waited {took:.1f}s behind parked ones"
+        # And the single slot serves one started job after another, parked ones untouched.
+        for parked in idle[:3]:
+            f = rt.follow(parked)
+            api.start(parked)
+            assert f.wait_result()["outcome"] == "completed"
+        assert _states(stack, idle[3:]) == {"parked": 47}
+        for parked in idle[3:]:
+            assert api.post(f"/v1/jobs/{parked['jobId']}/kill").status_code == 202
+        _wait_states(stack, idle[3:], {"killed": 47})
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_worker_holds_at_most_its_parked_maximum(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="1", WORKER_MAX_PARKED="5")
+    api = Api(stack)
+    try:
+        jobs = [api.execute(py_job("print(1)")) for _ in range(10)]
+        # Five parked plus one per slot may be held; the rest stay in the queue for others.
+        _wait_states(stack, jobs, {"parked": 6, "queued": 4})
+        time.sleep(0.5)
+        assert _states(stack, jobs) == {"parked": 6, "queued": 4}
+        # Starting one frees room: the worker claims the next.
+        api.start(jobs[0])
+        api.wait_state(jobs[0], {"done"})
+        _wait_states(stack, jobs, {"done": 1, "parked": 6, "queued": 3})
+        for job in jobs[1:]:
+            api.post(f"/v1/jobs/{job['jobId']}/kill")
+    finally:
+        api.close()
+
+
+def test_one_client_cannot_hold_more_unstarted_jobs_than_its_cap(make_stack: StackFactory) -> None:
+    stack = make_stack(MAX_PARKED_PER_PRINCIPAL="3")
+    api = Api(stack)
+    try:
+        jobs = [api.execute(py_job("print(1)")) for _ in range(3)]
+        refused = api.post("/v1/execute", json=py_job("print(1)"))
+        assert refused.status_code == 429, refused.text
+        body = refused.json()
+        assert "waiting for start" in body["error"] and body["retryAfterMs"] > 0
+        # A started (or ended) job no longer counts.
+        api.start(jobs[0])
+        api.wait_state(jobs[0], {"done"})
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 429
+        assert api.post(f"/v1/jobs/{jobs[1]['jobId']}/kill").status_code == 202
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+    finally:
+        api.close()
+
+
+def test_a_start_lost_with_the_pubsub_connection_is_still_honoured_quickly(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        for _ in range(3):
+            job = api.execute(py_job("print('started anyway')"))
+            followed = rt.follow(job)
+            api.wait_state(job, {"parked"})
+            with stack.redis() as redis:
+                assert redis.client_kill_filter(_type="pubsub") >= 1
+            t0 = time.monotonic()
+            api.start(job)  # its live message may be lost; the stored flag is not
+            assert followed.wait_result(timeout_s=8)["outcome"] == "completed"
+            # Re-read on reconnect, not at the 10 s safety poll.
+            assert time.monotonic() - t0 < 4.0
+    finally:
+        rt.close()
+        api.close()
