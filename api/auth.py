@@ -46,6 +46,11 @@ class Authenticator:
         self._secret = settings.job_token_secret or hashlib.sha256(b"jobtoken:" + settings.api_token.encode()).hexdigest()
         self._ttl_s = settings.job_token_ttl_s
 
+    @staticmethod
+    def has_bearer(request: Request) -> bool:
+        """Whether the request carries a bearer token (valid or not) in its header."""
+        return _bearer(request) is not None
+
     def principal(self, request: Request, fallback_token: str | None = None, url_token: str | None = None) -> Principal:
         """Authenticate a request by its bearer token (or a token passed in the body).
 

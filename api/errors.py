@@ -8,7 +8,7 @@ from typing import Any, cast
 import msgspec
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from shared.errors import FieldError, ValidationError
@@ -67,6 +67,13 @@ async def _redis_error(request: Request, exc: Exception) -> Response:
     return error_response(503, "Redis is unavailable; retry shortly", retryAfterMs=1000)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # The client left (or was cut off by a read timeout, api/server.py) while its body was
+    # being read: nobody will see this answer, and it is no server error.
+    log.info("client went away during %s %s", request.method, request.url.path)
+    return error_response(400, "The client disconnected before the request body was complete")
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return error_response(500, "Internal server error")
@@ -77,5 +84,6 @@ exception_handlers: dict[Any, Any] = {
     ValidationError: _validation_error,
     HTTPException: _http_exception,
     RedisError: _redis_error,
+    ClientDisconnect: _client_gone,
     Exception: _unexpected,
 }
