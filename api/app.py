@@ -21,6 +21,7 @@ from api.realtime import RealtimePublisher
 from api.routes import routes
 from api.state import AppState
 from api.store import JobStore
+from api.streams import StreamSlots
 from shared.errors import ConfigError
 from shared.paths import profiles_dir
 from shared.settings import Settings
@@ -69,6 +70,7 @@ def create_app(settings: Settings) -> Starlette:
             auth=Authenticator(settings),
             realtime=realtime,
         )
+        app.state.event_streams = StreamSlots(settings)
         try:
             yield
         finally:

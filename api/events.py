@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from api.state import AppState
 from api.store import JobStore
+from api.streams import StreamSlot, StreamSlots
 from shared.errors import FieldError, ValidationError
 from shared.messages import TERMINAL_STATES
 
@@ -60,13 +62,35 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
                 return
 
 
+class _AdmittedStream(StreamingResponse):
+    """A stream that gives its slot back however it ends (result, client gone, error)."""
+
+    def __init__(self, body: AsyncIterator[bytes], slot: StreamSlot) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+        )
+        self._body = body
+        self._slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+            await self._body.aclose()  # type: ignore[attr-defined]
+
+
 async def job_events(request: Request) -> Response:
-    """SSE of every event of the job after `Last-Event-ID`/`?after=`; ends after `result`."""
+    """SSE of every event of the job after `Last-Event-ID`/`?after=`; ends after `result`.
+
+    Refused before any byte of the stream: 429 past the per-job or per-caller bound, 503
+    when every stream of this process is in use (see api/streams.py).
+    """
     state: AppState = request.app.state.coderunner
+    slots: StreamSlots = request.app.state.event_streams
     status = await state.visible_job(request, url_token=True)
     after_seq = _after(request)
-    return StreamingResponse(
-        _stream(state.store, status.job_id, after_seq),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+    principal = state.auth.principal(request, url_token=request.query_params.get("token"))
+    caller = f"job:{principal.job_id}" if principal.job_id is not None else f"owner:{principal.owner}"
+    slot = slots.acquire(status.job_id, caller)
+    return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)

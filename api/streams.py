@@ -1,0 +1,90 @@
+"""Admission control for `GET /v1/jobs/:id/events`.
+
+Every open event stream may hold one connection of a bounded Redis pool (it blocks in
+XREAD). Without a bound per caller, one job token could open the whole pool and every
+other stream would wait for a connection, time out and break mid-stream. So a stream is
+admitted, before any byte of it is sent, only while
+
+- its job has fewer than `MAX_EVENT_STREAMS_PER_JOB` open streams (else `429`),
+- its caller has fewer than `MAX_EVENT_STREAMS_PER_PRINCIPAL` (else `429`); the caller is
+  the API token holder (its owner id) or a job token (its job id),
+- and the process has fewer than `MAX_EVENT_STREAMS` in all (else `503`), so every admitted
+  stream finds a free pooled connection.
+
+The counts are per API process, like the pool they protect: behind a load balancer a
+caller may hold the per-caller number on each process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from api.errors import ApiError
+from shared.settings import Settings
+
+__all__ = ["RETRY_AFTER_MS", "StreamSlot", "StreamSlots"]
+
+# What a refused client is told to wait: streams end when their job does, so a short retry
+# usually finds room.
+RETRY_AFTER_MS = 2000
+
+
+class StreamSlot:
+    """One admitted stream; `release()` is idempotent."""
+
+    def __init__(self, slots: StreamSlots, job_id: str, principal: str) -> None:
+        self._slots = slots
+        self.job_id = job_id
+        self.principal = principal
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots._release(self)
+
+
+class StreamSlots:
+    def __init__(self, settings: Settings) -> None:
+        self.max_total = settings.max_event_streams
+        self.max_per_job = settings.max_event_streams_per_job
+        self.max_per_principal = settings.max_event_streams_per_principal
+        self.total = 0
+        self._jobs: Counter[str] = Counter()
+        self._principals: Counter[str] = Counter()
+
+    def acquire(self, job_id: str, principal: str) -> StreamSlot:
+        """Admit one stream or refuse it (nothing is counted when refused).
+
+        Raises:
+            ApiError: 429 past the per-job or per-caller bound, 503 when the pool is full.
+        """
+        if self._jobs[job_id] >= self.max_per_job:
+            raise _refused(
+                429, f"Too many event streams open for this job (at most {self.max_per_job}); close one or retry later"
+            )
+        if self._principals[principal] >= self.max_per_principal:
+            raise _refused(
+                429,
+                f"Too many event streams open with this token (at most {self.max_per_principal}); "
+                "close one or retry later",
+            )
+        if self.total >= self.max_total:
+            raise _refused(503, f"All {self.max_total} event streams of this server are in use; retry shortly")
+        self.total += 1
+        self._jobs[job_id] += 1
+        self._principals[principal] += 1
+        return StreamSlot(self, job_id, principal)
+
+    def _release(self, slot: StreamSlot) -> None:
+        self.total -= 1
+        for counter, key in ((self._jobs, slot.job_id), (self._principals, slot.principal)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+
+
+def _refused(status: int, message: str) -> ApiError:
+    return ApiError(
+        status, message, headers={"Retry-After": str(-(-RETRY_AFTER_MS // 1000))}, retryAfterMs=RETRY_AFTER_MS
+    )
