@@ -9,6 +9,7 @@ import sys
 import uvicorn
 
 from api.app import create_app
+from api.server import guarded_protocol
 from shared.errors import ConfigError
 from shared.logs import configure_logging
 from shared.settings import load_settings
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        # httptools with header and body read timeouts (api/server.py).
+        http=guarded_protocol(settings.api_header_timeout_ms, settings.api_body_timeout_ms),
         lifespan="on",
     )
     return 0

@@ -1,0 +1,167 @@
+"""uvicorn's httptools protocol with the read timeouts it lacks.
+
+uvicorn (0.3x to 0.5x) has only a keep-alive timeout, armed after a response and cancelled by
+the first byte of the next request: a client that opens a connection and sends nothing,
+or sends its request head one byte a second, or its body never, holds the connection (and,
+for the body, the handler waiting for it) for as long as it likes. This subclass adds:
+
+- a head timeout: from the connection's opening, or from the first byte of a request, its
+  headers must be complete within `API_HEADER_TIMEOUT_MS`; otherwise the connection gets a
+  `408` (silence if the client never sent a byte) and is closed;
+- a head size cap (`MAX_HEAD_BYTES`): httptools accepts headers of any size;
+- a body timeout: from the end of the headers, the whole body must arrive within
+  `API_BODY_TIMEOUT_MS`; otherwise the client gets a `408` if no response has started,
+  the handler sees the client as gone (`http.disconnect`), and the connection is closed.
+
+Connections idle between requests stay under uvicorn's keep-alive timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["MAX_HEAD_BYTES", "GuardedHttpToolsProtocol", "guarded_protocol"]
+
+log = logging.getLogger(__name__)
+
+# Request line plus headers. Browsers send a few KiB; nginx's default cap is 4 x 8 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+def _error_bytes(status: int, reason: str, message: str) -> bytes:
+    body = msgspec.json.encode({"error": message, "details": []})
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode("ascii")
+    return head + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._request_bytes_seen = False
+
+    # ------------------------------------------------------------ connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head()
+        self._cancel_body()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self._head_timer is None:
+            # Bytes between requests (even lone CRLFs, which start no message) start the clock.
+            self._arm_head()
+        if self._head_timer is not None:
+            self._request_bytes_seen = True
+        super().data_received(data)
+        if self._head_timer is not None and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")
+
+    def handle_websocket_upgrade(self) -> None:
+        self._cancel_head()
+        self._cancel_body()
+        super().handle_websocket_upgrade()
+
+    # ------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:
+            self._arm_head()
+        self._request_bytes_seen = True
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head()
+        self._head_bytes = 0
+        self._request_bytes_seen = False
+        super().on_headers_complete()
+        if not (self.parser.should_upgrade() and self._should_upgrade()):
+            self._cancel_body()
+            self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_expired)
+
+    def on_message_complete(self) -> None:
+        self._cancel_body()
+        super().on_message_complete()
+
+    # ------------------------------------------------------------ timers
+
+    def _arm_head(self) -> None:
+        self._cancel_head()
+        self._head_bytes = 0
+        self._request_bytes_seen = False
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_expired)
+
+    def _cancel_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._request_bytes_seen:
+            # Opened and never used: no request to answer.
+            log.info("closed a connection from %s: no request within %.1f s", self._peer(), self.header_timeout_s)
+            self.transport.close()
+            return
+        log.info("closed a connection from %s: request headers not complete within %.1f s", self._peer(), self.header_timeout_s)
+        self._refuse(408, "Request Timeout", f"Request headers must arrive within {self.header_timeout_s:g} s")
+
+    def _body_expired(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        log.info("closed a connection from %s: request body not complete within %.1f s", self._peer(), self.body_timeout_s)
+        self._refuse(408, "Request Timeout", f"The request body must arrive within {self.body_timeout_s:g} s")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer `status` if no response is on the wire yet, tell a running handler the client is gone, close."""
+        self._cancel_head()
+        self._cancel_body()
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(_error_bytes(status, reason, message))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+
+def guarded_protocol(header_timeout_ms: int, body_timeout_ms: int) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to give uvicorn as `http=`, with these timeouts."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"header_timeout_s": header_timeout_ms / 1000, "body_timeout_s": body_timeout_ms / 1000},
+    )
