@@ -108,8 +108,10 @@ def _up(argv: list[str]) -> int:
     # banner and a token for a stack that cannot serve.
     busy = port_in_use(args.host, args.port)
     if busy is not None:
+        where = f"{args.host}:{args.port}"
+        why = f"{where} is already in use (another `make up`?)" if busy == "in use" else f"cannot listen on {where}: {busy}"
         print(
-            f"coderunner up: cannot listen on {args.host}:{args.port} ({busy}; is another `make up` running?).\n"
+            f"coderunner up: {why}; nothing was started.\n"
             f"  Pick another port: make up PORT=9000   (or: coderunner up --port 9000)",
             file=sys.stderr,
         )
