@@ -1,0 +1,376 @@
+"""One client cannot take the API down for everyone.
+
+- Event streams (`GET /v1/jobs/:id/events`) are bounded per job, per caller and per process;
+  a refused stream is a 429/503 before any byte of it, and admitted streams never break.
+- Hostile bodies (5,000-deep JSON) are a 401 or 400, never a 500, and log no error.
+- Slow clients (headers or body a byte at a time, or never) are cut off by read timeouts
+  while everyone else is served at once.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from api.server import MAX_HEAD_BYTES
+from launcher.stack import Stack
+from shared.errors import ConfigError
+from shared.settings import load_settings
+from tests.conftest import StackFactory
+from tests.helpers import Api, py_job
+
+pytestmark = [pytest.mark.stack]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _open_stream(client: httpx.Client, job: dict[str, Any], token: str) -> httpx.Response:
+    request = client.build_request("GET", f"/v1/jobs/{job['jobId']}/events", headers={"Authorization": f"Bearer {token}"})
+    return client.send(request, stream=True)
+
+
+def _events_until_result(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    assert response.status_code == 200, response.read()
+    events: list[tuple[str, dict[str, Any]]] = []
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: ") and name is not None:
+            events.append((name, json.loads(line[6:])))
+            if name == "result":
+                break
+    return events
+
+
+def _refusal(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.read()
+    assert response.headers["content-type"] == "application/json"
+    body = json.loads(response.read())
+    assert body["error"] and body["details"] == []
+    if status in (429, 503):
+        assert body["retryAfterMs"] > 0 and int(response.headers["retry-after"]) >= 1
+    return body  # type: ignore[no-any-return]
+
+
+def _raw_request(stack: Stack, data: bytes, timeout_s: float = 10) -> tuple[int, bytes]:
+    """Send `data` on a fresh connection and read until the server closes it."""
+    with socket.create_connection((stack.api_host, stack.api_port), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    answer = b"".join(chunks)
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if " ERROR " in line or line.startswith(("ERROR", "Traceback"))]
+
+
+def _kill(api: Api, job: dict[str, Any]) -> None:
+    api.post(f"/v1/jobs/{job['jobId']}/kill", token=job["jobToken"])
+
+
+# ------------------------------------------------------------------ event streams
+
+
+def test_per_principal_bound_below_the_pool_is_required() -> None:
+    assert load_settings({}).max_event_streams_per_job == 4
+    assert load_settings({}).max_event_streams_per_principal == 32
+    with pytest.raises(ConfigError, match="MAX_EVENT_STREAMS_PER_PRINCIPAL"):
+        load_settings({"MAX_EVENT_STREAMS": "8", "MAX_EVENT_STREAMS_PER_PRINCIPAL": "8"})
+
+
+def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> None:
+    hog = api.execute(py_job("print('hog')"))
+    other = api.execute(py_job("print('other')"))
+    client = httpx.Client(base_url=api.url, timeout=30)
+    held: list[httpx.Response] = []
+    try:
+        # The per-job maximum (4 on the shared stack) with one job token: all admitted.
+        for _ in range(4):
+            held.append(_open_stream(client, hog, hog["jobToken"]))
+            assert held[-1].status_code == 200
+        # The next is refused before the stream starts, with the job token or the API token.
+        body = _refusal(_open_stream(client, hog, hog["jobToken"]), 429)
+        assert "this job" in body["error"] and "4" in body["error"]
+        _refusal(_open_stream(client, hog, api.stack.api_token), 429)
+        # Another job's stream is unaffected: it follows its job to the result.
+        stream = _open_stream(client, other, other["jobToken"])
+        api.start(other)
+        events = _events_until_result(stream)
+        stream.close()
+        assert events[-1][0] == "result" and events[-1][1]["outcome"] == "completed"
+        assert [p["chunk"] for n, p in events if n == "stdout"] == ["other\n"]
+        # A closed stream gives its slot back; the held ones still end with the result.
+        held.pop().close()
+        deadline = time.monotonic() + 5
+        while (again := _open_stream(client, hog, hog["jobToken"])).status_code != 200:
+            assert time.monotonic() < deadline, again.read()
+            again.close()
+            time.sleep(0.05)
+        held.append(again)
+        api.start(hog)
+        for response in held:
+            assert _events_until_result(response)[-1][1]["outcome"] == "completed"
+    finally:
+        for response in held:
+            response.close()
+        client.close()
+
+
+def test_small_pool_is_503_before_any_byte_and_admitted_streams_never_break(make_stack: StackFactory) -> None:
+    stack = make_stack(MAX_EVENT_STREAMS="4", MAX_EVENT_STREAMS_PER_JOB="2", MAX_EVENT_STREAMS_PER_PRINCIPAL="2")
+    api = Api(stack)
+    client = httpx.Client(base_url=api.url, timeout=30)
+    a, b, c = (api.execute(py_job(f"print('{n}')")) for n in "abc")
+    held: list[httpx.Response] = []
+    try:
+        # Streams dropped while they block in Redis give their pooled connection back:
+        # three rounds of a full pool, each closed, leave the pool whole.
+        for _ in range(3):
+            round_ = [_open_stream(client, a, a["jobToken"]) for _ in range(2)]
+            round_ += [_open_stream(client, b, api.stack.api_token) for _ in range(2)]
+            assert [r.status_code for r in round_] == [200] * 4
+            time.sleep(0.3)
+            for r in round_:
+                r.close()
+            time.sleep(0.2)
+
+        held += [_open_stream(client, a, a["jobToken"]) for _ in range(2)]
+        held += [_open_stream(client, b, api.stack.api_token) for _ in range(2)]
+        assert [r.status_code for r in held] == [200] * 4
+        # Per-job and per-caller bounds first (429), then the process's pool (503).
+        _refusal(_open_stream(client, a, a["jobToken"]), 429)
+        assert "this token" in _refusal(_open_stream(client, c, api.stack.api_token), 429)["error"]
+        # A third caller finds the pool full: a complete 503 answer, not a stream.
+        head = (
+            f"GET /v1/jobs/{c['jobId']}/events HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {c['jobToken']}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        status, raw = _raw_request(stack, head.encode())
+        assert status == 503, raw
+        assert b"text/event-stream" not in raw and b"event:" not in raw
+        answer = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        assert "event streams" in answer["error"] and answer["retryAfterMs"] > 0
+
+        # The admitted streams hold the whole pool past its 5 s wait for a connection, and
+        # still end with their result.
+        time.sleep(6)
+        api.start(a)
+        api.start(b)
+        for response in held:
+            assert _events_until_result(response)[-1][1]["outcome"] == "completed"
+            response.close()
+        held.clear()
+        # With the pool free again, the third caller is admitted.
+        stream = _open_stream(client, c, c["jobToken"])
+        api.start(c)
+        assert _events_until_result(stream)[-1][1]["outcome"] == "completed"
+        stream.close()
+    finally:
+        for response in held:
+            response.close()
+        client.close()
+        api.close()
+    assert not _error_lines(stack.log("api"))
+
+
+# ------------------------------------------------------------------ hostile bodies
+
+
+DEEP = b"[" * 5000 + b"]" * 5000
+DEEP_OBJECT = b'{"a":' * 5000 + b"1" + b"}" * 5000
+
+
+def test_deep_json_to_channel_auth_is_401_without_token_and_400_with_one(api: Api, stack: Stack) -> None:
+    before = len(stack.log("api").splitlines())
+    job = api.execute(py_job("print(1)"))
+    json_type = {"content-type": "application/json"}
+    # 5,000 levels in 10 KB (under the 16 KiB body cap): a RecursionError for json.loads.
+    for body in (DEEP, b'{"socket_id": "1.2", "x": ' + DEEP + b"}", b'{"x":{"y":' + DEEP + b"}}"):
+        # No token at all: a 401, whatever the body.
+        response = api.client.post("/v1/channel-auth", content=body, headers=json_type)
+        assert response.status_code == 401, response.text
+        # A bad bearer token: 401 before the body is read.
+        bad = api.client.post("/v1/channel-auth", content=body, headers={**json_type, "Authorization": "Bearer nope"})
+        assert bad.status_code == 401, bad.text
+        # A valid one: a 400 that names the body.
+        response = api.post("/v1/channel-auth", content=body, headers=json_type)
+        assert response.status_code == 400, response.text
+        assert response.json()["details"][0]["field"] == "body"
+        assert response.json()["error"].startswith("body is nested more than")
+    # The same depth with a token in the body: no token can be read from it, so a 401.
+    body = b'{"jobToken": "' + job["jobToken"].encode() + b'", "x": ' + DEEP + b"}"
+    assert api.client.post("/v1/channel-auth", content=body, headers=json_type).status_code == 401
+    # Modest nesting is fine, and a job token in a JSON body still works.
+    body = json.dumps({"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"], "x": [[{"y": 1}]]})
+    ok = api.client.post("/v1/channel-auth", content=body.encode(), headers=json_type)
+    assert ok.status_code == 200, ok.text
+    # The other JSON endpoints refuse it as 400 too.
+    assert api.post("/v1/execute", content=DEEP_OBJECT, headers=json_type).status_code == 400
+    stdin = api.post(f"/v1/jobs/{job['jobId']}/stdin", content=DEEP_OBJECT, headers=json_type)
+    assert stdin.status_code == 400, stdin.text
+    _kill(api, job)
+    time.sleep(0.2)
+    assert not _error_lines("\n".join(stack.log("api").splitlines()[before:]))
+
+
+# ------------------------------------------------------------------ slow clients
+
+HEADER_S = 2.0
+BODY_S = 3.0
+
+
+def _trickle(stack: Stack, data: bytes, interval_s: float) -> tuple[float, bytes]:
+    """Send `data` a byte every `interval_s`; seconds from the first byte until the server
+    answered or closed, and everything it said."""
+    sock = socket.create_connection((stack.api_host, stack.api_port), timeout=30)
+    try:
+        started = time.monotonic()
+        ended = None
+        for i in range(len(data)):
+            try:
+                sock.sendall(data[i : i + 1])
+            except OSError:
+                ended = time.monotonic()
+                break
+            readable, _, _ = select.select([sock], [], [], interval_s)
+            if readable:
+                ended = time.monotonic()
+                break
+        assert ended is not None, "the server waited for the whole trickled request"
+        answer = b""
+        sock.settimeout(5)
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+        return ended - started, answer
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def slow_stack(make_stack: StackFactory) -> Stack:
+    return make_stack(with_worker=False, API_HEADER_TIMEOUT_MS=str(int(HEADER_S * 1000)), API_BODY_TIMEOUT_MS=str(int(BODY_S * 1000)))
+
+
+def test_slow_headers_and_bodies_are_cut_off_while_others_are_served(slow_stack: Stack) -> None:
+    stack = slow_stack
+    results: dict[str, tuple[float, bytes]] = {}
+    head = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 100 + b"\r\n\r\n"
+    body_head = (
+        f"POST /v1/execute HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_token}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{"
+    ).encode()
+
+    def headers_byte_per_second() -> None:
+        results["headers"] = _trickle(stack, head, 1.0)
+
+    def body_stalls() -> None:
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=30) as sock:
+            sock.sendall(body_head)
+            started = time.monotonic()
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            results["body"] = (time.monotonic() - started, answer)
+
+    def silent() -> None:
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=30) as sock:
+            started = time.monotonic()
+            answer = sock.recv(65536)
+            results["silent"] = (time.monotonic() - started, answer)
+
+    threads = [threading.Thread(target=f) for f in (headers_byte_per_second, body_stalls, silent)]
+    for t in threads:
+        t.start()
+    # Meanwhile a normal client is served at once, again and again.
+    time.sleep(0.5)
+    latencies = []
+    with httpx.Client(base_url=stack.api_url, timeout=5) as client:
+        for _ in range(10):
+            t0 = time.monotonic()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            r = client.post("/v1/execute", json={"language": "nope", "files": []}, headers={"Authorization": f"Bearer {stack.api_token}"})
+            assert r.status_code == 400
+            time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    assert max(latencies) < 0.5, latencies
+
+    elapsed, answer = results["headers"]
+    assert HEADER_S - 0.1 <= elapsed <= HEADER_S + 1.5, elapsed
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"headers must arrive within 2 s" in answer
+    elapsed, answer = results["body"]
+    assert BODY_S - 0.1 <= elapsed <= BODY_S + 1.0, elapsed
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"body must arrive within 3 s" in answer
+    elapsed, answer = results["silent"]
+    assert HEADER_S - 0.1 <= elapsed <= HEADER_S + 1.0 and answer == b"", (elapsed, answer)
+    print(f"measured: headers cut at {results['headers'][0]:.2f}s, body at {results['body'][0]:.2f}s, "
+          f"silent connection at {results['silent'][0]:.2f}s; normal requests max {max(latencies) * 1000:.1f} ms")
+    # Nothing was queued by the cut-off POST, and the handler's disconnect is no server error.
+    with stack.redis() as redis:
+        assert redis.llen("jobs:queue") == 0
+    time.sleep(0.2)
+    assert not _error_lines(stack.log("api")), stack.log("api")
+
+
+def test_slow_but_steady_requests_and_long_streams_are_not_cut(slow_stack: Stack) -> None:
+    stack = slow_stack
+    api = Api(stack)
+    try:
+        # A body that arrives in pieces within the body timeout is served.
+        body = json.dumps(py_job("print(1)")).encode()
+        head = (
+            f"POST /v1/execute HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as sock:
+            sock.sendall(head)
+            for i in range(0, len(body), len(body) // 4 + 1):
+                time.sleep(0.4)
+                sock.sendall(body[i : i + len(body) // 4 + 1])
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 202 "), answer
+        job = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        # An event stream open longer than both timeouts keeps going (no worker here: the
+        # kill of a queued job writes its result).
+        client = httpx.Client(base_url=api.url, timeout=30)
+        stream = _open_stream(client, job, job["jobToken"])
+        assert stream.status_code == 200
+        time.sleep(HEADER_S + BODY_S + 0.5)
+        _kill(api, job)
+        assert _events_until_result(stream)[-1][1]["outcome"] == "killed"
+        stream.close()
+        # Keep-alive connections serve request after request past the header timeout.
+        with httpx.Client(base_url=stack.api_url, timeout=5) as keep:
+            for _ in range(3):
+                assert keep.get("/health").status_code == 200
+                time.sleep(HEADER_S / 2)
+            assert keep.get("/health").status_code == 200
+        # Oversized request heads are refused outright (exactly one byte over the cap, so the
+        # server has read everything when it answers, and the close is clean).
+        start = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: "
+        status, raw = _raw_request(stack, start + b"a" * (MAX_HEAD_BYTES + 1 - len(start)))
+        assert status == 431, raw
+        client.close()
+    finally:
+        api.close()
+    assert not _error_lines(stack.log("api")), stack.log("api")
