@@ -14,11 +14,12 @@ from urllib.parse import parse_qs
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.errors import ApiError
 from api.events import job_events
+from api.output import stream_run_result
 from api.state import AppState
 from api.store import StoredStatus, now_ms
 from shared import keys
@@ -242,20 +243,26 @@ async def job_output(request: Request) -> Response:
     deadline = loop.time() + wait_ms / 1000
     delay = 0.02
     while True:
-        raw = await state.store.output(status.job_id)
-        if raw is not None:
-            return Response(raw, media_type="application/json")
+        found = await state.store.output(status.job_id)
+        if found is not None:
+            return _output_response(state, status.job_id, *found)
         if loop.time() >= deadline:
             raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
         current = await state.store.status(status.job_id)
         if current is None or current.state in TERMINAL_STATES:
             # The result and the output are written together: one more look settles a race.
-            raw = await state.store.output(status.job_id)
-            if raw is not None:
-                return Response(raw, media_type="application/json")
+            found = await state.store.output(status.job_id)
+            if found is not None:
+                return _output_response(state, status.job_id, *found)
             raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
         await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
         delay = min(delay * 1.5, 0.25)
+
+
+def _output_response(state: AppState, job_id: str, meta: bytes, apart: bool) -> Response:
+    if not apart:
+        return Response(meta, media_type="application/json")
+    return StreamingResponse(stream_run_result(state.store, job_id, meta), media_type="application/json")
 
 
 async def languages(request: Request) -> Response:

@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.codec import decode_stored, encode
+from shared.eventlog import entry_json
 from shared.messages import (
     TERMINAL_STATES,
     CtrlMessage,
@@ -315,15 +316,25 @@ class JobStore:
         else:
             answer = await self._streams.xread({key: after_stream_id}, count=500, block=block_ms)
             raw = answer[0][1] if answer else []
-        return [
-            (entry_id.decode(), int(fields[b"seq"]), fields[b"name"].decode(), fields[b"data"])
-            for entry_id, fields in raw
-        ]
+        out = []
+        for entry_id, fields in raw:
+            seq = int(fields[b"seq"])
+            out.append((entry_id.decode(), seq, fields[b"name"].decode(), entry_json(seq, fields)))
+        return out
 
-    async def output(self, job_id: str) -> bytes | None:
-        """The stored RunResult JSON (jobs with collectOutput), or None."""
-        raw = await self._redis.get(keys.output_key(job_id))
-        return bytes(raw) if raw is not None else None
+    async def output(self, job_id: str) -> tuple[bytes, bool] | None:
+        """The stored result of a collectOutput job, or None: (JSON, raw), where `raw` says
+        the output bytes are stored apart (a StoredOutput); otherwise the JSON is a whole
+        RunResult (what workers before raw storage wrote)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.get(keys.output_key(job_id))
+            pipe.exists(keys.output_stream_key(job_id, "stdout"))
+            raw, apart = await pipe.execute()
+        return (bytes(raw), bool(apart)) if raw is not None else None
+
+    async def output_slice(self, job_id: str, stream: str, offset: int, size: int) -> bytes:
+        """`size` bytes of a stored output stream from `offset` (fewer at its end)."""
+        return bytes(await self._redis.getrange(keys.output_stream_key(job_id, stream), offset, offset + size - 1))
 
 
 def now_ms() -> int:

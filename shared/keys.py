@@ -14,6 +14,7 @@ __all__ = [
     "events_key",
     "job_id_from_channel",
     "output_key",
+    "output_stream_key",
     "realtime_channel",
     "spec_key",
     "start_flag_key",
@@ -61,6 +62,11 @@ def stdin_rate_key(job_id: str) -> str:
 def unstarted_key(owner: str) -> str:
     """Sorted set of an API principal's jobs that have not started yet (queued or parked)."""
     return f"owner:{owner}:unstarted"
+
+
+def output_stream_key(job_id: str, stream: str) -> str:
+    """The exact bytes of a collected stream (`stdout` or `stderr`), stored raw."""
+    return f"job:{job_id}:{stream}"
 
 
 def start_flag_key(job_id: str) -> str:

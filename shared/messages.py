@@ -33,6 +33,7 @@ __all__ = [
     "StageEvent",
     "StdinFrame",
     "StdinRequest",
+    "StoredOutput",
     "WorkerInfo",
     "result_template",
     "result_without_run",
@@ -193,6 +194,17 @@ class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_default
     stderr_encoding: Literal["utf8", "base64"] = "utf8"
     artifacts: list[dict[str, object]] = []
     artifacts_truncated: bool = False
+
+
+class StoredOutput(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """A RunResult as stored: everything but the output bytes, which sit raw in their own
+    keys (so their stored size is their size, whatever JSON escaping would make of them).
+    The API streams `{"stdout": …, "stderr": …, <these fields>}` from the three."""
+
+    stdout_encoding: Literal["utf8", "base64"]
+    stderr_encoding: Literal["utf8", "base64"]
+    artifacts: list[dict[str, object]]
+    artifacts_truncated: bool
 
 
 # ---------------------------------------------------------------- control plane (Redis pub/sub)

@@ -102,9 +102,17 @@ class Followed:
 
     def wait_result(self, timeout_s: float = 20) -> dict[str, Any]:
         if not self.finished.wait(timeout_s):
-            raise AssertionError(f"no result within {timeout_s}s; got {self.events}")
+            raise AssertionError(f"no result within {timeout_s}s; got {self.summary()}")
         # A few more moments in case a duplicate result were on its way (there must be none).
         return self.results()[0]
+
+    def summary(self, limit: int = 300) -> str:
+        """The events so far, each cut short (huge outputs must not flood a failure report)."""
+        with self._lock:
+            events = list(self.events)
+        shown = [f"{n} {str(p)[:limit]}" for n, p in events[:20]]
+        more = f" … and {len(events) - 20} more" if len(events) > 20 else ""
+        return f"{len(events)} events: " + "; ".join(shown) + more
 
     def results(self) -> list[dict[str, Any]]:
         with self._lock:

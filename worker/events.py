@@ -65,11 +65,18 @@ class JobEvents:
         """
         async with self._lock:
             encoded: list[tuple[int, str, bytes]] = []
+            stored: list[tuple[int, str, str, bytes]] = []
             seq = self.next_seq
             for name, build in items:
-                encoded.append((seq, name, _encoder.encode(build(seq))))
+                event = build(seq)
+                data = _encoder.encode(event)
+                encoded.append((seq, name, data))
+                if isinstance(event, ChunkEvent):
+                    stored.append((seq, name, "chunk", event.chunk.encode()))
+                else:
+                    stored.append((seq, name, "data", data))
                 seq += 1
-            await self._queue.advance(self.job_id, self.attempt, encoded, state=state, started=started)
+            await self._queue.advance(self.job_id, self.attempt, stored, state=state, started=started)
             self.next_seq = seq
             if not self.live:
                 self._backlog += encoded

@@ -8,11 +8,9 @@ for the pullable result.
 
 from __future__ import annotations
 
-import base64
-
 from shared.chunking import Utf8Chunker
 
-__all__ = ["CompileOutput", "OutputBudget", "exact_text"]
+__all__ = ["CompileOutput", "OutputBudget", "output_encoding"]
 
 
 class OutputBudget:
@@ -39,12 +37,14 @@ class OutputBudget:
         return self._chunkers[stream].flush()
 
 
-def exact_text(data: bytes) -> tuple[str, str]:
-    """The stored form of output bytes: UTF-8 text when valid, else base64 (and which one)."""
+def output_encoding(data: bytes) -> str:
+    """How the pullable result shows output bytes: as text when they are valid UTF-8, else
+    as base64 (the bytes themselves are stored raw either way)."""
     try:
-        return data.decode("utf-8"), "utf8"
+        data.decode("utf-8")
     except UnicodeDecodeError:
-        return base64.b64encode(data).decode(), "base64"
+        return "base64"
+    return "utf8"
 
 
 class CompileOutput:

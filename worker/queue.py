@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.codec import decode_stored, encode
+from shared.eventlog import entry_json
 from shared.messages import JobSpec, JobState, WorkerInfo
 
 __all__ = ["Claim", "Fenced", "StoredFrame", "WorkerQueue", "now_ms"]
@@ -53,15 +54,16 @@ return 1
 )
 
 # KEYS: status, events. ARGV: attempt, ttl s, new state or '', now ms, started ('1' or ''),
-# then (seq, name, data) triples. Returns 0 when fenced off or already finished.
+# then (seq, name, field, value) quadruples, field 'data' (JSON) or 'chunk' (raw text; see
+# shared/eventlog.py). Returns 0 when fenced off or already finished.
 _ADVANCE = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
 local last = nil
-for i = 6, #ARGV, 3 do
-  redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], 'data', ARGV[i + 2])
+for i = 6, #ARGV, 4 do
+  redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
   last = tonumber(ARGV[i])
 end
 if last then
@@ -74,8 +76,8 @@ return 1
 """
 )
 
-# KEYS: status, events, output, spec, start flag, claimed, stdin. ARGV: attempt, ttl s, state,
-# now ms, result json, seq, output json or '', job id.
+# KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr. ARGV: attempt,
+# ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr.
 _FINISH = (
     _TERMINAL_LUA
     + """
@@ -93,7 +95,11 @@ end
 redis.call('XADD', KEYS[2], '*', 'seq', ARGV[6], 'name', 'result', 'data', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1)
 redis.call('HDEL', KEYS[1], 'worker')
-if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[2]) end
+if ARGV[7] ~= '' then
+  redis.call('SET', KEYS[8], ARGV[9], 'EX', ARGV[2])
+  redis.call('SET', KEYS[9], ARGV[10], 'EX', ARGV[2])
+  redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[2])
+end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
@@ -274,7 +280,11 @@ class WorkerQueue:
     async def event_log(self, job_id: str) -> list[tuple[int, str, bytes]]:
         """Every event in the job's durable log, as (seq, name, data)."""
         raw = await self.redis.xrange(keys.events_key(job_id))
-        return [(int(fields[b"seq"]), fields[b"name"].decode(), bytes(fields[b"data"])) for _, fields in raw]
+        out = []
+        for _, fields in raw:
+            seq = int(fields[b"seq"])
+            out.append((seq, fields[b"name"].decode(), entry_json(seq, fields)))
+        return out
 
     # -- progress ----------------------------------------------------------------------
 
@@ -282,7 +292,7 @@ class WorkerQueue:
         self,
         job_id: str,
         attempt: int,
-        events: list[tuple[int, str, bytes]],
+        events: list[tuple[int, str, str, bytes]],
         state: JobState | None = None,
         started: bool = False,
     ) -> None:
@@ -292,16 +302,26 @@ class WorkerQueue:
             Fenced: the job is no longer this worker's to write.
         """
         args: list[object] = [attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else ""]
-        for seq, name, data in events:
-            args.extend((seq, name, data))
+        for seq, name, field, value in events:
+            args.extend((seq, name, field, value))
         ok = await self._advance(keys=[keys.status_key(job_id), keys.events_key(job_id)], args=args)
         if not ok:
             raise Fenced(job_id)
 
     async def finish(
-        self, job_id: str, attempt: int, state: JobState, seq: int, result_json: bytes, output_json: bytes | None
+        self,
+        job_id: str,
+        attempt: int,
+        state: JobState,
+        seq: int,
+        result_json: bytes,
+        output_json: bytes | None,
+        output: tuple[bytes, bytes] = (b"", b""),
     ) -> bool:
-        """Write the terminal state, the result event and the pullable output in one step."""
+        """Write the terminal state, the result event and the pullable output in one step.
+
+        `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
+        """
         ok = await self._finish(
             keys=[
                 keys.status_key(job_id),
@@ -311,8 +331,13 @@ class WorkerQueue:
                 keys.start_flag_key(job_id),
                 self._claimed,
                 keys.stdin_key(job_id),
+                keys.output_stream_key(job_id, "stdout"),
+                keys.output_stream_key(job_id, "stderr"),
             ],
-            args=[attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id],
+            args=[
+                attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
+                output[0], output[1],
+            ],
         )
         return bool(ok)
 

@@ -34,8 +34,8 @@ from shared.messages import (
     JobState,
     Outcome,
     ResultEvent,
-    RunResult,
     StdinFrame,
+    StoredOutput,
     Verdict,
     result_without_run,
 )
@@ -44,7 +44,7 @@ from worker.context import WorkerContext
 from worker.events import JobEvents
 from worker.jail import JailError, Program
 from worker.outcome import compile_info, compile_succeeded, judge_run
-from worker.output import CompileOutput, OutputBudget, exact_text
+from worker.output import CompileOutput, OutputBudget, output_encoding
 from worker.queue import Claim, Fenced
 from worker.sandbox import Sandbox
 from worker.stdin import StdinFeed
@@ -459,14 +459,15 @@ class JobRun:
         seq = await self.events.take_result_seq()
         event = msgspec.structs.replace(event, seq=seq)
         result_json = _encoder.encode(event)
-        output_json = _encoder.encode(self._run_result(event)) if self.spec.collect_output else None
+        output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
+        output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FINISH_RETRY_S
         delay = 0.1
         while True:
             try:
                 written = await self.ctx.queue.finish(
-                    self.job_id, self.claim.attempt, OUTCOME_STATE[outcome], seq, result_json, output_json
+                    self.job_id, self.claim.attempt, OUTCOME_STATE[outcome], seq, result_json, output_json, output
                 )
                 break
             except (RedisError, OSError) as exc:
@@ -491,18 +492,16 @@ class JobRun:
         else:
             log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
 
-    def _run_result(self, event: ResultEvent) -> RunResult:
-        stdout, stdout_encoding = exact_text(bytes(self.budget.data["stdout"]))
-        stderr, stderr_encoding = exact_text(bytes(self.budget.data["stderr"]))
+    def _stored_output(self, event: ResultEvent) -> StoredOutput:
         shared = {f: getattr(event, f) for f in Verdict.__struct_fields__}
         if self._compile_streams is not None:
             shared["compile"] = self._compile_streams
-        return RunResult(
+        return StoredOutput(
             **shared,
-            stdout=stdout,
-            stderr=stderr,
-            stdout_encoding=stdout_encoding,  # type: ignore[arg-type]
-            stderr_encoding=stderr_encoding,  # type: ignore[arg-type]
+            stdout_encoding=output_encoding(bytes(self.budget.data["stdout"])),
+            stderr_encoding=output_encoding(bytes(self.budget.data["stderr"])),
+            artifacts=[],
+            artifacts_truncated=False,
         )
 
     async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:

@@ -1,0 +1,92 @@
+"""Output is stored at its own size: JSON escaping never multiplies what Redis keeps.
+
+A program writing control bytes used to leave six bytes in Redis for each one it wrote
+(a `\\u0001` in the log's JSON and again in the pullable result). Chunk events and collected
+output are now stored raw, so a job keeps at most about twice its output budget (the log
+and the pullable copy) whatever the bytes are, and `/output` is streamed, not built whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+MIB = 1024 * 1024
+# What README's Operations section promises: per finished job, at most three times its
+# output budget (the log and the pullable copy, plus Redis's own allocation overhead on
+# 8 KiB stream entries, measured at about a quarter) and 1 MiB for everything else.
+PER_JOB_OVERHEAD = 1 * MIB
+BUDGET_FACTOR = 3
+
+
+def _used(stack) -> int:  # type: ignore[no-untyped-def]
+    with stack.redis() as redis:
+        return int(redis.info("memory")["used_memory"])
+
+
+# The server maximum this test runs with (MAX_OUTPUT_KB); the bound scales with it.
+MAX_OUTPUT_KB = 2048
+
+
+def test_ten_jobs_of_maximal_control_byte_output_stay_within_the_bound(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="4", MAX_OUTPUT_KB=str(MAX_OUTPUT_KB))
+    api = Api(stack)  # no live client: a Python one would spend minutes parsing 6x-escaped JSON
+    budget = MAX_OUTPUT_KB * 1024
+    # Half again the budget: the rest is dropped and the result says truncated.
+    code = f"import sys\nb = b'\\x01' * 65536\nfor _ in range({budget * 3 // 2 // 65536}): sys.stdout.buffer.write(b)\n"
+    try:
+        before = _used(stack)
+        jobs = [api.execute(py_job(code, collectOutput=True, limits={"outputKb": MAX_OUTPUT_KB})) for _ in range(10)]
+        for job in jobs:
+            api.start(job)
+        for job in jobs:
+            result = api.wait_state(job, {"done", "error", "killed"}, timeout_s=120)["result"]
+            assert result["outcome"] == "completed" and result["truncated"] is True, result
+        after = _used(stack)
+        grown = after - before
+        bound = 10 * (BUDGET_FACTOR * budget + PER_JOB_OVERHEAD)
+        print(f"Redis grew by {grown / MIB:.1f} MiB for 10 jobs (bound {bound / MIB:.0f} MiB; "
+              f"JSON-escaped storage would be about {10 * 2 * 6 * budget / MIB:.0f} MiB)")  # fmt: skip
+        assert grown < bound
+
+        # The pullable result is exact and streamed: \x01 is valid UTF-8, so it comes back
+        # as JSON text, six bytes per byte on the wire.
+        url = f"/v1/jobs/{jobs[0]['jobId']}/output"
+        with httpx.Client(base_url=stack.api_url, timeout=60) as client, client.stream("GET", url, headers=api.headers()) as response:
+            assert response.status_code == 200
+            assert "content-length" not in response.headers  # streamed, not built whole
+            body = response.read()
+
+        out = json.loads(body)
+        assert out["stdout"] == "\x01" * budget and out["stdoutEncoding"] == "utf8"
+        assert out["stderr"] == "" and out["truncated"] is True and out["artifacts"] == []
+        # And the log's chunks read back as the same text.
+        log = api.replay(jobs[1], timeout_s=120)
+        text = "".join(p["chunk"] for n, p in log if n == "stdout")
+        assert text == "\x01" * budget
+    finally:
+        api.close()
+
+
+def test_binary_output_is_exact_and_base64_in_the_pullable_result(api: Api, realtime: Realtime) -> None:
+    import base64
+
+    data = bytes(range(256)) * 1000
+    code = "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 1000)\nsys.stderr.write('ok ✓')\n"
+    job = api.execute(py_job(code, collectOutput=True))
+    followed = realtime.follow(job)
+    api.start(job)
+    followed.wait_result()
+    t0 = time.monotonic()
+    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()
+    assert time.monotonic() - t0 < 5
+    assert out["stdoutEncoding"] == "base64" and base64.b64decode(out["stdout"]) == data
+    assert out["stderrEncoding"] == "utf8" and out["stderr"] == "ok ✓"
