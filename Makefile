@@ -27,6 +27,8 @@ test-fast: test-deps
 
 bench: test-deps
 	@$(PY) bench/latency.py
+	@$(PY) bench/interactive.py
+	@$(PY) bench/ide_browser.py
 
 lint: test-deps
 	@.venv/bin/ruff check .
