@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from launcher.node import find_node
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 
@@ -39,7 +40,7 @@ def test_seed_npm_clients_work_unchanged(stack: Stack) -> None:
     began = time.monotonic()
     try:
         run = subprocess.run(
-            ["node", "--test", "tests/seed_clients/"],
+            [find_node(), "--test", "tests/seed_clients/"],
             cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
