@@ -232,6 +232,8 @@ class Stack:
                 "SOKETI_DEFAULT_APP_KEY": self.pusher_key,
                 "SOKETI_DEFAULT_APP_SECRET": self.pusher_secret,
                 "SOKETI_DEFAULT_APP_ENABLE_CLIENT_MESSAGES": "false",
+                # The workers keep every event under PUSHER_MAX_PAYLOAD_KB: say the same here.
+                "SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB": self.env().get("PUSHER_MAX_PAYLOAD_KB", "100"),
                 "SOKETI_SHUTDOWN_GRACE_PERIOD": "200",
                 "NODE_NO_WARNINGS": "1",
             }

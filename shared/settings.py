@@ -61,6 +61,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pusher_ws_host: str = ""
     pusher_ws_port: int = 0
     pusher_timeout_ms: int = 2000
+    # soketi's largest event payload (its SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB); every
+    # published event is kept under it.
+    pusher_max_payload_kb: int = 100
 
     worker_id: str = ""
     worker_max_sandboxes: int = 8
@@ -136,6 +139,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "PUSHER_WS_HOST": ("pusher_ws_host", _str),
     "PUSHER_WS_PORT": ("pusher_ws_port", _positive_int),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
+    "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),
     "WORKER_ID": ("worker_id", _str),
     "WORKER_MAX_SANDBOXES": ("worker_max_sandboxes", _positive_int),
     "WORKER_MAX_PARKED": ("worker_max_parked", _positive_int),
@@ -185,6 +189,9 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     settings = Settings(**values)
     if settings.pusher_scheme not in ("http", "https"):
         raise ConfigError("PUSHER_SCHEME must be 'http' or 'https'")
+    if settings.pusher_max_payload_kb < 64:
+        # An 8 KiB output chunk can take six times that as JSON.
+        raise ConfigError("PUSHER_MAX_PAYLOAD_KB must be at least 64 (soketi's default is 100)")
     if not settings.pusher_app_id.isdigit():
         raise ConfigError("PUSHER_APP_ID must be numeric (Pusher clients require it)")
     if settings.worker_lease_ttl_ms <= settings.worker_heartbeat_ms:

@@ -22,6 +22,7 @@ from urllib.parse import urlencode
 
 import msgspec
 
+from shared.eventlog import CHUNK_EVENTS
 from shared.pusher import signed_query
 from shared.settings import Settings
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 10
 BACKOFF_S = 2.0
+# Per channel: what soketi may be handed at once, the steady rate after that, and how much
+# may wait in the worker before the oldest output is shed.
+LANE_BURST_BYTES = 512 * 1024
+LANE_RATE_BYTES_S = 4 * 1024 * 1024
+LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -117,20 +123,55 @@ class Publisher:
 
 
 class JobLane:
-    """Events of one channel, delivered in order by a single drain task."""
+    """Events of one channel, delivered in order by a single drain task.
+
+    soketi buffers at most 1 MiB for a subscriber that reads slower than events come, and
+    silently drops the rest. A lane therefore paces itself: bursts up to LANE_BURST_BYTES go
+    at once, more flows at LANE_RATE_BYTES_S, which any client on a sane link keeps up with.
+    What a lane cannot deliver in time (an output flood, a slow soketi) is dropped oldest
+    chunk first, never a stage or the result; a client sees the gap in `seq` and reads it
+    from the durable log.
+    """
 
     def __init__(self, publisher: Publisher, channel: str) -> None:
         self._publisher = publisher
         self._channel = channel
         self._pending: deque[_Event] = deque()
+        self._pending_bytes = 0
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._tokens = float(LANE_BURST_BYTES)
+        self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
     def send(self, name: str, data: bytes) -> None:
         """Queue an event (payload already JSON-encoded); never waits."""
         self._pending.append(_Event(self._channel, name, data.decode()))
+        self._pending_bytes += len(data)
+        if self._pending_bytes > LANE_MAX_PENDING_BYTES:
+            self._shed(LANE_MAX_PENDING_BYTES // 2)
         self._wakeup.set()
+
+    def _shed(self, keep_bytes: int) -> None:
+        """Drop the oldest chunk events until at most `keep_bytes` wait (order kept)."""
+        kept: deque[_Event] = deque()
+        for event in self._pending:
+            if self._pending_bytes > keep_bytes and event.name in CHUNK_EVENTS:
+                self._pending_bytes -= len(event.data)
+                self._publisher.dropped += 1
+                continue
+            kept.append(event)
+        self._pending = kept
+
+    async def _pace(self, size: int) -> None:
+        now = time.monotonic()
+        self._tokens = min(LANE_BURST_BYTES, self._tokens + (now - self._refilled_at) * LANE_RATE_BYTES_S)
+        self._refilled_at = now
+        if self._tokens < size:
+            await asyncio.sleep((size - self._tokens) / LANE_RATE_BYTES_S)
+            self._tokens = float(size)
+            self._refilled_at = time.monotonic()
+        self._tokens -= size
 
     async def _drain(self) -> None:
         while True:
@@ -141,15 +182,26 @@ class JobLane:
                 await self._wakeup.wait()
                 continue
             batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
+            size = sum(len(event.data) for event in batch)
+            self._pending_bytes -= size
+            await self._pace(size)
             await self._publisher.deliver(batch)
 
     async def close(self, timeout_s: float) -> None:
-        """Deliver what is queued (up to `timeout_s`), then stop."""
+        """Deliver what is queued (up to `timeout_s`), then stop. Past the time, what is
+        left of the output is dropped and the rest (the result) still goes."""
         self._closing = True
         self._wakeup.set()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            return
         except TimeoutError:
-            self._publisher.dropped += len(self._pending)
             self._task.cancel()
-            log.warning("channel %s: %d live events not delivered in time", self._channel, len(self._pending))
+            await asyncio.gather(self._task, return_exceptions=True)
+        rest = [event for event in self._pending if event.name not in CHUNK_EVENTS]
+        self._publisher.dropped += len(self._pending) - len(rest)
+        if len(self._pending) > len(rest):
+            log.warning("channel %s: %d live output events not delivered in time", self._channel, len(self._pending) - len(rest))
+        self._pending.clear()
+        for start in range(0, len(rest), MAX_BATCH):
+            await self._publisher.deliver(rest[start : start + MAX_BATCH])

@@ -45,6 +45,7 @@ from worker.events import JobEvents
 from worker.jail import JailError, Program
 from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
+from worker.payload import fit_result
 from worker.queue import Claim, Fenced
 from worker.sandbox import Sandbox
 from worker.stdin import StdinFeed
@@ -457,8 +458,9 @@ class JobRun:
             return
         self._finished = True
         seq = await self.events.take_result_seq()
-        event = msgspec.structs.replace(event, seq=seq)
-        result_json = _encoder.encode(event)
+        event, result_json = fit_result(
+            msgspec.structs.replace(event, seq=seq), self.ctx.settings.pusher_max_payload_kb * 1024
+        )
         output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
