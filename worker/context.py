@@ -27,3 +27,8 @@ class WorkerContext:
     runtimes: dict[str, Runtime]
     # Set on SIGTERM: parked jobs go back to the queue, nothing new is claimed.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set on the second signal: stop now; what cannot be written at once is left for recovery.
+    hard_stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # loop.time() before which the claimer takes nothing: set after handing on a job this
+    # worker cannot run, so it does not take the same job straight back again and again.
+    claim_paused_until: float = 0.0

@@ -13,10 +13,12 @@ leave a hole at the front of its sequence. Until `go_live()` events only go to t
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from redis.exceptions import RedisError
 
 from shared.messages import ChunkEvent, JobState, StageEvent
 from worker.publisher import JobLane
@@ -24,7 +26,10 @@ from worker.queue import WorkerQueue
 
 __all__ = ["JobEvents"]
 
+log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
+# How long a job waits out Redis being unreachable before it gives up on an event.
+REDIS_OUTAGE_S = 300.0
 
 
 class JobEvents:
@@ -41,12 +46,33 @@ class JobEvents:
         self._backlog: list[tuple[int, str, bytes]] = []
         self._log_has_more = next_seq > 0
 
+    async def _advance(self, stored: list[tuple[int, str, str, bytes]], state: JobState | None, started: bool) -> None:
+        """Append to the log, waiting out a Redis outage (up to REDIS_OUTAGE_S).
+
+        The program goes on meanwhile (its pipe fills, then it blocks on output); losing
+        Redis for a while must not end a healthy job. A re-sent append is harmless: the
+        script appends only if the log's next seq is the one being written.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REDIS_OUTAGE_S
+        delay = 0.1
+        while True:
+            try:
+                await self._queue.advance(self.job_id, self.attempt, stored, state=state, started=started)
+                return
+            except (RedisError, OSError) as exc:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("job %s: logging events failed (%s); retrying in %.1fs", self.job_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def go_live(self) -> None:
         """Publish every logged event so far, in seq order, and every later one as it comes."""
         async with self._lock:
             if self.live:
                 return
-            backlog = await self._queue.event_log(self.job_id) if self._log_has_more else self._backlog
+            backlog = await self._read_log() if self._log_has_more else self._backlog
             for _, name, data in backlog:
                 self._lane.send(name, data)
             self._backlog = []
@@ -76,13 +102,24 @@ class JobEvents:
                 else:
                     stored.append((seq, name, "data", data))
                 seq += 1
-            await self._queue.advance(self.job_id, self.attempt, stored, state=state, started=started)
+            await self._advance(stored, state, started)
             self.next_seq = seq
             if not self.live:
                 self._backlog += encoded
                 return
             for _, name, data in encoded:
                 self._lane.send(name, data)
+
+    async def _read_log(self) -> list[tuple[int, str, bytes]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REDIS_OUTAGE_S
+        while True:
+            try:
+                return await self._queue.event_log(self.job_id)
+            except (RedisError, OSError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def stage(self, phase: str, state: JobState | None = None, started: bool = False) -> None:
         await self.emit([("stage", lambda seq: StageEvent(phase=phase, seq=seq))], state=state, started=started)  # type: ignore[arg-type]

@@ -37,21 +37,28 @@ def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
 
 
 async def sweep_orphans(
-    redis: Redis, layout: CgroupLayout, work_root: Path, me: str, min_age_s: float = 0.0, starting: bool = False
+    redis: Redis,
+    layout: CgroupLayout,
+    work_root: Path,
+    me: str,
+    min_age_s: float = 0.0,
+    starting: bool = False,
+    others: bool = True,
 ) -> int:
     """Kill and remove sandboxes whose worker is gone; returns how many.
 
     Sandboxes of `me` (this worker) are left alone, except when `starting`: before the first
     job, every sandbox carrying this id belongs to a killed previous incarnation with the
     same WORKER_ID. Others' sandboxes younger than `min_age_s` are left alone too: a worker
-    that is starting builds its self-test sandbox before it first heartbeats.
+    that is starting builds its self-test sandbox before it first heartbeats. Without
+    `others`, only this worker's own leftovers are considered.
     """
     cgroups = layout.job_ids()
     workspaces = {p.name for p in work_root.iterdir() if p.is_dir()} if work_root.is_dir() else set()
     owners = {name: owner_of(name) for name in cgroups | workspaces}
     dead: dict[str, bool] = {}
     for owner in set(owners.values()):
-        if owner is not None and owner != me:
+        if others and owner is not None and owner != me:
             dead[owner] = not await redis.exists(keys.worker_alive_key(owner))
     now = time.time()
     orphans = {

@@ -26,19 +26,28 @@ log = logging.getLogger(__name__)
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
 # KEYS: status, spec, claimed, start flag. ARGV: worker id, job id, now ms.
+# Run twice (its reply lost with a connection), the second run finds the job parked by this
+# worker and answers the same claim without taking another attempt.
 _CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 local spec = redis.call('GET', KEYS[2])
-if (not state) or (not spec) or state ~= 'queued' then
+local again = state == 'parked' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1]
+if (not again) and ((not state) or (not spec) or state ~= 'queued') then
   redis.call('LREM', KEYS[3], 1, ARGV[2])
   return false
 end
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'state', 'parked', 'worker', ARGV[1], 'updatedAtMs', ARGV[3])
+local attempt
+if again then
+  attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt'))
+else
+  attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+  redis.call('HSET', KEYS[1], 'state', 'parked', 'worker', ARGV[1], 'updatedAtMs', ARGV[3])
+end
 local seq = redis.call('HGET', KEYS[1], 'nextSeq') or '0'
 local start = redis.call('EXISTS', KEYS[4])
 local kill = redis.call('HGET', KEYS[1], 'kill') == '1' and 1 or 0
-return {attempt, seq, spec, start, kill}
+local handovers = redis.call('HGET', KEYS[1], 'handovers') or '0'
+return {attempt, seq, spec, start, kill, handovers}
 """
 
 # KEYS: status. ARGV: attempt, bytes of stdin written to the program so far (absolute, so
@@ -61,6 +70,9 @@ _ADVANCE = (
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
+-- Append only if the log's next seq is the one being written: a re-run of this script
+-- (its reply lost with a connection) finds its events there already and changes nothing.
+if #ARGV >= 6 and tonumber(ARGV[6]) < tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0') then return 1 end
 local last = nil
 for i = 6, #ARGV, 4 do
   redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
@@ -125,6 +137,8 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('LREM', KEYS[2], 1, ARGV[2])
 if ARGV[4] == 'back' then
+  -- Counted apart from attempts, so MAX_HANDOVERS means hand-overs, not claims.
+  redis.call('HINCRBY', KEYS[1], 'handovers', 1)
   redis.call('LPUSH', KEYS[3], ARGV[2])
 else
   redis.call('RPUSH', KEYS[3], ARGV[2])
@@ -191,6 +205,7 @@ class Claim(msgspec.Struct, frozen=True):
     start_flag: bool
     claimed_at: float  # loop.time() of the claim
     kill_flag: bool = False
+    handovers: int = 0  # times workers lacking its runtime passed it on
 
 
 class StoredFrame(msgspec.Struct, frozen=True):
@@ -233,7 +248,7 @@ class WorkerQueue:
         if not loaded:
             log.warning("job %s: claimed id had no queued record; dropped", job_id)
             return None
-        attempt, seq, spec_raw, start, kill = loaded
+        attempt, seq, spec_raw, start, kill, handovers = loaded
         try:
             spec = decode_stored(JobSpec, spec_raw)
         except msgspec.MsgspecError as exc:
@@ -249,6 +264,7 @@ class WorkerQueue:
             start_flag=bool(int(start)),
             claimed_at=now,
             kill_flag=bool(int(kill)),
+            handovers=int(handovers),
         )
 
     async def flags(self, job_id: str) -> tuple[bool, bool]:

@@ -72,6 +72,9 @@ class NotOfferedHere(PlatformError):
 
 # A job no worker can run is handed around this many times before it ends internal_error.
 MAX_HANDOVERS = 20
+# After handing a job on, this worker claims nothing for this long, so the job reaches a
+# worker that can run it instead of coming straight back.
+HANDOVER_PAUSE_S = 1.0
 
 # How often a parked or running job re-reads its durable start and kill flags, in case
 # the pub/sub message that carried one was lost with a connection.
@@ -103,6 +106,8 @@ class JobRun:
         self._finished = False
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
+        # Set once stage{running} is logged: from then on the job must never run again.
+        self._program_started = False
 
     # ------------------------------------------------------------------ entry point
 
@@ -131,11 +136,11 @@ class JobRun:
             except NotOfferedHere as exc:
                 # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
                 # worker that has it take the job, unless it has gone round too often.
-                if self.claim.attempt < MAX_HANDOVERS:
+                if self.claim.handovers < MAX_HANDOVERS:
                     log.info("job %s: %s; handing it to another worker", self.job_id, exc)
                     await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=True)
                     self._finished = True
-                    await asyncio.sleep(1.0)  # keep this worker from taking it straight back
+                    self.ctx.claim_paused_until = asyncio.get_running_loop().time() + HANDOVER_PAUSE_S
                 else:
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
                 return
@@ -180,9 +185,13 @@ class JobRun:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
             self._finished = True
         except asyncio.CancelledError:
-            # Only a worker stopping cancels a job (after its grace period): the program was
-            # killed on purpose, by the operator, so the verdict is `killed`, not a failure.
-            await asyncio.shield(self._abort("the worker shut down before the program finished", Outcome.KILLED))
+            # Only a worker stopping cancels a job (after its grace period). A program that
+            # ran was killed on purpose, by the operator, so the verdict is `killed`, not a
+            # failure; a job whose program never ran goes back to the queue instead.
+            if self._program_started:
+                await asyncio.shield(self._abort("the worker shut down before the program finished", Outcome.KILLED))
+            else:
+                await asyncio.shield(self._give_back_unstarted())
             raise
         except Exception:
             log.exception("job %s: unexpected failure", self.job_id)
@@ -196,6 +205,21 @@ class JobRun:
                 if sub is not None:
                     await self.ctx.control.unsubscribe(sub)
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+
+    async def _give_back_unstarted(self) -> None:
+        """Hand a never-started job back, briefly; if Redis is away the claim stays in this
+        worker's list, where recovery re-queues it (its program never ran)."""
+        try:
+            await self._destroy()
+        except Exception:
+            log.exception("job %s: teardown failed", self.job_id)
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            await asyncio.wait_for(self.ctx.queue.hand_back(self.job_id, self.claim.attempt), 2.0)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
 
     async def _end_unstarted(self, signal: str, killed_message: str = "killed before it started") -> None:
         """End a job whose program never ran: handed back, killed or expired."""
@@ -294,8 +318,13 @@ class JobRun:
     # ------------------------------------------------------------------ park
 
     async def _durable_signal(self) -> str | None:
-        """"kill" or "start" from the stored flags (a kill wins), or None."""
-        start, kill = await self.ctx.queue.flags(self.job_id)
+        """"kill" or "start" from the stored flags (a kill wins), or None (also while Redis
+        cannot be reached: the job stays parked and looks again)."""
+        try:
+            start, kill = await self.ctx.queue.flags(self.job_id)
+        except (RedisError, OSError) as exc:
+            log.warning("job %s: reading its start and kill flags failed: %s", self.job_id, exc)
+            return None
         return "kill" if kill else "start" if start else None
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
@@ -383,6 +412,7 @@ class JobRun:
 
     async def _run(self, inbox: asyncio.Queue[CtrlMessage], stdin: asyncio.Queue[StdinFrame], program: Program) -> StepFacts:
         jail, limits = self.sandbox.jail, self.spec.limits
+        self._program_started = True  # from here on, never hand it back (it may have run)
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         feed = StdinFeed(
             self.ctx.queue,
@@ -473,7 +503,10 @@ class JobRun:
                 )
                 break
             except (RedisError, OSError) as exc:
-                if loop.time() > deadline:
+                if loop.time() > deadline or self.ctx.hard_stop.is_set():
+                    # The claim stays in this worker's list: whoever recovers it (this worker
+                    # restarted with its id, or any other once this one's lease is gone)
+                    # ends it `lost` if it had started, else queues it again.
                     log.error("job %s: could not store the result: %s", self.job_id, exc)
                     return
                 log.warning("job %s: storing the result failed (%s); retrying in %.1fs", self.job_id, exc, delay)

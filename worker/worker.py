@@ -45,6 +45,7 @@ __all__ = ["Worker", "WorkerIdInUse"]
 log = logging.getLogger(__name__)
 
 CLAIM_POLL_S = 1.0
+COMMAND_TIMEOUT_S = 5.0
 
 # A dropped connection is re-dialled and the command retried before anything fails; a job's
 # events and result must survive a Redis blip, not end the job.
@@ -74,6 +75,8 @@ class Worker:
         # The janitor leaves sandboxes younger than this alone (a neighbour's self-test).
         self._young_s = 2 * settings.worker_lease_ttl_ms / 1000
         self._signals = 0
+        # loop.time() since which Redis has answered every heartbeat (None: it just failed).
+        self._redis_since: float | None = None
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self.started_at_ms = now_ms()
@@ -88,9 +91,22 @@ class Worker:
 
     async def run(self) -> None:
         settings = self.settings
-        redis = Redis.from_url(settings.redis_url, health_check_interval=30, **_RECONNECTING)
+        # Every command has a deadline, so a half-open connection cannot hang a heartbeat,
+        # an event or a result; the blocking claim gets its poll time on top.
+        redis = Redis.from_url(
+            settings.redis_url,
+            health_check_interval=30,
+            socket_timeout=COMMAND_TIMEOUT_S,
+            socket_connect_timeout=COMMAND_TIMEOUT_S,
+            **_RECONNECTING,
+        )
         # Blocking claims get their own connection so they never delay other commands.
-        claim_redis = Redis.from_url(settings.redis_url, socket_timeout=None, **_RECONNECTING)
+        claim_redis = Redis.from_url(
+            settings.redis_url,
+            socket_timeout=CLAIM_POLL_S + COMMAND_TIMEOUT_S,
+            socket_connect_timeout=COMMAND_TIMEOUT_S,
+            **_RECONNECTING,
+        )
         control = ControlBus(redis)
         publisher = Publisher(settings)
         queue = WorkerQueue(redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
@@ -104,6 +120,7 @@ class Worker:
             pool=self.pool,
             runtimes=self.runtimes,
             stopping=self._stopping,
+            hard_stop=self._hard_stop,
         )
         self._install_signal_handlers(ctx)
         if await queue.alive(self.worker_id):
@@ -111,8 +128,10 @@ class Worker:
         # A previous incarnation with the same id (WORKER_ID) that was killed: nobody else
         # reaps its claims or sweeps its sandboxes, because they carry our id.
         self._publish_results(ctx, await queue.recover_claims(self.worker_id))
+        # Only this id's own leftovers now: whether other workers are dead can be judged only
+        # once this worker has had Redis for a whole lease (see _upkeep).
         await sweep_orphans(
-            redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, min_age_s=self._young_s, starting=True
+            redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True, others=False
         )
         await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
         self.pool.start()
@@ -137,8 +156,10 @@ class Worker:
             await asyncio.gather(*background, return_exceptions=True)
             await self.pool.close()
             try:
-                await queue.unregister()
-            except RedisError:
+                # Bounded: a worker told twice to stop must stop even while Redis is away (its
+                # lease then simply expires).
+                await asyncio.wait_for(queue.unregister(), 2.0)
+            except (RedisError, OSError, TimeoutError):
                 pass
             await control.aclose()
             await publisher.aclose()
@@ -175,6 +196,10 @@ class Worker:
         stopping = asyncio.ensure_future(ctx.stopping.wait())
         try:
             while not ctx.stopping.is_set():
+                pause_s = ctx.claim_paused_until - loop.time()
+                if pause_s > 0:
+                    await asyncio.wait({stopping}, timeout=pause_s)
+                    continue
                 if not self._may_claim():
                     # Full: wait until a job ends or a sandbox frees up.
                     self._job_ended.clear()
@@ -228,14 +253,37 @@ class Worker:
         all_done.cancel()
 
     async def _heartbeat(self, ctx: WorkerContext) -> None:
-        """Keep the lease alive; nothing else shares this loop, so nothing can delay it."""
+        """Keep the lease alive; nothing else shares this loop, so nothing can delay it.
+
+        It also keeps the time since which this worker has reached Redis without a break,
+        which is what judging other workers dead depends on (see `_may_judge`).
+        """
+        loop = asyncio.get_running_loop()
         interval_s = self.settings.worker_heartbeat_ms / 1000
         while True:
             try:
-                await ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms)
+                # A beat that hangs (a half-open connection) is abandoned for the next one.
+                await asyncio.wait_for(
+                    ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms), max(interval_s, 1.0)
+                )
+                if self._redis_since is None:
+                    self._redis_since = loop.time()
             except Exception as exc:  # a failed beat is retried at the next interval
+                self._redis_since = None
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+    def _may_judge(self) -> bool:
+        """Whether an expired lease may be taken to mean a dead worker.
+
+        A lease also expires while Redis itself is down or unreachable, for every worker at
+        once; after such an outage every live worker renews its lease within a heartbeat.
+        So a lease missing counts only once this worker has reached Redis without a break
+        for a whole lease period: a live worker has renewed by then.
+        """
+        since = self._redis_since
+        lease_s = self.settings.worker_lease_ttl_ms / 1000
+        return since is not None and asyncio.get_running_loop().time() - since >= lease_s
 
     async def _upkeep(self, ctx: WorkerContext) -> None:
         """Reap dead workers' claims, recover our own strays, remove dead workers' sandboxes."""
@@ -243,11 +291,13 @@ class Worker:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                self._publish_results(ctx, await ctx.queue.reap_dead_workers())
                 strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
                 if confirmed:
                     self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=confirmed))
+                if not self._may_judge():
+                    continue
+                self._publish_results(ctx, await ctx.queue.reap_dead_workers())
                 await sweep_orphans(
                     ctx.queue.redis,
                     self.sandboxes.cgroups,
