@@ -498,11 +498,13 @@ class JobRun:
         delay = 0.1
         while True:
             try:
-                written = await self.ctx.queue.finish(
+                write = self.ctx.queue.finish(
                     self.job_id, self.claim.attempt, OUTCOME_STATE[outcome], seq, result_json, output_json, output
                 )
+                # Told twice to stop, the worker gives each write a moment, not minutes.
+                written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
                 break
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)

@@ -147,7 +147,7 @@ class Worker:
             ", ".join(f"{r.manifest.language} {r.version}" for r in self.runtimes.values()) or "none",
         )
         try:
-            await self._claim_loop(ctx, claim_queue)
+            await self._claim_until_stopping(ctx, claim_queue)
         finally:
             # Running jobs always get their grace and their result, even if claiming failed.
             await self._drain(ctx)
@@ -161,7 +161,10 @@ class Worker:
                 await asyncio.wait_for(queue.unregister(), 2.0)
             except (RedisError, OSError, TimeoutError):
                 pass
-            await control.aclose()
+            try:
+                await asyncio.wait_for(control.aclose(), 2.0)
+            except (RedisError, OSError, TimeoutError):
+                pass
             await publisher.aclose()
             await claim_redis.aclose()
             await redis.aclose()
@@ -190,6 +193,22 @@ class Worker:
 
     def _may_claim(self) -> bool:
         return len(self._jobs) < self.settings.worker_max_parked + self.pool.slots and self.pool.waiting < self.pool.slots
+
+    async def _claim_until_stopping(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> None:
+        """Claim until the first signal, then stop at once: a claim waiting on an
+        unresponsive Redis must not hold up the drain. A claim cut short leaves at most one
+        id in this worker's claimed list, which recovery re-queues (it never started)."""
+        claimer = asyncio.create_task(self._claim_loop(ctx, claim_queue), name="claimer")
+        stopping = asyncio.ensure_future(ctx.stopping.wait())
+        try:
+            await asyncio.wait({claimer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not claimer.done():
+                claimer.cancel()
+            await asyncio.gather(claimer, return_exceptions=True)
+        if not claimer.cancelled() and claimer.exception() is not None:
+            raise claimer.exception()  # type: ignore[misc]
 
     async def _claim_loop(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,89 @@
+"""Redis away for longer than a lease: live workers are not judged dead, jobs go on.
+
+Redis is frozen with SIGSTOP (its data stays, its clients get no answer): every lease
+expires meanwhile, for live workers too. A worker must tell that from a dead worker, so
+the job running through the outage ends `completed` with all its output, not `lost`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import StackFactory
+from tests.helpers import Api, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+LEASE_MS = 1000
+
+
+def _freeze(stack, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    pid = stack.procs["redis"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_job_runs_through_a_redis_outage_of_three_leases(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS=str(LEASE_MS), WORKER_MAX_SANDBOXES="2")
+    # A second worker: the one that would wrongly reap the first after the outage.
+    stack.start_worker(extra_env={"WORKER_MAX_SANDBOXES": "1"})
+    api = Api(stack)
+    lines = 24
+    code = f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.25)\n"
+    try:
+        job = api.execute(py_job(code, collectOutput=True, limits={"wallTimeMs": 30000, "idleMs": 20000}))
+        api.start(job)
+        api.wait_state(job, {"running"}, timeout_s=10)
+        time.sleep(1.0)
+        _freeze(stack, 3 * LEASE_MS / 1000 + 0.5)
+        status = api.wait_state(job, {"done", "error", "killed", "lost"}, timeout_s=40)
+        assert status["result"]["outcome"] == "completed", status
+        log = api.replay(job)
+        assert [p["seq"] for _, p in log] == list(range(len(log)))
+        assert "".join(p["chunk"] for n, p in log if n == "stdout") == "".join(f"{i}\n" for i in range(lines))
+        assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "".join(f"{i}\n" for i in range(lines))
+        # Both workers are still there and serving.
+        assert not stack.dead_children()
+        for _ in range(2):
+            nxt = api.execute(py_job("print('after')"))
+            api.start(nxt)
+            assert api.wait_state(nxt, {"done"}, timeout_s=20)["result"]["outcome"] == "completed"
+    finally:
+        api.close()
+
+
+def test_a_second_sigterm_during_an_outage_stops_the_worker_promptly(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS=str(LEASE_MS), WORKER_SHUTDOWN_GRACE_MS="20000")
+    api = Api(stack)
+    try:
+        job = api.execute(py_job("import time\nprint('started', flush=True)\ntime.sleep(60)\n"))
+        api.start(job)
+        api.wait_state(job, {"running"}, timeout_s=10)
+        worker = stack.procs["worker"]
+        redis_pid = stack.procs["redis"].pid
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            os.killpg(worker.pid, signal.SIGTERM)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        assert took < 20, f"the worker took {took:.1f}s to stop after the second signal"
+        # What it could not write is recovered: another worker finds the job's claim once
+        # the stopped worker's lease is gone, and ends it lost (it had started).
+        stack.start_worker()
+        status = api.wait_state(job, {"done", "killed", "lost", "error"}, timeout_s=30)
+        assert status["state"] in ("killed", "lost"), status
+        assert len([n for n, _ in api.replay(job) if n == "result"]) == 1
+    finally:
+        api.close()
