@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from api.auth import Authenticator
 from api.catalog import Catalog, load_manifests
 from api.errors import exception_handlers
+from api.events import BLOCK_MS
 from api.playground import playground_routes
 from api.realtime import RealtimePublisher
 from api.routes import routes
@@ -34,6 +35,10 @@ _RECONNECTING: dict[str, Any] = {
     "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), 6),
     "retry_on_error": [RedisConnectionError, RedisTimeoutError],
 }
+# A half-open connection (a peer that vanished without a FIN) must not hang a request: no
+# command of the API takes Redis more than a moment, so 5 s without a reply is a dead
+# connection, re-dialled and retried as above (every API script is safe to run twice).
+_COMMAND_TIMEOUT_S = 5.0
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -50,14 +55,25 @@ def create_app(settings: Settings) -> Starlette:
         # Requests wait briefly for a pooled connection instead of failing when all are busy.
         redis = Redis(
             connection_pool=BlockingConnectionPool.from_url(
-                settings.redis_url, max_connections=64, timeout=5, **_RECONNECTING
+                settings.redis_url,
+                max_connections=64,
+                timeout=5,
+                socket_timeout=_COMMAND_TIMEOUT_S,
+                socket_connect_timeout=_COMMAND_TIMEOUT_S,
+                **_RECONNECTING,
             )
         )
         # Event streams block in XREAD for seconds at a time: they get their own bounded pool,
-        # so however many are open, the rest of the API keeps its connections.
+        # so however many are open, the rest of the API keeps its connections. Their reads
+        # wait out the XREAD block first, so their timeout is the block time plus the above.
         streams = Redis(
             connection_pool=BlockingConnectionPool.from_url(
-                settings.redis_url, max_connections=settings.max_event_streams, timeout=5, **_RECONNECTING
+                settings.redis_url,
+                max_connections=settings.max_event_streams,
+                timeout=5,
+                socket_timeout=BLOCK_MS / 1000 + _COMMAND_TIMEOUT_S,
+                socket_connect_timeout=_COMMAND_TIMEOUT_S,
+                **_RECONNECTING,
             )
         )
         store = JobStore(redis, settings.job_record_ttl_s, streams=streams)
