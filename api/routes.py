@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
@@ -21,7 +22,7 @@ from api.errors import ApiError
 from api.events import job_events
 from api.output import stream_run_result
 from api.state import AppState
-from api.store import StoredStatus, now_ms
+from api.store import EnqueueAnswer, ReceiptCursor, StoredStatus, now_ms
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
@@ -30,6 +31,7 @@ from shared.messages import (
     TERMINAL_STATES,
     ExecuteAccepted,
     ExecuteRequest,
+    JobPage,
     JobSpec,
     JobState,
     RealtimeInfo,
@@ -66,11 +68,66 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+# At most 255 visible ASCII characters (0x21-0x7E): no spaces, no control characters.
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+def _idempotency_key(request: Request) -> str | None:
+    values = request.headers.getlist(IDEMPOTENCY_HEADER)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValidationError([FieldError(IDEMPOTENCY_HEADER, "must be sent at most once")])
+    if not _IDEMPOTENCY_KEY.fullmatch(values[0]):
+        raise ValidationError(
+            [FieldError(IDEMPOTENCY_HEADER, "must be 1 to 255 visible ASCII characters (0x21-0x7E, no spaces)")]
+        )
+    return values[0]
+
+
+async def _replayed(state: AppState, earlier: EnqueueAnswer, key: str) -> Response:
+    """The answer to an execute whose Idempotency-Key names a live job: 200 with that job
+    (same body), or 409 (another body)."""
+    if earlier.outcome == "conflict":
+        why = f"was already used for another request body (job {earlier.job_id})"
+        raise ApiError(
+            409,
+            f"{IDEMPOTENCY_HEADER} {key!r} {why}; send a new key for a new request",
+            details=[FieldError(IDEMPOTENCY_HEADER, why)],
+        )
+    status = await state.store.status(earlier.job_id)
+    log.info("job %s returned again for its %s", earlier.job_id, IDEMPOTENCY_HEADER)
+    accepted = ExecuteAccepted(
+        job_id=earlier.job_id,
+        channel=keys.realtime_channel(earlier.job_id),
+        status=status.state if status is not None else JobState.EXPIRED,
+        job_token=state.auth.mint(earlier.job_id),
+    )
+    response = _json(accepted, 200)
+    response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
 async def execute(request: Request) -> Response:
-    """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full."""
+    """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full.
+
+    With an `Idempotency-Key` header, the same key and the byte-identical body give the job
+    the first such request made (200, a fresh job token), for as long as that job's record
+    lives; the same key with another body is a 409.
+    """
     state = _state(request)
     principal = state.auth.backend(request)
+    owner = principal.owner or ""
+    idempotency_key = _idempotency_key(request)
     body = await _body(request, state.settings.max_request_bytes)
+    body_sha256 = hashlib.sha256(body).hexdigest() if idempotency_key is not None else ""
+    if idempotency_key is not None:
+        # A retry of an accepted request is answered before validation: the job exists,
+        # whatever the catalogue or the queue look like now.
+        earlier = await state.store.idempotent_job(owner, idempotency_key, body_sha256)
+        if earlier is not None:
+            return await _replayed(state, earlier, idempotency_key)
     req = decode_request(ExecuteRequest, body)
     manifest, version = await state.catalog.resolve(req.language, req.version)
     decode_files(req.files, state.settings.max_files_bytes)
@@ -89,19 +146,28 @@ async def execute(request: Request) -> Response:
         files=req.files,
         limits=limits,
         created_at_ms=now_ms(),
-        owner=principal.owner or "",
+        owner=owner,
         stdin=req.stdin,
         close_stdin=req.close_stdin if req.close_stdin is not None else req.stdin is not None,
         args=req.args,
         collect_output=req.collect_output,
     )
     settings = state.settings
-    queued = await state.store.enqueue(spec, settings.max_queue_depth, settings.max_parked_per_principal)
-    if queued != 1:
+    answer = await state.store.enqueue(
+        spec,
+        settings.max_queue_depth,
+        settings.max_parked_per_principal,
+        settings.run_result_ttl_s,
+        idempotency_key,
+        body_sha256,
+    )
+    if idempotency_key is not None and answer.outcome in ("existing", "conflict"):
+        return await _replayed(state, answer, idempotency_key)
+    if answer.outcome != "queued":
         retry = settings.queue_retry_after_ms
         why = (
             f"The queue is full ({settings.max_queue_depth} jobs waiting); retry later"
-            if queued == 0
+            if answer.outcome == "full"
             else f"You have {settings.max_parked_per_principal} jobs waiting for start (the most one client may "
             "have); start or kill some, or retry later"
         )
@@ -222,6 +288,68 @@ async def kill_job(request: Request) -> Response:
 
 
 _background: set[asyncio.Task[None]] = set()
+
+
+MAX_PAGE = 200
+_LIMIT = re.compile(r"[0-9]{1,4}")
+_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CURSOR_TEXT = re.compile(r"([0-9]{1,15})\.([0-9a-f]{32})")
+_STATE_NAMES = tuple(s.value for s in JobState)
+
+
+def _page_limit(raw: str | None) -> int:
+    if raw is None:
+        return 50
+    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= MAX_PAGE:
+        raise ValidationError([FieldError("limit", f"must be a whole number from 1 to {MAX_PAGE}")])
+    return int(raw)
+
+
+def _page_states(values: list[str]) -> frozenset[str] | None:
+    wanted = [piece.strip() for value in values for piece in value.split(",")]
+    for name in wanted:
+        if name not in _STATE_NAMES:
+            raise ValidationError(
+                [FieldError("state", f"{name[:40]!r} is not a job state (one or more of: {', '.join(_STATE_NAMES)})")]
+            )
+    return frozenset(wanted) or None
+
+
+def _encode_cursor(cursor: ReceiptCursor) -> str:
+    return base64.urlsafe_b64encode(f"{cursor.created_at_ms}.{cursor.job_id}".encode()).rstrip(b"=").decode()
+
+
+def _decode_cursor(raw: str | None) -> ReceiptCursor | None:
+    if raw is None:
+        return None
+    match = None
+    if _CURSOR.fullmatch(raw):
+        try:
+            text = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
+        except (binascii.Error, ValueError):
+            text = ""
+        match = _CURSOR_TEXT.fullmatch(text)
+    if match is None:
+        raise ValidationError([FieldError("cursor", "is not a cursor this API gave out (pass nextCursor as it is)")])
+    return ReceiptCursor(int(match.group(1)), match.group(2))
+
+
+async def list_jobs(request: Request) -> Response:
+    """The caller's receipts, newest first: `?limit=` (50, at most 200), `?cursor=` (the last
+    page's nextCursor), `?state=` (one or more, repeated or comma-separated). A job token
+    sees its own job only."""
+    state = _state(request)
+    principal = state.auth.principal(request)
+    params = request.query_params
+    limit = _page_limit(params.get("limit"))
+    states = _page_states(params.getlist("state"))
+    cursor = _decode_cursor(params.get("cursor"))
+    if principal.job_id is not None:
+        receipt = await state.store.receipt(principal.job_id) if cursor is None else None
+        shown = receipt is not None and (states is None or receipt.state.value in states)
+        return _json(JobPage(jobs=[receipt] if shown and receipt is not None else [], next_cursor=None))
+    jobs, following = await state.store.receipts(principal.owner or "", cursor, limit, states)
+    return _json(JobPage(jobs=jobs, next_cursor=_encode_cursor(following) if following else None))
 
 
 MAX_WAIT_MS = 60000
@@ -366,6 +494,7 @@ async def health(request: Request) -> Response:
 
 routes = [
     Route("/v1/execute", execute, methods=["POST"]),
+    Route("/v1/jobs", list_jobs, methods=["GET"]),
     Route("/v1/jobs/{job_id}/start", start_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
     Route("/v1/jobs/{job_id}/status", get_job, methods=["GET"]),

@@ -7,10 +7,14 @@ scripts so a reader never sees half a job.
 from __future__ import annotations
 
 import base64
+import re
 import time
+import uuid
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from shared import keys
 from shared.codec import decode_stored, encode
@@ -18,6 +22,7 @@ from shared.eventlog import entry_json
 from shared.messages import (
     TERMINAL_STATES,
     CtrlMessage,
+    JobReceipt,
     JobSpec,
     JobState,
     JobStatus,
@@ -28,19 +33,30 @@ from shared.messages import (
     result_without_run,
 )
 
-__all__ = ["JobStore", "KillAnswer", "StdinAnswer", "StoredStatus"]
+__all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCall", "StdinAnswer", "StoredStatus"]
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
-# KEYS: queue, spec, status. ARGV: max depth, spec json, now ms, ttl s, job id, language, version, owner.
-# KEYS: queue, spec, status, the owner's unstarted set. ARGV: max depth, spec json, now ms,
-# ttl s, job id, language, version, owner, max unstarted jobs per owner.
-# Returns 1 (queued), 0 (queue full) or -1 (the owner has too many jobs waiting for start).
-# A job id is new for every request, so a record that exists already is this script's own
-# earlier run whose reply was lost: it must not be queued twice.
+# KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, and (only with
+# an Idempotency-Key) the key's record. ARGV: max depth, spec json, now ms, ttl s, job id,
+# language, version, owner, max unstarted jobs per owner, index ttl s, index cutoff ms (older
+# entries are certainly expired), the Idempotency-Key, sha256 of the request body.
+# Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
+# {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
+# A job id is new for every request, so a record that exists already (or a key record naming
+# this very id) is this script's own earlier run whose reply was lost: it must not be queued
+# twice. A key record whose job has expired is free again.
 _ENQUEUE = (
     _TERMINAL_LUA
     + """
+if KEYS[6] then
+  local rec = redis.call('HMGET', KEYS[6], 'jobId', 'bodySha256')
+  if rec[1] == ARGV[5] then return 1 end
+  if rec[1] and redis.call('EXISTS', 'job:' .. rec[1] .. ':status') == 1 then
+    if rec[2] == ARGV[13] then return {2, rec[1]} end
+    return {3, rec[1]}
+  end
+end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 local cap = tonumber(ARGV[9])
@@ -56,24 +72,101 @@ if redis.call('ZCARD', KEYS[4]) >= cap then
 end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
-           'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8])
+           'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8], 'createdAtMs', ARGV[3])
+if KEYS[6] then
+  redis.call('HSET', KEYS[3], 'idempotencyKey', ARGV[12])
+  redis.call('DEL', KEYS[6])
+  redis.call('HSET', KEYS[6], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
+  redis.call('EXPIRE', KEYS[6], ARGV[4])
+end
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[4])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. ARGV[11])
+redis.call('EXPIRE', KEYS[5], ARGV[10])
 redis.call('LPUSH', KEYS[1], ARGV[5])
 return 1
 """
 )
 
+# Read only. KEYS: an Idempotency-Key's record. ARGV: sha256 of the request body.
+# Returns false (no live job under the key) or {1 (same body) or 0 (another), job id}.
+_IDEMPOTENT_LOOKUP = """
+local rec = redis.call('HMGET', KEYS[1], 'jobId', 'bodySha256')
+if (not rec[1]) or redis.call('EXISTS', 'job:' .. rec[1] .. ':status') == 0 then return false end
+return {rec[2] == ARGV[1] and 1 or 0, rec[1]}
+"""
+
+# One page of an owner's receipts, newest first. Ids whose status record has expired are
+# dropped from the index on the way (a write that is the same however often it runs).
+# KEYS: the owner's job index. ARGV: cursor score ('+inf' for the first page), cursor job id
+# ('' for none: entries with the cursor's score and an id not below it were on earlier pages),
+# most receipts to return, most index entries to look at, wanted states (',done,lost,' form;
+# '' for every state).
+# Returns {next cursor score or '', next cursor id or '', then 9 strings per job: id, index
+# score, state, updatedAtMs, createdAtMs, language, version, outcome, idempotency key}.
+_RECEIPTS = """
+local max, after = ARGV[1], ARGV[2]
+local maxn = tonumber(max)
+local limit, budget, want = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local out = {'', ''}
+local gone = {}
+local found, looked, offset = 0, 0, 0
+local done = false
+while not done do
+  local batch = redis.call('ZREVRANGEBYSCORE', KEYS[1], max, '-inf', 'WITHSCORES', 'LIMIT', offset, 100)
+  if #batch == 0 then break end
+  offset = offset + #batch / 2
+  for i = 1, #batch, 2 do
+    local id, score = batch[i], batch[i + 1]
+    if after == '' or tonumber(score) < maxn or id < after then
+      looked = looked + 1
+      local status = 'job:' .. id .. ':status'
+      local st = redis.call('HMGET', status, 'state', 'updatedAtMs', 'createdAtMs', 'language', 'version',
+                            'idempotencyKey')
+      if not st[1] then
+        gone[#gone + 1] = id
+      elseif want == '' or string.find(want, ',' .. st[1] .. ',', 1, true) then
+        local outcome = ''
+        local result = redis.call('HGET', status, 'result')
+        if result then outcome = string.match(result, '"outcome":"([%w_]+)"') or '' end
+        local n = #out
+        out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = id, score, st[1], st[2] or '', st[3] or ''
+        out[n + 6], out[n + 7], out[n + 8], out[n + 9] = st[4] or '', st[5] or '', outcome, st[6] or ''
+        found = found + 1
+      end
+      if found >= limit or looked >= budget then
+        -- A cursor only when something follows.
+        local more = i + 2 <= #batch
+        if not more then
+          more = #redis.call('ZREVRANGEBYSCORE', KEYS[1], max, '-inf', 'LIMIT', offset, 1) > 0
+        end
+        if more then out[1], out[2] = score, id end
+        done = true
+        break
+      end
+    end
+  end
+end
+if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
+return out
+"""
+
 # Store one accepted stdin frame (or the EOF frame) and notify the job's worker.
-# KEYS: status, stdin stream, rate list. ARGV: now ms, bytes, kind ('data'|'close'),
-# max frames per window, window ms, max pending bytes, ttl s, notification JSON before n,
-# its JSON between n and the stream id, channel.
+# KEYS: status, stdin stream, rate list, recent request ids. ARGV: now ms, bytes, kind
+# ('data'|'close'), max frames per window, window ms, max pending bytes, ttl s, notification
+# JSON before n, its JSON between n and the stream id, channel, request id, how many request
+# ids to remember, how long (s).
 # Returns {1, n} or {0, reason, detail}: reason 'ended' (detail: state), 'closed', 'rate'
 # (detail: ms until a frame is allowed again), 'cap' (detail: bytes pending).
+# A request id that stored a frame already (this script re-sent after its reply was lost)
+# gets that frame's answer again and changes nothing, whatever happened to the job since.
 _STDIN = (
     _TERMINAL_LUA
     + """
+local earlier = redis.call('ZSCORE', KEYS[4], ARGV[11])
+if earlier then return {1, tonumber(earlier)} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return {0, 'ended', state or ''} end
 if redis.call('HGET', KEYS[1], 'stdinClosed') == '1' then return {0, 'closed', ''} end
@@ -99,6 +192,9 @@ redis.call('HINCRBY', KEYS[1], 'stdinAccepted', #ARGV[2])
 if ARGV[3] == 'close' then redis.call('HSET', KEYS[1], 'stdinClosed', '1') end
 local id = redis.call('XADD', KEYS[2], '*', 'n', n, 'kind', ARGV[3], 'data', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
+redis.call('ZADD', KEYS[4], n, ARGV[11])
+redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -(tonumber(ARGV[12]) + 1))
+redis.call('EXPIRE', KEYS[4], ARGV[13])
 redis.call('PUBLISH', ARGV[10], ARGV[8] .. n .. ARGV[9] .. id .. '"}')
 return {1, n}
 """
@@ -108,19 +204,28 @@ return {1, n}
 # live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
 # and a live message on its control channel.
 # KEYS: status, queue, events, spec, start flag, stdin stream. ARGV: job id, now ms, ttl s,
-# result JSON before seq, result JSON after seq, ctrl channel, ctrl message.
+# result JSON before seq, result JSON after seq, ctrl channel, ctrl message, request id.
 # Returns {0, state} (already ended), {1} (flagged) or {2, seq, result} (ended here).
+# The status remembers the request that ended the job (`killEndedBy`) and the last few that
+# flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
+# answer again and neither writes nor publishes anything twice.
 _KILL = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
+if state then
+  local mine = redis.call('HMGET', KEYS[1], 'killEndedBy', 'killRequests', 'nextSeq', 'result')
+  if mine[1] == ARGV[8] then return {2, tonumber(mine[3]) - 1, mine[4]} end
+  if string.find(' ' .. (mine[2] or '') .. ' ', ' ' .. ARGV[8] .. ' ', 1, true) then return {1} end
+end
 if (not state) or terminal[state] then return {0, state or ''} end
 if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
   local data = ARGV[4] .. seq .. ARGV[5]
   redis.call('XADD', KEYS[3], '*', 'seq', seq, 'name', 'result', 'data', data)
   redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-  redis.call('HSET', KEYS[1], 'state', 'killed', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
+  redis.call('HSET', KEYS[1], 'state', 'killed', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
+             'killEndedBy', ARGV[8])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
@@ -128,7 +233,11 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('DEL', KEYS[5])
   return {2, seq, data}
 end
-redis.call('HSET', KEYS[1], 'kill', '1')
+local recent = {ARGV[8]}
+for rid in string.gmatch(redis.call('HGET', KEYS[1], 'killRequests') or '', '%S+') do
+  if #recent < 8 then recent[#recent + 1] = rid end
+end
+redis.call('HSET', KEYS[1], 'kill', '1', 'killRequests', table.concat(recent, ' '))
 redis.call('PUBLISH', ARGV[6], ARGV[7])
 return {1}
 """
@@ -147,6 +256,62 @@ class StdinAnswer(msgspec.Struct, frozen=True):
     state: str = ""
     retry_after_ms: int = 0
     pending_bytes: int = 0
+
+
+class EnqueueAnswer(msgspec.Struct, frozen=True):
+    """What became of an execute: `queued` (this job), `full` / `unstarted` (nothing written:
+    the queue, or the owner's jobs waiting for start, are at their cap), `existing` (the
+    Idempotency-Key names a live job made from the same body: `job_id`) or `conflict` (made
+    from another body: `job_id`)."""
+
+    outcome: Literal["queued", "full", "unstarted", "existing", "conflict"]
+    job_id: str
+
+
+class ScriptCall(NamedTuple):
+    """One run of a registered Lua script: running it again with the same keys and args is
+    what redis-py does when a reply is lost with its connection (tests do it on purpose)."""
+
+    script: AsyncScript
+    keys: list[str]
+    args: list[Any]
+
+
+class ReceiptCursor(NamedTuple):
+    """Where a page of receipts ended: the last entry's creation ms (its index score) and id."""
+
+    created_at_ms: int
+    job_id: str
+
+
+# How long, and how many, stdin request ids a job remembers: a re-sent script comes within
+# seconds (7 tries of a 5 s socket timeout at most), so two minutes of frames at the
+# rate cap is plenty.
+STDIN_REQUESTS_KEPT_S = 120
+# Index entries one receipts script looks at, and scripts one page may take.
+_RECEIPT_BUDGET = 1000
+_RECEIPT_ROUNDS = 5
+_OUTCOME = re.compile(rb'"outcome":"([A-Za-z0-9_]+)"')
+_RECEIPT_FIELDS = ("state", "updatedAtMs", "createdAtMs", "language", "version", "idempotencyKey", "owner", "result")
+
+
+def _receipt(
+    job_id: str, state: str, updated: str, created: str, language: str, version: str, outcome: str, key: str
+) -> JobReceipt:
+    job_state = JobState(state)
+    ended = job_state in TERMINAL_STATES
+    return JobReceipt(
+        job_id=job_id,
+        language=language,
+        version=version,
+        state=job_state,
+        outcome=outcome or None,
+        created_at_ms=int(float(created or 0)),
+        updated_at_ms=int(updated or 0),
+        ended_at_ms=int(updated or 0) if ended else None,
+        idempotency_key=key or None,
+        outcome_confirmed=(bool(outcome) and outcome != Outcome.LOST.value) if ended else None,
+    )
 
 
 class KillAnswer(msgspec.Struct, frozen=True):
@@ -186,25 +351,126 @@ class JobStore:
         self._enqueue = redis.register_script(_ENQUEUE)
         self._stdin = redis.register_script(_STDIN)
         self._kill = redis.register_script(_KILL)
+        self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
+        self._receipts = redis.register_script(_RECEIPTS)
 
-    async def enqueue(self, spec: JobSpec, max_depth: int, max_unstarted: int) -> int:
-        """Store the job and queue it: 1; nothing written: 0 when the queue is full, -1 when
-        the owner already has `max_unstarted` jobs waiting for start (queued or parked)."""
-        done = await self._enqueue(
-            keys=[keys.QUEUE, keys.spec_key(spec.job_id), keys.status_key(spec.job_id), keys.unstarted_key(spec.owner)],
-            args=[
-                max_depth,
-                encode(spec),
-                spec.created_at_ms,
-                self._record_ttl_s,
-                spec.job_id,
-                spec.language,
-                spec.version,
-                spec.owner,
-                max_unstarted,
-            ],
+    @staticmethod
+    async def run(call: ScriptCall) -> Any:
+        return await call.script(keys=call.keys, args=call.args)
+
+    def enqueue_call(
+        self,
+        spec: JobSpec,
+        max_depth: int,
+        max_unstarted: int,
+        result_ttl_s: int,
+        idempotency_key: str | None = None,
+        body_sha256: str = "",
+    ) -> ScriptCall:
+        # The owner's index outlives every job in it: a job's record lasts at most the record
+        # TTL, then the result TTL once it ends.
+        index_ttl_s = self._record_ttl_s + result_ttl_s
+        script_keys = [
+            keys.QUEUE,
+            keys.spec_key(spec.job_id),
+            keys.status_key(spec.job_id),
+            keys.unstarted_key(spec.owner),
+            keys.owner_jobs_key(spec.owner),
+        ]
+        if idempotency_key is not None:
+            script_keys.append(keys.idempotency_key(spec.owner, idempotency_key))
+        args = [
+            max_depth,
+            encode(spec),
+            spec.created_at_ms,
+            self._record_ttl_s,
+            spec.job_id,
+            spec.language,
+            spec.version,
+            spec.owner,
+            max_unstarted,
+            index_ttl_s,
+            spec.created_at_ms - index_ttl_s * 1000,
+            idempotency_key or "",
+            body_sha256,
+        ]
+        return ScriptCall(self._enqueue, script_keys, args)
+
+    async def enqueue(
+        self,
+        spec: JobSpec,
+        max_depth: int,
+        max_unstarted: int,
+        result_ttl_s: int,
+        idempotency_key: str | None = None,
+        body_sha256: str = "",
+    ) -> EnqueueAnswer:
+        """Store the job, index it under its owner and queue it, in one script.
+
+        With an Idempotency-Key, a live job the key made already is answered instead
+        (`existing` for the same body, `conflict` for another), and nothing is written.
+        """
+        call = self.enqueue_call(spec, max_depth, max_unstarted, result_ttl_s, idempotency_key, body_sha256)
+        answer = await self.run(call)
+        if isinstance(answer, list):
+            return EnqueueAnswer("existing" if answer[0] == 2 else "conflict", answer[1].decode())
+        code = int(answer)
+        return EnqueueAnswer("queued" if code == 1 else "full" if code == 0 else "unstarted", spec.job_id)
+
+    async def idempotent_job(self, owner: str, idempotency_key: str, body_sha256: str) -> EnqueueAnswer | None:
+        """The live job an Idempotency-Key of this owner made (`existing` when from the same
+        body, `conflict` when from another), or None. A read; the enqueue script decides."""
+        found = await self._idempotent_lookup(keys=[keys.idempotency_key(owner, idempotency_key)], args=[body_sha256])
+        if not found:
+            return None
+        return EnqueueAnswer("existing" if found[0] == 1 else "conflict", found[1].decode())
+
+    async def receipts(
+        self, owner: str, cursor: ReceiptCursor | None, limit: int, states: frozenset[str] | None
+    ) -> tuple[list[JobReceipt], ReceiptCursor | None]:
+        """Up to `limit` of the owner's jobs after `cursor`, newest first, and the next cursor
+        (None when nothing follows). Index entries of expired jobs are dropped on the way."""
+        want = "," + ",".join(sorted(states)) + "," if states else ""
+        found: list[JobReceipt] = []
+        for _ in range(_RECEIPT_ROUNDS):
+            raw = await self._receipts(
+                keys=[keys.owner_jobs_key(owner)],
+                args=[
+                    str(cursor.created_at_ms) if cursor else "+inf",
+                    cursor.job_id if cursor else "",
+                    limit - len(found),
+                    _RECEIPT_BUDGET,
+                    want,
+                ],
+            )
+            text = [item.decode() for item in raw]
+            for i in range(2, len(text), 9):
+                job_id, score, state, updated, created, language, version, outcome, key = text[i : i + 9]
+                found.append(_receipt(job_id, state, updated, created or score, language, version, outcome, key))
+            cursor = ReceiptCursor(int(float(text[0])), text[1]) if text[0] else None
+            if cursor is None or len(found) >= limit:
+                break
+        return found, cursor
+
+    async def receipt(self, job_id: str) -> JobReceipt | None:
+        """One job's receipt (for a job-token holder), or None once its record has expired."""
+        values = await self._redis.hmget(keys.status_key(job_id), _RECEIPT_FIELDS)
+        state, updated, created, language, version, key, owner, result = values
+        if state is None:
+            return None
+        if created is None:  # a job queued before receipts existed
+            created = await self._redis.zscore(keys.owner_jobs_key((owner or b"").decode()), job_id) or updated or b"0"
+        outcome = _OUTCOME.search(result) if result else None
+        return _receipt(
+            job_id,
+            state.decode(),
+            (updated or b"0").decode(),
+            created.decode() if isinstance(created, bytes) else str(created),
+            (language or b"").decode(),
+            (version or b"").decode(),
+            outcome.group(1).decode() if outcome else "",
+            (key or b"").decode(),
         )
-        return int(done)
 
     async def status(self, job_id: str) -> StoredStatus | None:
         values = await self._redis.hmget(keys.status_key(job_id), _STATUS_FIELDS)
@@ -230,14 +496,25 @@ class JobStore:
             pipe.publish(keys.ctrl_channel(job_id), encode(CtrlMessage(type="start")))
             await pipe.execute()
 
-    async def stdin(
-        self, job_id: str, data: bytes, close: bool, max_frames_per_s: int, max_pending_bytes: int
-    ) -> StdinAnswer:
-        """Store one stdin frame durably (or the EOF frame) and notify the job's worker."""
+    def stdin_call(
+        self,
+        job_id: str,
+        data: bytes,
+        close: bool,
+        max_frames_per_s: int,
+        max_pending_bytes: int,
+        request_id: str | None = None,
+    ) -> ScriptCall:
         head = b'{"kind":"%s","data":"%s","n":' % (b"close" if close else b"data", base64.b64encode(data))
-        answer = await self._stdin(
-            keys=[keys.status_key(job_id), keys.stdin_key(job_id), keys.stdin_rate_key(job_id)],
-            args=[
+        return ScriptCall(
+            self._stdin,
+            [
+                keys.status_key(job_id),
+                keys.stdin_key(job_id),
+                keys.stdin_rate_key(job_id),
+                keys.stdin_requests_key(job_id),
+            ],
+            [
                 now_ms(),
                 data,
                 "close" if close else "data",
@@ -248,8 +525,27 @@ class JobStore:
                 head,
                 b',"id":"',
                 keys.stdin_channel(job_id),
+                request_id or uuid.uuid4().hex,
+                max(128, max_frames_per_s * STDIN_REQUESTS_KEPT_S),
+                STDIN_REQUESTS_KEPT_S,
             ],
         )
+
+    async def stdin(
+        self,
+        job_id: str,
+        data: bytes,
+        close: bool,
+        max_frames_per_s: int,
+        max_pending_bytes: int,
+        request_id: str | None = None,
+    ) -> StdinAnswer:
+        """Store one stdin frame durably (or the EOF frame) and notify the job's worker.
+
+        `request_id` (a fresh one when None) names this request: the script remembers which
+        frame each recent request stored, so a re-sent script stores nothing twice.
+        """
+        answer = await self.run(self.stdin_call(job_id, data, close, max_frames_per_s, max_pending_bytes, request_id))
         if answer[0] == 1:
             return StdinAnswer(frame=int(answer[1]))
         reason = answer[1].decode()
@@ -262,10 +558,10 @@ class JobStore:
             return StdinAnswer(refused=reason, pending_bytes=int(detail))
         return StdinAnswer(refused=reason)
 
-    async def kill(self, job_id: str, result_ttl_s: int) -> KillAnswer:
-        """Ask for the job to be killed; a job no worker holds yet ends at once."""
-        answer = await self._kill(
-            keys=[
+    def kill_call(self, job_id: str, result_ttl_s: int, request_id: str | None = None) -> ScriptCall:
+        return ScriptCall(
+            self._kill,
+            [
                 keys.status_key(job_id),
                 keys.QUEUE,
                 keys.events_key(job_id),
@@ -281,8 +577,17 @@ class JobStore:
                 _KILLED_BEFORE_START[1],
                 keys.ctrl_channel(job_id),
                 encode(CtrlMessage(type="kill")),
+                request_id or uuid.uuid4().hex,
             ],
         )
+
+    async def kill(self, job_id: str, result_ttl_s: int, request_id: str | None = None) -> KillAnswer:
+        """Ask for the job to be killed; a job no worker holds yet ends at once.
+
+        `request_id` (a fresh one when None) names this request, so a re-sent script gives
+        its first answer again and writes nothing twice.
+        """
+        answer = await self.run(self.kill_call(job_id, result_ttl_s, request_id))
         if answer[0] == 0:
             return KillAnswer(ended_state=answer[1].decode())
         if answer[0] == 2:

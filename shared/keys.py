@@ -6,15 +6,19 @@ Seed-product names are kept (`jobs:queue`, `job:<id>:spec`, `job:<id>:status`,
 
 from __future__ import annotations
 
+import hashlib
+
 __all__ = [
     "CHANNEL_PREFIX",
     "QUEUE",
     "WORKERS",
     "ctrl_channel",
     "events_key",
+    "idempotency_key",
     "job_id_from_channel",
     "output_key",
     "output_stream_key",
+    "owner_jobs_key",
     "realtime_channel",
     "spec_key",
     "start_flag_key",
@@ -22,6 +26,7 @@ __all__ = [
     "stdin_channel",
     "stdin_key",
     "stdin_rate_key",
+    "stdin_requests_key",
     "unstarted_key",
     "worker_alive_key",
     "worker_claimed_key",
@@ -62,6 +67,25 @@ def stdin_rate_key(job_id: str) -> str:
 def unstarted_key(owner: str) -> str:
     """Sorted set of an API principal's jobs that have not started yet (queued or parked)."""
     return f"owner:{owner}:unstarted"
+
+
+def owner_jobs_key(owner: str) -> str:
+    """Sorted set of an API principal's jobs (ids scored by creation ms): its receipts' index."""
+    return f"owner:{owner}:jobs"
+
+
+def idempotency_key(owner: str, key: str) -> str:
+    """Hash {jobId, bodySha256}: the job an `Idempotency-Key` of this principal created.
+
+    The client's key is hashed (sha256, hex) so any printable key makes a tidy key name.
+    """
+    return f"owner:{owner}:idem:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+def stdin_requests_key(job_id: str) -> str:
+    """Sorted set of the job's recent stdin request ids, scored by the frame number each got
+    (a re-sent stdin script finds its earlier answer here instead of storing the frame twice)."""
+    return f"job:{job_id}:stdin:requests"
 
 
 def output_stream_key(job_id: str, stream: str) -> str:

@@ -22,6 +22,8 @@ __all__ = [
     "ExecuteAccepted",
     "ExecuteRequest",
     "FileSpec",
+    "JobPage",
+    "JobReceipt",
     "JobSpec",
     "JobState",
     "JobStatus",
@@ -250,6 +252,31 @@ class JobStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     result: ResultEvent | None = None
     # A kill was accepted and the job has not ended yet (the `result` confirms it).
     kill_requested: bool = False
+
+
+class JobReceipt(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """One entry of `GET /v1/jobs`: what became of a job the caller submitted."""
+
+    job_id: str
+    language: str
+    version: str
+    state: JobState
+    # The result's outcome once the job ended; null before (always present).
+    outcome: str | None
+    created_at_ms: int
+    updated_at_ms: int
+    ended_at_ms: int | None = None
+    idempotency_key: str | None = None
+    # Once ended: true when the program's end was observed (any outcome but `lost`); false for
+    # `lost` (the worker vanished after the program started: it may or may not have finished).
+    outcome_confirmed: bool | None = None
+
+
+class JobPage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """`GET /v1/jobs`: newest first; `nextCursor` is null on the last page."""
+
+    jobs: list[JobReceipt]
+    next_cursor: str | None
 
 
 class LanguageInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,334 @@
+"""Every state-changing Lua script of the API may run twice: redis-py re-sends a command
+whose reply was lost with its connection. Each test here runs a script twice on purpose,
+with the very same keys and args, against a real redis-server, and checks that Redis holds
+what one run leaves (every key, its contents and its TTL) and that nothing was published
+twice. Each also has a control: the same two calls with a different request id (what the
+scripts were before they remembered request ids) do change the state, so the check would
+catch a script that is not idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from redis.asyncio import Redis
+
+from api.store import JobStore, ScriptCall
+from launcher.stack import Stack
+from shared import keys
+from shared.limits import DEFAULT_LIMITS
+from shared.messages import FileSpec, JobSpec
+
+pytestmark = [pytest.mark.stack]
+
+RECORD_TTL_S = 86400
+RESULT_TTL_S = 600
+
+
+@pytest.fixture(scope="module")
+def redis_stack() -> Iterator[Stack]:
+    """A stack of its own without a worker: nothing claims what these tests queue."""
+    stack = Stack(with_worker=False)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.cleanup()
+
+
+@pytest.fixture
+async def redis(redis_stack: Stack) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_stack.redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def store(redis: Redis) -> JobStore:
+    return JobStore(redis, RECORD_TTL_S)
+
+
+def _spec(owner: str = "owner-a") -> JobSpec:
+    return JobSpec(
+        job_id=uuid.uuid4().hex,
+        language="python",
+        version="3.11",
+        files=[FileSpec(name="main.py", content="print(1)")],
+        limits=DEFAULT_LIMITS,
+        created_at_ms=1_700_000_000_000,
+        owner=owner,
+        close_stdin=False,
+    )
+
+
+async def snapshot(redis: Redis) -> dict[bytes, tuple[Any, ...]]:
+    """Every key of the database: its type, its whole contents and its TTL (seconds)."""
+    out: dict[bytes, tuple[Any, ...]] = {}
+    async for key in redis.scan_iter(count=1000):
+        kind = (await redis.type(key)).decode()
+        if kind == "string":
+            value: Any = await redis.get(key)
+        elif kind == "hash":
+            value = sorted((await redis.hgetall(key)).items())
+        elif kind == "list":
+            value = await redis.lrange(key, 0, -1)
+        elif kind == "zset":
+            value = await redis.zrange(key, 0, -1, withscores=True)
+        elif kind == "stream":
+            value = await redis.xrange(key)
+        else:  # pragma: no cover - the API writes no other type
+            value = kind
+        out[key] = (kind, value, await redis.ttl(key))
+    return out
+
+
+def assert_same_state(first: dict[bytes, tuple[Any, ...]], second: dict[bytes, tuple[Any, ...]]) -> None:
+    assert first.keys() == second.keys()
+    for key, (kind, value, ttl) in first.items():
+        kind2, value2, ttl2 = second[key]
+        assert (kind, value) == (kind2, value2), key
+        # A re-set TTL is the same TTL (a second may tick between the snapshots).
+        assert (ttl < 0) == (ttl2 < 0) and abs(ttl - ttl2) <= 2, (key, ttl, ttl2)
+
+
+async def twice(redis: Redis, call: ScriptCall) -> tuple[Any, Any, dict, dict]:  # type: ignore[type-arg]
+    """Run the registered script object twice with the same keys and args (a lost reply and
+    redis-py's re-send); the two answers and the state after each run."""
+    first = await call.script(keys=call.keys, args=call.args)
+    after_one = await snapshot(redis)
+    second = await call.script(keys=call.keys, args=call.args)
+    return first, second, after_one, await snapshot(redis)
+
+
+class Published:
+    """Messages published on some channels while the block runs."""
+
+    def __init__(self, redis: Redis, *channels: str) -> None:
+        self._pubsub = redis.pubsub()
+        self._channels = channels
+        self.messages: list[bytes] = []
+
+    async def __aenter__(self) -> Published:
+        await self._pubsub.subscribe(*self._channels)
+        for _ in self._channels:  # the subscribe confirmations
+            await self._pubsub.get_message(timeout=1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        while (message := await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3)) is not None:
+            self.messages.append(message["data"])
+        await self._pubsub.aclose()
+
+
+# ---------------------------------------------------------------- enqueue
+
+
+async def test_enqueue_twice_queues_once(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    call = store.enqueue_call(spec, 100, 100, RESULT_TTL_S)
+    first, second, after_one, after_two = await twice(redis, call)
+    assert first == second == 1
+    assert_same_state(after_one, after_two)
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
+    assert await redis.zrange(keys.owner_jobs_key(spec.owner), 0, -1) == [spec.job_id.encode()]
+    assert await redis.zcard(keys.unstarted_key(spec.owner)) == 1
+    # Control: a new request (a new job id) does queue a second job.
+    other = store.enqueue_call(_spec(), 100, 100, RESULT_TTL_S)
+    assert await store.run(other) == 1
+    assert await redis.llen(keys.QUEUE) == 2
+
+
+async def test_enqueue_with_a_key_twice_queues_once(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    call = store.enqueue_call(spec, 100, 100, RESULT_TTL_S, "order-17", "a" * 64)
+    first, second, after_one, after_two = await twice(redis, call)
+    # The re-run is this request's own earlier run: "queued" again, not "an earlier job".
+    assert first == second == 1
+    assert_same_state(after_one, after_two)
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
+    record = await redis.hgetall(keys.idempotency_key(spec.owner, "order-17"))
+    assert record == {b"jobId": spec.job_id.encode(), b"bodySha256": b"a" * 64}
+    # Control: another request with the same key and body gets the first job, writes nothing.
+    later = _spec()
+    answer = await store.enqueue(later, 100, 100, RESULT_TTL_S, "order-17", "a" * 64)
+    assert (answer.outcome, answer.job_id) == ("existing", spec.job_id)
+    assert_same_state(after_two, await snapshot(redis))
+
+
+async def test_keys_are_per_owner_and_per_body(store: JobStore, redis: Redis) -> None:
+    a = await store.enqueue(_spec("owner-a"), 100, 100, RESULT_TTL_S, "k", "1" * 64)
+    b = await store.enqueue(_spec("owner-b"), 100, 100, RESULT_TTL_S, "k", "1" * 64)
+    assert a.outcome == b.outcome == "queued" and a.job_id != b.job_id
+    conflict = await store.enqueue(_spec("owner-a"), 100, 100, RESULT_TTL_S, "k", "2" * 64)
+    assert (conflict.outcome, conflict.job_id) == ("conflict", a.job_id)
+    assert await redis.llen(keys.QUEUE) == 2
+    # Checked before the queue's cap: a retry of an accepted request is never a 429.
+    again = await store.enqueue(_spec("owner-a"), 0, 0, RESULT_TTL_S, "k", "1" * 64)
+    assert (again.outcome, again.job_id) == ("existing", a.job_id)
+    assert await store.idempotent_job("owner-a", "k", "1" * 64) == again
+    assert (await store.idempotent_job("owner-a", "k", "2" * 64)).outcome == "conflict"  # type: ignore[union-attr]
+    assert await store.idempotent_job("owner-c", "k", "1" * 64) is None
+
+
+async def test_key_records_live_as_long_as_the_job_record(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S, "k", "1" * 64)
+    record = keys.idempotency_key(spec.owner, "k")
+    assert RECORD_TTL_S - 2 <= await redis.ttl(record) <= RECORD_TTL_S
+    assert RECORD_TTL_S - 2 <= await redis.ttl(keys.status_key(spec.job_id)) <= RECORD_TTL_S
+    index_ttl = await redis.ttl(keys.owner_jobs_key(spec.owner))
+    assert RECORD_TTL_S + RESULT_TTL_S - 2 <= index_ttl <= RECORD_TTL_S + RESULT_TTL_S
+    # The job's record expires (as the finish script's TTL makes it): the key is free again.
+    await redis.delete(keys.status_key(spec.job_id))
+    assert await store.idempotent_job(spec.owner, "k", "1" * 64) is None
+    assert await store.idempotent_job(spec.owner, "k", "2" * 64) is None
+    fresh = _spec()
+    answer = await store.enqueue(fresh, 100, 100, RESULT_TTL_S, "k", "2" * 64)
+    assert (answer.outcome, answer.job_id) == ("queued", fresh.job_id)
+    assert (await redis.hgetall(record))[b"jobId"] == fresh.job_id.encode()
+
+
+async def test_index_forgets_what_is_certainly_expired(store: JobStore, redis: Redis) -> None:
+    old = _spec()
+    await store.enqueue(old, 100, 100, RESULT_TTL_S)
+    new = msgspec.structs.replace(_spec(), created_at_ms=old.created_at_ms + (RECORD_TTL_S + RESULT_TTL_S) * 1000 + 1)
+    await store.enqueue(new, 100, 100, RESULT_TTL_S)
+    assert await redis.zrange(keys.owner_jobs_key(old.owner), 0, -1) == [new.job_id.encode()]
+
+
+# ---------------------------------------------------------------- stdin
+
+
+async def _running_job(store: JobStore, redis: Redis) -> str:
+    spec = _spec()
+    assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    await redis.hset(keys.status_key(spec.job_id), mapping={"state": "running", "started": "1"})
+    return spec.job_id
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["frame", "eof"])
+async def test_stdin_twice_stores_one_frame(store: JobStore, redis: Redis, close: bool) -> None:
+    job_id = await _running_job(store, redis)
+    data = b"" if close else b"hello\n"
+    call = store.stdin_call(job_id, data, close, 30, 65536, request_id="req-1")
+    async with Published(redis, keys.stdin_channel(job_id)) as published:
+        first, second, after_one, after_two = await twice(redis, call)
+    assert first == second == [1, 0]
+    assert_same_state(after_one, after_two)
+    assert await redis.xlen(keys.stdin_key(job_id)) == 1
+    status = await redis.hgetall(keys.status_key(job_id))
+    assert status[b"stdinFrames"] == b"1" and status[b"stdinAccepted"] == str(len(data)).encode()
+    assert len(published.messages) == 1
+    # Control: the same bytes under another request id are another frame (and, after EOF,
+    # refused): the snapshot comparison above would see a second run that wrote again.
+    again = await store.run(call._replace(args=[*call.args[:10], "req-2", *call.args[11:]]))
+    assert again == ([0, b"closed", b""] if close else [1, 1])
+
+
+async def test_stdin_rerun_answers_the_same_after_the_job_ended(store: JobStore, redis: Redis) -> None:
+    job_id = await _running_job(store, redis)
+    call = store.stdin_call(job_id, b"x", False, 30, 65536, request_id="req-1")
+    assert await store.run(call) == [1, 0]
+    await redis.hset(keys.status_key(job_id), "state", "done")
+    # The frame was accepted before the job ended; the lost reply must still say so.
+    before = await snapshot(redis)
+    assert await store.run(call) == [1, 0]
+    assert_same_state(before, await snapshot(redis))
+    fresh = await store.stdin(job_id, b"x", False, 30, 65536)
+    assert fresh.refused == "ended"
+
+
+async def test_stdin_request_ids_are_bounded(store: JobStore, redis: Redis) -> None:
+    job_id = await _running_job(store, redis)
+    for i in range(140):
+        await redis.delete(keys.stdin_rate_key(job_id))
+        await redis.hset(keys.status_key(job_id), "stdinWritten", i)
+        assert (await store.stdin(job_id, b"x", False, 1, 65536, request_id=f"r{i}")).frame == i
+    remembered = keys.stdin_requests_key(job_id)
+    # At least two minutes of frames at the rate cap (here 1/s) and never fewer than 128.
+    assert await redis.zcard(remembered) == 128
+    assert await redis.zscore(remembered, "r139") == 139 and await redis.zscore(remembered, "r11") is None
+    assert 0 < await redis.ttl(remembered) <= 120
+
+
+# ---------------------------------------------------------------- kill
+
+
+async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    call = store.kill_call(spec.job_id, RESULT_TTL_S, request_id="kill-1")
+    async with Published(redis, keys.ctrl_channel(spec.job_id)) as published:
+        first, second, after_one, after_two = await twice(redis, call)
+    assert first[0] == 2 and first == second  # the re-run hands back the same result to publish
+    assert_same_state(after_one, after_two)
+    events = await redis.xrange(keys.events_key(spec.job_id))
+    assert [fields[b"name"] for _, fields in events] == [b"result"]
+    assert await redis.lrange(keys.QUEUE, 0, -1) == []
+    assert await redis.hget(keys.status_key(spec.job_id), "state") == b"killed"
+    assert published.messages == []
+    # Control: another kill request finds the job ended (the old script's answer to a re-run).
+    assert await store.run(call._replace(args=[*call.args[:7], "kill-2"])) == [0, b"killed"]
+
+
+async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await redis.lrem(keys.QUEUE, 1, spec.job_id)
+    await redis.hset(keys.status_key(spec.job_id), "state", "parked")  # a worker holds it
+    call = store.kill_call(spec.job_id, RESULT_TTL_S, request_id="kill-1")
+    async with Published(redis, keys.ctrl_channel(spec.job_id)) as published:
+        first, second, after_one, after_two = await twice(redis, call)
+        # The worker ends the job (killed) before the re-sent script arrives: still accepted.
+        await redis.hset(keys.status_key(spec.job_id), "state", "killed")
+        third = await store.run(call)
+    assert first == second == third == [1]
+    assert_same_state(after_one, after_two)
+    assert await redis.hget(keys.status_key(spec.job_id), "kill") == b"1"
+    assert published.messages == [b'{"type":"kill"}']
+    # Control: a different request before the end flags and publishes again.
+    await redis.hset(keys.status_key(spec.job_id), "state", "parked")
+    async with Published(redis, keys.ctrl_channel(spec.job_id)) as published:
+        assert await store.run(call._replace(args=[*call.args[:7], "kill-2"])) == [1]
+    assert published.messages == [b'{"type":"kill"}']
+
+
+async def test_kill_remembers_the_last_eight_requests(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await redis.lrem(keys.QUEUE, 1, spec.job_id)
+    await redis.hset(keys.status_key(spec.job_id), "state", "running")
+    for i in range(10):
+        assert (await store.kill(spec.job_id, RESULT_TTL_S, request_id=f"k{i}")).ended_state is None
+    remembered = (await redis.hget(keys.status_key(spec.job_id), "killRequests")).split()  # type: ignore[union-attr]
+    assert remembered == [f"k{i}".encode() for i in range(9, 1, -1)]
+
+
+# ---------------------------------------------------------------- receipts (trims the index)
+
+
+async def test_receipts_script_twice_trims_once(store: JobStore, redis: Redis) -> None:
+    specs = [_spec() for _ in range(3)]
+    for spec in specs:
+        await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await redis.delete(keys.status_key(specs[1].job_id))  # expired
+    call = ScriptCall(store._receipts, [keys.owner_jobs_key("owner-a")], ["+inf", "", 50, 1000, ""])
+    first, second, after_one, after_two = await twice(redis, call)
+    assert first == second and len(first) == 2 + 2 * 9
+    assert_same_state(after_one, after_two)
+    assert await redis.zcard(keys.owner_jobs_key("owner-a")) == 2
+
+
+async def test_scripts_survive_concurrent_reruns(store: JobStore, redis: Redis) -> None:
+    """Many copies of one stdin call at once (a retry storm) still store one frame."""
+    job_id = await _running_job(store, redis)
+    call = store.stdin_call(job_id, b"once", False, 30, 65536, request_id="storm")
+    answers = await asyncio.gather(*(store.run(call) for _ in range(20)))
+    assert all(answer == [1, 0] for answer in answers)
+    assert await redis.xlen(keys.stdin_key(job_id)) == 1
