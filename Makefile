@@ -3,6 +3,7 @@
 
 PY := .venv/bin/python
 PORT ?= 8000
+WORKERS ?= 1
 
 .PHONY: up deps test-deps test test-fast bench lint clean
 
@@ -13,7 +14,7 @@ test-deps:
 	@./scripts/bootstrap.sh --test
 
 up: deps
-	@$(PY) -m launcher.cli up --port $(PORT)
+	@$(PY) -m launcher.cli up --port $(PORT) --workers $(WORKERS)
 
 # Tests that run a plain `node` get Node.js >= 20 first on PATH: the system's, or the one
 # bootstrap.sh put in .tools/node (see launcher/node.py).

@@ -1,8 +1,10 @@
 """`coderunner up | api | worker`.
 
 `up` runs the whole stack on this machine: a private redis-server and soketi on free
-ports, the API, and one worker; Ctrl-C or SIGTERM stops every child (whole process
-groups), so nothing is left behind. Its logs go to `.coderunner/logs/<UTC time>/` of this
+ports, the API, and one worker (`--workers N`: N of them); Ctrl-C or SIGTERM stops every
+child (whole process groups), so nothing is left behind. A worker that dies is restarted
+with backoff and said so (launcher/supervisor.py); Redis, soketi or the API dying stops
+the stack. Its logs go to `.coderunner/logs/<UTC time>/` of this
 checkout (or `CODERUNNER_LOG_ROOT`), and outlive the stack: the last `KEEP_LOG_RUNS` runs
 are kept.
 
@@ -23,8 +25,12 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.paths import REPO_ROOT
+
+if TYPE_CHECKING:
+    from launcher.stack import Stack
 
 __all__ = ["KEEP_LOG_RUNS", "main", "new_log_dir", "port_in_use"]
 
@@ -96,13 +102,19 @@ def new_log_dir(root: Path, keep: int = KEEP_LOG_RUNS) -> Path:
 
 
 def _up(argv: list[str]) -> int:
-    from launcher.stack import Stack, StackError
+    from launcher.stack import MAX_WORKERS, Stack, StackError
 
-    parser = argparse.ArgumentParser(prog="coderunner up", description="Run Redis, soketi, the API and a worker.")
+    parser = argparse.ArgumentParser(prog="coderunner up", description="Run Redis, soketi, the API and workers.")
     parser.add_argument("--port", type=int, default=int(os.environ.get("API_PORT", "8000")), help="API port (default 8000)")
     parser.add_argument("--host", default=os.environ.get("API_HOST", "127.0.0.1"), help="API bind address")
-    parser.add_argument("--no-worker", action="store_true", help="start everything but the worker")
+    parser.add_argument(
+        "--workers", type=int, default=1, metavar="N",
+        help=f"how many workers (1 to {MAX_WORKERS}; default 1); one that dies is restarted",
+    )  # fmt: skip
+    parser.add_argument("--no-worker", action="store_true", help="start everything but the workers")
     args = parser.parse_args(argv)
+    if not 1 <= args.workers <= MAX_WORKERS:
+        parser.error(f"--workers must be between 1 and {MAX_WORKERS}")
 
     # Before anything starts or is printed: a second `make up` must not get as far as a
     # banner and a token for a stack that cannot serve.
@@ -119,7 +131,20 @@ def _up(argv: list[str]) -> int:
 
     log_root = Path(os.environ.get("CODERUNNER_LOG_ROOT") or REPO_ROOT / ".coderunner" / "logs")
     log_dir = new_log_dir(log_root)
-    stack = Stack(api_port=args.port, api_host=args.host, with_worker=not args.no_worker, log_dir=log_dir)
+    workers = 0 if args.no_worker else args.workers
+
+    def on_event(message: str) -> None:
+        print(f"coderunner up: {message}", flush=True)
+
+    stack = Stack(
+        api_port=args.port,
+        api_host=args.host,
+        with_worker=workers > 0,
+        workers=workers,
+        supervise=True,
+        on_event=on_event,
+        log_dir=log_dir,
+    )
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -128,12 +153,13 @@ def _up(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    print("coderunner: starting redis-server, soketi, API and worker...", flush=True)
+    what = {0: "and the API", 1: "API and worker"}.get(workers, f"API and {workers} workers")
+    print(f"coderunner: starting redis-server, soketi, {what}...", flush=True)
     try:
         stack.start()
     except StackError as exc:
         print(f"coderunner up: {exc}", file=sys.stderr)
-        for name in ("redis", "soketi", "api", "worker"):
+        for name in ("redis", "soketi", "api", *stack.worker_names()):
             tail = stack.log(name).strip().splitlines()[-15:]
             if tail:
                 print(f"--- {name} log ---\n" + "\n".join(tail), file=sys.stderr)
@@ -145,6 +171,7 @@ def _up(argv: list[str]) -> int:
         f"  Playground  {stack.api_url}/#token={stack.api_token}\n"
         f"  API token   {stack.api_token}\n"
         f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
+        f"  Workers     {_workers_line(stack)}\n"
         f"  Logs        {stack.log_dir}\n\n"
         "  Ctrl-C stops everything.\n",
         flush=True,
@@ -165,12 +192,20 @@ def _up(argv: list[str]) -> int:
     return status
 
 
+def _workers_line(stack: Stack) -> str:
+    names = stack.worker_names()
+    if not names:
+        return "none (--no-worker)"
+    ids = ", ".join(stack.worker_ids[name] for name in names)
+    return f"{len(names)} ({ids}); one that dies is restarted"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("up", "api", "worker", "node")
     if not argv or argv[0] not in commands:
         print("usage: coderunner {up,api,worker,node} [options]\n"
-              "  up      run the whole stack (redis-server, soketi, API, worker) on this machine\n"
+              "  up      run the whole stack (redis-server, soketi, API, workers) on this machine\n"
               "  api     serve the HTTP API (production: behind a load balancer)\n"
               "  worker  claim and run jobs under nsjail (production: on every execution host)\n"
               "  node    run the Node.js >= 20 this checkout uses, e.g. node clients/js/run-job.mjs ...",

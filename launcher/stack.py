@@ -1,9 +1,17 @@
-"""A whole coderunner stack as child processes: private redis-server, soketi, API, worker.
+"""A whole coderunner stack as child processes: private redis-server, soketi, API, workers.
 
 Used by `coderunner up` and by the test suite. Every child runs in its own process group
 on its own free ports, so stopping the stack kills whole groups and two stacks on one
 machine never share a port (soketi binds with SO_REUSEPORT: a stale one on the same
 port would silently eat half the events).
+
+A stack runs `workers` workers (each its own slots, uids and WORKER_ID, one deployment and
+one Redis). With `supervise` on (`coderunner up` always, tests when they ask) a worker that
+dies is started again with backoff (launcher/supervisor.py) and the stack keeps serving;
+Redis, soketi or the API dying is for the caller to notice (`dead_children`). Tests use
+`kill_worker` to kill or stop one worker while the rest serve, and `restart` to take
+Redis, soketi or the API down and up again on the same port (with `redis_persistence`,
+Redis keeps its data across that in an append-only file, fsynced every second).
 """
 
 from __future__ import annotations
@@ -16,15 +24,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from launcher.node import NodeNotFound, find_node
+from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
 
-__all__ = ["Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
+__all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
+
+# Worker number i of a stack runs its jobs as uids SANDBOX_UID_BASE + i * stride + slot, so
+# the workers of one stack never share a job uid (slots + 1 per worker: the self-test uses
+# the uid past the last slot). A stack's range is 1000 uids: at most 10 workers.
+WORKER_UID_STRIDE = 100
+MAX_WORKERS = 10
 
 
 class StackError(Exception):
@@ -113,6 +131,14 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     with_worker: bool = True
+    # How many workers start() runs (with_worker=False: none).
+    workers: int = 1
+    # Restart workers that die (see launcher/supervisor.py); start_supervisor() turns it on later.
+    supervise: bool = False
+    # Redis with `appendonly yes` + `appendfsync everysec`, so a restart keeps its data.
+    redis_persistence: bool = False
+    # Called with each supervisor message (`coderunner up` prints them), from its thread.
+    on_event: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         self.api_port = self.api_port or free_port()
@@ -134,8 +160,22 @@ class Stack:
         self.log_dir = self.log_dir or self.data_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # name -> the WORKER_ID of its current incarnation; worker_history: every one it had.
         self.worker_ids: dict[str, str] = {}
-        self._workers: list[subprocess.Popen[bytes]] = []
+        self.worker_history: dict[str, list[str]] = {}
+        # Every failure the supervisor handled, oldest first (updated in place on restart).
+        self.restarts: list[Restart] = []
+        self.notes: list[str] = []
+        self._lock = threading.RLock()
+        self._worker_index: dict[str, int] = {}
+        self._worker_env: dict[str, dict[str, str]] = {}
+        self._started_at: dict[str, float] = {}
+        self._backoff: dict[str, Backoff] = {}
+        self._pending: dict[str, Restart] = {}
+        self._retired: set[str] = set()
+        self._awaiting_ready: dict[str, tuple[str, float]] = {}
+        self._supervisor: threading.Thread | None = None
+        self._supervisor_stop = threading.Event()
 
     # -------------------------------------------------------------- addresses
 
@@ -193,20 +233,31 @@ class Stack:
             self._start_redis(timeout_s)
             self._start_soketi(timeout_s)
             self._start_api(timeout_s)
-            if self.with_worker:
-                self.start_worker(timeout_s)
+            if self.with_worker and self.workers > 0:
+                # All at once (each builds and self-tests its sandboxes), then wait for each.
+                names = [self._add_worker() for _ in range(self.workers)]
+                for name in names:
+                    self._wait_worker_ready(name, timeout_s)
+            if self.supervise:
+                self.start_supervisor()
         except BaseException:
             self.stop()
             raise
 
     def _start_redis(self, timeout_s: float) -> None:
+        if self.redis_persistence:
+            # Every write is in the append-only file within about a second; a clean shutdown
+            # (SIGTERM) writes and fsyncs the rest before it exits.
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            persistence = ["--appendonly", "no"]
         argv = [
             "redis-server",
             "--port", str(self.redis_port),
             "--bind", "127.0.0.1",
             "--requirepass", self.redis_password,
             "--save", "",
-            "--appendonly", "no",
+            *persistence,
             "--dir", str(self.data_dir),
             "--daemonize", "no",
         ]  # fmt: skip
@@ -246,20 +297,169 @@ class Stack:
         self.procs["api"] = proc = self._spawn("api", argv)
         _wait_for(lambda: _http_ok(f"{self.api_url}/health"), "API", timeout_s, proc)
 
+    def restart(self, name: str, down_s: float = 0.0, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> float:
+        """Take Redis, soketi or the API down (with `sig`, whole group) and start it again on
+        the same port after `down_s`; returns how long it was unreachable, in seconds."""
+        starters = {"redis": self._start_redis, "soketi": self._start_soketi, "api": self._start_api}
+        if name not in starters:
+            raise ValueError(f"restart() takes one of {sorted(starters)}, not {name!r}")
+        began = time.monotonic()
+        self.stop_process(name, sig)
+        time.sleep(down_s)
+        starters[name](timeout_s)
+        return time.monotonic() - began
+
+    # -------------------------------------------------------------- workers
+
+    def worker_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._worker_index, key=self._worker_index.__getitem__)
+
     def start_worker(self, timeout_s: float = 30.0, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start one more worker and wait until it holds its liveness key in Redis."""
-        index = len(self._workers)
-        name = "worker" if index == 0 else f"worker{index}"
-        worker_id = f"{name}-{secrets.token_hex(4)}"
-        env = self.env()
-        env["WORKER_ID"] = worker_id
-        env.update(extra_env or {})
-        proc = self._spawn(name, [sys.executable, "-m", "worker"], env)
-        self._workers.append(proc)
-        self.procs[name] = proc
-        self.worker_ids[name] = worker_id
+        name = self._add_worker(extra_env)
+        self._wait_worker_ready(name, timeout_s)
+        return self.procs[name]
+
+    def _add_worker(self, extra_env: dict[str, str] | None = None) -> str:
+        with self._lock:
+            index = len(self._worker_index)
+            if index >= MAX_WORKERS:
+                raise StackError(f"a stack runs at most {MAX_WORKERS} workers")
+            name = "worker" if index == 0 else f"worker{index}"
+            self._worker_index[name] = index
+            self._worker_env[name] = dict(extra_env or {})
+            self._backoff[name] = Backoff()
+            self._launch_worker(name)
+            return name
+
+    def _launch_worker(self, name: str) -> subprocess.Popen[bytes]:
+        """Spawn a new incarnation of worker `name`, with a fresh WORKER_ID."""
+        with self._lock:
+            worker_id = f"{name}-{secrets.token_hex(4)}"
+            env = self.env()
+            env["WORKER_ID"] = worker_id
+            own = self._worker_env[name]
+            if "SANDBOX_UID_BASE" not in self.extra_env and "SANDBOX_UID_BASE" not in own:
+                env["SANDBOX_UID_BASE"] = str(self.uid_base + WORKER_UID_STRIDE * self._worker_index[name])
+            env.update(own)
+            proc = self._spawn(name, [sys.executable, "-m", "worker"], env)
+            self.procs[name] = proc
+            self.worker_ids[name] = worker_id
+            self.worker_history.setdefault(name, []).append(worker_id)
+            self._started_at[name] = time.monotonic()
+            return proc
+
+    def _wait_worker_ready(self, name: str, timeout_s: float) -> None:
+        worker_id, proc = self.worker_ids[name], self.procs[name]
         _wait_for(lambda: self._redis_call("exists", f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc)
-        return proc
+
+    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` to worker `name`'s process group (SIGKILL, SIGSTOP, SIGCONT...); returns
+        the pid. Under supervision a worker that dies of it is restarted like any crash."""
+        with self._lock:
+            proc = self.procs[name]
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        return proc.pid
+
+    def start_supervisor(self) -> None:
+        """Restart workers that die (see launcher/supervisor.py), until stop()."""
+        with self._lock:
+            self.supervise = True
+            if self._supervisor is None:
+                self._supervisor_stop.clear()
+                self._supervisor = threading.Thread(target=self._supervise_loop, name="stack-supervisor", daemon=True)
+                self._supervisor.start()
+
+    def stop_supervisor(self) -> None:
+        thread = self._supervisor
+        if thread is not None:
+            self._supervisor_stop.set()
+            thread.join(10)
+            self._supervisor = None
+
+    def _supervise_loop(self) -> None:
+        while not self._supervisor_stop.wait(0.1):
+            try:
+                self._supervise_once()
+            except Exception as exc:  # the supervisor itself must not die
+                self._note(f"supervisor: {exc!r}")
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for name in self.worker_names():
+                if name in self._retired:
+                    continue
+                pending = self._pending.get(name)
+                if pending is not None:
+                    if now >= pending.died_at + pending.delay_s and not self._supervisor_stop.is_set():
+                        proc = self._launch_worker(name)
+                        pending.new_id = self.worker_ids[name]
+                        pending.restarted_at = now
+                        del self._pending[name]
+                        self._awaiting_ready[name] = (pending.new_id, now)
+                        self._note(f"{name} restarted as {pending.new_id} (pid {proc.pid})", name)
+                    continue
+                proc = self.procs.get(name)
+                if proc is None or proc.poll() is None:
+                    continue
+                _kill_group(proc)  # whatever the leader left in its group goes with it
+                returncode = proc.returncode
+                old_id = self.worker_ids[name]
+                self._awaiting_ready.pop(name, None)
+                if returncode == 0:
+                    self._retired.add(name)
+                    self._note(f"{name} ({old_id}) stopped by itself (status 0); not restarted", name)
+                    continue
+                uptime = now - self._started_at[name]
+                delay = self._backoff[name].delay(uptime)
+                record = Restart(name=name, old_id=old_id, returncode=returncode, uptime_s=uptime, delay_s=delay, died_at=now)
+                self._pending[name] = record
+                self.restarts.append(record)
+                self._note(
+                    f"{name} ({old_id}, pid {proc.pid}) {describe_exit(returncode)} after {uptime:.1f} s up; "
+                    f"restarting in {delay:.1f} s",
+                    name,
+                )
+            awaiting = dict(self._awaiting_ready)
+        for name, (worker_id, since) in awaiting.items():
+            try:
+                with self.redis() as redis:
+                    ready = bool(redis.exists(f"worker:{worker_id}:alive"))
+            except Exception:
+                continue  # Redis down: ask again at the next round
+            if ready:
+                with self._lock:
+                    if self._awaiting_ready.get(name, ("", 0.0))[0] == worker_id:
+                        del self._awaiting_ready[name]
+                        self._note(f"{name} ({worker_id}) ready {time.monotonic() - since:.1f} s after its restart", name)
+
+    def _note(self, message: str, name: str | None = None) -> None:
+        """One supervisor message: kept, logged (supervisor.log, the worker's log), reported."""
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        self.notes.append(message)
+        assert self.log_dir is not None
+        try:
+            with open(self.log_dir / "supervisor.log", "a") as out:
+                out.write(f"{stamp} {message}\n")
+            if name is not None:
+                with open(self.log_dir / f"{name}.log", "a") as out:
+                    out.write(f"--- {stamp} coderunner supervisor: {message} ---\n")
+        except OSError:
+            pass
+        if self.on_event is not None:
+            self.on_event(message)
+
+    # -------------------------------------------------------------- redis
 
     def _redis_call(self, command: str, *args: str) -> bool:
         with self.redis() as redis:
@@ -269,36 +469,32 @@ class Stack:
         """A synchronous client of this stack's Redis (for tests and tools)."""
         import redis
 
-        return redis.Redis.from_url(self.redis_url)
+        return redis.Redis.from_url(self.redis_url, socket_connect_timeout=5)
+
+    # -------------------------------------------------------------- stopping
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
-        proc = self.procs.get(name)
+        """Stop one child (its whole process group); a supervised worker stays stopped."""
+        with self._lock:
+            proc = self.procs.get(name)
+            if name in self._worker_index:
+                self._retired.add(name)
+                self._pending.pop(name, None)
         if proc is None:
             return None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever the leader did, nothing of its group may survive.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        _terminate([proc], sig, timeout_s)
         return proc.returncode
 
     def stop(self) -> None:
-        # Workers first (they hand parked jobs back), then the API, soketi, and Redis last.
-        order = [n for n in self.procs if n.startswith("worker")] + ["api", "soketi", "redis"]
-        for name in order:
+        self.stop_supervisor()
+        with self._lock:
+            self._retired.update(self._worker_index)
+            self._pending.clear()
+            workers = [proc for name, proc in self.procs.items() if name in self._worker_index]
+        # Workers first, all at once (they hand parked jobs back and let running ones finish
+        # within their grace), then the API, soketi, and Redis last.
+        _terminate(workers, signal.SIGTERM, 15.0)
+        for name in ("api", "soketi", "redis"):
             self.stop_process(name)
         self.procs.clear()
 
@@ -316,4 +512,38 @@ class Stack:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def dead_children(self) -> list[str]:
-        return [name for name, proc in self.procs.items() if proc.poll() is not None]
+        """Children that exited; workers the supervisor looks after do not count."""
+        with self._lock:
+            supervised = set(self._worker_index) if self._supervisor is not None else set()
+            return [name for name, proc in self.procs.items() if proc.poll() is not None and name not in supervised]
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], sig: int, timeout_s: float) -> None:
+    """Signal every group, wait for the leaders together, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped process gets the signal too
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever the leaders did, nothing of their groups may survive.
+    for proc in procs:
+        _kill_group(proc)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
