@@ -54,6 +54,30 @@ def make_stack() -> Iterator[StackFactory]:
 
 
 @pytest.fixture
+def make_fleet() -> Iterator[StackFactory]:
+    """Like make_stack, for fault tests: `workers` workers, the stack's supervisor (restart
+    workers that die) on or off, Redis with or without its append-only file."""
+    built: list[Stack] = []
+
+    def build(workers: int = 2, supervise: bool = True, redis_persistence: bool = False, **env: str) -> Stack:
+        s = Stack(
+            extra_env={k: str(v) for k, v in env.items()},
+            workers=workers,
+            supervise=supervise,
+            redis_persistence=redis_persistence,
+        )
+        built.append(s)
+        s.start()
+        return s
+
+    yield build
+    for s in built:
+        if os.environ.get("CODERUNNER_TEST_LOGS"):
+            _dump_logs(s)
+        s.cleanup()
+
+
+@pytest.fixture
 def api(stack: Stack) -> Iterator[Api]:
     client = Api(stack)
     yield client

@@ -1,0 +1,632 @@
+"""Faults with real processes: workers killed or frozen, Redis restarted, soketi down.
+
+Nothing is lost and nothing runs twice: a parked job of a killed worker runs once
+elsewhere; a running one ends `lost` within the lease bound and is never re-run; a worker
+frozen past its lease writes nothing once it thaws (fencing); Redis restarted with its
+append-only file keeps queue, flags, logs and results; soketi down loses only the live
+view. Each test prints its figures (and appends them to test-output/faults.json); README
+Operations quotes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from launcher.stack import Stack, free_port
+from launcher.supervisor import Backoff, describe_exit
+from shared.paths import REPO_ROOT
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+TERMINAL = {"done", "killed", "error", "expired", "lost"}
+# Short liveness settings so a dead worker is noticed in about a second.
+HEARTBEAT_MS = 300
+LEASE_MS = 1000
+FAST_LEASE = {"WORKER_HEARTBEAT_MS": str(HEARTBEAT_MS), "WORKER_LEASE_TTL_MS": str(LEASE_MS)}
+# How long Redis stays down in the restart test: well inside the lease (5 s there).
+REDIS_DOWN_S = 2.0
+FIGURES = REPO_ROOT / "test-output" / "faults.json"
+
+T = TypeVar("T")
+
+slow = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def figure(test: str, **values: Any) -> None:
+    """Print a measured figure and keep it in test-output/faults.json."""
+    print(f"FIGURES {test}: {values}")
+    FIGURES.parent.mkdir(parents=True, exist_ok=True)
+    with FIGURES.open("a") as out:
+        out.write(json.dumps({"test": test, "at": time.time(), **values}) + "\n")
+
+
+def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def durable_log(stack: Stack, job_id: str) -> list[tuple[int, str, Any]]:
+    """The job's event log straight from Redis: (seq, name, payload or raw chunk text)."""
+    with stack.redis() as redis:
+        raw = redis.xrange(f"job:{job_id}:events")
+    out: list[tuple[int, str, Any]] = []
+    for _, fields in raw:
+        payload = json.loads(fields[b"data"]) if b"data" in fields else fields[b"chunk"].decode()
+        out.append((int(fields[b"seq"]), fields[b"name"].decode(), payload))
+    return out
+
+
+def running_stages(log: list[tuple[int, str, Any]]) -> int:
+    return sum(1 for _, name, p in log if name == "stage" and p["phase"] == "running")
+
+
+def results_in(log: list[tuple[int, str, Any]]) -> list[dict[str, Any]]:
+    return [p for _, name, p in log if name == "result"]
+
+
+def status_hash(stack: Stack, job_id: str) -> dict[bytes, bytes]:
+    with stack.redis() as redis:
+        return redis.hgetall(f"job:{job_id}:status")  # type: ignore[no-any-return]
+
+
+def holder(stack: Stack, job_id: str) -> str | None:
+    """The id of the worker holding the job's claim (None when nobody does)."""
+    raw = status_hash(stack, job_id).get(b"worker")
+    return raw.decode() if raw else None
+
+
+def worker_name(stack: Stack, worker_id: str) -> str:
+    for name, ids in stack.worker_history.items():
+        if worker_id in ids:
+            return name
+    raise AssertionError(f"{worker_id} is none of this stack's workers: {stack.worker_history}")
+
+
+def incarnation_log(stack: Stack, name: str, worker_id: str) -> str:
+    """The part of `<name>.log` written by the incarnation with that id (the supervisor
+    marks each restart in the file)."""
+    text = stack.log(name)
+    parts = re.split(r"^--- \S+ coderunner supervisor: \S+ restarted as (\S+) .*$", text, flags=re.M)
+    # parts: [first incarnation, id2, text2, id3, text3, ...]
+    ids = stack.worker_history[name]
+    chunks = {ids[0]: parts[0]}
+    for i in range(1, len(parts) - 1, 2):
+        chunks[parts[i]] = parts[i + 1]
+    return chunks.get(worker_id, "")
+
+
+def runs_logged(stack: Stack, job_id: str) -> int:
+    """How many worker log lines report a finished run of the job (any outcome but lost)."""
+    pattern = re.compile(rf"job {re.escape(job_id)}: \w+ exit=")
+    return sum(len(pattern.findall(stack.log(name))) for name in stack.worker_names())
+
+
+def assert_contiguous(log: list[tuple[int, str, Any]]) -> None:
+    assert [seq for seq, _, _ in log] == list(range(len(log))), [(s, n) for s, n, _ in log]
+
+
+# ------------------------------------------------------------------ the supervisor
+
+
+def test_backoff_doubles_to_its_cap_and_resets_after_a_long_run() -> None:
+    backoff = Backoff()
+    assert [backoff.delay(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert backoff.delay(30.0) == 0.5  # it stayed up 30 s: a fresh failure, not a loop
+    assert backoff.delay(29.9) == 1.0
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exited with status 3"
+
+
+def _marked(mark: str) -> list[int]:
+    needle = f"CODERUNNER_TEST_MARK={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def _pid_of_worker(mark: str, worker_id: str) -> int:
+    for pid in _marked(mark):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"WORKER_ID={worker_id}".encode() in env and b"-m\0worker" in cmdline and os.getpgid(pid) == pid:
+            return pid
+    raise AssertionError(f"no process runs worker {worker_id}")
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_up_restarts_a_dead_worker_and_stops_when_the_api_dies(tmp_path: Path) -> None:
+    """`coderunner up --workers 2`: a SIGKILLed worker is restarted (said in the output and
+    the log folder) while the stack keeps serving; the API dying stops everything."""
+    port = free_port()
+    mark = secrets.token_hex(8)
+    env = {**os.environ, "CODERUNNER_TEST_MARK": mark, "CODERUNNER_LOG_ROOT": str(tmp_path / "logs")}
+    env.pop("EXECUTOR_API_TOKEN", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        banner = wait_until(lambda: "".join(lines) if "Ctrl-C stops everything" in "".join(lines) else "", 90, "the banner")
+        token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
+        log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
+        ids = re.search(r"Workers\s+2 \((\S+), (\S+)\)", banner)
+        assert ids is not None, banner
+        first, second = ids.group(1), ids.group(2)
+        assert first.startswith("worker-") and second.startswith("worker1-"), banner
+
+        victim = _pid_of_worker(mark, second)
+        killed_at = time.monotonic()
+        os.killpg(victim, signal.SIGKILL)
+        said = wait_until(lambda: [ln for ln in lines if "worker1" in ln and "ready" in ln], 30, "the restart")
+        back_after = time.monotonic() - killed_at
+        out = "".join(lines)
+        assert f"worker1 ({second}, pid {victim}) killed by SIGKILL" in out and "restarting in 0.5 s" in out, out
+        new_id = re.search(r"worker1 restarted as (\S+)", out).group(1)  # type: ignore[union-attr]
+        assert new_id != second and new_id.startswith("worker1-"), out
+        assert said and new_id in said[0]
+        # The stack is still up, with both workers, and serves a job.
+        assert up.poll() is None
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as http:
+            job = http.post("/v1/execute", json=py_job("print('still serving')")).json()
+            assert http.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
+            status = wait_until(
+                lambda: (s := http.get(f"/v1/jobs/{job['jobId']}").json())["state"] in TERMINAL and s, 30, "the job"
+            )
+            assert status["result"]["outcome"] == "completed", status
+        assert "killed by SIGKILL" in (log_dir / "supervisor.log").read_text()
+        assert f"restarted as {new_id}" in (log_dir / "worker1.log").read_text()
+        # Both incarnations wrote to worker1.log; a new one is a new process with a new id.
+        _pid_of_worker(mark, new_id)
+        figure("up_worker_restart", killed_to_ready_s=round(back_after, 2))
+
+        # The API dying is not for the supervisor: the whole stack stops, nothing is left.
+        api_pid = next(p for p in _marked(mark) if b"-m\0api" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.killpg(os.getpgid(api_pid), signal.SIGKILL)
+        assert up.wait(60) == 1
+        reader.join(5)
+        out = "".join(lines)
+        assert "api exited unexpectedly; stopping" in out, out
+        assert f"logs kept in {log_dir}" in out
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+    time.sleep(0.3)
+    assert _marked(mark) == [], "left behind"
+
+
+# ------------------------------------------------------------------ workers killed
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_parked_job_of_a_killed_worker_runs_once_elsewhere(make_fleet: StackFactory) -> None:
+    stack = make_fleet(workers=2, supervise=True, **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('ran once')", collectOutput=True))
+        job_id = job["jobId"]
+        followed = rt.follow(job)
+        api.wait_state(job, {"parked"}, timeout_s=10)
+        owner = wait_until(lambda: holder(stack, job_id), 5, "the claim")
+        victim = worker_name(stack, owner)
+        killed_at = time.monotonic()
+        stack.kill_worker(victim, signal.SIGKILL)
+        assert api.start(job).status_code == 202  # durable: nobody live holds the job
+        taken = wait_until(lambda: (h := holder(stack, job_id)) not in (None, owner) and h, 15, "a new claim")
+        reclaimed_after = time.monotonic() - killed_at
+        result = followed.wait_result(timeout_s=20)
+        result_after = time.monotonic() - killed_at
+        assert result["outcome"] == "completed", result
+        assert followed.text("stdout") == "ran once\n"
+        time.sleep(1.0)  # room for a second result, should there be one
+        log = durable_log(stack, job_id)
+        assert_contiguous(log)
+        assert running_stages(log) == 1 and len(results_in(log)) == 1, log
+        assert len(followed.results()) == 1
+        assert api.get(f"/v1/jobs/{job_id}/output").json()["stdout"] == "ran once\n"
+        # It ran on another incarnation than the one killed, and only there.
+        assert taken != owner
+        assert f"job {job_id}: completed" not in incarnation_log(stack, victim, owner)
+        assert runs_logged(stack, job_id) == 1
+        # The supervisor brought the killed worker back, with a new id, after 0.5 s.
+        restart = wait_until(lambda: [r for r in stack.restarts if r.old_id == owner and r.new_id], 10, "the restart")[0]
+        assert restart.returncode == -signal.SIGKILL and restart.delay_s == 0.5
+        figure(
+            "parked_job_worker_sigkill",
+            lease_ms=LEASE_MS,
+            heartbeat_ms=HEARTBEAT_MS,
+            kill_to_reclaim_s=round(reclaimed_after, 2),
+            kill_to_result_s=round(result_after, 2),
+            taken_by_restarted_incarnation=worker_name(stack, taken) == victim,
+        )
+    finally:
+        rt.close()
+        api.close()
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_running_job_of_a_killed_worker_is_lost_within_the_bound(make_fleet: StackFactory) -> None:
+    stack = make_fleet(workers=2, supervise=True, **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("import time\nprint('started', flush=True)\ntime.sleep(30)\n", collectOutput=True))
+        job_id = job["jobId"]
+        followed = rt.follow(job)
+        api.start(job)
+        wait_until(lambda: "started" in followed.text("stdout"), 15, "the program's first line")
+        owner = holder(stack, job_id)
+        assert owner is not None
+        victim = worker_name(stack, owner)
+        killed_at = time.monotonic()
+        stack.kill_worker(victim, signal.SIGKILL)
+        wait_until(lambda: status_hash(stack, job_id).get(b"state") == b"lost", 15, "lost in Redis", 0.01)
+        in_log_after = time.monotonic() - killed_at
+        result = followed.wait_result(timeout_s=10)
+        live_after = time.monotonic() - killed_at
+        assert result["outcome"] == "lost", result
+        bound_s = (LEASE_MS + HEARTBEAT_MS) / 1000
+        # WORKER_LEASE_TTL_MS for the lease to run out, one upkeep interval for a survivor to
+        # notice; plus scheduling slack on a busy two-core machine.
+        assert in_log_after <= bound_s + 1.0, (in_log_after, bound_s)
+        time.sleep(2.0)  # room for a re-run or a second result, should there be one
+        log = durable_log(stack, job_id)
+        assert_contiguous(log)
+        assert running_stages(log) == 1 and [r["outcome"] for r in results_in(log)] == ["lost"], log
+        assert len(followed.results()) == 1
+        assert followed.text("stdout") == "started\n"
+        replay = api.replay(job)
+        assert [n for n, _ in replay].count("result") == 1
+        assert "".join(p["chunk"] for n, p in replay if n == "stdout") == "started\n"
+        assert api.status(job)["state"] == "lost"
+        assert runs_logged(stack, job_id) == 0  # no worker ever ran it to an end
+        figure(
+            "running_job_worker_sigkill",
+            lease_ms=LEASE_MS,
+            heartbeat_ms=HEARTBEAT_MS,
+            bound_s=bound_s,
+            kill_to_lost_in_redis_s=round(in_log_after, 2),
+            kill_to_lost_live_s=round(live_after, 2),
+        )
+    finally:
+        rt.close()
+        api.close()
+
+
+def _record(stack: Stack, job_id: str) -> dict[str, Any]:
+    """Everything Redis holds about a job's run."""
+    with stack.redis() as redis:
+        return {
+            "status": redis.hgetall(f"job:{job_id}:status"),
+            "events": redis.xrange(f"job:{job_id}:events"),
+            "output": redis.get(f"job:{job_id}:output"),
+            "stdout": redis.get(f"job:{job_id}:stdout"),
+            "start": redis.exists(f"start:{job_id}"),
+        }
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_worker_frozen_past_its_lease_writes_nothing_when_it_thaws(make_fleet: StackFactory) -> None:
+    stack = make_fleet(workers=2, supervise=True, **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        program = "import time\nfor i in range(100):\n    print(i, flush=True)\n    time.sleep(0.1)\n"
+        job = api.execute(py_job(program, collectOutput=True))
+        job_id = job["jobId"]
+        followed = rt.follow(job)
+        api.start(job)
+        wait_until(lambda: followed.text("stdout").count("\n") >= 5, 15, "some output")
+        owner = holder(stack, job_id)
+        assert owner is not None
+        victim = worker_name(stack, owner)
+        stopped_at = time.monotonic()
+        stack.kill_worker(victim, signal.SIGSTOP)
+        try:
+            wait_until(lambda: status_hash(stack, job_id).get(b"state") == b"lost", 15, "lost", 0.01)
+            lost_after = time.monotonic() - stopped_at
+            followed.wait_result(timeout_s=10)
+            time.sleep(1.0)  # frozen for well past the lease
+            before = _record(stack, job_id)
+        finally:
+            stack.kill_worker(victim, signal.SIGCONT)
+        thawed_at = time.monotonic()
+        # The thawed worker finds out at its first write for the job and gives it up.
+        wait_until(
+            lambda: f"job {job_id}: lease lost" in incarnation_log(stack, victim, owner)
+            or f"job {job_id}: result not written" in incarnation_log(stack, victim, owner),
+            15,
+            "the thawed worker to notice",
+        )
+        noticed_after = time.monotonic() - thawed_at
+        time.sleep(2.0)
+        after = _record(stack, job_id)
+        assert after == before, "the thawed worker changed the record"
+        log = durable_log(stack, job_id)
+        assert_contiguous(log)
+        assert [r["outcome"] for r in results_in(log)] == ["lost"] and running_stages(log) == 1
+        # Live: one result, and every event delivered is the logged event of its seq.
+        assert [r["outcome"] for r in followed.results()] == ["lost"]
+        logged = {seq: (name, payload) for seq, name, payload in log}
+        for name, payload in followed.events:
+            seq = payload["seq"]
+            assert seq in logged and logged[seq][0] == name, (name, payload)
+            if name in ("stdout", "stderr"):
+                assert logged[seq][1] == payload["chunk"]
+        result_seq = results_in(log)[0]["seq"]
+        arrived = [p["seq"] for _, p in followed.events]
+        late = arrived[arrived.index(result_seq) + 1 :]
+        assert all(seq < result_seq for seq in late), late
+        assert victim not in [r.name for r in stack.restarts]  # it never died
+        figure(
+            "worker_sigstop_past_lease",
+            lease_ms=LEASE_MS,
+            heartbeat_ms=HEARTBEAT_MS,
+            stop_to_lost_s=round(lost_after, 2),
+            thaw_to_fenced_s=round(noticed_after, 2),
+            record_unchanged=after == before,
+            live_events_after_the_result=len(late),
+        )
+    finally:
+        rt.close()
+        api.close()
+
+
+def _sandboxes_of(stack: Stack, worker_id: str) -> list[str]:
+    jobs = Path("/sys/fs/cgroup/unified") / stack.deployment / "jobs"
+    try:
+        return [p.name for p in jobs.iterdir() if p.name.startswith(worker_id + ".")]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_worker_thawed_after_its_lease_was_taken_runs_new_jobs_right(make_fleet: StackFactory) -> None:
+    """While a worker is frozen, the others' janitors remove its sandboxes (its lease ran
+    out). Thawed, it must not hand a job a sandbox that no longer exists."""
+    stack = make_fleet(workers=2, supervise=False, WORKER_MAX_SANDBOXES="2", **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        frozen = stack.worker_ids["worker"]
+        assert _sandboxes_of(stack, frozen)  # its warm pool
+        frozen_at = time.monotonic()
+        stack.kill_worker("worker", signal.SIGSTOP)
+        try:
+            # Its lease runs out and worker1's janitor removes its warm sandboxes.
+            wait_until(lambda: not _sandboxes_of(stack, frozen), 20, "the frozen worker's sandboxes to be swept", 0.1)
+            swept_after = time.monotonic() - frozen_at
+        finally:
+            stack.kill_worker("worker", signal.SIGCONT)
+        wait_until(lambda: stack._redis_call("exists", f"worker:{frozen}:alive"), 10, "the thawed heartbeat")
+        # Only the thawed worker serves now, so every job lands on it.
+        stack.stop_process("worker1")
+        outcomes = []
+        for i in range(4):
+            job = api.execute(py_job(f"print({i})"))
+            followed = rt.follow(job)
+            api.start(job)
+            result = followed.wait_result(timeout_s=30)
+            outcomes.append((result["outcome"], followed.text("stdout"), result.get("message")))
+        figure("worker_thawed_runs_jobs", freeze_to_swept_s=round(swept_after, 2), outcomes=outcomes)
+        assert outcomes == [("completed", f"{i}\n", None) for i in range(4)], outcomes
+    finally:
+        rt.close()
+        api.close()
+
+
+# ------------------------------------------------------------------ Redis restarted
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: StackFactory, how: str) -> None:
+    """Redis with `appendonly yes` + `appendfsync everysec`, restarted mid-run (a clean
+    shutdown, or killed outright), with a job in every state."""
+    # One slot and one parked job at most: the worker holds the running and the parked job,
+    # later ones stay in the queue.
+    stack = make_fleet(
+        workers=1,
+        supervise=True,
+        redis_persistence=True,
+        WORKER_MAX_SANDBOXES="1",
+        WORKER_MAX_PARKED="1",
+        WORKER_HEARTBEAT_MS="500",
+        WORKER_LEASE_TTL_MS="5000",
+    )
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        done = api.execute(py_job("print('finished before')", collectOutput=True))
+        api.start(done)
+        api.wait_state(done, {"done"}, timeout_s=20)
+        done_before = (_record(stack, done["jobId"]), api.replay(done), api.get(f"/v1/jobs/{done['jobId']}/output").json())
+
+        lines = 40
+        running = api.execute(
+            py_job(f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.1)\n", collectOutput=True)
+        )
+        followed = rt.follow(running)
+        api.start(running)
+        wait_until(lambda: followed.text("stdout").count("\n") >= 5, 15, "the running job's output")
+        parked = api.execute(py_job("print('was parked')"))
+        api.wait_state(parked, {"parked"}, timeout_s=10)
+        queued_started = api.execute(py_job("print('start kept')"))
+        queued = api.execute(py_job("print('was queued')"))
+        assert api.start(queued_started).status_code == 202
+        time.sleep(0.3)
+        assert api.status(queued_started)["state"] == "queued" and api.status(queued)["state"] == "queued"
+        if how == "SIGKILL":
+            time.sleep(1.5)  # past the fsync second: what the kill may take is only the last second
+
+        # Meanwhile a client keeps asking for the running job's status.
+        codes: list[int] = []
+        asking = threading.Event()
+
+        def ask() -> None:
+            with httpx.Client(base_url=stack.api_url, headers=api.headers(), timeout=10) as http:
+                while not asking.is_set():
+                    try:
+                        codes.append(http.get(f"/v1/jobs/{running['jobId']}").status_code)
+                    except httpx.HTTPError:
+                        codes.append(0)
+                    time.sleep(0.05)
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        down_s = stack.restart("redis", down_s=REDIS_DOWN_S, sig=getattr(signal, how))
+        time.sleep(1.0)
+        asking.set()
+        asker.join(15)
+
+        # The finished job: record, log and pullable output as they were.
+        assert _record(stack, done["jobId"]) == done_before[0]
+        assert api.replay(done) == done_before[1]
+        assert api.get(f"/v1/jobs/{done['jobId']}/output").json() == done_before[2]
+        # The running job finished normally, every line in the log, the output and live.
+        status = api.wait_state(running, TERMINAL, timeout_s=30)
+        assert status["result"]["outcome"] == "completed", status
+        expected = "".join(f"{i}\n" for i in range(lines))
+        log = durable_log(stack, running["jobId"])
+        assert_contiguous(log)
+        assert running_stages(log) == 1 and len(results_in(log)) == 1
+        assert "".join(p for _, n, p in log if n == "stdout") == expected
+        assert api.get(f"/v1/jobs/{running['jobId']}/output").json()["stdout"] == expected
+        followed.wait_result(timeout_s=10)
+        live_seqs = sorted(p["seq"] for _, p in followed.events)
+        live_gaps = len(log) - len(set(live_seqs))
+        assert len(followed.results()) == 1
+        # The start flag stored while the job was queued was kept: it runs without a new start.
+        assert api.wait_state(queued_started, TERMINAL, timeout_s=30)["result"]["outcome"] == "completed"
+        # The parked and the queued job are still there and run once started.
+        for job, text in ((parked, "was parked\n"), (queued, "was queued\n")):
+            f = rt.follow(job)
+            assert api.start(job).status_code == 202
+            result = f.wait_result(timeout_s=30)
+            assert result["outcome"] == "completed" and f.text("stdout") == text, (result, f.summary())
+        for job in (done, running, parked, queued_started, queued):
+            assert running_stages(durable_log(stack, job["jobId"])) == 1
+        refused = [c for c in codes if c != 200]
+        figure(
+            f"redis_restart_aof_{how.lower()}",
+            redis_unreachable_s=round(down_s, 2),
+            status_polls=len(codes),
+            non_200=sorted(set(refused)),
+            non_200_count=len(refused),
+            live_events_missed=live_gaps,
+        )
+        assert set(refused) <= {503}, codes  # a client is told to retry, never a wrong answer
+    finally:
+        rt.close()
+        api.close()
+
+
+# ------------------------------------------------------------------ soketi down
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_soketi_down_mid_run_loses_only_the_live_view(make_fleet: StackFactory) -> None:
+    stack = make_fleet(workers=1, supervise=True)
+    api, rt = Api(stack), Realtime(stack)
+    rt2: Realtime | None = None
+    try:
+        lines = 100
+        program = f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.1)\n"
+        job = api.execute(py_job(program, collectOutput=True))
+        followed = rt.follow(job)
+        api.start(job)
+        wait_until(lambda: followed.text("stdout").count("\n") >= 5, 15, "live output")
+        down_at = time.monotonic()
+        stack.stop_process("soketi", signal.SIGKILL)
+        time.sleep(2.0)
+        stack.restart("soketi")  # the same port
+        back_at = time.monotonic()
+        # A client that (re)subscribes now gets the rest live.
+        rt2 = Realtime(stack)
+        again = rt2.follow(job)
+        first = wait_until(lambda: again.events, 15, "live events after soketi came back")
+        first_live_after = time.monotonic() - back_at
+        result = again.wait_result(timeout_s=30)
+        assert result["outcome"] == "completed"
+        expected = "".join(f"{i}\n" for i in range(lines))
+        replay = api.replay(job)
+        assert [p["seq"] for _, p in replay] == list(range(len(replay)))
+        assert "".join(p["chunk"] for n, p in replay if n == "stdout") == expected
+        assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == expected
+        # What the second client got live is the tail of the log, in order, without a gap
+        # after its first event.
+        seqs = [p["seq"] for _, p in again.events]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+        assert seqs[-1] == len(replay) - 1
+        # The next job is live from its first event to its result.
+        nxt = api.execute(py_job("print('after the outage')"))
+        f3 = rt2.follow(nxt)
+        api.start(nxt)
+        assert f3.wait_result(timeout_s=20)["outcome"] == "completed"
+        assert sorted(p["seq"] for _, p in f3.events) == list(range(len(durable_log(stack, nxt["jobId"]))))
+        figure(
+            "soketi_down_mid_run",
+            down_s=round(back_at - down_at, 2),
+            back_to_first_live_event_s=round(first_live_after, 2),
+            first_live_seq=first[0][1]["seq"],
+            log_events=len(replay),
+            first_client_reconnected=bool([p for _, p in followed.events if p["seq"] > first[0][1]["seq"]]),
+        )
+    finally:
+        if rt2 is not None:
+            rt2.close()
+        rt.close()
+        api.close()
