@@ -125,8 +125,12 @@ class JobEvents:
         await self.emit([("stage", lambda seq: StageEvent(phase=phase, seq=seq))], state=state, started=started)  # type: ignore[arg-type]
 
     async def chunks(self, name: str, texts: list[str]) -> None:
-        if texts:
-            await self.emit([(name, lambda seq, t=text: ChunkEvent(chunk=t, seq=seq)) for text in texts])
+        await self.chunk_runs([(name, text) for text in texts])
+
+    async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
+        """Append output chunks of any kinds, in this order, as one batch."""
+        if runs:
+            await self.emit([(name, lambda seq, t=text: ChunkEvent(chunk=t, seq=seq)) for name, text in runs])
 
     async def state(self, state: JobState, started: bool = False) -> None:
         await self.emit([], state=state, started=started)

@@ -42,6 +42,7 @@ from shared.messages import (
 from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.events import JobEvents
+from worker.flusher import OutputFlusher
 from worker.jail import JailError, Program
 from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
@@ -380,27 +381,35 @@ class JobRun:
         await self.events.stage("compiling")
         output = CompileOutput(plan.compile_output_kb * 1024)
 
+        flusher = OutputFlusher(self.events)
+
         async def on_stdout(data: bytes) -> None:
-            await self.events.chunks("compile_output", output.feed(data, "stdout"))
+            flusher.add("compile_output", output.feed(data, "stdout"))
+            await flusher.room()
 
         async def on_stderr(data: bytes) -> None:
-            await self.events.chunks("compile_output", output.feed(data, "stderr"))
+            flusher.add("compile_output", output.feed(data, "stderr"))
+            await flusher.room()
 
         async def close_stdin(_activity: Activity) -> None:
             if jail.proc.stdin is not None:
                 jail.proc.stdin.close()
 
         limits = plan.compile_limits
-        facts = await supervise(
-            jail,
-            cgroup,
-            plan.compile,
-            Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms),
-            [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
-            inbox,
-            feed_stdin=close_stdin,
-        )
-        await self.events.chunks("compile_output", output.flush())
+        try:
+            facts = await supervise(
+                jail,
+                cgroup,
+                plan.compile,
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms),
+                [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
+                inbox,
+                feed_stdin=close_stdin,
+            )
+            flusher.add("compile_output", output.flush())
+            await flusher.close()
+        finally:
+            flusher.abort()
         return facts, compile_info(facts, output)
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
@@ -423,27 +432,35 @@ class JobRun:
             close_after_upfront=self.spec.close_stdin and self.spec.stdin is not None,
         )
 
+        flusher = OutputFlusher(self.events)
+
         async def on_stdout(data: bytes) -> None:
-            await self.events.chunks("stdout", self.budget.feed("stdout", data))
+            flusher.add("stdout", self.budget.feed("stdout", data))
+            await flusher.room()
 
         async def on_stderr(data: bytes) -> None:
-            await self.events.chunks("stderr", self.budget.feed("stderr", data))
+            flusher.add("stderr", self.budget.feed("stderr", data))
+            await flusher.room()
 
         async def feed_stdin(activity: Activity) -> None:
             assert jail.proc.stdin is not None
             await feed.run(jail.proc.stdin, activity)
 
-        facts = await supervise(
-            jail,
-            self.sandbox.cgroup,
-            program,
-            Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
-            [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
-            inbox,
-            feed_stdin=feed_stdin,
-        )
-        for stream in ("stdout", "stderr"):
-            await self.events.chunks(stream, self.budget.flush(stream))
+        try:
+            facts = await supervise(
+                jail,
+                self.sandbox.cgroup,
+                program,
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
+                [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
+                inbox,
+                feed_stdin=feed_stdin,
+            )
+            for stream in ("stdout", "stderr"):
+                flusher.add(stream, self.budget.flush(stream))
+            await flusher.close()
+        finally:
+            flusher.abort()
         return facts
 
     # ------------------------------------------------------------------ finish

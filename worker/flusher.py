@@ -1,0 +1,85 @@
+"""Output leaves in batches, off the program's critical path.
+
+The pumps only read the program's pipes and hand the text here; one flusher appends it to
+the durable log and publishes it. While one append is in flight, what the program writes
+meanwhile gathers and goes out together as the next batch, with consecutive pieces of one
+stream merged into events of up to 8 KiB. So an idle job's first byte leaves at once, and a
+busy one costs one Redis round trip per batch instead of one per pipe read.
+
+Order is kept: pieces are appended in the order they were read, across both streams. A
+flusher holds at most MAX_PENDING_BYTES; past that the pumps wait (and the program blocks
+on its pipe) until the log has caught up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.chunking import CHUNK_MAX_BYTES
+from worker.events import JobEvents
+
+__all__ = ["OutputFlusher"]
+
+MAX_PENDING_BYTES = 1024 * 1024
+
+
+class OutputFlusher:
+    def __init__(self, events: JobEvents) -> None:
+        self._events = events
+        self._runs: list[list[object]] = []  # [event name, text, utf-8 bytes]
+        self._pending_bytes = 0
+        self._wakeup = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._task = asyncio.create_task(self._flush_loop(), name=f"flush:{events.job_id}")
+
+    def add(self, name: str, texts: list[str]) -> None:
+        """Queue text chunks of one event kind (each whole characters, at most 8 KiB)."""
+        for text in texts:
+            size = len(text.encode())
+            last = self._runs[-1] if self._runs else None
+            if last is not None and last[0] == name and last[2] + size <= CHUNK_MAX_BYTES:  # type: ignore[operator]
+                last[1] += text  # type: ignore[operator]
+                last[2] += size  # type: ignore[operator]
+            else:
+                self._runs.append([name, text, size])
+            self._pending_bytes += size
+        if texts:
+            if self._pending_bytes >= MAX_PENDING_BYTES:
+                self._room.clear()
+            self._wakeup.set()
+
+    async def room(self) -> None:
+        """Wait while the flusher is full; raises what stopped it (e.g. Fenced)."""
+        await self._room.wait()
+        if self._error is not None:
+            raise self._error
+
+    async def _flush_loop(self) -> None:
+        try:
+            while True:
+                if not self._runs:
+                    if self._closing:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                batch, self._runs, self._pending_bytes = self._runs, [], 0
+                self._room.set()
+                await self._events.chunk_runs([(str(name), str(text)) for name, text, _ in batch])
+        except BaseException as exc:
+            self._error = exc
+            self._room.set()  # let waiting pumps see the error
+            raise
+
+    async def close(self) -> None:
+        """Flush everything queued; raises what stopped the flusher."""
+        self._closing = True
+        self._wakeup.set()
+        await self._task
+
+    def abort(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
