@@ -39,6 +39,7 @@ LEASE_MS = 1000
 FAST_LEASE = {"WORKER_HEARTBEAT_MS": str(HEARTBEAT_MS), "WORKER_LEASE_TTL_MS": str(LEASE_MS)}
 # How long Redis stays down in the restart test: well inside the lease (5 s there).
 REDIS_DOWN_S = 2.0
+REDIS_LONG_DOWN_S = 7.0
 FIGURES = REPO_ROOT / "test-output" / "faults.json"
 
 T = TypeVar("T")
@@ -471,10 +472,15 @@ def test_worker_thawed_after_its_lease_was_taken_runs_new_jobs_right(make_fleet:
 @pytest.mark.stack
 @pytest.mark.sandbox
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: StackFactory, how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "down_s"),
+    [("SIGTERM", REDIS_DOWN_S), ("SIGKILL", REDIS_DOWN_S), ("SIGTERM", REDIS_LONG_DOWN_S)],
+    ids=["sigterm", "sigkill", "sigterm-past-the-lease"],
+)
+def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: StackFactory, how: str, down_s: float) -> None:
     """Redis with `appendonly yes` + `appendfsync everysec`, restarted mid-run (a clean
-    shutdown, or killed outright), with a job in every state."""
+    shutdown, or killed outright), with a job in every state; down for 2 s, or for longer
+    than the 5 s lease (every liveness key has expired when it is back)."""
     # One slot and one parked job at most: the worker holds the running and the parked job,
     # later ones stay in the queue.
     stack = make_fleet(
@@ -525,7 +531,7 @@ def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: S
 
         asker = threading.Thread(target=ask, daemon=True)
         asker.start()
-        down_s = stack.restart("redis", down_s=REDIS_DOWN_S, sig=getattr(signal, how))
+        unreachable_s = stack.restart("redis", down_s=down_s, sig=getattr(signal, how))
         time.sleep(1.0)
         asking.set()
         asker.join(15)
@@ -559,8 +565,8 @@ def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: S
             assert running_stages(durable_log(stack, job["jobId"])) == 1
         refused = [c for c in codes if c != 200]
         figure(
-            f"redis_restart_aof_{how.lower()}",
-            redis_unreachable_s=round(down_s, 2),
+            f"redis_restart_aof_{how.lower()}_{down_s:g}s",
+            redis_unreachable_s=round(unreachable_s, 2),
             status_polls=len(codes),
             non_200=sorted(set(refused)),
             non_200_count=len(refused),
