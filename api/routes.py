@@ -129,6 +129,17 @@ async def execute(request: Request) -> Response:
         if earlier is not None:
             return await _replayed(state, earlier, idempotency_key)
     req = decode_request(ExecuteRequest, body)
+    cap = state.settings.max_retained_output_mb * 1024 * 1024
+    kept, frees_in_ms = await state.retained.check(owner, now_ms())
+    if kept >= cap:
+        retry = max(1000, frees_in_ms)
+        raise ApiError(
+            429,
+            f"Your finished jobs keep {kept // (1024 * 1024)} MiB of output in storage, the most one client may "
+            f"(MAX_RETAINED_OUTPUT_MB); it frees up as their results expire",
+            headers={"Retry-After": str(max(1, -(-retry // 1000)))},
+            retryAfterMs=retry,
+        )
     manifest, version = await state.catalog.resolve(req.language, req.version)
     decode_files(req.files, state.settings.max_files_bytes)
     check_args(req.args)

@@ -20,6 +20,8 @@ __all__ = [
     "output_stream_key",
     "owner_jobs_key",
     "realtime_channel",
+    "retained_key",
+    "retained_sizes_key",
     "spec_key",
     "start_flag_key",
     "status_key",
@@ -62,6 +64,16 @@ def stdin_key(job_id: str) -> str:
 def stdin_rate_key(job_id: str) -> str:
     """List of the arrival times (ms) of the job's most recent stdin frames."""
     return f"job:{job_id}:stdin:rate"
+
+
+def retained_key(owner: str) -> str:
+    """Sorted set of an API principal's finished jobs that keep output, scored by expiry ms."""
+    return f"owner:{owner}:retained"
+
+
+def retained_sizes_key(owner: str) -> str:
+    """Hash: job id -> output bytes it keeps, plus `_total` (the sum)."""
+    return f"owner:{owner}:retained:bytes"
 
 
 def unstarted_key(owner: str) -> str:

@@ -30,6 +30,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Jobs one API principal may have submitted but not started (queued or parked), so one
     # client cannot take every claim of the fleet.
     max_parked_per_principal: int = 500
+    # Output (logs and pullable copies) one principal's finished jobs may keep in Redis
+    # before its next job is refused (a 429 until some expire).
+    max_retained_output_mb: int = 1024
     max_request_bytes: int = 16 * 1024 * 1024
     max_files_bytes: int = 8 * 1024 * 1024
     # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
@@ -121,6 +124,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "API_PORT": ("api_port", _positive_int),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
+    "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),

@@ -90,3 +90,28 @@ def test_binary_output_is_exact_and_base64_in_the_pullable_result(api: Api, real
     assert time.monotonic() - t0 < 5
     assert out["stdoutEncoding"] == "base64" and base64.b64decode(out["stdout"]) == data
     assert out["stderrEncoding"] == "utf8" and out["stderr"] == "ok ✓"
+
+
+def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFactory) -> None:
+    # 3 MiB per client; each job keeps 2 MiB (1 MiB in the log, 1 MiB pullable).
+    stack = make_stack(MAX_RETAINED_OUTPUT_MB="3", RUN_RESULT_TTL="4")
+    api = Api(stack)
+    code = "import sys\nsys.stdout.write('y' * 1048576)\n"
+    try:
+        for _ in range(2):
+            job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 1024}))
+            api.start(job)
+            assert api.wait_state(job, {"done"}, timeout_s=30)["result"]["outcome"] == "completed"
+        refused = api.post("/v1/execute", json=py_job("print(1)"))
+        assert refused.status_code == 429, refused.text
+        body = refused.json()
+        assert "MAX_RETAINED_OUTPUT_MB" in body["error"] and 0 < body["retryAfterMs"] <= 5000
+        with stack.redis() as redis:
+            owner_keys = [k.decode() for k in redis.keys("owner:*:retained:bytes")]
+            assert len(owner_keys) == 1
+            assert int(redis.hget(owner_keys[0], "_total")) == 2 * 2 * 1048576
+        # As the results expire, the client may submit again.
+        time.sleep(body["retryAfterMs"] / 1000 + 0.5)
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+    finally:
+        api.close()

@@ -45,6 +45,8 @@ class JobEvents:
         # back before it started) may have logged some too: then the log is read instead.
         self._backlog: list[tuple[int, str, bytes]] = []
         self._log_has_more = next_seq > 0
+        # Output text this worker put in the log (what it keeps there, JSON aside).
+        self.stored_chunk_bytes = 0
 
     async def _advance(self, stored: list[tuple[int, str, str, bytes]], state: JobState | None, started: bool) -> None:
         """Append to the log, waiting out a Redis outage (up to REDIS_OUTAGE_S).
@@ -98,7 +100,9 @@ class JobEvents:
                 data = _encoder.encode(event)
                 encoded.append((seq, name, data))
                 if isinstance(event, ChunkEvent):
-                    stored.append((seq, name, "chunk", event.chunk.encode()))
+                    raw = event.chunk.encode()
+                    self.stored_chunk_bytes += len(raw)
+                    stored.append((seq, name, "chunk", raw))
                 else:
                     stored.append((seq, name, "data", data))
                 seq += 1

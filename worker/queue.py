@@ -88,8 +88,9 @@ return 1
 """
 )
 
-# KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr. ARGV: attempt,
-# ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr.
+# KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
+# retained set and sizes. ARGV: attempt, ttl s, state, now ms, result json, seq, stored output
+# json or '', job id, stdout, stderr, bytes of output this job keeps.
 _FINISH = (
     _TERMINAL_LUA
     + """
@@ -118,6 +119,15 @@ redis.call('EXPIRE', KEYS[4], ARGV[2])
 redis.call('EXPIRE', KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
+-- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
+local kept = tonumber(ARGV[11])
+if kept > 0 then
+  redis.call('ZADD', KEYS[10], tonumber(ARGV[4]) + 1000 * tonumber(ARGV[2]), ARGV[8])
+  redis.call('HSET', KEYS[11], ARGV[8], kept)
+  redis.call('HINCRBY', KEYS[11], '_total', kept)
+  redis.call('EXPIRE', KEYS[10], ARGV[2])
+  redis.call('EXPIRE', KEYS[11], ARGV[2])
+end
 return 1
 """
 )
@@ -333,10 +343,14 @@ class WorkerQueue:
         result_json: bytes,
         output_json: bytes | None,
         output: tuple[bytes, bytes] = (b"", b""),
+        owner: str = "",
+        kept_bytes: int = 0,
     ) -> bool:
         """Write the terminal state, the result event and the pullable output in one step.
 
         `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
+        `kept_bytes` (the output in the log and beside the result) goes on `owner`'s ledger
+        of retained output until the job's records expire.
         """
         ok = await self._finish(
             keys=[
@@ -349,10 +363,12 @@ class WorkerQueue:
                 keys.stdin_key(job_id),
                 keys.output_stream_key(job_id, "stdout"),
                 keys.output_stream_key(job_id, "stderr"),
+                keys.retained_key(owner),
+                keys.retained_sizes_key(owner),
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
-                output[0], output[1],
+                output[0], output[1], kept_bytes if owner else 0,
             ],
         )
         return bool(ok)

@@ -516,7 +516,15 @@ class JobRun:
         while True:
             try:
                 write = self.ctx.queue.finish(
-                    self.job_id, self.claim.attempt, OUTCOME_STATE[outcome], seq, result_json, output_json, output
+                    self.job_id,
+                    self.claim.attempt,
+                    OUTCOME_STATE[outcome],
+                    seq,
+                    result_json,
+                    output_json,
+                    output,
+                    owner=self.spec.owner,
+                    kept_bytes=self.events.stored_chunk_bytes + (sum(map(len, output)) if output_json else 0),
                 )
                 # Told twice to stop, the worker gives each write a moment, not minutes.
                 written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
