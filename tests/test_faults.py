@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -417,6 +418,72 @@ def test_worker_frozen_past_its_lease_writes_nothing_when_it_thaws(make_fleet: S
             record_unchanged=after == before,
             live_events_after_the_result=len(late),
         )
+    finally:
+        rt.close()
+        api.close()
+
+
+class LiveDuplicate(AssertionError):
+    """A live event delivered twice (the run itself was right)."""
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=LiveDuplicate,
+    reason=(
+        "product bug (worker/run.py JobRun.execute): after _park returns 'start' the worker "
+        "publishes its parked backlog (events.go_live) before its first fenced write "
+        "(events.state(STARTING)), so a worker thawed after losing a parked job's claim "
+        "republishes stage{queued} seq 0 live when the start reaches its still-open ctrl "
+        "subscription, and only then logs 'lease lost to another worker'"
+    ),
+)
+def test_parked_job_of_a_frozen_worker_runs_once_after_it_thaws(make_fleet: StackFactory) -> None:
+    """A worker frozen with a parked job: the job goes back to the queue and another worker
+    takes it. Thawed, the first one still holds its subscription and sees the start too; it
+    must neither run the job nor publish anything for it."""
+    stack = make_fleet(workers=2, supervise=True, **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('once')", collectOutput=True))
+        job_id = job["jobId"]
+        followed = rt.follow(job)
+        api.wait_state(job, {"parked"}, timeout_s=10)
+        owner = wait_until(lambda: holder(stack, job_id), 5, "the claim")
+        victim = worker_name(stack, owner)
+        stopped_at = time.monotonic()
+        stack.kill_worker(victim, signal.SIGSTOP)
+        try:
+            taken = wait_until(lambda: (h := holder(stack, job_id)) not in (None, owner) and h, 15, "a new claim")
+            reclaimed_after = time.monotonic() - stopped_at
+        finally:
+            stack.kill_worker(victim, signal.SIGCONT)
+        time.sleep(1.0)  # the thawed worker is back on its feet, still subscribed to the job
+        assert api.start(job).status_code == 202
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "completed", result
+        time.sleep(1.5)
+        log = durable_log(stack, job_id)
+        assert_contiguous(log)
+        assert running_stages(log) == 1 and len(results_in(log)) == 1, log
+        assert runs_logged(stack, job_id) == 1
+        assert f"job {job_id}: completed" not in incarnation_log(stack, victim, owner)
+        live = [(p["seq"], n) for n, p in followed.events]
+        doubled = [item for item, count in Counter(live).items() if count > 1]
+        figure(
+            "parked_job_worker_sigstop",
+            stop_to_reclaim_s=round(reclaimed_after, 2),
+            taken_by=worker_name(stack, taken),
+            live_events=len(live),
+            live_events_delivered_twice=doubled,
+        )
+        assert sorted(set(live)) == [(seq, name) for seq, name, _ in log], live
+        assert len(followed.results()) == 1
+        if doubled:
+            raise LiveDuplicate(f"delivered twice live: {doubled}; all live events: {live}")
     finally:
         rt.close()
         api.close()
