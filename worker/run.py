@@ -153,10 +153,12 @@ class JobRun:
             if signal != "start":
                 await self._end_unstarted(signal)
                 return
-            # The client subscribed before it started: from here on it sees every event,
-            # starting with the ones logged while the job was parked.
-            await self.events.go_live()
+            # Fenced first: a worker that lost the job while parked (frozen past its lease)
+            # must not publish anything of it. Then the client, which subscribed before it
+            # started, sees every event from here on, starting with the ones logged while
+            # the job was parked.
             await self.events.state(JobState.STARTING)
+            await self.events.go_live()
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             signal = await self._acquire_sandbox(sub.ctrl)
             if signal != "start":
