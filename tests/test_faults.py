@@ -423,24 +423,9 @@ def test_worker_frozen_past_its_lease_writes_nothing_when_it_thaws(make_fleet: S
         api.close()
 
 
-class LiveDuplicate(AssertionError):
-    """A live event delivered twice (the run itself was right)."""
-
-
 @pytest.mark.stack
 @pytest.mark.sandbox
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=LiveDuplicate,
-    reason=(
-        "product bug (worker/run.py JobRun.execute): after _park returns 'start' the worker "
-        "publishes its parked backlog (events.go_live) before its first fenced write "
-        "(events.state(STARTING)), so a worker thawed after losing a parked job's claim "
-        "republishes stage{queued} seq 0 live when the start reaches its still-open ctrl "
-        "subscription, and only then logs 'lease lost to another worker'"
-    ),
-)
 def test_parked_job_of_a_frozen_worker_runs_once_after_it_thaws(make_fleet: StackFactory) -> None:
     """A worker frozen with a parked job: the job goes back to the queue and another worker
     takes it. Thawed, the first one still holds its subscription and sees the start too; it
@@ -480,10 +465,9 @@ def test_parked_job_of_a_frozen_worker_runs_once_after_it_thaws(make_fleet: Stac
             live_events=len(live),
             live_events_delivered_twice=doubled,
         )
-        assert sorted(set(live)) == [(seq, name) for seq, name, _ in log], live
-        assert len(followed.results()) == 1
-        if doubled:
-            raise LiveDuplicate(f"delivered twice live: {doubled}; all live events: {live}")
+        # Live: every logged event once; the thawed worker published nothing for the job
+        # (it writes its fenced state change before it publishes the parked backlog).
+        assert sorted(live) == [(seq, name) for seq, name, _ in log], live
     finally:
         rt.close()
         api.close()
