@@ -7,6 +7,7 @@ after the result is published).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import time
@@ -17,27 +18,70 @@ from typing import Any
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime, py_job
 
-__all__ = ["Baseline", "HostWatch"]
+__all__ = ["Baseline", "HostWatch", "cgroup_mounts", "check_result_shape", "check_trivial_job"]
 
 RESULT_FIELDS = {
     "exitCode", "signal", "timedOut", "idleTimedOut", "truncated", "durationMs", "cpuMs", "memoryKb",
     "outcome", "compile", "stdout", "stderr",
 }  # fmt: skip
 
+# I6/I7 allowances: the spread measured after each of ~130 hostile programs (three whole
+# runs of the suite on a busy two-core VM, other stacks running beside it), with margin.
+#   Shmem (host-wide, so other stacks' tmpfs files count too): -4.2 .. +5.0 MiB. 12 MiB
+#     still catches one jail's filled /tmp or /dev/shm (16 MiB each).
+#   Worker descriptors: +1 or +2 per job, +5 at most; finished jails' pipes close in
+#     batches (when their transports are collected), so the count drifts up and drops.
+#   Worker RSS: -4.1 .. +3.9 MiB.
+SHMEM_SLACK_KB = 12 * 1024
+WORKER_FD_SLACK = 8
+WORKER_RSS_SLACK_KB = 16 * 1024
+
+
+# The v1 hierarchies a hybrid host's worker creates sandbox cgroups in (cpuacct only
+# without cgroup2), each holding <deployment>/<sandbox> and <deployment>/supervisor.
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+
 
 def _read(path: str | Path) -> str:
+    """A file that must be readable: an error is a broken observation, never "nothing there"."""
+    return Path(path).read_text()
+
+
+def _read_vanishing(path: str | Path) -> str:
+    """A /proc or cgroup entry that may go away while it is read (a process exits, a cgroup is
+    removed): gone reads as empty; any other error still raises."""
     try:
         return Path(path).read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return ""
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return ""
+        raise
 
 
 def _proc_status(pid: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for line in _read(f"/proc/{pid}/status").splitlines():
+    for line in _read_vanishing(f"/proc/{pid}/status").splitlines():
         key, _, value = line.partition(":")
         out[key] = value.strip()
     return out
+
+
+def cgroup_mounts(mounts: str) -> tuple[Path | None, dict[str, Path]]:
+    """The cgroup2 mount and each v1 controller's mount, read here rather than taken from the
+    worker's own layout code, so a mistake there cannot hide a leftover from these checks."""
+    v2: Path | None = None
+    v1: dict[str, Path] = {}
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == "cgroup2" and v2 is None:
+            v2 = Path(fields[1])
+        elif len(fields) >= 4 and fields[2] == "cgroup":
+            for option in fields[3].split(","):
+                if option in V1_CONTROLLERS:
+                    v1.setdefault(option, Path(fields[1]))
+    return v2, v1
 
 
 def _fingerprint(path: Path) -> tuple[str, int, int, int]:
@@ -61,7 +105,7 @@ class HostWatch:
         self.stack = stack
         self.dep = stack.deployment
         self.work_root = Path(f"/run/{self.dep}")
-        self.jobs_dir = Path("/sys/fs/cgroup/unified") / self.dep / "jobs"
+        self.v2_root, self.v1_roots = cgroup_mounts(_read("/proc/self/mounts"))
         slots = int(stack.extra_env.get("WORKER_MAX_SANDBOXES", "8"))
         # Job uids of every worker of this stack (slots, plus the self-test's one past them).
         self.uids = set(range(stack.uid_base, stack.uid_base + slots + 1))
@@ -77,12 +121,30 @@ class HostWatch:
     def worker_pid(self) -> int:
         return self.stack.procs["worker"].pid
 
+    def worker_pids(self) -> set[int]:
+        return {proc.pid for name, proc in self.stack.procs.items() if name.startswith("worker")}
+
     def zombies(self) -> int:
-        count = 0
+        """Zombies this stack is responsible for: children of its processes (the services,
+        nsjail, anything they started) or of its job uids. Other stacks and test runs on the
+        host make zombies of their own, which are none of this stack's business."""
+        table: dict[int, tuple[int, str, int]] = {}  # pid -> (ppid, state, uid)
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _proc_status(entry.name).get("State", "").startswith("Z"):
-                count += 1
-        return count
+            if entry.name.isdigit():
+                status = _proc_status(entry.name)
+                if status.get("PPid") and status.get("Uid"):
+                    table[int(entry.name)] = (int(status["PPid"]), status.get("State", ""), int(status["Uid"].split()[0]))
+        ours = {proc.pid for proc in self.stack.procs.values()}
+        grew = True
+        while grew:
+            more = {pid for pid, (ppid, _, _) in table.items() if ppid in ours} - ours
+            ours |= more
+            grew = bool(more)
+        return sum(
+            1
+            for pid, (ppid, state, uid) in table.items()
+            if state.startswith("Z") and (ppid in ours or uid in self.uids)
+        )
 
     def ipc(self) -> str:
         # The host's SysV IPC objects (the jail's namespace would show none of them).
@@ -92,13 +154,16 @@ class HostWatch:
         for line in _read("/proc/meminfo").splitlines():
             if line.startswith("Shmem:"):
                 return int(line.split()[1])
-        return 0
+        raise AssertionError("/proc/meminfo has no Shmem line")
 
     def worker_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.worker_pid()}/fd"))
 
     def worker_rss_kb(self) -> int:
-        return int(_proc_status(str(self.worker_pid())).get("VmRSS", "0 kB").split()[0])
+        for line in _read(f"/proc/{self.worker_pid()}/status").splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError(f"the worker ({self.worker_pid()}) has no VmRSS: is it a zombie?")
 
     def redis_clients(self) -> int:
         with self.stack.redis() as redis:
@@ -108,7 +173,7 @@ class HostWatch:
         """Parked gates of this stack: the gate binary, running as one of its job uids."""
         found = set()
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _read(entry / "cmdline").startswith("/.coderunner/gate\0"):
+            if entry.name.isdigit() and _read_vanishing(entry / "cmdline").startswith("/.coderunner/gate\0"):
                 uid_line = _proc_status(entry.name).get("Uid", "")
                 if uid_line and int(uid_line.split()[0]) in self.uids:
                     found.add(int(entry.name))
@@ -123,15 +188,64 @@ class HostWatch:
                 continue
             uid_line = _proc_status(entry.name).get("Uid", "")
             if uid_line and int(uid_line.split()[0]) in self.uids:
-                found[int(entry.name)] = _read(entry / "cmdline").replace("\0", " ")[:120]
+                found[int(entry.name)] = _read_vanishing(entry / "cmdline").replace("\0", " ")[:120]
         return found
 
-    def sandbox_cgroups(self) -> dict[str, list[int]]:
-        out = {}
-        if self.jobs_dir.is_dir():
-            for d in self.jobs_dir.iterdir():
-                if d.is_dir():
-                    out[d.name] = [int(p) for p in _read(d / "cgroup.procs").split()]
+    def stray_nsjails(self) -> dict[int, str]:
+        """nsjail processes of this stack (their command line binds a workspace under the
+        stack's work root) that its workers do not own. They run as root, so the job-uid scan
+        never sees them: a jail orphaned by its worker, still holding its gate and workspace.
+
+        Owned: the worker's own child (the launcher shell, then nsjail after its exec), and
+        that nsjail's child for the moment before it execs the gate.
+        """
+        marker = f"{self.work_root}/"
+        ours: dict[int, tuple[int, str]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            argv = _read_vanishing(entry / "cmdline").split("\0")
+            if any(Path(arg).name == "nsjail" for arg in argv) and any(marker in arg for arg in argv):
+                stat = _read_vanishing(entry / "stat")
+                if stat:
+                    ours[int(entry.name)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), " ".join(argv)[:160])
+        workers = self.worker_pids()
+        return {
+            pid: text
+            for pid, (ppid, text) in ours.items()
+            if ppid not in workers and not (ppid in ours and ours[ppid][0] in workers)
+        }
+
+    def cgroup_trees(self) -> dict[str, Path]:
+        """Where this stack's sandbox cgroups live, per hierarchy: the cgroup2 tree's `jobs`
+        folder and every v1 controller's deployment folder (the worker creates all of these
+        at start-up, so each must exist)."""
+        trees: dict[str, Path] = {}
+        if self.v2_root is not None:
+            trees["v2"] = self.v2_root / self.dep / "jobs"
+        for ctrl in V1_CONTROLLERS:
+            root = self.v1_roots.get(ctrl)
+            if root is not None and (ctrl != "cpuacct" or (root / self.dep).is_dir()):
+                trees[f"v1 {ctrl}"] = root / self.dep
+        for label, tree in trees.items():
+            if not tree.is_dir():
+                raise AssertionError(f"the {label} cgroup tree of this stack is missing: {tree}")
+        if not trees:
+            raise AssertionError("no cgroup hierarchy is mounted")
+        return trees
+
+    def sandbox_cgroups(self) -> dict[str, dict[str, list[int]]]:
+        """Every sandbox cgroup of this stack in every hierarchy: tree -> name -> its pids."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for label, tree in self.cgroup_trees().items():
+            found: dict[str, list[int]] = {}
+            for d in tree.iterdir():
+                if d.name in ("supervisor", "jobs") or not d.is_dir():
+                    continue
+                pids = [int(p) for p in _read_vanishing(d / "cgroup.procs").split()]
+                if d.is_dir():  # else it was removed between the listing and the read: gone
+                    found[d.name] = pids
+            out[label] = found
         return out
 
     def workspace_mounts(self) -> set[str]:
@@ -158,15 +272,21 @@ class HostWatch:
     def problems(self, base: Baseline) -> list[str]:
         found: list[str] = []
         gates = self.gate_pids()
-        cgroups = self.sandbox_cgroups()
-        # I1: every sandbox cgroup left is a parked warm sandbox (one gate, nothing else).
-        for name, pids in cgroups.items():
-            if len(pids) != 1 or pids[0] not in gates:
-                found.append(f"I1 sandbox cgroup {name} holds {pids}")
-        # I2: nothing runs as a job uid except parked gates; no new zombies.
+        trees = self.sandbox_cgroups()
+        # I1: every sandbox cgroup left, in every hierarchy, is a parked warm sandbox (one
+        # gate, nothing else).
+        for label, cgroups in trees.items():
+            for name, pids in cgroups.items():
+                if len(pids) != 1 or pids[0] not in gates:
+                    found.append(f"I1 {label} sandbox cgroup {name} holds {pids}")
+        # I2: nothing runs as a job uid except parked gates; no nsjail of this stack outside
+        # its workers; no new zombies.
         stray = self.job_uid_processes()
         if stray:
             found.append(f"I2 processes left as job uids: {stray}")
+        orphans = self.stray_nsjails()
+        if orphans:
+            found.append(f"I2 nsjail processes no worker owns: {orphans}")
         if self.zombies() > base.zombies:
             found.append(f"I2 zombies {self.zombies()} > {base.zombies}")
         # I3: the services are alive; Redis saw no extra clients stay connected.
@@ -181,18 +301,25 @@ class HostWatch:
                 found.append(f"I4 {path} changed")
         # I5: only warm sandboxes' workspaces stay mounted.
         mounts = self.workspace_mounts()
-        warm = {str(self.work_root / name) for name, pids in cgroups.items() if pids and pids[0] in gates}
+        warm = {
+            str(self.work_root / name)
+            for cgroups in trees.values()
+            for name, pids in cgroups.items()
+            if len(pids) == 1 and pids[0] in gates
+        }
         if mounts - warm:
             found.append(f"I5 workspace mounts left: {sorted(mounts - warm)}")
         # I6: no host IPC objects appeared; shared memory back near its baseline.
         if self.ipc() != base.ipc:
             found.append("I6 host SysV IPC objects changed")
-        if self.shmem_kb() > base.shmem_kb + 32 * 1024:
+        if self.shmem_kb() > base.shmem_kb + SHMEM_SLACK_KB:
             found.append(f"I6 Shmem {self.shmem_kb()} kB vs {base.shmem_kb} kB")
-        # I7: the worker leaks neither descriptors nor memory.
-        if self.worker_fds() > base.worker_fds + 12:
+        # I7: the worker leaks neither descriptors nor memory (a dead worker is I3's).
+        if "worker" in dead:
+            return found
+        if self.worker_fds() > base.worker_fds + WORKER_FD_SLACK:
             found.append(f"I7 worker fds {self.worker_fds()} > {base.worker_fds}")
-        if self.worker_rss_kb() > base.worker_rss_kb + 64 * 1024:
+        if self.worker_rss_kb() > base.worker_rss_kb + WORKER_RSS_SLACK_KB:
             found.append(f"I7 worker RSS {self.worker_rss_kb()} kB > {base.worker_rss_kb} kB")
         return found
 
