@@ -80,6 +80,11 @@ class OutputFlusher:
         self._wakeup.set()
         await self._task
 
+    @property
+    def task(self) -> asyncio.Task[None]:
+        """The flushing task (supervise watches it: if it fails, output has nowhere to go)."""
+        return self._task
+
     def abort(self) -> None:
         if not self._task.done():
             self._task.cancel()

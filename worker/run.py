@@ -51,6 +51,7 @@ from worker.queue import Claim, Fenced
 from worker.sandbox import Sandbox
 from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
+from worker.tasks import cancel_and_wait
 from worker.workspace import WorkspaceError
 
 __all__ = ["JobRun"]
@@ -274,9 +275,8 @@ class JobRun:
 
     @staticmethod
     async def _discard(task: asyncio.Task[None] | None) -> None:
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is not None:
+            await cancel_and_wait([task])
 
     # ------------------------------------------------------------------ load
 
@@ -407,6 +407,7 @@ class JobRun:
                 [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
                 inbox,
                 feed_stdin=close_stdin,
+                sink=flusher.task,
             )
             flusher.add("compile_output", output.flush())
             await flusher.close()
@@ -431,7 +432,9 @@ class JobRun:
             self.claim.attempt,
             stdin,
             self.spec.stdin.encode() if self.spec.stdin else None,
-            close_after_upfront=self.spec.close_stdin and self.spec.stdin is not None,
+            # EOF after the up-front input, if any: closeStdin (the API's default is to
+            # close when stdin was given, keep open when it was not).
+            close_after_upfront=self.spec.close_stdin,
         )
 
         flusher = OutputFlusher(self.events)
@@ -457,11 +460,13 @@ class JobRun:
                 [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
                 inbox,
                 feed_stdin=feed_stdin,
+                sink=flusher.task,
             )
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()
         finally:
+            feed.stop()
             flusher.abort()
         return facts
 

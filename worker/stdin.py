@@ -53,6 +53,11 @@ class StdinFeed:
         self.written_bytes = 0
         # The program closed its stdin (or exited): later frames are consumed unwritten.
         self._broken = False
+        self._stopped = False
+
+    def stop(self) -> None:
+        """The step is over: stop at the next chance, even if a cancellation was lost."""
+        self._stopped = True
 
     async def run(self, writer: asyncio.StreamWriter, activity: Activity) -> None:
         """Feed the program until EOF; cancelled when the step ends."""
@@ -66,40 +71,49 @@ class StdinFeed:
             self._close(writer)
 
     async def _follow(self, writer: asyncio.StreamWriter, activity: Activity) -> None:
+        # One pending get at a time, waited on with asyncio.wait rather than wait_for: on
+        # Python 3.11 a wait_for cancelled as its get completes can leave the task hanging.
+        getter: asyncio.Future[StdinFrame] | None = None
         catch_up = True
-        while True:
-            if catch_up:
-                try:
-                    frames = await self._queue.stdin_frames(self._job_id, self.last_id, BATCH)
-                except RedisError as exc:
-                    log.warning("job %s: reading stdin failed (%s); retrying", self._job_id, exc)
-                    await asyncio.sleep(0.5)
-                    continue
-                for frame in frames:
-                    if frame.n < self.next_n:
-                        continue
-                    if await self._apply(writer, activity, frame.id, frame.kind, bytes(frame.data)):
-                        return
-                catch_up = len(frames) == BATCH
+        try:
+            while not self._stopped:
                 if catch_up:
+                    try:
+                        frames = await self._queue.stdin_frames(self._job_id, self.last_id, BATCH)
+                    except RedisError as exc:
+                        log.warning("job %s: reading stdin failed (%s); retrying", self._job_id, exc)
+                        await asyncio.sleep(0.5)
+                        continue
+                    for frame in frames:
+                        if frame.n < self.next_n:
+                            continue
+                        if await self._apply(writer, activity, frame.id, frame.kind, bytes(frame.data)):
+                            return
+                    catch_up = len(frames) == BATCH
+                    if catch_up:
+                        continue
+                if getter is None:
+                    getter = asyncio.ensure_future(self._inbox.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+                if not done:
+                    catch_up = True
                     continue
-            try:
-                message = await asyncio.wait_for(self._inbox.get(), POLL_S)
-            except TimeoutError:
-                catch_up = True
-                continue
-            if message.n < self.next_n:
-                continue  # written already (read from the stream before its message came)
-            if message.n > self.next_n:
-                catch_up = True  # a message went missing: the stream has it
-                continue
-            try:
-                data = base64.b64decode(message.data, validate=True)
-            except (binascii.Error, ValueError):
-                catch_up = True
-                continue
-            if await self._apply(writer, activity, message.id, message.kind, data):
-                return
+                message, getter = getter.result(), None
+                if message.n < self.next_n:
+                    continue  # written already (read from the stream before its message came)
+                if message.n > self.next_n:
+                    catch_up = True  # a message went missing: the stream has it
+                    continue
+                try:
+                    data = base64.b64decode(message.data, validate=True)
+                except (binascii.Error, ValueError):
+                    catch_up = True
+                    continue
+                if await self._apply(writer, activity, message.id, message.kind, data):
+                    return
+        finally:
+            if getter is not None:
+                getter.cancel()
 
     async def _apply(self, writer: asyncio.StreamWriter, activity: Activity, frame_id: str, kind: str, data: bytes) -> bool:
         """Write one frame; True when it was EOF."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from shared.messages import CtrlMessage
 from worker.cgroups import JobCgroup
 from worker.jail import Jail, JailExit, Program
+from worker.tasks import cancel_and_wait
 
 __all__ = ["Activity", "Clocks", "StepFacts", "supervise"]
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 CPU_POLL_S = 0.05
 READ_SIZE = 65536
 EXIT_GRACE_S = 5.0
+CHILD_EXIT_S = 2.0
 
 OnData = Callable[[bytes], Awaitable[None]]
 
@@ -76,6 +78,7 @@ async def supervise(
     pumps: list[tuple[asyncio.StreamReader | None, OnData]],
     inbox: asyncio.Queue[object],
     feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
+    sink: asyncio.Task[None] | None = None,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end."""
     loop = asyncio.get_running_loop()
@@ -107,13 +110,14 @@ async def supervise(
             timeout = min(go_at + wall_s - now, CPU_POLL_S)
             if idle_s is not None:
                 timeout = min(timeout, activity.last + idle_s - now)
-            done, _ = await asyncio.wait(
-                {exit_task, inbox_task, *readers}, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED
-            )
+            watched = {exit_task, inbox_task, *readers, *([sink] if sink is not None and not sink.done() else [])}
+            done, _ = await asyncio.wait(watched, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
             if exit_task in done:
                 ended_at = loop.time()
                 break
-            failed = [r for r in readers if r.done() and not r.cancelled() and r.exception() is not None]
+            # `sink` is what takes the output away (the flusher): if it failed, nothing will.
+            takers = [*readers, *([sink] if sink is not None else [])]
+            failed = [t for t in takers if t.done() and not t.cancelled() and t.exception() is not None]
             if failed:
                 # Nothing drains that pipe any more (e.g. the job was fenced off while
                 # publishing): stop the program now rather than let it block on a full pipe.
@@ -142,9 +146,10 @@ async def supervise(
         inbox_task.cancel()
         if not exit_task.done():
             exit_task.cancel()
-        for task in children:
-            task.cancel()
-        outcomes = await asyncio.gather(*children, return_exceptions=True)
+        # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
+        # hold the job forever; the stdin feeder also stops on a flag of its own.
+        await cancel_and_wait(children, CHILD_EXIT_S)
+        outcomes = [t.exception() if t.done() and not t.cancelled() else None for t in children]
     for outcome in outcomes:
         # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
         if isinstance(outcome, Exception):

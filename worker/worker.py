@@ -39,6 +39,7 @@ from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
 from worker.runtimes import Runtime
 from worker.sandbox import SandboxFactory
+from worker.tasks import cancel_and_wait
 
 __all__ = ["Worker", "WorkerIdInUse"]
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_POLL_S = 1.0
 COMMAND_TIMEOUT_S = 5.0
+JOB_CANCEL_WAIT_S = 10.0
 
 # A dropped connection is re-dialled and the command retried before anything fails; a job's
 # events and result must survive a Redis blip, not end the job.
@@ -151,9 +153,7 @@ class Worker:
         finally:
             # Running jobs always get their grace and their result, even if claiming failed.
             await self._drain(ctx)
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await cancel_and_wait(background)
             await self.pool.close()
             try:
                 # Bounded: a worker told twice to stop must stop even while Redis is away (its
@@ -204,10 +204,8 @@ class Worker:
             await asyncio.wait({claimer, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
-            if not claimer.done():
-                claimer.cancel()
-            await asyncio.gather(claimer, return_exceptions=True)
-        if not claimer.cancelled() and claimer.exception() is not None:
+            await cancel_and_wait([claimer])
+        if claimer.done() and not claimer.cancelled() and claimer.exception() is not None:
             raise claimer.exception()  # type: ignore[misc]
 
     async def _claim_loop(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> None:
@@ -266,9 +264,8 @@ class Worker:
         hard.cancel()
         if self._jobs:
             log.warning("cancelling %d running jobs", len(self._jobs))
-            for task in list(self._jobs):
-                task.cancel()
-            await asyncio.gather(*self._jobs, return_exceptions=True)
+            # Each cancelled job still writes its one result (briefly, under a hard stop).
+            await cancel_and_wait(list(self._jobs), JOB_CANCEL_WAIT_S)
         all_done.cancel()
 
     async def _heartbeat(self, ctx: WorkerContext) -> None:
