@@ -380,22 +380,31 @@ async def job_output(request: Request) -> Response:
     wait_ms = min(int(raw_wait), MAX_WAIT_MS)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_ms / 1000
-    delay = 0.02
+    store = state.store
+    missing = "No output for this job (unknown, not collected, not finished, or expired)"
+    # Waiting is event-driven: the result is appended to the job's event log in the same
+    # script that stores the output, so a blocking read of the log wakes the moment it
+    # lands. The cursor is taken before each look, so nothing lands unseen in between.
+    cursor = await store.last_event_id(status.job_id) if wait_ms else None
     while True:
-        found = await state.store.output(status.job_id)
+        found = await store.output(status.job_id)
         if found is not None:
             return _output_response(state, status.job_id, *found)
-        if loop.time() >= deadline:
-            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
-        current = await state.store.status(status.job_id)
+        left_ms = int((deadline - loop.time()) * 1000)
+        if left_ms <= 0 or cursor is None:
+            raise ApiError(404, missing)
+        current = await store.status(status.job_id)
         if current is None or current.state in TERMINAL_STATES:
             # The result and the output are written together: one more look settles a race.
-            found = await state.store.output(status.job_id)
+            found = await store.output(status.job_id)
             if found is not None:
                 return _output_response(state, status.job_id, *found)
-            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)")
-        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-        delay = min(delay * 1.5, 0.25)
+            raise ApiError(404, missing)
+        cursor = await store.wait_for_events(status.job_id, cursor, min(left_ms, OUTPUT_WAIT_SLICE_MS))
+
+
+# One blocking read of the event log lasts at most this long before the job is looked at again.
+OUTPUT_WAIT_SLICE_MS = 5000
 
 
 def _output_response(state: AppState, job_id: str, meta: bytes, apart: bool) -> Response:

@@ -627,6 +627,19 @@ class JobStore:
             out.append((entry_id.decode(), seq, fields[b"name"].decode(), entry_json(seq, fields)))
         return out
 
+    async def last_event_id(self, job_id: str) -> str:
+        """The stream id of the job's newest logged event ("0-0" for none)."""
+        newest = await self._redis.xrevrange(keys.events_key(job_id), count=1)
+        return newest[0][0].decode() if newest else "0-0"
+
+    async def wait_for_events(self, job_id: str, after_id: str, block_ms: int) -> str:
+        """Block until the job logs something after `after_id` (or `block_ms` passes);
+        returns the newest id seen, to wait from next."""
+        answer = await self._streams.xread({keys.events_key(job_id): after_id}, count=500, block=max(1, block_ms))
+        if answer and answer[0][1]:
+            return answer[0][1][-1][0].decode()
+        return after_id
+
     async def output(self, job_id: str) -> tuple[bytes, bool] | None:
         """The stored result of a collectOutput job, or None: (JSON, raw), where `raw` says
         the output bytes are stored apart (a StoredOutput); otherwise the JSON is a whole

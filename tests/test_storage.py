@@ -115,3 +115,17 @@ def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFac
         assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
     finally:
         api.close()
+
+
+def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:
+    lags = []
+    for _ in range(5):
+        job = api.execute(py_job("import time\ntime.sleep(0.5)\nprint('late')\n", collectOutput=True))
+        api.start(job)
+        response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "10000"})
+        answered_ms = time.time() * 1000
+        assert response.status_code == 200 and response.json()["stdout"] == "late\n"
+        lags.append(answered_ms - api.status(job)["updatedAtMs"])
+    # The answer follows the stored result by a few ms, not by a polling interval.
+    lags.sort()
+    assert lags[2] < 30, lags
