@@ -377,20 +377,25 @@ def test_worker_frozen_past_its_lease_writes_nothing_when_it_thaws(make_fleet: S
             wait_until(lambda: status_hash(stack, job_id).get(b"state") == b"lost", 15, "lost", 0.01)
             lost_after = time.monotonic() - stopped_at
             followed.wait_result(timeout_s=10)
-            time.sleep(1.0)  # frozen for well past the lease
+            # Frozen until the fleet has recovered everything: the job is lost and the other
+            # worker's janitor has killed and removed the frozen one's jails, this job's too.
+            wait_until(lambda: not _sandboxes_of(stack, owner), 20, "the frozen worker's jails to be swept", 0.1)
+            swept_after = time.monotonic() - stopped_at
+            time.sleep(0.5)
             before = _record(stack, job_id)
         finally:
             stack.kill_worker(victim, signal.SIGCONT)
         thawed_at = time.monotonic()
-        # The thawed worker finds out at its first write for the job and gives it up.
-        wait_until(
-            lambda: f"job {job_id}: lease lost" in incarnation_log(stack, victim, owner)
-            or f"job {job_id}: result not written" in incarnation_log(stack, victim, owner),
-            15,
-            "the thawed worker to notice",
-        )
-        noticed_after = time.monotonic() - thawed_at
-        time.sleep(2.0)
+
+        # The thawed worker finds out at its first write for the job and gives it up (its
+        # first write is usually a batch of the output its program wrote before the kill).
+        def gave_up() -> bool:
+            text = incarnation_log(stack, victim, owner)
+            return f"job {job_id}: lease lost" in text or f"job {job_id}: result not written" in text
+
+        wait_until(gave_up, 15, "the thawed worker to give the job up", 0.01)
+        gave_up_after = time.monotonic() - thawed_at
+        time.sleep(1.0)
         after = _record(stack, job_id)
         assert after == before, "the thawed worker changed the record"
         log = durable_log(stack, job_id)
@@ -414,9 +419,10 @@ def test_worker_frozen_past_its_lease_writes_nothing_when_it_thaws(make_fleet: S
             lease_ms=LEASE_MS,
             heartbeat_ms=HEARTBEAT_MS,
             stop_to_lost_s=round(lost_after, 2),
-            thaw_to_fenced_s=round(noticed_after, 2),
+            stop_to_jails_swept_s=round(swept_after, 2),
             record_unchanged=after == before,
             live_events_after_the_result=len(late),
+            thaw_to_job_given_up_s=round(gave_up_after, 2),
         )
     finally:
         rt.close()
