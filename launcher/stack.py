@@ -92,6 +92,7 @@ def remove_deployment(deployment: str) -> None:
     Workers clean up after themselves when stopped; this also covers a worker that was
     killed (tests do that on purpose) with no other worker left to run its janitor.
     """
+    from worker.mounts import detach
     from worker.workspace import detach_workspace
 
     roots = [Path("/sys/fs/cgroup") / c / deployment for c in ("memory", "pids", "cpu", "cpuacct", "unified")]
@@ -120,6 +121,22 @@ def remove_deployment(deployment: str) -> None:
         for child in [*work_root.iterdir(), *(toolchains.iterdir() if toolchains.is_dir() else [])]:
             if child.is_dir() and child != toolchains:
                 detach_workspace(child, mounts)
+        # Workers that started at the same moment may each have mounted the shared `.gate`
+        # and toolchain folders (one on top of the other): detach every layer left.
+        prefix = f"{work_root}/"
+        for _ in range(8):
+            left = [
+                line.split()[1]
+                for line in Path("/proc/self/mounts").read_text().splitlines()
+                if len(line.split()) > 1 and line.split()[1].startswith(prefix)
+            ]
+            if not left:
+                break
+            for point in sorted(left, key=len, reverse=True):
+                try:
+                    detach(point)
+                except Exception:  # MountError: left for the next round, then for rmtree
+                    pass
         shutil.rmtree(work_root, ignore_errors=True)
 
 
@@ -234,8 +251,10 @@ class Stack:
             self._start_soketi(timeout_s)
             self._start_api(timeout_s)
             if self.with_worker and self.workers > 0:
-                # All at once (each builds and self-tests its sandboxes), then wait for each.
-                names = [self._add_worker() for _ in range(self.workers)]
+                # The first worker alone (it mounts the folders the deployment's workers
+                # share), then the others at once, then wait for each.
+                self.start_worker(timeout_s)
+                names = [self._add_worker() for _ in range(self.workers - 1)]
                 for name in names:
                     self._wait_worker_ready(name, timeout_s)
             if self.supervise:

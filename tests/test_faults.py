@@ -190,7 +190,12 @@ def test_up_restarts_a_dead_worker_and_stops_when_the_api_dies(tmp_path: Path) -
     reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        banner = wait_until(lambda: "".join(lines) if "Ctrl-C stops everything" in "".join(lines) else "", 90, "the banner")
+        try:
+            wait_until(lambda: "Ctrl-C stops everything" in "".join(lines) or up.poll() is not None, 90, "the banner")
+            banner = "".join(lines)
+            assert "Ctrl-C stops everything" in banner, f"`up` exited with {up.poll()}"
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; `up` said:\n{''.join(lines)}") from None
         token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
         log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
         ids = re.search(r"Workers\s+2 \((\S+), (\S+)\)", banner)
