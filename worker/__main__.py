@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import socket
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.errors import ConfigError
@@ -77,21 +80,24 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
     work_root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    try:
-        gate = await build_gate(work_root)
-    except GateBuildError as exc:
-        raise SandboxUnavailable(str(exc)) from None
     runtimes = await discover_runtimes(load_manifests(pdir))
     if not runtimes:
         raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
-    try:
-        mounts = expose_mounts(
-            sorted({m for r in runtimes.values() for m in r.manifest.mounts}),
-            work_root,
-            Path("/proc/self/mounts").read_text(),
-        )
-    except ToolchainError as exc:
-        raise SandboxUnavailable(str(exc)) from None
+    # Workers starting together on one host share the work root's gate and toolchain
+    # mounts: each looks, then mounts what is missing, one at a time.
+    async with _work_root_lock(work_root):
+        try:
+            gate = await build_gate(work_root)
+        except GateBuildError as exc:
+            raise SandboxUnavailable(str(exc)) from None
+        try:
+            mounts = expose_mounts(
+                sorted({m for r in runtimes.values() for m in r.manifest.mounts}),
+                work_root,
+                Path("/proc/self/mounts").read_text(),
+            )
+        except ToolchainError as exc:
+            raise SandboxUnavailable(str(exc)) from None
     factory = SandboxFactory(
         nsjail=nsjail,
         profiles_dir=pdir,
@@ -106,6 +112,16 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
     await self_test(factory, worker_id, settings.worker_max_sandboxes)
     log.info("sandbox ready: %s; nsjail %s", layout.describe(), nsjail)
     return factory, runtimes
+
+
+@contextlib.asynccontextmanager
+async def _work_root_lock(work_root: Path) -> AsyncIterator[None]:
+    fd = os.open(work_root / ".setup.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def new_worker_id(settings: Settings) -> str:
