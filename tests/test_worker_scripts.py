@@ -1,0 +1,136 @@
+"""Every state-changing Lua script of the worker may run twice: redis-py re-sends a command
+whose reply was lost with its connection. Each test runs a worker operation for real, then
+sends its script again with the very same keys and args, against a real redis-server, and
+checks that Redis holds what one run leaves (every key, its contents and its TTL).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from api.store import JobStore
+from shared import keys
+from shared.messages import JobState
+from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
+from worker.queue import WorkerQueue
+
+pytestmark = [pytest.mark.stack]
+
+__all__ = ["redis_stack"]  # the module-scoped stack fixture, shared with the API's script tests
+
+
+class Recorded:
+    """A registered script that remembers how it was called, to send the same call again."""
+
+    def __init__(self, script: Any) -> None:
+        self.script = script
+        self.calls: list[tuple[list[Any], list[Any]]] = []
+
+    async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
+        self.calls.append((keys, args))
+        return await self.script(keys=keys, args=args)
+
+    async def again(self) -> Any:
+        keys_, args = self.calls[-1]
+        return await self.script(keys=keys_, args=args)
+
+
+@pytest.fixture
+async def redis(redis_stack) -> AsyncIterator[Redis]:  # type: ignore[no-untyped-def]
+    client = Redis.from_url(redis_stack.redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def queue(redis: Redis) -> WorkerQueue:
+    q = WorkerQueue(redis, "w-" + uuid.uuid4().hex[:8], RECORD_TTL_S, RESULT_TTL_S)
+    for name in ("_claim", "_advance", "_finish", "_hand_back", "_reap", "_stdin_written"):
+        setattr(q, name, Recorded(getattr(q, name)))
+    return q
+
+
+async def _claimed(redis: Redis, queue: WorkerQueue) -> Any:
+    spec = _spec()
+    answer = await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)
+    assert answer.outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.spec.job_id == spec.job_id
+    return claim
+
+
+async def test_claim_sent_twice_takes_one_attempt(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    after_one = await snapshot(redis)
+    again = await queue._claim.again()  # type: ignore[attr-defined]
+    assert again is not None and int(again[0]) == claim.attempt == 1
+    assert_same_state(after_one, await snapshot(redis))
+    assert await redis.hget(keys.status_key(claim.spec.job_id), "state") == b"parked"
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+
+
+async def test_advance_sent_twice_appends_once(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    events = [(0, "stage", "data", b'{"phase":"queued","seq":0}'), (1, "stdout", "chunk", b"hello\n")]
+    await queue.advance(job, claim.attempt, events, state=JobState.RUNNING, started=True)
+    after_one = await snapshot(redis)
+    assert await queue._advance.again() == 1  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    assert [int(f[b"seq"]) for _, f in await redis.xrange(keys.events_key(job))] == [0, 1]
+    # The next batch still goes in.
+    await queue.advance(job, claim.attempt, [(2, "stdout", "chunk", b"more\n")])
+    assert await redis.xlen(keys.events_key(job)) == 3
+
+
+async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(0, "stage", "data", b'{"phase":"queued","seq":0}')])
+    result = b'{"outcome":"completed","seq":1}'
+    assert await queue.finish(job, claim.attempt, JobState.DONE, 1, result, b'{"x":1}', (b"out", b"err"), "owner-a", 10)
+    after_one = await snapshot(redis)
+    assert await queue._finish.again() == 1  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
+    assert names.count(b"result") == 1
+    assert int(await redis.hget(keys.retained_sizes_key("owner-a"), "_total")) == 10
+
+
+async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    assert await queue.hand_back(job, claim.attempt, to_back=True)
+    after_one = await snapshot(redis)
+    assert await queue._hand_back.again() == 0  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [job.encode()]
+    assert await redis.hget(keys.status_key(job), "handovers") == b"1"
+
+
+async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(0, "stage", "data", b'{"phase":"running","seq":0}')], started=True)
+    ended = await queue.recover_claims(queue.worker_id)
+    assert [job_id for job_id, _ in ended] == [job]
+    after_one = await snapshot(redis)
+    assert await queue._reap.again() == 0  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
+    assert names.count(b"result") == 1
+
+
+async def test_stdin_written_sent_twice_is_the_same_count(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    await queue.stdin_written(claim.spec.job_id, claim.attempt, 42)
+    after_one = await snapshot(redis)
+    await queue._stdin_written.again()  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    assert await redis.hget(keys.status_key(claim.spec.job_id), "stdinWritten") == b"42"
