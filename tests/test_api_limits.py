@@ -110,7 +110,8 @@ def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> Non
         events = _events_until_result(stream)
         stream.close()
         assert events[-1][0] == "result" and events[-1][1]["outcome"] == "completed"
-        assert [p["chunk"] for n, p in events if n == "stdout"] == ["other\n"]
+        # How the text is cut into chunks depends on the pipe's timing; the text does not.
+        assert "".join(p["chunk"] for n, p in events if n == "stdout") == "other\n"
         # A closed stream gives its slot back; the held ones still end with the result.
         held.pop().close()
         deadline = time.monotonic() + 5
