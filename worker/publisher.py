@@ -37,6 +37,7 @@ BACKOFF_S = 2.0
 LANE_BURST_BYTES = 512 * 1024
 LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
+AUDIENCE_RECHECK_S = 1.0
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -69,14 +70,36 @@ class Publisher:
         self.sent = 0
         self.failed = 0
         self.dropped = 0
+        # Events not sent because nobody followed the channel (a grader's job).
+        self.unheard = 0
+        self.audience_checks = 0
 
     async def aclose(self) -> None:
         """Every delivery used its own short connection; only the tally is left to report."""
-        log.info("live events: %d delivered, %d refused or unreachable, %d dropped", self.sent, self.failed, self.dropped)
+        log.info(
+            "live events: %d delivered, %d refused or unreachable, %d dropped, %d unheard (%d audience checks)",
+            self.sent, self.failed, self.dropped, self.unheard, self.audience_checks,
+        )  # fmt: skip
 
-    async def _request(self, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+    async def occupied(self, channel: str) -> bool:
+        """Whether anyone is subscribed to `channel` now (soketi's channel info). When that
+        cannot be told, assume someone is: sending to nobody only costs a request."""
+        self.audience_checks += 1
+        if time.monotonic() < self._down_until:
+            return True
+        path = f"/apps/{self._app_id}/channels/{channel}"
+        params = signed_query("GET", path, b"", self._key, self._secret, int(time.time()))
+        try:
+            status, answer = await asyncio.wait_for(self._request(path, params, b"", method="GET"), self._timeout_s)
+        except (OSError, TimeoutError, DeliveryError):
+            return True
+        if status >= 400:
+            return True
+        return b'"occupied":false' not in answer.replace(b" ", b"")
+
+    async def _request(self, path: str, query: dict[str, str], body: bytes, method: str = "POST") -> tuple[int, bytes]:
         head = (
-            f"POST {path}?{urlencode(query)} HTTP/1.1\r\n"
+            f"{method} {path}?{urlencode(query)} HTTP/1.1\r\n"
             f"Host: {self._host}:{self._port}\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n"
@@ -136,6 +159,10 @@ class JobLane:
     def __init__(self, publisher: Publisher, channel: str) -> None:
         self._publisher = publisher
         self._channel = channel
+        # Whether someone follows the channel: unknown until the first delivery, then
+        # looked up again at most every AUDIENCE_RECHECK_S while nobody does.
+        self._audience = False
+        self._audience_checked_at: float | None = None
         self._pending: deque[_Event] = deque()
         self._pending_bytes = 0
         self._wakeup = asyncio.Event()
@@ -184,8 +211,23 @@ class JobLane:
             batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
             size = sum(len(event.data) for event in batch)
             self._pending_bytes -= size
+            if not await self._heard():
+                self._publisher.unheard += len(batch)
+                continue
             await self._pace(size)
             await self._publisher.deliver(batch)
+
+    async def _heard(self) -> bool:
+        """A job nobody follows (a grader's) costs soketi one look, not every event. A
+        client that subscribes later is noticed within AUDIENCE_RECHECK_S of the next
+        event; what it missed is in the durable log, as for any late joiner."""
+        if self._audience:
+            return True
+        now = time.monotonic()
+        if self._audience_checked_at is None or now - self._audience_checked_at >= AUDIENCE_RECHECK_S:
+            self._audience_checked_at = now
+            self._audience = await self._publisher.occupied(self._channel)
+        return self._audience
 
     async def close(self, timeout_s: float) -> None:
         """Deliver what is queued (up to `timeout_s`), then stop. Past the time, what is
@@ -203,5 +245,8 @@ class JobLane:
         if len(self._pending) > len(rest):
             log.warning("channel %s: %d live output events not delivered in time", self._channel, len(self._pending) - len(rest))
         self._pending.clear()
+        if not rest or not await self._heard():
+            self._publisher.unheard += len(rest)
+            return
         for start in range(0, len(rest), MAX_BATCH):
             await self._publisher.deliver(rest[start : start + MAX_BATCH])

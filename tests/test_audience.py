@@ -1,0 +1,66 @@
+"""A job nobody follows costs soketi one look, not every event; a late follower is heard.
+
+Graders pull results and never subscribe: publishing their events to an empty channel
+would cost soketi (and the worker) a request per batch for nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from tests.conftest import StackFactory
+from tests.helpers import Api, Realtime, py_job
+
+pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
+
+_TALLY = re.compile(r"live events: (\d+) delivered, (\d+) refused or unreachable, (\d+) dropped, (\d+) unheard \((\d+) audience checks\)")
+
+
+def _tally(stack) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    stack.stop_process("worker", signal.SIGTERM)
+    found = _TALLY.findall(stack.log("worker"))
+    assert found, stack.log("worker")[-2000:]
+    return tuple(int(x) for x in found[-1])
+
+
+def test_jobs_nobody_follows_send_soketi_nothing(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="2")
+    api = Api(stack)
+    try:
+        jobs = [api.execute(py_job("for i in range(3): print(i)", collectOutput=True)) for _ in range(5)]
+        for job in jobs:
+            api.start(job)
+        for job in jobs:
+            assert api.wait_state(job, {"done"})["result"]["outcome"] == "completed"
+            assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "0\n1\n2\n"
+        delivered, refused, dropped, unheard, checks = _tally(stack)
+        assert delivered == 0 and refused == 0 and dropped == 0
+        assert unheard >= 5 * 4  # stages, output and the result of each job
+        assert 5 <= checks <= 10  # about one look per job
+    finally:
+        api.close()
+
+
+def test_a_follower_who_comes_late_is_heard(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("import time\nfor i in range(12):\n    print(i, flush=True)\n    time.sleep(0.25)\n"))
+        api.start(job)
+        api.wait_state(job, {"running"})
+        time.sleep(0.6)
+        followed = rt.follow(job)  # after start: nothing was published to it so far
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "completed"
+        live = [p["chunk"] for n, p in followed.events if n == "stdout"]
+        assert live and "11\n" in "".join(live)  # it heard the rest of the run live
+        # What it missed is in the durable log, whole.
+        log = api.replay(job)
+        assert "".join(p["chunk"] for n, p in log if n == "stdout") == "".join(f"{i}\n" for i in range(12))
+    finally:
+        rt.close()
+        api.close()
