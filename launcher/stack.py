@@ -92,8 +92,8 @@ def remove_deployment(deployment: str) -> None:
     Workers clean up after themselves when stopped; this also covers a worker that was
     killed (tests do that on purpose) with no other worker left to run its janitor.
     """
-    from worker.mounts import detach
-    from worker.workspace import detach_workspace
+    from worker.isolation.mounts import detach
+    from worker.isolation.workspace import detach_workspace
 
     roots = [Path("/sys/fs/cgroup") / c / deployment for c in ("memory", "pids", "cpu", "cpuacct", "unified")]
     roots.append(Path("/sys/fs/cgroup") / deployment)

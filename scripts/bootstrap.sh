@@ -62,7 +62,7 @@ command -v g++ >/dev/null 2>&1 || apt_missing+=(g++)
 # Rust: rustup's toolchain where there is one, else Debian's rustc.
 command -v rustc >/dev/null 2>&1 || [ -x /root/.cargo/bin/rustc ] || [ -x /usr/local/cargo/bin/rustc ] \
     || apt_missing+=(rustc)
-# The worker compiles its tiny jail gate (worker/gate.c) once at start-up.
+# The worker compiles its tiny jail gate (worker/isolation/gate.c) once at start-up.
 command -v cc >/dev/null 2>&1 || apt_missing+=(gcc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || apt_missing+=(libc6-dev)
 # Browser tests drive Debian's chromium through Playwright (never a downloaded browser).

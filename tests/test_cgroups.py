@@ -17,7 +17,7 @@ import pytest
 
 from launcher.stack import remove_deployment
 from shared.paths import REPO_ROOT
-from worker.cgroups import CgroupError, CgroupMode, detect_layout
+from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
 
 
 def _fake_v2(root: Path) -> str:

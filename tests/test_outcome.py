@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shared.messages import CompileInfo, Outcome
-from worker.jail import JailExit
+from worker.isolation.jail import JailExit
 from worker.outcome import RunVerdict, compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput
 from worker.supervise import StepFacts

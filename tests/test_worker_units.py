@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.cgroups import CgroupError, CgroupMode, detect_layout
-from worker.jail import JailSpec, Program, build_argv
+from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
+from worker.isolation.jail import JailSpec, Program, build_argv
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0

@@ -25,11 +25,11 @@ from shared.errors import ConfigError
 from shared.logs import configure_logging
 from shared.paths import profiles_dir
 from shared.settings import Settings, load_settings
-from worker.cgroups import CgroupError, detect_layout
+from worker.isolation.cgroups import CgroupError, detect_layout
+from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_gate
+from worker.isolation.selftest import SandboxUnavailable, self_test
+from worker.isolation.toolchains import ToolchainError, expose_mounts
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
-from worker.sandbox import GateBuildError, SandboxFactory, build_gate
-from worker.selftest import SandboxUnavailable, self_test
-from worker.toolchains import ToolchainError, expose_mounts
 
 __all__ = ["main", "preflight"]
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from shared.settings import Settings
 from worker.control import ControlBus
-from worker.pool import SandboxPool
+from worker.isolation.pool import SandboxPool
+from worker.isolation.sandbox import SandboxFactory
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue
 from worker.runtimes import Runtime
-from worker.sandbox import SandboxFactory
 
 __all__ = ["WorkerContext"]
 

@@ -7,7 +7,7 @@
           ─ stage{running} (started=1 in Redis first) ─ go ─ stdout/stderr… (stdin fed) ─ exit
     kill the cgroup ─ read counters ─ one result (atomic, fenced) ─ destroy the sandbox
 
-The run jail was built before the job existed (worker/sandbox.py), so start→first byte is
+The run jail was built before the job existed (worker/isolation/sandbox.py), so start→first byte is
 one pipe write plus the program's own start-up. Exactly one result is written by
 `_finish`; every path out of `execute` goes through it, except losing the job to another
 worker (Fenced), where writing anything would be wrong.
@@ -43,16 +43,16 @@ from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.events import JobEvents
 from worker.flusher import OutputFlusher
-from worker.jail import JailError, Program
+from worker.isolation.jail import JailError, Program
+from worker.isolation.sandbox import Sandbox
+from worker.isolation.workspace import WorkspaceError
 from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
 from worker.payload import fit_result
 from worker.queue import Claim, Fenced
-from worker.sandbox import Sandbox
 from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
 from worker.tasks import cancel_and_wait
-from worker.workspace import WorkspaceError
 
 __all__ = ["JobRun"]
 

@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shared.messages import CtrlMessage
-from worker.cgroups import JobCgroup
-from worker.jail import Jail, JailExit, Program
+from worker.isolation.cgroups import JobCgroup
+from worker.isolation.jail import Jail, JailExit, Program
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Activity", "Clocks", "StepFacts", "supervise"]

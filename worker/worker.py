@@ -32,13 +32,13 @@ from shared.messages import WorkerInfo
 from shared.settings import Settings
 from worker.context import WorkerContext
 from worker.control import ControlBus
-from worker.janitor import sweep_orphans
-from worker.pool import SandboxPool
+from worker.isolation.janitor import sweep_orphans
+from worker.isolation.pool import SandboxPool
+from worker.isolation.sandbox import SandboxFactory
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
 from worker.runtimes import Runtime
-from worker.sandbox import SandboxFactory
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Worker", "WorkerIdInUse"]

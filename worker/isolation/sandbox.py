@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.limits import Limits
-from worker.cgroups import CgroupLayout, JobCgroup
-from worker.jail import Jail, JailSpec, Program
-from worker.mounts import MS_NODEV, MS_NOSUID, mount
-from worker.workspace import Workspace
+from worker.isolation.cgroups import CgroupLayout, JobCgroup
+from worker.isolation.jail import Jail, JailSpec, Program
+from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
+from worker.isolation.workspace import Workspace
 
 __all__ = ["GateBuildError", "Sandbox", "SandboxFactory", "build_gate", "owner_of"]
 

@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.cgroups import JobCgroup
+from worker.isolation.cgroups import JobCgroup
 
 __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
 

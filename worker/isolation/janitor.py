@@ -16,9 +16,9 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from shared import keys
-from worker.cgroups import CgroupLayout
-from worker.sandbox import owner_of
-from worker.workspace import detach_workspace
+from worker.isolation.cgroups import CgroupLayout
+from worker.isolation.sandbox import owner_of
+from worker.isolation.workspace import detach_workspace
 
 __all__ = ["sweep_orphans"]
 

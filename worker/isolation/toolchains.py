@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from worker.mounts import MS_BIND, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC, MS_REMOUNT, MountError, mount
+from worker.isolation.mounts import MS_BIND, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC, MS_REMOUNT, MountError, mount
 
 __all__ = ["ToolchainError", "expose_mounts"]
 

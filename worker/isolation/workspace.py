@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from worker.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
+from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
 
 __all__ = ["Workspace", "WorkspaceError", "detach_workspace"]
 

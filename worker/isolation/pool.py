@@ -12,7 +12,7 @@ import asyncio
 import collections
 import logging
 
-from worker.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
+from worker.isolation.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
 
 __all__ = ["SandboxPool"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from shared.limits import DEFAULT_LIMITS
-from worker.jail import JailError, Program
-from worker.sandbox import Sandbox, SandboxFactory
-from worker.workspace import WorkspaceError
+from worker.isolation.jail import JailError, Program
+from worker.isolation.sandbox import Sandbox, SandboxFactory
+from worker.isolation.workspace import WorkspaceError
 
 __all__ = ["SandboxUnavailable", "self_test"]
 
