@@ -124,7 +124,8 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
         followed = rt.follow(job)
         api.start(job)
         deadline = time.monotonic() + 10
-        while "started" not in followed.text("stdout"):
+        # The whole line (python writes "started" and "\n" apart; both must be out first).
+        while "started\n" not in followed.text("stdout"):
             assert time.monotonic() < deadline, "program never printed"
             time.sleep(0.02)
         os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
