@@ -4,11 +4,7 @@
 // One HTTP client (Node's fetch keeps its connections alive) and one WebSocket for all.
 //
 //   node bench/interactive.mjs <apiUrl> <apiToken> <lines> <kills>   (bench/interactive.py runs it)
-import { createRequire } from "node:module";
-import { fileURLToPath } from "node:url";
-
-const require = createRequire(fileURLToPath(new URL("../clients/js/package.json", import.meta.url)));
-const Pusher = require("pusher-js");
+import { apiCaller, connectRealtime } from "../clients/js/stack-client.mjs";
 
 const [apiUrl, apiToken, linesArg, killsArg] = process.argv.slice(2);
 const LINES = Number(linesArg || 200);
@@ -16,37 +12,8 @@ const KILLS = Number(killsArg || 30);
 // The seed's cap is 30 frames/s per job: pace the lines just under it.
 const FRAME_GAP_MS = 35;
 
-async function call(method, path, token, body) {
-  const response = await fetch(apiUrl + path, {
-    method,
-    headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
-  const data = await response.json();
-  if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${JSON.stringify(data)}`);
-  return data;
-}
-
-const realtime = await (await fetch(apiUrl + "/v1/realtime")).json();
-const tokens = new Map();
-const pusher = new Pusher(realtime.key, {
-  cluster: realtime.cluster,
-  wsHost: realtime.wsHost,
-  wsPort: realtime.wsPort,
-  forceTLS: realtime.forceTLS,
-  enabledTransports: ["ws"],
-  channelAuthorization: {
-    customHandler: async ({ socketId, channelName }, callback) => {
-      const body = new URLSearchParams({ socket_id: socketId, channel_name: channelName });
-      const r = await fetch(apiUrl + "/v1/channel-auth", {
-        method: "POST",
-        body,
-        headers: { authorization: `Bearer ${tokens.get(channelName)}` },
-      });
-      callback(r.ok ? null : new Error(`channel-auth ${r.status}`), r.ok ? await r.json() : null);
-    },
-  },
-});
+const call = apiCaller(apiUrl);
+const { pusher, tokens } = await connectRealtime(apiUrl);
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 

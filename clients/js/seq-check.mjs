@@ -3,46 +3,12 @@
 // order. Used by the test suite to prove a live client sees seq 0, 1, 2 … with no hole.
 //
 //   node seq-check.mjs <apiUrl> <apiToken> <runs>
-import Pusher from "pusher-js";
+import { apiCaller, connectRealtime } from "./stack-client.mjs";
 
 const [apiUrl, apiToken, runsArg] = process.argv.slice(2);
 const runs = Number(runsArg || 50);
-
-async function call(method, path, token, body) {
-  const response = await fetch(apiUrl + path, {
-    method,
-    headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
-  const data = await response.json();
-  if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${JSON.stringify(data)}`);
-  return data;
-}
-
-const realtime = await (await fetch(apiUrl + "/v1/realtime")).json();
-const tokens = new Map();
-const pusher = new Pusher(realtime.key, {
-  cluster: realtime.cluster,
-  wsHost: realtime.wsHost,
-  wsPort: realtime.wsPort,
-  forceTLS: realtime.forceTLS,
-  enabledTransports: ["ws"],
-  channelAuthorization: {
-    customHandler: async ({ socketId, channelName }, callback) => {
-      try {
-        const body = new URLSearchParams({ socket_id: socketId, channel_name: channelName });
-        const r = await fetch(apiUrl + "/v1/channel-auth", {
-          method: "POST",
-          body,
-          headers: { authorization: `Bearer ${tokens.get(channelName)}` },
-        });
-        callback(r.ok ? null : new Error(`channel-auth ${r.status}`), r.ok ? await r.json() : null);
-      } catch (error) {
-        callback(error, null);
-      }
-    },
-  },
-});
+const call = apiCaller(apiUrl);
+const { pusher, tokens } = await connectRealtime(apiUrl);
 
 function runOne(i) {
   return new Promise(async (resolve, reject) => {
