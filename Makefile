@@ -30,6 +30,7 @@ bench: test-deps
 	@$(PY) bench/latency.py
 	@$(PY) bench/interactive.py
 	@$(PY) bench/ide_browser.py
+	@$(PY) bench/parked.py
 
 lint: test-deps
 	@.venv/bin/ruff check .
