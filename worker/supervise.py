@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 CPU_POLL_S = 0.05
 READ_SIZE = 65536
+# After a read smaller than this, wait this long before reading again (see _pump).
+COALESCE_BELOW = 8192
+COALESCE_S = 0.002
 EXIT_GRACE_S = 5.0
 CHILD_EXIT_S = 2.0
 
@@ -68,6 +71,10 @@ async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: 
             return
         activity.touch()
         await on_data(data)
+        if len(data) < COALESCE_BELOW:
+            # A program writing line by line would wake the worker once per line; a moment's
+            # pause lets the pipe gather its next lines into one read and one event.
+            await asyncio.sleep(COALESCE_S)
 
 
 async def supervise(
