@@ -31,6 +31,7 @@ bench: test-deps
 	@$(PY) bench/interactive.py
 	@$(PY) bench/ide_browser.py
 	@$(PY) bench/parked.py
+	@$(PY) bench/streaming.py
 
 lint: test-deps
 	@.venv/bin/ruff check .
