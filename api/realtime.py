@@ -8,6 +8,7 @@ the durable log already holds it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -30,6 +31,13 @@ class RealtimePublisher:
             base_url=f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}",
             timeout=settings.pusher_timeout_ms / 1000,
         )
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def publish_soon(self, channel: str, name: str, data: bytes) -> None:
+        """Publish in the background: the HTTP answer does not wait for soketi."""
+        task = asyncio.create_task(self.publish(channel, name, data))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def publish(self, channel: str, name: str, data: bytes) -> None:
         # Pusher's `data` is a string holding the event's JSON.
@@ -46,5 +54,7 @@ class RealtimePublisher:
             log.warning("soketi refused %s on %s: %s %s", name, channel, response.status_code, response.text[:200])
 
     async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=self._settings.pusher_timeout_ms / 1000)
         await self._client.aclose()
 

@@ -292,13 +292,8 @@ async def kill_job(request: Request) -> Response:
     if answer.result is not None:
         log.info("job %s killed before any worker held it", status.job_id)
         # No worker holds the job, so nobody else will tell a subscriber it ended.
-        task = asyncio.create_task(state.realtime.publish(keys.realtime_channel(status.job_id), "result", answer.result))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        state.realtime.publish_soon(keys.realtime_channel(status.job_id), "result", answer.result)
     return _json({"ok": True}, 202)
-
-
-_background: set[asyncio.Task[None]] = set()
 
 
 MAX_PAGE = 200

@@ -128,9 +128,6 @@ class JobEvents:
     async def stage(self, phase: str, state: JobState | None = None, started: bool = False) -> None:
         await self.emit([("stage", lambda seq: StageEvent(phase=phase, seq=seq))], state=state, started=started)  # type: ignore[arg-type]
 
-    async def chunks(self, name: str, texts: list[str]) -> None:
-        await self.chunk_runs([(name, text) for text in texts])
-
     async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
         """Append output chunks of any kinds, in this order, as one batch."""
         if runs:

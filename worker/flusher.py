@@ -14,6 +14,7 @@ on its pipe) until the log has caught up.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from shared.chunking import CHUNK_MAX_BYTES
 from worker.events import JobEvents
@@ -23,10 +24,19 @@ __all__ = ["OutputFlusher"]
 MAX_PENDING_BYTES = 1024 * 1024
 
 
+@dataclass
+class _Run:
+    """Consecutive text of one event kind, to become one event (at most 8 KiB)."""
+
+    name: str
+    text: str
+    size: int
+
+
 class OutputFlusher:
     def __init__(self, events: JobEvents) -> None:
         self._events = events
-        self._runs: list[list[object]] = []  # [event name, text, utf-8 bytes]
+        self._runs: list[_Run] = []
         self._pending_bytes = 0
         self._wakeup = asyncio.Event()
         self._room = asyncio.Event()
@@ -40,11 +50,11 @@ class OutputFlusher:
         for text in texts:
             size = len(text.encode())
             last = self._runs[-1] if self._runs else None
-            if last is not None and last[0] == name and last[2] + size <= CHUNK_MAX_BYTES:  # type: ignore[operator]
-                last[1] += text  # type: ignore[operator]
-                last[2] += size  # type: ignore[operator]
+            if last is not None and last.name == name and last.size + size <= CHUNK_MAX_BYTES:
+                last.text += text
+                last.size += size
             else:
-                self._runs.append([name, text, size])
+                self._runs.append(_Run(name, text, size))
             self._pending_bytes += size
         if texts:
             if self._pending_bytes >= MAX_PENDING_BYTES:
@@ -68,7 +78,7 @@ class OutputFlusher:
                     continue
                 batch, self._runs, self._pending_bytes = self._runs, [], 0
                 self._room.set()
-                await self._events.chunk_runs([(str(name), str(text)) for name, text, _ in batch])
+                await self._events.chunk_runs([(run.name, run.text) for run in batch])
         except BaseException as exc:
             self._error = exc
             self._room.set()  # let waiting pumps see the error
