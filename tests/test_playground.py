@@ -339,3 +339,22 @@ def test_lost_tail_of_a_run_is_noticed_by_its_silence(page: Any, stack: Stack) -
     assert result["output"] == "first\nlast\n", result["output"]
     stats = page.evaluate("window.coderunnerPlayground.stats")
     assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats
+
+
+def test_narrow_window_stacks_the_panels_without_overlap(page: Any, stack: Stack) -> None:
+    """On a phone-sized window the panels stack in one column and nothing overlaps (the
+    limits form once spilled over the output)."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    open_playground(page, stack)
+    page.click("#run")
+    expect()(page.locator("#output")).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    page.fill("#stdin-line", "Ada")
+    page.press("#stdin-line", "Enter")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed")
+    boxes = {sel: page.locator(sel).bounding_box() for sel in ("#code", "#limits", "#output", "#stdin-line", "#result")}
+    order = ["#code", "#limits", "#output", "#stdin-line", "#result"]
+    for upper, lower in zip(order, order[1:], strict=False):
+        assert boxes[upper]["y"] + boxes[upper]["height"] <= boxes[lower]["y"] + 1, (upper, lower, boxes)
+    for sel, box in boxes.items():
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (sel, box)
+    shot(page, "11-narrow-window")
