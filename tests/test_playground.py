@@ -6,6 +6,7 @@ scenario saves a screenshot under test-output/playground/ and prints its path.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Iterator
@@ -351,9 +352,9 @@ def test_narrow_window_stacks_the_panels_without_overlap(page: Any, stack: Stack
     page.fill("#stdin-line", "Ada")
     page.press("#stdin-line", "Enter")
     expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed")
-    boxes = {sel: page.locator(sel).bounding_box() for sel in ("#code", "#limits", "#output", "#stdin-line", "#result")}
     order = ["#code", "#limits", "#output", "#stdin-line", "#result"]
-    for upper, lower in zip(order, order[1:], strict=False):
+    boxes = {sel: page.locator(sel).bounding_box() for sel in order}
+    for upper, lower in itertools.pairwise(order):
         assert boxes[upper]["y"] + boxes[upper]["height"] <= boxes[lower]["y"] + 1, (upper, lower, boxes)
     for sel, box in boxes.items():
         assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (sel, box)
