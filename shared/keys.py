@@ -9,9 +9,11 @@ from __future__ import annotations
 import hashlib
 
 __all__ = [
+    "CALLBACKS_DUE",
     "CHANNEL_PREFIX",
     "QUEUE",
     "WORKERS",
+    "callback_key",
     "ctrl_channel",
     "events_key",
     "idempotency_key",
@@ -38,6 +40,9 @@ QUEUE = "jobs:queue"
 # Hash: worker id -> WorkerInfo (JSON). A worker is live while worker_alive_key exists.
 WORKERS = "workers"
 CHANNEL_PREFIX = "private-run-"
+# Sorted set: job id -> when its callback is next due (ms). A sender that takes one moves it
+# a lease ahead, so a sender that dies leaves it due again for another.
+CALLBACKS_DUE = "callbacks:due"
 
 
 def spec_key(job_id: str) -> str:
@@ -50,6 +55,11 @@ def status_key(job_id: str) -> str:
 
 def events_key(job_id: str) -> str:
     return f"job:{job_id}:events"
+
+
+def callback_key(job_id: str) -> str:
+    """Hash: the job's callback (url, collect) and its delivery state (state, attempts, ...)."""
+    return f"job:{job_id}:callback"
 
 
 def output_key(job_id: str) -> str:

@@ -16,6 +16,8 @@ from shared.limits import Limits, RequestedLimits
 __all__ = [
     "OUTCOME_STATE",
     "TERMINAL_STATES",
+    "CallbackState",
+    "CallbackStatus",
     "ChunkEvent",
     "CompileInfo",
     "CtrlMessage",
@@ -30,8 +32,10 @@ __all__ = [
     "LanguageInfo",
     "Outcome",
     "RealtimeInfo",
+    "ResultCallback",
     "ResultEvent",
     "RunResult",
+    "RunResultCallback",
     "StageEvent",
     "StdinFrame",
     "StdinRequest",
@@ -61,6 +65,8 @@ class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", 
     args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=64)] = []
     limits: RequestedLimits | None = None
     collect_output: bool = False
+    # Where the result is POSTed, signed, once the job ends (see shared/callbacks.py).
+    callback_url: str | None = None
 
 
 class StdinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -88,6 +94,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     close_stdin: bool = True
     args: list[str] = []
     collect_output: bool = False
+    callback_url: str | None = None
     spec_version: int = 1
 
 
@@ -198,6 +205,20 @@ class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_default
     artifacts_truncated: bool = False
 
 
+class ResultCallback(ResultEvent, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """The body POSTed to `callbackUrl` of a job without `collectOutput`: its `result` event
+    and its id. (With `collectOutput` the body is the RunResult, as GET /output gives it,
+    with `jobId` first: see RunResultCallback.)"""
+
+    job_id: str
+
+
+class RunResultCallback(RunResult, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """The body POSTed to `callbackUrl` of a `collectOutput` job: the RunResult and its id."""
+
+    job_id: str
+
+
 class StoredOutput(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     """A RunResult as stored: everything but the output bytes, which sit raw in their own
     keys (so their stored size is their size, whatever JSON escaping would make of them).
@@ -242,6 +263,28 @@ class ExecuteAccepted(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
     job_token: str
 
 
+class CallbackState(enum.StrEnum):
+    # Not delivered yet: the job has not ended, or an attempt is due or under way.
+    PENDING = "pending"
+    # A receiver answered 2xx.
+    DELIVERED = "delivered"
+    # Given up: every attempt within CALLBACK_RETRY_FOR_S failed, or the URL was refused.
+    FAILED = "failed"
+
+
+class CallbackStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """Where a job's callback stands (in `GET /v1/jobs/:id`)."""
+
+    state: CallbackState
+    attempts: int
+    # The HTTP status of the last attempt's answer (none when it got no answer).
+    last_status: int | None = None
+    last_error: str | None = None
+    last_attempt_at_ms: int | None = None
+    next_attempt_at_ms: int | None = None
+    delivered_at_ms: int | None = None
+
+
 class JobStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     job_id: str
     channel: str
@@ -252,6 +295,8 @@ class JobStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     result: ResultEvent | None = None
     # A kill was accepted and the job has not ended yet (the `result` confirms it).
     kill_requested: bool = False
+    # Jobs submitted with a callbackUrl: its delivery state.
+    callback: CallbackStatus | None = None
 
 
 class JobReceipt(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):

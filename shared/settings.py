@@ -88,6 +88,25 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     sandbox_mounts_file: str = "/proc/self/mounts"
     nsjail_path: str = ""
 
+    # Callbacks (`callbackUrl`): results are POSTed signed with this secret (HMAC-SHA256);
+    # without one, a request with a callbackUrl is refused (503) and workers send nothing.
+    callback_secret: str = ""
+    # Plain http callback URLs, and callbacks to loopback, private and CGNAT addresses, are
+    # refused unless these allow them (development and tests; see shared/callbacks.py).
+    callback_allow_http: bool = False
+    callback_allow_private: bool = False
+    # One attempt: connecting, then the whole attempt (resolution, request, response).
+    callback_connect_timeout_ms: int = 3000
+    callback_timeout_ms: int = 10000
+    # Failed attempts are retried after CALLBACK_BACKOFF_MS, doubling up to
+    # CALLBACK_BACKOFF_MAX_MS, for at most CALLBACK_RETRY_FOR_S after the job ended (and never
+    # past RUN_RESULT_TTL: the result must still be there to send).
+    callback_backoff_ms: int = 1000
+    callback_backoff_max_ms: int = 60000
+    callback_retry_for_s: int = 300
+    # Deliveries one worker process sends at once.
+    callback_concurrency: int = 8
+
     log_level: str = "INFO"
 
     @property
@@ -97,6 +116,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def realtime_port(self) -> int:
         return self.pusher_ws_port or self.pusher_port
+
+    @property
+    def callback_window_s(self) -> int:
+        """How long after a job ends its callback is retried (within RUN_RESULT_TTL)."""
+        return min(self.callback_retry_for_s, self.run_result_ttl_s)
 
 
 # Environment variable -> (field, parser). Parsers raise ValueError with a short reason.
@@ -113,6 +137,15 @@ def _positive_int(raw: str) -> int:
 
 def _str(raw: str) -> str:
     return raw
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
 
 
 ENV_NAMES: dict[str, tuple[str, Any]] = {
@@ -159,6 +192,15 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
     "SANDBOX_MOUNTS_FILE": ("sandbox_mounts_file", _str),
     "NSJAIL_PATH": ("nsjail_path", _str),
+    "CALLBACK_SECRET": ("callback_secret", _str),
+    "CALLBACK_ALLOW_HTTP": ("callback_allow_http", _bool),
+    "CALLBACK_ALLOW_PRIVATE": ("callback_allow_private", _bool),
+    "CALLBACK_CONNECT_TIMEOUT_MS": ("callback_connect_timeout_ms", _positive_int),
+    "CALLBACK_TIMEOUT_MS": ("callback_timeout_ms", _positive_int),
+    "CALLBACK_BACKOFF_MS": ("callback_backoff_ms", _positive_int),
+    "CALLBACK_BACKOFF_MAX_MS": ("callback_backoff_max_ms", _positive_int),
+    "CALLBACK_RETRY_FOR_S": ("callback_retry_for_s", _positive_int),
+    "CALLBACK_CONCURRENCY": ("callback_concurrency", _positive_int),
     "LOG_LEVEL": ("log_level", _str),
 }
 
@@ -205,4 +247,10 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
             f"MAX_EVENT_STREAMS_PER_PRINCIPAL ({settings.max_event_streams_per_principal}) must be smaller than "
             f"MAX_EVENT_STREAMS ({settings.max_event_streams}), so one caller cannot hold every event stream"
         )
+    if settings.callback_secret and len(settings.callback_secret) < 16:
+        raise ConfigError("CALLBACK_SECRET must be at least 16 characters (receivers verify signatures with it)")
+    if settings.callback_connect_timeout_ms > settings.callback_timeout_ms:
+        raise ConfigError("CALLBACK_CONNECT_TIMEOUT_MS must not be larger than CALLBACK_TIMEOUT_MS")
+    if settings.callback_backoff_ms > settings.callback_backoff_max_ms:
+        raise ConfigError("CALLBACK_BACKOFF_MS must not be larger than CALLBACK_BACKOFF_MAX_MS")
     return settings
