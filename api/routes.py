@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
 from api.output import stream_run_result
@@ -110,7 +111,8 @@ async def _replayed(state: AppState, earlier: EnqueueAnswer, key: str) -> Respon
 
 
 async def execute(request: Request) -> Response:
-    """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full.
+    """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full;
+    503 for a `callbackUrl` on a deployment without CALLBACK_SECRET.
 
     With an `Idempotency-Key` header, the same key and the byte-identical body give the job
     the first such request made (200, a fresh job token), for as long as that job's record
@@ -148,6 +150,8 @@ async def execute(request: Request) -> Response:
         raise ValidationError([FieldError("args", f"are not supported for {manifest.language}")])
     defaults = with_overrides(DEFAULT_LIMITS, manifest.limits)
     limits = resolve_limits(req.limits, defaults, state.settings.limit_maxima)
+    if req.callback_url is not None:
+        await check_callback_url(req.callback_url, state.settings)
 
     job_id = uuid.uuid4().hex
     spec = JobSpec(
@@ -162,6 +166,7 @@ async def execute(request: Request) -> Response:
         close_stdin=req.close_stdin if req.close_stdin is not None else req.stdin is not None,
         args=req.args,
         collect_output=req.collect_output,
+        callback_url=req.callback_url,
     )
     settings = state.settings
     answer = await state.store.enqueue(
@@ -208,7 +213,8 @@ async def get_job(request: Request) -> Response:
     """Current JobStatus (with the result once the job has ended). Also at `/status`."""
     state = _state(request)
     status = await state.visible_job(request)
-    return _json(status.view())
+    callback = await state.store.callback(status.job_id) if status.has_callback else None
+    return _json(status.view(callback))
 
 
 # A stdin body holds at most one capped frame: 64 KiB of bytes is 88 KiB of base64, and

@@ -17,10 +17,13 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from shared import keys
+from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
 from shared.eventlog import entry_json
 from shared.messages import (
     TERMINAL_STATES,
+    CallbackState,
+    CallbackStatus,
     CtrlMessage,
     JobReceipt,
     JobSpec,
@@ -37,10 +40,11 @@ __all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCa
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
-# KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, and (only with
-# an Idempotency-Key) the key's record. ARGV: max depth, spec json, now ms, ttl s, job id,
-# language, version, owner, max unstarted jobs per owner, index ttl s, index cutoff ms (older
-# entries are certainly expired), the Idempotency-Key, sha256 of the request body.
+# KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, the job's
+# callback record, and (only with an Idempotency-Key) the key's record. ARGV: max depth, spec
+# json, now ms, ttl s, job id, language, version, owner, max unstarted jobs per owner, index
+# ttl s, index cutoff ms (older entries are certainly expired), the Idempotency-Key, sha256 of
+# the request body, the callback URL ('' for none), '1' when the callback carries the output.
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
 # {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
 # A job id is new for every request, so a record that exists already (or a key record naming
@@ -49,8 +53,8 @@ _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=t
 _ENQUEUE = (
     _TERMINAL_LUA
     + """
-if KEYS[6] then
-  local rec = redis.call('HMGET', KEYS[6], 'jobId', 'bodySha256')
+if KEYS[7] then
+  local rec = redis.call('HMGET', KEYS[7], 'jobId', 'bodySha256')
   if rec[1] == ARGV[5] then return 1 end
   if rec[1] and redis.call('EXISTS', 'job:' .. rec[1] .. ':status') == 1 then
     if rec[2] == ARGV[13] then return {2, rec[1]} end
@@ -73,10 +77,17 @@ end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
            'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8], 'createdAtMs', ARGV[3])
-if KEYS[6] then
+if KEYS[7] then
   redis.call('HSET', KEYS[3], 'idempotencyKey', ARGV[12])
+  redis.call('DEL', KEYS[7])
+  redis.call('HSET', KEYS[7], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
+  redis.call('EXPIRE', KEYS[7], ARGV[4])
+end
+if ARGV[14] ~= '' then
+  redis.call('HSET', KEYS[3], 'callback', '1')
   redis.call('DEL', KEYS[6])
-  redis.call('HSET', KEYS[6], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
+  redis.call('HSET', KEYS[6], 'url', ARGV[14], 'collect', ARGV[15], 'state', 'pending', 'attempts', 0,
+             'createdAtMs', ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[4])
 end
 redis.call('EXPIRE', KEYS[3], ARGV[4])
@@ -203,14 +214,16 @@ return {1, n}
 # A kill request. A job still in the queue (no worker holds it) ends here and now; any other
 # live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
 # and a live message on its control channel.
-# KEYS: status, queue, events, spec, start flag, stdin stream. ARGV: job id, now ms, ttl s,
-# result JSON before seq, result JSON after seq, ctrl channel, ctrl message, request id.
+# KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
+# callbacks' due set. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
+# seq, ctrl channel, ctrl message, request id.
 # Returns {0, state} (already ended), {1} (flagged) or {2, seq, result} (ended here).
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
 _KILL = (
     _TERMINAL_LUA
+    + CALLBACK_DUE_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state then
@@ -231,6 +244,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[3])
   redis.call('DEL', KEYS[5])
+  callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   return {2, seq, data}
 end
 local recent = {ARGV[8]}
@@ -245,7 +259,10 @@ return {1}
 
 _KILLED_BEFORE_START = result_template(result_without_run(Outcome.KILLED, "killed before it started"))
 
-_STATUS_FIELDS = ("state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill")
+_CALLBACK_FIELDS = (
+    "state", "attempts", "lastStatus", "lastError", "lastAttemptAtMs", "nextAttemptAtMs", "deliveredAtMs", "endedAtMs",
+)  # fmt: skip
+_STATUS_FIELDS = ("state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback")
 
 
 class StdinAnswer(msgspec.Struct, frozen=True):
@@ -329,8 +346,10 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
     started: bool
     result: ResultEvent | None
     kill_requested: bool = False
+    # The job was submitted with a callbackUrl (its delivery state is read apart).
+    has_callback: bool = False
 
-    def view(self) -> JobStatus:
+    def view(self, callback: CallbackStatus | None = None) -> JobStatus:
         return JobStatus(
             job_id=self.job_id,
             channel=keys.realtime_channel(self.job_id),
@@ -340,6 +359,7 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
             updated_at_ms=self.updated_at_ms,
             result=self.result,
             kill_requested=self.kill_requested and self.state not in TERMINAL_STATES,
+            callback=callback,
         )
 
 
@@ -376,6 +396,7 @@ class JobStore:
             keys.status_key(spec.job_id),
             keys.unstarted_key(spec.owner),
             keys.owner_jobs_key(spec.owner),
+            keys.callback_key(spec.job_id),
         ]
         if idempotency_key is not None:
             script_keys.append(keys.idempotency_key(spec.owner, idempotency_key))
@@ -393,6 +414,8 @@ class JobStore:
             spec.created_at_ms - index_ttl_s * 1000,
             idempotency_key or "",
             body_sha256,
+            spec.callback_url or "",
+            "1" if spec.collect_output else "",
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 
@@ -474,7 +497,7 @@ class JobStore:
 
     async def status(self, job_id: str) -> StoredStatus | None:
         values = await self._redis.hmget(keys.status_key(job_id), _STATUS_FIELDS)
-        state, updated, language, version, owner, result, started, kill = values
+        state, updated, language, version, owner, result, started, kill, callback = values
         if state is None:
             return None
         return StoredStatus(
@@ -487,6 +510,29 @@ class JobStore:
             started=started == b"1",
             result=decode_stored(ResultEvent, result) if result else None,
             kill_requested=kill == b"1",
+            has_callback=callback == b"1",
+        )
+
+    async def callback(self, job_id: str) -> CallbackStatus | None:
+        """The delivery state of the job's callback, or None (none, or its record expired)."""
+        raw = await self._redis.hmget(keys.callback_key(job_id), _CALLBACK_FIELDS)
+        state, attempts, last_status, last_error, last_at, next_at, delivered_at, ended_at = raw
+        if state is None:
+            return None
+        pending = state == b"pending"
+
+        def number(value: bytes | None) -> int | None:
+            return int(value) if value else None
+
+        return CallbackStatus(
+            state=CallbackState(state.decode()),
+            attempts=int(attempts or 0),
+            last_status=number(last_status),
+            last_error=last_error.decode(errors="replace") if last_error else None,
+            last_attempt_at_ms=number(last_at),
+            # Only once the job ended is an attempt due at all.
+            next_attempt_at_ms=number(next_at) if pending and ended_at else None,
+            delivered_at_ms=number(delivered_at),
         )
 
     async def send_start(self, job_id: str) -> None:
@@ -568,6 +614,8 @@ class JobStore:
                 keys.spec_key(job_id),
                 keys.start_flag_key(job_id),
                 keys.stdin_key(job_id),
+                keys.callback_key(job_id),
+                keys.CALLBACKS_DUE,
             ],
             args=[
                 job_id,
