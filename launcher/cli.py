@@ -170,6 +170,7 @@ def _up(argv: list[str]) -> int:
         f"\n  API         {stack.api_url}\n"
         f"  Playground  {stack.api_url}/#token={stack.api_token}\n"
         f"  API token   {stack.api_token}\n"
+        f"  Callbacks   signed with CALLBACK_SECRET={stack.callback_secret}\n"
         f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
         f"  Workers     {_workers_line(stack)}\n"
         f"  Logs        {stack.log_dir}\n\n"

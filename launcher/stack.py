@@ -167,6 +167,8 @@ class Stack:
         self.pusher_key = "coderunner-" + secrets.token_hex(6)
         self.pusher_secret = secrets.token_hex(24)
         self.pusher_app_id = str(100000 + secrets.randbelow(900000))
+        # Signs callbacks (a receiver checks signatures with it); random unless set.
+        self.callback_secret = os.environ.get("CALLBACK_SECRET") or secrets.token_hex(24)
         # Each stack is its own deployment: its own cgroup tree, workspace root and job uids,
         # so stacks side by side (tests, a dev stack next to CI) never judge each other's
         # sandboxes (a worker's janitor removes sandboxes of workers its Redis calls dead).
@@ -217,6 +219,7 @@ class Stack:
                 "PUSHER_APP_ID": self.pusher_app_id,
                 "PUSHER_KEY": self.pusher_key,
                 "PUSHER_SECRET": self.pusher_secret,
+                "CALLBACK_SECRET": self.callback_secret,
                 "SANDBOX_CGROUP_NAME": self.deployment,
                 "SANDBOX_WORK_ROOT": f"/run/{self.deployment}",
                 "SANDBOX_UID_BASE": str(self.uid_base),

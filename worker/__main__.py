@@ -25,6 +25,7 @@ from shared.errors import ConfigError
 from shared.logs import configure_logging
 from shared.paths import profiles_dir
 from shared.settings import Settings, load_settings
+from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_gate
 from worker.isolation.selftest import SandboxUnavailable, self_test
@@ -138,7 +139,9 @@ async def _serve(settings: Settings) -> int:
         print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
         return 3
     try:
-        await Worker(settings, worker_id, factory, runtimes).run()
+        # Results of finished jobs go to their callbackUrl from a task beside the worker.
+        async with callback_sender(settings, worker_id):
+            await Worker(settings, worker_id, factory, runtimes).run()
     except WorkerIdInUse as exc:
         print(f"coderunner worker: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,224 @@
+"""The Redis side of callbacks: take a due delivery, report how an attempt went, read the body.
+
+A delivery is queued by the very script that writes its job's result (CALLBACK_DUE_LUA in
+shared/callbacks.py): `callbacks:due` scores the job id with the time it is due, and the
+job's callback record (`job:<id>:callback`) holds its URL and delivery state.
+
+Taking a delivery counts an attempt and moves it a lease ahead in the due set, under a
+claim token; only the holder of that token may report on the attempt. A sender that dies
+mid-attempt leaves the delivery due again once the lease runs out, and another sender takes
+it (the next attempt). So delivery is at least once: a receiver may see a job's result more
+than once, always with the same body.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import msgspec
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.codec import decode_stored
+from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback
+
+__all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
+
+# KEYS: due set, callback record. ARGV: job id, now ms, lease ms, claim token.
+# Returns false (not due, or nothing to send any more: then it leaves the due set) or
+# {attempt, url, collect, ended at ms}. Sent again with the same token (its reply lost), it
+# answers the same attempt.
+_TAKE = """
+local cb = redis.call('HMGET', KEYS[2], 'url', 'collect', 'state', 'endedAtMs', 'claim', 'attempts')
+if cb[5] == ARGV[4] then return {tonumber(cb[6]), cb[1], cb[2] or '', cb[4]} end
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return false end
+if (not cb[1]) or cb[3] ~= 'pending' or (not cb[4]) then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return false
+end
+local attempt = redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+redis.call('HSET', KEYS[2], 'claim', ARGV[4], 'lastAttemptAtMs', ARGV[2])
+redis.call('HDEL', KEYS[2], 'nextAttemptAtMs')
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
+return {attempt, cb[1], cb[2] or '', cb[4]}
+"""
+
+# KEYS: due set, callback record. ARGV: job id, claim token, 'delivered' | 'retry' | 'failed',
+# now ms, next attempt ms (retry), HTTP status ('' for none), error ('' for none).
+# Returns 1, or 0 when the token no longer holds the delivery (its lease ran out and another
+# sender took it, or this report was already made).
+_REPORT = """
+if redis.call('HGET', KEYS[2], 'claim') ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[2], 'claim')
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[2], 'lastStatus', ARGV[6]) else redis.call('HDEL', KEYS[2], 'lastStatus') end
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'lastError', ARGV[7]) else redis.call('HDEL', KEYS[2], 'lastError') end
+if ARGV[3] == 'retry' then
+  redis.call('HSET', KEYS[2], 'nextAttemptAtMs', ARGV[5])
+  redis.call('ZADD', KEYS[1], ARGV[5], ARGV[1])
+  return 1
+end
+if ARGV[3] == 'delivered' then
+  redis.call('HSET', KEYS[2], 'state', 'delivered', 'deliveredAtMs', ARGV[4])
+else
+  redis.call('HSET', KEYS[2], 'state', 'failed')
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+# Read this much of a stored output stream at a time (a multiple of 3, so base64 pieces join up).
+SLICE_BYTES = 3 * 87382  # ~256 KiB
+
+_encoder = msgspec.json.Encoder()
+
+
+class ResultGone(Exception):
+    """The job's result (or its output) has expired: there is nothing left to send."""
+
+
+class Delivery(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt at one job's callback, held under `token`."""
+
+    job_id: str
+    attempt: int
+    url: str
+    collect: bool
+    ended_at_ms: int
+    token: str
+
+
+class CallbackBody:
+    """A callback body that can be produced twice, byte for byte: once to sign (and count),
+    once to send. A RunResult with its output is streamed from Redis in slices, never built
+    whole; anything else is one small piece."""
+
+    def __init__(self, redis: Redis, job_id: str, whole: bytes | None = None, meta: bytes | None = None) -> None:
+        self._redis = redis
+        self._job_id = job_id
+        self._whole = whole
+        self._meta = meta
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        if self._whole is not None:
+            yield self._whole
+            return
+        assert self._meta is not None
+        fields = msgspec.json.decode(self._meta)
+        yield b'{"jobId":' + _encoder.encode(self._job_id) + b',"stdout":'
+        async for part in self._json_string("stdout", fields.get("stdoutEncoding", "utf8")):
+            yield part
+        yield b',"stderr":'
+        async for part in self._json_string("stderr", fields.get("stderrEncoding", "utf8")):
+            yield part
+        rest = self._meta.strip()[1:]
+        yield b"}" if rest.strip() == b"}" else b"," + rest
+
+    async def _json_string(self, stream: str, encoding: str) -> AsyncIterator[bytes]:
+        key = keys.output_stream_key(self._job_id, stream)
+        yield b'"'
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        offset = 0
+        while True:
+            piece = bytes(await self._redis.getrange(key, offset, offset + SLICE_BYTES - 1))
+            offset += len(piece)
+            last = len(piece) < SLICE_BYTES
+            if encoding == "base64":
+                if piece:
+                    yield base64.b64encode(piece)
+            else:
+                text = decoder.decode(piece, final=last)
+                if text:
+                    yield _encoder.encode(text)[1:-1]
+            if last:
+                break
+        yield b'"'
+
+
+class Deliveries:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._take = redis.register_script(_TAKE)
+        self._report = redis.register_script(_REPORT)
+
+    async def due(self, now_ms: int, count: int) -> list[str]:
+        """Up to `count` job ids whose callback is due (others may take them first)."""
+        raw = await self.redis.zrangebyscore(keys.CALLBACKS_DUE, "-inf", now_ms, start=0, num=count)
+        return [item.decode() for item in raw]
+
+    async def next_due_ms(self) -> int | None:
+        """When the earliest delivery is due (None: none queued)."""
+        first = await self.redis.zrange(keys.CALLBACKS_DUE, 0, 0, withscores=True)
+        return int(first[0][1]) if first else None
+
+    async def take(self, job_id: str, now_ms: int, lease_ms: int, token: str) -> Delivery | None:
+        """Count an attempt at `job_id`'s callback and hold it for `lease_ms`; None when it is
+        not due (any more) or has nothing left to send."""
+        raw = await self._take(
+            keys=[keys.CALLBACKS_DUE, keys.callback_key(job_id)], args=[job_id, now_ms, lease_ms, token]
+        )
+        if not raw:
+            return None
+        attempt, url, collect, ended = raw
+        return Delivery(
+            job_id=job_id,
+            attempt=int(attempt),
+            url=url.decode(),
+            collect=collect == b"1",
+            ended_at_ms=int(ended),
+            token=token,
+        )
+
+    async def report(
+        self,
+        delivery: Delivery,
+        outcome: Literal["delivered", "retry", "failed"],
+        now_ms: int,
+        next_attempt_ms: int = 0,
+        status: int | None = None,
+        error: str = "",
+    ) -> bool:
+        """Record how the attempt went; False when this sender no longer held it."""
+        done = await self._report(
+            keys=[keys.CALLBACKS_DUE, keys.callback_key(delivery.job_id)],
+            args=[delivery.job_id, delivery.token, outcome, now_ms, next_attempt_ms, status or "", error[:500]],
+        )
+        return bool(done)
+
+    async def body(self, delivery: Delivery) -> CallbackBody:
+        """The body to POST: the RunResult (collectOutput) or the `result` event, with `jobId`.
+
+        Raises:
+            ResultGone: the job's records have expired.
+        """
+        job_id = delivery.job_id
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(keys.status_key(job_id), "result")
+            pipe.get(keys.output_key(job_id))
+            pipe.exists(keys.output_stream_key(job_id, "stdout"))
+            result, meta, apart = await pipe.execute()
+        if result is None:
+            raise ResultGone(job_id)
+        if not delivery.collect:
+            event = decode_stored(ResultEvent, result)
+            return CallbackBody(
+                self.redis, job_id, whole=_encoder.encode(ResultCallback(job_id=job_id, **_fields(event)))
+            )
+        if meta is not None and apart:
+            return CallbackBody(self.redis, job_id, meta=bytes(meta))
+        if meta is not None:
+            # A RunResult stored whole (what workers before raw storage wrote).
+            run = decode_stored(RunResult, meta)
+        else:
+            # The job ended before any output was collected (killed in the queue, lost, ...).
+            event = decode_stored(ResultEvent, result)
+            verdict = {k: v for k, v in _fields(event).items() if k != "seq"}
+            run = RunResult(stdout="", stderr="", **verdict)
+        return CallbackBody(self.redis, job_id, whole=_encoder.encode(RunResultCallback(job_id=job_id, **_fields(run))))
+
+
+def _fields(struct: msgspec.Struct) -> dict[str, object]:
+    return {name: getattr(struct, name) for name in struct.__struct_fields__}
