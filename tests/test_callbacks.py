@@ -1,0 +1,785 @@
+"""Signed callbacks: the address policy, the submit-time check, the delivery scripts, and a
+real receiver (an HTTP server on 127.0.0.1 in this process) getting results from real stacks.
+
+Every connection any of these tests makes goes to 127.0.0.1. Refused addresses (10.0.0.1,
+169.254.169.254, ...) are only ever handed to the check that refuses them, which decides
+before anything connects; host names are resolved by a stand-in resolver, never by DNS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import http.server
+import ipaddress
+import itertools
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from api.callbacks import check_callback_url
+from api.store import JobStore
+from launcher.stack import Stack
+from shared import keys
+from shared.callbacks import address_refusal, parse_callback_url, retry_delay_ms, sign
+from shared.errors import ConfigError, ValidationError
+from shared.limits import DEFAULT_LIMITS
+from shared.messages import FileSpec, JobSpec, JobState
+from shared.paths import REPO_ROOT
+from shared.settings import Settings, load_settings
+from tests.helpers import Api, py_job
+from worker.callbacks import CallbackSender
+from worker.callbacks.deliveries import Deliveries
+from worker.callbacks.send import new_client
+from worker.queue import WorkerQueue
+
+# ---------------------------------------------------------------- a receiver
+
+
+class Receiver:
+    """An HTTP server on 127.0.0.1 that records every request and answers from a script:
+    each entry is a status to answer, ("sleep", seconds, status), ("redirect", location), or
+    "endless" (200 and a body that never ends)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.hung_up = 0
+        self.script: dict[str, list[Any]] = {}
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                body = self.rfile.read(length)
+                with receiver._lock:
+                    receiver.requests.append(
+                        {"path": self.path, "headers": dict(self.headers.items()), "body": body, "at": time.time()}
+                    )
+                    steps = receiver.script.get(self.path.split("?")[0], [])
+                    step = steps.pop(0) if steps else 200
+                    receiver._arrived.notify_all()
+                if step == "endless":
+                    self._endless()
+                    return
+                if isinstance(step, tuple) and step[0] == "redirect":
+                    self.send_response(302)
+                    self.send_header("Location", step[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if isinstance(step, tuple):
+                    _, seconds, step = step
+                    time.sleep(seconds)
+                try:
+                    self.send_response(step)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"ok")
+                except OSError:
+                    pass  # the sender gave up on us already
+
+            def _endless(self) -> None:
+                """200, then a body that never ends (until the client hangs up)."""
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                chunk = b"x" * 65536
+                try:
+                    for _ in range(100_000):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                except OSError:
+                    receiver.hung_up += 1
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def path(self, answers: list[Any] | None = None) -> str:
+        """A fresh path on this receiver, answering `answers` in turn (then 200)."""
+        path = f"/hook/{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            self.script[path] = list(answers or [])
+        return path
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [r for r in self.requests if r["path"] == path]
+
+    def wait(self, path: str, count: int, timeout_s: float = 30) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                got = [r for r in self.requests if r["path"] == path]
+                if len(got) >= count:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{path} got {len(got)} requests, wanted {count}")
+                self._arrived.wait(left)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def verified(secret: str, request: dict[str, Any]) -> dict[str, Any]:
+    """The request's JSON body, once its signature checks out (the receiver's side)."""
+    headers = request["headers"]
+    timestamp = headers["X-Coderunner-Timestamp"]
+    expected = hmac.new(secret.encode(), timestamp.encode() + b"." + request["body"], hashlib.sha256).hexdigest()
+    assert headers["X-Coderunner-Signature"] == f"sha256={expected}"
+    assert abs(time.time() - int(timestamp)) < 60
+    assert headers["Content-Type"] == "application/json"
+    body: dict[str, Any] = json.loads(request["body"])
+    assert headers["X-Coderunner-Job-Id"] == body["jobId"]
+    assert headers["X-Coderunner-Delivery"] == f"{body['jobId']}:{headers['X-Coderunner-Attempt']}"
+    return body
+
+
+# ---------------------------------------------------------------- the address policy (pure)
+
+REFUSED_ALWAYS = [
+    "0.0.0.0", "0.1.2.3", "169.254.169.254", "169.254.170.2", "169.254.1.1", "100.100.100.200",
+    "224.0.0.1", "239.255.255.250", "255.255.255.255", "240.0.0.1", "192.0.2.1", "198.51.100.7",
+    "203.0.113.9", "198.18.0.1", "::", "fd00:ec2::254", "fe80::1", "ff02::1", "2001:db8::1",
+    "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "2001:0:4136:e378::1", "::7f00:1",
+    "100::1",
+]  # fmt: skip
+REFUSED_UNLESS_PRIVATE = [
+    "127.0.0.1", "127.255.0.9", "10.0.0.1", "172.16.0.1", "172.31.255.255", "192.168.1.1", "100.64.0.1",
+    "100.127.255.254", "::1", "fc00::1", "fd12:3456::1", "::ffff:10.0.0.1", "::ffff:127.0.0.1",
+    "64:ff9b::a00:1", "2002:c0a8:101::1",
+]  # fmt: skip
+ALLOWED = ["8.8.8.8", "1.1.1.1", "93.184.216.34", "172.32.0.1", "100.128.0.1", "2606:4700:4700::1111", "2a00:1450::1"]
+
+
+@pytest.mark.parametrize("address", REFUSED_ALWAYS)
+def test_policy_refuses_always(address: str) -> None:
+    ip = ipaddress.ip_address(address)
+    assert address_refusal(ip, allow_private=False)
+    assert address_refusal(ip, allow_private=True), f"{address} must stay refused with CALLBACK_ALLOW_PRIVATE"
+
+
+@pytest.mark.parametrize("address", REFUSED_UNLESS_PRIVATE)
+def test_policy_refuses_private_unless_allowed(address: str) -> None:
+    ip = ipaddress.ip_address(address)
+    assert address_refusal(ip, allow_private=False)
+    assert address_refusal(ip, allow_private=True) is None
+
+
+@pytest.mark.parametrize("address", ALLOWED)
+def test_policy_allows_public(address: str) -> None:
+    assert address_refusal(ipaddress.ip_address(address), allow_private=False) is None
+
+
+def test_policy_names_metadata() -> None:
+    assert address_refusal(ipaddress.ip_address("169.254.169.254"), True) == "a cloud metadata address"
+    assert address_refusal(ipaddress.ip_address("fd00:ec2::254"), True) == "a cloud metadata address"
+    assert "embedded" in (address_refusal(ipaddress.ip_address("::ffff:10.1.2.3"), False) or "")
+
+
+BAD_URLS = {
+    "http://example.com/": "https",
+    "ftp://example.com/": "https",
+    "javascript:alert(1)": "https",
+    "file:///etc/passwd": "https",
+    "https:example.com": "https://",
+    "https://user:pw@example.com/": "credentials",
+    "https://example.com@10.0.0.1/": "credentials",
+    "https://example.com/a#frag": "fragment",
+    "https:///path": "host",
+    "https://example.com:0/": "port",
+    "https://example.com:70000/": "port",
+    "https://exa mple.com/": "ASCII",
+    "https://exämple.com/": "ASCII",
+    "https://example.com\\@10.0.0.1/": "backslash",
+    "https://2130706433/": "dotted-quad",
+    "https://127.1/": "dotted-quad",
+    "https://0x7f.0.0.1/": "dotted-quad",
+    "https://017.0.0.1/": "dotted-quad",
+    "https://[fe80::1%25eth0]/": "scoped",
+    "https://[not-ipv6]/": "IPv6",
+    "https://-bad-.example.com/": "host name",
+    "https://" + "a" * 2050 + ".com/": "2048",
+    "": "ASCII",
+}
+
+
+@pytest.mark.parametrize("url", list(BAD_URLS))
+def test_url_form_refused(url: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        parse_callback_url(url, allow_http=False)
+    detail = caught.value.details[0]
+    assert detail.field == "callbackUrl"
+    assert BAD_URLS[url] in detail.message, detail.message
+
+
+def test_url_form_accepted() -> None:
+    t = parse_callback_url("https://Hooks.Example.com/grade?x=1", allow_http=False)
+    assert (t.scheme, t.host, t.port, t.target, t.literal) == ("https", "hooks.example.com", 443, "/grade?x=1", False)
+    assert t.host_header == "hooks.example.com"
+    assert t.url_for(ipaddress.ip_address("93.184.216.34")) == "https://93.184.216.34:443/grade?x=1"
+    t = parse_callback_url("http://[::1]:8080", allow_http=True)
+    assert (t.host, t.port, t.target, t.literal, t.host_header) == ("::1", 8080, "/", True, "[::1]:8080")
+    assert t.url_for(ipaddress.ip_address("::1")) == "http://[::1]:8080/"
+    assert parse_callback_url("https://10.0.0.1:8443/x", allow_http=False).literal
+
+
+def test_signature_and_backoff() -> None:
+    body = b'{"jobId":"x"}'
+    assert sign("s" * 16, 1700000000, body) == (
+        "sha256=" + hmac.new(b"s" * 16, b"1700000000." + body, hashlib.sha256).hexdigest()
+    )
+    assert [retry_delay_ms(n, 1000, 60000) for n in (1, 2, 3, 4, 7, 8, 100)] == [
+        1000, 2000, 4000, 8000, 60000, 60000, 60000,
+    ]  # fmt: skip
+
+
+def test_readme_snippet_verifies_a_signature() -> None:
+    """The verification snippet in the README works, and refuses a forged or stale body."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("### Callbacks", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    namespace: dict[str, Any] = {}
+    exec(code.group(1), namespace)
+    verify = namespace["verify"]
+    secret, body, now = "k" * 24, b'{"jobId":"abc","outcome":"completed"}', int(time.time())
+    headers = {"X-Coderunner-Timestamp": str(now), "X-Coderunner-Signature": sign(secret, now, body)}
+    assert verify(secret.encode(), headers, body)
+    assert not verify(secret.encode(), headers, body + b" ")
+    assert not verify(b"another secret", headers, body)
+    stale = {"X-Coderunner-Timestamp": str(now - 3600), "X-Coderunner-Signature": sign(secret, now - 3600, body)}
+    assert not verify(secret.encode(), stale, body)
+
+
+def test_settings() -> None:
+    base = {"CALLBACK_SECRET": "x" * 16}
+    settings = load_settings({**base, "CALLBACK_ALLOW_PRIVATE": "yes", "CALLBACK_ALLOW_HTTP": "0"})
+    assert settings.callback_allow_private and not settings.callback_allow_http
+    for bad in ({"CALLBACK_ALLOW_PRIVATE": "maybe"}, {"CALLBACK_SECRET": "short"},
+                {"CALLBACK_CONNECT_TIMEOUT_MS": "20000"}, {"CALLBACK_BACKOFF_MS": "90000"}):  # fmt: skip
+        with pytest.raises(ConfigError) as caught:
+            load_settings({**base, **bad})
+        assert next(iter(bad)) in str(caught.value)
+    # The retry window never outlives the result it sends.
+    assert load_settings({**base, "RUN_RESULT_TTL": "60"}).callback_window_s == 60
+    assert load_settings(base).callback_window_s == 300
+
+
+async def test_submit_check_resolves_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host name is resolved with the loop's getaddrinfo (no blocking call), and every
+    address it gives is checked: one private address among public ones refuses it."""
+    settings = load_settings({"CALLBACK_SECRET": "x" * 16})
+    loop = asyncio.get_running_loop()
+    asked: list[str] = []
+    answers = {
+        "public.test": ["93.184.216.34", "2606:2800:220:1::1"],
+        "mixed.test": ["93.184.216.34", "10.1.2.3"],
+        "meta.test": ["169.254.169.254"],
+    }
+
+    async def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        asked.append(host)
+        if host not in answers:
+            import socket
+
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(10 if ":" in a else 2, 1, 6, "", (a, port)) for a in answers[host]]
+
+    monkeypatch.setattr(loop, "getaddrinfo", fake_getaddrinfo)
+    target = await check_callback_url("https://public.test/hook", settings)
+    assert target.host == "public.test" and not target.literal
+    for url, why in (
+        ("https://mixed.test/", "10.1.2.3, a private address"),
+        ("https://meta.test/", "cloud metadata"),
+        ("https://nowhere.test/", "could not be resolved"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            await check_callback_url(url, settings)
+        assert caught.value.details[0].field == "callbackUrl" and why in caught.value.details[0].message
+    # A literal address is judged as it is: nothing to resolve.
+    with pytest.raises(ValidationError):
+        await check_callback_url("https://10.0.0.1/", settings)
+    assert asked == ["public.test", "mixed.test", "meta.test", "nowhere.test"]
+
+
+# ---------------------------------------------------------------- a stack without workers
+
+
+@pytest.fixture(scope="module")
+def bare_stack() -> Iterator[Stack]:
+    """Default callback settings (https only, no private addresses) and no worker, so no
+    sender: deliveries queued here stay put for the tests to take by hand."""
+    stack = Stack(with_worker=False)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.cleanup()
+
+
+@pytest.fixture
+def bare_api(bare_stack: Stack) -> Iterator[Api]:
+    client = Api(bare_stack)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def redis(bare_stack: Stack) -> AsyncIterator[Redis]:
+    client = Redis.from_url(bare_stack.redis_url)
+    yield client
+    await client.aclose()
+
+
+REFUSED_AT_SUBMIT = {
+    "https://10.0.0.1/hook": "private",
+    "https://169.254.169.254/latest/meta-data/": "metadata",
+    "https://[::1]/hook": "loopback",
+    "https://127.0.0.1:8443/hook": "loopback",
+    "https://[fd00:ec2::254]/": "metadata",
+    "https://[::ffff:192.168.0.1]/": "private",
+    "https://100.64.0.1/": "carrier-grade NAT",
+    "https://0.0.0.0/": "unspecified",
+    "https://[fe80::1]/": "link-local",
+    "http://10.0.0.1/": "https",
+    "https://2130706433/": "dotted-quad",
+    "https://u:p@10.0.0.1/": "credentials",
+}
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("url", list(REFUSED_AT_SUBMIT))
+def test_refused_address_is_a_400_at_submit(bare_api: Api, url: str) -> None:
+    before = bare_api.get("/v1/jobs").json()["jobs"]
+    response = bare_api.post("/v1/execute", json=py_job("print(1)", callbackUrl=url))
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["details"][0]["field"] == "callbackUrl"
+    assert REFUSED_AT_SUBMIT[url] in body["error"], body
+    assert bare_api.get("/v1/jobs").json()["jobs"] == before  # nothing was queued
+
+
+@pytest.mark.stack
+def test_no_secret_refuses_callbacks(make_stack: Any) -> None:
+    stack = make_stack(with_worker=False, CALLBACK_SECRET="")
+    api = Api(stack)
+    try:
+        response = api.post("/v1/execute", json=py_job("print(1)", callbackUrl="https://169.254.169.254/hook"))
+        assert response.status_code == 503, response.text
+        assert "CALLBACK_SECRET" in response.json()["error"]
+        assert response.json()["details"][0]["field"] == "callbackUrl"
+        # Without a callbackUrl nothing changes.
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+    finally:
+        api.close()
+
+
+# Deliveries these tests queue by hand but never mean to send point here: an address every
+# policy refuses before connecting, so even a stray one never leaves the machine.
+NEVER_SENT = "https://169.254.169.254/never-sent"
+
+
+def _spec(callback_url: str | None, collect: bool = False) -> JobSpec:
+    return JobSpec(
+        job_id=uuid.uuid4().hex,
+        language="python",
+        version="3.11",
+        files=[FileSpec(name="main.py", content="print(1)")],
+        limits=DEFAULT_LIMITS,
+        created_at_ms=int(time.time() * 1000),
+        owner="owner-cb",
+        collect_output=collect,
+        callback_url=callback_url,
+    )
+
+
+async def _killed_in_queue(redis: Redis, url: str, collect: bool = False) -> str:
+    """A job with a callback, ended by a kill while queued: its delivery is due now."""
+    store = JobStore(redis, 86400)
+    spec = _spec(url, collect)
+    assert (await store.enqueue(spec, 10_000, 10_000, 600)).outcome == "queued"
+    call = store.kill_call(spec.job_id, 600)
+    assert (await store.run(call))[0] == 2
+    assert await store.run(call)  # sent twice (its reply lost): one result, one delivery
+    assert await redis.zscore(keys.CALLBACKS_DUE, spec.job_id) is not None
+    return spec.job_id
+
+
+@pytest.mark.stack
+async def test_delivery_scripts_sent_twice(redis: Redis) -> None:
+    job_id = await _killed_in_queue(redis, NEVER_SENT)
+    deliveries = Deliveries(redis)
+    now = int(time.time() * 1000)
+    first = await deliveries.take(job_id, now, 30_000, "tok-1")
+    assert first is not None and first.attempt == 1 and not first.collect
+    again = await deliveries.take(job_id, now, 30_000, "tok-1")  # the same claim, its reply lost
+    assert again == first
+    assert await deliveries.take(job_id, now, 30_000, "tok-2") is None  # held: not due
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"attempts"] == b"1" and record[b"state"] == b"pending"
+    assert await deliveries.report(first, "retry", now, next_attempt_ms=now + 1, status=500, error="HTTP 500")
+    assert not await deliveries.report(first, "retry", now, next_attempt_ms=now + 1, status=500, error="HTTP 500")
+    second = await deliveries.take(job_id, now + 5, 30_000, "tok-2")
+    assert second is not None and second.attempt == 2
+    assert not await deliveries.report(first, "delivered", now)  # a stale holder changes nothing
+    assert await deliveries.report(second, "delivered", now + 6, status=204)
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"delivered" and record[b"deliveredAtMs"] == str(now + 6).encode()
+    assert await redis.zscore(keys.CALLBACKS_DUE, job_id) is None
+    assert await deliveries.take(job_id, now + 10**6, 30_000, "tok-3") is None
+
+
+@pytest.mark.stack
+async def test_finish_and_reap_queue_one_delivery(redis: Redis) -> None:
+    """The worker's result scripts queue the delivery with the result, once when sent twice."""
+    store = JobStore(redis, 86400)
+    for how in ("finish", "reap"):
+        spec = _spec(NEVER_SENT)
+        await store.enqueue(spec, 10_000, 10_000, 600)
+        queue = WorkerQueue(redis, "w-" + uuid.uuid4().hex[:6], 86400, 600)
+        claim = await queue.claim(1.0, 0.0)
+        assert claim is not None and claim.spec.job_id == spec.job_id
+        assert await redis.zscore(keys.CALLBACKS_DUE, spec.job_id) is None  # not before the end
+        if how == "finish":
+            for _ in range(2):
+                await queue.finish(
+                    spec.job_id, claim.attempt, JobState.DONE, 0, b'{"outcome":"completed","seq":0}', None
+                )
+        else:
+            await queue.advance(spec.job_id, claim.attempt, [], started=True)
+            assert len(await queue.recover_claims(queue.worker_id)) == 1
+            assert await queue.recover_claims(queue.worker_id) == []
+        assert await redis.zscore(keys.CALLBACKS_DUE, spec.job_id) is not None
+        record = await redis.hgetall(keys.callback_key(spec.job_id))
+        assert record[b"state"] == b"pending" and record[b"attempts"] == b"0" and b"endedAtMs" in record
+        assert 0 < await redis.ttl(keys.callback_key(spec.job_id)) <= 600
+        await redis.zrem(keys.CALLBACKS_DUE, spec.job_id)
+
+
+def _sender_settings(stack: Stack, **env: str) -> Settings:
+    return load_settings(
+        {
+            "REDIS_URL": stack.redis_url,
+            "CALLBACK_SECRET": stack.callback_secret,
+            "CALLBACK_ALLOW_HTTP": "1",
+            "CALLBACK_TIMEOUT_MS": "2000",
+            "CALLBACK_CONNECT_TIMEOUT_MS": "1000",
+            **env,
+        }
+    )
+
+
+async def _one_round(sender: CallbackSender, job_id: str) -> None:
+    """One round of the sender over this job's delivery alone."""
+    for other in await sender.deliveries.redis.zrange(keys.CALLBACKS_DUE, 0, -1):
+        if other.decode() != job_id:
+            await sender.deliveries.redis.zrem(keys.CALLBACKS_DUE, other)
+    await sender._round()
+    while sender._inflight:
+        await asyncio.gather(*sender._inflight.values(), return_exceptions=True)
+
+
+@pytest.mark.stack
+async def test_send_connects_to_the_checked_address(
+    bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host name is resolved once; the request goes to a checked address of it, keeping the
+    URL's Host header. An address that refuses the connection is passed over."""
+    path = receiver.path()
+    job_id = await _killed_in_queue(redis, f"http://hooks.test:{receiver.port}{path}")
+    resolved: list[str] = []
+
+    async def fake_resolve(target: Any) -> list[Any]:
+        resolved.append(target.host)
+        # 127.0.0.2 is loopback too, but nothing listens there on the receiver's port.
+        return [ipaddress.ip_address("127.0.0.2"), ipaddress.ip_address("127.0.0.1")]
+
+    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
+    async with new_client(settings) as client:
+        await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    assert resolved == ["hooks.test"]
+    (request,) = receiver.received(path)
+    assert request["headers"]["Host"] == f"hooks.test:{receiver.port}"
+    body = verified(bare_stack.callback_secret, request)
+    assert body["jobId"] == job_id and body["outcome"] == "killed" and body["killedBy"] == "user"
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"delivered" and record[b"lastStatus"] == b"200"
+
+
+@pytest.mark.stack
+async def test_send_refuses_a_name_that_now_resolves_private(
+    bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DNS rebinding: a name that passed at submit and resolves to a refused address when the
+    result is sent is refused there, before any connection, and not retried."""
+    path = receiver.path()
+    job_id = await _killed_in_queue(redis, f"http://rebind.test:{receiver.port}{path}")
+
+    async def fake_resolve(target: Any) -> list[Any]:
+        return [ipaddress.ip_address("127.0.0.1")]
+
+    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    settings = _sender_settings(bare_stack)  # no CALLBACK_ALLOW_PRIVATE
+    async with new_client(settings) as client:
+        await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    assert receiver.received(path) == []
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"failed" and record[b"attempts"] == b"1"
+    assert b"refused: 127.0.0.1 is a loopback address" in record[b"lastError"]
+    assert await redis.zscore(keys.CALLBACKS_DUE, job_id) is None
+
+
+@pytest.mark.stack
+async def test_send_follows_no_redirect_and_reads_a_bounded_answer(
+    bare_stack: Stack, redis: Redis, receiver: Receiver
+) -> None:
+    """A 3xx is a failed attempt (its Location is never requested); an answer whose body never
+    ends is read up to the cap and the attempt counts as delivered, well within its time."""
+    elsewhere = receiver.path()
+    path = receiver.path([("redirect", receiver.url(elsewhere)), "endless"])
+    job_id = await _killed_in_queue(redis, receiver.url(path))
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1", CALLBACK_BACKOFF_MS="1")
+    async with new_client(settings) as client:
+        sender = CallbackSender(settings, redis, client, "test")
+        await _one_round(sender, job_id)
+        record = await redis.hgetall(keys.callback_key(job_id))
+        assert record[b"state"] == b"pending" and record[b"lastStatus"] == b"302"
+        assert record[b"lastError"] == b"HTTP 302"
+        await asyncio.sleep(0.01)
+        began = time.monotonic()
+        await _one_round(sender, job_id)
+        assert time.monotonic() - began < 1.5
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"delivered" and record[b"attempts"] == b"2"
+    assert len(receiver.received(path)) == 2 and receiver.received(elsewhere) == []
+    deadline = time.monotonic() + 5
+    while not receiver.hung_up and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert receiver.hung_up == 1  # the sender stopped reading and closed
+
+
+# ---------------------------------------------------------------- end to end, with workers
+
+CALLBACK_ENV = {
+    "CALLBACK_ALLOW_HTTP": "1",
+    "CALLBACK_ALLOW_PRIVATE": "1",
+    "CALLBACK_BACKOFF_MS": "300",
+    "CALLBACK_BACKOFF_MAX_MS": "1000",
+    "CALLBACK_TIMEOUT_MS": "1500",
+    "CALLBACK_CONNECT_TIMEOUT_MS": "1000",
+    "WORKER_MAX_SANDBOXES": "2",
+    # A job nobody starts expires soon (the tests that run jobs start them at once).
+    "WORKER_WARMUP_MS": "3000",
+}
+
+
+@pytest.fixture(scope="module")
+def cb_stack() -> Iterator[Stack]:
+    stack = Stack(extra_env=CALLBACK_ENV)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.cleanup()
+
+
+@pytest.fixture
+def cb_api(cb_stack: Stack) -> Iterator[Api]:
+    client = Api(cb_stack)
+    yield client
+    client.close()
+
+
+def _run(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    job = api.execute(body)
+    assert api.start(job).status_code == 202
+    return job
+
+
+def _callback_history(api: Api, job: dict[str, Any], until: str, timeout_s: float = 30) -> list[dict[str, Any]]:
+    """Every distinct `callback` the status showed, polled until its state is `until`."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        callback = api.status(job).get("callback")
+        if callback is not None and (not seen or seen[-1] != callback):
+            seen.append(callback)
+        if callback is not None and callback["state"] == until:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"callback never {until}: {seen}")
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_result_is_delivered_signed(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    path = receiver.path()
+    job = _run(cb_api, py_job("print(6 * 7)", callbackUrl=receiver.url(path)))
+    (request,) = receiver.wait(path, 1)
+    body = verified(cb_stack.callback_secret, request)
+    status = cb_api.status(job)
+    assert body == {**status["result"], "jobId": job["jobId"]}
+    assert body["outcome"] == "completed" and body["exitCode"] == 0
+    assert request["headers"]["X-Coderunner-Attempt"] == "1"
+    assert request["headers"]["Host"] == f"127.0.0.1:{receiver.port}"
+    history = _callback_history(cb_api, job, "delivered")
+    last = history[-1]
+    assert last["attempts"] == 1 and last["lastStatus"] == 200 and "lastError" not in last
+    assert last["deliveredAtMs"] >= status["updatedAtMs"]
+    time.sleep(0.5)
+    assert len(receiver.received(path)) == 1
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_collected_output_is_delivered_as_the_run_result(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    path = receiver.path()
+    code = "import sys\nsys.stdout.buffer.write('h\\u00e9llo\\n'.encode())\nsys.stderr.buffer.write(b'\\xff\\x00raw')\n"
+    job = _run(cb_api, py_job(code, collectOutput=True, callbackUrl=receiver.url(path)))
+    (request,) = receiver.wait(path, 1)
+    body = verified(cb_stack.callback_secret, request)
+    pulled = cb_api.get(f"/v1/jobs/{job['jobId']}/output").json()
+    assert body == {**pulled, "jobId": job["jobId"]}
+    assert body["stdout"] == "héllo\n"
+    assert body["stderrEncoding"] == "base64" and base64.b64decode(body["stderr"]) == b"\xff\x00raw"
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_receiver_failing_twice_gets_the_third_try(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    path = receiver.path([500, 500])
+    job = _run(cb_api, py_job("print('graded')", callbackUrl=receiver.url(path)))
+    history = _callback_history(cb_api, job, "delivered")
+    requests = receiver.wait(path, 3)
+    assert [r["headers"]["X-Coderunner-Attempt"] for r in requests] == ["1", "2", "3"]
+    # The same body every time (a receiver de-duplicates by jobId), each signed afresh.
+    assert len({r["body"] for r in requests}) == 1
+    for r in requests:
+        verified(cb_stack.callback_secret, r)
+    # Backing off: at least CALLBACK_BACKOFF_MS, then twice that, between attempts.
+    gaps = [b["at"] - a["at"] for a, b in itertools.pairwise(requests)]
+    assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps
+    # The status went pending (attempts failing with 500) -> delivered on the third.
+    failed = [c for c in history if c["state"] == "pending" and c.get("lastStatus") == 500]
+    assert failed and failed[-1]["lastError"] == "HTTP 500" and "nextAttemptAtMs" in failed[-1]
+    assert history[-1]["state"] == "delivered" and history[-1]["attempts"] == 3
+    assert history[-1]["lastStatus"] == 200 and "lastError" not in history[-1]
+    states = [c["state"] for c in history]
+    assert states.index("delivered") == len(states) - 1
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_receiver_slower_than_the_timeout_is_retried(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    path = receiver.path([("sleep", 4.0, 200)])
+    job = _run(cb_api, py_job("print(1)", callbackUrl=receiver.url(path)))
+    history = _callback_history(cb_api, job, "delivered")
+    requests = receiver.wait(path, 2)
+    assert [r["headers"]["X-Coderunner-Attempt"] for r in requests] == ["1", "2"]
+    assert any(c.get("lastError") == "no answer within 1500 ms" for c in history), history
+    assert history[-1]["attempts"] == 2
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_given_up_after_the_retry_window(make_stack: Any, receiver: Receiver) -> None:
+    stack = make_stack(**{**CALLBACK_ENV, "CALLBACK_RETRY_FOR_S": "2"})
+    api = Api(stack)
+    try:
+        path = receiver.path([503] * 50)
+        job = _run(api, py_job("print(1)", callbackUrl=receiver.url(path)))
+        history = _callback_history(api, job, "failed", timeout_s=30)
+        last = history[-1]
+        assert last["lastStatus"] == 503 and last["lastError"] == "HTTP 503" and "nextAttemptAtMs" not in last
+        attempts = len(receiver.received(path))
+        assert attempts == last["attempts"] >= 3
+        time.sleep(1.5)
+        assert len(receiver.received(path)) == attempts  # nothing after giving up
+    finally:
+        api.close()
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_killed_while_queued_gets_its_callback(make_stack: Any, receiver: Receiver) -> None:
+    """No worker yet: the kill ends the job in the API, which queues the delivery with the
+    result; the sender of the first worker to start sends it."""
+    stack = make_stack(with_worker=False, **CALLBACK_ENV)
+    api = Api(stack)
+    try:
+        path = receiver.path()
+        job = api.execute(py_job("print(1)", collectOutput=True, callbackUrl=receiver.url(path)))
+        assert api.status(job)["callback"] == {"state": "pending", "attempts": 0}
+        assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+        status = api.wait_state(job, {"killed"})
+        assert status["callback"]["state"] == "pending" and "nextAttemptAtMs" in status["callback"]
+        time.sleep(0.5)
+        assert receiver.received(path) == []
+        stack.start_worker()
+        (request,) = receiver.wait(path, 1)
+        body = verified(stack.callback_secret, request)
+        assert body["jobId"] == job["jobId"] and body["outcome"] == "killed" and body["killedBy"] == "user"
+        assert body["stdout"] == "" and body["stderr"] == ""  # collectOutput: a RunResult, empty
+        assert _callback_history(api, job, "delivered")[-1]["attempts"] == 1
+    finally:
+        api.close()
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_expired_job_gets_its_callback(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    """Never started: the worker ends it `expired` after WORKER_WARMUP_MS, and sends that."""
+    path = receiver.path()
+    job = cb_api.execute(py_job("print(1)", callbackUrl=receiver.url(path)))
+    (request,) = receiver.wait(path, 1, timeout_s=30)
+    body = verified(cb_stack.callback_secret, request)
+    assert body["jobId"] == job["jobId"] and body["outcome"] == "expired"
+    assert cb_api.status(job)["state"] == "expired"
+
+
+@pytest.mark.stack
+def test_job_without_callback_shows_none(cb_api: Api) -> None:
+    job = cb_api.execute(py_job("print(1)"))
+    assert "callback" not in cb_api.status(job)
+    cb_api.post(f"/v1/jobs/{job['jobId']}/kill")
+
+
+def test_client_checks_no_real_network() -> None:
+    """The callback client never takes a proxy from the environment."""
+    settings = load_settings({"CALLBACK_SECRET": "x" * 16})
+    client = new_client(settings)
+    try:
+        assert client.trust_env is False and client.follow_redirects is False
+    finally:
+        asyncio.run(client.aclose())
