@@ -17,6 +17,9 @@ import ipaddress
 import itertools
 import json
 import re
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -50,8 +53,10 @@ class Receiver:
     each entry is a status to answer, ("sleep", seconds, status), ("redirect", location), or
     "endless" (200 and a body that never ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
+        # The TLS server names clients asked for (with `tls`).
+        self.server_names: list[str | None] = []
         self.hung_up = 0
         self.script: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
@@ -108,6 +113,9 @@ class Receiver:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        if tls is not None:
+            tls.sni_callback = lambda _sock, name, _ctx: self.server_names.append(name)  # type: ignore[assignment,func-returns-value]
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -587,6 +595,51 @@ async def test_send_follows_no_redirect_and_reads_a_bounded_answer(
     while not receiver.hung_up and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert receiver.hung_up == 1  # the sender stopped reading and closed
+
+
+@pytest.mark.stack
+async def test_https_to_the_checked_address_keeps_the_server_name(
+    bare_stack: Stack, redis: Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """https to a host name: the connection goes to the checked address, while TLS asks for
+    the URL's host (SNI) and the certificate is checked against it; a certificate for another
+    name fails the attempt."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=hooks.test", "-addext", "subjectAltName=DNS:hooks.test"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    tls_receiver = Receiver(tls=server_tls)
+
+    async def fake_resolve(target: Any) -> list[Any]:
+        return [ipaddress.ip_address("127.0.0.1")]
+
+    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1", CALLBACK_ALLOW_HTTP="0")
+    try:
+        path = tls_receiver.path()
+        async with new_client(settings, verify=trusting) as client:
+            sender = CallbackSender(settings, redis, client, "test")
+            good = await _killed_in_queue(redis, f"https://hooks.test:{tls_receiver.port}{path}")
+            await _one_round(sender, good)
+            wrong = await _killed_in_queue(redis, f"https://other.test:{tls_receiver.port}{path}")
+            await _one_round(sender, wrong)
+        (request,) = tls_receiver.received(path)
+        assert request["headers"]["Host"] == f"hooks.test:{tls_receiver.port}"
+        assert verified(bare_stack.callback_secret, request)["jobId"] == good
+        assert tls_receiver.server_names[0] == "hooks.test"
+        assert (await redis.hget(keys.callback_key(good), "state")) == b"delivered"
+        record = await redis.hgetall(keys.callback_key(wrong))
+        assert record[b"state"] == b"pending" and b"lastStatus" not in record
+        assert b"CERTIFICATE_VERIFY_FAILED" in record[b"lastError"], record
+    finally:
+        tls_receiver.close()
 
 
 # ---------------------------------------------------------------- end to end, with workers

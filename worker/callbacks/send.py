@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -35,10 +36,12 @@ class Refused(Exception):
     """The URL's host resolves to an address the policy refuses; not retried."""
 
 
-def new_client(settings: Settings) -> httpx.AsyncClient:
-    """The client one sender uses for every attempt (its TLS context is built once, here)."""
+def new_client(settings: Settings, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
+    """The client one sender uses for every attempt (its TLS context is built once, here;
+    `verify` is for tests that trust a certificate of their own)."""
     total_s = settings.callback_timeout_ms / 1000
     return httpx.AsyncClient(
+        verify=verify,
         timeout=httpx.Timeout(total_s, connect=settings.callback_connect_timeout_ms / 1000),
         follow_redirects=False,
         trust_env=False,
