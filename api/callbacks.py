@@ -48,7 +48,9 @@ async def check_callback_url(url: str, settings: Settings) -> CallbackTarget:
     for ip in addresses:
         why = address_refusal(ip, settings.callback_allow_private)
         if why is not None:
-            raise _refused(f"points to {ip}, {why}, which this server does not call back")
+            # A name's addresses are not told: the API must not be a way to read internal DNS.
+            where = f"is {why}" if target.literal else f"resolves to {why}"
+            raise _refused(f"{where}, which this server does not call back")
     return target
 
 

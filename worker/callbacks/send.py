@@ -70,16 +70,17 @@ async def resolve(target: CallbackTarget) -> list[IPAddress]:
     return found
 
 
-def checked(addresses: list[IPAddress], allow_private: bool) -> list[IPAddress]:
+def checked(target: CallbackTarget, addresses: list[IPAddress], allow_private: bool) -> list[IPAddress]:
     """`addresses` if the policy allows every one of them.
 
     Raises:
-        Refused: naming the first refused address and why.
+        Refused: saying why the first refused address is (not which it is: the job's owner
+            reads this, and must not learn internal DNS from it).
     """
     for ip in addresses:
         why = address_refusal(ip, allow_private)
         if why is not None:
-            raise Refused(f"{ip} is {why}")
+            raise Refused(f"{target.host} is {why}" if target.literal else f"{target.host} resolves to {why}")
     return addresses
 
 

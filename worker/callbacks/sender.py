@@ -81,6 +81,10 @@ class CallbackSender:
             except RedisError as exc:
                 log.warning("callbacks: Redis unavailable (%s); trying again shortly", exc)
                 pause = 1.0
+            except Exception:
+                # Never let one bad round end the sender for the rest of the worker's life.
+                log.exception("callbacks: sender round failed; trying again shortly")
+                pause = 1.0
             await asyncio.sleep(pause)
 
     async def _round(self) -> float:
@@ -157,7 +161,7 @@ class CallbackSender:
         settings = self.settings
         # The URL was checked at submit; the settings may have changed since, so again.
         target = callbacks.parse_callback_url(delivery.url, settings.callback_allow_http)
-        addresses = checked(await resolve(target), settings.callback_allow_private)
+        addresses = checked(target, await resolve(target), settings.callback_allow_private)
         body = await self.deliveries.body(delivery)
         timestamp_s = int(time.time())
         mac = callbacks.signer(settings.callback_secret, timestamp_s)
