@@ -314,7 +314,7 @@ class JobRun:
         """Put the job's files and limits into its sandbox; compiled languages get their
         compile jail over the same workspace."""
         assert self.sandbox is not None
-        self.sandbox.load(plan.files, self.spec.limits)
+        await self.sandbox.load(plan.files, self.spec.limits)
         if plan.compile_limits is not None:
             await self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from shared.messages import CtrlMessage
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import Jail, JailExit, Program
+from worker.isolation.offload import off_loop
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Activity", "Clocks", "StepFacts", "supervise"]
@@ -102,6 +103,7 @@ async def supervise(
     ended_at = go_at
     wall_s = clocks.wall_ms / 1000
     idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
+    killed = False
     try:
         while True:
             now = loop.time()
@@ -139,7 +141,8 @@ async def supervise(
                     break
 
         # Whatever ended the step, nothing of it may outlive it.
-        cgroup.kill()
+        await off_loop(cgroup.kill)
+        killed = True
         try:
             exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
         except TimeoutError:
@@ -149,7 +152,8 @@ async def supervise(
         await asyncio.wait(readers, timeout=EXIT_GRACE_S)
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
-        cgroup.kill()
+        if not killed:
+            cgroup.kill()
         inbox_task.cancel()
         if not exit_task.done():
             exit_task.cancel()

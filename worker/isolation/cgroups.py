@@ -14,20 +14,23 @@ Layout under the configured name (default `coderunner`):
 
 nsjail starts inside the job cgroups (so the jail inherits them) and is moved to the
 supervisor cgroups as soon as the jail exists, so only jailed processes are limited,
-counted and killed. Reading cgroupfs files is an in-kernel copy that never blocks on I/O,
-so it is done directly on the event loop.
+counted and killed. Reading a counter is an in-kernel copy that never blocks, so the
+clocks read them on the event loop; creating, limiting and removing cgroups take kernel
+locks and run on the isolation threads (worker/isolation/offload.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import errno
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker.isolation.offload import off_loop
 
 __all__ = ["CgroupError", "CgroupLayout", "CgroupMode", "JobCgroup", "JobCounters", "detect_layout"]
 
@@ -104,7 +107,9 @@ class CgroupLayout:
         if self.mode is CgroupMode.V2:
             return f"cgroup v2 at {self.v2}"
         parts = [f"v1 memory at {self.v1_memory}", f"v1 pids at {self.v1_pids}"]
-        parts.append(f"cgroup2 at {self.v2} for cpu.stat/cgroup.kill" if self.v2 else "no cgroup2 (cpuacct, signal sweep)")
+        parts.append(
+            f"cgroup2 at {self.v2} for cpu.stat/cgroup.kill" if self.v2 else "no cgroup2 (cpuacct, signal sweep)"
+        )
         return "hybrid: " + ", ".join(parts)
 
     # -- set-up ------------------------------------------------------------------------
@@ -281,7 +286,11 @@ class JobCgroup:
         targets: list[Path] = []
         if self.v2_supervisor is not None:
             targets.append(self.v2_supervisor)
-        for _ctrl, root in (("memory", self.layout.v1_memory), ("pids", self.layout.v1_pids), ("cpu", self.layout.v1_cpu)):
+        for _ctrl, root in (
+            ("memory", self.layout.v1_memory),
+            ("pids", self.layout.v1_pids),
+            ("cpu", self.layout.v1_cpu),
+        ):
             if root is not None:
                 targets.append(root / self.layout.name / "supervisor")
         if self._cpuacct is not None and self.layout.v1_cpuacct is not None:
@@ -371,14 +380,17 @@ class JobCgroup:
                 leftover = True
         return not leftover
 
-    async def remove(self, timeout_s: float = 2.0) -> bool:
-        """Kill stragglers and remove the cgroups; True when all are gone."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+    def remove_blocking(self, timeout_s: float = 2.0) -> bool:
+        """Kill stragglers and remove the cgroups; True when all are gone (isolation threads only)."""
+        deadline = time.monotonic() + timeout_s
         while not self.try_remove():
-            if loop.time() > deadline:
+            if time.monotonic() > deadline:
                 log.error("job %s: cgroups still busy after %.1fs: pids %s", self.job_id, timeout_s, self.pids())
                 return False
             self.kill()
-            await asyncio.sleep(0.005)
+            time.sleep(0.005)
         return True
+
+    async def remove(self, timeout_s: float = 2.0) -> bool:
+        """`remove_blocking` on the isolation threads."""
+        return await off_loop(self.remove_blocking, timeout_s)

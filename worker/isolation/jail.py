@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.isolation.cgroups import JobCgroup
+from worker.isolation.child import Child, read_pipe
+from worker.isolation.offload import off_loop
 
 __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
 
@@ -125,9 +127,15 @@ class Jail:
     """A launched jail. Use `wait_ready()`, then `go()`, then read `stdout`/`stderr` and `wait()`."""
 
     def __init__(
-        self, proc: asyncio.subprocess.Process, log_reader: asyncio.StreamReader, status_fd: int, cgroup: JobCgroup
+        self,
+        proc: Child,
+        log_reader: asyncio.StreamReader,
+        log_transport: asyncio.BaseTransport,
+        status_fd: int,
+        cgroup: JobCgroup,
     ) -> None:
         self.proc = proc
+        self._log_transport = log_transport
         self._status_fd = status_fd
         self.stdout = proc.stdout
         self.stderr = proc.stderr
@@ -148,15 +156,7 @@ class Jail:
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             argv = build_argv(nsjail, profile, spec, write_fd, status_write, cgroup.procs_files())
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
-                pass_fds=(write_fd, status_write),
-                env={},
-                start_new_session=True,
-            )
+            proc = await Child.spawn(argv, merge_stderr=merge_stderr, pass_fds=(write_fd, status_write))
         except BaseException:
             os.close(read_fd)
             os.close(status_read)
@@ -164,21 +164,26 @@ class Jail:
         finally:
             os.close(write_fd)
             os.close(status_write)
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", 0))
-        return cls(proc, reader, status_read, cgroup)
+        try:
+            reader, log_transport = await read_pipe(read_fd)
+        except BaseException:
+            proc.close()
+            proc.kill_group()
+            os.close(status_read)
+            raise
+        return cls(proc, reader, log_transport, status_read, cgroup)
 
     async def _read_log(self) -> None:
         while True:
             line = await self._log_reader.readline()
             if not line:
+                self._log_transport.close()
                 break
             self._log_lines.append(line)
             if not self._ready.is_set() and b"Executing " in line:
                 # The jail exists (nsjail logs this from inside the child, just before exec):
                 # take nsjail itself out of the job's cgroups so only jailed code is limited.
-                self._cgroup.release_supervisor(self.proc.pid)
+                await off_loop(self._cgroup.release_supervisor, self.proc.pid)
                 self.released = True
                 self._ready.set()
         self._ready.set()
@@ -196,7 +201,7 @@ class Jail:
         if not self.released:
             await self._log_task
             raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
-        if not self._cgroup.pids():
+        if not await off_loop(self._cgroup.pids):
             raise JailError("jail is not inside the job's cgroups")
 
     def error_lines(self) -> list[str]:
@@ -217,6 +222,11 @@ class Jail:
             await self._log_task
             self._exit = self._parse_exit(self._read_status())
         return self._exit
+
+    def close(self) -> None:
+        """Close every pipe to the jail (once its output has been read, or is not wanted)."""
+        self.proc.close()
+        self._log_transport.close()
 
     def _read_status(self) -> bytes:
         """The gate's report; every writer is gone once nsjail has exited, so this never blocks."""
@@ -258,8 +268,4 @@ class Jail:
 
     def terminate_supervisor(self) -> None:
         """Last resort: SIGKILL nsjail itself (the jail dies with its pid namespace)."""
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.proc.kill_group()

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from worker.isolation.cgroups import CgroupLayout
+from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import owner_of
 from worker.isolation.workspace import detach_workspace
 
@@ -36,6 +37,33 @@ def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
     return max(stamps)
 
 
+def _scan(layout: CgroupLayout, work_root: Path) -> tuple[set[str], set[str]]:
+    """Names of every job cgroup and workspace on the host."""
+    workspaces = {p.name for p in work_root.iterdir() if p.is_dir()} if work_root.is_dir() else set()
+    return layout.job_ids(), workspaces
+
+
+def _remove(
+    layout: CgroupLayout, work_root: Path, cgroups: set[str], workspaces: set[str], min_age_s: float, me: str
+) -> set[str]:
+    """Kill and remove the given sandboxes (others' only once older than `min_age_s`)."""
+    now = time.time()
+    orphans = {
+        name
+        for name in cgroups | workspaces
+        if owner_of(name) == me or now - _created(layout, work_root, name) >= min_age_s
+    }
+    for name in orphans & cgroups:
+        cgroup = layout.job(name)
+        cgroup.kill()
+        cgroup.remove_blocking(timeout_s=2.0)
+    if orphans & workspaces:
+        mounts = Path("/proc/self/mounts").read_text()
+        for name in orphans & workspaces:
+            detach_workspace(work_root / name, mounts)
+    return orphans
+
+
 async def sweep_orphans(
     redis: Redis,
     layout: CgroupLayout,
@@ -53,28 +81,18 @@ async def sweep_orphans(
     that is starting builds its self-test sandbox before it first heartbeats. Without
     `others`, only this worker's own leftovers are considered.
     """
-    cgroups = layout.job_ids()
-    workspaces = {p.name for p in work_root.iterdir() if p.is_dir()} if work_root.is_dir() else set()
+    cgroups, workspaces = await off_loop(_scan, layout, work_root)
     owners = {name: owner_of(name) for name in cgroups | workspaces}
     dead: dict[str, bool] = {}
     for owner in set(owners.values()):
         if others and owner is not None and owner != me:
             dead[owner] = not await redis.exists(keys.worker_alive_key(owner))
-    now = time.time()
-    orphans = {
+    candidates = {
         name
         for name, owner in owners.items()
-        if (starting and owner == me)
-        or (owner is not None and dead.get(owner, False) and now - _created(layout, work_root, name) >= min_age_s)
+        if (starting and owner == me) or (owner is not None and dead.get(owner, False))
     }
-    for name in orphans & cgroups:
-        cgroup = layout.job(name)
-        cgroup.kill()
-        await cgroup.remove(timeout_s=2.0)
-    if orphans & workspaces:
-        mounts = Path("/proc/self/mounts").read_text()
-        for name in orphans & workspaces:
-            detach_workspace(work_root / name, mounts)
+    orphans = await off_loop(_remove, layout, work_root, candidates & cgroups, candidates & workspaces, min_age_s, me)
     if orphans:
         log.warning("removed %d sandbox(es) of dead workers: %s", len(orphans), ", ".join(sorted(orphans)))
     return len(orphans)

@@ -23,6 +23,7 @@ from shared.limits import Limits
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailSpec, Program
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
+from worker.isolation.offload import off_loop
 from worker.isolation.workspace import Workspace
 
 __all__ = ["GateBuildError", "Sandbox", "SandboxFactory", "build_gate", "owner_of"]
@@ -111,8 +112,11 @@ class Sandbox:
     def idle_s(self) -> float:
         return time.monotonic() - self.created_at
 
-    def load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
+    async def load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
         """Write the job's files and set its memory and process limits (before start)."""
+        await off_loop(self._load, files, limits)
+
+    def _load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
         self.workspace.stage(files)
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
@@ -128,7 +132,7 @@ class Sandbox:
         try:
             for cgroup, jail in pairs:
                 try:
-                    cgroup.kill()
+                    await off_loop(cgroup.kill)
                     try:
                         await asyncio.wait_for(jail.wait(), exit_grace_s)
                     except TimeoutError:
@@ -139,9 +143,10 @@ class Sandbox:
                     log.exception("sandbox %s: waiting for nsjail failed", self.name)
                     jail.terminate_supervisor()
                 finally:
+                    jail.close()
                     await cgroup.remove()
         finally:
-            self.workspace.destroy()
+            await off_loop(self.workspace.destroy)
 
 
 @dataclass
@@ -189,8 +194,7 @@ class SandboxFactory:
         cgroup = self.cgroups.job(name)
         jail: Jail | None = None
         try:
-            cgroup.create()
-            cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
+            await off_loop(self._make_cgroup, cgroup, limits)
             spec = JailSpec(
                 gate=self.gate,
                 workspace=workspace.path,
@@ -207,11 +211,12 @@ class SandboxFactory:
             jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr)
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
-            cgroup.kill()
+            await off_loop(cgroup.kill)
             try:
                 if jail is not None:
                     jail.terminate_supervisor()
                     await asyncio.shield(jail.wait())
+                    jail.close()
             except Exception:
                 log.exception("sandbox %s: nsjail failed while being torn down", name)
             finally:
@@ -219,16 +224,21 @@ class SandboxFactory:
             raise
         return cgroup, jail
 
+    @staticmethod
+    def _make_cgroup(cgroup: JobCgroup, limits: Limits) -> None:
+        cgroup.create()
+        cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
+
     async def prepare(self, owner: str, slot: int) -> Sandbox:
         """Build a fresh sandbox for `slot` and wait until its jail sits at the gate."""
         name = self._name(owner, slot)
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
         try:
-            workspace.create(self.workspace_bytes, self.workspace_inodes)
+            await off_loop(workspace.create, self.workspace_bytes, self.workspace_inodes)
             cgroup, jail = await self._launch(name, uid, workspace, self.max_limits, merge_stderr=False)
         except BaseException:
-            workspace.destroy()
+            await off_loop(workspace.destroy)
             raise
         return Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail)
 

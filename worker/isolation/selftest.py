@@ -22,7 +22,7 @@ async def self_test(factory: SandboxFactory, owner: str, slot: int) -> None:
     sandbox: Sandbox | None = None
     try:
         sandbox = await factory.prepare(owner, slot)
-        sandbox.load([("probe", b"ok")], DEFAULT_LIMITS)
+        await sandbox.load([("probe", b"ok")], DEFAULT_LIMITS)
         probe = 'test -w /workspace && test ! -w /usr && test "$(cat probe)" = ok && [ "$(id -u)" = 65534 ] && [ $$ != 1 ] && exit 7'
         sandbox.start(Program(argv=["/bin/sh", "-c", probe], env={}))
         assert sandbox.jail.proc.stdin is not None

@@ -1,0 +1,192 @@
+"""A child process spawned off the event loop, then driven from it.
+
+`asyncio.create_subprocess_exec` forks and waits for the exec on the loop's own thread
+(about a quarter of the worker's loop time under load). Here the spawn runs on an
+isolation thread (`subprocess.Popen`), and the loop then takes over the child's pipes as
+ordinary asyncio streams and learns of its exit from a pidfd, so nothing about the child
+blocks the loop. The surface is the part of `asyncio.subprocess.Process` the jail uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Sequence
+
+from worker.isolation.offload import off_loop
+
+__all__ = ["Child"]
+
+PIPE_LIMIT = 1 << 20
+
+
+class _WriteProtocol(asyncio.streams.FlowControlMixin):
+    """Flow control for a pipe the loop writes to, plus the close waiter StreamWriter wants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def _get_close_waiter(self, stream: asyncio.StreamWriter) -> asyncio.Future[None]:
+        return self._closed
+
+
+class _LibuvOwned:
+    """A pipe descriptor handed to uvloop, which closes it through libuv.
+
+    uvloop closes a pipe's descriptor itself and then also calls the file object's
+    `close()`, closing the same number a second time. With isolation threads opening
+    descriptors concurrently, that number may by then be another pipe or a Redis socket.
+    This stand-in's `close()` is a no-op, so the descriptor is closed exactly once.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        pass
+
+
+def _pipe_object(fd: int, mode: str):  # type: ignore[no-untyped-def]
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
+        return _LibuvOwned(fd)
+    return os.fdopen(fd, mode, 0)  # the stock loop closes the file object, once
+
+
+async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """A StreamReader over `fd`, and its transport (which owns `fd`).
+
+    Close the transport when done: at EOF uvloop keeps a pipe open if the protocol asks it
+    to, and StreamReaderProtocol does.
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=PIPE_LIMIT)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_object(fd, "rb"))
+    return reader, transport
+
+
+async def write_pipe(fd: int) -> asyncio.StreamWriter:
+    """A StreamWriter over `fd` (the transport owns and closes it)."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_write_pipe(_WriteProtocol, _pipe_object(fd, "wb"))
+    return asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+class Child:
+    """A spawned child: `stdin` (StreamWriter), `stdout`/`stderr` (StreamReader), `wait()`."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self.stdin: asyncio.StreamWriter | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pidfd = -1
+        self._transports: list[asyncio.BaseTransport] = []
+
+    @classmethod
+    async def spawn(cls, argv: Sequence[str], *, merge_stderr: bool, pass_fds: Sequence[int]) -> Child:
+        """Spawn `argv` in a new session with an empty environment and piped stdio."""
+        # Raw descriptors, not subprocess.PIPE: Popen's file objects would close them again.
+        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(2 if merge_stderr else 3)]
+        stdin_r, stdin_w = pipes[0]
+        stdout_r, stdout_w = pipes[1]
+        stderr_r, stderr_w = pipes[2] if not merge_stderr else (-1, stdout_w)
+        try:
+            popen = await off_loop(
+                subprocess.Popen,
+                list(argv),
+                stdin=stdin_r,
+                stdout=stdout_w,
+                stderr=stderr_w,
+                pass_fds=tuple(pass_fds),
+                env={},
+                start_new_session=True,
+            )
+        except BaseException:
+            for fd in (stdin_w, stdout_r, stderr_r):
+                if fd >= 0:
+                    _close_quietly(fd)
+            raise
+        finally:
+            for fd in {stdin_r, stdout_w, stderr_w}:  # the child's ends: it has its own copies now
+                _close_quietly(fd)
+        child = cls(popen)
+        try:
+            child.stdin = await write_pipe(stdin_w)
+            stdin_w = -1
+            child.stdout, transport = await read_pipe(stdout_r)
+            child._transports.append(transport)
+            stdout_r = -1
+            if stderr_r >= 0:
+                child.stderr, transport = await read_pipe(stderr_r)
+                child._transports.append(transport)
+                stderr_r = -1
+            child._watch_exit()
+        except BaseException:
+            for fd in (stdin_w, stdout_r, stderr_r):
+                if fd >= 0:
+                    _close_quietly(fd)
+            child.close()
+            child.kill_group()
+            await off_loop(popen.wait)
+            raise
+        return child
+
+    def _watch_exit(self) -> None:
+        self._pidfd = os.pidfd_open(self.pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        """The pidfd is readable: the child has exited; reap it (never blocks now)."""
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid == 0:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        self.returncode = os.waitstatus_to_exitcode(status)
+        if self.stdin is not None:
+            self.stdin.close()  # nobody is left to read it
+        self._popen.returncode = self.returncode  # so Popen's finaliser does not reap again
+        if not self._exited.done():
+            self._exited.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def close(self) -> None:
+        """Close the pipes (after their readers are done with them)."""
+        if self.stdin is not None:
+            self.stdin.close()
+        for transport in self._transports:
+            transport.close()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's whole process group (it leads its own session)."""
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
