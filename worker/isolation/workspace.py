@@ -4,8 +4,8 @@ Every file is written before any untrusted step runs (compilers included), throu
 descriptors opened with O_NOFOLLOW relative to the workspace's own descriptor, and owned
 by the job's uid from the moment it exists. After launch the worker only unmounts the
 tmpfs (a detach needs no walk of a tree the job could have booby-trapped) and reads files
-through no-follow descriptors (defence R1). tmpfs writes never wait for a disk, so these
-syscalls run directly on the event loop.
+through no-follow descriptors (defence R1). Mounting, staging and unmounting take kernel
+locks, so the sandbox calls these methods on the isolation threads (offload.py).
 """
 
 from __future__ import annotations
