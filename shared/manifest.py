@@ -27,7 +27,16 @@ import msgspec
 from shared.errors import ManifestError
 from shared.limits import RequestedLimits
 
-__all__ = ["CompileStep", "Manifest", "expand_argv", "parse_manifest", "with_home"]
+__all__ = [
+    "PRESTART_DIR_IN_JAIL",
+    "CompileStep",
+    "Manifest",
+    "expand_argv",
+    "interpreter_prefix",
+    "parse_manifest",
+    "prestart_argv_for",
+    "with_home",
+]
 
 SCALARS = ("{entry}", "{entryStem}", "{memoryMb}", "{heapMb}", "{home}")
 LISTS = ("{sources}", "{args}")
@@ -65,6 +74,10 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     env: dict[str, str] = {}
     mounts: list[str] = []
     limits: RequestedLimits = RequestedLimits()
+    # A shim in sandbox-profiles/prestart/ that lets a warm jail hold this language's
+    # runtime already started (the interpreter part of `run`, before {entry}, plus the shim)
+    # until the job's start; see prestart_argv_for.
+    prestart: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_-]{1,32}\.[a-z]{1,4}$")] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -73,6 +86,32 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def names(self) -> list[str]:
         return [self.language, *self.aliases]
+
+
+PRESTART_DIR_IN_JAIL = "/.coderunner/prestart"
+
+
+def interpreter_prefix(argv: list[str], entry: str) -> list[str] | None:
+    """The part of an expanded `run` argv before the entry file, or None without one."""
+    try:
+        return argv[: argv.index(entry)]
+    except ValueError:
+        return None
+
+
+def prestart_argv_for(run: list[str], shim: str, memory_mb: int) -> list[str] | None:
+    """What a warm jail starts for a language with a prestart shim, or None if it cannot.
+
+    It is `run` up to the entry file, expanded for `memory_mb`, plus the shim: the runtime
+    is the very one (same binary, same options) the job's own command would start, and a
+    job adopts it only if its own expanded command starts with the same prefix.
+    """
+    marker = "\x00entry"
+    argv = expand_argv(run, entry=marker, sources=[], args=[], memory_mb=memory_mb)
+    prefix = interpreter_prefix(argv, marker)
+    if not prefix:
+        return None
+    return [*prefix, f"{PRESTART_DIR_IN_JAIL}/{shim}"]
 
 
 def _check_templates(manifest: Manifest, origin: str) -> None:
@@ -103,6 +142,8 @@ def parse_manifest(text: str, origin: str) -> Manifest:
     except msgspec.ValidationError as exc:
         raise ManifestError(f"{origin}: {exc}") from None
     _check_templates(manifest, origin)
+    if manifest.prestart is not None and manifest.compiled:
+        raise ManifestError(f"{origin}: prestart is for interpreted languages (this one has a compile step)")
     if "/" in manifest.source_file or manifest.source_file.startswith("."):
         raise ManifestError(f"{origin}: source_file must be a plain file name")
     try:

@@ -72,6 +72,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     worker_max_sandboxes: int = 8
     # Parked (claimed, not started) jobs one worker holds at most; they hold no sandbox.
     worker_max_parked: int = 1000
+    # Warm jails hold a language's runtime already started (manifests' `prestart`): the
+    # language of the slot's last job, or this one before any job ("" = none before the
+    # first job, "off" = never).
+    worker_prestart: str = "python"
     worker_warmup_ms: int = 30000
     worker_heartbeat_ms: int = 2000
     worker_lease_ttl_ms: int = 10000
@@ -180,6 +184,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "WORKER_ID": ("worker_id", _str),
     "WORKER_MAX_SANDBOXES": ("worker_max_sandboxes", _positive_int),
     "WORKER_MAX_PARKED": ("worker_max_parked", _positive_int),
+    "WORKER_PRESTART": ("worker_prestart", _str),
     "WORKER_WARMUP_MS": ("worker_warmup_ms", _positive_int),
     "WORKER_HEARTBEAT_MS": ("worker_heartbeat_ms", _positive_int),
     "WORKER_LEASE_TTL_MS": ("worker_lease_ttl_ms", _positive_int),

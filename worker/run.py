@@ -161,7 +161,7 @@ class JobRun:
             await self.events.state(JobState.STARTING)
             await self.events.go_live()
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
-            signal = await self._acquire_sandbox(sub.ctrl)
+            signal = await self._acquire_sandbox(sub.ctrl, plan.run)
             if signal != "start":
                 await self._end_unstarted(signal, "killed before it ran")
                 return
@@ -236,10 +236,11 @@ class JobRun:
         else:
             await self._finish_without_run(Outcome.EXPIRED, None)
 
-    async def _acquire_sandbox(self, ctrl: asyncio.Queue[CtrlMessage]) -> str:
-        """Take a warm sandbox (first started, first served). Returns "start" once it holds
-        one, "kill" if a kill came first, "handback" if the worker is stopping."""
-        take = asyncio.ensure_future(self.ctx.pool.take())
+    async def _acquire_sandbox(self, ctrl: asyncio.Queue[CtrlMessage], program: Program) -> str:
+        """Take a warm sandbox (first started, first served; one whose prestarted runtime
+        can run `program` if there is one). Returns "start" once it holds one, "kill" if a
+        kill came first, "handback" if the worker is stopping."""
+        take = asyncio.ensure_future(self.ctx.pool.take(program, self.spec.language))
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         try:
             while True:
@@ -314,7 +315,7 @@ class JobRun:
         """Put the job's files and limits into its sandbox; compiled languages get their
         compile jail over the same workspace."""
         assert self.sandbox is not None
-        await self.sandbox.load(plan.files, self.spec.limits)
+        await self.sandbox.load(plan.files, self.spec.limits, plan.run)
         if plan.compile_limits is not None:
             await self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
 
@@ -468,6 +469,8 @@ class JobRun:
         finally:
             feed.stop()
             flusher.abort()
+        # A prestarted runtime's own memory was there before start: not the job's.
+        facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
         return facts
 
     # ------------------------------------------------------------------ finish

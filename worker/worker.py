@@ -28,13 +28,14 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
+from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo
 from shared.settings import Settings
 from worker.context import WorkerContext
 from worker.control import ControlBus
 from worker.isolation.janitor import sweep_orphans
 from worker.isolation.pool import SandboxPool
-from worker.isolation.sandbox import SandboxFactory
+from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.publisher import Publisher
 from worker.queue import WorkerQueue, now_ms
 from worker.run import JobRun
@@ -68,7 +69,13 @@ class Worker:
         self.sandboxes = sandboxes
         self.runtimes = runtimes
         self._jobs: dict[asyncio.Task[None], str] = {}
-        self.pool = SandboxPool(sandboxes, worker_id, settings.worker_max_sandboxes)
+        self.pool = SandboxPool(
+            sandboxes,
+            worker_id,
+            settings.worker_max_sandboxes,
+            primes={} if settings.worker_prestart == "off" else _primes(sandboxes, runtimes),
+            first_prime=settings.worker_prestart,
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._job_ended = asyncio.Event()
         # Ids in our claimed list with no task, seen at the previous upkeep. Only ids seen
@@ -332,3 +339,17 @@ class Worker:
             task = asyncio.create_task(lane.close(timeout_s=2.0))
             self._background.add(task)  # keep a reference until it is done
             task.add_done_callback(self._background.discard)
+
+
+def _primes(factory: SandboxFactory, runtimes: dict[str, Runtime]) -> dict[str, Prime]:
+    """The prestartable runtime of every language whose manifest has a shim, set up for a
+    job with the language's default limits (jobs with other limits run from a plain jail)."""
+    primes: dict[str, Prime] = {}
+    for language, runtime in runtimes.items():
+        m = runtime.manifest
+        if m.prestart is None:
+            continue
+        prime = factory.prime_for(language, m.run, m.prestart, dict(m.env), with_overrides(DEFAULT_LIMITS, m.limits))
+        if prime is not None:
+            primes[language] = prime
+    return primes

@@ -330,6 +330,27 @@ class JobCgroup:
         except (OSError, ValueError):
             return 0
 
+    def memory_current_bytes(self) -> int:
+        try:
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                return int(_read(self.v2_dir / "memory.current"))
+            return int(_read(self.v1_dirs["memory"] / "memory.usage_in_bytes"))
+        except (OSError, ValueError):
+            return 0
+
+    def reset_memory_peak(self) -> None:
+        """Restart the peak from the current usage (v1 always; v2 only on kernels ≥ 6.12)."""
+        path = (
+            self.v2_dir / "memory.peak"
+            if self.layout.mode is CgroupMode.V2 and self.v2_dir is not None
+            else self.v1_dirs["memory"] / "memory.max_usage_in_bytes"
+        )
+        try:
+            _write(path, "0")
+        except OSError:
+            pass
+
     def oom_kills(self) -> int:
         try:
             if self.layout.mode is CgroupMode.V2:

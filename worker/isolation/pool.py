@@ -4,6 +4,12 @@ Parked jobs hold no sandbox (a record and a subscription each), so a worker can 
 of them while its few jails go to jobs that actually run. A job takes a sandbox when its
 start arrives, in the order starts arrived; when the job is over the sandbox is destroyed
 and its slot builds the next one in the background.
+
+A slot's next sandbox is primed with the runtime of the language its last job used (if
+that language has a prestart shim; the worker's WORKER_PRESTART language before any
+job), so a run of jobs in one language finds its interpreter already started. A job
+takes a sandbox whose runtime it can adopt, else a plain one; a primed sandbox it cannot
+use is rebuilt plain for it (a plain sandbox runs anything).
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import asyncio
 import collections
 import logging
 
-from worker.isolation.sandbox import MAX_IDLE_S, Sandbox, SandboxFactory
+from worker.isolation.jail import Program
+from worker.isolation.sandbox import MAX_IDLE_S, Prime, Sandbox, SandboxFactory
 
 __all__ = ["SandboxPool"]
 
@@ -22,10 +29,20 @@ ARM_RETRY_S = 2.0
 
 
 class SandboxPool:
-    def __init__(self, factory: SandboxFactory, owner: str, slots: int) -> None:
+    def __init__(
+        self,
+        factory: SandboxFactory,
+        owner: str,
+        slots: int,
+        primes: dict[str, Prime] | None = None,
+        first_prime: str = "",
+    ) -> None:
         self._factory = factory
         self._owner = owner
         self.slots = slots
+        self._primes = primes or {}
+        # What each slot primes its next sandbox with (None: a plain one).
+        self._slot_prime: dict[int, Prime | None] = {slot: self._primes.get(first_prime) for slot in range(slots)}
         self._ready: collections.deque[Sandbox] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[Sandbox]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -58,7 +75,7 @@ class SandboxPool:
             if delay_s:
                 await asyncio.sleep(delay_s)
             try:
-                sandbox = await self._factory.prepare(self._owner, slot)
+                sandbox = await self._factory.prepare(self._owner, slot, self._slot_prime.get(slot))
             except Exception as exc:
                 log.error("slot %d: cannot build a sandbox (%s); retrying in %.0fs", slot, exc, ARM_RETRY_S)
                 if not self._closed:
@@ -81,15 +98,21 @@ class SandboxPool:
         self._ready.append(sandbox)
         self.changed.set()
 
-    async def take(self) -> Sandbox:
-        """The next ready sandbox (first come, first served); waits while none is ready.
+    async def take(self, program: Program | None = None, language: str = "") -> Sandbox:
+        """The next ready sandbox for `program` (first come, first served); waits while none is.
 
-        A sandbox that sat idle too long, or whose jail died, is replaced first.
+        A ready sandbox whose runtime adopts `program` is preferred, then a plain one. A
+        sandbox that sat idle too long, whose jail died, or whose prestarted runtime cannot
+        run `program`, is replaced first (plain, for a runtime mismatch).
         """
+        if language:
+            # The slot that serves this job primes its next sandbox for this language (if
+            # jobs like this one could adopt that runtime).
+            prime = self._primes.get(language)
+            demand = prime if prime is not None and program is not None and prime.adopts(program) else None
         while True:
-            if self._ready and not self._waiters:
-                sandbox = self._ready.popleft()
-            else:
+            sandbox = self._pick(program) if not self._waiters else None
+            if sandbox is None:
                 waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
                 try:
@@ -98,11 +121,27 @@ class SandboxPool:
                     if waiter.done() and not waiter.cancelled():
                         self._offer(waiter.result())  # served as we were cancelled: pass it on
                     raise
-            if sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None:
+            if language:
+                self._slot_prime[sandbox.slot] = demand
+            usable = sandbox.prime is None or program is None or sandbox.adopts(program)
+            if usable and sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None:
                 return sandbox
-            self._spawn(self._replace(sandbox), f"replace-{sandbox.name}")
+            plain = not usable
+            self._spawn(self._replace(sandbox, plain=plain), f"replace-{sandbox.name}")
 
-    async def _replace(self, sandbox: Sandbox) -> None:
+    def _pick(self, program: Program | None) -> Sandbox | None:
+        """The best ready sandbox for `program`: one that adopts it, else a plain one, else any."""
+        if not self._ready:
+            return None
+        choice = next((s for s in self._ready if program is not None and s.adopts(program)), None)
+        if choice is None:
+            choice = next((s for s in self._ready if s.prime is None), self._ready[0])
+        self._ready.remove(choice)
+        return choice
+
+    async def _replace(self, sandbox: Sandbox, plain: bool = False) -> None:
+        if plain:
+            self._slot_prime[sandbox.slot] = None
         await sandbox.destroy()
         if not self._closed:
             self._arm(sandbox.slot)

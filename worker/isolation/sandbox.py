@@ -14,19 +14,31 @@ import hashlib
 import logging
 import math
 import os
+import resource
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from shared.limits import Limits
+from shared.manifest import prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
-from worker.isolation.jail import Jail, JailSpec, Program
-from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
+from worker.isolation.jail import Jail, JailError, JailSpec, Program
+from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
 from worker.isolation.offload import off_loop
 from worker.isolation.workspace import Workspace
 
-__all__ = ["GateBuildError", "Sandbox", "SandboxFactory", "build_gate", "owner_of"]
+__all__ = [
+    "GateBuildError",
+    "Prime",
+    "Sandbox",
+    "SandboxFactory",
+    "build_gate",
+    "owner_of",
+    "stage_prestart_shims",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +69,42 @@ async def build_gate(work_root: Path) -> Path:
     return _stage_gate(built, work_root / ".gate")
 
 
+_GATE_TMPFS = "size=4m,nr_inodes=256,mode=755"
+
+
 def _stage_gate(built: Path, folder: Path) -> Path:
-    staged = folder / built.name.lstrip(".")
-    if staged.is_file() and os.access(staged, os.X_OK):
+    return _stage_file(built, folder, built.name.lstrip("."), 0o755)
+
+
+def _stage_file(source: Path, folder: Path, name: str, mode: int) -> Path:
+    """Copy `source` into the gate tmpfs as `name` (once: names carry a content hash)."""
+    staged = folder / name
+    if staged.is_file():
         return staged
     folder.mkdir(mode=0o755, exist_ok=True)
     if not os.path.ismount(folder):
-        mount("coderunner-gate", str(folder), "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=16,mode=755")
+        mount("coderunner-gate", str(folder), "tmpfs", MS_NOSUID | MS_NODEV, _GATE_TMPFS)
+    else:
+        # Older workers mounted it smaller; raising the caps in place keeps what is there.
+        mount("coderunner-gate", str(folder), None, MS_REMOUNT | MS_NOSUID | MS_NODEV, _GATE_TMPFS)
     tmp = folder / f".tmp{os.getpid()}"
-    shutil.copyfile(built, tmp)
-    os.chmod(tmp, 0o755)
+    shutil.copyfile(source, tmp)
+    os.chmod(tmp, mode)
     os.replace(tmp, staged)
+    return staged
+
+
+def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]:
+    """Stage every shim of `sandbox-profiles/prestart/` into the gate tmpfs; name -> path.
+
+    A primed jail binds its one shim read-only from there, so its mount table shows a
+    tmpfs path, not where the worker is installed.
+    """
+    staged: dict[str, Path] = {}
+    for shim in sorted((profiles_dir / "prestart").glob("*")):
+        if shim.is_file():
+            digest = hashlib.sha256(shim.read_bytes()).hexdigest()[:16]
+            staged[shim.name] = _stage_file(shim, work_root / ".gate", f"prestart-{digest}-{shim.name}", 0o644)
     return staged
 
 
@@ -94,6 +131,24 @@ async def _compile_gate(work_root: Path) -> Path:
     raise GateBuildError(f"building the jail gate failed: {out.decode(errors='replace')[-400:]}")
 
 
+@dataclass(frozen=True)
+class Prime:
+    """A language runtime a warm jail starts before its job (see sandbox-profiles/prestart/).
+
+    `program` is what the gate execs at warm-up: the interpreter part of the language's run
+    command plus the shim. A job adopts the waiting runtime only if its own run command
+    starts with that same `prefix`; the shim then runs the job's entry file in place.
+    """
+
+    language: str
+    shim: str
+    prefix: tuple[str, ...]
+    program: Program
+
+    def adopts(self, program: Program) -> bool:
+        return tuple(program.argv[: len(self.prefix)]) == self.prefix and len(program.argv) > len(self.prefix)
+
+
 @dataclass
 class Sandbox:
     name: str
@@ -103,6 +158,10 @@ class Sandbox:
     cgroup: JobCgroup
     jail: Jail
     created_at: float = field(default_factory=time.monotonic)
+    # The runtime waiting in the jail, if it was primed; and what it had used by the time
+    # the job was loaded (not charged to the job's limits or figures).
+    prime: Prime | None = None
+    memory_base_bytes: int = 0
     # Compiled languages get a second jail over the same workspace, with its own cgroup
     # and limits, built while the job is parked.
     compile_cgroup: JobCgroup | None = None
@@ -112,14 +171,29 @@ class Sandbox:
     def idle_s(self) -> float:
         return time.monotonic() - self.created_at
 
-    async def load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
-        """Write the job's files and set its memory and process limits (before start)."""
-        await off_loop(self._load, files, limits)
+    def adopts(self, program: Program) -> bool:
+        """Whether the runtime waiting here (if any) can run `program` in place."""
+        return self.prime is not None and self.prime.adopts(program)
 
-    def _load(self, files: list[tuple[str, bytes]], limits: Limits) -> None:
+    async def load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program) -> None:
+        """Write the job's files and set its limits (before start).
+
+        With a prestarted runtime that adopts `program`, what the runtime already holds is
+        added to the memory limit and subtracted from the figures, and the program's
+        rlimits are set on the waiting process from outside (its CPU rlimit past what it
+        has used), so the job gets exactly what a fresh `run` command would.
+        """
+        await off_loop(self._load, files, limits, program)
+
+    def _load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program) -> None:
         self.workspace.stage(files)
+        memory = limits.memory_mb * 1024 * 1024
+        if self.adopts(program):
+            self.memory_base_bytes = self.cgroup.memory_current_bytes()
+            _set_rlimits(_runtime_pid(self.cgroup), program)
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
-        self.cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
+        self.cgroup.set_limits(memory_bytes=memory + self.memory_base_bytes, pids=limits.pids + 1)
+        self.cgroup.reset_memory_peak()
 
     def start(self, program: Program) -> None:
         self.jail.go(program)
@@ -149,6 +223,40 @@ class Sandbox:
             await off_loop(self.workspace.destroy)
 
 
+def _runtime_pid(cgroup: JobCgroup) -> int:
+    """The host pid of the prestarted runtime: the gate's child, pid 2 of the jail."""
+    for pid in cgroup.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == "2":
+                return pid
+    raise JailError("the prestarted runtime is gone")
+
+
+def _set_rlimits(pid: int, program: Program) -> None:
+    """Give a waiting runtime the rlimits the gate would have given `program`.
+
+    The CPU rlimit is only a backstop a second past the job's CPU limit, which the worker
+    enforces on the cgroup counting from start; the runtime's start-up (a few tens of ms)
+    comes out of that second, and the program sees the same limits as a fresh one.
+    """
+    for which, value in (
+        (resource.RLIMIT_CPU, program.rlimit_cpu_s),
+        (resource.RLIMIT_FSIZE, program.rlimit_fsize_bytes),
+        (resource.RLIMIT_NOFILE, program.rlimit_nofile),
+    ):
+        if value:
+            # Only ever lowered (raising a hard limit needs CAP_SYS_RESOURCE, which a
+            # containerised worker may lack): the runtime was started with the maxima.
+            _soft, hard = resource.prlimit(pid, which)
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.prlimit(pid, which, (value, value))
+
+
 @dataclass
 class SandboxFactory:
     """Everything needed to build sandboxes on this host."""
@@ -161,6 +269,8 @@ class SandboxFactory:
     uid_base: int
     max_limits: Limits
     extra_mounts: list[str] = field(default_factory=list)
+    # Staged prestart shims by file name (stage_prestart_shims).
+    prestart_shims: dict[str, Path] = field(default_factory=dict)
     workspace_bytes: int = 64 * 1024 * 1024
     workspace_inodes: int = 4096
     rlimit_fsize_mb: int = 16
@@ -188,7 +298,13 @@ class SandboxFactory:
         return f"{owner}.{slot}.{self._counter}"
 
     async def _launch(
-        self, name: str, uid: int, workspace: Workspace, limits: Limits, merge_stderr: bool
+        self,
+        name: str,
+        uid: int,
+        workspace: Workspace,
+        limits: Limits,
+        merge_stderr: bool,
+        mounts: list[str] | None = None,
     ) -> tuple[JobCgroup, Jail]:
         """Cgroup plus a jail parked at the gate, over an existing workspace."""
         cgroup = self.cgroups.job(name)
@@ -200,7 +316,7 @@ class SandboxFactory:
                 workspace=workspace.path,
                 uid=uid,
                 gid=uid,
-                extra_mounts=self.extra_mounts,
+                extra_mounts=[*self.extra_mounts, *(mounts or [])],
                 # nsjail's own clock is only a backstop behind the worker's clocks: it covers the
                 # longest a sandbox may wait for a job, then for a start, then run.
                 backstop_s=int(MAX_IDLE_S + 120 + limits.wall_time_ms / 1000 + 60),
@@ -229,18 +345,40 @@ class SandboxFactory:
         cgroup.create()
         cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
 
-    async def prepare(self, owner: str, slot: int) -> Sandbox:
-        """Build a fresh sandbox for `slot` and wait until its jail sits at the gate."""
+    def prime_for(self, language: str, manifest_run: list[str], shim: str, env: dict[str, str], limits: Limits) -> Prime | None:
+        """The Prime of a language whose manifest names a staged shim, for jobs with `limits`."""
+        if shim not in self.prestart_shims:
+            return None
+        argv = prestart_argv_for(manifest_run, shim, limits.memory_mb)
+        if argv is None:
+            return None
+        program = Program(
+            argv=argv,
+            # The shim drops these before the job's own environment goes in, so a job sees
+            # exactly what the gate would have given it.
+            env={**env, "CODERUNNER_PRESTART_ENV": ",".join(env)},
+            # The most any job may get, plus room for start-up: lowered to the job's own at load.
+            **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + 10_000)),
+        )
+        return Prime(language=language, shim=shim, prefix=tuple(argv[:-1]), program=program)
+
+    async def prepare(self, owner: str, slot: int, prime: Prime | None = None) -> Sandbox:
+        """Build a fresh sandbox for `slot` and wait until its jail sits at the gate; with a
+        `prime`, the gate is released at once into the waiting runtime."""
         name = self._name(owner, slot)
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
+        mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime else []
         try:
             await off_loop(workspace.create, self.workspace_bytes, self.workspace_inodes)
-            cgroup, jail = await self._launch(name, uid, workspace, self.max_limits, merge_stderr=False)
+            cgroup, jail = await self._launch(name, uid, workspace, self.max_limits, merge_stderr=False, mounts=mounts)
         except BaseException:
             await off_loop(workspace.destroy)
             raise
-        return Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail)
+        sandbox = Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail, prime=prime)
+        if prime is not None:
+            jail.go(prime.program)
+        return sandbox
 
     async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
         """Give `sandbox` a compile jail (its own cgroup and limits)."""

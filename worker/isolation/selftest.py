@@ -22,9 +22,10 @@ async def self_test(factory: SandboxFactory, owner: str, slot: int) -> None:
     sandbox: Sandbox | None = None
     try:
         sandbox = await factory.prepare(owner, slot)
-        await sandbox.load([("probe", b"ok")], DEFAULT_LIMITS)
         probe = 'test -w /workspace && test ! -w /usr && test "$(cat probe)" = ok && [ "$(id -u)" = 65534 ] && [ $$ != 1 ] && exit 7'
-        sandbox.start(Program(argv=["/bin/sh", "-c", probe], env={}))
+        program = Program(argv=["/bin/sh", "-c", probe], env={})
+        await sandbox.load([("probe", b"ok")], DEFAULT_LIMITS, program)
+        sandbox.start(program)
         assert sandbox.jail.proc.stdin is not None
         sandbox.jail.proc.stdin.close()
         result = await asyncio.wait_for(sandbox.jail.wait(), 10)

@@ -1,0 +1,61 @@
+// coderunner: a Node.js runtime started in a warm jail before its job exists.
+//
+// The worker starts this as the interpreter part of the language's `run` command plus this
+// file (e.g. `node --max-old-space-size=76 /.coderunner/prestart/node.js`), so V8 and
+// Node's bootstrap are done while the jail waits. The jail is the job's own and serves one
+// job only. On start the worker sends the frame the gate would have had (argv, environment,
+// rlimits; see worker/isolation/gate.c — the worker has already applied the rlimits from
+// outside), and this runs the entry file as the main module, the way `node main.js
+// args...` would: process.argv, require.main, ES modules for .mjs, and Node's own report
+// and exit status for an uncaught error.
+//
+// Nothing is written before start, and the frame is read from stdin with exact-size
+// synchronous reads, so not one byte of the program's own input is consumed.
+'use strict';
+(function serve() {
+  const fs = require('fs');
+  const path = require('path');
+
+  function readExact(n) {
+    const buf = Buffer.alloc(n);
+    let got = 0;
+    while (got < n) {
+      let r;
+      try {
+        r = fs.readSync(0, buf, got, n - got, null);
+      } catch (err) {
+        if (err.code === 'EAGAIN' || err.code === 'EINTR') continue;
+        throw err;
+      }
+      if (r === 0) process.exit(0); // the worker closed the pipe: the job never started
+      got += r;
+    }
+    return buf;
+  }
+  const u32 = () => readExact(4).readUInt32LE(0);
+  const strings = () => {
+    const out = [];
+    for (let i = u32(); i > 0; i--) out.push(readExact(u32()).toString('utf8'));
+    return out;
+  };
+
+  if (readExact(4).toString('latin1') !== 'CRG1') process.exit(0);
+  const argv = strings();
+  const env = strings();
+  readExact(24); // rlimits: already set on this process by the worker
+
+  for (const name of (process.env.CODERUNNER_PRESTART_ENV || '').split(',')) delete process.env[name];
+  delete process.env.CODERUNNER_PRESTART_ENV;
+  for (const item of env) {
+    const at = item.indexOf('=');
+    process.env[item.slice(0, at)] = item.slice(at + 1);
+  }
+
+  // argv is the job's whole `run` command: the interpreter part (the same as this process's
+  // own) then the entry file and its arguments.
+  const prefix = 1 + process.execArgv.length;
+  const entry = path.resolve(argv[prefix]);
+  process.argv = [process.argv[0], entry, ...argv.slice(prefix + 1)];
+  delete require.cache[__filename];
+  require('module').runMain();
+})();

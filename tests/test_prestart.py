@@ -1,0 +1,252 @@
+"""Prestarted runtimes: a warm jail holds the language's interpreter already started, and
+on start runs the job's entry file exactly as the language's plain `run` command would.
+
+Every comparison runs the same program on a stack with prestart (the default) and on one
+with WORKER_PRESTART=off, and checks through /proc/self/cmdline that the first really
+ran in a prestarted runtime and the second did not, so none of these can pass by the
+prestart quietly not happening. (The hostile suite's Python cases also run prestarted,
+since jobs with default limits adopt the waiting runtime.)
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from launcher.stack import Stack
+from tests.helpers import Api, py_job
+
+pytestmark = pytest.mark.slow
+
+SHIM = "/.coderunner/prestart/"
+
+PY_PROBE = r"""
+import os, sys, resource
+print("argv", sys.argv)
+print("orig_argv", sys.orig_argv)
+print("path", sys.path[0], len(sys.path))
+print("main", __file__, __name__, __spec__, type(__loader__).__name__, __package__, __doc__,
+      sys.modules["__main__"] is sys.modules[__name__])
+print("globals", sorted(globals()))
+print("flags", sys.flags)
+print("cwd", os.getcwd())
+print("env", sorted(os.environ.items()))
+print("rlimits", [resource.getrlimit(r) for r in (resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE)])
+print("fds", sorted(os.listdir("/proc/self/fd")))
+print("stdin", repr(sys.stdin.readline()), sys.stdout.write_through, sys.stdin.encoding)
+print("cmdline", open("/proc/self/cmdline", "rb").read())
+def fail():
+    raise ValueError("boom")
+fail()
+"""
+
+JS_PROBE = r"""
+const fs = require('fs');
+console.log('argv', JSON.stringify(process.argv.slice(1)), JSON.stringify(process.execArgv));
+console.log('main', require.main === module, __filename, module.id, JSON.stringify(module.paths));
+console.log('cwd', process.cwd());
+console.log('env', JSON.stringify(Object.entries(process.env).sort()));
+console.log('cmdline', JSON.stringify(fs.readFileSync('/proc/self/cmdline', 'latin1')));
+process.stdin.once('data', (d) => {
+  console.log('stdin', JSON.stringify(String(d)));
+  (function fail() { throw new TypeError('boom'); })();
+});
+"""
+
+
+def run(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    job = api.execute({**body, "collectOutput": True})
+    api.start(job)
+    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}).json()
+    assert out.get("outcome"), out
+    return out
+
+
+def prestarted(out: dict[str, Any]) -> bool:
+    return SHIM in out["stdout"]
+
+
+def without_cmdline(out: dict[str, Any]) -> str:
+    return "".join(line for line in out["stdout"].splitlines(keepends=True) if not line.startswith("cmdline"))
+
+
+def js_job(code: str, **extra: Any) -> dict[str, Any]:
+    return {"language": "javascript", "files": [{"name": "main.js", "content": code}], **extra}
+
+
+@pytest.fixture(scope="module")
+def stacks() -> Iterator[tuple[Api, Api]]:
+    """A stack with prestart (the default) and one with WORKER_PRESTART=off."""
+    built = [Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", **env}) for env in ({}, {"WORKER_PRESTART": "off"})]
+    try:
+        for stack in built:
+            stack.start()
+        apis = Api(built[0]), Api(built[1])
+        yield apis
+        for api in apis:
+            api.close()
+    finally:
+        for stack in built:
+            stack.cleanup()
+
+
+def until_prestarted(api: Api, body: dict[str, Any], tries: int = 6) -> dict[str, Any]:
+    """Run `body` until it lands in a prestarted runtime (a slot primes for the language of
+    its last job, so the first job of a new language may get a plain jail)."""
+    for _ in range(tries):
+        out = run(api, body)
+        if prestarted(out):
+            return out
+    raise AssertionError(f"never ran prestarted: {out}")
+
+
+def test_python_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
+    warm, plain = stacks
+    body = py_job(PY_PROBE, args=["a b", "--x"], stdin="first line\nsecond\n")
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    assert fast["stderr"] == slow["stderr"]
+    assert fast["stderr"].startswith('Traceback (most recent call last):\n  File "/workspace/main.py"'), fast["stderr"]
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nsys.exit('bye')\n",
+        "raise SystemExit(3)\n",
+        "def broken(:\n",
+        "import atexit, threading, time\natexit.register(print, 'at exit')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n",
+        "import pickle\nclass A: pass\nprint(len(pickle.dumps(A())) > 0)\n",
+        "from __future__ import annotations\nx: int = 1\nprint(__annotations__)\n",
+        "raise KeyboardInterrupt\n",
+    ],
+    ids=["exit-message", "exit-3", "syntax-error", "atexit-and-threads", "pickle-main", "future-import", "sigint"],
+)
+def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:
+    warm, plain = stacks
+    fast, slow = run(warm, py_job(code)), run(plain, py_job(code))
+    for key in ("outcome", "exitCode", "signal", "stdout", "stderr"):
+        assert fast.get(key) == slow.get(key), (key, fast, slow)
+
+
+def test_node_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
+    warm, plain = stacks
+    body = js_job(JS_PROBE, args=["a b", "--x"], stdin="first line\n")
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    # Node's report of the uncaught error: the same up to the user's own frames.
+    user = [line for line in fast["stderr"].splitlines() if "node:internal" not in line and "prestart" not in line]
+    plain_user = [line for line in slow["stderr"].splitlines() if "node:internal" not in line]
+    assert user == plain_user, (fast["stderr"], slow["stderr"])
+    assert "/workspace/main.js" in fast["stderr"].splitlines()[0]
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
+    warm, plain = stacks
+    probe = py_job("print(1)\nprint(open('/proc/self/cmdline', 'rb').read())\n")
+    fast = [until_prestarted(warm, probe) for _ in range(3)]
+    slow = [run(plain, probe) for _ in range(3)]
+    assert not any(prestarted(out) for out in slow)
+    cpu = statistics.median(o["cpuMs"] for o in fast), statistics.median(o["cpuMs"] for o in slow)
+    memory = statistics.median(o["memoryKb"] for o in fast), statistics.median(o["memoryKb"] for o in slow)
+    assert cpu[0] < cpu[1], cpu
+    assert memory[0] < memory[1] / 2, memory
+    # The job's memory limit is still its own: a prestarted job cannot allocate past it.
+    hog = run(warm, py_job("x = bytearray(90 * 1024 * 1024)\nprint('allocated')\n", limits={"memoryMb": 64}))
+    assert hog["outcome"] != "completed" or "allocated" not in hog["stdout"], hog
+
+
+def test_nothing_of_another_job_reaches_a_prestarted_one(stacks: tuple[Api, Api]) -> None:
+    """A job leaves a secret everywhere it can; the next prestarted jobs find none of it,
+    and see no process but their own (the other slots' waiting runtimes included)."""
+    warm, _ = stacks
+    left, right = "S3CR3T", uuid.uuid4().hex
+    planted = run(
+        warm,
+        py_job(
+            f"import os, subprocess\nSECRET = {left!r} + {right!r}\n"
+            "open('/tmp/secret', 'w').write(SECRET)\nopen('/workspace/secret', 'w').write(SECRET)\n"
+            "os.environ['SECRET'] = SECRET\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+            "print(open('/proc/self/cmdline', 'rb').read())\n"
+        ),
+    )
+    assert planted["outcome"] == "completed", planted
+    search = (
+        "import gc, os, sys\n"
+        f"needle = {left!r} + {right!r}\n"
+        "found = []\n"
+        "def look(value, where):\n"
+        "    if isinstance(value, (str, bytes)) and value is not needle and needle in (value if isinstance(value, str) else value.decode('latin1')):\n"
+        "        found.append(where)\n"
+        "for obj in gc.get_objects():\n"
+        "    items = obj.items() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ()\n"
+        "    for item in items:\n"
+        "        for value in (item if isinstance(obj, dict) else (item,)):\n"
+        "            look(value, type(obj).__name__)\n"
+        "frame = sys._getframe()\n"
+        "while frame:\n"
+        "    for value in frame.f_locals.values():\n"
+        "        look(value, 'frame')\n"
+        "    frame = frame.f_back\n"
+        "for top in ('/tmp', '/workspace'):\n"
+        "    for name in os.listdir(top):\n"
+        "        try: look(open(os.path.join(top, name), 'rb').read(), top)\n"
+        "        except OSError: pass\n"
+        "look(open('/proc/self/environ', 'rb').read(), 'environ')\n"
+        "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+        "alive = []\n"
+        "for pid in range(1, 4096):\n"
+        "    try: os.kill(pid, 0); alive.append(pid)\n"
+        "    except ProcessLookupError: pass\n"
+        "    except PermissionError: alive.append(pid)\n"
+        "print('found', found, 'pids', pids, 'alive', alive, 'me', os.getpid())\n"
+        "print(open('/proc/self/cmdline', 'rb').read())\n"
+    )
+    for _ in range(4):
+        out = until_prestarted(warm, py_job(search))
+        assert out["outcome"] == "completed", out
+        match = re.search(r"found \[(.*)\] pids \[(.*)\] alive \[(.*)\] me (\d+)", out["stdout"])
+        assert match, out["stdout"]
+        assert match.group(1) == "", out["stdout"]
+        # The gate (pid 1) and the program: no other job's process, waiting or not.
+        assert match.group(2) == match.group(3) == f"1, {match.group(4)}", out["stdout"]
+
+
+def test_a_waiting_runtime_holds_nothing_to_reach_it_by(stacks: tuple[Api, Api]) -> None:
+    """From the host: each waiting runtime has only its three pipes open, no socket and no
+    file, and lives in a network namespace of its own."""
+    warm, _ = stacks
+    until_prestarted(warm, py_job("print(open('/proc/self/cmdline', 'rb').read())\n"))
+    ps = subprocess.run(
+        ["pgrep", "-f", f"^/usr/bin/python3 -u {SHIM}python.py"], capture_output=True, text=True, check=False
+    )
+    pids = [int(p) for p in ps.stdout.split()]
+    assert pids, "no waiting runtime found on the host"
+    host_net = subprocess.run(["readlink", "/proc/self/ns/net"], capture_output=True, text=True).stdout
+    for pid in pids:
+        try:
+            fds = {
+                fd: subprocess.run(["readlink", f"/proc/{pid}/fd/{fd}"], capture_output=True, text=True).stdout.strip()
+                for fd in subprocess.run(["ls", f"/proc/{pid}/fd"], capture_output=True, text=True).stdout.split()
+            }
+            net = subprocess.run(["readlink", f"/proc/{pid}/ns/net"], capture_output=True, text=True).stdout
+        except FileNotFoundError:
+            continue
+        if not fds:
+            continue  # it started its job meanwhile
+        assert sorted(fds) == ["0", "1", "2"], fds
+        assert all(target.startswith("pipe:") for target in fds.values()), fds
+        assert net != host_net
