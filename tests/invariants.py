@@ -179,9 +179,35 @@ class HostWatch:
                     found.add(int(entry.name))
         return found
 
-    def job_uid_processes(self) -> dict[int, str]:
-        """Host processes running as this stack's job uids, other than parked gates."""
+    def waiting_runtimes(self, gates: set[int]) -> dict[int, int]:
+        """Prestarted runtimes still waiting for their job: pid -> its gate.
+
+        One counts only if it is a parked gate's child, runs a prestart shim, and is blocked
+        reading its stdin (syscall 0, read, on descriptor 0): a runtime that has taken a job
+        is running that job's code and is not waiting.
+        """
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            stat = _read_vanishing(entry / "stat")
+            if not stat or int(stat[stat.rindex(")") + 2 :].split()[1]) not in gates:
+                continue
+            argv = _read_vanishing(entry / "cmdline").split("\0")
+            if not any(arg.startswith("/.coderunner/prestart/") for arg in argv):
+                continue
+            if _read_vanishing(entry / "syscall").split()[:2] == ["0", "0x0"]:
+                found[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        return found
+
+    def warm_pids(self) -> set[int]:
+        """Every process a warm sandbox may hold: parked gates and their waiting runtimes."""
         gates = self.gate_pids()
+        return gates | set(self.waiting_runtimes(gates))
+
+    def job_uid_processes(self) -> dict[int, str]:
+        """Host processes running as this stack's job uids, other than warm sandboxes'."""
+        gates = self.warm_pids()
         found = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) in gates:
@@ -272,12 +298,19 @@ class HostWatch:
     def problems(self, base: Baseline) -> list[str]:
         found: list[str] = []
         gates = self.gate_pids()
+        runtimes = self.waiting_runtimes(gates)
         trees = self.sandbox_cgroups()
+
+        def warm(pids: list[int]) -> bool:
+            """One parked gate, and at most its own waiting runtime."""
+            parked = [pid for pid in pids if pid in gates]
+            return len(parked) == 1 and all(pid in gates or runtimes.get(pid) == parked[0] for pid in pids) and len(pids) <= 2
+
         # I1: every sandbox cgroup left, in every hierarchy, is a parked warm sandbox (one
-        # gate, nothing else).
+        # gate, and its prestarted runtime if it was primed; nothing else).
         for label, cgroups in trees.items():
             for name, pids in cgroups.items():
-                if len(pids) != 1 or pids[0] not in gates:
+                if not warm(pids):
                     found.append(f"I1 {label} sandbox cgroup {name} holds {pids}")
         # I2: nothing runs as a job uid except parked gates; no nsjail of this stack outside
         # its workers; no new zombies.
@@ -301,14 +334,11 @@ class HostWatch:
                 found.append(f"I4 {path} changed")
         # I5: only warm sandboxes' workspaces stay mounted.
         mounts = self.workspace_mounts()
-        warm = {
-            str(self.work_root / name)
-            for cgroups in trees.values()
-            for name, pids in cgroups.items()
-            if len(pids) == 1 and pids[0] in gates
+        warm_mounts = {
+            str(self.work_root / name) for cgroups in trees.values() for name, pids in cgroups.items() if warm(pids)
         }
-        if mounts - warm:
-            found.append(f"I5 workspace mounts left: {sorted(mounts - warm)}")
+        if mounts - warm_mounts:
+            found.append(f"I5 workspace mounts left: {sorted(mounts - warm_mounts)}")
         # I6: no host IPC objects appeared; shared memory back near its baseline.
         if self.ipc() != base.ipc:
             found.append("I6 host SysV IPC objects changed")

@@ -77,6 +77,19 @@ class SandboxPool:
             try:
                 sandbox = await self._factory.prepare(self._owner, slot, self._slot_prime.get(slot))
             except Exception as exc:
+                prime = self._slot_prime.get(slot)
+                if prime is not None:
+                    # A runtime that will not start must not keep the slot from serving.
+                    self._slot_prime[slot] = None
+                    self._primes.pop(prime.language, None)
+                    log.error(
+                        "slot %d: the prestarted %s runtime failed (%s); not prestarting it again",
+                        slot,
+                        prime.language,
+                        exc,
+                    )
+                    self._arm(slot)
+                    return
                 log.error("slot %d: cannot build a sandbox (%s); retrying in %.0fs", slot, exc, ARM_RETRY_S)
                 if not self._closed:
                     self._arm(slot, delay_s=ARM_RETRY_S)

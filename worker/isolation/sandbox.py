@@ -161,6 +161,7 @@ class Sandbox:
     # The runtime waiting in the jail, if it was primed; and what it had used by the time
     # the job was loaded (not charged to the job's limits or figures).
     prime: Prime | None = None
+    runtime_pid: int = 0
     memory_base_bytes: int = 0
     # Compiled languages get a second jail over the same workspace, with its own cgroup
     # and limits, built while the job is parked.
@@ -190,7 +191,7 @@ class Sandbox:
         memory = limits.memory_mb * 1024 * 1024
         if self.adopts(program):
             self.memory_base_bytes = self.cgroup.memory_current_bytes()
-            _set_rlimits(_runtime_pid(self.cgroup), program)
+            _set_rlimits(self.runtime_pid, program)
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory + self.memory_base_bytes, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
@@ -223,17 +224,29 @@ class Sandbox:
             await off_loop(self.workspace.destroy)
 
 
-def _runtime_pid(cgroup: JobCgroup) -> int:
-    """The host pid of the prestarted runtime: the gate's child, pid 2 of the jail."""
-    for pid in cgroup.pids():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:") and line.split()[-1] == "2":
+def _waiting_runtime(cgroup: JobCgroup, timeout_s: float) -> int:
+    """The host pid of the prestarted runtime once it waits for its frame (isolation threads).
+
+    The runtime is the gate's child, pid 2 of the jail; it is ready when it blocks reading
+    its stdin (syscall 0, read, on descriptor 0). Start-up takes tens of milliseconds, so a
+    poll every millisecond costs little and happens before any job is there.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in cgroup.pids():
+            try:
+                nspid = next(
+                    line.split()[-1]
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("NSpid:")
+                )
+                syscall = Path(f"/proc/{pid}/syscall").read_text().split()[:2]
+            except (OSError, StopIteration):
+                continue
+            if nspid == "2" and syscall == ["0", "0x0"]:
                 return pid
-    raise JailError("the prestarted runtime is gone")
+        time.sleep(0.001)
+    raise JailError(f"the prestarted runtime was not waiting for its job within {timeout_s:.0f}s")
 
 
 def _set_rlimits(pid: int, program: Program) -> None:
@@ -345,7 +358,9 @@ class SandboxFactory:
         cgroup.create()
         cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
 
-    def prime_for(self, language: str, manifest_run: list[str], shim: str, env: dict[str, str], limits: Limits) -> Prime | None:
+    def prime_for(
+        self, language: str, manifest_run: list[str], shim: str, env: dict[str, str], limits: Limits
+    ) -> Prime | None:
         """The Prime of a language whose manifest names a staged shim, for jobs with `limits`."""
         if shim not in self.prestart_shims:
             return None
@@ -377,7 +392,12 @@ class SandboxFactory:
             raise
         sandbox = Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail, prime=prime)
         if prime is not None:
-            jail.go(prime.program)
+            try:
+                jail.go(prime.program)
+                sandbox.runtime_pid = await off_loop(_waiting_runtime, cgroup, self.ready_timeout_s)
+            except BaseException:
+                await asyncio.shield(sandbox.destroy())
+                raise
         return sandbox
 
     async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
