@@ -60,6 +60,18 @@ process.stdin.once('data', (d) => {
 """
 
 
+RB_PROBE = r"""# frozen_string_literal: true
+p ARGV, $0, __FILE__, __dir__, __FILE__ == $0, ENV.to_h.sort, Process.getrlimit(:FSIZE), Process.getrlimit(:NOFILE)
+p local_variables, self.to_s, DATA.read, "lit".frozen?
+p $stdin.gets
+File.readlines("/proc/self/mountinfo").grep(/prestart/).each { |line| puts "mount #{line.split[4]}" }
+def fail_now = raise(ArgumentError, "boom")
+fail_now
+__END__
+the data
+"""
+
+
 def run(api: Api, body: dict[str, Any]) -> dict[str, Any]:
     job = api.execute({**body, "collectOutput": True})
     api.start(job)
@@ -74,6 +86,10 @@ def prestarted(out: dict[str, Any]) -> bool:
 
 def without_cmdline(out: dict[str, Any]) -> str:
     return "".join(line for line in out["stdout"].splitlines(keepends=True) if not line.startswith("cmdline"))
+
+
+def without_mounts(out: dict[str, Any]) -> str:
+    return "".join(line for line in out["stdout"].splitlines(keepends=True) if not line.startswith("mount "))
 
 
 def js_job(code: str, **extra: Any) -> dict[str, Any]:
@@ -151,6 +167,18 @@ def test_node_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     plain_user = [line for line in slow["stderr"].splitlines() if "node:internal" not in line]
     assert user == plain_user, (fast["stderr"], slow["stderr"])
     assert "/workspace/main.js" in fast["stderr"].splitlines()[0]
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
+    warm, plain = stacks
+    body = {"language": "ruby", "files": [{"name": "main.rb", "content": RB_PROBE}], "args": ["a b"], "stdin": "line\n"}
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    # $0= rewrites Ruby's command line, so the mount of the shim is what shows it prestarted.
+    assert without_mounts(fast) == without_mounts(slow)
+    assert fast["stderr"] == slow["stderr"] and fast["stderr"].startswith("main.rb:6:in `fail_now'"), fast["stderr"]
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
 
 
