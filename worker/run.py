@@ -49,6 +49,7 @@ from worker.isolation.workspace import WorkspaceError
 from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
 from worker.payload import fit_result
+from worker.precompile import Precompile, RecordedEvents
 from worker.queue import Claim, Fenced
 from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
@@ -116,6 +117,7 @@ class JobRun:
     async def execute(self) -> None:
         sub = None
         kill_watch: asyncio.Task[None] | None = None
+        precompile: Precompile | None = None
         try:
             try:
                 sub = await self.ctx.control.subscribe(self.job_id)
@@ -150,8 +152,17 @@ class JobRun:
                 log.error("job %s: cannot plan the job: %s", self.job_id, exc)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
+            if plan.compile is not None and self.ctx.pool.slots > 1:
+                precompile = Precompile(
+                    self.job_id,
+                    self.ctx.pool,
+                    lambda sandbox: self._load(plan, sandbox),
+                    lambda inbox, sandbox, events: self._compile(inbox, plan, sandbox, events),
+                )
             signal = await self._park(sub.ctrl)
             if signal != "start":
+                if precompile is not None:
+                    await precompile.discard()
                 await self._end_unstarted(signal)
                 return
             # Fenced first: a worker that lost the job while parked (frozen past its lease)
@@ -161,20 +172,33 @@ class JobRun:
             await self.events.state(JobState.STARTING)
             await self.events.go_live()
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
-            signal = await self._acquire_sandbox(sub.ctrl, plan.run)
-            if signal != "start":
-                await self._end_unstarted(signal, "killed before it ran")
+            early = await precompile.settle(sub.ctrl) if precompile is not None else "gone"
+            if early == "kill":
+                await self._end_unstarted("kill", "killed while compiling")
                 return
-            try:
-                await self._load(plan)
-            except (JailError, WorkspaceError, OSError) as exc:
-                log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
-                await self._destroy()
-                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
-                return
+            if early == "gone":
+                signal = await self._acquire_sandbox(sub.ctrl, plan.run)
+                if signal != "start":
+                    await self._end_unstarted(signal, "killed before it ran")
+                    return
+                try:
+                    await self._load(plan)
+                except (JailError, WorkspaceError, OSError) as exc:
+                    log.error("job %s: cannot load the job into its sandbox: %s", self.job_id, exc)
+                    await self._destroy()
+                    await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
+                    return
             compiled: CompileInfo | None = None
             if plan.compile is not None:
-                facts, self._compile_streams = await self._compile(sub.ctrl, plan)
+                if precompile is not None and early in ("compiled", "failed"):
+                    # Compiled while parked: its events go out now, in order, as if just made.
+                    if early == "compiled":
+                        self.sandbox = precompile.take()
+                    await precompile.events.replay(self.events)
+                    assert precompile.facts is not None
+                    facts, self._compile_streams = precompile.facts
+                else:
+                    facts, self._compile_streams = await self._compile(sub.ctrl, plan)
                 # The result event carries the interleaved log only (it is published, and
                 # published payloads have a size limit); the pullable result has both streams.
                 compiled = msgspec.structs.replace(self._compile_streams, stdout=None, stderr=None)
@@ -202,6 +226,8 @@ class JobRun:
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
             try:
+                if precompile is not None and precompile.sandbox is not None:
+                    await asyncio.shield(precompile.discard())
                 await self._discard(kill_watch)
                 if not self._destroyed:
                     await asyncio.shield(self._destroy())
@@ -311,13 +337,14 @@ class JobRun:
         )
         return Plan(files=files, run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
 
-    async def _load(self, plan: Plan) -> None:
+    async def _load(self, plan: Plan, sandbox: Sandbox | None = None) -> None:
         """Put the job's files and limits into its sandbox; compiled languages get their
         compile jail over the same workspace."""
-        assert self.sandbox is not None
-        await self.sandbox.load(plan.files, self.spec.limits, plan.run)
+        sandbox = sandbox or self.sandbox
+        assert sandbox is not None
+        await sandbox.load(plan.files, self.spec.limits, plan.run)
         if plan.compile_limits is not None:
-            await self.ctx.sandboxes.add_compile_jail(self.sandbox, self.ctx.queue.worker_id, plan.compile_limits)
+            await self.ctx.sandboxes.add_compile_jail(sandbox, self.ctx.queue.worker_id, plan.compile_limits)
 
     # ------------------------------------------------------------------ park
 
@@ -377,14 +404,25 @@ class JobRun:
 
     # ------------------------------------------------------------------ compile
 
-    async def _compile(self, inbox: asyncio.Queue[CtrlMessage], plan: Plan) -> tuple[StepFacts, CompileInfo]:
+    async def _compile(
+        self,
+        inbox: asyncio.Queue[CtrlMessage],
+        plan: Plan,
+        sandbox: Sandbox | None = None,
+        events: JobEvents | RecordedEvents | None = None,
+    ) -> tuple[StepFacts, CompileInfo]:
+        """Compile in `sandbox` (the job's), emitting to `events` (the job's; a recording
+        when compiling while parked)."""
         assert plan.compile is not None and plan.compile_limits is not None
-        jail, cgroup = self.sandbox.compile_jail, self.sandbox.compile_cgroup
+        sandbox = sandbox or self.sandbox
+        events = events or self.events
+        assert sandbox is not None
+        jail, cgroup = sandbox.compile_jail, sandbox.compile_cgroup
         assert jail is not None and cgroup is not None
-        await self.events.stage("compiling")
+        await events.stage("compiling")
         output = CompileOutput(plan.compile_output_kb * 1024)
 
-        flusher = OutputFlusher(self.events)
+        flusher = OutputFlusher(events)
 
         async def on_stdout(data: bytes) -> None:
             flusher.add("compile_output", output.feed(data, "stdout"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 
 from worker.isolation.jail import Program
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, Sandbox, SandboxFactory
@@ -47,6 +48,10 @@ class SandboxPool:
         self._waiters: collections.deque[asyncio.Future[Sandbox]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Parked jobs waiting to borrow a spare sandbox, and the borrowers (oldest first) with
+        # the callback that makes one give its sandbox up for a started job.
+        self._borrow_waiters: collections.deque[asyncio.Future[Sandbox]] = collections.deque()
+        self._lent: dict[int, Callable[[], None]] = {}
         # Set whenever a sandbox becomes ready or a waiter is served (the claimer watches it).
         self.changed = asyncio.Event()
 
@@ -108,8 +113,59 @@ class SandboxPool:
                 waiter.set_result(sandbox)
                 self.changed.set()
                 return
+        if self._may_lend(sandbox):
+            while self._borrow_waiters:
+                waiter = self._borrow_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(sandbox)
+                    return
         self._ready.append(sandbox)
         self.changed.set()
+
+    # ------------------------------------------------------------------ lending
+
+    def _may_lend(self, sandbox: Sandbox) -> bool:
+        """A parked job may borrow `sandbox`: it is plain, no started job waits, and at least
+        one slot stays for started jobs."""
+        return sandbox.prime is None and not self.waiting and len(self._lent) < self.slots - 1
+
+    async def borrow(self, recall: Callable[[], None]) -> Sandbox:
+        """A spare plain sandbox for a parked job (compiling before its start); waits for one.
+
+        Started jobs always come first: `recall` is called when a started job finds no
+        sandbox ready, and the borrower must then give its sandbox up (destroy it; the slot
+        rebuilds) and do its work after start instead.
+        """
+        sandbox = next((s for s in self._ready if self._may_lend(s)), None)
+        if sandbox is not None:
+            self._ready.remove(sandbox)
+        else:
+            spare = self._ready[0] if self._ready and not self.waiting and len(self._lent) < self.slots - 1 else None
+            if spare is not None:
+                # Only primed sandboxes are spare: one is rebuilt plain for this borrower
+                # (a started job still comes first when it is ready).
+                self._ready.remove(spare)
+                self._spawn(self._replace(spare, plain=True), f"replace-{spare.name}")
+            waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
+            self._borrow_waiters.append(waiter)
+            try:
+                sandbox = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._offer(waiter.result())
+                raise
+        self._lent[sandbox.slot] = recall
+        return sandbox
+
+    def keep(self, sandbox: Sandbox) -> None:
+        """The borrower started: the sandbox is its job's now, no longer recallable."""
+        self._lent.pop(sandbox.slot, None)
+
+    def _recall_one(self) -> None:
+        """A started job must wait: the oldest borrower gives its sandbox back."""
+        if self._lent:
+            slot = next(iter(self._lent))
+            self._lent.pop(slot)()
 
     async def take(self, program: Program | None = None, language: str = "") -> Sandbox:
         """The next ready sandbox for `program` (first come, first served); waits while none is.
@@ -128,6 +184,7 @@ class SandboxPool:
             if sandbox is None:
                 waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
+                self._recall_one()
                 try:
                     sandbox = await waiter
                 except asyncio.CancelledError:
@@ -161,10 +218,12 @@ class SandboxPool:
 
     def give_back(self, sandbox: Sandbox) -> None:
         """A job is done with `sandbox`: destroy it and build its slot's next one."""
+        self._lent.pop(sandbox.slot, None)
         self._spawn(self._replace(sandbox), f"retire-{sandbox.name}")
 
     def rearm(self, slot: int) -> None:
         """A job destroyed its sandbox itself: build the slot's next one."""
+        self._lent.pop(slot, None)
         if not self._closed:
             self._arm(slot)
 

@@ -1,0 +1,141 @@
+"""Compile while parked: a compiled job borrows a spare sandbox before its start, and what a
+client sees is the same as compiling after start, in the same order, only sooner.
+
+Java is the probe: javac takes several times as long as the run, so a start → result time
+shorter than the compile's own duration can only mean the compile happened before start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from launcher.stack import Stack
+from tests.helpers import Api, Followed, Realtime, py_job
+
+pytestmark = pytest.mark.slow
+
+JAVA_OK = """public class Main {
+    public static void main(String[] args) {
+        System.out.println("hello from java " + args.length);
+    }
+}
+"""
+JAVA_BROKEN = "public class Main { void f() { int x = ; } }\n"
+
+
+def java(source: str) -> dict[str, Any]:
+    return {"language": "java", "files": [{"name": "Main.java", "content": source}]}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    s = Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "WORKER_PRESTART": ""})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+@pytest.fixture
+def clients(stack: Stack) -> Iterator[tuple[Api, Realtime]]:
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        yield api, rt
+    finally:
+        rt.close()
+        api.close()
+
+
+def start_and_wait(api: Api, followed: Followed, timeout_s: float = 60) -> tuple[dict[str, Any], float]:
+    t0 = time.monotonic()
+    assert api.start(followed.job).status_code in (200, 202)
+    result = followed.wait_result(timeout_s)
+    return result, (time.monotonic() - t0) * 1000
+
+
+def names_in_order(followed: Followed) -> list[str]:
+    """Event names by seq, after checking the seqs have no hole and no repeat."""
+    events = sorted((p["seq"], n) for n, p in followed.events)
+    assert [seq for seq, _ in events] == list(range(len(events))), followed.summary()
+    return [n for _, n in events]
+
+
+def phases(followed: Followed) -> list[str]:
+    return [p["phase"] for n, p in sorted(followed.events, key=lambda e: e[1]["seq"]) if n == "stage"]
+
+
+def test_a_parked_java_job_is_compiled_before_its_start(clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    job = api.execute(java(JAVA_OK))
+    followed = rt.follow(job)
+    time.sleep(4)  # parked: time enough to compile
+    assert not followed.events, "nothing may be published before start"
+    result, took_ms = start_and_wait(api, followed)
+    assert result["outcome"] == "completed", followed.summary()
+    assert followed.text("stdout") == "hello from java 0\n"
+    assert phases(followed) == ["queued", "compiling", "running"]
+    assert names_in_order(followed)[-1] == "result"
+    compile_ms = result["compile"]["durationMs"]
+    assert took_ms < compile_ms, f"start → result {took_ms:.0f} ms, compile {compile_ms} ms: compiled after start"
+
+
+def test_a_compile_error_found_while_parked_is_delivered_after_start(clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    job = api.execute(java(JAVA_BROKEN))
+    followed = rt.follow(job)
+    time.sleep(4)
+    assert not followed.events
+    result, took_ms = start_and_wait(api, followed)
+    assert result["outcome"] == "compile_error", followed.summary()
+    assert "error" in result["compile"]["output"]
+    assert phases(followed) == ["queued", "compiling"]
+    assert "compile_output" in names_in_order(followed)
+    assert took_ms < result["compile"]["durationMs"]
+
+
+def test_killing_a_parked_job_that_compiled_frees_its_sandbox(clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    job = api.execute(java(JAVA_OK))
+    followed = rt.follow(job)
+    time.sleep(4)
+    assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+    assert followed.wait_result()["outcome"] == "killed"
+    # Both slots serve again: two started jobs run side by side.
+    jobs = [api.execute(py_job("import time; time.sleep(0.5); print('ok')")) for _ in range(2)]
+    follows = [rt.follow(j) for j in jobs]
+    t0 = time.monotonic()
+    for f in follows:
+        api.start(f.job)
+    for f in follows:
+        assert f.wait_result()["outcome"] == "completed"
+    assert time.monotonic() - t0 < 1.5, "the killed job's sandbox was not given back"
+
+
+def test_a_started_job_recalls_a_borrowed_sandbox(clients: tuple[Api, Realtime]) -> None:
+    """Two slots: a parked Java job holds one (compiled); a started job holds the other; a
+    second started job must not wait for either: it recalls the borrowed one. The Java job
+    then compiles after its own start, with one compile stage all the same."""
+    api, rt = clients
+    parked = api.execute(java(JAVA_OK))
+    parked_follow = rt.follow(parked)
+    time.sleep(4)
+    long = api.execute(py_job("import time; time.sleep(3); print('long')"))
+    long_follow = rt.follow(long)
+    api.start(long)
+    time.sleep(0.5)
+    quick = api.execute(py_job("print('quick')"))
+    quick_follow = rt.follow(quick)
+    result, took_ms = start_and_wait(api, quick_follow)
+    assert result["outcome"] == "completed" and took_ms < 1500, (took_ms, quick_follow.summary())
+    assert not long_follow.results(), "the quick job waited for the long one"
+    result, took_ms = start_and_wait(api, parked_follow)
+    assert result["outcome"] == "completed", parked_follow.summary()
+    assert parked_follow.text("stdout") == "hello from java 0\n"
+    assert phases(parked_follow) == ["queued", "compiling", "running"]
+    assert took_ms > result["compile"]["durationMs"], "it was compiled before start, yet its sandbox was recalled"
+    assert long_follow.wait_result()["outcome"] == "completed"

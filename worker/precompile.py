@@ -1,0 +1,150 @@
+"""Compile while parked: a compiled job borrows a spare warm sandbox before its start.
+
+An IDE user of C or Java otherwise waits for the compiler after pressing Run. While the
+job is parked (claimed, no start yet), it may borrow a plain sandbox nobody else needs
+(the pool lends only when no started job waits and one slot stays free for started
+jobs), write its files and compile there. Its events are recorded, not logged: at start
+they are logged and published in order (the compile stage, its output), and the run
+follows in the same sandbox, so nothing a client sees changes except the wait. A failed
+compile gives its sandbox back at once and keeps its verdict for the start.
+
+A started job that finds no sandbox ready recalls the oldest borrower: its compile is
+stopped, its sandbox destroyed (the slot rebuilds), and the job compiles after its start
+like any other. A kill, an expiry or a hand-back discards the borrowed sandbox too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+
+from shared.messages import CompileInfo, CtrlMessage
+from worker.isolation.pool import SandboxPool
+from worker.isolation.sandbox import Sandbox
+from worker.outcome import compile_succeeded
+from worker.supervise import StepFacts
+from worker.tasks import cancel_and_wait
+
+__all__ = ["Precompile", "PrecompileState", "RecordedEvents"]
+
+log = logging.getLogger(__name__)
+
+
+class RecordedEvents:
+    """Stands in for JobEvents while parked: keeps a compile's events, in order, for start."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self._calls: list[tuple[str, object]] = []
+
+    async def stage(self, phase: str) -> None:
+        self._calls.append(("stage", phase))
+
+    async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
+        if runs:
+            self._calls.append(("chunks", list(runs)))
+
+    async def replay(self, events) -> None:  # type: ignore[no-untyped-def]
+        """Log (and, once live, publish) what was recorded, in order."""
+        for kind, arg in self._calls:
+            if kind == "stage":
+                await events.stage(arg)
+            else:
+                await events.chunk_runs(arg)
+
+
+class PrecompileState(enum.Enum):
+    WAITING = "waiting"  # for a spare sandbox
+    COMPILING = "compiling"
+    COMPILED = "compiled"  # success; the sandbox is held for the run
+    FAILED = "failed"  # the compile's verdict is kept; the sandbox is given back
+    GONE = "gone"  # recalled, or broke: the job compiles after start
+
+
+Load = Callable[[Sandbox], Awaitable[None]]
+Compile = Callable[[asyncio.Queue[CtrlMessage], Sandbox, RecordedEvents], Awaitable[tuple[StepFacts, CompileInfo]]]
+
+
+class Precompile:
+    def __init__(self, job_id: str, pool: SandboxPool, load: Load, compile_: Compile) -> None:
+        self.job_id = job_id
+        self._pool = pool
+        self._load = load
+        self._compile = compile_
+        self.events = RecordedEvents(job_id)
+        self.state = PrecompileState.WAITING
+        self.sandbox: Sandbox | None = None
+        self.facts: tuple[StepFacts, CompileInfo] | None = None
+        self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
+
+    def _recall(self) -> None:
+        if self.state in (PrecompileState.COMPILING, PrecompileState.COMPILED):
+            log.info("job %s: a started job needs the sandbox; compiling after start instead", self.job_id)
+            self._task.cancel()
+            self.state = PrecompileState.GONE
+            if self.sandbox is not None and self._task.done():
+                self._release()
+
+    async def _work(self) -> None:
+        try:
+            self.sandbox = await self._pool.borrow(self._recall)
+            self.state = PrecompileState.COMPILING
+            await self._load(self.sandbox)
+            facts = await self._compile(asyncio.Queue(), self.sandbox, self.events)
+        except asyncio.CancelledError:
+            self.state = PrecompileState.GONE
+            self._release()
+            raise
+        except Exception:
+            log.exception("job %s: compiling while parked failed; compiling after start instead", self.job_id)
+            self.state = PrecompileState.GONE
+            self._release()
+            return
+        self.facts = facts
+        log.info("job %s: compiled while parked (%d ms)", self.job_id, facts[0].duration_ms)
+        if compile_succeeded(facts[0]):
+            self.state = PrecompileState.COMPILED
+        else:
+            self.state = PrecompileState.FAILED
+            self._release()
+
+    def _release(self) -> None:
+        if self.sandbox is not None:
+            sandbox, self.sandbox = self.sandbox, None
+            self._pool.give_back(sandbox)
+
+    async def settle(self, ctrl: asyncio.Queue[CtrlMessage]) -> str:
+        """At start: wait for a compile under way. Returns "kill" if a kill came first, else
+        the final state's value ("compiled", "failed" or "gone")."""
+        if self.state is PrecompileState.WAITING:
+            await self.discard()  # never got a sandbox: compile after start as usual
+            return "gone"
+        while not self._task.done():
+            message = asyncio.ensure_future(ctrl.get())
+            done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
+            if message in done:
+                if message.result().type == "kill":
+                    await self.discard()
+                    return "kill"
+                continue  # a repeated start: nothing to do
+            message.cancel()
+            if message.done() and not message.cancelled():
+                ctrl.put_nowait(message.result())  # keep a kill for the run to see
+        if self.state is PrecompileState.COMPILED and self.sandbox is not None:
+            self._pool.keep(self.sandbox)
+            return "compiled"
+        return "failed" if self.state is PrecompileState.FAILED else "gone"
+
+    def take(self) -> Sandbox:
+        """The sandbox the compile ran in, now the started job's."""
+        assert self.sandbox is not None
+        sandbox, self.sandbox = self.sandbox, None
+        return sandbox
+
+    async def discard(self) -> None:
+        """The job will not use what was compiled (killed, expired, handed back)."""
+        await cancel_and_wait([self._task])
+        self.state = PrecompileState.GONE
+        self._release()
