@@ -9,8 +9,9 @@
 // args...` would: process.argv, require.main, ES modules for .mjs, and Node's own report
 // and exit status for an uncaught error.
 //
-// Nothing is written before start, and the frame is read from stdin with exact-size
-// synchronous reads, so not one byte of the program's own input is consumed.
+// Before start, the only thing written is one ready marker on stderr, which the worker
+// reads (and so removes) before the jail is offered to a job; the frame is read from stdin
+// with exact-size synchronous reads, so not one byte of the program's own input is consumed.
 'use strict';
 (function serve() {
   const fs = require('fs');
@@ -39,6 +40,7 @@
     return out;
   };
 
+  fs.writeSync(2, '\0coderunner-prestart-ready\n'); // the worker waits for this before offering the jail
   if (readExact(4).toString('latin1') !== 'CRG1') process.exit(0);
   const argv = strings();
   const env = strings();

@@ -10,9 +10,13 @@
 # with __file__ absolute, exit status 1 after an uncaught exception, 2 when the file
 # cannot be opened, and tracebacks that start at the user's file.
 #
-# Nothing is written to stdout or stderr before start, and no descriptor is opened
-# besides reading the frame from stdin with exact-size reads, so not one byte of the
-# program's own input is consumed.
+# Before start, the only thing written is one ready marker on stderr, which the worker
+# reads (and so removes) before the jail is offered to a job; no descriptor is opened, and
+# the frame is read from stdin with exact-size reads, so not one byte of the program's own
+# input is consumed.
+
+
+READY = b"\0coderunner-prestart-ready\n"
 
 
 def _serve():
@@ -35,6 +39,7 @@ def _serve():
     def strings():
         return [read_exact(u32()) for _ in range(u32())]
 
+    os.write(2, READY)  # the worker waits for this before offering the jail to a job
     if read_exact(4) != b"CRG1":
         raise SystemExit(0)
     argv = [os.fsdecode(item) for item in strings()]

@@ -9,8 +9,9 @@
 # __FILE__ and ARGV as given, DATA after __END__, and Ruby's own report and exit status 1
 # for an uncaught exception, with a backtrace that starts at the user's file.
 #
-# Nothing is written before start, and the frame is read from stdin with exact-size
-# sysreads, so not one byte of the program's own input is consumed. No top-level local
+# Before start, the only thing written is one ready marker on stderr, which the worker
+# reads (and so removes) before the jail is offered to a job; the frame is read from stdin
+# with exact-size sysreads, so not one byte of the program's own input is consumed. No top-level local
 # variable is defined here: the program's top level is Ruby's own.
 -> {
   read_exact = lambda do |n|
@@ -27,6 +28,7 @@
   u32 = -> { read_exact.(4).unpack1("V") }
   strings = -> { Array.new(u32.()) { read_exact.(u32.()).force_encoding(Encoding.default_external) } }
 
+  STDERR.syswrite("\0coderunner-prestart-ready\n") # the worker waits for this before offering the jail
   exit!(0) unless read_exact.(4) == "CRG1"
   argv = strings.()
   env = strings.()

@@ -224,29 +224,19 @@ class Sandbox:
             await off_loop(self.workspace.destroy)
 
 
-def _waiting_runtime(cgroup: JobCgroup, timeout_s: float) -> int:
-    """The host pid of the prestarted runtime once it waits for its frame (isolation threads).
+PRESTART_READY = b"\0coderunner-prestart-ready\n"
 
-    The runtime is the gate's child, pid 2 of the jail; it is ready when it blocks reading
-    its stdin (syscall 0, read, on descriptor 0). Start-up takes tens of milliseconds, so a
-    poll every millisecond costs little and happens before any job is there.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for pid in cgroup.pids():
-            try:
-                nspid = next(
-                    line.split()[-1]
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("NSpid:")
-                )
-                syscall = Path(f"/proc/{pid}/syscall").read_text().split()[:2]
-            except (OSError, StopIteration):
-                continue
-            if nspid == "2" and syscall == ["0", "0x0"]:
-                return pid
-        time.sleep(0.001)
-    raise JailError(f"the prestarted runtime was not waiting for its job within {timeout_s:.0f}s")
+
+def _runtime_pid(cgroup: JobCgroup) -> int:
+    """The host pid of the prestarted runtime: the gate's child, pid 2 of the jail."""
+    for pid in cgroup.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if any(line.startswith("NSpid:") and line.split()[-1] == "2" for line in status.splitlines()):
+            return pid
+    raise JailError("the prestarted runtime is gone")
 
 
 def _set_rlimits(pid: int, program: Program) -> None:
@@ -394,11 +384,23 @@ class SandboxFactory:
         if prime is not None:
             try:
                 jail.go(prime.program)
-                sandbox.runtime_pid = await off_loop(_waiting_runtime, cgroup, self.ready_timeout_s)
+                await self._await_runtime(jail)
+                sandbox.runtime_pid = await off_loop(_runtime_pid, cgroup)
             except BaseException:
                 await asyncio.shield(sandbox.destroy())
                 raise
         return sandbox
+
+    async def _await_runtime(self, jail: Jail) -> None:
+        """Wait for the prestarted runtime's ready marker: its start-up is over, it waits for
+        its frame, and the marker is off its stderr before any job can write there."""
+        assert jail.stderr is not None
+        try:
+            marker = await asyncio.wait_for(jail.stderr.readexactly(len(PRESTART_READY)), self.ready_timeout_s)
+        except (TimeoutError, asyncio.IncompleteReadError) as exc:
+            raise JailError(f"the prestarted runtime did not come up: {exc!r}") from None
+        if marker != PRESTART_READY:
+            raise JailError(f"the prestarted runtime said {marker!r} instead of being ready")
 
     async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
         """Give `sandbox` a compile jail (its own cgroup and limits)."""
