@@ -38,6 +38,7 @@ LANE_BURST_BYTES = 512 * 1024
 LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 AUDIENCE_RECHECK_S = 1.0
+MAX_IDLE_CONNECTIONS = 16
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -73,9 +74,15 @@ class Publisher:
         # Events not sent because nobody followed the channel (a grader's job).
         self.unheard = 0
         self.audience_checks = 0
+        # Kept-alive connections to soketi's HTTP API (a connection per request cost more
+        # than the request).
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def aclose(self) -> None:
-        """Every delivery used its own short connection; only the tally is left to report."""
+        """Close the kept connections and report the tally."""
+        for _reader, writer in self._idle:
+            writer.close()
+        self._idle.clear()
         log.info(
             "live events: %d delivered, %d refused or unreachable, %d dropped, %d unheard (%d audience checks)",
             self.sent, self.failed, self.dropped, self.unheard, self.audience_checks,
@@ -102,20 +109,55 @@ class Publisher:
             f"{method} {path}?{urlencode(query)} HTTP/1.1\r\n"
             f"Host: {self._host}:{self._port}\r\n"
             "Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
-        reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
-        try:
-            writer.write(head + body)
-            response = await reader.read(-1)  # the server closes after one answer
-        finally:
-            writer.close()
-        status_line, _, rest = response.partition(b"\r\n")
+        while True:
+            reused = bool(self._idle)
+            reader, writer = self._idle.pop() if reused else await asyncio.open_connection(
+                self._host, self._port, ssl=self._ssl
+            )
+            try:
+                writer.write(head + body)
+                status, answer, keep = await self._read_answer(reader)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, DeliveryError) as exc:
+                writer.close()
+                stale = isinstance(exc, ConnectionResetError | BrokenPipeError) or (
+                    isinstance(exc, asyncio.IncompleteReadError) and not exc.partial
+                )
+                if reused and stale:
+                    continue  # the server had closed the kept connection: once more on a new one
+                if isinstance(exc, OSError | DeliveryError):
+                    raise
+                raise DeliveryError(f"broken answer: {exc!r}") from None
+            except BaseException:
+                writer.close()  # cancelled mid-answer: the connection's state is unknown
+                raise
+            if keep and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+            return status, answer
+
+    @staticmethod
+    async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+        """Status, body, and whether the connection may carry the next request."""
+        header = await reader.readuntil(b"\r\n\r\n")
+        status_line, _, fields = header.partition(b"\r\n")
         parts = status_line.split(b" ", 2)
         if len(parts) < 2 or not parts[1].isdigit():
             raise DeliveryError(f"unexpected answer {status_line[:80]!r}")
-        return int(parts[1]), rest.partition(b"\r\n\r\n")[2]
+        headers = {}
+        for line in fields.split(b"\r\n"):
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers[name.strip().lower()] = value.strip().lower()
+        length = headers.get(b"content-length", b"")
+        if length.isdigit():
+            answer = await reader.readexactly(int(length))
+            keep = headers.get(b"connection") != b"close"
+        else:  # no length: the body runs to the end of the connection
+            answer, keep = await reader.read(-1), False
+        return int(parts[1]), answer, keep
 
     def lane(self, channel: str) -> JobLane:
         return JobLane(self, channel)
