@@ -39,7 +39,7 @@ from shared.messages import (
     StdinRequest,
 )
 from shared.pusher import channel_auth, valid_socket_id
-from shared.validation import check_args, check_stdin, decode_files
+from shared.validation import check_args, check_stdin, check_tests, decode_files
 
 __all__ = ["routes"]
 
@@ -110,6 +110,17 @@ async def _replayed(state: AppState, earlier: EnqueueAnswer, key: str) -> Respon
     return response
 
 
+def _check_batch(req: ExecuteRequest, files_bytes: int, max_bytes: int, run: list[str]) -> None:
+    """A test batch gives each case its own input and arguments: none at the top level."""
+    assert req.tests is not None
+    for field, given in (("stdin", req.stdin is not None), ("args", bool(req.args)), ("closeStdin", req.close_stdin is not None)):
+        if given:
+            raise ValidationError([FieldError(field, "is given per case (tests[].stdin, tests[].args) in a test batch")])
+    check_tests(req.tests, files_bytes, max_bytes)
+    if any(case.args for case in req.tests) and "{args}" not in run:
+        raise ValidationError([FieldError("tests", "args are not supported for this language")])
+
+
 async def execute(request: Request) -> Response:
     """Queue a program. 202 {jobId, channel, status, jobToken}; 400 names the bad field; 429 when full;
     503 for a `callbackUrl` on a deployment without CALLBACK_SECRET.
@@ -143,11 +154,13 @@ async def execute(request: Request) -> Response:
             retryAfterMs=retry,
         )
     manifest, version = await state.catalog.resolve(req.language, req.version)
-    decode_files(req.files, state.settings.max_files_bytes)
+    files = decode_files(req.files, state.settings.max_files_bytes)
     check_args(req.args)
     check_stdin(req.stdin)
     if req.args and "{args}" not in manifest.run:
         raise ValidationError([FieldError("args", f"are not supported for {manifest.language}")])
+    if req.tests is not None:
+        _check_batch(req, sum(len(data) for _, data in files), state.settings.max_files_bytes, manifest.run)
     defaults = with_overrides(DEFAULT_LIMITS, manifest.limits)
     limits = resolve_limits(req.limits, defaults, state.settings.limit_maxima)
     if req.callback_url is not None:
@@ -167,6 +180,9 @@ async def execute(request: Request) -> Response:
         args=req.args,
         collect_output=req.collect_output,
         callback_url=req.callback_url,
+        tests=req.tests,
+        compare=req.compare,
+        stop_on_first_failure=req.stop_on_first_failure,
     )
     settings = state.settings
     answer = await state.store.enqueue(

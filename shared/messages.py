@@ -14,10 +14,13 @@ import msgspec
 from shared.limits import Limits, RequestedLimits
 
 __all__ = [
+    "MAX_TESTS",
     "OUTCOME_STATE",
     "TERMINAL_STATES",
     "CallbackState",
     "CallbackStatus",
+    "CaseFacts",
+    "CaseOutput",
     "ChunkEvent",
     "CompileInfo",
     "CtrlMessage",
@@ -40,6 +43,9 @@ __all__ = [
     "StdinFrame",
     "StdinRequest",
     "StoredOutput",
+    "TestCase",
+    "TestResultEvent",
+    "TestSummary",
     "WorkerInfo",
     "result_template",
     "result_without_run",
@@ -52,6 +58,18 @@ class FileSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     name: str
     content: str
     encoding: Literal["utf8", "utf-8", "base64"] = "utf8"
+
+
+MAX_TESTS = 100
+
+
+class TestCase(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+    """One case of a test batch: its input, arguments and, to be judged, the expected stdout."""
+
+    stdin: str | None = None
+    args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=64)] = []
+    expected_output: str | None = None
+    name: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
@@ -67,6 +85,10 @@ class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", 
     collect_output: bool = False
     # Where the result is POSTed, signed, once the job ends (see shared/callbacks.py).
     callback_url: str | None = None
+    # A test batch: compiled once, each case run in a fresh jail and judged (shared/grading.py).
+    tests: list[TestCase] | None = None
+    compare: Literal["exact", "lines", "tokens"] = "exact"
+    stop_on_first_failure: bool = False
 
 
 class StdinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +117,9 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     args: list[str] = []
     collect_output: bool = False
     callback_url: str | None = None
+    tests: list[TestCase] | None = None
+    compare: Literal["exact", "lines", "tokens"] = "exact"
+    stop_on_first_failure: bool = False
     spec_version: int = 1
 
 
@@ -170,6 +195,43 @@ class ChunkEvent(msgspec.Struct, frozen=True, kw_only=True):
 KilledBy = Literal["wall", "cpu", "idle", "memory", "user"]
 
 
+class CaseFacts(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """How one test case went: the `test_result` event (with `seq`) and an entry of the
+    result's `tests` (with its output in the pullable result)."""
+
+    index: int
+    name: str | None
+    outcome: Outcome
+    verdict: str
+    exit_code: int | None
+    signal: str | None
+    duration_ms: int
+    cpu_ms: int
+    memory_kb: int
+    killed_by: KilledBy | None = None
+    truncated: bool = False
+
+
+class TestResultEvent(CaseFacts, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    seq: int
+
+
+class CaseOutput(CaseFacts, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """A case in the pullable result: its facts and its exact output."""
+
+    stdout: str
+    stderr: str
+    stdout_encoding: Literal["utf8", "base64"] = "utf8"
+    stderr_encoding: Literal["utf8", "base64"] = "utf8"
+
+
+class TestSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    passed: int
+    failed: int
+    skipped: int
+    verdict: str
+
+
 class Verdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     """The fields the result event and the pullable result share."""
 
@@ -188,10 +250,13 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_de
     killed_by: KilledBy | None = None
     # Only set for outcomes where the platform, not the program, decided (e.g. internal_error).
     message: str | None = None
+    # Test batches: the summary of every case (their facts are in `tests`).
+    summary: TestSummary | None = None
 
 
 class ResultEvent(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     seq: int
+    tests: list[CaseFacts] | None = None
 
 
 class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
@@ -203,6 +268,7 @@ class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_default
     stderr_encoding: Literal["utf8", "base64"] = "utf8"
     artifacts: list[dict[str, object]] = []
     artifacts_truncated: bool = False
+    tests: list[CaseOutput] | None = None
 
 
 class ResultCallback(ResultEvent, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
@@ -228,6 +294,7 @@ class StoredOutput(Verdict, frozen=True, kw_only=True, rename="camel", omit_defa
     stderr_encoding: Literal["utf8", "base64"]
     artifacts: list[dict[str, object]]
     artifacts_truncated: bool
+    tests: list[CaseOutput] | None = None
 
 
 # ---------------------------------------------------------------- control plane (Redis pub/sub)

@@ -11,9 +11,17 @@ import binascii
 import unicodedata
 
 from shared.errors import FieldError, ValidationError
-from shared.messages import FileSpec
+from shared.messages import MAX_TESTS, FileSpec, TestCase
 
-__all__ = ["MAX_FILES", "MAX_NAME_BYTES", "check_args", "check_file_name", "check_stdin", "decode_files"]
+__all__ = [
+    "MAX_FILES",
+    "MAX_NAME_BYTES",
+    "check_args",
+    "check_file_name",
+    "check_stdin",
+    "check_tests",
+    "decode_files",
+]
 
 MAX_FILES = 100
 MAX_NAME_BYTES = 255
@@ -108,22 +116,38 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
-def check_args(args: list[str]) -> None:
+def check_args(args: list[str], field: str = "args") -> None:
     total = 0
     for index, arg in enumerate(args):
         if "\x00" in arg:
-            raise ValidationError([FieldError(f"args[{index}]", "must not contain NUL")])
+            raise ValidationError([FieldError(f"{field}[{index}]", "must not contain NUL")])
         if _has_lone_surrogate(arg):
-            raise ValidationError([FieldError(f"args[{index}]", "must be valid UTF-8")])
+            raise ValidationError([FieldError(f"{field}[{index}]", "must be valid UTF-8")])
         total += len(arg.encode())
     if total > MAX_ARG_TOTAL_BYTES:
-        raise ValidationError([FieldError("args", f"must total at most {MAX_ARG_TOTAL_BYTES} bytes")])
+        raise ValidationError([FieldError(field, f"must total at most {MAX_ARG_TOTAL_BYTES} bytes")])
 
 
-def check_stdin(stdin: str | None) -> None:
+def check_stdin(stdin: str | None, field: str = "stdin") -> None:
     if stdin is None:
         return
     if _has_lone_surrogate(stdin):
-        raise ValidationError([FieldError("stdin", "must be valid UTF-8 text")])
+        raise ValidationError([FieldError(field, "must be valid UTF-8 text")])
     if len(stdin.encode()) > MAX_STDIN_BYTES:
-        raise ValidationError([FieldError("stdin", f"must be at most {MAX_STDIN_BYTES} bytes")])
+        raise ValidationError([FieldError(field, f"must be at most {MAX_STDIN_BYTES} bytes")])
+
+
+def check_tests(tests: list[TestCase], files_bytes: int, max_bytes: int) -> None:
+    """A test batch: 1 to MAX_TESTS cases, each input valid, inputs and expected outputs
+    together with the files within `max_bytes` (MAX_FILES_BYTES)."""
+    if not 1 <= len(tests) <= MAX_TESTS:
+        raise ValidationError([FieldError("tests", f"must hold 1 to {MAX_TESTS} cases")])
+    total = files_bytes
+    for index, case in enumerate(tests):
+        check_stdin(case.stdin, f"tests[{index}].stdin")
+        check_args(case.args, f"tests[{index}].args")
+        if case.expected_output is not None and _has_lone_surrogate(case.expected_output):
+            raise ValidationError([FieldError(f"tests[{index}].expectedOutput", "must be valid UTF-8 text")])
+        total += len((case.stdin or "").encode()) + len((case.expected_output or "").encode())
+    if total > max_bytes:
+        raise ValidationError([FieldError("tests", f"inputs, expected outputs and files must total at most {max_bytes} bytes")])

@@ -127,7 +127,7 @@ class Followed:
 class Realtime:
     """One pysher connection; subscribe to many job channels on it."""
 
-    EVENTS = ("stage", "compile_output", "stdout", "stderr", "result", "artifact")
+    EVENTS = ("stage", "compile_output", "stdout", "stderr", "result", "artifact", "test_result")
 
     def __init__(self, stack: Stack, auth_token: str | None = None) -> None:
         info = httpx.get(f"{stack.api_url}/v1/realtime").json()

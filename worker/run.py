@@ -25,9 +25,10 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.errors import ValidationError
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
-from shared.manifest import expand_argv
+from shared.manifest import Manifest, expand_argv
 from shared.messages import (
     OUTCOME_STATE,
+    CaseOutput,
     CompileInfo,
     CtrlMessage,
     JobSpec,
@@ -40,10 +41,12 @@ from shared.messages import (
     result_without_run,
 )
 from shared.validation import decode_files
+from worker.batch import facts_only, run_batch
 from worker.context import WorkerContext
 from worker.events import JobEvents
 from worker.flusher import OutputFlusher
 from worker.isolation.jail import JailError, Program
+from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.outcome import compile_info, compile_succeeded, judge_run
@@ -90,6 +93,9 @@ PARKED_POLL_S = 10.0
 class Plan:
     files: list[tuple[str, bytes]]
     run: Program
+    manifest: Manifest
+    entry: str
+    sources: list[str]
     compile: Program | None = None
     compile_limits: Limits | None = None
     compile_output_kb: int = 64
@@ -109,6 +115,7 @@ class JobRun:
         self._finished = False
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
+        self._batch_cases: list[CaseOutput] | None = None
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
 
@@ -205,6 +212,9 @@ class JobRun:
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
+            if self.spec.tests:
+                await self._run_batch(sub.ctrl, plan, compiled)
+                return
             facts = await self._run(sub.ctrl, sub.stdin, plan.run)
             # Every process is dead already (killed, counters read); removing the cgroups and
             # the workspace happens right after the result, off the user's critical path.
@@ -328,14 +338,23 @@ class JobRun:
         )
         step = manifest.compile
         if step is None:
-            return Plan(files=files, run=run)
+            return Plan(files=files, run=run, manifest=manifest, entry=entry, sources=sources)
         limits = with_overrides(COMPILE_DEFAULTS, step.limits)
         compile_program = Program(
             argv=expand_argv(step.argv, entry=entry, sources=sources, args=[], memory_mb=limits.memory_mb),
             env={**manifest.env, **step.env},
             **factory.program_rlimits(limits, compiler=True),
         )
-        return Plan(files=files, run=run, compile=compile_program, compile_limits=limits, compile_output_kb=step.output_kb)
+        return Plan(
+            files=files,
+            run=run,
+            manifest=manifest,
+            entry=entry,
+            sources=sources,
+            compile=compile_program,
+            compile_limits=limits,
+            compile_output_kb=step.output_kb,
+        )
 
     async def _load(self, plan: Plan, sandbox: Sandbox | None = None) -> None:
         """Put the job's files and limits into its sandbox; compiled languages get their
@@ -511,6 +530,55 @@ class JobRun:
         facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
         return facts
 
+    async def _run_batch(self, ctrl: asyncio.Queue[CtrlMessage], plan: Plan, compiled: CompileInfo | None) -> None:
+        """A test batch: every case in a fresh sandbox with what the compile left, judged."""
+        first, self.sandbox = self.sandbox, None  # the batch gives every sandbox back itself
+        assert first is not None
+        self._destroyed = True
+        files, executable = plan.files, frozenset[str]()
+        if plan.compile is not None:
+            try:
+                files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
+            except (WorkspaceError, OSError) as exc:
+                self.ctx.pool.give_back(first)
+                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"could not copy the compiled program: {exc}")
+                return
+        self._program_started = True
+        await self.events.stage("running", state=JobState.RUNNING, started=True)
+        batch = await run_batch(
+            spec=self.spec,
+            manifest=plan.manifest,
+            entry=plan.entry,
+            sources=plan.sources,
+            program_rlimits=self.ctx.sandboxes.program_rlimits(self.spec.limits),
+            first=first,
+            files=files,
+            executable=executable,
+            pool=self.ctx.pool,
+            events=self.events,
+            ctrl=ctrl,
+            keep_output=self.spec.collect_output,
+        )
+        self._batch_cases = batch.cases
+        outcome = Outcome.KILLED if batch.killed else Outcome.COMPLETED
+        event = ResultEvent(
+            exit_code=None,
+            signal="SIGKILL" if batch.killed else None,
+            timed_out=False,
+            idle_timed_out=False,
+            truncated=any(case.truncated for case in batch.cases),
+            duration_ms=batch.duration_ms,
+            cpu_ms=batch.cpu_ms,
+            memory_kb=batch.memory_kb,
+            outcome=outcome,
+            compile=compiled,
+            seq=0,
+            killed_by="user" if batch.killed else None,
+            summary=batch.summary,
+            tests=facts_only(batch.cases),
+        )
+        await self._finish(outcome, event)
+
     # ------------------------------------------------------------------ finish
 
     async def _destroy(self) -> None:
@@ -612,6 +680,7 @@ class JobRun:
             stderr_encoding=output_encoding(bytes(self.budget.data["stderr"])),
             artifacts=[],
             artifacts_truncated=False,
+            tests=self._batch_cases,
         )
 
     async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:

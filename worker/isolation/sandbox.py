@@ -176,7 +176,9 @@ class Sandbox:
         """Whether the runtime waiting here (if any) can run `program` in place."""
         return self.prime is not None and self.prime.adopts(program)
 
-    async def load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program) -> None:
+    async def load(
+        self, files: list[tuple[str, bytes]], limits: Limits, program: Program, executable: frozenset[str] = frozenset()
+    ) -> None:
         """Write the job's files and set its limits (before start).
 
         With a prestarted runtime that adopts `program`, what the runtime already holds is
@@ -184,10 +186,10 @@ class Sandbox:
         rlimits are set on the waiting process from outside (its CPU rlimit past what it
         has used), so the job gets exactly what a fresh `run` command would.
         """
-        await off_loop(self._load, files, limits, program)
+        await off_loop(self._load, files, limits, program, executable)
 
-    def _load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program) -> None:
-        self.workspace.stage(files)
+    def _load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program, executable: frozenset[str]) -> None:
+        self.workspace.stage(files, executable)
         memory = limits.memory_mb * 1024 * 1024
         if self.adopts(program):
             self.memory_base_bytes = self.cgroup.memory_current_bytes()

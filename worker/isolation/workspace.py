@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
@@ -43,18 +44,66 @@ class Workspace:
             raise WorkspaceError(str(exc)) from None
         self._mounted = True
 
-    def stage(self, files: list[tuple[str, bytes]]) -> None:
-        """Write the submitted files (already validated names) into the fresh workspace."""
+    def stage(self, files: list[tuple[str, bytes]], executable: frozenset[str] = frozenset()) -> None:
+        """Write the submitted files (already validated names) into the fresh workspace;
+        those named in `executable` get mode 0755 (a compiled program copied from another)."""
         root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for name, data in files:
-                self._write_file(root_fd, name, data)
+                self._write_file(root_fd, name, data, 0o755 if name in executable else 0o644)
         except OSError as exc:
             raise WorkspaceError(f"cannot stage {len(files)} files: {exc}") from None
         finally:
             os.close(root_fd)
 
-    def _write_file(self, root_fd: int, name: str, data: bytes) -> None:
+    def snapshot(self, max_bytes: int, max_files: int = 4096) -> tuple[list[tuple[str, bytes]], frozenset[str]]:
+        """Every regular file in the workspace (relative path, bytes) and which are executable.
+
+        What a compile step left, to be copied into each test case's fresh workspace. The
+        tree was written by untrusted code: every component is opened without following
+        links, only directories and regular files are looked at (a FIFO is never opened
+        for reading: O_NONBLOCK, then fstat), and the total is capped.
+
+        Raises:
+            WorkspaceError: over `max_bytes` or `max_files`.
+        """
+        files: list[tuple[str, bytes]] = []
+        executable: set[str] = set()
+        total = 0
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+        def walk(dir_fd: int, prefix: str) -> None:
+            nonlocal total
+            for entry in sorted(os.listdir(dir_fd)):
+                try:
+                    fd = os.open(entry, flags, dir_fd=dir_fd)
+                except OSError:
+                    continue  # a link, or gone
+                try:
+                    info = os.fstat(fd)
+                    if stat.S_ISDIR(info.st_mode):
+                        walk(fd, f"{prefix}{entry}/")
+                    elif stat.S_ISREG(info.st_mode):
+                        total += info.st_size
+                        if total > max_bytes or len(files) >= max_files:
+                            raise WorkspaceError(f"the compiled workspace is over {max_bytes} bytes or {max_files} files")
+                        chunks = []
+                        while chunk := os.read(fd, 1 << 20):
+                            chunks.append(chunk)
+                        files.append((prefix + entry, b"".join(chunks)))
+                        if info.st_mode & 0o111:
+                            executable.add(prefix + entry)
+                finally:
+                    os.close(fd)
+
+        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            walk(root_fd, "")
+        finally:
+            os.close(root_fd)
+        return files, frozenset(executable)
+
+    def _write_file(self, root_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         *parents, leaf = name.split("/")
         dir_fd = os.dup(root_fd)
         try:
@@ -69,7 +118,7 @@ class Workspace:
                 dir_fd = next_fd
                 if created:
                     os.fchown(dir_fd, self.uid, self.gid)
-            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
             try:
                 os.fchown(fd, self.uid, self.gid)
                 view = memoryview(data)

@@ -1,0 +1,99 @@
+"""Test-case verdicts: how a case's facts and output become `accepted`, `wrong_answer`, ….
+
+Pure functions over trusted facts only (outcome, exit code, signal, killedBy, truncated:
+what the worker's clocks, the cgroup and the gate reported) and the captured stdout. The
+rules, first match wins:
+
+    compile_error           the program did not compile (every case)
+    skipped                 the case did not run: an earlier case failed under
+                            stopOnFirstFailure, or the job was killed or ended first
+    internal_error          the platform failed while running the case
+    memory_limit_exceeded   the memory limit ended it (killedBy "memory" / the cgroup's OOM)
+    time_limit_exceeded     the wall, CPU or idle clock ended it
+    output_limit_exceeded   it wrote more than outputKb (stdout and stderr together)
+    runtime_error           it exited non-zero or was ended by a signal
+    accepted                no expectedOutput was given, or stdout matches it under `compare`
+    wrong_answer            stdout does not match expectedOutput under `compare`
+
+Comparison modes:
+    exact    byte for byte (the UTF-8 text as captured)
+    lines    line by line, ignoring whitespace at the end of each line and blank lines at the
+             end of the output; "\\r\\n" and "\\n" are the same line end
+    tokens   the whitespace-separated tokens are equal
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+__all__ = ["CompareMode", "TestVerdict", "batch_verdict", "case_verdict", "outputs_match"]
+
+CompareMode = Literal["exact", "lines", "tokens"]
+
+
+class TestVerdict(enum.StrEnum):
+    ACCEPTED = "accepted"
+    WRONG_ANSWER = "wrong_answer"
+    TIME_LIMIT_EXCEEDED = "time_limit_exceeded"
+    MEMORY_LIMIT_EXCEEDED = "memory_limit_exceeded"
+    RUNTIME_ERROR = "runtime_error"
+    OUTPUT_LIMIT_EXCEEDED = "output_limit_exceeded"
+    COMPILE_ERROR = "compile_error"
+    SKIPPED = "skipped"
+    INTERNAL_ERROR = "internal_error"
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def outputs_match(actual: str, expected: str, mode: CompareMode) -> bool:
+    if mode == "exact":
+        return actual == expected
+    if mode == "lines":
+        return _lines(actual) == _lines(expected)
+    return actual.split() == expected.split()
+
+
+def case_verdict(
+    *,
+    outcome: str,
+    exit_code: int | None,
+    signal: str | None,
+    killed_by: str | None,
+    truncated: bool,
+    stdout: str,
+    expected: str | None,
+    compare: CompareMode,
+) -> TestVerdict:
+    """The verdict of one case that ran (see the module docstring for the rules)."""
+    if outcome == "compile_error":
+        return TestVerdict.COMPILE_ERROR
+    if outcome in ("killed", "expired", "lost") or killed_by == "user":
+        return TestVerdict.SKIPPED
+    if outcome == "internal_error":
+        return TestVerdict.INTERNAL_ERROR
+    if outcome == "memory_exceeded" or killed_by == "memory":
+        return TestVerdict.MEMORY_LIMIT_EXCEEDED
+    if outcome in ("timed_out", "idle_timed_out") or killed_by in ("wall", "cpu", "idle"):
+        return TestVerdict.TIME_LIMIT_EXCEEDED
+    if truncated:
+        return TestVerdict.OUTPUT_LIMIT_EXCEEDED
+    if signal is not None or exit_code != 0:
+        return TestVerdict.RUNTIME_ERROR
+    if expected is None or outputs_match(stdout, expected, compare):
+        return TestVerdict.ACCEPTED
+    return TestVerdict.WRONG_ANSWER
+
+
+def batch_verdict(verdicts: list[TestVerdict]) -> TestVerdict:
+    """The whole job's: accepted only when every case is; else the first case's (by index)
+    that is neither accepted nor skipped."""
+    for verdict in verdicts:
+        if verdict not in (TestVerdict.ACCEPTED, TestVerdict.SKIPPED):
+            return verdict
+    return TestVerdict.ACCEPTED if all(v is TestVerdict.ACCEPTED for v in verdicts) else TestVerdict.SKIPPED

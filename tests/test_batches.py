@@ -1,0 +1,196 @@
+"""Test batches: compile once, each case in a fresh jail, one verdict per case."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from shared.grading import TestVerdict as Verdict
+from shared.grading import batch_verdict, case_verdict, outputs_match
+from tests.helpers import Api, Realtime
+
+C_SUM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    if (access("left-behind", F_OK) == 0) { puts("dirty"); return 0; }
+    FILE *f = fopen("left-behind", "w"); if (f) fclose(f);
+    long a, b;
+    if (scanf("%ld %ld", &a, &b) != 2) return 2;
+    if (a < 0) return 3;                 /* a runtime error */
+    if (a == 0) for (;;) {}              /* a time limit */
+    if (argc > 1) printf("%s ", argv[1]);
+    printf("%ld\n", a + b);
+    return 0;
+}
+"""
+
+
+def c_batch(tests: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "language": "c",
+        "files": [{"name": "main.c", "content": C_SUM}],
+        "tests": tests,
+        "limits": {"wallTimeMs": 1500, "cpuMs": 1000},
+        **extra,
+    }
+
+
+def run(api: Api, rt: Realtime, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    job = api.execute(body)
+    followed = rt.follow(job)
+    api.start(job)
+    return followed.wait_result(timeout_s=60), followed
+
+
+# ---------------------------------------------------------------- the rules, unit by unit
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "mode", "same"),
+    [
+        ("3\n", "3\n", "exact", True),
+        ("3\n", "3", "exact", False),
+        ("3  \r\n\n\n", "3\n", "lines", True),
+        (" 3\n", "3\n", "lines", False),
+        ("1 2\n3", "1\n2 3\n", "tokens", True),
+        ("1 2", "1 3", "tokens", False),
+    ],
+)
+def test_comparison_modes(actual: str, expected: str, mode: str, same: bool) -> None:
+    assert outputs_match(actual, expected, mode) is same  # type: ignore[arg-type]
+
+
+def _verdict(**over: Any) -> Verdict:
+    facts = {
+        "outcome": "completed", "exit_code": 0, "signal": None, "killed_by": None, "truncated": False,
+        "stdout": "3\n", "expected": "3\n", "compare": "exact",
+    }  # fmt: skip
+    return case_verdict(**{**facts, **over})
+
+
+def test_verdict_rules_first_match_wins() -> None:
+    assert _verdict() is Verdict.ACCEPTED
+    assert _verdict(expected=None, stdout="anything") is Verdict.ACCEPTED
+    assert _verdict(stdout="4\n") is Verdict.WRONG_ANSWER
+    assert _verdict(exit_code=1) is Verdict.RUNTIME_ERROR
+    assert _verdict(exit_code=None, signal="SIGSEGV") is Verdict.RUNTIME_ERROR
+    assert _verdict(truncated=True, exit_code=1) is Verdict.OUTPUT_LIMIT_EXCEEDED
+    assert _verdict(outcome="timed_out", killed_by="cpu", truncated=True) is Verdict.TIME_LIMIT_EXCEEDED
+    assert _verdict(outcome="idle_timed_out", killed_by="idle") is Verdict.TIME_LIMIT_EXCEEDED
+    assert _verdict(outcome="memory_exceeded", killed_by="memory") is Verdict.MEMORY_LIMIT_EXCEEDED
+    assert _verdict(outcome="internal_error", exit_code=None) is Verdict.INTERNAL_ERROR
+    assert _verdict(outcome="killed", killed_by="user") is Verdict.SKIPPED
+    assert _verdict(outcome="compile_error") is Verdict.COMPILE_ERROR
+
+
+def test_batch_verdict() -> None:
+    A, W, S, T = Verdict.ACCEPTED, Verdict.WRONG_ANSWER, Verdict.SKIPPED, Verdict.TIME_LIMIT_EXCEEDED
+    assert batch_verdict([A, A]) is A
+    assert batch_verdict([A, T, W]) is T
+    assert batch_verdict([A, W, S]) is W
+    assert batch_verdict([S, S]) is S
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_a_c_batch_compiles_once_and_judges_every_case_in_a_fresh_jail(api: Api, realtime: Realtime) -> None:
+    tests = [
+        {"name": "sum", "stdin": "1 2\n", "expectedOutput": "3\n"},
+        {"name": "wrong", "stdin": "2 2\n", "expectedOutput": "5\n"},
+        {"name": "crash", "stdin": "-1 2\n", "expectedOutput": "1\n"},
+        {"name": "loop", "stdin": "0 1\n", "expectedOutput": "1\n"},
+        {"name": "args", "stdin": "5 5\n", "args": ["total:"], "expectedOutput": "total: 10\n"},
+        {"name": "no expectation", "stdin": "7 1\n"},
+    ]
+    result, followed = run(api, realtime, c_batch(tests, collectOutput=True))
+    assert result["outcome"] == "completed", followed.summary()
+    phases = [p["phase"] for n, p in followed.events if n == "stage"]
+    assert phases.count("compiling") == 1 and phases[-1] == "running", phases
+    verdicts = [case["verdict"] for case in result["tests"]]
+    assert verdicts == ["accepted", "wrong_answer", "runtime_error", "time_limit_exceeded", "accepted", "accepted"]
+    assert result["tests"][2]["exitCode"] == 3 and result["tests"][3]["killedBy"] in ("wall", "cpu")
+    assert result["summary"] == {"passed": 3, "failed": 3, "skipped": 0, "verdict": "wrong_answer"}
+    live = sorted((p["index"], p["verdict"]) for n, p in followed.events if n == "test_result")
+    assert live == list(enumerate(verdicts))
+    seqs = sorted(p["seq"] for _, p in followed.events)
+    assert seqs == list(range(len(seqs)))
+    # The pullable result: every case's own output; no case saw another's file.
+    out = api.get(f"/v1/jobs/{followed.job['jobId']}/output").json()
+    assert [case["stdout"] for case in out["tests"]] == ["3\n", "4\n", "", "", "total: 10\n", "8\n"]
+    assert "dirty" not in "".join(case["stdout"] for case in out["tests"])
+
+
+@pytest.mark.slow
+def test_stop_on_first_failure_skips_the_rest(api: Api, realtime: Realtime) -> None:
+    tests = [
+        {"stdin": "1 1\n", "expectedOutput": "2\n"},
+        {"stdin": "1 1\n", "expectedOutput": "3\n"},
+        {"stdin": "1 2\n", "expectedOutput": "3\n"},
+    ]
+    result, followed = run(api, realtime, c_batch(tests, stopOnFirstFailure=True))
+    assert [case["verdict"] for case in result["tests"]] == ["accepted", "wrong_answer", "skipped"]
+    assert result["summary"]["skipped"] == 1
+    assert len([1 for n, _ in followed.events if n == "test_result"]) == 2
+
+
+@pytest.mark.slow
+def test_a_python_batch_compares_by_lines_and_tokens(api: Api, realtime: Realtime) -> None:
+    body = {
+        "language": "python",
+        "files": [{"name": "main.py", "content": "n = int(input())\nfor i in range(n):\n    print(i, '  ')\n"}],
+        "compare": "lines",
+        "tests": [{"stdin": "2\n", "expectedOutput": "0\n1\n\n"}, {"stdin": "1\n", "expectedOutput": "1\n"}],
+    }
+    result, _ = run(api, realtime, body)
+    assert [case["verdict"] for case in result["tests"]] == ["accepted", "wrong_answer"]
+    result, _ = run(
+        api, realtime, {**body, "compare": "tokens", "tests": [{"stdin": "3\n", "expectedOutput": "0 1 2"}]}
+    )
+    assert result["summary"]["verdict"] == "accepted"
+
+
+@pytest.mark.slow
+def test_a_compile_error_ends_the_batch(api: Api, realtime: Realtime) -> None:
+    body = c_batch([{"stdin": "1 1\n"}])
+    body["files"] = [{"name": "main.c", "content": "int main( {"}]
+    result, followed = run(api, realtime, body)
+    assert result["outcome"] == "compile_error"
+    assert not [1 for n, _ in followed.events if n == "test_result"]
+
+
+@pytest.mark.slow
+def test_killing_a_batch_skips_what_did_not_run(api: Api, realtime: Realtime) -> None:
+    tests = [{"stdin": "0 1\n"} for _ in range(6)]  # every case loops until its clock
+    job = api.execute(c_batch(tests, limits={"wallTimeMs": 5000, "cpuMs": 5000}, stopOnFirstFailure=True))
+    followed = realtime.follow(job)
+    api.start(job)
+    time.sleep(1.0)
+    assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+    result = followed.wait_result(timeout_s=20)
+    assert result["outcome"] == "killed" and result["killedBy"] == "user"
+    assert {case["verdict"] for case in result["tests"]} == {"skipped"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"tests": []}, "tests"),
+        ({"tests": [{"stdin": "1"}] * 101}, "tests"),
+        ({"stdin": "1 2\n"}, "stdin"),
+        ({"args": ["x"]}, "args"),
+        ({"tests": [{"stdin": 5}]}, "tests[0].stdin"),
+        ({"tests": [{"bogus": 1}]}, "tests"),
+        ({"compare": "fuzzy"}, "compare"),
+    ],
+)
+def test_bad_batches_are_refused_naming_the_field(api: Api, change: dict[str, Any], field: str) -> None:
+    body = {**c_batch([{"stdin": "1 1\n"}]), **change}
+    response = api.post("/v1/execute", json=body)
+    assert response.status_code == 400, response.text
+    assert field in response.text
