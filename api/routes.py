@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from api.artifacts import download_artifact
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -540,6 +541,7 @@ routes = [
     Route("/v1/jobs/{job_id}/kill", kill_job, methods=["POST"]),
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
     Route("/v1/jobs/{job_id}/output", job_output, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/artifacts/{index}", download_artifact, methods=["GET"]),
     Route("/v1/languages", languages, methods=["GET"]),
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),

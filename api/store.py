@@ -364,6 +364,14 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobStore:
+    async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:
+        """An artifact's metadata (JSON) and bytes, or None once gone."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.artifacts_key(job_id), str(index))
+            pipe.get(keys.artifact_data_key(job_id, index))
+            meta, data = await pipe.execute()
+        return None if meta is None or data is None else (meta, data)
+
     def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None) -> None:
         self._redis = redis
         self._streams = streams or redis

@@ -13,6 +13,8 @@ __all__ = [
     "CHANNEL_PREFIX",
     "QUEUE",
     "WORKERS",
+    "artifact_data_key",
+    "artifacts_key",
     "callback_key",
     "ctrl_channel",
     "events_key",
@@ -60,6 +62,16 @@ def events_key(job_id: str) -> str:
 def callback_key(job_id: str) -> str:
     """Hash: the job's callback (url, collect) and its delivery state (state, attempts, ...)."""
     return f"job:{job_id}:callback"
+
+
+def artifacts_key(job_id: str) -> str:
+    """Hash: artifact number -> its metadata (JSON); kept as long as the job's result."""
+    return f"job:{job_id}:artifacts"
+
+
+def artifact_data_key(job_id: str, index: int) -> str:
+    """The exact bytes of one artifact."""
+    return f"job:{job_id}:artifact:{index}"
 
 
 def output_key(job_id: str) -> str:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
 from redis.exceptions import RedisError
 
 from shared import keys
+from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
 from shared.errors import ValidationError
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
 from shared.manifest import Manifest, expand_argv
@@ -41,6 +43,7 @@ from shared.messages import (
     result_without_run,
 )
 from shared.validation import decode_files
+from worker.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.batch import facts_only, run_batch
 from worker.context import WorkerContext
 from worker.events import JobEvents
@@ -116,6 +119,8 @@ class JobRun:
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
         self._batch_cases: list[CaseOutput] | None = None
+        self._artifacts: list[ArtifactMeta] = []
+        self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
 
@@ -215,7 +220,9 @@ class JobRun:
             if self.spec.tests:
                 await self._run_batch(sub.ctrl, plan, compiled)
                 return
+            before = await off_loop(top_level_names, str(self.sandbox.workspace.path))
             facts = await self._run(sub.ctrl, sub.stdin, plan.run)
+            await self._keep_artifacts(before)
             # Every process is dead already (killed, counters read); removing the cgroups and
             # the workspace happens right after the result, off the user's critical path.
             await self._finish_run(facts, compiled)
@@ -530,6 +537,41 @@ class JobRun:
         facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
         return facts
 
+    async def _keep_artifacts(self, before: set[bytes]) -> None:
+        """Store the files the program left and announce each (before the result)."""
+        assert self.sandbox is not None
+        limits, settings = self.spec.limits, self.ctx.settings
+        try:
+            collected = await off_loop(
+                collect_artifacts, str(self.sandbox.workspace.path), before, limits.max_artifacts, limits.max_artifact_bytes
+            )
+        except OSError as exc:
+            log.warning("job %s: could not read its artifacts: %s", self.job_id, exc)
+            return
+        self._artifacts_truncated = collected.truncated
+        if not collected.files:
+            return
+        expires = int(time.time()) + settings.run_result_ttl_s
+        store = RedisArtifactStore(self.ctx.queue.redis)
+        kept: list[ArtifactMeta] = []
+        try:
+            for index, (name, data) in enumerate(collected.files):
+                meta = ArtifactMeta(
+                    name=name,
+                    mime_type=guess_mime_type(name, data[:16]),
+                    bytes=len(data),
+                    url=sign_artifact(settings.pusher_secret, self.job_id, index, expires),
+                )
+                await store.put(self.job_id, index, _encoder.encode(meta), data, settings.run_result_ttl_s + 60)
+                kept.append(meta)
+        except RedisError as exc:
+            log.warning("job %s: storing its artifacts failed: %s", self.job_id, exc)
+            self._artifacts_truncated = True
+        self._artifacts = kept
+        await self.events.emit(
+            [("artifact", lambda seq, m=meta: ArtifactEvent(**msgspec.structs.asdict(m), seq=seq)) for meta in kept]
+        )
+
     async def _run_batch(self, ctrl: asyncio.Queue[CtrlMessage], plan: Plan, compiled: CompileInfo | None) -> None:
         """A test batch: every case in a fresh sandbox with what the compile left, judged."""
         first, self.sandbox = self.sandbox, None  # the batch gives every sandbox back itself
@@ -640,7 +682,9 @@ class JobRun:
                     output_json,
                     output,
                     owner=self.spec.owner,
-                    kept_bytes=self.events.stored_chunk_bytes + (sum(map(len, output)) if output_json else 0),
+                    kept_bytes=self.events.stored_chunk_bytes
+                    + (sum(map(len, output)) if output_json else 0)
+                    + sum(meta.bytes for meta in self._artifacts),
                 )
                 # Told twice to stop, the worker gives each write a moment, not minutes.
                 written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
@@ -678,8 +722,8 @@ class JobRun:
             **shared,
             stdout_encoding=output_encoding(bytes(self.budget.data["stdout"])),
             stderr_encoding=output_encoding(bytes(self.budget.data["stderr"])),
-            artifacts=[],
-            artifacts_truncated=False,
+            artifacts=[msgspec.to_builtins(meta) for meta in self._artifacts],
+            artifacts_truncated=self._artifacts_truncated,
             tests=self._batch_cases,
         )
 

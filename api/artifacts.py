@@ -1,0 +1,67 @@
+"""`GET /v1/jobs/:id/artifacts/:n?expires=&sig=`: an artifact's exact bytes, no bearer needed.
+
+The link's signature and expiry are the only credential (shared/artifacts.py), checked
+before Redis is asked anything; a wrong, expired or unknown link is one uniform 404. The
+answer is always an attachment with `nosniff` and a sandboxing CSP, so an HTML or SVG
+file a program wrote can never run as a page of the API's origin; the file name goes into
+Content-Disposition only percent-encoded (RFC 6266 `filename*`), with a plain-ASCII
+fallback, whatever characters it holds.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.parse
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shared.artifacts import ArtifactMeta, verify_artifact
+from shared.keys import is_job_id
+
+__all__ = ["download_artifact"]
+
+_INDEX = re.compile(r"[0-9]{1,6}")
+_FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class _Missing(Exception):
+    pass
+
+
+def _disposition(name: str) -> str:
+    fallback = _FALLBACK.sub("_", name)[:100] or "artifact"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{urllib.parse.quote(name.encode('utf-8', 'replace'), safe='')}"
+
+
+async def download_artifact(request: Request) -> Response:
+    state = request.app.state.coderunner
+    job_id = request.path_params["job_id"]
+    raw_index = request.path_params["index"]
+    expires = request.query_params.get("expires", "")
+    sig = request.query_params.get("sig", "")
+    missing = Response(
+        b'{"error":"No such artifact (unknown, expired, or the link is not valid)"}', 404, media_type="application/json"
+    )
+    if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index):
+        return missing
+    index = int(raw_index)
+    if not verify_artifact(state.settings.pusher_secret, job_id, index, expires, sig, int(time.time())):
+        return missing
+    found = await state.store.artifact(job_id, index)
+    if found is None:
+        return missing
+    meta = msgspec.json.decode(found[0], type=ArtifactMeta)
+    data = found[1]
+    return Response(
+        data,
+        media_type=meta.mime_type,
+        headers={
+            "Content-Disposition": _disposition(meta.name),
+            "X-Content-Type-Options": "nosniff",
+            "Content-Security-Policy": "sandbox; default-src 'none'",
+            "Cache-Control": "private, max-age=60",
+        },
+    )

@@ -1,0 +1,157 @@
+"""Artifacts: files a program leaves at the top of its workspace, announced and downloadable
+through signed, expiring links; nothing that is not a regular file is ever read."""
+
+from __future__ import annotations
+
+import os
+import stat
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.artifacts import _disposition
+from shared.artifacts import guess_mime_type, sign_artifact, verify_artifact
+from tests.helpers import Api, Realtime, py_job
+from worker.artifacts import collect_artifacts, top_level_names
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+JOB = "a" * 32
+
+# ---------------------------------------------------------------- the collector, on the host
+
+
+def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
+    (tmp_path / "main.py").write_text("input")
+    before = top_level_names(str(tmp_path))
+    (tmp_path / "plot.png").write_bytes(PNG)
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "shadow").symlink_to("/etc/shadow")
+    os.mkfifo(tmp_path / "pipe")
+    os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, no pages: must not be read
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "bad\x01name\x1b[31m.txt").write_bytes(b"odd")
+    (tmp_path / "caf\xe9".encode("latin-1").decode("utf-8", "surrogateescape")).write_bytes(b"latin")
+    got = collect_artifacts(str(tmp_path), before, max_count=10, max_bytes=4 << 20)
+    names = {name: data for name, data in got.files}
+    assert names == {
+        "plot.png": PNG,
+        "data.csv": b"a,b\n1,2\n",
+        "bad\x01name\x1b[31m.txt": b"odd",
+        "caf\ufffd": b"latin",
+    }
+    assert got.truncated  # the sparse file was over the cap
+
+
+def test_the_collector_keeps_to_its_count(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"f{i}").write_text(str(i))
+    got = collect_artifacts(str(tmp_path), set(), max_count=3, max_bytes=100)
+    assert [name for name, _ in got.files] == ["f0", "f1", "f2"] and got.truncated
+    assert collect_artifacts(str(tmp_path), set(), max_count=0, max_bytes=100).files == []
+
+
+def test_links_are_signed_per_job_and_artifact_and_expire() -> None:
+    url = sign_artifact("secret", JOB, 2, 2_000_000_000)
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+    assert url.startswith(f"/v1/jobs/{JOB}/artifacts/2?")
+    assert verify_artifact("secret", JOB, 2, query["expires"], query["sig"], 1_000)
+    assert not verify_artifact("secret", JOB, 3, query["expires"], query["sig"], 1_000)
+    assert not verify_artifact("secret", "b" * 32, 2, query["expires"], query["sig"], 1_000)
+    assert not verify_artifact("other", JOB, 2, query["expires"], query["sig"], 1_000)
+    assert not verify_artifact("secret", JOB, 2, query["expires"], query["sig"], 2_000_000_001)
+    assert not verify_artifact("secret", JOB, 2, "2000000001", query["sig"], 1_000)
+
+
+def test_mime_types_and_safe_file_names() -> None:
+    assert guess_mime_type("x.bin", PNG) == "image/png"
+    assert guess_mime_type("data.CSV", b"a,b") == "text/csv"
+    assert guess_mime_type("noext", b"??") == "application/octet-stream"
+    header = _disposition('a"b\r\nX-Evil: 1\x01.txt')
+    assert "\r" not in header and "\n" not in header and '"b' not in header.split(";")[1]
+
+
+# ---------------------------------------------------------------- end to end
+
+WRITER = r"""
+import os
+open("plot.png", "wb").write(bytes.fromhex(PNG_HEX))
+open("data.csv", "w").write("x,y\n1,2\n")
+os.symlink("/etc/passwd", "passwd")
+os.mkfifo("pipe")
+with open("sparse", "wb") as f:
+    f.truncate(12 * 1024 * 1024)
+open("bad\x01name.txt", "w").write("odd")
+print("done")
+"""
+
+
+def _run(api: Api, rt: Realtime, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    job = api.execute({**body, "collectOutput": True})
+    followed = rt.follow(job)
+    api.start(job)
+    result = followed.wait_result(timeout_s=30)
+    announced = sorted((p for n, p in followed.events if n == "artifact"), key=lambda p: p["seq"])
+    out = api.get(f"/v1/jobs/{job['jobId']}/output").json()
+    return result, announced, out
+
+
+@pytest.mark.slow
+def test_a_program_leaves_a_png_and_a_csv(api: Api, realtime: Realtime) -> None:
+    code = WRITER.replace("PNG_HEX", repr(PNG.hex()))
+    result, announced, out = _run(api, realtime, py_job(code))
+    assert result["outcome"] == "completed", out
+    assert [a["name"] for a in announced] == ["bad\x01name.txt", "data.csv", "plot.png"]
+    assert all(a["seq"] < result["seq"] for a in announced)
+    assert [a["name"] for a in out["artifacts"]] == [a["name"] for a in announced]
+    assert out["artifactsTruncated"] is True  # the sparse file was over maxArtifactBytes
+    expected = {
+        "plot.png": (PNG, "image/png"),
+        "data.csv": (b"x,y\n1,2\n", "text/csv"),
+        "bad\x01name.txt": (b"odd", "text/plain"),
+    }
+    anonymous = api.client.__class__(base_url=str(api.client.base_url))  # no bearer at all
+    try:
+        for artifact in announced:
+            data, mime = expected[artifact["name"]]
+            assert (artifact["bytes"], artifact["mimeType"]) == (len(data), mime)
+            response = anonymous.get(artifact["url"])
+            assert response.status_code == 200, response.text
+            assert response.content == data
+            assert response.headers["content-type"].startswith(mime)
+            assert response.headers["x-content-type-options"] == "nosniff"
+            assert response.headers["content-disposition"].startswith("attachment;")
+        # A link changed in any way is a 404, as is one of another artifact.
+        url = announced[0]["url"]
+        assert anonymous.get(url[:-1] + ("0" if url[-1] != "0" else "1")).status_code == 404
+        assert anonymous.get(url.replace("/artifacts/0?", "/artifacts/1?")).status_code == 404
+        assert anonymous.get(url.split("?")[0]).status_code == 404
+    finally:
+        anonymous.close()
+
+
+@pytest.mark.slow
+def test_inputs_and_the_compiled_program_are_not_artifacts(api: Api, realtime: Realtime) -> None:
+    body = {
+        "language": "c",
+        "files": [
+            {
+                "name": "main.c",
+                "content": '#include <stdio.h>\nint main(){FILE*f=fopen("out.txt","w");fputs("hi",f);fclose(f);}',
+            },
+            {"name": "notes.txt", "content": "an input"},
+        ],
+    }
+    result, announced, out = _run(api, realtime, body)
+    assert result["outcome"] == "completed", out
+    assert [a["name"] for a in announced] == ["out.txt"]
+    assert out["artifactsTruncated"] is False
+
+
+@pytest.mark.slow
+def test_max_artifacts_zero_collects_nothing(api: Api, realtime: Realtime) -> None:
+    result, announced, out = _run(api, realtime, py_job("open('x.txt','w').write('x')", limits={"maxArtifacts": 0}))
+    assert result["outcome"] == "completed" and announced == [] and out["artifacts"] == []

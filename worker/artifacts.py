@@ -1,0 +1,98 @@
+"""Artifacts: the files a program leaves at the top of its workspace, collected and stored.
+
+Collecting runs after every process of the job is dead, on an isolation thread, over a
+tree the program wrote, so it trusts nothing in it: each entry is opened relative to the
+workspace's own descriptor with O_NOFOLLOW (a symbolic link to a host file fails to
+open) and O_NONBLOCK (a FIFO opens without waiting for a writer), and only a regular file
+is read, and only if fstat says it fits `maxArtifactBytes` (a sparse 1 GiB file is
+skipped, not read). Names are kept as text (bytes that are not UTF-8 become U+FFFD); the
+files themselves are addressed by number everywhere.
+
+Storage sits behind `ArtifactStore` so another backend (S3-compatible storage, say) can
+replace Redis without touching the job's lifecycle.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Protocol
+
+from redis.asyncio import Redis
+
+from shared import keys
+
+__all__ = ["ArtifactStore", "Collected", "RedisArtifactStore", "collect_artifacts", "top_level_names"]
+
+
+@dataclass(frozen=True)
+class Collected:
+    files: list[tuple[str, bytes]]
+    # A cap (count or size) left something out.
+    truncated: bool
+
+
+def top_level_names(path: str) -> set[bytes]:
+    """What the workspace holds before the run (inputs, compiled program): not artifacts."""
+    return set(os.listdir(os.fsencode(path)))
+
+
+def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: int) -> Collected:
+    """New regular files at the top of the workspace, at most `max_count`, each at most
+    `max_bytes` (isolation threads only)."""
+    if max_count <= 0:
+        return Collected([], False)
+    files: list[tuple[str, bytes]] = []
+    truncated = False
+    root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in sorted({os.fsencode(entry) for entry in os.listdir(root)} - before):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root)
+            except OSError:
+                continue  # a symbolic link, or gone
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    continue  # FIFO, socket, device, directory: never read
+                if info.st_size > max_bytes or len(files) >= max_count:
+                    truncated = True
+                    continue
+                data = _read_at_most(fd, info.st_size)
+            finally:
+                os.close(fd)
+            files.append((name.decode("utf-8", "replace"), data))
+    finally:
+        os.close(root)
+    return Collected(files, truncated)
+
+
+def _read_at_most(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class ArtifactStore(Protocol):
+    async def put(self, job_id: str, index: int, meta_json: bytes, data: bytes, ttl_s: int) -> None:
+        """Keep artifact `index` of `job_id` (its metadata and bytes) for `ttl_s` seconds."""
+
+
+class RedisArtifactStore:
+    """Artifacts in Redis beside the job's result: metadata in one hash, bytes in a key each."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    async def put(self, job_id: str, index: int, meta_json: bytes, data: bytes, ttl_s: int) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.artifact_data_key(job_id, index), data, ex=ttl_s)
+            pipe.hset(keys.artifacts_key(job_id), str(index), meta_json)
+            pipe.expire(keys.artifacts_key(job_id), ttl_s)
+            await pipe.execute()
