@@ -31,6 +31,7 @@ test-fast: test-deps
 # passes it options (`make bench HOTPATH_ARGS="--reps 1"`). See bench/README.md.
 bench: test-deps
 	@$(PY) bench/hotpath.py $(HOTPATH_ARGS)
+	@$(PY) bench/grading.py
 	@$(PY) bench/parked.py
 	@$(PY) bench/interactive.py
 	@$(PY) bench/ide_browser.py
