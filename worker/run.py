@@ -119,6 +119,7 @@ class JobRun:
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
         self._batch_cases: list[CaseOutput] | None = None
+        self._running_stage: asyncio.Task[None] | None = None
         self._artifacts: list[ArtifactMeta] = []
         self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
@@ -193,6 +194,10 @@ class JobRun:
                 if signal != "start":
                     await self._end_unstarted(signal, "killed before it ran")
                     return
+                if plan.compile is None and not self.spec.tests:
+                    # Nothing comes between here and the run: log the running stage (a Redis
+                    # round trip) while the files and limits go in, not after.
+                    self._running_stage = asyncio.create_task(self._mark_running())
                 try:
                     await self._load(plan)
                 except (JailError, WorkspaceError, OSError) as exc:
@@ -245,6 +250,7 @@ class JobRun:
             try:
                 if precompile is not None and precompile.sandbox is not None:
                     await asyncio.shield(precompile.discard())
+                await self._discard(self._running_stage)
                 await self._discard(kill_watch)
                 if not self._destroyed:
                     await asyncio.shield(self._destroy())
@@ -487,10 +493,17 @@ class JobRun:
 
     # ------------------------------------------------------------------ run
 
-    async def _run(self, inbox: asyncio.Queue[CtrlMessage], stdin: asyncio.Queue[StdinFrame], program: Program) -> StepFacts:
-        jail, limits = self.sandbox.jail, self.spec.limits
+    async def _mark_running(self) -> None:
+        """The running stage, and the record's `started` (never re-run from here on)."""
         self._program_started = True  # from here on, never hand it back (it may have run)
         await self.events.stage("running", state=JobState.RUNNING, started=True)
+
+    async def _run(self, inbox: asyncio.Queue[CtrlMessage], stdin: asyncio.Queue[StdinFrame], program: Program) -> StepFacts:
+        jail, limits = self.sandbox.jail, self.spec.limits
+        if self._running_stage is not None:
+            await self._running_stage  # started while the sandbox was loaded
+        else:
+            await self._mark_running()
         feed = StdinFeed(
             self.ctx.queue,
             self.job_id,
