@@ -139,3 +139,23 @@ def test_a_started_job_recalls_a_borrowed_sandbox(clients: tuple[Api, Realtime])
     assert phases(parked_follow) == ["queued", "compiling", "running"]
     assert took_ms > result["compile"]["durationMs"], "it was compiled before start, yet its sandbox was recalled"
     assert long_follow.wait_result()["outcome"] == "completed"
+
+
+def test_a_compile_still_running_at_start_streams_live_and_can_be_killed(clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    # Enough functions to keep gcc -O2 busy for several seconds.
+    source = "".join(f"int f{i}(int x) {{ return x * {i} + (x >> 3) ^ {i}; }}\n" for i in range(60000))
+    source += "int main(void) { return f1(2) == 0; }\n"
+    job = api.execute({"language": "c", "files": [{"name": "main.c", "content": source}]})
+    followed = rt.follow(job)
+    time.sleep(1.0)  # the compile is under way, parked
+    assert api.start(job).status_code in (200, 202)
+    deadline = time.monotonic() + 3
+    while "compiling" not in phases(followed):
+        assert time.monotonic() < deadline, f"the compile stage did not go out at start: {followed.summary()}"
+        time.sleep(0.02)
+    assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+    result = followed.wait_result(timeout_s=20)
+    assert result["outcome"] == "killed" and result["killedBy"] == "user" and result["compile"] is not None
+    assert phases(followed) == ["queued", "compiling"]
+    names_in_order(followed)

@@ -4,13 +4,14 @@ An IDE user of C or Java otherwise waits for the compiler after pressing Run. Wh
 job is parked (claimed, no start yet), it may borrow a plain sandbox nobody else needs
 (the pool lends only when no started job waits and one slot stays free for started
 jobs), write its files and compile there. Its events are recorded, not logged: at start
-they are logged and published in order (the compile stage, its output), and the run
+they are logged and published in order (the compile stage, its output), and a compile
+still under way streams live from then on and can be killed like any compile. The run
 follows in the same sandbox, so nothing a client sees changes except the wait. A failed
 compile gives its sandbox back at once and keeps its verdict for the start.
 
-A started job that finds no sandbox ready recalls the oldest borrower: its compile is
-stopped, its sandbox destroyed (the slot rebuilds), and the job compiles after its start
-like any other. A kill, an expiry or a hand-back discards the borrowed sandbox too.
+A parked job whose sandbox a started job needs (none ready) is recalled: its compile is
+stopped, its sandbox destroyed (the slot rebuilds), and it compiles after its start like
+any other. A kill, an expiry or a hand-back while parked discards the borrowed sandbox.
 """
 
 from __future__ import annotations
@@ -33,26 +34,44 @@ log = logging.getLogger(__name__)
 
 
 class RecordedEvents:
-    """Stands in for JobEvents while parked: keeps a compile's events, in order, for start."""
+    """Stands in for JobEvents while parked: keeps a compile's events, in order, for start.
+
+    At start, `forward_to` logs what was recorded and sends everything after it straight on,
+    so a compile still under way streams live from then on.
+    """
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self._calls: list[tuple[str, object]] = []
+        self._target = None
+        self._lock = asyncio.Lock()
 
     async def stage(self, phase: str) -> None:
-        self._calls.append(("stage", phase))
+        async with self._lock:
+            if self._target is not None:
+                await self._target.stage(phase)
+            else:
+                self._calls.append(("stage", phase))
 
     async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
-        if runs:
-            self._calls.append(("chunks", list(runs)))
-
-    async def replay(self, events) -> None:  # type: ignore[no-untyped-def]
-        """Log (and, once live, publish) what was recorded, in order."""
-        for kind, arg in self._calls:
-            if kind == "stage":
-                await events.stage(arg)
+        if not runs:
+            return
+        async with self._lock:
+            if self._target is not None:
+                await self._target.chunk_runs(runs)
             else:
-                await events.chunk_runs(arg)
+                self._calls.append(("chunks", list(runs)))
+
+    async def forward_to(self, events) -> None:  # type: ignore[no-untyped-def]
+        """Log (and, once live, publish) what was recorded, in order; then pass all on."""
+        async with self._lock:
+            calls, self._calls = self._calls, []
+            for kind, arg in calls:
+                if kind == "stage":
+                    await events.stage(arg)
+                else:
+                    await events.chunk_runs(arg)
+            self._target = events
 
 
 class PrecompileState(enum.Enum):
@@ -77,6 +96,8 @@ class Precompile:
         self.state = PrecompileState.WAITING
         self.sandbox: Sandbox | None = None
         self.facts: tuple[StepFacts, CompileInfo] | None = None
+        # The compile's own control queue: a kill after start reaches it here.
+        self._inbox: asyncio.Queue[CtrlMessage] = asyncio.Queue()
         self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
 
     def _recall(self) -> None:
@@ -92,7 +113,7 @@ class Precompile:
             self.sandbox = await self._pool.borrow(self._recall)
             self.state = PrecompileState.COMPILING
             await self._load(self.sandbox)
-            facts = await self._compile(asyncio.Queue(), self.sandbox, self.events)
+            facts = await self._compile(self._inbox, self.sandbox, self.events)
         except asyncio.CancelledError:
             self.state = PrecompileState.GONE
             self._release()
@@ -115,25 +136,29 @@ class Precompile:
             sandbox, self.sandbox = self.sandbox, None
             self._pool.give_back(sandbox)
 
-    async def settle(self, ctrl: asyncio.Queue[CtrlMessage]) -> str:
-        """At start: wait for a compile under way. Returns "kill" if a kill came first, else
-        the final state's value ("compiled", "failed" or "gone")."""
-        if self.state is PrecompileState.WAITING:
-            await self.discard()  # never got a sandbox: compile after start as usual
+    async def settle(self, ctrl: asyncio.Queue[CtrlMessage], events) -> str:  # type: ignore[no-untyped-def]
+        """At start: the compile's events go to `events` (live from now on) and a compile
+        under way is waited for, a kill reaching it as it would after start. Returns the
+        final state's value: "compiled", "failed" (a kill included) or "gone"."""
+        if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
+            # Never got a sandbox, or gave it back: compile after start as usual (what a
+            # recalled compile recorded is dropped with it).
+            await self.discard()
             return "gone"
+        if self.sandbox is not None:
+            self._pool.keep(self.sandbox)  # the job has started: no recall from here on
+        await self.events.forward_to(events)
         while not self._task.done():
             message = asyncio.ensure_future(ctrl.get())
             done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
             if message in done:
                 if message.result().type == "kill":
-                    await self.discard()
-                    return "kill"
-                continue  # a repeated start: nothing to do
+                    self._inbox.put_nowait(message.result())
+                continue
             message.cancel()
             if message.done() and not message.cancelled():
                 ctrl.put_nowait(message.result())  # keep a kill for the run to see
         if self.state is PrecompileState.COMPILED and self.sandbox is not None:
-            self._pool.keep(self.sandbox)
             return "compiled"
         return "failed" if self.state is PrecompileState.FAILED else "gone"
 

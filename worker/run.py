@@ -185,10 +185,7 @@ class JobRun:
             await self.events.state(JobState.STARTING)
             await self.events.go_live()
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
-            early = await precompile.settle(sub.ctrl) if precompile is not None else "gone"
-            if early == "kill":
-                await self._end_unstarted("kill", "killed while compiling")
-                return
+            early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
             if early == "gone":
                 signal = await self._acquire_sandbox(sub.ctrl, plan.run)
                 if signal != "start":
@@ -208,10 +205,9 @@ class JobRun:
             compiled: CompileInfo | None = None
             if plan.compile is not None:
                 if precompile is not None and early in ("compiled", "failed"):
-                    # Compiled while parked: its events go out now, in order, as if just made.
+                    # Compiled while parked (its events went out at start, in order).
                     if early == "compiled":
                         self.sandbox = precompile.take()
-                    await precompile.events.replay(self.events)
                     assert precompile.facts is not None
                     facts, self._compile_streams = precompile.facts
                 else:

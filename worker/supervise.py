@@ -30,6 +30,8 @@ READ_SIZE = 65536
 # After a read smaller than this, wait this long before reading again (see _pump).
 COALESCE_BELOW = 8192
 COALESCE_S = 0.002
+# How long a read that ends mid-line waits for the rest of the line.
+PARTIAL_LINE_S = 0.003
 EXIT_GRACE_S = 5.0
 CHILD_EXIT_S = 2.0
 
@@ -70,8 +72,21 @@ async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: 
         data = await reader.read(READ_SIZE)
         if not data:
             return
+        ended = False
+        if len(data) < COALESCE_BELOW and not data.endswith(b"\n"):
+            # Part of a line: its rest is usually a write away (print under -u writes the
+            # text and the "\n" apart); waiting a moment for it keeps a line in one event.
+            try:
+                more = await asyncio.wait_for(reader.read(READ_SIZE - len(data)), PARTIAL_LINE_S)
+            except TimeoutError:
+                more = None
+            if more is not None:
+                data += more
+                ended = not more
         activity.touch()
         await on_data(data)
+        if ended:
+            return
         if len(data) < COALESCE_BELOW:
             # A program writing line by line would wake the worker once per line; a moment's
             # pause lets the pipe gather its next lines into one read and one event.
