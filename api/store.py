@@ -44,7 +44,8 @@ _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=t
 # callback record, and (only with an Idempotency-Key) the key's record. ARGV: max depth, spec
 # json, now ms, ttl s, job id, language, version, owner, max unstarted jobs per owner, index
 # ttl s, index cutoff ms (older entries are certainly expired), the Idempotency-Key, sha256 of
-# the request body, the callback URL ('' for none), '1' when the callback carries the output.
+# the request body, the callback URL ('' for none), '1' when the callback carries the output,
+# '1' for a test batch (its stdin is per case: the job's own is closed from the start).
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
 # {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
 # A job id is new for every request, so a record that exists already (or a key record naming
@@ -89,6 +90,10 @@ if ARGV[14] ~= '' then
   redis.call('HSET', KEYS[6], 'url', ARGV[14], 'collect', ARGV[15], 'state', 'pending', 'attempts', 0,
              'createdAtMs', ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[4])
+end
+if ARGV[16] == '1' then
+  -- A test batch: each case gets its own stdin; there is none to send to the job.
+  redis.call('HSET', KEYS[3], 'stdinClosed', '1')
 end
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[5])
@@ -424,6 +429,7 @@ class JobStore:
             body_sha256,
             spec.callback_url or "",
             "1" if spec.collect_output else "",
+            "1" if spec.tests else "",
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 

@@ -126,6 +126,13 @@ def test_a_c_batch_compiles_once_and_judges_every_case_in_a_fresh_jail(api: Api,
     assert "dirty" not in "".join(case["stdout"] for case in out["tests"])
 
 
+def test_a_batch_has_no_stdin_to_send_to(api: Api) -> None:
+    job = api.execute(c_batch([{"stdin": "1 1\n"}]))
+    response = api.post(f"/v1/jobs/{job['jobId']}/stdin", json={"chunk": "more\n"})
+    assert response.status_code == 409, response.text
+    assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+
+
 @pytest.mark.slow
 def test_stop_on_first_failure_skips_the_rest(api: Api, realtime: Realtime) -> None:
     tests = [
