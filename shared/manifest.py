@@ -77,7 +77,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # A shim in sandbox-profiles/prestart/ that lets a warm jail hold this language's
     # runtime already started (the interpreter part of `run`, before {entry}, plus the shim)
     # until the job's start; see prestart_argv_for.
-    prestart: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_-]{1,32}\.[a-z]{1,4}$")] | None = None
+    prestart: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}\.[a-z]{1,4}$")] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -142,8 +142,6 @@ def parse_manifest(text: str, origin: str) -> Manifest:
     except msgspec.ValidationError as exc:
         raise ManifestError(f"{origin}: {exc}") from None
     _check_templates(manifest, origin)
-    if manifest.prestart is not None and manifest.compiled:
-        raise ManifestError(f"{origin}: prestart is for interpreted languages (this one has a compile step)")
     if "/" in manifest.source_file or manifest.source_file.startswith("."):
         raise ManifestError(f"{origin}: source_file must be a plain file name")
     try:

@@ -182,9 +182,9 @@ class HostWatch:
     def waiting_runtimes(self, gates: set[int]) -> dict[int, int]:
         """Prestarted runtimes still waiting for their job: pid -> its gate.
 
-        One counts only if it is a parked gate's child, runs a prestart shim, and is blocked
-        reading its stdin (syscall 0, read, on descriptor 0): a runtime that has taken a job
-        is running that job's code and is not waiting.
+        One counts only if it is a parked gate's child, runs a prestart shim, and one of its
+        threads is blocked reading its stdin (syscall 0, read, on descriptor 0): a runtime
+        that has taken a job is running that job's code and is not waiting.
         """
         found = {}
         for entry in Path("/proc").iterdir():
@@ -196,7 +196,12 @@ class HostWatch:
             argv = _read_vanishing(entry / "cmdline").split("\0")
             if not any(arg.startswith("/.coderunner/prestart/") for arg in argv):
                 continue
-            if _read_vanishing(entry / "syscall").split()[:2] == ["0", "0x0"]:
+            # Any of its threads (the JVM reads on a thread of its own, not the process's first).
+            try:
+                threads = list((entry / "task").iterdir())
+            except OSError:
+                continue
+            if any(_read_vanishing(t / "syscall").split()[:2] == ["0", "0x0"] for t in threads):
                 found[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
         return found
 

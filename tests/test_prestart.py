@@ -182,6 +182,37 @@ def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
 
 
+JAVA_PROBE = r"""
+import java.nio.file.*;
+import java.util.*;
+public class Main {
+    public static void main(String[] args) throws Exception {
+        System.out.println("args " + Arrays.toString(args) + " thread " + Thread.currentThread().getName());
+        System.out.println("loader " + Main.class.getClassLoader().getName() + " cp " + System.getProperty("java.class.path"));
+        System.out.println("env " + new TreeMap<>(System.getenv()));
+        System.out.println("dir " + System.getProperty("user.dir") + " heap " + Runtime.getRuntime().maxMemory());
+        System.out.println("stdin " + new Scanner(System.in).nextLine());
+        System.out.println("cmdline " + new String(Files.readAllBytes(Path.of("/proc/self/cmdline"))).replace('\0', ' '));
+        helper();
+    }
+    static void helper() { throw new IllegalStateException("boom"); }
+}
+"""
+
+
+def test_java_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
+    warm, plain = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_PROBE}], "args": ["a b"], "stdin": "line\n"}
+    fast = until_prestarted(warm, body, tries=8)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    assert fast["stderr"] == slow["stderr"], (fast["stderr"], slow["stderr"])
+    assert fast["stderr"].startswith('Exception in thread "main" java.lang.IllegalStateException: boom\n\tat Main.helper')
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+    assert fast["cpuMs"] < slow["cpuMs"], (fast["cpuMs"], slow["cpuMs"])
+
+
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     probe = py_job("print(1)\nprint(open('/proc/self/cmdline', 'rb').read())\n")

@@ -1,7 +1,8 @@
 """Compile while parked: a compiled job borrows a spare warm sandbox before its start.
 
 An IDE user of C or Java otherwise waits for the compiler after pressing Run. While the
-job is parked (claimed, no start yet), it may borrow a plain sandbox nobody else needs
+job is parked (claimed, no start yet), it may borrow a sandbox nobody else needs (plain,
+or primed with a runtime its run can adopt, such as a waiting JVM)
 (the pool lends only when no started job waits and one slot stays free for started
 jobs), write its files and compile there. Its events are recorded, not logged: at start
 they are logged and published in order (the compile stage, its output), and a compile
@@ -22,6 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from shared.messages import CompileInfo, CtrlMessage
+from worker.isolation.jail import Program
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
 from worker.outcome import compile_succeeded
@@ -87,11 +89,15 @@ Compile = Callable[[asyncio.Queue[CtrlMessage], Sandbox, RecordedEvents], Awaita
 
 
 class Precompile:
-    def __init__(self, job_id: str, pool: SandboxPool, load: Load, compile_: Compile) -> None:
+    def __init__(
+        self, job_id: str, pool: SandboxPool, load: Load, compile_: Compile, program: Program, language: str
+    ) -> None:
         self.job_id = job_id
         self._pool = pool
         self._load = load
         self._compile = compile_
+        self._program = program
+        self._language = language
         self.events = RecordedEvents(job_id)
         self.state = PrecompileState.WAITING
         self.sandbox: Sandbox | None = None
@@ -110,7 +116,7 @@ class Precompile:
 
     async def _work(self) -> None:
         try:
-            self.sandbox = await self._pool.borrow(self._recall)
+            self.sandbox = await self._pool.borrow(self._recall, self._program, self._language)
             self.state = PrecompileState.COMPILING
             await self._load(self.sandbox)
             facts = await self._compile(self._inbox, self.sandbox, self.events)

@@ -171,6 +171,8 @@ class JobRun:
                     self.ctx.pool,
                     lambda sandbox: self._load(plan, sandbox),
                     lambda inbox, sandbox, events: self._compile(inbox, plan, sandbox, events),
+                    plan.run,
+                    self.spec.language,
                 )
             signal = await self._park(sub.ctrl)
             if signal != "start":

@@ -50,7 +50,7 @@ class SandboxPool:
         self._closed = False
         # Parked jobs waiting to borrow a spare sandbox, and the borrowers (oldest first) with
         # the callback that makes one give its sandbox up for a started job.
-        self._borrow_waiters: collections.deque[asyncio.Future[Sandbox]] = collections.deque()
+        self._borrow_waiters: collections.deque[tuple[asyncio.Future[Sandbox], Program | None]] = collections.deque()
         self._lent: dict[int, Callable[[], None]] = {}
         # Set whenever a sandbox becomes ready or a waiter is served (the claimer watches it).
         self.changed = asyncio.Event()
@@ -113,30 +113,36 @@ class SandboxPool:
                 waiter.set_result(sandbox)
                 self.changed.set()
                 return
-        if self._may_lend(sandbox):
-            while self._borrow_waiters:
-                waiter = self._borrow_waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(sandbox)
-                    return
+        for entry in list(self._borrow_waiters):
+            waiter, program = entry
+            if waiter.done():
+                self._borrow_waiters.remove(entry)
+            elif self._may_lend(sandbox, program):
+                self._borrow_waiters.remove(entry)
+                waiter.set_result(sandbox)
+                return
         self._ready.append(sandbox)
         self.changed.set()
 
     # ------------------------------------------------------------------ lending
 
-    def _may_lend(self, sandbox: Sandbox) -> bool:
-        """A parked job may borrow `sandbox`: it is plain, no started job waits, and at least
-        one slot stays for started jobs."""
-        return sandbox.prime is None and not self.waiting and len(self._lent) < self.slots - 1
+    def _may_lend(self, sandbox: Sandbox, program: Program | None) -> bool:
+        """A parked job may borrow `sandbox` for `program`: it is plain or its runtime adopts
+        the program, no started job waits, and at least one slot stays for started jobs."""
+        fits = sandbox.prime is None or (program is not None and sandbox.adopts(program))
+        return fits and not self.waiting and len(self._lent) < self.slots - 1
 
-    async def borrow(self, recall: Callable[[], None]) -> Sandbox:
+    async def borrow(self, recall: Callable[[], None], program: Program | None = None, language: str = "") -> Sandbox:
         """A spare plain sandbox for a parked job (compiling before its start); waits for one.
 
         Started jobs always come first: `recall` is called when a started job finds no
         sandbox ready, and the borrower must then give its sandbox up (destroy it; the slot
         rebuilds) and do its work after start instead.
         """
-        sandbox = next((s for s in self._ready if self._may_lend(s)), None)
+        sandbox = next(
+            (s for s in self._ready if program is not None and s.prime is not None and self._may_lend(s, program)), None
+        )
+        sandbox = sandbox or next((s for s in self._ready if self._may_lend(s, program)), None)
         if sandbox is not None:
             self._ready.remove(sandbox)
         else:
@@ -147,7 +153,7 @@ class SandboxPool:
                 self._ready.remove(spare)
                 self._spawn(self._replace(spare, plain=True), f"replace-{spare.name}")
             waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
-            self._borrow_waiters.append(waiter)
+            self._borrow_waiters.append((waiter, program))
             try:
                 sandbox = await waiter
             except asyncio.CancelledError:
@@ -155,6 +161,11 @@ class SandboxPool:
                     self._offer(waiter.result())
                 raise
         self._lent[sandbox.slot] = recall
+        if language:
+            prime = self._primes.get(language)
+            self._slot_prime[sandbox.slot] = (
+                prime if prime is not None and program is not None and prime.adopts(program) else None
+            )
         return sandbox
 
     def keep(self, sandbox: Sandbox) -> None:

@@ -362,8 +362,9 @@ class SandboxFactory:
         program = Program(
             argv=argv,
             # The shim drops these before the job's own environment goes in, so a job sees
-            # exactly what the gate would have given it.
-            env={**env, "CODERUNNER_PRESTART_ENV": ",".join(env)},
+            # exactly what the gate would have given it (a runtime that cannot change its
+            # environment, the JVM, gets only the language's, which is the job's).
+            env={**env, "CODERUNNER_PRESTART_ENV": ",".join(env)} if env else {},
             # The most any job may get, plus room for start-up: lowered to the job's own at load.
             **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + 10_000)),
         )
