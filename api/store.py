@@ -369,14 +369,6 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobStore:
-    async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:
-        """An artifact's metadata (JSON) and bytes, or None once gone."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hget(keys.artifacts_key(job_id), str(index))
-            pipe.get(keys.artifact_data_key(job_id, index))
-            meta, data = await pipe.execute()
-        return None if meta is None or data is None else (meta, data)
-
     def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None) -> None:
         self._redis = redis
         self._streams = streams or redis
@@ -526,6 +518,14 @@ class JobStore:
             kill_requested=kill == b"1",
             has_callback=callback == b"1",
         )
+
+    async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:
+        """An artifact's metadata (JSON) and bytes, or None once gone."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.artifacts_key(job_id), str(index))
+            pipe.get(keys.artifact_data_key(job_id, index))
+            meta, data = await pipe.execute()
+        return None if meta is None or data is None else (meta, data)
 
     async def callback(self, job_id: str) -> CallbackStatus | None:
         """The delivery state of the job's callback, or None (none, or its record expired)."""

@@ -12,6 +12,7 @@ in one `test_result` event; shared/grading.py turns its facts into a verdict.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,8 +75,6 @@ class _CaseOutput:
 
 
 def _text(data: bytes) -> tuple[str, str]:
-    import base64
-
     encoding = output_encoding(data)
     return (data.decode() if encoding == "utf8" else base64.b64encode(data).decode()), encoding
 
@@ -231,38 +230,15 @@ async def run_batch(
         log.error("job %s: test case %d failed in the worker: %r", spec.job_id, index, failure)
 
     broken = {index for index, _ in failures}
-    cases: list[CaseOutput] = []
-    for index, case in enumerate(tests):
-        result = results[index]
-        if result is None and index in broken:
-            result = CaseOutput(
-                index=index,
-                name=case.name,
-                outcome=Outcome.INTERNAL_ERROR,
-                verdict=TestVerdict.INTERNAL_ERROR.value,
-                exit_code=None,
-                signal=None,
-                duration_ms=0,
-                cpu_ms=0,
-                memory_kb=0,
-                stdout="",
-                stderr="",
-            )
-        if result is None:
-            result = CaseOutput(
-                index=index,
-                name=case.name,
-                outcome=Outcome.KILLED if killed else Outcome.COMPLETED,
-                verdict=TestVerdict.SKIPPED.value,
-                exit_code=None,
-                signal=None,
-                duration_ms=0,
-                cpu_ms=0,
-                memory_kb=0,
-                stdout="",
-                stderr="",
-            )
-        cases.append(result)
+    cases = [
+        results[index]
+        or (
+            _not_run(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
+            if index in broken
+            else _not_run(index, case, Outcome.KILLED if killed else Outcome.COMPLETED, TestVerdict.SKIPPED)
+        )
+        for index, case in enumerate(tests)
+    ]
     verdicts = [TestVerdict(c.verdict) for c in cases]
     summary = TestSummary(
         passed=sum(v is TestVerdict.ACCEPTED for v in verdicts),
@@ -277,6 +253,23 @@ async def run_batch(
         duration_ms=round((loop.time() - started) * 1000),
         cpu_ms=totals["cpu"],
         memory_kb=totals["memory"],
+    )
+
+
+def _not_run(index: int, case: TestCase, outcome: Outcome, verdict: TestVerdict) -> CaseOutput:
+    """A case with no facts of its own: skipped, or lost to a failure of the worker."""
+    return CaseOutput(
+        index=index,
+        name=case.name,
+        outcome=outcome,
+        verdict=verdict.value,
+        exit_code=None,
+        signal=None,
+        duration_ms=0,
+        cpu_ms=0,
+        memory_kb=0,
+        stdout="",
+        stderr="",
     )
 
 
