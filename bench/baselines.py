@@ -26,41 +26,52 @@ __all__ = ["Bare", "Piston", "piston_from_env"]
 class Piston:
     url: str
     version: str = "*"
+    language: str = "python"
 
     def client(self) -> httpx.Client:
         """One keep-alive client per caller thread (never one per request)."""
         return httpx.Client(base_url=self.url, timeout=60)
 
     def describe(self) -> str:
-        """The Python runtime Piston offers, or SystemExit when nothing answers at url."""
+        """The runtime Piston offers for `language`, or SystemExit when nothing answers at
+        url or it has none."""
         try:
             with self.client() as client:
                 runtimes = client.get("/api/v2/runtimes").raise_for_status().json()
         except (httpx.HTTPError, ValueError) as exc:
             raise SystemExit(f"PISTON_URL={self.url}: no Piston answers there ({exc})") from None
-        versions = [r.get("version", "?") for r in runtimes if r.get("language") == "python"]
+        versions = [
+            r.get("version", "?")
+            for r in runtimes
+            if r.get("language") == self.language or self.language in r.get("aliases", [])
+        ]
         if not versions:
-            raise SystemExit(f"PISTON_URL={self.url}: Piston has no python runtime installed")
-        return f"Piston at {self.url} (python {', '.join(versions)})"
+            raise SystemExit(f"PISTON_URL={self.url}: Piston has no {self.language} runtime installed")
+        return f"Piston at {self.url} ({self.language} {', '.join(versions)}; asking for {self.version!r})"
 
-    def run(self, client: httpx.Client, program: str, expect: str) -> None:
-        """POST /api/v2/execute and check the answer; the response is the result."""
+    def execute(self, client: httpx.Client, name: str, source: str, stdin: str = "") -> dict[str, Any]:
+        """POST /api/v2/execute; the answer (its `compile` and `run` parts) is the result."""
         body: dict[str, Any] = {
-            "language": "python",
+            "language": self.language,
             "version": self.version,
-            "files": [{"name": "main.py", "content": program}],
+            "files": [{"name": name, "content": source}],
+            "stdin": stdin,
         }
         response = client.post("/api/v2/execute", json=body)
         if response.status_code != 200:
-            raise RuntimeError(f"Piston answered {response.status_code}: {response.text[:200]}")
-        run = response.json().get("run") or {}
+            raise RuntimeError(f"Piston answered {response.status_code}: {response.text[:300]}")
+        return response.json()  # type: ignore[no-any-return]
+
+    def run(self, client: httpx.Client, program: str, expect: str) -> None:
+        """A Python program, its stdout checked."""
+        run = self.execute(client, "main.py", program).get("run") or {}
         if run.get("stdout") != expect or run.get("code") != 0:
             raise RuntimeError(f"Piston run misbehaved: {str(run)[:300]}")
 
 
-def piston_from_env() -> Piston | None:
+def piston_from_env(language: str = "python", version_env: str = "PISTON_PYTHON_VERSION") -> Piston | None:
     url = os.environ.get("PISTON_URL", "").strip().rstrip("/")
-    return Piston(url, os.environ.get("PISTON_PYTHON_VERSION", "*")) if url else None
+    return Piston(url, os.environ.get(version_env, "*"), language) if url else None
 
 
 class Bare:

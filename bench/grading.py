@@ -46,8 +46,8 @@ under the table and makes the script exit 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import queue
 import statistics
 import sys
@@ -63,6 +63,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
+from bench.baselines import Piston, piston_from_env
 from launcher.stack import Stack, StackError
 from tests.helpers import Api
 
@@ -234,46 +235,13 @@ def replay_batch(api: Api, job_id: str, cases: list[Case]) -> tuple[dict[str, in
 # ---------------------------------------------------------------- Piston
 
 
-@dataclass(frozen=True)
-class PistonC:
-    url: str
-    version: str = "*"
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60)
-
-    def describe(self) -> str:
-        """Piston's C runtime, or SystemExit when nothing answers at url or it has no C."""
-        try:
-            with self.client() as client:
-                runtimes = client.get("/api/v2/runtimes").raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise SystemExit(f"PISTON_URL={self.url}: no Piston answers there ({exc})") from None
-        versions = [r.get("version", "?") for r in runtimes if r.get("language") == "c" or "c" in r.get("aliases", [])]
-        if not versions:
-            raise SystemExit(f"PISTON_URL={self.url}: Piston has no C runtime installed")
-        return f"Piston at {self.url} (c {', '.join(versions)}; asking for {self.version!r})"
-
-    def run(self, client: httpx.Client, case: Case) -> None:
-        body = {
-            "language": "c",
-            "version": self.version,
-            "files": [{"name": "main.c", "content": PROGRAM}],
-            "stdin": case.stdin,
-        }
-        response = client.post("/api/v2/execute", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"Piston answered {response.status_code}: {response.text[:300]}")
-        answer = response.json()
-        compiled = answer.get("compile") or {}
-        run = answer.get("run") or {}
-        if compiled.get("code", 0) != 0 or run.get("code") != 0 or run.get("stdout") != case.expected:
-            raise RuntimeError(f"Piston ({case.name}) misbehaved: compile {str(compiled)[:200]}, run {str(run)[:300]}")
-
-
-def piston_from_env() -> PistonC | None:
-    url = os.environ.get("PISTON_URL", "").strip().rstrip("/")
-    return PistonC(url, os.environ.get("PISTON_C_VERSION", "*")) if url else None
+def piston_run(piston: Piston, client: httpx.Client, case: Case) -> None:
+    """One case on Piston: a compile and a run per request, the run's stdout checked."""
+    answer = piston.execute(client, "main.c", PROGRAM, case.stdin)
+    compiled = answer.get("compile") or {}
+    run = answer.get("run") or {}
+    if compiled.get("code", 0) != 0 or run.get("code") != 0 or run.get("stdout") != case.expected:
+        raise RuntimeError(f"Piston ({case.name}) misbehaved: compile {str(compiled)[:200]}, run {str(run)[:300]}")
 
 
 # ---------------------------------------------------------------- series
@@ -295,7 +263,7 @@ class Bench:
     cases: list[Case]
     batch_client: httpx.Client
     job_clients: list[httpx.Client]
-    piston: PistonC | None
+    piston: Piston | None
     piston_clients: list[httpx.Client]
     runs: dict[str, list[Run]] = field(default_factory=dict)
     background: list[float] = field(default_factory=list)
@@ -389,7 +357,7 @@ def series_jobs(b: Bench) -> Run:
 def series_piston(b: Bench) -> Run:
     piston = b.piston
     assert piston is not None
-    return measured(b, lambda: pooled(b.piston_clients, b.cases, piston.run), ours=False)
+    return measured(b, lambda: pooled(b.piston_clients, b.cases, functools.partial(piston_run, piston)), ours=False)
 
 
 SERIES: dict[str, tuple[str, Callable[[Bench], Run]]] = {
@@ -522,7 +490,7 @@ def warm_up(b: Bench) -> None:
         b.notes.append(f"warm-up jobs: {errors[0]}")
     if b.piston is not None:
         piston = b.piston
-        errors, _ = pooled(b.piston_clients, b.cases[: len(b.piston_clients)], piston.run)
+        errors, _ = pooled(b.piston_clients, b.cases[: len(b.piston_clients)], functools.partial(piston_run, piston))
         if errors:
             raise SystemExit(f"Piston fails the warm-up: {errors[0]}")
 
@@ -549,7 +517,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    piston = piston_from_env()
+    piston = piston_from_env("c", "PISTON_C_VERSION")
     baseline = piston.describe() if piston else "none (PISTON_URL not set: series (c) left out)"
     print(f"Piston: {baseline}", flush=True)
     stack = Stack(extra_env={"LOG_LEVEL": "WARNING"})
