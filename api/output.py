@@ -8,49 +8,16 @@ for control bytes is six times larger.
 
 from __future__ import annotations
 
-import base64
-import codecs
 from collections.abc import AsyncIterator
 
-import msgspec
-
 from api.store import JobStore
+from shared.runresult import run_result_pieces
 
 __all__ = ["stream_run_result"]
 
-# Read this much of a stored stream at a time (a multiple of 3, so base64 pieces join up).
-SLICE_BYTES = 3 * 87382  # ~256 KiB
 
-_encoder = msgspec.json.Encoder()
+def stream_run_result(store: JobStore, job_id: str, meta: bytes) -> AsyncIterator[bytes]:
+    async def read(stream: str, offset: int, size: int) -> bytes:
+        return await store.output_slice(job_id, stream, offset, size)
 
-
-async def _json_string(store: JobStore, job_id: str, stream: str, encoding: str) -> AsyncIterator[bytes]:
-    yield b'"'
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    offset = 0
-    while True:
-        piece = await store.output_slice(job_id, stream, offset, SLICE_BYTES)
-        offset += len(piece)
-        last = len(piece) < SLICE_BYTES
-        if encoding == "base64":
-            if piece:
-                yield base64.b64encode(piece)
-        else:
-            text = decoder.decode(piece, final=last)
-            if text:
-                yield _encoder.encode(text)[1:-1]
-        if last:
-            break
-    yield b'"'
-
-
-async def stream_run_result(store: JobStore, job_id: str, meta: bytes) -> AsyncIterator[bytes]:
-    fields = msgspec.json.decode(meta)
-    yield b'{"stdout":'
-    async for part in _json_string(store, job_id, "stdout", fields.get("stdoutEncoding", "utf8")):
-        yield part
-    yield b',"stderr":'
-    async for part in _json_string(store, job_id, "stderr", fields.get("stderrEncoding", "utf8")):
-        yield part
-    rest = meta.strip()[1:]
-    yield b"}" if rest.strip() == b"}" else b"," + rest
+    return run_result_pieces(read, meta)

@@ -13,8 +13,6 @@ than once, always with the same body.
 
 from __future__ import annotations
 
-import base64
-import codecs
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -24,6 +22,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.codec import decode_stored
 from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback
+from shared.runresult import run_result_pieces
 
 __all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
 
@@ -70,8 +69,6 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """
 
-# Read this much of a stored output stream at a time (a multiple of 3, so base64 pieces join up).
-SLICE_BYTES = 3 * 87382  # ~256 KiB
 
 _encoder = msgspec.json.Encoder()
 
@@ -107,35 +104,14 @@ class CallbackBody:
             yield self._whole
             return
         assert self._meta is not None
-        fields = msgspec.json.decode(self._meta)
-        yield b'{"jobId":' + _encoder.encode(self._job_id) + b',"stdout":'
-        async for part in self._json_string("stdout", fields.get("stdoutEncoding", "utf8")):
-            yield part
-        yield b',"stderr":'
-        async for part in self._json_string("stderr", fields.get("stderrEncoding", "utf8")):
-            yield part
-        rest = self._meta.strip()[1:]
-        yield b"}" if rest.strip() == b"}" else b"," + rest
+        redis, job_id = self._redis, self._job_id
 
-    async def _json_string(self, stream: str, encoding: str) -> AsyncIterator[bytes]:
-        key = keys.output_stream_key(self._job_id, stream)
-        yield b'"'
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        offset = 0
-        while True:
-            piece = bytes(await self._redis.getrange(key, offset, offset + SLICE_BYTES - 1))
-            offset += len(piece)
-            last = len(piece) < SLICE_BYTES
-            if encoding == "base64":
-                if piece:
-                    yield base64.b64encode(piece)
-            else:
-                text = decoder.decode(piece, final=last)
-                if text:
-                    yield _encoder.encode(text)[1:-1]
-            if last:
-                break
-        yield b'"'
+        async def read(stream: str, offset: int, size: int) -> bytes:
+            return bytes(await redis.getrange(keys.output_stream_key(job_id, stream), offset, offset + size - 1))
+
+        head = b'{"jobId":' + _encoder.encode(job_id) + b","
+        async for piece in run_result_pieces(read, self._meta, head):
+            yield piece
 
 
 class Deliveries:
