@@ -223,7 +223,13 @@ class JobRun:
             if self.spec.tests:
                 await self._run_batch(sub.ctrl, plan, compiled)
                 return
-            before = await off_loop(top_level_names, str(self.sandbox.workspace.path))
+            # What is in the workspace before the run is not an artifact: the submitted files,
+            # plus (only after a compile, which may add some) whatever the listing shows.
+            before = (
+                {name.split("/", 1)[0].encode() for name, _ in plan.files}
+                if plan.compile is None
+                else await off_loop(top_level_names, str(self.sandbox.workspace.path))
+            )
             facts = await self._run(sub.ctrl, sub.stdin, plan.run)
             await self._keep_artifacts(before)
             # Every process is dead already (killed, counters read); removing the cgroups and
