@@ -18,7 +18,6 @@ from api.catalog import Catalog, load_manifests
 from api.errors import exception_handlers
 from api.events import BLOCK_MS
 from api.playground import playground_routes
-from api.quota import RetainedOutput
 from api.realtime import RealtimePublisher
 from api.routes import routes
 from api.state import AppState
@@ -86,7 +85,6 @@ def create_app(settings: Settings) -> Starlette:
             catalog=Catalog(manifests, store),
             auth=Authenticator(settings),
             realtime=realtime,
-            retained=RetainedOutput(redis),
         )
         app.state.event_streams = StreamSlots(settings)
         try:

@@ -143,17 +143,6 @@ async def execute(request: Request) -> Response:
         if earlier is not None:
             return await _replayed(state, earlier, idempotency_key)
     req = decode_request(ExecuteRequest, body)
-    cap = state.settings.max_retained_output_mb * 1024 * 1024
-    kept, frees_in_ms = await state.retained.check(owner, now_ms())
-    if kept >= cap:
-        retry = max(1000, frees_in_ms)
-        raise ApiError(
-            429,
-            f"Your finished jobs keep {kept // (1024 * 1024)} MiB of output in storage, the most one client may "
-            f"(MAX_RETAINED_OUTPUT_MB); it frees up as their results expire",
-            headers={"Retry-After": str(max(1, -(-retry // 1000)))},
-            retryAfterMs=retry,
-        )
     manifest, version = await state.catalog.resolve(req.language, req.version)
     files = decode_files(req.files, state.settings.max_files_bytes)
     check_args(req.args)
@@ -193,9 +182,19 @@ async def execute(request: Request) -> Response:
         settings.run_result_ttl_s,
         idempotency_key,
         body_sha256,
+        max_retained_bytes=settings.max_retained_output_mb * 1024 * 1024,
     )
     if idempotency_key is not None and answer.outcome in ("existing", "conflict"):
         return await _replayed(state, answer, idempotency_key)
+    if answer.outcome == "retained":
+        retry = max(1000, answer.frees_in_ms)
+        raise ApiError(
+            429,
+            f"Your finished jobs keep {answer.kept_bytes // (1024 * 1024)} MiB of output in storage, the most one "
+            "client may (MAX_RETAINED_OUTPUT_MB); it frees up as their results expire",
+            headers={"Retry-After": str(max(1, -(-retry // 1000)))},
+            retryAfterMs=retry,
+        )
     if answer.outcome != "queued":
         retry = settings.queue_retry_after_ms
         why = (
@@ -400,25 +399,28 @@ async def job_output(request: Request) -> Response:
     deadline = loop.time() + wait_ms / 1000
     store = state.store
     missing = "No output for this job (unknown, not collected, not finished, or expired)"
+    if not wait_ms:
+        found = await store.output(status.job_id)
+        if found is None:
+            raise ApiError(404, missing)
+        return _output_response(state, status.job_id, *found)
     # Waiting is event-driven: the result is appended to the job's event log in the same
     # script that stores the output, so a blocking read of the log wakes the moment it
-    # lands. The cursor is taken before each look, so nothing lands unseen in between.
-    cursor = await store.last_event_id(status.job_id) if wait_ms else None
+    # lands. Each look is one atomic snapshot that also gives the cursor to wait from, so
+    # nothing lands unseen in between; events other than the result are only stepped over.
     while True:
-        found = await store.output(status.job_id)
-        if found is not None:
-            return _output_response(state, status.job_id, *found)
-        left_ms = int((deadline - loop.time()) * 1000)
-        if left_ms <= 0 or cursor is None:
+        look = await store.output_snapshot(status.job_id)
+        if look.output is not None:
+            return _output_response(state, status.job_id, *look.output)
+        if look.ended:
             raise ApiError(404, missing)
-        current = await store.status(status.job_id)
-        if current is None or current.state in TERMINAL_STATES:
-            # The result and the output are written together: one more look settles a race.
-            found = await store.output(status.job_id)
-            if found is not None:
-                return _output_response(state, status.job_id, *found)
-            raise ApiError(404, missing)
-        cursor = await store.wait_for_events(status.job_id, cursor, min(left_ms, OUTPUT_WAIT_SLICE_MS))
+        cursor, worth_a_look = look.cursor, False
+        while not worth_a_look:
+            left_ms = int((deadline - loop.time()) * 1000)
+            if left_ms <= 0:
+                raise ApiError(404, missing)
+            block_ms = min(left_ms, OUTPUT_WAIT_SLICE_MS)
+            cursor, worth_a_look = await store.wait_for_result(status.job_id, cursor, block_ms)
 
 
 # One blocking read of the event log lasts at most this long before the job is looked at again.

@@ -10,7 +10,6 @@ from starlette.requests import Request
 from api.auth import Authenticator
 from api.catalog import Catalog
 from api.errors import ApiError
-from api.quota import RetainedOutput
 from api.realtime import RealtimePublisher
 from api.store import JobStore, StoredStatus
 from shared import keys
@@ -27,7 +26,6 @@ class AppState:
     catalog: Catalog
     auth: Authenticator
     realtime: RealtimePublisher
-    retained: RetainedOutput
 
     async def visible_job(self, request: Request, url_token: bool = False) -> StoredStatus:
         """The job named in the path, if the caller may see it; one uniform 404 otherwise.

@@ -16,6 +16,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from api.quota import RETAINED_OUTPUT_LUA
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
@@ -41,21 +42,25 @@ __all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCa
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
 # KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, the job's
-# callback record, and (only with an Idempotency-Key) the key's record. ARGV: max depth, spec
+# callback record, the owner's retained-output ledger and its sizes (api/quota.py), and (only
+# with an Idempotency-Key) the key's record. ARGV: max depth, spec
 # json, now ms, ttl s, job id, language, version, owner, max unstarted jobs per owner, index
 # ttl s, index cutoff ms (older entries are certainly expired), the Idempotency-Key, sha256 of
 # the request body, the callback URL ('' for none), '1' when the callback carries the output,
-# '1' for a test batch (its stdin is per case: the job's own is closed from the start).
+# '1' for a test batch (its stdin is per case: the job's own is closed from the start), the
+# most output bytes the owner's finished jobs may keep (0: no bound).
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
+# {4, bytes kept, earliest expiry ms} (the owner's finished jobs keep too much output),
 # {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
 # A job id is new for every request, so a record that exists already (or a key record naming
 # this very id) is this script's own earlier run whose reply was lost: it must not be queued
 # twice. A key record whose job has expired is free again.
 _ENQUEUE = (
     _TERMINAL_LUA
+    + RETAINED_OUTPUT_LUA
     + """
-if KEYS[7] then
-  local rec = redis.call('HMGET', KEYS[7], 'jobId', 'bodySha256')
+if KEYS[9] then
+  local rec = redis.call('HMGET', KEYS[9], 'jobId', 'bodySha256')
   if rec[1] == ARGV[5] then return 1 end
   if rec[1] and redis.call('EXISTS', 'job:' .. rec[1] .. ':status') == 1 then
     if rec[2] == ARGV[13] then return {2, rec[1]} end
@@ -63,6 +68,10 @@ if KEYS[7] then
   end
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
+if tonumber(ARGV[17]) > 0 then
+  local kept, first = retained_output(KEYS[7], KEYS[8], ARGV[3])
+  if kept >= tonumber(ARGV[17]) then return {4, kept, first} end
+end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 local cap = tonumber(ARGV[9])
 if redis.call('ZCARD', KEYS[4]) >= cap then
@@ -78,11 +87,11 @@ end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
            'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8], 'createdAtMs', ARGV[3])
-if KEYS[7] then
+if KEYS[9] then
   redis.call('HSET', KEYS[3], 'idempotencyKey', ARGV[12])
-  redis.call('DEL', KEYS[7])
-  redis.call('HSET', KEYS[7], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
-  redis.call('EXPIRE', KEYS[7], ARGV[4])
+  redis.call('DEL', KEYS[9])
+  redis.call('HSET', KEYS[9], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
+  redis.call('EXPIRE', KEYS[9], ARGV[4])
 end
 if ARGV[14] ~= '' then
   redis.call('HSET', KEYS[3], 'callback', '1')
@@ -270,6 +279,12 @@ _CALLBACK_FIELDS = (
 _STATUS_FIELDS = ("state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback")
 
 
+class OutputSnapshot(NamedTuple):
+    cursor: str
+    output: tuple[bytes, bool] | None
+    ended: bool
+
+
 class StdinAnswer(msgspec.Struct, frozen=True):
     """What became of one stdin frame: accepted (`frame` set) or refused (`refused` says why)."""
 
@@ -281,13 +296,16 @@ class StdinAnswer(msgspec.Struct, frozen=True):
 
 
 class EnqueueAnswer(msgspec.Struct, frozen=True):
-    """What became of an execute: `queued` (this job), `full` / `unstarted` (nothing written:
-    the queue, or the owner's jobs waiting for start, are at their cap), `existing` (the
+    """What became of an execute: `queued` (this job), `full` / `unstarted` / `retained`
+    (nothing written: the queue, the owner's jobs waiting for start, or the output the owner's
+    finished jobs keep, are at their cap), `existing` (the
     Idempotency-Key names a live job made from the same body: `job_id`) or `conflict` (made
     from another body: `job_id`)."""
 
-    outcome: Literal["queued", "full", "unstarted", "existing", "conflict"]
+    outcome: Literal["queued", "full", "unstarted", "retained", "existing", "conflict"]
     job_id: str
+    kept_bytes: int = 0
+    frees_in_ms: int = 0
 
 
 class ScriptCall(NamedTuple):
@@ -391,6 +409,7 @@ class JobStore:
         result_ttl_s: int,
         idempotency_key: str | None = None,
         body_sha256: str = "",
+        max_retained_bytes: int = 0,
     ) -> ScriptCall:
         # The owner's index outlives every job in it: a job's record lasts at most the record
         # TTL, then the result TTL once it ends.
@@ -402,6 +421,8 @@ class JobStore:
             keys.unstarted_key(spec.owner),
             keys.owner_jobs_key(spec.owner),
             keys.callback_key(spec.job_id),
+            keys.retained_key(spec.owner),
+            keys.retained_sizes_key(spec.owner),
         ]
         if idempotency_key is not None:
             script_keys.append(keys.idempotency_key(spec.owner, idempotency_key))
@@ -422,6 +443,7 @@ class JobStore:
             spec.callback_url or "",
             "1" if spec.collect_output else "",
             "1" if spec.tests else "",
+            max_retained_bytes,
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 
@@ -433,15 +455,24 @@ class JobStore:
         result_ttl_s: int,
         idempotency_key: str | None = None,
         body_sha256: str = "",
+        max_retained_bytes: int = 0,
     ) -> EnqueueAnswer:
         """Store the job, index it under its owner and queue it, in one script.
 
         With an Idempotency-Key, a live job the key made already is answered instead
-        (`existing` for the same body, `conflict` for another), and nothing is written.
+        (`existing` for the same body, `conflict` for another), and nothing is written. With
+        `max_retained_bytes`, an owner whose finished jobs keep that much output is refused
+        (`retained`, with what it keeps and when the first of it expires).
         """
-        call = self.enqueue_call(spec, max_depth, max_unstarted, result_ttl_s, idempotency_key, body_sha256)
+        call = self.enqueue_call(
+            spec, max_depth, max_unstarted, result_ttl_s, idempotency_key, body_sha256, max_retained_bytes
+        )
         answer = await self.run(call)
         if isinstance(answer, list):
+            if answer[0] == 4:
+                first_ms = int(float(answer[2]))
+                frees_in_ms = max(0, first_ms - spec.created_at_ms) if first_ms else 0
+                return EnqueueAnswer("retained", spec.job_id, kept_bytes=int(answer[1]), frees_in_ms=frees_in_ms)
             return EnqueueAnswer("existing" if answer[0] == 2 else "conflict", answer[1].decode())
         code = int(answer)
         return EnqueueAnswer("queued" if code == 1 else "full" if code == 0 else "unstarted", spec.job_id)
@@ -689,18 +720,32 @@ class JobStore:
             out.append((entry_id.decode(), seq, fields[b"name"].decode(), entry_json(seq, fields)))
         return out
 
-    async def last_event_id(self, job_id: str) -> str:
-        """The stream id of the job's newest logged event ("0-0" for none)."""
-        newest = await self._redis.xrevrange(keys.events_key(job_id), count=1)
-        return newest[0][0].decode() if newest else "0-0"
+    async def output_snapshot(self, job_id: str) -> OutputSnapshot:
+        """One atomic look for a waiting `/output`: the stored output if any, whether the job
+        has ended, and the newest event id to wait from (so nothing lands unseen after)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xrevrange(keys.events_key(job_id), count=1)
+            pipe.get(keys.output_key(job_id))
+            pipe.exists(keys.output_stream_key(job_id, "stdout"))
+            pipe.hget(keys.status_key(job_id), "state")
+            newest, raw, apart, state = await pipe.execute()
+        return OutputSnapshot(
+            cursor=newest[0][0].decode() if newest else "0-0",
+            output=(bytes(raw), bool(apart)) if raw is not None else None,
+            ended=state is None or JobState(state.decode()) in TERMINAL_STATES,
+        )
 
-    async def wait_for_events(self, job_id: str, after_id: str, block_ms: int) -> str:
-        """Block until the job logs something after `after_id` (or `block_ms` passes);
-        returns the newest id seen, to wait from next."""
+    async def wait_for_result(self, job_id: str, after_id: str, block_ms: int) -> tuple[str, bool]:
+        """Block until the job logs something after `after_id` (or `block_ms` passes).
+
+        Returns the newest id seen (to wait from next) and whether the wait is worth another
+        look: the result was logged (it lands with the output, in one script), or nothing
+        came at all (the job may have expired meanwhile)."""
         answer = await self._streams.xread({keys.events_key(job_id): after_id}, count=500, block=max(1, block_ms))
-        if answer and answer[0][1]:
-            return answer[0][1][-1][0].decode()
-        return after_id
+        entries = answer[0][1] if answer else []
+        if not entries:
+            return after_id, True
+        return entries[-1][0].decode(), any(fields.get(b"name") == b"result" for _, fields in entries)
 
     async def output(self, job_id: str) -> tuple[bytes, bool] | None:
         """The stored result of a collectOutput job, or None: (JSON, raw), where `raw` says

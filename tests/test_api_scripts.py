@@ -202,6 +202,25 @@ async def test_index_forgets_what_is_certainly_expired(store: JobStore, redis: R
     assert await redis.zrange(keys.owner_jobs_key(old.owner), 0, -1) == [new.job_id.encode()]
 
 
+async def test_enqueue_refuses_an_owner_over_its_retained_output(store: JobStore, redis: Redis) -> None:
+    spec = _spec()
+    now = spec.created_at_ms
+    ledger, sizes = keys.retained_key(spec.owner), keys.retained_sizes_key(spec.owner)
+    # Two finished jobs keep 600 bytes; the older one's result has already expired.
+    await redis.zadd(ledger, {"old": now - 1, "new": now + 4000})
+    await redis.hset(sizes, mapping={"old": 200, "new": 400, "_total": 600})
+
+    answer = await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_retained_bytes=400)
+    assert (answer.outcome, answer.kept_bytes, answer.frees_in_ms) == ("retained", 400, 4000)
+    assert not await redis.exists(keys.status_key(spec.job_id)) and not await redis.llen(keys.QUEUE)
+    # The expired job was forgotten on the way, whatever the answer.
+    assert await redis.zrange(ledger, 0, -1) == [b"new"] and await redis.hget(sizes, "old") is None
+
+    assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_retained_bytes=401)).outcome == "queued"
+    other = _spec()
+    assert (await store.enqueue(other, 100, 100, RESULT_TTL_S)).outcome == "queued"  # 0: no bound
+
+
 # ---------------------------------------------------------------- stdin
 
 

@@ -129,3 +129,21 @@ def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:
     # The answer follows the stored result by a few ms, not by a polling interval.
     lags.sort()
     assert lags[2] < 30, lags
+
+
+def test_waiting_for_output_steps_over_other_events_and_ends_at_its_deadline(api: Api) -> None:
+    # Twenty output events arrive before the result: each wakes the wait, none answers it.
+    chatty = "import time\nfor i in range(20):\n    print(i, flush=True)\n    time.sleep(0.02)\n"
+    job = api.execute(py_job(chatty, collectOutput=True))
+    api.start(job)
+    response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "10000"})
+    assert response.status_code == 200, response.text
+    assert response.json()["stdout"] == "".join(f"{i}\n" for i in range(20))
+
+    slow = api.execute(py_job("import time\ntime.sleep(3)\n", collectOutput=True))
+    api.start(slow)
+    t0 = time.monotonic()
+    response = api.get(f"/v1/jobs/{slow['jobId']}/output", params={"waitMs": "400"})
+    waited_s = time.monotonic() - t0
+    assert response.status_code == 404 and 0.35 < waited_s < 1.5, (response.status_code, waited_s)
+    api.post(f"/v1/jobs/{slow['jobId']}/kill")
