@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.isolation.offload import off_loop
@@ -55,14 +55,26 @@ class JobCounters:
     oom_kills: int
 
 
-def _read(path: Path) -> str:
-    with open(path, "rb", buffering=0) as f:
-        return f.read().decode()
+# Plain descriptors, not file objects: a job's set-up and teardown touch a few dozen
+# cgroup files, and io's fstat/seek and object churn cost more than the read or write.
+def _read(path: str | Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+    finally:
+        os.close(fd)
 
 
-def _write(path: Path, value: str) -> None:
-    with open(path, "wb", buffering=0) as f:
-        f.write(value.encode())
+def _write(path: str | Path, value: str) -> None:
+    # The flags open(path, "wb") uses, so errors stay what they were.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
 
 def _keyed(text: str) -> dict[str, int]:
@@ -102,6 +114,9 @@ class CgroupLayout:
     v1_pids: Path | None = None
     v1_cpu: Path | None = None
     v1_cpuacct: Path | None = None
+    # Which optional files job cgroups have (the same for every job on one kernel): looked
+    # up once, not on every job (see JobCgroup._has).
+    optional_files: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> str:
         if self.mode is CgroupMode.V2:
@@ -225,6 +240,23 @@ class JobCgroup:
             if root is not None:
                 self.v1_dirs[ctrl] = root / layout.name / job_id
         self._cpuacct = layout.v1_cpuacct / layout.name / job_id if layout.v1_cpuacct else None
+        self._cpu_stat = str(self.v2_dir / "cpu.stat") if self.v2_dir is not None else None
+        # Limit files and the values last written to them: a rewrite that changes nothing
+        # (the CPU quota, swappiness when a job's limits go in) is skipped.
+        self._written: dict[Path, str] = {}
+
+    def _has(self, path: Path) -> bool:
+        """Whether the optional file `path` (in one of this job's cgroups) exists on this host."""
+        key = f"{path.parent.parent}/{path.name}"  # the job's folder is the only part that varies
+        found = self.layout.optional_files.get(key)
+        if found is None:
+            found = self.layout.optional_files[key] = path.exists()
+        return found
+
+    def _limit(self, path: Path, value: str) -> None:
+        if self._written.get(path) != value:
+            _write(path, value)
+            self._written[path] = value
 
     def paths(self) -> list[Path]:
         return self._all_dirs()
@@ -247,35 +279,36 @@ class JobCgroup:
         quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
-            _write(self.v2_dir / "memory.max", str(memory_bytes))
-            _write(self.v2_dir / "memory.swap.max", "0")
-            _write(self.v2_dir / "pids.max", str(pids))
-            if (self.v2_dir / "cpu.max").exists():
-                _write(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            self._limit(self.v2_dir / "memory.max", str(memory_bytes))
+            self._limit(self.v2_dir / "memory.swap.max", "0")
+            self._limit(self.v2_dir / "pids.max", str(pids))
+            if self._has(self.v2_dir / "cpu.max"):
+                self._limit(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
             # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
-            if (self.v2_dir / "memory.oom.group").exists():
-                _write(self.v2_dir / "memory.oom.group", "1")
+            if self._has(self.v2_dir / "memory.oom.group"):
+                self._limit(self.v2_dir / "memory.oom.group", "1")
             return
         mem = self.v1_dirs["memory"]
         memsw = mem / "memory.memsw.limit_in_bytes"
+        limit = mem / "memory.limit_in_bytes"
         # v1 refuses memory > memsw: order the two writes so the pair is always valid.
-        current = int(_read(mem / "memory.limit_in_bytes"))
-        pairs = [(memsw, memory_bytes), (mem / "memory.limit_in_bytes", memory_bytes)]
+        current = int(self._written.get(limit) or _read(limit))
+        pairs = [(memsw, memory_bytes), (limit, memory_bytes)]
         if memory_bytes < current:
             pairs.reverse()
         for path, value in pairs:
-            if path.exists():
-                _write(path, str(value))
-        if (mem / "memory.swappiness").exists():
+            if path is limit or self._has(path):
+                self._limit(path, str(value))
+        if self._has(mem / "memory.swappiness"):
             try:
-                _write(mem / "memory.swappiness", "0")
+                self._limit(mem / "memory.swappiness", "0")
             except OSError:
                 pass
-        _write(self.v1_dirs["pids"] / "pids.max", str(pids))
+        self._limit(self.v1_dirs["pids"] / "pids.max", str(pids))
         cpu = self.v1_dirs.get("cpu")
         if cpu is not None:
-            _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-            _write(cpu / "cpu.cfs_quota_us", str(quota))
+            self._limit(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            self._limit(cpu / "cpu.cfs_quota_us", str(quota))
 
     def procs_files(self) -> list[str]:
         """Files a launcher writes its own pid into before it execs nsjail."""
@@ -312,8 +345,8 @@ class JobCgroup:
 
     def cpu_us(self) -> int:
         try:
-            if self.v2_dir is not None:
-                return _keyed(_read(self.v2_dir / "cpu.stat")).get("usage_usec", 0)
+            if self._cpu_stat is not None:
+                return _keyed(_read(self._cpu_stat)).get("usage_usec", 0)
             if self._cpuacct is not None:
                 return int(_read(self._cpuacct / "cpuacct.usage")) // 1000
         except (OSError, ValueError):
@@ -325,7 +358,7 @@ class JobCgroup:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
                 peak = self.v2_dir / "memory.peak"
-                return int(_read(peak)) if peak.exists() else int(_read(self.v2_dir / "memory.current"))
+                return int(_read(peak)) if self._has(peak) else int(_read(self.v2_dir / "memory.current"))
             return int(_read(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             return 0
@@ -371,7 +404,7 @@ class JobCgroup:
 
     def kill(self) -> None:
         """SIGKILL every process of the job, however it detached or whatever it ignores."""
-        if self.v2_dir is not None and (self.v2_dir / "cgroup.kill").exists():
+        if self.v2_dir is not None and self._has(self.v2_dir / "cgroup.kill"):
             try:
                 _write(self.v2_dir / "cgroup.kill", "1")
             except OSError as exc:

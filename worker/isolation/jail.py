@@ -146,6 +146,7 @@ class Jail:
         self._log_lines: list[bytes] = []
         self._log_task = asyncio.create_task(self._read_log(), name=f"nsjail-log:{cgroup.job_id}")
         self.released = False
+        self._pids_at_release: list[int] = []
 
     @classmethod
     async def launch(
@@ -182,11 +183,21 @@ class Jail:
             self._log_lines.append(line)
             if not self._ready.is_set() and b"Executing " in line:
                 # The jail exists (nsjail logs this from inside the child, just before exec):
-                # take nsjail itself out of the job's cgroups so only jailed code is limited.
-                await off_loop(self._cgroup.release_supervisor, self.proc.pid)
+                # take nsjail itself out of the job's cgroups so only jailed code is limited,
+                # and see (same trip to the isolation threads) that the jail stayed in them.
+                self._pids_at_release = await off_loop(self._release)
                 self.released = True
                 self._ready.set()
         self._ready.set()
+
+    def _release(self) -> list[int]:
+        self._cgroup.release_supervisor(self.proc.pid)
+        return self._cgroup.pids()
+
+    @property
+    def exited(self) -> bool:
+        """Whether the jail has been seen to end (`wait()` returned)."""
+        return self._exit is not None
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until the jail is built and parked at the gate.
@@ -201,7 +212,7 @@ class Jail:
         if not self.released:
             await self._log_task
             raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
-        if not await off_loop(self._cgroup.pids):
+        if not self._pids_at_release:
             raise JailError("jail is not inside the job's cgroups")
 
     def error_lines(self) -> list[str]:

@@ -209,21 +209,31 @@ class Sandbox:
         try:
             for cgroup, jail in pairs:
                 try:
-                    await off_loop(cgroup.kill)
-                    try:
-                        await asyncio.wait_for(jail.wait(), exit_grace_s)
-                    except TimeoutError:
-                        log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
-                        jail.terminate_supervisor()
-                        await jail.wait()
+                    # A jail seen to exit (after every run: the step killed its cgroup and
+                    # waited) has nothing left alive; any straggler dies in the removal below.
+                    if not jail.exited:
+                        await off_loop(cgroup.kill)
+                        try:
+                            await asyncio.wait_for(jail.wait(), exit_grace_s)
+                        except TimeoutError:
+                            log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
+                            jail.terminate_supervisor()
+                            await jail.wait()
                 except Exception:
                     log.exception("sandbox %s: waiting for nsjail failed", self.name)
                     jail.terminate_supervisor()
                 finally:
                     jail.close()
-                    await cgroup.remove()
         finally:
-            await off_loop(self.workspace.destroy)
+            # One trip to the isolation threads for all of it.
+            await off_loop(self._remove_all, [cgroup for cgroup, _ in pairs])
+
+    def _remove_all(self, cgroups: list[JobCgroup]) -> None:
+        try:
+            for cgroup in cgroups:
+                cgroup.remove_blocking()
+        finally:
+            self.workspace.destroy()
 
 
 PRESTART_READY = b"\0coderunner-prestart-ready\n"
@@ -310,12 +320,16 @@ class SandboxFactory:
         limits: Limits,
         merge_stderr: bool,
         mounts: list[str] | None = None,
+        new_workspace: bool = False,
     ) -> tuple[JobCgroup, Jail]:
-        """Cgroup plus a jail parked at the gate, over an existing workspace."""
+        """Cgroup plus a jail parked at the gate, over `workspace` (created first when new)."""
         cgroup = self.cgroups.job(name)
         jail: Jail | None = None
         try:
-            await off_loop(self._make_cgroup, cgroup, limits)
+            if new_workspace:
+                await off_loop(self._make_workspace_and_cgroup, workspace, cgroup, limits)
+            else:
+                await off_loop(self._make_cgroup, cgroup, limits)
             spec = JailSpec(
                 gate=self.gate,
                 workspace=workspace.path,
@@ -350,6 +364,10 @@ class SandboxFactory:
         cgroup.create()
         cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
 
+    def _make_workspace_and_cgroup(self, workspace: Workspace, cgroup: JobCgroup, limits: Limits) -> None:
+        workspace.create(self.workspace_bytes, self.workspace_inodes)
+        self._make_cgroup(cgroup, limits)
+
     def prime_for(
         self, language: str, manifest_run: list[str], shim: str, env: dict[str, str], limits: Limits
     ) -> Prime | None:
@@ -378,8 +396,9 @@ class SandboxFactory:
         workspace = Workspace(self.work_root, name, uid, uid)
         mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime else []
         try:
-            await off_loop(workspace.create, self.workspace_bytes, self.workspace_inodes)
-            cgroup, jail = await self._launch(name, uid, workspace, self.max_limits, merge_stderr=False, mounts=mounts)
+            cgroup, jail = await self._launch(
+                name, uid, workspace, self.max_limits, merge_stderr=False, mounts=mounts, new_workspace=True
+            )
         except BaseException:
             await off_loop(workspace.destroy)
             raise
