@@ -580,6 +580,10 @@ class JobStore:
             delivered_at_ms=number(delivered_at),
         )
 
+    async def mark_audience(self, job_id: str) -> None:
+        """Someone may follow the job's channel from now on (see keys.audience_key)."""
+        await self._redis.set(keys.audience_key(job_id), b"1", ex=self._record_ttl_s)
+
     async def send_start(self, job_id: str) -> None:
         """Durable start: the flag first (a worker checks it on claim), then the live message."""
         async with self._redis.pipeline(transaction=True) as pipe:

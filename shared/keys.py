@@ -151,6 +151,12 @@ def realtime_channel(job_id: str) -> str:
     return f"{CHANNEL_PREFIX}{job_id}"
 
 
+def audience_key(job_id: str) -> str:
+    """Set by the API when it signs a subscription to the job's channel: only then can anyone
+    be listening (soketi admits nobody to a private channel without that signature)."""
+    return f"job:{job_id}:audience"
+
+
 def job_id_from_channel(channel: str) -> str | None:
     """The job id of a `private-run-<id>` channel, or None for any other channel."""
     if not channel.startswith(CHANNEL_PREFIX):

@@ -1,7 +1,8 @@
-"""A job nobody follows costs soketi one look, not every event; a late follower is heard.
+"""A job nobody follows costs soketi nothing; a late follower is heard.
 
 Graders pull results and never subscribe: publishing their events to an empty channel
-would cost soketi (and the worker) a request per batch for nothing.
+would cost soketi (and the worker) a request per batch for nothing. Whether anyone may
+follow is the audience mark the API sets when it signs a subscription (one Redis look).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+from shared import keys
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
 
@@ -62,5 +64,28 @@ def test_a_follower_who_comes_late_is_heard(make_stack: StackFactory) -> None:
         log = api.replay(job)
         assert "".join(p["chunk"] for n, p in log if n == "stdout") == "".join(f"{i}\n" for i in range(12))
     finally:
+        rt.close()
+        api.close()
+
+
+def test_signing_a_subscription_marks_the_job_as_followed(make_stack: StackFactory) -> None:
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    redis = stack.redis()
+    try:
+        followed = api.execute(py_job("print(1)"))
+        unfollowed = api.execute(py_job("print(2)", collectOutput=True))
+        assert not redis.exists(keys.audience_key(followed["jobId"]))
+        watch = rt.follow(followed)  # signs through /v1/channel-auth, then subscribes
+        assert redis.exists(keys.audience_key(followed["jobId"]))
+        assert 0 < redis.ttl(keys.audience_key(followed["jobId"])) <= 86400
+        api.start(followed)
+        api.start(unfollowed)
+        assert watch.wait_result()["outcome"] == "completed"
+        assert "1\n" in "".join(p["chunk"] for n, p in watch.events if n == "stdout")
+        assert api.wait_state(unfollowed, {"done"})["result"]["outcome"] == "completed"
+        assert not redis.exists(keys.audience_key(unfollowed["jobId"]))
+    finally:
+        redis.close()
         rt.close()
         api.close()

@@ -21,7 +21,10 @@ from collections import deque
 from urllib.parse import urlencode
 
 import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
+from shared import keys
 from shared.eventlog import CHUNK_EVENTS
 from shared.pusher import signed_query
 from shared.settings import Settings
@@ -59,7 +62,8 @@ class DeliveryError(Exception):
 
 
 class Publisher:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, redis: Redis | None = None) -> None:
+        self._redis = redis
         self._key = settings.pusher_key
         self._secret = settings.pusher_secret
         self._app_id = settings.pusher_app_id
@@ -74,8 +78,8 @@ class Publisher:
         # Events not sent because nobody followed the channel (a grader's job).
         self.unheard = 0
         self.audience_checks = 0
-        # Kept-alive connections to soketi's HTTP API (a connection per request cost more
-        # than the request).
+        # Kept-alive connections to a Pusher HTTP API that allows them (soketi does not: it
+        # closes each one after its answer).
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def aclose(self) -> None:
@@ -89,20 +93,18 @@ class Publisher:
         )  # fmt: skip
 
     async def occupied(self, channel: str) -> bool:
-        """Whether anyone is subscribed to `channel` now (soketi's channel info). When that
-        cannot be told, assume someone is: sending to nobody only costs a request."""
+        """Whether anyone may follow `channel`: the API signed a subscription to it (a
+        private channel admits nobody else). A Redis read on a kept connection, where asking
+        soketi would cost a connection and a request of its own. When that cannot be told,
+        assume someone does: sending to nobody only costs a request."""
         self.audience_checks += 1
-        if time.monotonic() < self._down_until:
+        job_id = keys.job_id_from_channel(channel)
+        if self._redis is None or job_id is None:
             return True
-        path = f"/apps/{self._app_id}/channels/{channel}"
-        params = signed_query("GET", path, b"", self._key, self._secret, int(time.time()))
         try:
-            status, answer = await asyncio.wait_for(self._request(path, params, b"", method="GET"), self._timeout_s)
-        except (OSError, TimeoutError, DeliveryError):
+            return bool(await self._redis.exists(keys.audience_key(job_id)))
+        except (RedisError, OSError):
             return True
-        if status >= 400:
-            return True
-        return b'"occupied":false' not in answer.replace(b" ", b"")
 
     async def _request(self, path: str, query: dict[str, str], body: bytes, method: str = "POST") -> tuple[int, bytes]:
         head = (
@@ -260,7 +262,7 @@ class JobLane:
             await self._publisher.deliver(batch)
 
     async def _heard(self) -> bool:
-        """A job nobody follows (a grader's) costs soketi one look, not every event. A
+        """A job nobody follows (a grader's) costs soketi nothing, and Redis one look. A
         client that subscribes later is noticed within AUDIENCE_RECHECK_S of the next
         event; what it missed is in the durable log, as for any late joiner."""
         if self._audience:

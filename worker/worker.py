@@ -117,7 +117,7 @@ class Worker:
             **_RECONNECTING,
         )
         control = ControlBus(redis)
-        publisher = Publisher(settings)
+        publisher = Publisher(settings, redis)
         queue = WorkerQueue(redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
         claim_queue = WorkerQueue(claim_redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
         ctx = WorkerContext(
