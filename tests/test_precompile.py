@@ -159,3 +159,78 @@ def test_a_compile_still_running_at_start_streams_live_and_can_be_killed(clients
     assert result["outcome"] == "killed" and result["killedBy"] == "user" and result["compile"] is not None
     assert phases(followed) == ["queued", "compiling"]
     names_in_order(followed)
+
+
+# ---------------------------------------------------------------- interpreted: load while parked
+
+PY_PROBE = "import os, sys\nprint(sorted(os.listdir('.')), sys.argv[1:], os.getcwd())\n"
+
+
+def _loaded_while_parked(stack: Stack, job: dict[str, Any]) -> bool:
+    return f"job {job['jobId']}: loaded while parked" in stack.log("worker")
+
+
+def test_a_parked_python_job_is_loaded_before_its_start(stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    job = api.execute(py_job(PY_PROBE, args=["a b"]))
+    followed = rt.follow(job)
+    deadline = time.monotonic() + 5
+    while not _loaded_while_parked(stack, job):
+        assert time.monotonic() < deadline, "the parked job was not loaded into a spare sandbox"
+        time.sleep(0.02)
+    assert not followed.events, "nothing may be published before start"
+    result, _ = start_and_wait(api, followed)
+    assert result["outcome"] == "completed" and result["exitCode"] == 0, followed.summary()
+    # What the program sees is what a job loaded after start sees.
+    assert followed.text("stdout") == "['main.py'] ['a b'] /workspace\n"
+    assert phases(followed) == ["queued", "running"]
+    assert names_in_order(followed)[-1] == "result"
+
+
+def test_killing_a_parked_loaded_job_frees_its_sandbox(stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    api, rt = clients
+    job = api.execute(py_job("print('never')"))
+    followed = rt.follow(job)
+    deadline = time.monotonic() + 5
+    while not _loaded_while_parked(stack, job):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+    result = followed.wait_result()
+    assert result["outcome"] == "killed" and not followed.text("stdout")
+    # Both slots serve again, and the next jobs do not see the killed job's files.
+    probe = "import time, os; time.sleep(0.5); print(sorted(os.listdir('.')))"
+    jobs = [api.execute(py_job(probe)) for _ in range(2)]
+    follows = [rt.follow(j) for j in jobs]
+    t0 = time.monotonic()
+    for f in follows:
+        api.start(f.job)
+    for f in follows:
+        assert f.wait_result()["outcome"] == "completed"
+        assert f.text("stdout") == "['main.py']\n"
+    assert time.monotonic() - t0 < 1.5, "the killed job's sandbox was not given back"
+
+
+def test_a_started_job_recalls_a_loaded_sandbox(stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    """Two slots: a parked Python job holds one (loaded), a started job the other; a second
+    started job recalls the loaded one, and the parked job loads after its own start."""
+    api, rt = clients
+    parked = api.execute(py_job("print('parked')"))
+    parked_follow = rt.follow(parked)
+    deadline = time.monotonic() + 5
+    while not _loaded_while_parked(stack, parked):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    long = api.execute(py_job("import time; time.sleep(3); print('long')"))
+    long_follow = rt.follow(long)
+    api.start(long)
+    time.sleep(0.5)
+    quick = api.execute(py_job("print('quick')"))
+    quick_follow = rt.follow(quick)
+    result, took_ms = start_and_wait(api, quick_follow)
+    assert result["outcome"] == "completed" and took_ms < 1500, (took_ms, quick_follow.summary())
+    assert not long_follow.results(), "the quick job waited for the long one"
+    result, _ = start_and_wait(api, parked_follow)
+    assert result["outcome"] == "completed" and parked_follow.text("stdout") == "parked\n", parked_follow.summary()
+    assert phases(parked_follow) == ["queued", "running"]
+    assert long_follow.wait_result()["outcome"] == "completed"

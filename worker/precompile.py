@@ -1,4 +1,4 @@
-"""Compile while parked: a compiled job borrows a spare warm sandbox before its start.
+"""Compile (or just load) while parked: a job borrows a spare warm sandbox before its start.
 
 An IDE user of C or Java otherwise waits for the compiler after pressing Run. While the
 job is parked (claimed, no start yet), it may borrow a sandbox nobody else needs (plain,
@@ -10,9 +10,15 @@ still under way streams live from then on and can be killed like any compile. Th
 follows in the same sandbox, so nothing a client sees changes except the wait. A failed
 compile gives its sandbox back at once and keeps its verdict for the start.
 
+An interpreted job has nothing to compile, but its files and limits can still go in before
+start, so its start only releases the gate. It borrows only a sandbox that is ready at
+that moment (it never waits for one, nor has one rebuilt for it): loading costs a started
+job a millisecond or two, not worth holding a slot for.
+
 A parked job whose sandbox a started job needs (none ready) is recalled: its compile is
-stopped, its sandbox destroyed (the slot rebuilds), and it compiles after its start like
-any other. A kill, an expiry or a hand-back while parked discards the borrowed sandbox.
+stopped, its sandbox destroyed (the slot rebuilds), and it compiles (or loads) after its
+start like any other. A kill, an expiry or a hand-back while parked discards the borrowed
+sandbox.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class PrecompileState(enum.Enum):
     WAITING = "waiting"  # for a spare sandbox
     COMPILING = "compiling"
     COMPILED = "compiled"  # success; the sandbox is held for the run
+    LOADED = "loaded"  # nothing to compile: files and limits are in, the sandbox is held
     FAILED = "failed"  # the compile's verdict is kept; the sandbox is given back
     GONE = "gone"  # recalled, or broke: the job compiles after start
 
@@ -89,8 +96,10 @@ Compile = Callable[[asyncio.Queue[CtrlMessage], Sandbox, RecordedEvents], Awaita
 
 
 class Precompile:
+    """`compile_` None: only load (an interpreted job)."""
+
     def __init__(
-        self, job_id: str, pool: SandboxPool, load: Load, compile_: Compile, program: Program, language: str
+        self, job_id: str, pool: SandboxPool, load: Load, compile_: Compile | None, program: Program, language: str
     ) -> None:
         self.job_id = job_id
         self._pool = pool
@@ -107,7 +116,7 @@ class Precompile:
         self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
 
     def _recall(self) -> None:
-        if self.state in (PrecompileState.COMPILING, PrecompileState.COMPILED):
+        if self.state in (PrecompileState.COMPILING, PrecompileState.COMPILED, PrecompileState.LOADED):
             log.info("job %s: a started job needs the sandbox; compiling after start instead", self.job_id)
             self._task.cancel()
             self.state = PrecompileState.GONE
@@ -116,9 +125,19 @@ class Precompile:
 
     async def _work(self) -> None:
         try:
-            self.sandbox = await self._pool.borrow(self._recall, self._program, self._language)
+            if self._compile is None:
+                self.sandbox = self._pool.lend_ready(self._recall, self._program, self._language)
+                if self.sandbox is None:
+                    self.state = PrecompileState.GONE
+                    return
+            else:
+                self.sandbox = await self._pool.borrow(self._recall, self._program, self._language)
             self.state = PrecompileState.COMPILING
             await self._load(self.sandbox)
+            if self._compile is None:
+                self.state = PrecompileState.LOADED
+                log.info("job %s: loaded while parked", self.job_id)
+                return
             facts = await self._compile(self._inbox, self.sandbox, self.events)
         except asyncio.CancelledError:
             self.state = PrecompileState.GONE
@@ -145,7 +164,7 @@ class Precompile:
     async def settle(self, ctrl: asyncio.Queue[CtrlMessage], events) -> str:  # type: ignore[no-untyped-def]
         """At start: the compile's events go to `events` (live from now on) and a compile
         under way is waited for, a kill reaching it as it would after start. Returns the
-        final state's value: "compiled", "failed" (a kill included) or "gone"."""
+        final state's value: "compiled", "loaded", "failed" (a kill included) or "gone"."""
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
@@ -154,18 +173,22 @@ class Precompile:
         if self.sandbox is not None:
             self._pool.keep(self.sandbox)  # the job has started: no recall from here on
         await self.events.forward_to(events)
+        kept: list[CtrlMessage] = []
         while not self._task.done():
             message = asyncio.ensure_future(ctrl.get())
             done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
             if message in done:
                 if message.result().type == "kill":
-                    self._inbox.put_nowait(message.result())
+                    # A compile sees it now; a load is short, and the run sees it next.
+                    (self._inbox.put_nowait if self._compile is not None else kept.append)(message.result())
                 continue
             message.cancel()
             if message.done() and not message.cancelled():
-                ctrl.put_nowait(message.result())  # keep a kill for the run to see
-        if self.state is PrecompileState.COMPILED and self.sandbox is not None:
-            return "compiled"
+                kept.append(message.result())
+        for message in kept:
+            ctrl.put_nowait(message)  # keep a kill for the run to see
+        if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
+            return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
 
     def take(self) -> Sandbox:

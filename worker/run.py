@@ -165,12 +165,15 @@ class JobRun:
                 log.error("job %s: cannot plan the job: %s", self.job_id, exc)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
-            if plan.compile is not None and self.ctx.pool.slots > 1:
+            if self.ctx.pool.slots > 1 and (plan.compile is not None or not self.spec.tests):
+                # Compile, or (interpreted) just load, in a spare sandbox while parked.
                 precompile = Precompile(
                     self.job_id,
                     self.ctx.pool,
                     lambda sandbox: self._load(plan, sandbox),
-                    lambda inbox, sandbox, events: self._compile(inbox, plan, sandbox, events),
+                    (lambda inbox, sandbox, events: self._compile(inbox, plan, sandbox, events))
+                    if plan.compile is not None
+                    else None,
                     plan.run,
                     self.spec.language,
                 )
@@ -188,7 +191,11 @@ class JobRun:
             await self.events.go_live()
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
-            if early == "gone":
+            if early == "loaded":
+                assert precompile is not None
+                self.sandbox = precompile.take()  # files and limits went in while parked
+                self._running_stage = asyncio.create_task(self._mark_running())
+            elif early == "gone":
                 signal = await self._acquire_sandbox(sub.ctrl, plan.run)
                 if signal != "start":
                     await self._end_unstarted(signal, "killed before it ran")

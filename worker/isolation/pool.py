@@ -132,6 +132,25 @@ class SandboxPool:
         fits = sandbox.prime is None or (program is not None and sandbox.adopts(program))
         return fits and not self.waiting and len(self._lent) < self.slots - 1
 
+    def lend_ready(self, recall: Callable[[], None], program: Program, language: str = "") -> Sandbox | None:
+        """A sandbox ready now that a parked job may borrow for `program` (see `borrow`), or
+        None: nothing is waited for and nothing is rebuilt for it."""
+        sandbox = next((s for s in self._ready if s.adopts(program) and self._may_lend(s, program)), None)
+        sandbox = sandbox or next((s for s in self._ready if self._may_lend(s, program)), None)
+        if sandbox is None or sandbox.idle_s >= MAX_IDLE_S or sandbox.jail.proc.returncode is not None:
+            return None
+        self._ready.remove(sandbox)
+        self._lend(sandbox, recall, program, language)
+        return sandbox
+
+    def _lend(self, sandbox: Sandbox, recall: Callable[[], None], program: Program | None, language: str) -> None:
+        self._lent[sandbox.slot] = recall
+        if language:
+            prime = self._primes.get(language)
+            self._slot_prime[sandbox.slot] = (
+                prime if prime is not None and program is not None and prime.adopts(program) else None
+            )
+
     async def borrow(self, recall: Callable[[], None], program: Program | None = None, language: str = "") -> Sandbox:
         """A spare plain sandbox for a parked job (compiling before its start); waits for one.
 
@@ -160,12 +179,7 @@ class SandboxPool:
                 if waiter.done() and not waiter.cancelled():
                     self._offer(waiter.result())
                 raise
-        self._lent[sandbox.slot] = recall
-        if language:
-            prime = self._primes.get(language)
-            self._slot_prime[sandbox.slot] = (
-                prime if prime is not None and program is not None and prime.adopts(program) else None
-            )
+        self._lend(sandbox, recall, program, language)
         return sandbox
 
     def keep(self, sandbox: Sandbox) -> None:
