@@ -17,7 +17,7 @@ from api.store import JobStore
 from shared import keys
 from shared.messages import JobState
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
-from worker.queue import WorkerQueue
+from worker.queue import QUEUED_STAGE, WorkerQueue
 
 pytestmark = [pytest.mark.stack]
 
@@ -73,26 +73,30 @@ async def test_claim_sent_twice_takes_one_attempt(redis: Redis, queue: WorkerQue
     assert_same_state(after_one, await snapshot(redis))
     assert await redis.hget(keys.status_key(claim.spec.job_id), "state") == b"parked"
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+    # The first claim logged stage{queued} as seq 0, once.
+    assert claim.logged_queued and claim.next_seq == 1
+    logged = await redis.xrange(keys.events_key(claim.spec.job_id))
+    assert [(f[b"seq"], f[b"name"], f[b"data"]) for _, f in logged] == [(b"0", b"stage", QUEUED_STAGE)]
+    assert QUEUED_STAGE == b'{"phase":"queued","seq":0}'
 
 
 async def test_advance_sent_twice_appends_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
-    events = [(0, "stage", "data", b'{"phase":"queued","seq":0}'), (1, "stdout", "chunk", b"hello\n")]
+    events = [(1, "stage", "data", b'{"phase":"running","seq":1}'), (2, "stdout", "chunk", b"hello\n")]
     await queue.advance(job, claim.attempt, events, state=JobState.RUNNING, started=True)
     after_one = await snapshot(redis)
     assert await queue._advance.again() == 1  # type: ignore[attr-defined]
     assert_same_state(after_one, await snapshot(redis))
-    assert [int(f[b"seq"]) for _, f in await redis.xrange(keys.events_key(job))] == [0, 1]
+    assert [int(f[b"seq"]) for _, f in await redis.xrange(keys.events_key(job))] == [0, 1, 2]
     # The next batch still goes in.
-    await queue.advance(job, claim.attempt, [(2, "stdout", "chunk", b"more\n")])
-    assert await redis.xlen(keys.events_key(job)) == 3
+    await queue.advance(job, claim.attempt, [(3, "stdout", "chunk", b"more\n")])
+    assert await redis.xlen(keys.events_key(job)) == 4
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
-    await queue.advance(job, claim.attempt, [(0, "stage", "data", b'{"phase":"queued","seq":0}')])
     result = b'{"outcome":"completed","seq":1}'
     assert await queue.finish(job, claim.attempt, JobState.DONE, 1, result, b'{"x":1}', (b"out", b"err"), "owner-a", 10)
     after_one = await snapshot(redis)
@@ -117,7 +121,7 @@ async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue
 async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
-    await queue.advance(job, claim.attempt, [(0, "stage", "data", b'{"phase":"running","seq":0}')], started=True)
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
     ended = await queue.recover_claims(queue.worker_id)
     assert [job_id for job_id, _ in ended] == [job]
     after_one = await snapshot(redis)

@@ -33,7 +33,15 @@ REDIS_OUTAGE_S = 300.0
 
 
 class JobEvents:
-    def __init__(self, queue: WorkerQueue, lane: JobLane, job_id: str, attempt: int, next_seq: int) -> None:
+    def __init__(
+        self,
+        queue: WorkerQueue,
+        lane: JobLane,
+        job_id: str,
+        attempt: int,
+        next_seq: int,
+        logged: list[tuple[int, str, bytes]] | None = None,
+    ) -> None:
         self._queue = queue
         self._lane = lane
         self.job_id = job_id
@@ -41,10 +49,11 @@ class JobEvents:
         self.next_seq = next_seq
         self._lock = asyncio.Lock()
         self.live = False
-        # Events this worker logged before go_live. An earlier claim of the same job (handed
-        # back before it started) may have logged some too: then the log is read instead.
-        self._backlog: list[tuple[int, str, bytes]] = []
-        self._log_has_more = next_seq > 0
+        # Events this worker logged before go_live (`logged`: by its claim). An earlier claim
+        # of the same job (handed back before it started) may have logged some too: then the
+        # log is read instead.
+        self._backlog: list[tuple[int, str, bytes]] = list(logged or [])
+        self._log_has_more = next_seq > len(self._backlog)
         # Output text this worker put in the log (what it keeps there, JSON aside).
         self.stored_chunk_bytes = 0
 

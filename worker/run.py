@@ -56,7 +56,7 @@ from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
 from worker.payload import fit_result
 from worker.precompile import Precompile, RecordedEvents
-from worker.queue import Claim, Fenced
+from worker.queue import QUEUED_STAGE, Claim, Fenced
 from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
 from worker.tasks import cancel_and_wait
@@ -113,7 +113,8 @@ class JobRun:
         # Taken from the warm pool when the job starts; a parked job holds none.
         self.sandbox: Sandbox | None = None
         self.lane = ctx.publisher.lane(keys.realtime_channel(self.job_id))
-        self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq)
+        logged = [(0, "stage", QUEUED_STAGE)] if claim.logged_queued else []
+        self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq, logged)
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
         self._destroyed = False
@@ -145,9 +146,6 @@ class JobRun:
             if self.claim.kill_flag:
                 await self._finish_without_run(Outcome.KILLED, "killed before it started")
                 return
-            if self.claim.next_seq == 0:
-                # A job handed back before it started logged this already.
-                await self.events.stage("queued")
             try:
                 plan = self._plan()
             except NotOfferedHere as exc:
