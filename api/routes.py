@@ -22,9 +22,9 @@ from api.artifacts import download_artifact
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
-from api.output import stream_run_result
+from api.output import stream_run_result, whole_run_result
 from api.state import AppState
-from api.store import EnqueueAnswer, ReceiptCursor, StoredStatus, now_ms
+from api.store import EnqueueAnswer, ReceiptCursor, StoredOutputFound, StoredStatus, now_ms
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
@@ -403,7 +403,7 @@ async def job_output(request: Request) -> Response:
         found = await store.output(status.job_id)
         if found is None:
             raise ApiError(404, missing)
-        return _output_response(state, status.job_id, *found)
+        return await _output_response(state, status.job_id, found)
     # Waiting is event-driven: the result is appended to the job's event log in the same
     # script that stores the output, so a blocking read of the log wakes the moment it
     # lands. Each look is one atomic snapshot that also gives the cursor to wait from, so
@@ -411,7 +411,7 @@ async def job_output(request: Request) -> Response:
     while True:
         look = await store.output_snapshot(status.job_id)
         if look.output is not None:
-            return _output_response(state, status.job_id, *look.output)
+            return await _output_response(state, status.job_id, look.output)
         if look.ended:
             raise ApiError(404, missing)
         cursor, worth_a_look = look.cursor, False
@@ -427,10 +427,13 @@ async def job_output(request: Request) -> Response:
 OUTPUT_WAIT_SLICE_MS = 5000
 
 
-def _output_response(state: AppState, job_id: str, meta: bytes, apart: bool) -> Response:
-    if not apart:
-        return Response(meta, media_type="application/json")
-    return StreamingResponse(stream_run_result(state.store, job_id, meta), media_type="application/json")
+async def _output_response(state: AppState, job_id: str, found: StoredOutputFound) -> Response:
+    if not found.apart:
+        return Response(found.meta, media_type="application/json")
+    if found.streams is not None:
+        # Small: assembled from what came with the result, no further reads.
+        return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
+    return StreamingResponse(stream_run_result(state.store, job_id, found.meta), media_type="application/json")
 
 
 async def languages(request: Request) -> Response:

@@ -279,9 +279,23 @@ _CALLBACK_FIELDS = (
 _STATUS_FIELDS = ("state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback")
 
 
+# Stored outputs up to this size (each stream) are read with the result and answered whole.
+SMALL_OUTPUT_BYTES = 64 * 1024
+
+
+class StoredOutputFound(NamedTuple):
+    """A collectOutput job's stored result: JSON, and whether the output bytes are stored
+    apart (a StoredOutput; otherwise the JSON is a whole RunResult, what workers before raw
+    storage wrote). `streams` holds both output streams whole when they are small."""
+
+    meta: bytes
+    apart: bool
+    streams: tuple[bytes, bytes] | None
+
+
 class OutputSnapshot(NamedTuple):
     cursor: str
-    output: tuple[bytes, bool] | None
+    output: StoredOutputFound | None
     ended: bool
 
 
@@ -729,13 +743,12 @@ class JobStore:
         has ended, and the newest event id to wait from (so nothing lands unseen after)."""
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.xrevrange(keys.events_key(job_id), count=1)
-            pipe.get(keys.output_key(job_id))
-            pipe.exists(keys.output_stream_key(job_id, "stdout"))
+            self._output_commands(pipe, job_id)
             pipe.hget(keys.status_key(job_id), "state")
-            newest, raw, apart, state = await pipe.execute()
+            newest, *found, state = await pipe.execute()
         return OutputSnapshot(
             cursor=newest[0][0].decode() if newest else "0-0",
-            output=(bytes(raw), bool(apart)) if raw is not None else None,
+            output=self._stored_output(*found),
             ended=state is None or JobState(state.decode()) in TERMINAL_STATES,
         )
 
@@ -751,15 +764,27 @@ class JobStore:
             return after_id, True
         return entries[-1][0].decode(), any(fields.get(b"name") == b"result" for _, fields in entries)
 
-    async def output(self, job_id: str) -> tuple[bytes, bool] | None:
-        """The stored result of a collectOutput job, or None: (JSON, raw), where `raw` says
-        the output bytes are stored apart (a StoredOutput); otherwise the JSON is a whole
-        RunResult (what workers before raw storage wrote)."""
+    async def output(self, job_id: str) -> StoredOutputFound | None:
+        """The stored result of a collectOutput job, or None (see StoredOutputFound)."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.get(keys.output_key(job_id))
-            pipe.exists(keys.output_stream_key(job_id, "stdout"))
-            raw, apart = await pipe.execute()
-        return (bytes(raw), bool(apart)) if raw is not None else None
+            self._output_commands(pipe, job_id)
+            found = await pipe.execute()
+        return self._stored_output(*found)
+
+    @staticmethod
+    def _output_commands(pipe: Any, job_id: str) -> None:
+        pipe.get(keys.output_key(job_id))
+        pipe.exists(keys.output_stream_key(job_id, "stdout"))
+        # Most outputs are small: their bytes come in the same trip as the result.
+        pipe.getrange(keys.output_stream_key(job_id, "stdout"), 0, SMALL_OUTPUT_BYTES)
+        pipe.getrange(keys.output_stream_key(job_id, "stderr"), 0, SMALL_OUTPUT_BYTES)
+
+    @staticmethod
+    def _stored_output(raw: bytes | None, apart: int, stdout: bytes, stderr: bytes) -> StoredOutputFound | None:
+        if raw is None:
+            return None
+        small = len(stdout) < SMALL_OUTPUT_BYTES and len(stderr) < SMALL_OUTPUT_BYTES
+        return StoredOutputFound(bytes(raw), bool(apart), (bytes(stdout), bytes(stderr)) if apart and small else None)
 
     async def output_slice(self, job_id: str, stream: str, offset: int, size: int) -> bytes:
         """`size` bytes of a stored output stream from `offset` (fewer at its end)."""

@@ -147,3 +147,26 @@ def test_waiting_for_output_steps_over_other_events_and_ends_at_its_deadline(api
     waited_s = time.monotonic() - t0
     assert response.status_code == 404 and 0.35 < waited_s < 1.5, (response.status_code, waited_s)
     api.post(f"/v1/jobs/{slow['jobId']}/kill")
+
+
+@pytest.mark.parametrize("size", [10, 64 * 1024 - 1, 64 * 1024, 300 * 1024])
+def test_pulled_output_is_the_same_whole_or_streamed(api: Api, size: int) -> None:
+    # Up to 64 KiB a stream comes with the result and is answered in one piece; more is
+    # streamed slice by slice. Either way: exact text, a multi-byte character across every
+    # boundary, the other stream and the rest of the result intact.
+    code = (
+        "import sys\n"
+        f"text = ('é' * {size})[: {size} // 2] + 'x' * ({size} % 2)\n"
+        "sys.stdout.write(text)\nsys.stderr.write('err ✓')\n"
+    )
+    job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 1024}))
+    api.start(job)
+    response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"})
+    assert response.status_code == 200, response.text
+    out = response.json()
+    expected = "é" * (size // 2) + "x" * (size % 2)
+    assert len(expected.encode()) == size
+    assert out["stdoutEncoding"] == "utf8" and out["stdout"] == expected
+    assert out["stderr"] == "err ✓" and out["exitCode"] == 0 and out["outcome"] == "completed"
+    # The non-waiting read answers the same body.
+    assert api.get(f"/v1/jobs/{job['jobId']}/output").content == response.content
