@@ -30,7 +30,6 @@ from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
 from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
 from shared.messages import (
-    TERMINAL_STATES,
     ExecuteAccepted,
     ExecuteRequest,
     JobPage,
@@ -217,11 +216,13 @@ async def execute(request: Request) -> Response:
 async def start_job(request: Request) -> Response:
     """Durable start signal. 202 {ok:true}; idempotent; 409 once the job ended without starting."""
     state = _state(request)
-    status = await state.visible_job(request)
-    if status.state in TERMINAL_STATES and not status.started:
-        raise ApiError(409, f"Job has already ended ({status.state.value}) and can no longer start")
-    if status.state not in TERMINAL_STATES:
-        await state.store.send_start(status.job_id)
+    job_id, owner = state.job_and_owner(request)
+    answer = await state.store.start(job_id, owner)
+    if answer.outcome == "unknown":
+        raise ApiError(404, "Job not found")
+    if answer.outcome == "ended" and not answer.started:
+        assert answer.state is not None
+        raise ApiError(409, f"Job has already ended ({answer.state.value}) and can no longer start")
     return _json({"ok": True}, 202)
 
 

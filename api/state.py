@@ -27,6 +27,20 @@ class AppState:
     auth: Authenticator
     realtime: RealtimePublisher
 
+    def job_and_owner(self, request: Request) -> tuple[str, str]:
+        """The job named in the path and the owner it must have for this caller ('' when the
+        caller's job token names it), for a script to check; a 404 when it cannot be theirs."""
+        job_id = request.path_params["job_id"]
+        principal = self.auth.principal(request)
+        if keys.is_job_id(job_id):
+            if principal.job_id is not None:
+                if principal.job_id == job_id:
+                    return job_id, ""
+            elif principal.owner is not None:
+                # An owner is an opaque hash of a token, not a secret: a script may compare it.
+                return job_id, principal.owner
+        raise ApiError(404, "Job not found")
+
     async def visible_job(self, request: Request, url_token: bool = False) -> StoredStatus:
         """The job named in the path, if the caller may see it; one uniform 404 otherwise.
 

@@ -235,6 +235,23 @@ return {1, n}
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
+# KEYS: status, start flag. ARGV: the owner the caller must match ('' when a job token
+# already names this job), ttl s, ctrl channel, the start message.
+# Returns {0} (unknown, or not the caller's), {1} (start stored and published), or {2, state,
+# started} (the job has ended: nothing written). Stores the flag first (a worker checks it on
+# claim), then publishes the live message.
+_START = (
+    _TERMINAL_LUA
+    + """
+local st = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started')
+if (not st[1]) or (ARGV[1] ~= '' and st[2] ~= ARGV[1]) then return {0} end
+if terminal[st[1]] then return {2, st[1], st[3] or ''} end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return {1}
+"""
+)
+
 _KILL = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
@@ -291,6 +308,15 @@ class StoredOutputFound(NamedTuple):
     meta: bytes
     apart: bool
     streams: tuple[bytes, bytes] | None
+
+
+class StartAnswer(NamedTuple):
+    """`started` (stored and published), `unknown` (no such job for this caller) or `ended`
+    (with its state, and whether its program had started)."""
+
+    outcome: Literal["started", "unknown", "ended"]
+    state: JobState | None = None
+    started: bool = False
 
 
 class OutputSnapshot(NamedTuple):
@@ -408,6 +434,7 @@ class JobStore:
         self._enqueue = redis.register_script(_ENQUEUE)
         self._stdin = redis.register_script(_STDIN)
         self._kill = redis.register_script(_KILL)
+        self._start = redis.register_script(_START)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
 
@@ -598,12 +625,19 @@ class JobStore:
         """Someone may follow the job's channel from now on (see keys.audience_key)."""
         await self._redis.set(keys.audience_key(job_id), b"1", ex=self._record_ttl_s)
 
-    async def send_start(self, job_id: str) -> None:
-        """Durable start: the flag first (a worker checks it on claim), then the live message."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.start_flag_key(job_id), b"1", ex=self._record_ttl_s)
-            pipe.publish(keys.ctrl_channel(job_id), encode(CtrlMessage(type="start")))
-            await pipe.execute()
+    async def start(self, job_id: str, owner: str) -> StartAnswer:
+        """Start the job if it is `owner`'s ('' when the caller's job token names it), in one
+        script: the lookup, then the durable flag (a worker checks it on claim), then the live
+        message."""
+        answer = await self._start(
+            keys=[keys.status_key(job_id), keys.start_flag_key(job_id)],
+            args=[owner, self._record_ttl_s, keys.ctrl_channel(job_id), encode(CtrlMessage(type="start"))],
+        )
+        if answer[0] == 0:
+            return StartAnswer("unknown")
+        if answer[0] == 2:
+            return StartAnswer("ended", JobState(answer[1].decode()), answer[2] == b"1")
+        return StartAnswer("started")
 
     def stdin_call(
         self,

@@ -22,7 +22,7 @@ from api.store import JobStore, ScriptCall
 from launcher.stack import Stack
 from shared import keys
 from shared.limits import DEFAULT_LIMITS
-from shared.messages import FileSpec, JobSpec
+from shared.messages import FileSpec, JobSpec, JobState
 
 pytestmark = [pytest.mark.stack]
 
@@ -351,3 +351,37 @@ async def test_scripts_survive_concurrent_reruns(store: JobStore, redis: Redis) 
     answers = await asyncio.gather(*(store.run(call) for _ in range(20)))
     assert all(answer == [1, 0] for answer in answers)
     assert await redis.xlen(keys.stdin_key(job_id)) == 1
+
+
+# ---------------------------------------------------------------- start
+
+
+async def test_start_checks_the_owner_and_stores_the_flag_once(store: JobStore, redis: Redis) -> None:
+    spec = _spec("owner-a")
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    job = spec.job_id
+    assert (await store.start(uuid.uuid4().hex, "owner-a")).outcome == "unknown"
+    assert (await store.start(job, "owner-b")).outcome == "unknown"  # not yours: as if unknown
+    assert not await redis.exists(keys.start_flag_key(job))
+
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(keys.ctrl_channel(job))
+    assert (await pubsub.get_message(timeout=2))["type"] == "subscribe"  # type: ignore[index]
+    assert (await store.start(job, "owner-a")).outcome == "started"
+    assert (await store.start(job, "")).outcome == "started"  # a job token named it
+    assert await redis.get(keys.start_flag_key(job)) == b"1"
+    assert 0 < await redis.ttl(keys.start_flag_key(job)) <= RECORD_TTL_S
+    messages = []
+    while (message := await pubsub.get_message(timeout=0.2)) is not None:
+        messages.append(message["data"])
+    assert messages == [b'{"type":"start"}'] * 2
+    await pubsub.aclose()
+
+    await redis.hset(keys.status_key(job), mapping={"state": "killed"})
+    await redis.delete(keys.start_flag_key(job))
+    answer = await store.start(job, "owner-a")
+    assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.KILLED, False)
+    assert not await redis.exists(keys.start_flag_key(job))  # nothing written for an ended job
+    await redis.hset(keys.status_key(job), mapping={"state": "done", "started": "1"})
+    answer = await store.start(job, "owner-a")
+    assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.DONE, True)
