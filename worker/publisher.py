@@ -7,7 +7,8 @@ timeout, and after a failure the publisher backs off for a moment instead of mak
 every job wait for a dead server.
 
 soketi answers every HTTP API request with `Connection: close`, so each delivery is one
-short connection; a few lines of asyncio streams do that with a fraction of the CPU a
+short connection, dialled while the previous delivery is under way so that an event never
+waits for a handshake; a few lines of asyncio streams do that with a fraction of the CPU a
 general-purpose client spends, which matters on a busy two-core worker.
 """
 
@@ -42,6 +43,9 @@ LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 AUDIENCE_RECHECK_S = 1.0
 MAX_IDLE_CONNECTIONS = 16
+# An open connection older than this is not used: the server may have timed it out (uWS,
+# under soketi, closes an idle HTTP connection after 10 s).
+IDLE_CONNECTION_S = 5.0
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -78,13 +82,20 @@ class Publisher:
         # Events not sent because nobody followed the channel (a grader's job).
         self.unheard = 0
         self.audience_checks = 0
-        # Kept-alive connections to a Pusher HTTP API that allows them (soketi does not: it
-        # closes each one after its answer).
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        # Open connections ready for a request, with when each was opened: kept-alive ones
+        # (a Pusher HTTP API that allows them) and pre-dialled ones. soketi closes each
+        # connection after its answer, so the next one is dialled right after, off the path
+        # of the event that will use it.
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        self._dialling = 0
+        self._dialler: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
         """Close the kept connections and report the tally."""
-        for _reader, writer in self._idle:
+        for task in list(self._dialler):
+            task.cancel()
+        await asyncio.gather(*self._dialler, return_exceptions=True)
+        for _reader, writer, _opened in self._idle:
             writer.close()
         self._idle.clear()
         log.info(
@@ -114,10 +125,10 @@ class Publisher:
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         while True:
-            reused = bool(self._idle)
-            reader, writer = self._idle.pop() if reused else await asyncio.open_connection(
-                self._host, self._port, ssl=self._ssl
-            )
+            ready = self._ready_connection()
+            reused = ready is not None
+            reader, writer = ready if ready is not None else await self._dial()
+            self._predial()
             try:
                 writer.write(head + body)
                 status, answer, keep = await self._read_answer(reader)
@@ -135,10 +146,44 @@ class Publisher:
                 writer.close()  # cancelled mid-answer: the connection's state is unknown
                 raise
             if keep and len(self._idle) < MAX_IDLE_CONNECTIONS:
-                self._idle.append((reader, writer))
+                self._idle.append((reader, writer, time.monotonic()))
             else:
                 writer.close()
             return status, answer
+
+    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
+
+    def _ready_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The newest open connection young enough that the server has not timed it out."""
+        while self._idle:
+            reader, writer, opened = self._idle.pop()
+            if time.monotonic() - opened < IDLE_CONNECTION_S and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return None
+
+    def _predial(self) -> None:
+        """Dial the connection the next request will use, unless one is ready or on its way."""
+        if self._idle or self._dialling or time.monotonic() < self._down_until:
+            return
+        self._dialling += 1
+
+        async def dial() -> None:
+            try:
+                reader, writer = await asyncio.wait_for(self._dial(), self._timeout_s)
+            except (OSError, TimeoutError):
+                return  # the next request dials (and reports) for itself
+            finally:
+                self._dialling -= 1
+            if len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append((reader, writer, time.monotonic()))
+            else:
+                writer.close()
+
+        task = asyncio.create_task(dial(), name="soketi-predial")
+        self._dialler.add(task)
+        task.add_done_callback(self._dialler.discard)
 
     @staticmethod
     async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:

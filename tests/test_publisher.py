@@ -1,0 +1,71 @@
+"""The worker's soketi publisher against a real soketi: every delivery is its own connection
+(soketi closes each after one answer), and the next one is dialled ahead of its event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from launcher.stack import Stack
+from shared.settings import load_settings
+from tests.helpers import Api, Realtime, py_job
+from worker import publisher as publisher_module
+from worker.publisher import Publisher, _Event
+
+pytestmark = [pytest.mark.stack]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    s = Stack(with_worker=False)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def test_each_delivery_finds_its_connection_dialled(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    api, rt = Api(stack), Realtime(stack)
+    job = api.execute(py_job("print(1)"))  # no worker: it stays queued; only its channel is used
+    channel = job["channel"]
+    followed = rt.follow(job)
+    looks: list[str] = []
+
+    async def main() -> tuple[int, int]:
+        publisher = Publisher(load_settings(stack.env()))
+        ready_connection = publisher._ready_connection
+
+        def recorded():  # type: ignore[no-untyped-def]
+            found = ready_connection()
+            looks.append("ready" if found is not None else "dial")
+            return found
+
+        monkeypatch.setattr(publisher, "_ready_connection", recorded)
+        for i in range(5):
+            await publisher.deliver([_Event(channel, "stdout", f'{{"chunk":"{i}\\n","seq":{i}}}')])
+            await asyncio.sleep(0.05)  # the next connection is dialled meanwhile
+        # A connection older than a server's idle timeout is not trusted: dialled again.
+        publisher._idle = [(r, w, opened - 60) for r, w, opened in publisher._idle]
+        await publisher.deliver([_Event(channel, "stdout", '{"chunk":"5\\n","seq":5}')])
+        sent, failed = publisher.sent, publisher.failed
+        await publisher.aclose()
+        return sent, failed
+
+    try:
+        sent, failed = asyncio.run(main())
+        assert (sent, failed) == (6, 0)
+        deadline = time.monotonic() + 5
+        while followed.text("stdout") != "".join(f"{i}\n" for i in range(6)):
+            assert time.monotonic() < deadline, followed.summary()
+            time.sleep(0.02)
+        # The first delivery and the one after the stale connection dialled for themselves;
+        # every other found a connection dialled ahead of it.
+        assert looks == ["dial", "ready", "ready", "ready", "ready", "dial"], looks
+    finally:
+        rt.close()
+        api.close()
+    assert publisher_module.IDLE_CONNECTION_S < 10  # under uWS's idle timeout
