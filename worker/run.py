@@ -55,7 +55,7 @@ from worker.isolation.workspace import WorkspaceError
 from worker.outcome import compile_info, compile_succeeded, judge_run
 from worker.output import CompileOutput, OutputBudget, output_encoding
 from worker.payload import fit_result
-from worker.precompile import Precompile, RecordedEvents
+from worker.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.queue import QUEUED_STAGE, Claim, Fenced
 from worker.stdin import StdinFeed
 from worker.supervise import Activity, Clocks, StepFacts, supervise
@@ -185,11 +185,23 @@ class JobRun:
             # must not publish anything of it. Then the client, which subscribed before it
             # started, sees every event from here on, starting with the ones logged while
             # the job was parked.
-            await self.events.state(JobState.STARTING)
-            await self.events.go_live()
-            kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
-            early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
-            if early == "loaded":
+            if precompile is not None and precompile.state is PrecompileState.LOADED:
+                # Loaded while parked: nothing lies between start and run, so one fenced
+                # write takes the job from parked straight to running (settle keeps the
+                # sandbox first, so no started job can recall it meanwhile).
+                await precompile.settle(sub.ctrl, self.events)
+                self.sandbox = precompile.take()
+                self._running_stage = asyncio.create_task(self._mark_running())
+                await self._running_stage
+                await self.events.go_live()
+                kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+                early = "ready"
+            else:
+                await self.events.state(JobState.STARTING)
+                await self.events.go_live()
+                kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+                early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
+            if early == "loaded":  # the load was still under way at start
                 assert precompile is not None
                 self.sandbox = precompile.take()  # files and limits went in while parked
                 self._running_stage = asyncio.create_task(self._mark_running())
