@@ -147,3 +147,33 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
     finally:
         rt.close()
         api.close()
+
+
+def test_stdin_stored_before_any_worker_subscribed_reaches_the_program_first(make_stack: StackFactory) -> None:
+    # Frames stored while no worker held the job were published to nobody: the worker that
+    # claims it must read them from the stream (a job with none stored skips that read and
+    # takes every later frame from pub/sub, with the stream behind a gap or a quiet second).
+    stack = make_stack(with_worker=False)
+    api, rt = Api(stack), Realtime(stack)
+    echo = "import sys\nfor line in sys.stdin:\n    print('echo:' + line, end='', flush=True)\nprint('eof')\n"
+    try:
+        job = api.execute(py_job(echo))
+        followed = rt.follow(job)
+        for line in ("one\n", "two\n"):
+            response = api.post(f"/v1/jobs/{job['jobId']}/stdin", token=job["jobToken"], json={"chunk": line})
+            assert response.status_code == 200, response.text
+        assert api.start(job).status_code == 202
+        stack.start_worker()
+        deadline = time.monotonic() + 20
+        while "echo:two\n" not in followed.text("stdout"):
+            assert time.monotonic() < deadline, followed.summary()
+            time.sleep(0.02)
+        response = api.post(f"/v1/jobs/{job['jobId']}/stdin", token=job["jobToken"], json={"chunk": "three\n"})
+        assert response.status_code == 200
+        assert api.post(f"/v1/jobs/{job['jobId']}/stdin/close", token=job["jobToken"]).status_code == 200
+        result = followed.wait_result()
+        assert result["outcome"] == "completed", result
+        assert followed.text("stdout") == "echo:one\necho:two\necho:three\neof\n"
+    finally:
+        rt.close()
+        api.close()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import struct
 from pathlib import Path
 
 import pytest
 
+from shared.messages import StdinFrame
 from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
 from worker.isolation.jail import JailSpec, Program, build_argv
+from worker.queue import StoredFrame
+from worker.stdin import StdinFeed
+from worker.supervise import Activity
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -87,3 +93,50 @@ def test_gate_frame_carries_argv_verbatim() -> None:
     # A user-controlled argument stays one argv element; no shell ever parses it.
     assert args == program.argv
     assert struct.unpack_from("<QQQ", frame, len(frame) - 24) == (3, 0, 0)
+
+
+class _StoredStdin:
+    """The stdin stream as a feeder sees it, counting its reads."""
+
+    def __init__(self, frames: list[StoredFrame]) -> None:
+        self.frames = frames
+        self.reads = 0
+
+    async def stdin_frames(self, job_id: str, after_id: str | None, count: int = 64) -> list[StoredFrame]:
+        self.reads += 1
+        start = 0 if after_id is None else next(i for i, f in enumerate(self.frames) if f.id == after_id) + 1
+        return self.frames[start : start + count]
+
+    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int) -> None:
+        pass
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.data = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("stored_before", [None, 1, 0])
+async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(stored_before: int | None) -> None:
+    stream = _StoredStdin([StoredFrame(id="1-0", n=0, kind="data", data=b"a\n")] if stored_before else [])
+    inbox: asyncio.Queue[StdinFrame] = asyncio.Queue()
+    if not stored_before:
+        # Stored and published after the subscription: it comes through pub/sub.
+        inbox.put_nowait(StdinFrame(n=0, kind="data", data=base64.b64encode(b"a\n").decode(), id="1-0"))
+    inbox.put_nowait(StdinFrame(n=1, kind="close", data="", id="2-0"))
+    feed = StdinFeed(stream, "job", 1, inbox, None, close_after_upfront=False, stored_before=stored_before)  # type: ignore[arg-type]
+    pipe = _Pipe()
+    await asyncio.wait_for(feed.run(pipe, Activity(0.0)), 5)  # type: ignore[arg-type]
+    assert pipe.data == b"a\n" and pipe.closed
+    # With nothing stored before the subscription, the stream is never read.
+    assert stream.reads == (0 if stored_before == 0 else 1)

@@ -305,13 +305,14 @@ class WorkerQueue:
             logged_queued=bool(int(logged)),
         )
 
-    async def flags(self, job_id: str) -> tuple[bool, bool]:
-        """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
+    async def flags(self, job_id: str) -> tuple[bool, bool, int]:
+        """(start flag set, kill requested, stdin frames stored so far): the durable signals,
+        for when pub/sub missed one."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(keys.start_flag_key(job_id))
-            pipe.hget(keys.status_key(job_id), "kill")
-            start, kill = await pipe.execute()
-        return bool(start), kill == b"1"
+            pipe.hmget(keys.status_key(job_id), ["kill", "stdinFrames"])
+            start, (kill, frames) = await pipe.execute()
+        return bool(start), kill == b"1", int(frames or 0)
 
     async def kill_requested(self, job_id: str) -> bool:
         return await self.redis.hget(keys.status_key(job_id), "kill") == b"1"

@@ -119,6 +119,8 @@ class JobRun:
         self._finished = False
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
+        # Stdin frames stored when the job's subscription was in place (None: unknown).
+        self._stdin_stored: int | None = None
         self._batch_cases: list[CaseOutput] | None = None
         self._running_stage: asyncio.Task[None] | None = None
         self._artifacts: list[ArtifactMeta] = []
@@ -405,10 +407,15 @@ class JobRun:
         """"kill" or "start" from the stored flags (a kill wins), or None (also while Redis
         cannot be reached: the job stays parked and looks again)."""
         try:
-            start, kill = await self.ctx.queue.flags(self.job_id)
+            start, kill, stdin_frames = await self.ctx.queue.flags(self.job_id)
         except (RedisError, OSError) as exc:
             log.warning("job %s: reading its start and kill flags failed: %s", self.job_id, exc)
             return None
+        if self._stdin_stored is None:
+            # Read after the subscription was confirmed: any frame stored later is also
+            # published to it, so with none stored yet the stdin feeder need not read the
+            # stream before its first pub/sub message.
+            self._stdin_stored = stdin_frames
         return "kill" if kill else "start" if start else None
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
@@ -534,6 +541,7 @@ class JobRun:
             # EOF after the up-front input, if any: closeStdin (the API's default is to
             # close when stdin was given, keep open when it was not).
             close_after_upfront=self.spec.close_stdin,
+            stored_before=self._stdin_stored,
         )
 
         flusher = OutputFlusher(self.events)

@@ -41,6 +41,7 @@ class StdinFeed:
         inbox: asyncio.Queue[StdinFrame],
         upfront: bytes | None,
         close_after_upfront: bool,
+        stored_before: int | None = None,
     ) -> None:
         self._queue = queue
         self._job_id = job_id
@@ -48,6 +49,10 @@ class StdinFeed:
         self._inbox = inbox
         self._upfront = upfront
         self._close_after_upfront = close_after_upfront
+        # Frames stored before the job's pub/sub subscription was in place (None: unknown).
+        # Later ones are published to it too, so with none the stream is read only on a gap
+        # or a quiet second.
+        self._stored_before = stored_before
         self.next_n = 0
         self.last_id: str | None = None
         self.written_bytes = 0
@@ -74,7 +79,7 @@ class StdinFeed:
         # One pending get at a time, waited on with asyncio.wait rather than wait_for: on
         # Python 3.11 a wait_for cancelled as its get completes can leave the task hanging.
         getter: asyncio.Future[StdinFrame] | None = None
-        catch_up = True
+        catch_up = self._stored_before != 0
         try:
             while not self._stopped:
                 if catch_up:
