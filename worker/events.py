@@ -69,7 +69,13 @@ class JobEvents:
         delay = 0.1
         while True:
             try:
-                await self._queue.advance(self.job_id, self.attempt, stored, state=state, started=started)
+                # The lane's "is anyone following?" rides along when it wants an answer.
+                ask = self._lane.wants_audience()
+                heard = await self._queue.advance(
+                    self.job_id, self.attempt, stored, state=state, started=started, audience=ask
+                )
+                if ask:
+                    self._lane.learned_audience(heard)
                 return
             except (RedisError, OSError) as exc:
                 if loop.time() + delay > deadline:

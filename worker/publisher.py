@@ -306,6 +306,18 @@ class JobLane:
             await self._pace(size)
             await self._publisher.deliver(batch)
 
+    def wants_audience(self) -> bool:
+        """Whether an answer to "is anyone following?" would be used now (see _heard)."""
+        return not self._audience and (
+            self._audience_checked_at is None or time.monotonic() - self._audience_checked_at >= AUDIENCE_RECHECK_S
+        )
+
+    def learned_audience(self, present: bool) -> None:
+        """The answer, read along with an append to the job's log (saves _heard a look)."""
+        self._publisher.audience_checks += 1
+        self._audience_checked_at = time.monotonic()
+        self._audience = self._audience or present
+
     async def _heard(self) -> bool:
         """A job nobody follows (a grader's) costs soketi nothing, and Redis one look. A
         client that subscribes later is noticed within AUDIENCE_RECHECK_S of the next

@@ -75,17 +75,19 @@ return 1
 """
 )
 
-# KEYS: status, events. ARGV: attempt, ttl s, new state or '', now ms, started ('1' or ''),
-# then (seq, name, field, value) quadruples, field 'data' (JSON) or 'chunk' (raw text; see
-# shared/eventlog.py). Returns 0 when fenced off or already finished.
+# KEYS: status, events, and (optional) the job's audience mark. ARGV: attempt, ttl s, new
+# state or '', now ms, started ('1' or ''), then (seq, name, field, value) quadruples, field
+# 'data' (JSON) or 'chunk' (raw text; see shared/eventlog.py). Returns 0 when fenced off or
+# already finished, else 2 when the audience mark was asked for and is there, else 1.
 _ADVANCE = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
+local heard = (KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1) and 2 or 1
 -- Append only if the log's next seq is the one being written: a re-run of this script
 -- (its reply lost with a connection) finds its events there already and changes nothing.
-if #ARGV >= 6 and tonumber(ARGV[6]) < tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0') then return 1 end
+if #ARGV >= 6 and tonumber(ARGV[6]) < tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0') then return heard end
 local last = nil
 for i = 6, #ARGV, 4 do
   redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
@@ -97,7 +99,7 @@ if last then
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4]) end
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'started', '1') end
-return 1
+return heard
 """
 )
 
@@ -350,8 +352,10 @@ class WorkerQueue:
         events: list[tuple[int, str, str, bytes]],
         state: JobState | None = None,
         started: bool = False,
-    ) -> None:
+        audience: bool = False,
+    ) -> bool:
         """Append events to the durable log and/or move the job's state, fenced by attempt.
+        With `audience`, also tell whether the job's audience mark is set (else False).
 
         Raises:
             Fenced: the job is no longer this worker's to write.
@@ -359,9 +363,13 @@ class WorkerQueue:
         args: list[object] = [attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else ""]
         for seq, name, field, value in events:
             args.extend((seq, name, field, value))
-        ok = await self._advance(keys=[keys.status_key(job_id), keys.events_key(job_id)], args=args)
-        if not ok:
+        script_keys = [keys.status_key(job_id), keys.events_key(job_id)]
+        if audience:
+            script_keys.append(keys.audience_key(job_id))
+        answer = await self._advance(keys=script_keys, args=args)
+        if not answer:
             raise Fenced(job_id)
+        return answer == 2
 
     async def finish(
         self,
