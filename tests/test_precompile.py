@@ -69,6 +69,34 @@ def phases(followed: Followed) -> list[str]:
     return [p["phase"] for n, p in sorted(followed.events, key=lambda e: e[1]["seq"]) if n == "stage"]
 
 
+def both_slots_serve(api: Api, rt: Realtime, probe: str = "import time; time.sleep(0.5); print('ok')") -> list[Followed]:
+    """Two started jobs run side by side (no slot is still held), each to completion."""
+    jobs = [api.execute(py_job(probe)) for _ in range(2)]
+    follows = [rt.follow(j) for j in jobs]
+    t0 = time.monotonic()
+    for f in follows:
+        api.start(f.job)
+    for f in follows:
+        assert f.wait_result()["outcome"] == "completed"
+    assert time.monotonic() - t0 < 1.5, "a killed job's sandbox was not given back"
+    return follows
+
+
+def started_jobs_recall_the_borrower(api: Api, rt: Realtime) -> Followed:
+    """A long job takes the slot nobody borrowed; a quick one must then recall the borrowed
+    sandbox rather than wait. Returns the long job, still running."""
+    long = api.execute(py_job("import time; time.sleep(3); print('long')"))
+    long_follow = rt.follow(long)
+    api.start(long)
+    time.sleep(0.5)
+    quick = api.execute(py_job("print('quick')"))
+    quick_follow = rt.follow(quick)
+    result, took_ms = start_and_wait(api, quick_follow)
+    assert result["outcome"] == "completed" and took_ms < 1500, (took_ms, quick_follow.summary())
+    assert not long_follow.results(), "the quick job waited for the long one"
+    return long_follow
+
+
 def test_a_parked_java_job_is_compiled_before_its_start(clients: tuple[Api, Realtime]) -> None:
     api, rt = clients
     job = api.execute(java(JAVA_OK))
@@ -105,15 +133,7 @@ def test_killing_a_parked_job_that_compiled_frees_its_sandbox(clients: tuple[Api
     time.sleep(4)
     assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
     assert followed.wait_result()["outcome"] == "killed"
-    # Both slots serve again: two started jobs run side by side.
-    jobs = [api.execute(py_job("import time; time.sleep(0.5); print('ok')")) for _ in range(2)]
-    follows = [rt.follow(j) for j in jobs]
-    t0 = time.monotonic()
-    for f in follows:
-        api.start(f.job)
-    for f in follows:
-        assert f.wait_result()["outcome"] == "completed"
-    assert time.monotonic() - t0 < 1.5, "the killed job's sandbox was not given back"
+    both_slots_serve(api, rt)
 
 
 def test_a_started_job_recalls_a_borrowed_sandbox(clients: tuple[Api, Realtime]) -> None:
@@ -124,15 +144,7 @@ def test_a_started_job_recalls_a_borrowed_sandbox(clients: tuple[Api, Realtime])
     parked = api.execute(java(JAVA_OK))
     parked_follow = rt.follow(parked)
     time.sleep(4)
-    long = api.execute(py_job("import time; time.sleep(3); print('long')"))
-    long_follow = rt.follow(long)
-    api.start(long)
-    time.sleep(0.5)
-    quick = api.execute(py_job("print('quick')"))
-    quick_follow = rt.follow(quick)
-    result, took_ms = start_and_wait(api, quick_follow)
-    assert result["outcome"] == "completed" and took_ms < 1500, (took_ms, quick_follow.summary())
-    assert not long_follow.results(), "the quick job waited for the long one"
+    long_follow = started_jobs_recall_the_borrower(api, rt)
     result, took_ms = start_and_wait(api, parked_follow)
     assert result["outcome"] == "completed", parked_follow.summary()
     assert parked_follow.text("stdout") == "hello from java 0\n"
@@ -166,18 +178,18 @@ def test_a_compile_still_running_at_start_streams_live_and_can_be_killed(clients
 PY_PROBE = "import os, sys\nprint(sorted(os.listdir('.')), sys.argv[1:], os.getcwd())\n"
 
 
-def _loaded_while_parked(stack: Stack, job: dict[str, Any]) -> bool:
-    return f"job {job['jobId']}: loaded while parked" in stack.log("worker")
+def wait_loaded_while_parked(stack: Stack, job: dict[str, Any]) -> None:
+    deadline = time.monotonic() + 5
+    while f"job {job['jobId']}: loaded while parked" not in stack.log("worker"):
+        assert time.monotonic() < deadline, "the parked job was not loaded into a spare sandbox"
+        time.sleep(0.02)
 
 
 def test_a_parked_python_job_is_loaded_before_its_start(stack: Stack, clients: tuple[Api, Realtime]) -> None:
     api, rt = clients
     job = api.execute(py_job(PY_PROBE, args=["a b"]))
     followed = rt.follow(job)
-    deadline = time.monotonic() + 5
-    while not _loaded_while_parked(stack, job):
-        assert time.monotonic() < deadline, "the parked job was not loaded into a spare sandbox"
-        time.sleep(0.02)
+    wait_loaded_while_parked(stack, job)
     assert not followed.events, "nothing may be published before start"
     result, _ = start_and_wait(api, followed)
     assert result["outcome"] == "completed" and result["exitCode"] == 0, followed.summary()
@@ -191,24 +203,14 @@ def test_killing_a_parked_loaded_job_frees_its_sandbox(stack: Stack, clients: tu
     api, rt = clients
     job = api.execute(py_job("print('never')"))
     followed = rt.follow(job)
-    deadline = time.monotonic() + 5
-    while not _loaded_while_parked(stack, job):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_loaded_while_parked(stack, job)
     assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
     result = followed.wait_result()
     assert result["outcome"] == "killed" and not followed.text("stdout")
     # Both slots serve again, and the next jobs do not see the killed job's files.
     probe = "import time, os; time.sleep(0.5); print(sorted(os.listdir('.')))"
-    jobs = [api.execute(py_job(probe)) for _ in range(2)]
-    follows = [rt.follow(j) for j in jobs]
-    t0 = time.monotonic()
-    for f in follows:
-        api.start(f.job)
-    for f in follows:
-        assert f.wait_result()["outcome"] == "completed"
+    for f in both_slots_serve(api, rt, probe):
         assert f.text("stdout") == "['main.py']\n"
-    assert time.monotonic() - t0 < 1.5, "the killed job's sandbox was not given back"
 
 
 def test_a_started_job_recalls_a_loaded_sandbox(stack: Stack, clients: tuple[Api, Realtime]) -> None:
@@ -217,19 +219,8 @@ def test_a_started_job_recalls_a_loaded_sandbox(stack: Stack, clients: tuple[Api
     api, rt = clients
     parked = api.execute(py_job("print('parked')"))
     parked_follow = rt.follow(parked)
-    deadline = time.monotonic() + 5
-    while not _loaded_while_parked(stack, parked):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    long = api.execute(py_job("import time; time.sleep(3); print('long')"))
-    long_follow = rt.follow(long)
-    api.start(long)
-    time.sleep(0.5)
-    quick = api.execute(py_job("print('quick')"))
-    quick_follow = rt.follow(quick)
-    result, took_ms = start_and_wait(api, quick_follow)
-    assert result["outcome"] == "completed" and took_ms < 1500, (took_ms, quick_follow.summary())
-    assert not long_follow.results(), "the quick job waited for the long one"
+    wait_loaded_while_parked(stack, parked)
+    long_follow = started_jobs_recall_the_borrower(api, rt)
     result, _ = start_and_wait(api, parked_follow)
     assert result["outcome"] == "completed" and parked_follow.text("stdout") == "parked\n", parked_follow.summary()
     assert phases(parked_follow) == ["queued", "running"]

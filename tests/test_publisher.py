@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from launcher.stack import Stack
 from shared.settings import load_settings
+from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
 from worker import publisher as publisher_module
 from worker.publisher import Publisher, _Event
@@ -18,17 +17,8 @@ from worker.publisher import Publisher, _Event
 pytestmark = [pytest.mark.stack]
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    s = Stack(with_worker=False)
-    s.start()
-    try:
-        yield s
-    finally:
-        s.cleanup()
-
-
-def test_each_delivery_finds_its_connection_dialled(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_delivery_finds_its_connection_dialled(make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    stack = make_stack(with_worker=False)
     api, rt = Api(stack), Realtime(stack)
     job = api.execute(py_job("print(1)"))  # no worker: it stays queued; only its channel is used
     channel = job["channel"]
