@@ -120,10 +120,15 @@ class Deliveries:
         self._take = redis.register_script(_TAKE)
         self._report = redis.register_script(_REPORT)
 
-    async def due(self, now_ms: int, count: int) -> list[str]:
-        """Up to `count` job ids whose callback is due (others may take them first)."""
-        raw = await self.redis.zrangebyscore(keys.CALLBACKS_DUE, "-inf", now_ms, start=0, num=count)
-        return [item.decode() for item in raw]
+    async def due_and_next(self, now_ms: int, count: int) -> tuple[list[str], int | None]:
+        """Up to `count` job ids whose callback is due (others may take them first), and when
+        the earliest delivery is due (None: none queued), in one round trip: an idle sender
+        asks five times a second."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(keys.CALLBACKS_DUE, "-inf", now_ms, start=0, num=count)
+            pipe.zrange(keys.CALLBACKS_DUE, 0, 0, withscores=True)
+            raw, first = await pipe.execute()
+        return [item.decode() for item in raw], int(first[0][1]) if first else None
 
     async def next_due_ms(self) -> int | None:
         """When the earliest delivery is due (None: none queued)."""

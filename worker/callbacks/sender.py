@@ -92,7 +92,9 @@ class CallbackSender:
         if free <= 0:
             return POLL_S
         now = now_ms()
-        for job_id in await self.deliveries.due(now, free + len(self._inflight)):
+        due, upcoming = await self.deliveries.due_and_next(now, free + len(self._inflight))
+        taken = False
+        for job_id in due:
             if job_id in self._inflight or free <= 0:
                 continue
             token = f"{self.sender_id}:{uuid.uuid4().hex[:12]}"
@@ -100,10 +102,12 @@ class CallbackSender:
             if delivery is None:
                 continue
             free -= 1
+            taken = True
             task = asyncio.create_task(self._deliver(delivery), name=f"callback-{job_id}")
             self._inflight[job_id] = task
             task.add_done_callback(lambda _t, job_id=job_id: self._inflight.pop(job_id, None))
-        upcoming = await self.deliveries.next_due_ms()
+        if taken:
+            upcoming = await self.deliveries.next_due_ms()  # what was taken is leased now
         if upcoming is None:
             return POLL_S
         return min(POLL_S, max(0.0, (upcoming - now_ms()) / 1000))
