@@ -187,6 +187,7 @@ class JobRun:
             # must not publish anything of it. Then the client, which subscribed before it
             # started, sees every event from here on, starting with the ones logged while
             # the job was parked.
+            early: str | None = None
             if precompile is not None and precompile.state is PrecompileState.LOADED:
                 # Loaded while parked: nothing lies between start and run, so one fenced
                 # write takes the job from parked straight to running (settle keeps the
@@ -195,13 +196,12 @@ class JobRun:
                 self.sandbox = precompile.take()
                 self._running_stage = asyncio.create_task(self._mark_running())
                 await self._running_stage
-                await self.events.go_live()
-                kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
                 early = "ready"
             else:
                 await self.events.state(JobState.STARTING)
-                await self.events.go_live()
-                kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+            await self.events.go_live()
+            kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+            if early is None:
                 early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
             if early == "loaded":  # the load was still under way at start
                 assert precompile is not None

@@ -132,11 +132,16 @@ class SandboxPool:
         fits = sandbox.prime is None or (program is not None and sandbox.adopts(program))
         return fits and not self.waiting and len(self._lent) < self.slots - 1
 
+    def _lendable(self, program: Program | None) -> Sandbox | None:
+        """The ready sandbox a parked job would borrow: one whose runtime adopts `program`,
+        else a plain one."""
+        adopting = (s for s in self._ready if program is not None and s.adopts(program) and self._may_lend(s, program))
+        return next(adopting, None) or next((s for s in self._ready if self._may_lend(s, program)), None)
+
     def lend_ready(self, recall: Callable[[], None], program: Program, language: str = "") -> Sandbox | None:
         """A sandbox ready now that a parked job may borrow for `program` (see `borrow`), or
         None: nothing is waited for and nothing is rebuilt for it."""
-        sandbox = next((s for s in self._ready if s.adopts(program) and self._may_lend(s, program)), None)
-        sandbox = sandbox or next((s for s in self._ready if self._may_lend(s, program)), None)
+        sandbox = self._lendable(program)
         if sandbox is None or sandbox.idle_s >= MAX_IDLE_S or sandbox.jail.proc.returncode is not None:
             return None
         self._ready.remove(sandbox)
@@ -158,10 +163,7 @@ class SandboxPool:
         sandbox ready, and the borrower must then give its sandbox up (destroy it; the slot
         rebuilds) and do its work after start instead.
         """
-        sandbox = next(
-            (s for s in self._ready if program is not None and s.prime is not None and self._may_lend(s, program)), None
-        )
-        sandbox = sandbox or next((s for s in self._ready if self._may_lend(s, program)), None)
+        sandbox = self._lendable(program)
         if sandbox is not None:
             self._ready.remove(sandbox)
         else:
