@@ -87,7 +87,7 @@ class Publisher:
         # connection after its answer, so the next one is dialled right after, off the path
         # of the event that will use it.
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
-        self._dialling = 0
+        # The dial under way, if any (a set, so a finished one drops out by itself).
         self._dialler: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -165,17 +165,14 @@ class Publisher:
 
     def _predial(self) -> None:
         """Dial the connection the next request will use, unless one is ready or on its way."""
-        if self._idle or self._dialling or time.monotonic() < self._down_until:
+        if self._idle or self._dialler or time.monotonic() < self._down_until:
             return
-        self._dialling += 1
 
         async def dial() -> None:
             try:
                 reader, writer = await asyncio.wait_for(self._dial(), self._timeout_s)
             except (OSError, TimeoutError):
                 return  # the next request dials (and reports) for itself
-            finally:
-                self._dialling -= 1
             if len(self._idle) < MAX_IDLE_CONNECTIONS:
                 self._idle.append((reader, writer, time.monotonic()))
             else:
