@@ -12,6 +12,7 @@ import pytest
 from shared.messages import StdinFrame
 from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
 from worker.isolation.jail import JailSpec, Program, build_argv
+from worker.isolation.sandbox import build_enter
 from worker.queue import StoredFrame
 from worker.stdin import StdinFeed
 from worker.supervise import Activity
@@ -58,6 +59,7 @@ def test_no_cgroups_at_all_is_refused_with_a_reason() -> None:
 def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
     spec = JailSpec(
         gate=Path("/run/coderunner/.gate-x"),
+        enter=Path("/run/coderunner/.enter-x"),
         workspace=Path("/run/coderunner/x"),
         uid=61003,
         gid=61003,
@@ -68,15 +70,51 @@ def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
         rlimit_nofile=64,
     )
     argv = build_argv("/bin/nsjail", Path("/p/base.cfg"), spec, 9, 10, ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"])
-    assert argv[:5] == ["/bin/sh", "-c", argv[2], "coderunner-enter", "2"]
-    assert argv[5:7] == ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
-    assert argv[7] == "/bin/nsjail"
+    assert argv[:4] == ["/run/coderunner/.enter-x", "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
+    assert argv[4] == "/bin/nsjail"
     assert argv[argv.index("--user") + 1] == "65534:61003:1"
     assert argv[argv.index("--bindmount") + 1] == "/run/coderunner/x:/workspace"
     assert "/run/coderunner/.gate-x:/.coderunner/gate" in argv
     assert "/opt/tool" in argv
     assert argv[argv.index("--pass_fd") + 1] == "10"
     assert argv[argv.index("--") + 1 :] == ["/.coderunner/gate", "10"]
+
+
+async def test_enter_joins_every_cgroup_before_it_execs(tmp_path: Path) -> None:
+    """The compiled helper writes its pid to each procs file, then becomes the program."""
+    enter = await build_enter(tmp_path)
+    procs = [tmp_path / "a.procs", tmp_path / "b.procs"]
+    for path in procs:
+        path.write_text("")
+    proc = await asyncio.create_subprocess_exec(
+        str(enter), "2", *map(str, procs), "/bin/sh", "-c", "echo $$", stdout=asyncio.subprocess.PIPE, env={}
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    pid = out.decode().strip()
+    assert pid == str(proc.pid)  # exec'd in place: the shell is the very process that joined
+    assert [path.read_text() for path in procs] == [f"{pid}\n", f"{pid}\n"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["1", "{missing}", "/bin/touch", "{marker}"],  # the cgroup write fails
+        ["3", "{ok}", "/bin/touch"],  # more procs files claimed than arguments
+        ["-1", "/bin/touch", "{marker}"],
+        ["x", "/bin/touch", "{marker}"],
+    ],
+)
+async def test_enter_refuses_a_bad_count_or_a_failed_write_before_exec(tmp_path: Path, args: list[str]) -> None:
+    enter = await build_enter(tmp_path)
+    marker = tmp_path / "ran"
+    (tmp_path / "ok.procs").write_text("")
+    paths = {"missing": tmp_path / "no-such-cgroup" / "cgroup.procs", "ok": tmp_path / "ok.procs", "marker": marker}
+    argv = [str(enter), *(arg.format(**paths) for arg in args)]
+    proc = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE, env={})
+    _, err = await proc.communicate()
+    assert proc.returncode == 125, err
+    assert not marker.exists()
 
 
 def test_gate_frame_carries_argv_verbatim() -> None:

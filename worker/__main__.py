@@ -27,7 +27,7 @@ from shared.paths import profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
-from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_gate, stage_prestart_shims
+from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_enter, build_gate, stage_prestart_shims
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, expose_mounts
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
@@ -89,6 +89,7 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
     async with _work_root_lock(work_root):
         try:
             gate = await build_gate(work_root)
+            enter = await build_enter(work_root)
             shims = stage_prestart_shims(pdir, work_root)
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
@@ -105,6 +106,7 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
         profiles_dir=pdir,
         work_root=work_root,
         gate=gate,
+        enter=enter,
         prestart_shims=shims,
         cgroups=layout,
         uid_base=settings.sandbox_uid_base,

@@ -2,10 +2,10 @@
 
 Launch path (all argv, never a shell string built from user data):
 
-    /bin/sh -c ENTER  <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
+    enter <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
 
-ENTER writes its own pid into the sandbox's cgroups and execs nsjail, so the jail is born
-inside them. When nsjail logs that the jail is executing, the worker moves nsjail itself
+`enter` (worker/isolation/enter.c) writes its own pid into the sandbox's cgroups and execs
+nsjail, so the jail is born inside them. When nsjail logs that the jail is executing, the worker moves nsjail itself
 out, leaving only jailed processes in those cgroups. The gate (worker/gate.c), already
 inside the jail, blocks on stdin until `go()` sends it the program's argv, environment
 and rlimits as one binary frame; it then execs the program in its place. All the costly
@@ -37,7 +37,6 @@ __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
 log = logging.getLogger(__name__)
 
 GATE_IN_JAIL = "/.coderunner/gate"
-_ENTER = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
 
 _EXITED = re.compile(rb"exited with status: (\d+)")
 _SIGNALLED = re.compile(rb"terminated with signal: (SIG[A-Z0-9]+) \((\d+)\)")
@@ -74,6 +73,7 @@ class Program:
 @dataclass(frozen=True)
 class JailSpec:
     gate: Path
+    enter: Path
     workspace: Path
     uid: int
     gid: int
@@ -111,7 +111,7 @@ def build_argv(
     for mount in spec.extra_mounts:
         flags += ["--bindmount_ro", mount]
     return [
-        "/bin/sh", "-c", _ENTER, "coderunner-enter", str(len(procs_files)), *procs_files,
+        str(spec.enter), str(len(procs_files)), *procs_files,
         nsjail, *flags, "--", GATE_IN_JAIL, str(status_fd),
     ]  # fmt: skip
 

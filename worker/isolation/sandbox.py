@@ -35,6 +35,7 @@ __all__ = [
     "Prime",
     "Sandbox",
     "SandboxFactory",
+    "build_enter",
     "build_gate",
     "owner_of",
     "stage_prestart_shims",
@@ -43,12 +44,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GATE_SOURCE = Path(__file__).with_name("gate.c")
+ENTER_SOURCE = Path(__file__).with_name("enter.c")
 # A sandbox left idle this long is replaced before use (it also bounds nsjail's backstop).
 MAX_IDLE_S = 1200.0
 
 
 class GateBuildError(Exception):
-    """The jail gate could not be compiled (no C compiler?)."""
+    """The jail gate or the cgroup entry helper could not be compiled (no C compiler?)."""
 
 
 def owner_of(name: str) -> str | None:
@@ -65,8 +67,13 @@ async def build_gate(work_root: Path) -> Path:
     The binary is copied into a small tmpfs of its own (`<work root>/.gate`), so the bind
     a jail's /proc/self/mountinfo shows is `/gate-<hash>` of that tmpfs, not a host path.
     """
-    built = await _compile_gate(work_root)
+    built = await _compile(GATE_SOURCE, work_root, "gate")
     return _stage_gate(built, work_root / ".gate")
+
+
+async def build_enter(work_root: Path) -> Path:
+    """Compile worker/isolation/enter.c once per source version; it runs on the host only."""
+    return await _compile(ENTER_SOURCE, work_root, "enter")
 
 
 _GATE_TMPFS = "size=4m,nr_inodes=256,mode=755"
@@ -108,19 +115,19 @@ def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]
     return staged
 
 
-async def _compile_gate(work_root: Path) -> Path:
-    """Compile worker/gate.c once per source version; returns the binary's path."""
-    source = GATE_SOURCE.read_bytes()
-    dest = work_root / f".gate-{hashlib.sha256(source).hexdigest()[:16]}"
+async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
+    """Compile one of the C helpers once per source version; returns the binary's path."""
+    source = source_path.read_bytes()
+    dest = work_root / f".{name}-{hashlib.sha256(source).hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise GateBuildError("a C compiler (cc) is needed once at start-up to build the jail gate (apt install gcc)")
+        raise GateBuildError(f"a C compiler (cc) is needed once at start-up to build the jail {name} (apt install gcc)")
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
     for static in (["-static"], []):  # static needs libc.a; the dynamic build works too (the jail has /lib)
         proc = await asyncio.create_subprocess_exec(
-            compiler, "-O2", *static, "-o", str(tmp), str(GATE_SOURCE),
+            compiler, "-O2", *static, "-o", str(tmp), str(source_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         out, _ = await proc.communicate()
@@ -128,7 +135,7 @@ async def _compile_gate(work_root: Path) -> Path:
             os.chmod(tmp, 0o755)
             os.replace(tmp, dest)
             return dest
-    raise GateBuildError(f"building the jail gate failed: {out.decode(errors='replace')[-400:]}")
+    raise GateBuildError(f"building the jail {name} failed: {out.decode(errors='replace')[-400:]}")
 
 
 @dataclass(frozen=True)
@@ -280,6 +287,7 @@ class SandboxFactory:
     profiles_dir: Path
     work_root: Path
     gate: Path
+    enter: Path
     cgroups: CgroupLayout
     uid_base: int
     max_limits: Limits
@@ -332,6 +340,7 @@ class SandboxFactory:
                 await off_loop(self._make_cgroup, cgroup, limits)
             spec = JailSpec(
                 gate=self.gate,
+                enter=self.enter,
                 workspace=workspace.path,
                 uid=uid,
                 gid=uid,
