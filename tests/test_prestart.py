@@ -14,8 +14,10 @@ import os
 import re
 import statistics
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,15 +287,31 @@ def test_nothing_of_another_job_reaches_a_prestarted_one(stacks: tuple[Api, Api]
         assert match.group(2) == match.group(3) == f"1, {match.group(4)}", out["stdout"]
 
 
+def waiting_runtimes() -> list[int]:
+    """Prestarted runtimes that have finished starting: blocked reading the frame on fd 0."""
+    ps = subprocess.run(
+        ["pgrep", "-f", f"^/usr/bin/python3 -u {SHIM}python.py"], capture_output=True, text=True, check=False
+    )
+    waiting = []
+    for pid in (int(p) for p in ps.stdout.split()):
+        try:
+            call = Path(f"/proc/{pid}/syscall").read_text().split()
+        except OSError:
+            continue
+        if call[:2] == ["0", "0x0"]:  # read(0, ...)
+            waiting.append(pid)
+    return waiting
+
+
 def test_a_waiting_runtime_holds_nothing_to_reach_it_by(stacks: tuple[Api, Api]) -> None:
     """From the host: each waiting runtime has only its three pipes open, no socket and no
     file, and lives in a network namespace of its own."""
     warm, _ = stacks
     until_prestarted(warm, py_job("print(open('/proc/self/cmdline', 'rb').read())\n"))
-    ps = subprocess.run(
-        ["pgrep", "-f", f"^/usr/bin/python3 -u {SHIM}python.py"], capture_output=True, text=True, check=False
-    )
-    pids = [int(p) for p in ps.stdout.split()]
+    # The slot that ran the job is priming its next runtime: look once one is waiting.
+    deadline = time.monotonic() + 10
+    while not (pids := waiting_runtimes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert pids, "no waiting runtime found on the host"
     host_net = os.readlink("/proc/self/ns/net")
     checked = 0
