@@ -405,23 +405,19 @@ async def job_output(request: Request) -> Response:
         if found is None:
             raise ApiError(404, missing)
         return await _output_response(state, status.job_id, found)
-    # Waiting is event-driven: the result is appended to the job's event log in the same
-    # script that stores the output, so a blocking read of the log wakes the moment it
-    # lands. Each look is one atomic snapshot that also gives the cursor to wait from, so
-    # nothing lands unseen in between; events other than the result are only stepped over.
+    # Waiting is event-driven: the script that stores the output also logs the result and
+    # marks the job's done stream, and a blocking read of that stream wakes the moment it is
+    # marked (or at once, if it already was). Output and other events never wake it.
     while True:
         look = await store.output_snapshot(status.job_id)
         if look.output is not None:
             return await _output_response(state, status.job_id, look.output)
         if look.ended:
             raise ApiError(404, missing)
-        cursor, worth_a_look = look.cursor, False
-        while not worth_a_look:
-            left_ms = int((deadline - loop.time()) * 1000)
-            if left_ms <= 0:
-                raise ApiError(404, missing)
-            block_ms = min(left_ms, OUTPUT_WAIT_SLICE_MS)
-            cursor, worth_a_look = await store.wait_for_result(status.job_id, cursor, block_ms)
+        left_ms = int((deadline - loop.time()) * 1000)
+        if left_ms <= 0:
+            raise ApiError(404, missing)
+        await store.wait_for_result(status.job_id, min(left_ms, OUTPUT_WAIT_SLICE_MS))
 
 
 # One blocking read of the event log lasts at most this long before the job is looked at again.

@@ -20,7 +20,7 @@ from api.quota import RETAINED_OUTPUT_LUA
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
-from shared.eventlog import entry_json
+from shared.eventlog import RESULT_LANDED_LUA, entry_json
 from shared.messages import (
     TERMINAL_STATES,
     CallbackState,
@@ -229,7 +229,7 @@ return {1, n}
 # live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
 # and a live message on its control channel.
 # KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
-# callbacks' due set. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
+# callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
 # seq, ctrl channel, ctrl message, request id.
 # Returns {0, state} (already ended), {1} (flagged) or {2, seq, result} (ended here).
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
@@ -255,6 +255,7 @@ return {1}
 _KILL = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
+    + RESULT_LANDED_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state then
@@ -276,6 +277,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('EXPIRE', KEYS[6], ARGV[3])
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
+  result_landed(KEYS[9], ARGV[3])
   return {2, seq, data}
 end
 local recent = {ARGV[8]}
@@ -320,7 +322,6 @@ class StartAnswer(NamedTuple):
 
 
 class OutputSnapshot(NamedTuple):
-    cursor: str
     output: StoredOutputFound | None
     ended: bool
 
@@ -713,6 +714,7 @@ class JobStore:
                 keys.stdin_key(job_id),
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
+                keys.done_key(job_id),
             ],
             args=[
                 job_id,
@@ -773,30 +775,24 @@ class JobStore:
         return out
 
     async def output_snapshot(self, job_id: str) -> OutputSnapshot:
-        """One atomic look for a waiting `/output`: the stored output if any, whether the job
-        has ended, and the newest event id to wait from (so nothing lands unseen after)."""
+        """One atomic look for a waiting `/output`: the stored output if any, and whether the
+        job has ended."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.xrevrange(keys.events_key(job_id), count=1)
             self._output_commands(pipe, job_id)
             pipe.hget(keys.status_key(job_id), "state")
-            newest, *found, state = await pipe.execute()
+            *found, state = await pipe.execute()
         return OutputSnapshot(
-            cursor=newest[0][0].decode() if newest else "0-0",
             output=self._stored_output(*found),
             ended=state is None or JobState(state.decode()) in TERMINAL_STATES,
         )
 
-    async def wait_for_result(self, job_id: str, after_id: str, block_ms: int) -> tuple[str, bool]:
-        """Block until the job logs something after `after_id` (or `block_ms` passes).
+    async def wait_for_result(self, job_id: str, block_ms: int) -> None:
+        """Block until the job's result is logged (or `block_ms` passes).
 
-        Returns the newest id seen (to wait from next) and whether the wait is worth another
-        look: the result was logged (it lands with the output, in one script), or nothing
-        came at all (the job may have expired meanwhile)."""
-        answer = await self._streams.xread({keys.events_key(job_id): after_id}, count=500, block=max(1, block_ms))
-        entries = answer[0][1] if answer else []
-        if not entries:
-            return after_id, True
-        return entries[-1][0].decode(), any(fields.get(b"name") == b"result" for _, fields in entries)
+        Every script that logs a result also adds the one entry of the job's done stream, so
+        this read wakes then and only then; reading from the start, it returns at once for
+        a result that landed before it began."""
+        await self._streams.xread({keys.done_key(job_id): "0-0"}, count=1, block=max(1, block_ms))
 
     async def output(self, job_id: str) -> StoredOutputFound | None:
         """The stored result of a collectOutput job, or None (see StoredOutputFound)."""

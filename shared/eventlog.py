@@ -14,11 +14,22 @@ import msgspec
 
 from shared.messages import ChunkEvent
 
-__all__ = ["CHUNK_EVENTS", "entry_json"]
+__all__ = ["CHUNK_EVENTS", "RESULT_LANDED_LUA", "entry_json"]
 
 CHUNK_EVENTS = frozenset({"stdout", "stderr", "compile_output"})
 
 _encoder = msgspec.json.Encoder()
+
+# Lua for every script that appends a job's `result`: it also adds the one entry of the job's
+# "done" stream (keys.done_key), which is what a waiting `GET /output` blocks on, so the
+# wait wakes when the result lands and not for every event before it.
+# result_landed(done stream key, ttl s).
+RESULT_LANDED_LUA = """
+local function result_landed(done, ttl)
+  redis.call('XADD', done, 'MAXLEN', '1', '*', 'result', '1')
+  redis.call('EXPIRE', done, ttl)
+end
+"""
 
 
 def entry_json(seq: int, fields: Mapping[bytes, bytes]) -> bytes:

@@ -17,6 +17,7 @@ __all__ = [
     "artifacts_key",
     "callback_key",
     "ctrl_channel",
+    "done_key",
     "events_key",
     "idempotency_key",
     "job_id_from_channel",
@@ -57,6 +58,11 @@ def status_key(job_id: str) -> str:
 
 def events_key(job_id: str) -> str:
     return f"job:{job_id}:events"
+
+
+def done_key(job_id: str) -> str:
+    """A stream that gets one entry when the job's result is logged (see RESULT_LANDED_LUA)."""
+    return f"job:{job_id}:done"
 
 
 def callback_key(job_id: str) -> str:

@@ -8,12 +8,16 @@ and the pullable copy) whatever the bytes are, and `/output` is streamed, not bu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from launcher.stack import Stack
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
 
@@ -117,6 +121,32 @@ def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFac
         api.close()
 
 
+@contextlib.contextmanager
+def watched_commands(stack: Stack) -> Iterator[list[str]]:
+    """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
+    seen: list[str] = []
+    redis = stack.redis()
+    monitor = redis.monitor()
+    monitor.__enter__()
+
+    def listen() -> None:
+        try:
+            for command in monitor.listen():
+                seen.append(command["command"])
+        except Exception:
+            pass  # the connection was closed: the watch is over
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    try:
+        yield seen
+        time.sleep(0.2)  # what was sent last reaches the monitor
+    finally:
+        monitor.connection.disconnect()
+        thread.join(5)
+        redis.close()
+
+
 def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:
     lags = []
     for _ in range(5):
@@ -131,14 +161,17 @@ def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:
     assert lags[2] < 30, lags
 
 
-def test_waiting_for_output_steps_over_other_events_and_ends_at_its_deadline(api: Api) -> None:
-    # Twenty output events arrive before the result: each wakes the wait, none answers it.
+def test_waiting_for_output_is_woken_by_the_result_only_and_ends_at_its_deadline(stack: Stack, api: Api) -> None:
+    # Twenty output events arrive before the result: none of them wakes the wait.
     chatty = "import time\nfor i in range(20):\n    print(i, flush=True)\n    time.sleep(0.02)\n"
     job = api.execute(py_job(chatty, collectOutput=True))
-    api.start(job)
-    response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "10000"})
+    with watched_commands(stack) as seen:
+        api.start(job)
+        response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "10000"})
     assert response.status_code == 200, response.text
     assert response.json()["stdout"] == "".join(f"{i}\n" for i in range(20))
+    reads = [command for command in seen if command.startswith("XREAD") and job["jobId"] in command]
+    assert 1 <= len(reads) <= 2, reads
 
     slow = api.execute(py_job("import time\ntime.sleep(3)\n", collectOutput=True))
     api.start(slow)

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
-from shared.eventlog import entry_json
+from shared.eventlog import RESULT_LANDED_LUA, entry_json
 from shared.messages import JobSpec, JobState, StageEvent, WorkerInfo
 
 __all__ = ["QUEUED_STAGE", "Claim", "Fenced", "StoredFrame", "WorkerQueue", "now_ms"]
@@ -104,12 +104,13 @@ return heard
 )
 
 # KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
-# retained set and sizes, the job's callback record, the callbacks' due set. ARGV: attempt,
+# retained set and sizes, the job's callback record, the callbacks' due set, done. ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
 # bytes of output this job keeps.
 _FINISH = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
+    + RESULT_LANDED_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
@@ -137,6 +138,7 @@ redis.call('EXPIRE', KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
+result_landed(KEYS[14], ARGV[2])
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
 if kept > 0 then
@@ -176,7 +178,7 @@ return 1
 )
 
 # KEYS: status, the claimed list holding it, queue, events, spec, start flag, the job's
-# callback record, the callbacks' due set.
+# callback record, the callbacks' due set, done.
 # ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
 # "requeue" or "end". With "requeue", a job whose program never started goes back to the
 # queue; otherwise (or once started) it ends with the given result.
@@ -184,6 +186,7 @@ return 1
 _REAP = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
+    + RESULT_LANDED_LUA
     + """
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -200,6 +203,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('EXPIRE', KEYS[5], ARGV[3])
   redis.call('DEL', KEYS[6])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
+  result_landed(KEYS[9], ARGV[3])
   return {2, seq, data}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
@@ -404,6 +408,7 @@ class WorkerQueue:
                 keys.retained_sizes_key(owner),
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
+                keys.done_key(job_id),
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
@@ -449,6 +454,7 @@ class WorkerQueue:
                 keys.start_flag_key(job_id),
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
+                keys.done_key(job_id),
             ],
             args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode],
         )
