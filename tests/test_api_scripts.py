@@ -289,6 +289,8 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     assert_same_state(after_one, after_two)
     events = await redis.xrange(keys.events_key(spec.job_id))
     assert [fields[b"name"] for _, fields in events] == [b"result"]
+    assert await redis.xlen(keys.done_key(spec.job_id)) == 1
+    assert 0 < await redis.ttl(keys.done_key(spec.job_id)) <= RESULT_TTL_S
     assert await redis.lrange(keys.QUEUE, 0, -1) == []
     assert await redis.hget(keys.status_key(spec.job_id), "state") == b"killed"
     assert published.messages == []

@@ -104,6 +104,7 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     assert_same_state(after_one, await snapshot(redis))
     names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
     assert names.count(b"result") == 1
+    assert await redis.xlen(keys.done_key(job)) == 1  # what a waiting /output wakes on
     assert int(await redis.hget(keys.retained_sizes_key("owner-a"), "_total")) == 10
 
 
@@ -129,6 +130,7 @@ async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -
     assert_same_state(after_one, await snapshot(redis))
     names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
     assert names.count(b"result") == 1
+    assert await redis.xlen(keys.done_key(job)) == 1
 
 
 async def test_stdin_written_sent_twice_is_the_same_count(redis: Redis, queue: WorkerQueue) -> None:
