@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -55,5 +56,9 @@ def test_parallel_jobs_near_their_memory_limit_do_not_hurt_each_other(api: Api, 
     for f in followed:
         result = f.wait_result(timeout_s=60)
         assert result["outcome"] == "completed" and result["exitCode"] == 0, result
-        assert 100 * 1024 <= result["memoryKb"] <= 128 * 1024
+        # A prestarted runtime's own memory is taken off the peak, as read before start; the
+        # kernel charges memory to a cgroup in per-CPU batches (64 pages a CPU), so either
+        # reading may be off by that much.
+        fuzz_kb = 64 * 4 * (os.cpu_count() or 1)
+        assert 100 * 1024 - fuzz_kb <= result["memoryKb"] <= 128 * 1024
         assert f.text("stdout") == "ok\n"
