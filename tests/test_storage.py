@@ -170,7 +170,9 @@ def test_waiting_for_output_is_woken_by_the_result_only_and_ends_at_its_deadline
         response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "10000"})
     assert response.status_code == 200, response.text
     assert response.json()["stdout"] == "".join(f"{i}\n" for i in range(20))
-    reads = [command for command in seen if command.startswith("XREAD") and job["jobId"] in command]
+    # The API's blocking reads for this job (its done stream, or formerly its event log).
+    waits = (f"job:{job['jobId']}:done", f"job:{job['jobId']}:events")
+    reads = [command for command in seen if command.startswith("XREAD") and any(key in command for key in waits)]
     assert 1 <= len(reads) <= 2, reads
 
     slow = api.execute(py_job("import time\ntime.sleep(3)\n", collectOutput=True))
