@@ -1,12 +1,15 @@
 """Artifacts: the files a program leaves at the top of its workspace, collected and stored.
 
-Collecting runs after every process of the job is dead, on an isolation thread, over a
-tree the program wrote, so it trusts nothing in it: each entry is opened relative to the
-workspace's own descriptor with O_NOFOLLOW (a symbolic link to a host file fails to
-open) and O_NONBLOCK (a FIFO opens without waiting for a writer), and only a regular file
-is read, and only if fstat says it fits `maxArtifactBytes` (a sparse 1 GiB file is
-skipped, not read). Names are kept as text (bytes that are not UTF-8 become U+FFFD); the
-files themselves are addressed by number everywhere.
+Collecting runs after every process of the job is dead, over a tree the program wrote, so
+it trusts nothing in it. The workspace's top level is listed on the event loop: a tmpfs
+folder whose inode cap bounds it to a few thousand names, usually a handful, and one listing
+costs less than a trip to a thread. New files, if any, are read on an isolation thread:
+each entry is opened relative to the workspace's own descriptor with O_NOFOLLOW (a symbolic
+link to a host file fails to open) and O_NONBLOCK (a FIFO opens without waiting for a
+writer), and only a regular file is read, and only if fstat says it fits
+`maxArtifactBytes` (a sparse 1 GiB file is skipped, not read). Names are kept as text
+(bytes that are not UTF-8 become U+FFFD); the files themselves are addressed by number
+everywhere.
 
 Storage sits behind `ArtifactStore` so another backend (S3-compatible storage, say) can
 replace Redis without touching the job's lifecycle.
@@ -34,7 +37,8 @@ class Collected:
 
 
 def top_level_names(path: str) -> set[bytes]:
-    """What the workspace holds before the run (inputs, compiled program): not artifacts."""
+    """The names at the top of the workspace: before the run (inputs, compiled program: not
+    artifacts), and after it (anything new is one)."""
     return set(os.listdir(os.fsencode(path)))
 
 

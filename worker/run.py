@@ -243,11 +243,12 @@ class JobRun:
                 await self._run_batch(sub.ctrl, plan, compiled)
                 return
             # What is in the workspace before the run is not an artifact: the submitted files,
-            # plus (only after a compile, which may add some) whatever the listing shows.
+            # plus (only after a compile, which may add some) whatever the listing shows (see
+            # top_level_names: a listing this small is cheaper here than on a thread).
             before = (
                 {name.split("/", 1)[0].encode() for name, _ in plan.files}
                 if plan.compile is None
-                else await off_loop(top_level_names, str(self.sandbox.workspace.path))
+                else top_level_names(str(self.sandbox.workspace.path))
             )
             facts = await self._run(sub.ctrl, sub.stdin, plan.run)
             await self._keep_artifacts(before)
@@ -583,10 +584,13 @@ class JobRun:
         """Store the files the program left and announce each (before the result)."""
         assert self.sandbox is not None
         limits, settings = self.spec.limits, self.ctx.settings
+        path = str(self.sandbox.workspace.path)
         try:
-            collected = await off_loop(
-                collect_artifacts, str(self.sandbox.workspace.path), before, limits.max_artifacts, limits.max_artifact_bytes
-            )
+            # Most programs leave nothing new: then this one listing is all, with no trip to
+            # the isolation threads (which read the files, when there are any).
+            if not top_level_names(path) - before:
+                return
+            collected = await off_loop(collect_artifacts, path, before, limits.max_artifacts, limits.max_artifact_bytes)
         except OSError as exc:
             log.warning("job %s: could not read its artifacts: %s", self.job_id, exc)
             return
