@@ -420,7 +420,7 @@ async def job_output(request: Request) -> Response:
         await store.wait_for_result(status.job_id, min(left_ms, OUTPUT_WAIT_SLICE_MS))
 
 
-# One blocking read of the event log lasts at most this long before the job is looked at again.
+# One blocking read of the done stream lasts at most this long before the job is looked at again.
 OUTPUT_WAIT_SLICE_MS = 5000
 
 

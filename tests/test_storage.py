@@ -125,26 +125,20 @@ def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFac
 def watched_commands(stack: Stack) -> Iterator[list[str]]:
     """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
     seen: list[str] = []
-    redis = stack.redis()
-    monitor = redis.monitor()
-    monitor.__enter__()
+    with stack.redis() as redis, redis.monitor() as monitor:
 
-    def listen() -> None:
-        try:
-            for command in monitor.listen():
-                seen.append(command["command"])
-        except Exception:
-            pass  # the connection was closed: the watch is over
+        def listen() -> None:
+            try:
+                for command in monitor.listen():
+                    seen.append(command["command"])
+            except Exception:
+                pass  # leaving the block disconnects the monitor: the watch is over
 
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    try:
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
         yield seen
         time.sleep(0.2)  # what was sent last reaches the monitor
-    finally:
-        monitor.connection.disconnect()
-        thread.join(5)
-        redis.close()
+    thread.join(5)
 
 
 def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:
