@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from shared.messages import StdinFrame
-from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
-from worker.isolation.jail import JailSpec, Program, build_argv
+from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
+from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
 from worker.isolation.sandbox import build_enter
 from worker.queue import StoredFrame
 from worker.stdin import StdinFeed
-from worker.supervise import Activity
+from worker.supervise import Activity, Clocks, supervise
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -178,3 +178,58 @@ async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(sto
     assert pipe.data == b"a\n" and pipe.closed
     # With nothing stored before the subscription, the stream is never read.
     assert stream.reads == (0 if stored_before == 0 else 1)
+
+
+class _ExitsLate:
+    """A jail whose pipes reach EOF well before nsjail is reaped (its teardown follows)."""
+
+    def __init__(self, reap_after_s: float) -> None:
+        self.reap_after_s = reap_after_s
+
+    def go(self, program: Program) -> None:
+        pass
+
+    async def wait(self) -> JailExit:
+        await asyncio.sleep(self.reap_after_s)
+        return JailExit(exit_code=0, signal=None, backstop_fired=False)
+
+
+class _CountingCgroup:
+    def __init__(self) -> None:
+        self.cpu_reads = 0
+
+    def cpu_us(self) -> int:
+        self.cpu_reads += 1
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+    def counters(self) -> JobCounters:
+        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=0)
+
+
+async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
+    # A spin here (a finished pump kept in the wait set) cost the worker ~4 ms of CPU per job.
+    stdout, stderr = asyncio.StreamReader(), asyncio.StreamReader()
+    stdout.feed_data(b"1\n")
+    stdout.feed_eof()
+    stderr.feed_eof()
+    received: list[bytes] = []
+
+    async def on_data(data: bytes) -> None:
+        received.append(data)
+
+    cgroup = _CountingCgroup()
+    facts = await supervise(
+        _ExitsLate(0.2),  # type: ignore[arg-type]
+        cgroup,  # type: ignore[arg-type]
+        Program(argv=["main"], env={}),
+        Clocks(wall_ms=5000, cpu_ms=5000, idle_ms=None),
+        [(stdout, on_data), (stderr, on_data)],
+        asyncio.Queue(),
+    )
+    assert received == [b"1\n"] and facts.exit.exit_code == 0 and facts.fired is None
+    # The first read, the end-of-step read, and one per wake-up: the 50 ms CPU poll over
+    # 200 ms, the two pumps ending, and the reap. A spin makes it thousands.
+    assert cgroup.cpu_reads <= 12, cgroup.cpu_reads

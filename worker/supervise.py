@@ -134,7 +134,11 @@ async def supervise(
             timeout = min(go_at + wall_s - now, CPU_POLL_S)
             if idle_s is not None:
                 timeout = min(timeout, activity.last + idle_s - now)
-            watched = {exit_task, inbox_task, *readers, *([sink] if sink is not None and not sink.done() else [])}
+            # Only what is still pending: a pump that reached EOF stays done, and watching it
+            # would turn this wait into a spin until nsjail is reaped (its teardown comes after
+            # the pipes close), reading cpu.stat on every turn.
+            pending = [t for t in (*readers, *([sink] if sink is not None else [])) if not t.done()]
+            watched = {exit_task, inbox_task, *pending}
             done, _ = await asyncio.wait(watched, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
             if exit_task in done:
                 ended_at = loop.time()
