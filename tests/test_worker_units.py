@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import struct
 from pathlib import Path
 
 import pytest
 
 from shared.messages import StdinFrame
+from worker.events import JobEvents
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
 from worker.isolation.sandbox import build_enter
@@ -233,3 +235,45 @@ async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
     # The first read, the end-of-step read, and one per wake-up: the 50 ms CPU poll over
     # 200 ms, the two pumps ending, and the reap. A spin makes it thousands.
     assert cgroup.cpu_reads <= 12, cgroup.cpu_reads
+
+
+class _LogOnly:
+    """The queue's append, always accepted."""
+
+    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False) -> bool:  # type: ignore[no-untyped-def, type-arg]
+        return True
+
+
+class _SentLane:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, object]]] = []
+
+    def send(self, name: str, data: bytes) -> None:
+        self.sent.append((name, json.loads(data)))
+
+    def wants_audience(self) -> bool:
+        return False
+
+
+async def test_a_held_go_live_publishes_the_backlog_with_the_first_output() -> None:
+    lane = _SentLane()
+    events = JobEvents(_LogOnly(), lane, "job", 1, 1, [(0, "stage", b'{"phase":"queued","seq":0}')])  # type: ignore[arg-type]
+    events.go_live_within(10.0)
+    await events.stage("running")
+    assert lane.sent == [] and not events.live  # a stage does not end the hold
+    await events.chunk_runs([("stdout", "1\n")])
+    assert events.live
+    assert [(name, data["seq"]) for name, data in lane.sent] == [("stage", 0), ("stage", 1), ("stdout", 2)]
+    await events.chunk_runs([("stderr", "x")])
+    assert [(name, data["seq"]) for name, data in lane.sent][-1] == ("stderr", 3)
+
+
+async def test_a_held_go_live_ends_on_its_timer_without_output() -> None:
+    lane = _SentLane()
+    events = JobEvents(_LogOnly(), lane, "job", 1, 0)  # type: ignore[arg-type]
+    await events.stage("running")
+    events.go_live_within(0.01)
+    await asyncio.sleep(0.005)
+    assert lane.sent == []
+    await asyncio.sleep(0.05)
+    assert events.live and [name for name, _ in lane.sent] == ["stage"]

@@ -49,6 +49,9 @@ class JobEvents:
         self.next_seq = next_seq
         self._lock = asyncio.Lock()
         self.live = False
+        # A go_live held back a moment (go_live_within), and the task its timer started.
+        self._live_timer: asyncio.TimerHandle | None = None
+        self._live_task: asyncio.Task[None] | None = None
         # Events this worker logged before go_live (`logged`: by its claim). An earlier claim
         # of the same job (handed back before it started) may have logged some too: then the
         # log is read instead.
@@ -87,13 +90,43 @@ class JobEvents:
     async def go_live(self) -> None:
         """Publish every logged event so far, in seq order, and every later one as it comes."""
         async with self._lock:
-            if self.live:
-                return
-            backlog = await self._read_log() if self._log_has_more else self._backlog
-            for _, name, data in backlog:
-                self._lane.send(name, data)
-            self._backlog = []
-            self.live = True
+            await self._go_live_locked()
+
+    async def _go_live_locked(self) -> None:
+        if self._live_timer is not None:
+            self._live_timer.cancel()
+            self._live_timer = None
+        if self.live:
+            return
+        backlog = await self._read_log() if self._log_has_more else self._backlog
+        for _, name, data in backlog:
+            self._lane.send(name, data)
+        self._backlog = []
+        self.live = True
+
+    def go_live_within(self, hold_s: float) -> None:
+        """Go live with the first output logged, or `hold_s` from now, whichever comes first.
+
+        At start the backlog is a stage event or two, and a prestarted program's first
+        output follows within a millisecond or two: published apart, the output waits for
+        soketi to answer the stages' request (soketi answers only once it has pushed them),
+        and the two requests compete with the program for this machine's CPU. Held back a
+        moment, both go out as one request. Nothing is reordered: the backlog goes first.
+        """
+        if self.live or self._live_timer is not None:
+            return
+        self._live_timer = asyncio.get_running_loop().call_later(hold_s, self._live_timer_fired)
+
+    def _live_timer_fired(self) -> None:
+        self._live_timer = None
+        self._live_task = asyncio.create_task(self._go_live_quietly(), name=f"live:{self.job_id}")
+
+    async def _go_live_quietly(self) -> None:
+        try:
+            await self.go_live()
+        except (RedisError, OSError) as exc:
+            # The result still goes live (JobRun._finish); only the early publish is lost.
+            log.warning("job %s: could not publish its event log yet: %s", self.job_id, exc)
 
     async def emit(
         self,
@@ -125,6 +158,8 @@ class JobEvents:
             self.next_seq = seq
             if not self.live:
                 self._backlog += encoded
+                if self._live_timer is not None and any(kind == "chunk" for _, _, kind, _ in stored):
+                    await self._go_live_locked()  # a held go_live: the first output ends the hold
                 return
             for _, name, data in encoded:
                 self._lane.send(name, data)

@@ -90,6 +90,9 @@ HANDOVER_PAUSE_S = 1.0
 FLAG_POLL_S = 1.0
 # A parked job reads its stored flags this often even when pub/sub looks healthy.
 PARKED_POLL_S = 10.0
+# At start, the events logged while parked wait this long for the program's first output,
+# to reach soketi with it in one request (see JobEvents.go_live_within).
+LIVE_HOLD_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ class JobRun:
                 early = "ready"
             else:
                 await self.events.state(JobState.STARTING)
-            await self.events.go_live()
+            self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             if early is None:
                 early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
