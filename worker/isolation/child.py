@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from worker.isolation.offload import off_loop
 
@@ -96,24 +96,26 @@ class Child:
         self._transports: list[asyncio.BaseTransport] = []
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str], *, merge_stderr: bool, pass_fds: Sequence[int]) -> Child:
-        """Spawn `argv` in a new session with an empty environment and piped stdio."""
+    async def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        merge_stderr: bool,
+        pass_fds: Sequence[int],
+        before: Callable[[], None] | None = None,
+    ) -> Child:
+        """Spawn `argv` in a new session with an empty environment and piped stdio.
+
+        `before` runs first on the same isolation thread (one trip there, not two): set-up
+        the child needs, such as its cgroups. If it raises, nothing is spawned.
+        """
         # Raw descriptors, not subprocess.PIPE: Popen's file objects would close them again.
         pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(2 if merge_stderr else 3)]
         stdin_r, stdin_w = pipes[0]
         stdout_r, stdout_w = pipes[1]
         stderr_r, stderr_w = pipes[2] if not merge_stderr else (-1, stdout_w)
         try:
-            popen = await off_loop(
-                subprocess.Popen,
-                list(argv),
-                stdin=stdin_r,
-                stdout=stdout_w,
-                stderr=stderr_w,
-                pass_fds=tuple(pass_fds),
-                env={},
-                start_new_session=True,
-            )
+            popen = await off_loop(_spawn, before, list(argv), stdin_r, stdout_w, stderr_w, tuple(pass_fds))
         except BaseException:
             for fd in (stdin_w, stdout_r, stderr_r):
                 if fd >= 0:
@@ -183,6 +185,16 @@ class Child:
                 os.killpg(self.pid, 9)
             except ProcessLookupError:
                 pass
+
+
+def _spawn(
+    before: Callable[[], None] | None, argv: list[str], stdin: int, stdout: int, stderr: int, pass_fds: tuple[int, ...]
+) -> subprocess.Popen[bytes]:
+    if before is not None:
+        before()
+    return subprocess.Popen(
+        argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds, env={}, start_new_session=True
+    )
 
 
 def _close_quietly(fd: int) -> None:

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,14 +151,21 @@ class Jail:
 
     @classmethod
     async def launch(
-        cls, nsjail: str, profile: Path, spec: JailSpec, cgroup: JobCgroup, merge_stderr: bool = False
+        cls,
+        nsjail: str,
+        profile: Path,
+        spec: JailSpec,
+        cgroup: JobCgroup,
+        merge_stderr: bool = False,
+        before: Callable[[], None] | None = None,
     ) -> Jail:
-        """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers)."""
+        """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers).
+        `before` (e.g. making the cgroups) runs just before the spawn, on the same thread."""
         read_fd, write_fd = os.pipe()
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             argv = build_argv(nsjail, profile, spec, write_fd, status_write, cgroup.procs_files())
-            proc = await Child.spawn(argv, merge_stderr=merge_stderr, pass_fds=(write_fd, status_write))
+            proc = await Child.spawn(argv, merge_stderr=merge_stderr, pass_fds=(write_fd, status_write), before=before)
         except BaseException:
             os.close(read_fd)
             os.close(status_read)

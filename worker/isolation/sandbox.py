@@ -10,6 +10,7 @@ host can tell whose leftovers it finds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -334,10 +335,6 @@ class SandboxFactory:
         cgroup = self.cgroups.job(name)
         jail: Jail | None = None
         try:
-            if new_workspace:
-                await off_loop(self._make_workspace_and_cgroup, workspace, cgroup, limits)
-            else:
-                await off_loop(self._make_cgroup, cgroup, limits)
             spec = JailSpec(
                 gate=self.gate,
                 enter=self.enter,
@@ -352,7 +349,12 @@ class SandboxFactory:
                 rlimit_fsize_mb=max(self.rlimit_fsize_mb, self.workspace_bytes >> 20),
                 rlimit_nofile=max(self.rlimit_nofile, 256),
             )
-            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr)
+            # The workspace and cgroups are made on the thread that spawns nsjail, in the same trip.
+            if new_workspace:
+                make = functools.partial(self._make_workspace_and_cgroup, workspace, cgroup, limits)
+            else:
+                make = functools.partial(self._make_cgroup, cgroup, limits)
+            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr, before=make)
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
             await off_loop(cgroup.kill)
