@@ -30,6 +30,7 @@ from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
 from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
 from shared.messages import (
+    TERMINAL_STATES,
     ExecuteAccepted,
     ExecuteRequest,
     JobPage,
@@ -407,7 +408,10 @@ async def job_output(request: Request) -> Response:
         return await _output_response(state, status.job_id, found)
     # Waiting is event-driven: the script that stores the output also logs the result and
     # marks the job's done stream, and a blocking read of that stream wakes the moment it is
-    # marked (or at once, if it already was). Output and other events never wake it.
+    # marked (or at once, if it already was). Output and other events never wake it. A job
+    # that had not ended when its status was read has nothing to fetch yet: wait first.
+    if status.state not in TERMINAL_STATES:
+        await store.wait_for_result(status.job_id, min(wait_ms, OUTPUT_WAIT_SLICE_MS))
     while True:
         look = await store.output_snapshot(status.job_id)
         if look.output is not None:

@@ -168,6 +168,10 @@ def test_waiting_for_output_is_woken_by_the_result_only_and_ends_at_its_deadline
     waits = (f"job:{job['jobId']}:done", f"job:{job['jobId']}:events")
     reads = [command for command in seen if command.startswith("XREAD") and any(key in command for key in waits)]
     assert 1 <= len(reads) <= 2, reads
+    # Nor is the output looked for before the result is there: the job had not ended when the
+    # request came, so the API waited first and then fetched once (it looked twice before).
+    looks = [command for command in seen if command.startswith("GET ") and f"job:{job['jobId']}:output" in command]
+    assert len(looks) == 1, looks
 
     slow = api.execute(py_job("import time\ntime.sleep(3)\n", collectOutput=True))
     api.start(slow)
