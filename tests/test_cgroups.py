@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from launcher.stack import remove_deployment
+from launcher.stack import Stack, remove_deployment
 from shared.paths import REPO_ROOT
+from tests.helpers import Api, py_job
 from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
 
 
@@ -39,9 +41,12 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     job = layout.job("w.0.1")
     job.create()
     d = base / "jobs" / "w.0.1"
-    for name in ("cpu.max", "memory.oom.group", "cgroup.kill"):
+    for name in ("cpu.max", "cpu.weight", "memory.oom.group", "cgroup.kill"):
         (d / name).write_text("")
+    job.set_limits(memory_bytes=128 << 20, pids=33, background=True)
+    assert (d / "cpu.weight").read_text() == "6"  # a warm sandbox being built yields the CPU
     job.set_limits(memory_bytes=128 << 20, pids=33)
+    assert (d / "cpu.weight").read_text() == "100"  # a loaded job runs at the normal weight
     assert (d / "memory.max").read_text() == str(128 << 20)
     assert (d / "memory.swap.max").read_text() == "0"  # swap off: an OOM kill, never thrashing
     assert (d / "pids.max").read_text() == "33"
@@ -102,3 +107,25 @@ def test_worker_check_reports_the_hybrid_layout() -> None:
     for language in ("python", "c", "java", "rust"):
         assert language in proc.stdout
     remove_deployment("coderunner-check-test")
+
+
+def test_warm_sandboxes_yield_the_cpu_to_running_jobs(stack: Stack, api: Api) -> None:
+    """Hybrid, for real: the cgroups of sandboxes waiting in the pool carry the background
+    CPU weight, and a job's own sandbox the normal one from its load on."""
+    cpu_root = Path("/sys/fs/cgroup/cpu") / stack.deployment
+    job = api.execute(py_job("import time\nprint('up', flush=True)\ntime.sleep(3)\n"))
+    api.start(job)
+    deadline = time.monotonic() + 20
+    shares: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        shares = {
+            d.name: (d / "cpu.shares").read_text().strip()
+            for d in cpu_root.iterdir()
+            if d.is_dir() and d.name != "supervisor" and (d / "cgroup.procs").read_text().strip()
+        }
+        if "1024" in shares.values() and "64" in shares.values():
+            break
+        time.sleep(0.1)
+    api.post(f"/v1/jobs/{job['jobId']}/kill")
+    # The running job (normal weight) and at least one warm sandbox (1/16 of it) side by side.
+    assert sorted(set(shares.values())) == ["1024", "64"], shares

@@ -37,6 +37,11 @@ __all__ = ["CgroupError", "CgroupLayout", "CgroupMode", "JobCgroup", "JobCounter
 log = logging.getLogger(__name__)
 
 CPU_PERIOD_US = 100_000
+# CPU weight of a sandbox being built (nsjail setting up, a runtime starting) against one that
+# runs a job: 1/16, as nice 12 is to nice 0. Warm jails are built in the background, often
+# while a started job runs or streams; on a small host they would otherwise take half its
+# CPU. A job's own run gets the normal weight back when it is loaded.
+BACKGROUND_CPU_SHARE = 1 / 16
 
 
 class CgroupError(Exception):
@@ -274,9 +279,11 @@ class JobCgroup:
         for d in self._all_dirs():
             d.mkdir()
 
-    def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0) -> None:
-        """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off."""
+    def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0, background: bool = False) -> None:
+        """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off; with
+        `background`, a low CPU weight (see BACKGROUND_CPU_SHARE), else the normal one."""
         quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
+        share = BACKGROUND_CPU_SHARE if background else 1.0
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
             self._limit(self.v2_dir / "memory.max", str(memory_bytes))
@@ -284,6 +291,8 @@ class JobCgroup:
             self._limit(self.v2_dir / "pids.max", str(pids))
             if self._has(self.v2_dir / "cpu.max"):
                 self._limit(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            if self._has(self.v2_dir / "cpu.weight"):
+                self._limit(self.v2_dir / "cpu.weight", str(max(1, round(100 * share))))
             # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
             if self._has(self.v2_dir / "memory.oom.group"):
                 self._limit(self.v2_dir / "memory.oom.group", "1")
@@ -309,6 +318,7 @@ class JobCgroup:
         if cpu is not None:
             self._limit(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
             self._limit(cpu / "cpu.cfs_quota_us", str(quota))
+            self._limit(cpu / "cpu.shares", str(max(2, round(1024 * share))))
 
     def procs_files(self) -> list[str]:
         """Files a launcher writes its own pid into before it execs nsjail."""

@@ -371,13 +371,14 @@ class SandboxFactory:
         return cgroup, jail
 
     @staticmethod
-    def _make_cgroup(cgroup: JobCgroup, limits: Limits) -> None:
+    def _make_cgroup(cgroup: JobCgroup, limits: Limits, background: bool = False) -> None:
         cgroup.create()
-        cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1)
+        cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1, background=background)
 
     def _make_workspace_and_cgroup(self, workspace: Workspace, cgroup: JobCgroup, limits: Limits) -> None:
+        """A warm sandbox's: built in the background, at a low CPU weight until a job loads it."""
         workspace.create(self.workspace_bytes, self.workspace_inodes)
-        self._make_cgroup(cgroup, limits)
+        self._make_cgroup(cgroup, limits, background=True)
 
     def prime_for(
         self, language: str, manifest_run: list[str], shim: str, env: dict[str, str], limits: Limits
