@@ -38,6 +38,9 @@ def test_hybrid_layout_is_recognised() -> None:
     files = job.procs_files()
     assert "/sys/fs/cgroup/memory/coderunner/" + "ab" * 16 + "/cgroup.procs" in files
     assert "/sys/fs/cgroup/unified/coderunner/jobs/" + "ab" * 16 + "/cgroup.procs" in files
+    # The cgroup that carries the CPU weight is joined last (see JobCgroup.procs_files).
+    assert files[-1] == "/sys/fs/cgroup/cpu/coderunner/" + "ab" * 16 + "/cgroup.procs"
+    assert len(files) == len(set(files)) == 4
 
 
 def test_pure_v2_without_controllers_is_refused(tmp_path: Path) -> None:

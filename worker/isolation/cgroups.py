@@ -321,8 +321,15 @@ class JobCgroup:
             self._limit(cpu / "cpu.shares", str(max(2, round(1024 * share))))
 
     def procs_files(self) -> list[str]:
-        """Files a launcher writes its own pid into before it execs nsjail."""
-        return [str(d / "cgroup.procs") for d in self._all_dirs()]
+        """Files a launcher writes its own pid into before it execs nsjail.
+
+        The v1 cpu cgroup comes last: it carries a warm sandbox's low CPU weight, and a move
+        into a cgroup holds a lock that every fork and exit on the host waits on; the
+        launcher makes its other moves at the worker's weight, not starved in mid-move.
+        """
+        cpu = self.v1_dirs.get("cpu")
+        dirs = [d for d in self._all_dirs() if d != cpu] + ([cpu] if cpu is not None else [])
+        return [str(d / "cgroup.procs") for d in dirs]
 
     def release_supervisor(self, pid: int) -> None:
         """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
