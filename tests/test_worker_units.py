@@ -280,3 +280,13 @@ async def test_a_held_go_live_ends_on_its_timer_without_output() -> None:
     assert lane.sent == []
     await asyncio.sleep(0.05)
     assert events.live and [name for name, _ in lane.sent] == ["stage"]
+
+
+async def test_a_held_go_live_is_dropped_when_the_job_is_over() -> None:
+    lane = _SentLane()
+    events = JobEvents(_LogOnly(), lane, "job", 1, 0)  # type: ignore[arg-type]
+    await events.stage("running")
+    events.go_live_within(0.01)
+    await events.drop_hold()
+    await asyncio.sleep(0.05)
+    assert lane.sent == [] and not events.live

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from shared.messages import ChunkEvent, JobState, StageEvent
 from worker.publisher import JobLane
 from worker.queue import WorkerQueue
+from worker.tasks import cancel_and_wait
 
 __all__ = ["JobEvents"]
 
@@ -116,6 +117,15 @@ class JobEvents:
         if self.live or self._live_timer is not None:
             return
         self._live_timer = asyncio.get_running_loop().call_later(hold_s, self._live_timer_fired)
+
+    async def drop_hold(self) -> None:
+        """The job is over: a held go_live that has not happened will not (a job that ended
+        went live with its result; one lost to another worker publishes nothing more)."""
+        if self._live_timer is not None:
+            self._live_timer.cancel()
+            self._live_timer = None
+        if self._live_task is not None:
+            await cancel_and_wait([self._live_task])
 
     def _live_timer_fired(self) -> None:
         self._live_timer = None

@@ -284,6 +284,7 @@ class JobRun:
             finally:
                 if sub is not None:
                     await self.ctx.control.unsubscribe(sub)
+                await self.events.drop_hold()
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
 
     async def _give_back_unstarted(self) -> None:
