@@ -13,13 +13,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime
 
-__all__ = ["KeepAliveRealtime", "pct", "summary", "time_job"]
+__all__ = ["KeepAliveRealtime", "first_arrival", "pct", "summary", "time_job"]
 
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def first_arrival(rt: Realtime, channel: str, event: str) -> list[float]:
+    """A list that gets the perf_counter() instant of `event`'s first arrival on `channel`
+    (stamped in the Pusher client's thread, before anything else handles it)."""
+    first: list[float] = []
+
+    def stamp(_data: str) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    rt.pusher.channels[channel].bind(event, stamp)
+    return first
 
 
 def summary(values: list[float]) -> dict[str, float]:

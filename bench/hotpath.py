@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
 from bench.baselines import Bare, Piston, piston_from_env
-from bench.common import KeepAliveRealtime, pct
+from bench.common import KeepAliveRealtime, first_arrival, pct
 from bench.streaming import EXPECTED as STREAM_EXPECTED
 from bench.streaming import PROGRAM as STREAM_PROGRAM
 from bench.streaming import _stack_runs as stream_runs
@@ -128,13 +128,7 @@ def ide_job(b: Bench, timeout_s: float = 60) -> dict[str, float]:
     t0 = time.perf_counter()
     job = b.api.execute(py_job(PROGRAM))
     followed = b.rt.follow(job)
-    first: list[float] = []
-
-    def stamp(_data: str) -> None:
-        if not first:
-            first.append(time.perf_counter())
-
-    b.rt.pusher.channels[job["channel"]].bind("stdout", stamp)
+    first = first_arrival(b.rt, job["channel"], "stdout")
     t1 = time.perf_counter()
     b.api.start(job)
     try:

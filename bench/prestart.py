@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import KeepAliveRealtime, pct
+from bench.common import KeepAliveRealtime, first_arrival, pct
 from launcher.stack import Stack
 from tests.helpers import Api
 
@@ -59,13 +59,7 @@ def ide_job(side: Side, language: str, timeout_s: float = 60) -> tuple[float, fl
     name, content = PROGRAMS[language]
     job = side.api.execute({"language": language, "files": [{"name": name, "content": content}]})
     followed = side.rt.follow(job)
-    first: list[float] = []
-
-    def stamp(_data: str) -> None:
-        if not first:
-            first.append(time.perf_counter())
-
-    side.rt.pusher.channels[job["channel"]].bind("stdout", stamp)
+    first = first_arrival(side.rt, job["channel"], "stdout")
     time.sleep(PAUSE_S)
     t0 = time.perf_counter()
     side.api.start(job)

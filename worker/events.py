@@ -93,10 +93,13 @@ class JobEvents:
         async with self._lock:
             await self._go_live_locked()
 
-    async def _go_live_locked(self) -> None:
+    def _stop_hold_timer(self) -> None:
         if self._live_timer is not None:
             self._live_timer.cancel()
             self._live_timer = None
+
+    async def _go_live_locked(self) -> None:
+        self._stop_hold_timer()
         if self.live:
             return
         backlog = await self._read_log() if self._log_has_more else self._backlog
@@ -121,9 +124,7 @@ class JobEvents:
     async def drop_hold(self) -> None:
         """The job is over: a held go_live that has not happened will not (a job that ended
         went live with its result; one lost to another worker publishes nothing more)."""
-        if self._live_timer is not None:
-            self._live_timer.cancel()
-            self._live_timer = None
+        self._stop_hold_timer()
         if self._live_task is not None:
             await cancel_and_wait([self._live_task])
 

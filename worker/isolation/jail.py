@@ -6,9 +6,10 @@ Launch path (all argv, never a shell string built from user data):
 
 `enter` (worker/isolation/enter.c) writes its own pid into the sandbox's cgroups and execs
 nsjail, so the jail is born inside them. When nsjail logs that the jail is executing, the
-worker moves nsjail itself out, leaving only jailed processes in those cgroups. The gate (worker/gate.c), already
-inside the jail, blocks on stdin until `go()` sends it the program's argv, environment
-and rlimits as one binary frame; it then execs the program in its place. All the costly
+worker moves nsjail itself out, leaving only jailed processes in those cgroups. The gate
+(worker/gate.c), already inside the jail, blocks on stdin until `go()` sends it the
+program's argv, environment and rlimits as one binary frame; it then execs the program in
+its place. All the costly
 work (namespaces, mounts, cgroups, uid maps) therefore happens before a job even exists,
 and start costs one pipe write.
 
