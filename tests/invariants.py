@@ -156,8 +156,26 @@ class HostWatch:
                 return int(line.split()[1])
         raise AssertionError("/proc/meminfo has no Shmem line")
 
+    def _worker_fd_targets(self) -> list[str]:
+        base = f"/proc/{self.worker_pid()}/fd"
+        targets = []
+        for fd in os.listdir(base):
+            try:
+                targets.append(os.readlink(f"{base}/{fd}"))
+            except FileNotFoundError:
+                continue  # closed while listed
+        return targets
+
     def worker_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.worker_pid()}/fd"))
+        """Descriptors other than the cgroup counter files a warm or running sandbox keeps
+        open (a few per sandbox, so their number follows the pool; worker_stale_cgroup_fds
+        checks those)."""
+        return sum(1 for t in self._worker_fd_targets() if not t.startswith("/sys/fs/cgroup/"))
+
+    def worker_stale_cgroup_fds(self) -> list[str]:
+        """cgroup files the worker still holds open although their cgroup is gone: a leak
+        (kept descriptors are closed with their cgroups)."""
+        return [t for t in self._worker_fd_targets() if t.startswith("/sys/fs/cgroup/") and not os.path.isdir(os.path.dirname(t))]
 
     def worker_rss_kb(self) -> int:
         for line in _read(f"/proc/{self.worker_pid()}/status").splitlines():
@@ -354,6 +372,9 @@ class HostWatch:
             return found
         if self.worker_fds() > base.worker_fds + WORKER_FD_SLACK:
             found.append(f"I7 worker fds {self.worker_fds()} > {base.worker_fds}")
+        stale = self.worker_stale_cgroup_fds()
+        if stale:
+            found.append(f"I7 worker holds files of removed cgroups open: {stale[:4]}")
         if self.worker_rss_kb() > base.worker_rss_kb + WORKER_RSS_SLACK_KB:
             found.append(f"I7 worker RSS {self.worker_rss_kb()} kB > {base.worker_rss_kb} kB")
         return found

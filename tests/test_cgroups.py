@@ -129,3 +129,67 @@ def test_warm_sandboxes_yield_the_cpu_to_running_jobs(stack: Stack, api: Api) ->
     api.post(f"/v1/jobs/{job['jobId']}/kill")
     # The running job (normal weight) and at least one warm sandbox (1/16 of it) side by side.
     assert sorted(set(shares.values())) == ["1024", "64"], shares
+
+
+def _spawn_into(files: list[str], program: str) -> subprocess.Popen[bytes]:
+    """A Python child that joins the cgroups (their cgroup.procs `files`) before it runs `program`."""
+    join = "".join(f"open({f!r}, 'w').write(str(os.getpid()))\n" for f in files)
+    return subprocess.Popen([sys.executable, "-c", f"import os, time\n{join}{program}"])
+
+
+@pytest.mark.sandbox
+def test_kept_counter_descriptors_read_afresh_on_this_host() -> None:
+    """Hybrid, for real: the clocks read the counters and the cgroup2 process list through
+    descriptors opened once (open_counters), and each read is fresh; the cgroup v1 process
+    lists are opened anew every time (a v1 cgroup.procs kept open serves a stale list for
+    a second). kill_leftovers kills what is there and makes no kill when nothing is; the
+    descriptors are closed with the cgroups."""
+    name = f"coderunner-kept-fds-{os.getpid()}"
+    layout = detect_layout(name)
+    layout.prepare()
+    job = layout.job("w.0.1")
+    fds_before = len(os.listdir("/proc/self/fd"))
+    job.create()
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        job.set_limits(memory_bytes=256 << 20, pids=16)
+        job.open_counters()
+        assert len(os.listdir("/proc/self/fd")) > fds_before  # the counters stay open
+        peak_before = job.memory_peak_bytes()
+        program = "data = b'x' * (8 << 20)\nend = time.monotonic() + 0.4\nwhile time.monotonic() < end: pass\ntime.sleep(30)"
+        burner = _spawn_into(job.procs_files(), program)
+        children.append(burner)
+        deadline = time.monotonic() + 10
+        while burner.pid not in job.pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = job.cpu_us()
+        time.sleep(0.5)
+        assert job.cpu_us() - first >= 200_000  # the same descriptor, a fresh usage figure
+        assert job.memory_peak_bytes() >= peak_before + (8 << 20)
+        assert job.pids() == [burner.pid]
+        # Listed at once in every hierarchy, v1 included, though pids() read them just now.
+        late = _spawn_into(job.procs_files(), "time.sleep(30)")
+        children.append(late)
+        deadline = time.monotonic() + 10
+        while late.pid not in job.pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(job.pids()) == {burner.pid, late.pid}
+        for d in job.paths():  # each hierarchy's own list, not just their union
+            assert set((d / "cgroup.procs").read_text().split()) == {str(burner.pid), str(late.pid)}
+        job.kill_leftovers()
+        assert burner.wait(5) == -9 and late.wait(5) == -9
+        kills: list[int] = []
+        original = job.kill
+        job.kill = lambda: kills.append(1)  # type: ignore[method-assign]
+        try:
+            job.kill_leftovers()  # an empty cgroup: one read, no kill
+        finally:
+            job.kill = original  # type: ignore[method-assign]
+        assert kills == [] and job.pids() == []
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        assert job.remove_blocking()
+        remove_deployment(name)
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # closed with the cgroups

@@ -210,6 +210,9 @@ class _CountingCgroup:
     def kill(self) -> None:
         pass
 
+    def kill_leftovers(self) -> None:
+        pass
+
     def counters(self) -> JobCounters:
         return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=0)
 

@@ -160,10 +160,10 @@ async def supervise(
                     break
 
         # Whatever ended the step, nothing of it may outlive it. A jail that ended by itself
-        # took its pid namespace with it, so the kill finds nothing to signal: a few
-        # microseconds of syscalls, cheaper here than a trip to the isolation threads.
+        # took its pid namespace with it: a read of its cgroup's process list shows it
+        # empty, cheaper here than a trip to the isolation threads.
         if exit_task.done():
-            cgroup.kill()
+            cgroup.kill_leftovers()
         else:
             await off_loop(cgroup.kill)
         killed = True

@@ -14,9 +14,11 @@ Layout under the configured name (default `coderunner`):
 
 nsjail starts inside the job cgroups (so the jail inherits them) and is moved to the
 supervisor cgroups as soon as the jail exists, so only jailed processes are limited,
-counted and killed. Reading a counter is an in-kernel copy that never blocks, so the
-clocks read them on the event loop; creating, limiting and removing cgroups take kernel
-locks and run on the isolation threads (worker/isolation/offload.py).
+counted and killed. Creating, limiting and removing cgroups take kernel locks and run on
+the isolation threads (worker/isolation/offload.py). The clocks read the counters on the
+event loop, through descriptors opened when the cgroups are made: reading through an open
+descriptor is an in-kernel copy, while opening a cgroup file waits behind other sandboxes'
+cgroup creation and removal (4x slower at the median and 10x at p99 here, under churn).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +74,17 @@ def _read(path: str | Path) -> str:
         return b"".join(chunks).decode()
     finally:
         os.close(fd)
+
+
+def _pread_text(fd: int) -> str:
+    """The whole file behind `fd`, read afresh from offset 0 (kernfs regenerates it)."""
+    data = os.pread(fd, 65536, 0)
+    if len(data) < 65536:
+        return data.decode()
+    chunks = [data]
+    while chunk := os.pread(fd, 65536, sum(map(len, chunks))):
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def _write(path: str | Path, value: str) -> None:
@@ -249,6 +263,12 @@ class JobCgroup:
         # Limit files and the values last written to them: a rewrite that changes nothing
         # (the CPU quota, swappiness when a job's limits go in) is skipped.
         self._written: dict[Path, str] = {}
+        # Open descriptors of the files a running job's clocks and kill use (see the module
+        # docstring), by path; "w:" before the path for one opened to write. The lock keeps
+        # close_files from racing a read: a closed descriptor's number can be reused at once,
+        # and a read through it would see another file (pids to kill, say).
+        self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()
 
     def _has(self, path: Path) -> bool:
         """Whether the optional file `path` (in one of this job's cgroups) exists on this host."""
@@ -278,6 +298,41 @@ class JobCgroup:
         """Make the cgroup folders. Raises OSError on failure."""
         for d in self._all_dirs():
             d.mkdir()
+
+    def open_counters(self) -> None:
+        """Open the files a running job's clocks and end read (the counters, the cgroup2
+        process list), so the event loop does not have to (see the module docstring)."""
+        self.counters()
+        if self.v2_dir is not None:
+            try:
+                self._read_kept(self.v2_dir / "cgroup.procs")
+            except OSError:
+                pass  # opened when first needed
+
+    def _kept_fd(self, path: str | Path, write: bool = False) -> int:
+        """The open descriptor for `path`, opened now if need be (with the lock held)."""
+        key = ("w:" if write else "") + os.fspath(path)
+        fd = self._fds.get(key)
+        if fd is None:
+            flags = (os.O_WRONLY if write else os.O_RDONLY) | os.O_CLOEXEC
+            fd = self._fds[key] = os.open(path, flags)
+        return fd
+
+    def _read_kept(self, path: str | Path) -> str:
+        with self._fds_lock:
+            return _pread_text(self._kept_fd(path))
+
+    def close_files(self) -> None:
+        """Close the descriptors kept open (a later read opens its file again)."""
+        with self._fds_lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def _kill_file(self) -> Path | None:
+        if self.v2_dir is not None and self._has(self.v2_dir / "cgroup.kill"):
+            return self.v2_dir / "cgroup.kill"
+        return None
 
     def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0, background: bool = False) -> None:
         """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off; with
@@ -363,9 +418,9 @@ class JobCgroup:
     def cpu_us(self) -> int:
         try:
             if self._cpu_stat is not None:
-                return _keyed(_read(self._cpu_stat)).get("usage_usec", 0)
+                return _keyed(self._read_kept(self._cpu_stat)).get("usage_usec", 0)
             if self._cpuacct is not None:
-                return int(_read(self._cpuacct / "cpuacct.usage")) // 1000
+                return int(self._read_kept(self._cpuacct / "cpuacct.usage")) // 1000
         except (OSError, ValueError):
             pass
         return 0
@@ -375,8 +430,8 @@ class JobCgroup:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
                 peak = self.v2_dir / "memory.peak"
-                return int(_read(peak)) if self._has(peak) else int(_read(self.v2_dir / "memory.current"))
-            return int(_read(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
+                return int(self._read_kept(peak if self._has(peak) else self.v2_dir / "memory.current"))
+            return int(self._read_kept(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             return 0
 
@@ -405,8 +460,8 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                return _keyed(_read(self.v2_dir / "memory.events")).get("oom_kill", 0)
-            return _keyed(_read(self.v1_dirs["memory"] / "memory.oom_control")).get("oom_kill", 0)
+                return _keyed(self._read_kept(self.v2_dir / "memory.events")).get("oom_kill", 0)
+            return _keyed(self._read_kept(self.v1_dirs["memory"] / "memory.oom_control")).get("oom_kill", 0)
         except (OSError, ValueError):
             return 0
 
@@ -414,16 +469,37 @@ class JobCgroup:
         seen: set[int] = set()
         for d in self._all_dirs():
             try:
-                seen.update(int(p) for p in _read(d / "cgroup.procs").split())
+                # cgroup v1 keeps a cgroup.procs listing per open file and serves it again
+                # for a second: only a fresh open reads it afresh. cgroup2 lists anew.
+                text = self._read_kept(d / "cgroup.procs") if d == self.v2_dir else _read(d / "cgroup.procs")
+                seen.update(int(p) for p in text.split())
             except (OSError, ValueError):
                 continue
         return sorted(seen)
 
+    def kill_leftovers(self) -> None:
+        """After the jail has exited: kill whatever is still in the cgroups.
+
+        Nothing should be: the jail's pid namespace ended with its first process, and no
+        process can leave it. Where the cgroup2 tree lists every process of the job, one read
+        through a kept descriptor shows that, and the kill (whose write waits on the lock
+        that other sandboxes' cgroup creation and removal hold) is made only if it does not.
+        """
+        if self.v2_dir is not None:
+            try:
+                if not self._read_kept(self.v2_dir / "cgroup.procs").split():
+                    return
+            except OSError:
+                pass
+        self.kill()
+
     def kill(self) -> None:
         """SIGKILL every process of the job, however it detached or whatever it ignores."""
-        if self.v2_dir is not None and self._has(self.v2_dir / "cgroup.kill"):
+        kill_file = self._kill_file()
+        if kill_file is not None:
             try:
-                _write(self.v2_dir / "cgroup.kill", "1")
+                with self._fds_lock:
+                    os.write(self._kept_fd(kill_file, write=True), b"1")
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     log.warning("job %s: cgroup.kill failed: %s", self.job_id, exc)
@@ -438,7 +514,8 @@ class JobCgroup:
                 log.warning("job %s: cannot signal pid %s", self.job_id, pid)
 
     def try_remove(self) -> bool:
-        """Remove the job's cgroups; False while some still hold processes."""
+        """Remove the job's cgroups (closing the kept descriptors once all are gone); False
+        while some still hold processes."""
         leftover = False
         for d in self._all_dirs():
             try:
@@ -449,18 +526,23 @@ class JobCgroup:
                 if exc.errno != errno.EBUSY:
                     log.warning("job %s: cannot remove %s: %s", self.job_id, d, exc)
                 leftover = True
+        if not leftover:
+            self.close_files()
         return not leftover
 
     def remove_blocking(self, timeout_s: float = 2.0) -> bool:
         """Kill stragglers and remove the cgroups; True when all are gone (isolation threads only)."""
         deadline = time.monotonic() + timeout_s
-        while not self.try_remove():
-            if time.monotonic() > deadline:
-                log.error("job %s: cgroups still busy after %.1fs: pids %s", self.job_id, timeout_s, self.pids())
-                return False
-            self.kill()
-            time.sleep(0.005)
-        return True
+        try:
+            while not self.try_remove():
+                if time.monotonic() > deadline:
+                    log.error("job %s: cgroups still busy after %.1fs: pids %s", self.job_id, timeout_s, self.pids())
+                    return False
+                self.kill()
+                time.sleep(0.005)
+            return True
+        finally:
+            self.close_files()
 
     async def remove(self, timeout_s: float = 2.0) -> bool:
         """`remove_blocking` on the isolation threads."""

@@ -374,6 +374,7 @@ class SandboxFactory:
     def _make_cgroup(cgroup: JobCgroup, limits: Limits, background: bool = False) -> None:
         cgroup.create()
         cgroup.set_limits(memory_bytes=limits.memory_mb * 1024 * 1024, pids=limits.pids + 1, background=background)
+        cgroup.open_counters()
 
     def _make_workspace_and_cgroup(self, workspace: Workspace, cgroup: JobCgroup, limits: Limits) -> None:
         """A warm sandbox's: built in the background, at a low CPU weight until a job loads it."""
