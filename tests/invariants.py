@@ -168,14 +168,24 @@ class HostWatch:
 
     def worker_fds(self) -> int:
         """Descriptors other than the cgroup counter files a warm or running sandbox keeps
-        open (a few per sandbox, so their number follows the pool; worker_stale_cgroup_fds
+        open (a few per sandbox, so their number follows the pool; worker_cgroup_fd_problems
         checks those)."""
         return sum(1 for t in self._worker_fd_targets() if not t.startswith("/sys/fs/cgroup/"))
 
-    def worker_stale_cgroup_fds(self) -> list[str]:
-        """cgroup files the worker still holds open although their cgroup is gone: a leak
-        (kept descriptors are closed with their cgroups)."""
-        return [t for t in self._worker_fd_targets() if t.startswith("/sys/fs/cgroup/") and not os.path.isdir(os.path.dirname(t))]
+    def worker_cgroup_fd_problems(self) -> list[str]:
+        """Leaks among the cgroup files the worker holds open: any of a removed cgroup (kept
+        descriptors close with their cgroups), or more per cgroup than the clocks keep (the
+        CPU, memory peak and OOM counters, the process list, cgroup.kill: 5)."""
+        per_cgroup: dict[str, int] = {}
+        problems = []
+        for target in self._worker_fd_targets():
+            if target.startswith("/sys/fs/cgroup/"):
+                folder = os.path.dirname(target)
+                per_cgroup[folder] = per_cgroup.get(folder, 0) + 1
+                if not os.path.isdir(folder):
+                    problems.append(f"{target} of a removed cgroup")
+        problems += [f"{n} files of {folder}" for folder, n in per_cgroup.items() if n > 5]
+        return problems
 
     def worker_rss_kb(self) -> int:
         for line in _read(f"/proc/{self.worker_pid()}/status").splitlines():
@@ -372,9 +382,9 @@ class HostWatch:
             return found
         if self.worker_fds() > base.worker_fds + WORKER_FD_SLACK:
             found.append(f"I7 worker fds {self.worker_fds()} > {base.worker_fds}")
-        stale = self.worker_stale_cgroup_fds()
-        if stale:
-            found.append(f"I7 worker holds files of removed cgroups open: {stale[:4]}")
+        leaks = self.worker_cgroup_fd_problems()
+        if leaks:
+            found.append(f"I7 worker holds cgroup files open: {leaks[:4]}")
         if self.worker_rss_kb() > base.worker_rss_kb + WORKER_RSS_SLACK_KB:
             found.append(f"I7 worker RSS {self.worker_rss_kb()} kB > {base.worker_rss_kb} kB")
         return found

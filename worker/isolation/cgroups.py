@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,8 @@ __all__ = ["CgroupError", "CgroupLayout", "CgroupMode", "JobCgroup", "JobCounter
 log = logging.getLogger(__name__)
 
 CPU_PERIOD_US = 100_000
+# The memory high-water mark's file in each layout (v1, v2).
+_PEAK_FILES = ("memory.max_usage_in_bytes", "memory.peak")
 # CPU weight of a sandbox being built (nsjail setting up, a runtime starting) against one that
 # runs a job: 1/16, as nice 12 is to nice 0. Warm jails are built in the background, often
 # while a started job runs or streams; on a small host they would otherwise take half its
@@ -77,14 +80,32 @@ def _read(path: str | Path) -> str:
 
 
 def _pread_text(fd: int) -> str:
-    """The whole file behind `fd`, read afresh from offset 0 (kernfs regenerates it)."""
+    """The whole file behind `fd`, read afresh from offset 0 (kernfs regenerates it).
+
+    A cgroup file with one line per record (cgroup.procs) gives at most a page per read, so
+    a read is the whole file only when it stopped short of half a page: the kernel ends a
+    read early only at the end of the file or when the next record would overflow the page.
+    """
     data = os.pread(fd, 65536, 0)
-    if len(data) < 65536:
+    if len(data) < 2048:
         return data.decode()
     chunks = [data]
-    while chunk := os.pread(fd, 65536, sum(map(len, chunks))):
+    offset = len(data)
+    while chunk := os.pread(fd, 65536, offset):
         chunks.append(chunk)
+        offset += len(chunk)
     return b"".join(chunks).decode()
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    """Close what a JobCgroup kept open when it is dropped without close_files (a cancelled
+    set-up, say); by then nothing else can use these descriptors."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _write(path: str | Path, value: str) -> None:
@@ -269,6 +290,7 @@ class JobCgroup:
         # and a read through it would see another file (pids to kill, say).
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
+        weakref.finalize(self, _close_fds, self._fds)
 
     def _has(self, path: Path) -> bool:
         """Whether the optional file `path` (in one of this job's cgroups) exists on this host."""
@@ -310,12 +332,24 @@ class JobCgroup:
                 pass  # opened when first needed
 
     def _kept_fd(self, path: str | Path, write: bool = False) -> int:
-        """The open descriptor for `path`, opened now if need be (with the lock held)."""
+        """The open descriptor for `path`, opened now if need be (with the lock held).
+
+        Opened to read, or with `write` to write; the memory peak file both ways where the
+        kernel allows (see reset_memory_peak), so that one descriptor serves both.
+        """
         key = ("w:" if write else "") + os.fspath(path)
         fd = self._fds.get(key)
         if fd is None:
-            flags = (os.O_WRONLY if write else os.O_RDONLY) | os.O_CLOEXEC
-            fd = self._fds[key] = os.open(path, flags)
+            if write:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            elif os.path.basename(path) in _PEAK_FILES:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                except PermissionError:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only peak (v2 before 6.12)
+            else:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fds[key] = fd
         return fd
 
     def _read_kept(self, path: str | Path) -> str:
@@ -325,7 +359,8 @@ class JobCgroup:
     def close_files(self) -> None:
         """Close the descriptors kept open (a later read opens its file again)."""
         with self._fds_lock:
-            fds, self._fds = list(self._fds.values()), {}
+            fds = list(self._fds.values())
+            self._fds.clear()  # the same dict the finaliser holds: nothing is closed twice
         for fd in fds:
             os.close(fd)
 
@@ -445,14 +480,17 @@ class JobCgroup:
             return 0
 
     def reset_memory_peak(self) -> None:
-        """Restart the peak from the current usage (v1 always; v2 only on kernels ≥ 6.12)."""
+        """Restart the peak from the current usage: v1 always; v2 on kernels ≥ 6.12, where a
+        reset holds for the descriptor it was written through, which is the one the peak
+        is then read through (older v2 kernels cannot reset it)."""
         path = (
             self.v2_dir / "memory.peak"
             if self.layout.mode is CgroupMode.V2 and self.v2_dir is not None
             else self.v1_dirs["memory"] / "memory.max_usage_in_bytes"
         )
         try:
-            _write(path, "0")
+            with self._fds_lock:
+                os.pwrite(self._kept_fd(path), b"0", 0)
         except OSError:
             pass
 
@@ -501,7 +539,8 @@ class JobCgroup:
                 with self._fds_lock:
                     os.write(self._kept_fd(kill_file, write=True), b"1")
             except OSError as exc:
-                if exc.errno != errno.ENOENT:
+                # ENODEV: written through a descriptor kept from before the cgroup was removed.
+                if exc.errno not in (errno.ENOENT, errno.ENODEV):
                     log.warning("job %s: cgroup.kill failed: %s", self.job_id, exc)
         # Also signal what the v1 hierarchies list: covers hosts without cgroup.kill, and a
         # process that forked while the kill was walking the tree.

@@ -217,8 +217,9 @@ class Sandbox:
         try:
             for cgroup, jail in pairs:
                 try:
-                    # A jail seen to exit (after every run: the step killed its cgroup and
-                    # waited) has nothing left alive; any straggler dies in the removal below.
+                    # A jail seen to exit (after every run: the step saw its cgroup empty or
+                    # killed it, and waited) has nothing left alive; any straggler dies in
+                    # the removal below.
                     if not jail.exited:
                         await off_loop(cgroup.kill)
                         try:
@@ -357,8 +358,8 @@ class SandboxFactory:
             jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr, before=make)
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
-            await off_loop(cgroup.kill)
             try:
+                await off_loop(cgroup.kill)
                 if jail is not None:
                     jail.terminate_supervisor()
                     await asyncio.shield(jail.wait())
@@ -366,6 +367,8 @@ class SandboxFactory:
             except Exception:
                 log.exception("sandbox %s: nsjail failed while being torn down", name)
             finally:
+                # Even if cancelled again meanwhile: the cgroups (and the descriptors kept
+                # of them) go, and what the kill did not reach dies in the removal.
                 await asyncio.shield(cgroup.remove())
             raise
         return cgroup, jail
