@@ -525,6 +525,19 @@ class Stack:
         self._remove_deployment()
         self._tmp.cleanup()
 
+    def __enter__(self) -> Stack:
+        """`with Stack(...) as stack:` starts it, and cleans up after it however the block
+        ends (a failed start included)."""
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()
+
     def _remove_deployment(self) -> None:
         remove_deployment(self.deployment)
 

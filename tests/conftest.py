@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -35,53 +37,58 @@ def stack() -> Iterator[Stack]:
         s.cleanup()
 
 
-@pytest.fixture
-def make_stack() -> Iterator[StackFactory]:
-    """Build a private stack with its own settings; every one is stopped after the test."""
+@contextmanager
+def _stacks() -> Iterator[StackFactory]:
+    """Start stacks on demand (Stack's arguments); every one is stopped at the end."""
     built: list[Stack] = []
 
-    def build(with_worker: bool = True, **env: str) -> Stack:
-        s = Stack(extra_env={k: str(v) for k, v in env.items()}, with_worker=with_worker)
+    def start(**kwargs: Any) -> Stack:
+        s = Stack(**kwargs)
         built.append(s)
         s.start()
         return s
 
-    yield build
-    for s in built:
-        if os.environ.get("CODERUNNER_TEST_LOGS"):
-            _dump_logs(s)
-        s.cleanup()
+    try:
+        yield start
+    finally:
+        for s in built:
+            if os.environ.get("CODERUNNER_TEST_LOGS"):
+                _dump_logs(s)
+            s.cleanup()
+
+
+@pytest.fixture
+def make_stack() -> Iterator[StackFactory]:
+    """Build a private stack with its own settings; every one is stopped after the test."""
+    with _stacks() as start:
+
+        def build(with_worker: bool = True, **env: str) -> Stack:
+            return start(extra_env={k: str(v) for k, v in env.items()}, with_worker=with_worker)
+
+        yield build
 
 
 @pytest.fixture
 def make_fleet() -> Iterator[StackFactory]:
     """Like make_stack, for fault tests: `workers` workers, the stack's supervisor (restart
     workers that die) on or off, Redis with or without its append-only file."""
-    built: list[Stack] = []
+    with _stacks() as start:
 
-    def build(workers: int = 2, supervise: bool = True, redis_persistence: bool = False, **env: str) -> Stack:
-        s = Stack(
-            extra_env={k: str(v) for k, v in env.items()},
-            workers=workers,
-            supervise=supervise,
-            redis_persistence=redis_persistence,
-        )
-        built.append(s)
-        s.start()
-        return s
+        def build(workers: int = 2, supervise: bool = True, redis_persistence: bool = False, **env: str) -> Stack:
+            return start(
+                extra_env={k: str(v) for k, v in env.items()},
+                workers=workers,
+                supervise=supervise,
+                redis_persistence=redis_persistence,
+            )
 
-    yield build
-    for s in built:
-        if os.environ.get("CODERUNNER_TEST_LOGS"):
-            _dump_logs(s)
-        s.cleanup()
+        yield build
 
 
 @pytest.fixture
 def api(stack: Stack) -> Iterator[Api]:
-    client = Api(stack)
-    yield client
-    client.close()
+    with Api(stack) as client:
+        yield client
 
 
 @pytest.fixture

@@ -82,6 +82,12 @@ class Api:
     def close(self) -> None:
         self.client.close()
 
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class Followed:
     """Every event received on one job's channel, in arrival order."""

@@ -33,12 +33,8 @@ RESULT_TTL_S = 600
 @pytest.fixture(scope="module")
 def redis_stack() -> Iterator[Stack]:
     """A stack of its own without a worker: nothing claims what these tests queue."""
-    stack = Stack(with_worker=False)
-    stack.start()
-    try:
+    with Stack(with_worker=False) as stack:
         yield stack
-    finally:
-        stack.cleanup()
 
 
 @pytest.fixture

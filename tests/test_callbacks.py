@@ -348,19 +348,14 @@ async def test_submit_check_resolves_on_the_loop(monkeypatch: pytest.MonkeyPatch
 def bare_stack() -> Iterator[Stack]:
     """Default callback settings (https only, no private addresses) and no worker, so no
     sender: deliveries queued here stay put for the tests to take by hand."""
-    stack = Stack(with_worker=False)
-    stack.start()
-    try:
+    with Stack(with_worker=False) as stack:
         yield stack
-    finally:
-        stack.cleanup()
 
 
 @pytest.fixture
 def bare_api(bare_stack: Stack) -> Iterator[Api]:
-    client = Api(bare_stack)
-    yield client
-    client.close()
+    with Api(bare_stack) as client:
+        yield client
 
 
 @pytest.fixture
@@ -660,19 +655,14 @@ CALLBACK_ENV = {
 
 @pytest.fixture(scope="module")
 def cb_stack() -> Iterator[Stack]:
-    stack = Stack(extra_env=CALLBACK_ENV)
-    stack.start()
-    try:
+    with Stack(extra_env=CALLBACK_ENV) as stack:
         yield stack
-    finally:
-        stack.cleanup()
 
 
 @pytest.fixture
 def cb_api(cb_stack: Stack) -> Iterator[Api]:
-    client = Api(cb_stack)
-    yield client
-    client.close()
+    with Api(cb_stack) as client:
+        yield client
 
 
 def _run(api: Api, body: dict[str, Any]) -> dict[str, Any]:

@@ -707,12 +707,8 @@ CASES[-1].during = _kill_nsjail_of("/bin/bash\0main.sh")
 
 @pytest.fixture(scope="module")
 def hostile_stack() -> Iterator[Stack]:
-    stack = Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "LOG_LEVEL": "INFO"})
-    stack.start()
-    try:
+    with Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "LOG_LEVEL": "INFO"}) as stack:
         yield stack
-    finally:
-        stack.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -132,3 +132,19 @@ def test_stack_runs_soketi_with_the_chosen_node(tmp_path: Path, monkeypatch: pyt
     finally:
         stack.cleanup()
     assert os.path.isdir(tmp_path / "logs2")
+
+
+def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`with Stack(...)` stops what it started and removes its files when the start fails
+    half-way, as when the block ends."""
+    from launcher.stack import Stack
+
+    def soketi_fails(self: Stack, timeout_s: float) -> None:
+        raise RuntimeError("soketi would not start")
+
+    monkeypatch.setattr(Stack, "_start_soketi", soketi_fails)
+    stack = Stack(with_worker=False, log_dir=tmp_path / "logs")
+    with pytest.raises(RuntimeError, match="soketi would not start"), stack:
+        pass
+    assert stack.procs == {}  # redis, started first, was stopped
+    assert not stack.data_dir.exists()

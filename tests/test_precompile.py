@@ -33,12 +33,8 @@ def java(source: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "WORKER_PRESTART": ""})
-    s.start()
-    try:
+    with Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "WORKER_PRESTART": ""}) as s:
         yield s
-    finally:
-        s.cleanup()
 
 
 @pytest.fixture

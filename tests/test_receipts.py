@@ -26,19 +26,14 @@ KEY = "Idempotency-Key"
 
 @pytest.fixture(scope="module")
 def quiet() -> Iterator[Stack]:
-    stack = Stack(with_worker=False)
-    stack.start()
-    try:
+    with Stack(with_worker=False) as stack:
         yield stack
-    finally:
-        stack.cleanup()
 
 
 @pytest.fixture
 def qapi(quiet: Stack) -> Iterator[Api]:
-    client = Api(quiet)
-    yield client
-    client.close()
+    with Api(quiet) as client:
+        yield client
 
 
 def _error(response: httpx.Response, status: int, field: str) -> dict[str, Any]:
