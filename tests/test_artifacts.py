@@ -14,7 +14,7 @@ import pytest
 from api.artifacts import _disposition
 from shared.artifacts import guess_mime_type, sign_artifact, verify_artifact
 from tests.helpers import Api, Realtime, py_job
-from worker.artifacts import collect_artifacts, top_level_names
+from worker.job.artifacts import collect_artifacts, top_level_names
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 JOB = "a" * 32

@@ -43,7 +43,7 @@ from tests.helpers import Api, py_job
 from worker.callbacks import CallbackSender
 from worker.callbacks.deliveries import Deliveries
 from worker.callbacks.send import new_client
-from worker.queue import WorkerQueue
+from worker.messaging.queue import WorkerQueue
 
 # ---------------------------------------------------------------- a receiver
 

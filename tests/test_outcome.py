@@ -1,4 +1,4 @@
-"""The verdict table of worker/outcome.py, branch by branch (pure: no stack, no jail).
+"""The verdict table of worker/job/outcome.py, branch by branch (pure: no stack, no jail).
 
 Each case builds the facts a step could end with (which clock fired, what the gate or
 nsjail reported, the cgroup's OOM counter) by hand and checks the whole verdict, so a
@@ -12,9 +12,9 @@ import pytest
 
 from shared.messages import CompileInfo, Outcome
 from worker.isolation.jail import JailExit
-from worker.outcome import RunVerdict, compile_info, compile_succeeded, judge_run
-from worker.output import CompileOutput
-from worker.supervise import StepFacts
+from worker.job.outcome import RunVerdict, compile_info, compile_succeeded, judge_run
+from worker.job.output import CompileOutput
+from worker.job.supervise import StepFacts
 
 
 def exited(

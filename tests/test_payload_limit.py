@@ -17,7 +17,7 @@ from shared.messages import CompileInfo, Outcome, result_without_run
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime
-from worker.payload import CUT_MARKER, fit_result
+from worker.job.payload import CUT_MARKER, fit_result
 
 
 def test_fit_result_keeps_small_results_and_cuts_long_compile_logs() -> None:

@@ -11,8 +11,8 @@ import pytest
 from shared.settings import load_settings
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
-from worker import publisher as publisher_module
-from worker.publisher import Publisher, _Event
+from worker.messaging import publisher as publisher_module
+from worker.messaging.publisher import Publisher, _Event
 
 pytestmark = [pytest.mark.stack]
 

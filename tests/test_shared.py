@@ -216,3 +216,23 @@ def test_shared_does_no_io_and_api_worker_never_meet() -> None:
     assert "worker" not in _imports("api")
     assert "api" not in _imports("worker")
 
+
+
+def _worker_parts_used_by(part: str) -> set[str]:
+    """The worker sub-packages and modules (`isolation`, `job`, `tasks`…) that worker/<part> imports."""
+    found: set[str] = set()
+    for path in (REPO_ROOT / "worker" / part).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            found |= {name.split(".")[1] for name in names if name.startswith("worker.")}
+    return found - {part}
+
+
+def test_worker_layers_point_one_way() -> None:
+    # How a jail is built knows nothing of jobs or of Redis and soketi; the wires know
+    # nothing of either; a job uses both, never the process around it.
+    assert _worker_parts_used_by("isolation") == set()
+    assert _worker_parts_used_by("messaging") == set()
+    assert _worker_parts_used_by("job") <= {"isolation", "messaging", "context", "tasks"}

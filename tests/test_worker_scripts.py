@@ -17,7 +17,7 @@ from api.store import JobStore
 from shared import keys
 from shared.messages import JobState
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
-from worker.queue import QUEUED_STAGE, WorkerQueue
+from worker.messaging.queue import QUEUED_STAGE, WorkerQueue
 
 pytestmark = [pytest.mark.stack]
 

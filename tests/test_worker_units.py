@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from shared.messages import StdinFrame
-from worker.events import JobEvents
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
 from worker.isolation.sandbox import build_enter
-from worker.queue import StoredFrame
-from worker.stdin import StdinFeed
-from worker.supervise import Activity, Clocks, supervise
+from worker.job.events import JobEvents
+from worker.job.stdin import StdinFeed
+from worker.job.supervise import Activity, Clocks, supervise
+from worker.messaging.queue import StoredFrame
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0

@@ -6,11 +6,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 from shared.settings import Settings
-from worker.control import ControlBus
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import SandboxFactory
-from worker.publisher import Publisher
-from worker.queue import WorkerQueue
+from worker.messaging.control import ControlBus
+from worker.messaging.publisher import Publisher
+from worker.messaging.queue import WorkerQueue
 from worker.runtimes import Runtime
 
 __all__ = ["WorkerContext"]

@@ -32,13 +32,13 @@ from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo
 from shared.settings import Settings
 from worker.context import WorkerContext
-from worker.control import ControlBus
 from worker.isolation.janitor import sweep_orphans
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
-from worker.publisher import Publisher
-from worker.queue import WorkerQueue, now_ms
-from worker.run import JobRun
+from worker.job.run import JobRun
+from worker.messaging.control import ControlBus
+from worker.messaging.publisher import Publisher
+from worker.messaging.queue import WorkerQueue, now_ms
 from worker.runtimes import Runtime
 from worker.tasks import cancel_and_wait
 

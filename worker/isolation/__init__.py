@@ -11,6 +11,6 @@
     janitor    removing sandboxes of workers that died
     selftest   one real jail at start-up, or a clear refusal
 
-The job lifecycle (claim, park, run, clocks, events, result) lives one level up, in
-worker/, and uses only `SandboxFactory`, `SandboxPool`, `Sandbox`, `Jail` and `Program`.
+The job lifecycle (park, run, clocks, events, result) lives beside it, in worker/job/,
+and uses only `SandboxFactory`, `SandboxPool`, `Sandbox`, `Jail` and `Program`.
 """

@@ -43,22 +43,22 @@ from shared.messages import (
     result_without_run,
 )
 from shared.validation import decode_files
-from worker.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
-from worker.batch import facts_only, run_batch
 from worker.context import WorkerContext
-from worker.events import JobEvents
-from worker.flusher import OutputFlusher
 from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
-from worker.outcome import compile_info, compile_succeeded, judge_run
-from worker.output import CompileOutput, OutputBudget, output_encoding
-from worker.payload import fit_result
-from worker.precompile import Precompile, PrecompileState, RecordedEvents
-from worker.queue import QUEUED_STAGE, Claim, Fenced
-from worker.stdin import StdinFeed
-from worker.supervise import Activity, Clocks, StepFacts, supervise
+from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
+from worker.job.batch import facts_only, run_batch
+from worker.job.events import JobEvents
+from worker.job.flusher import OutputFlusher
+from worker.job.outcome import compile_info, compile_succeeded, judge_run
+from worker.job.output import CompileOutput, OutputBudget, output_encoding
+from worker.job.payload import fit_result
+from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
+from worker.job.stdin import StdinFeed
+from worker.job.supervise import Activity, Clocks, StepFacts, supervise
+from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced
 from worker.tasks import cancel_and_wait
 
 __all__ = ["JobRun"]

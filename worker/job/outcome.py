@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.messages import CompileInfo, Outcome
-from worker.output import CompileOutput
-from worker.supervise import StepFacts
+from worker.job.output import CompileOutput
+from worker.job.supervise import StepFacts
 
 __all__ = ["RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
 

@@ -32,8 +32,8 @@ from shared.messages import CompileInfo, CtrlMessage
 from worker.isolation.jail import Program
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
-from worker.outcome import compile_succeeded
-from worker.supervise import StepFacts
+from worker.job.outcome import compile_succeeded
+from worker.job.supervise import StepFacts
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Precompile", "PrecompileState", "RecordedEvents"]

@@ -20,8 +20,8 @@ import logging
 from redis.exceptions import RedisError
 
 from shared.messages import StdinFrame
-from worker.queue import WorkerQueue
-from worker.supervise import Activity
+from worker.job.supervise import Activity
+from worker.messaging.queue import WorkerQueue
 
 __all__ = ["StdinFeed"]
 

@@ -30,13 +30,13 @@ from shared.messages import (
     TestResultEvent,
     TestSummary,
 )
-from worker.events import JobEvents
 from worker.isolation.jail import Program
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
-from worker.outcome import judge_run
-from worker.output import output_encoding
-from worker.supervise import Activity, Clocks, StepFacts, supervise
+from worker.job.events import JobEvents
+from worker.job.outcome import judge_run
+from worker.job.output import output_encoding
+from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 
 __all__ = ["BatchResult", "facts_only", "run_batch"]
 

@@ -21,8 +21,8 @@ import msgspec
 from redis.exceptions import RedisError
 
 from shared.messages import ChunkEvent, JobState, StageEvent
-from worker.publisher import JobLane
-from worker.queue import WorkerQueue
+from worker.messaging.publisher import JobLane
+from worker.messaging.queue import WorkerQueue
 from worker.tasks import cancel_and_wait
 
 __all__ = ["JobEvents"]

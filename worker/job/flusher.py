@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import dataclass
 
 from shared.chunking import CHUNK_MAX_BYTES
-from worker.events import JobEvents
+from worker.job.events import JobEvents
 
 __all__ = ["OutputFlusher"]
 
