@@ -109,8 +109,10 @@ class Followed:
     def wait_result(self, timeout_s: float = 20) -> dict[str, Any]:
         if not self.finished.wait(timeout_s):
             raise AssertionError(f"no result within {timeout_s}s; got {self.summary()}")
-        # A few more moments in case a duplicate result were on its way (there must be none).
-        return self.results()[0]
+        results = self.results()
+        # Exactly one: Realtime.close() checks again once more events had time to arrive.
+        assert len(results) == 1, f"{len(results)} results: {self.summary()}"
+        return results[0]
 
     def summary(self, limit: int = 300) -> str:
         """The events so far, each cut short (huge outputs must not flood a failure report)."""
@@ -148,12 +150,14 @@ class Realtime:
             reconnect_interval=1,
         )
         self.pusher.connection.bind("pusher:connection_established", lambda _data: self._connected.set())
+        self._followed: list[Followed] = []
         self.pusher.connect()
         if not self._connected.wait(10):
             raise AssertionError("pysher could not connect to soketi")
 
     def follow(self, job: dict[str, Any], timeout_s: float = 10) -> Followed:
         followed = Followed(job)
+        self._followed.append(followed)
         name = job["channel"]
         # pysher's subscribe() sends the request before it registers the channel, so a fast
         # server's answer can be dropped. Register first, then send the same request.
@@ -169,6 +173,10 @@ class Realtime:
         return followed
 
     def close(self) -> None:
+        """Disconnect; fails if any job followed here got more than one result live."""
         # pysher joins its socket thread without a timeout; a closing websocket-client loop can
         # linger, and the thread is a daemon, so do not wait on it.
         self.pusher.disconnect(timeout=1)
+        doubled = {f.job["jobId"]: len(f.results()) for f in self._followed if len(f.results()) > 1}
+        if doubled:
+            raise AssertionError(f"jobs with more than one live result event: {doubled}")

@@ -85,12 +85,7 @@ def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> 
         job = api.execute(py_job("print('second life')"))
         followed = rt.follow(job)
         # Wait until the first worker has claimed and parked it, then kill that worker hard.
-        claimed = f"worker:{stack.worker_ids['worker']}:claimed"
-        deadline = time.monotonic() + 5
-        with stack.redis() as redis:
-            while job["jobId"].encode() not in redis.lrange(claimed, 0, -1):
-                assert time.monotonic() < deadline, "job was never claimed"
-                time.sleep(0.02)
+        _wait_claimed(stack, job["jobId"])
         os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
         stack.procs["worker"].wait()
         api.start(job)  # durable: stored while nobody holds the job
@@ -114,6 +109,41 @@ def test_parked_job_of_a_killed_worker_is_requeued(make_stack: StackFactory) -> 
     finally:
         rt.close()
         api.close()
+
+
+def test_a_reclaimed_job_that_expires_publishes_its_result_once(make_stack: StackFactory) -> None:
+    # A second claim reads the first claim's events from the log when it goes live; a job
+    # that ends unstarted goes live after its result is written, so the log then holds
+    # the result too, which must not go out a second time.
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS="1000", WORKER_WARMUP_MS="3000")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('never')"))
+        followed = rt.follow(job)
+        _wait_claimed(stack, job["jobId"])
+        os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
+        stack.procs["worker"].wait()
+        stack.start_worker()  # re-queues the dead worker's parked job, claims it, lets it expire
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "expired"
+        time.sleep(0.5)  # time for a second copy to arrive
+        assert [n for n, _ in followed.events].count("result") == 1, followed.summary()
+        with stack.redis() as redis:
+            log = [(int(f[b"seq"]), f[b"name"].decode()) for _, f in redis.xrange(f"job:{job['jobId']}:events")]
+        assert log == [(0, "stage"), (1, "result")]
+        assert sorted((p["seq"], n) for n, p in followed.events) == log
+    finally:
+        api.close()
+        rt.close()
+
+
+def _wait_claimed(stack, job_id: str) -> None:  # type: ignore[no-untyped-def]
+    claimed = f"worker:{stack.worker_ids['worker']}:claimed"
+    deadline = time.monotonic() + 5
+    with stack.redis() as redis:
+        while job_id.encode() not in redis.lrange(claimed, 0, -1):
+            assert time.monotonic() < deadline, "job was never claimed"
+            time.sleep(0.02)
 
 
 def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFactory) -> None:

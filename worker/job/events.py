@@ -88,23 +88,29 @@ class JobEvents:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def go_live(self) -> None:
-        """Publish every logged event so far, in seq order, and every later one as it comes."""
+    async def go_live(self, before_seq: int | None = None) -> None:
+        """Publish every logged event so far, in seq order, and every later one as it comes.
+
+        `before_seq`: publish only the logged events numbered below it. A job that ends
+        without having gone live does so after its result is in the log, and the result is
+        published by its writer, once.
+        """
         async with self._lock:
-            await self._go_live_locked()
+            await self._go_live_locked(before_seq)
 
     def _stop_hold_timer(self) -> None:
         if self._live_timer is not None:
             self._live_timer.cancel()
             self._live_timer = None
 
-    async def _go_live_locked(self) -> None:
+    async def _go_live_locked(self, before_seq: int | None = None) -> None:
         self._stop_hold_timer()
         if self.live:
             return
         backlog = await self._read_log() if self._log_has_more else self._backlog
-        for _, name, data in backlog:
-            self._lane.send(name, data)
+        for seq, name, data in backlog:
+            if before_seq is None or seq < before_seq:
+                self._lane.send(name, data)
         self._backlog = []
         self.live = True
 

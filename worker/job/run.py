@@ -752,8 +752,9 @@ class JobRun:
         if written:
             try:
                 # A job that ends without having started (expired, killed) has its parked
-                # events published now, before its result.
-                await self.events.go_live()
+                # events published now, before its result (which a second claim's log
+                # already holds: it goes out below, once).
+                await self.events.go_live(before_seq=seq)
             except RedisError as exc:
                 log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
             self.events.publish("result", result_json)
