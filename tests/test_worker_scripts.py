@@ -6,8 +6,11 @@ checks that Redis holds what one run leaves (every key, its contents and its TTL
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,9 +18,10 @@ from redis.asyncio import Redis
 
 from api.store import JobStore
 from shared import keys
-from shared.messages import JobState
+from shared.messages import JobState, Outcome, result_without_run
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
-from worker.messaging.queue import QUEUED_STAGE, WorkerQueue
+from worker.job.run import JobRun
+from worker.messaging.queue import QUEUED_STAGE, LogAhead, WorkerQueue
 
 pytestmark = [pytest.mark.stack]
 
@@ -92,6 +96,59 @@ async def test_advance_sent_twice_appends_once(redis: Redis, queue: WorkerQueue)
     # The next batch still goes in.
     await queue.advance(job, claim.attempt, [(3, "stdout", "chunk", b"more\n")])
     assert await redis.xlen(keys.events_key(job)) == 4
+
+
+async def test_finish_refuses_a_seq_the_log_already_holds(redis: Redis, queue: WorkerQueue) -> None:
+    # A worker cancelled while an append was in flight does not know the append landed: its
+    # count says the result is seq 1, the log already holds 1 and 2.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(1, "stdout", "chunk", b"a\n"), (2, "stdout", "chunk", b"b\n")])
+    before = await snapshot(redis)
+    with pytest.raises(LogAhead) as ahead:
+        await queue.finish(job, claim.attempt, JobState.DONE, 1, b'{"seq":1}', None)
+    assert ahead.value.next_seq == 3
+    assert_same_state(before, await snapshot(redis))  # nothing written
+    assert await queue.finish(job, claim.attempt, JobState.DONE, 3, b'{"seq":3}', None)
+    log = [(int(f[b"seq"]), f[b"name"]) for _, f in await redis.xrange(keys.events_key(job))]
+    assert log == [(0, b"stage"), (1, b"stdout"), (2, b"stdout"), (3, b"result")]
+
+
+class _Lane:
+    """What a job publishes live, recorded (no soketi)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send(self, name: str, data: bytes) -> None:
+        self.sent.append((name, data))
+
+    def wants_audience(self) -> bool:
+        return False
+
+
+async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    claim = await _claimed(redis, queue)
+    lane = _Lane()
+    ctx = SimpleNamespace(
+        queue=queue,
+        publisher=SimpleNamespace(lane=lambda _channel: lane),
+        settings=SimpleNamespace(pusher_max_payload_kb=100),
+        hard_stop=asyncio.Event(),
+    )
+    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    await run.events.go_live()
+    # An append that landed although its caller was cancelled before the answer came.
+    await queue.advance(claim.spec.job_id, claim.attempt, [(1, "stdout", "chunk", b"landed\n")])
+    await run._finish(Outcome.KILLED, result_without_run(Outcome.KILLED, "the worker shut down"))
+    log = [(int(f[b"seq"]), f[b"name"]) for _, f in await redis.xrange(keys.events_key(claim.spec.job_id))]
+    assert log == [(0, b"stage"), (1, b"stdout"), (2, b"result")]
+    published = [(name, json.loads(data)["seq"]) for name, data in lane.sent]
+    assert published == [("stage", 0), ("result", 2)]
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"state"] == b"killed" and json.loads(status[b"result"])["seq"] == 2
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

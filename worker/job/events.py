@@ -210,6 +210,12 @@ class JobEvents:
             self.next_seq += 1
             return seq
 
+    def result_seq_from(self, next_seq: int) -> int:
+        """The log is further than this count says (an append whose answer never came did
+        land): the result takes the log's next seq."""
+        self.next_seq = next_seq + 1
+        return next_seq
+
     def publish(self, name: str, data: bytes) -> None:
         """Publish an event another script logged (the result); the caller went live first."""
         self._lane.send(name, data)

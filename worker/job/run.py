@@ -58,7 +58,7 @@ from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
-from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced
+from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead
 from worker.tasks import cancel_and_wait
 
 __all__ = ["JobRun"]
@@ -713,15 +713,15 @@ class JobRun:
             return
         self._finished = True
         seq = await self.events.take_result_seq()
-        event, result_json = fit_result(
-            msgspec.structs.replace(event, seq=seq), self.ctx.settings.pusher_max_payload_kb * 1024
-        )
-        output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FINISH_RETRY_S
         delay = 0.1
         while True:
+            event, result_json = fit_result(
+                msgspec.structs.replace(event, seq=seq), self.ctx.settings.pusher_max_payload_kb * 1024
+            )
+            output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
             try:
                 write = self.ctx.queue.finish(
                     self.job_id,
@@ -739,6 +739,10 @@ class JobRun:
                 # Told twice to stop, the worker gives each write a moment, not minutes.
                 written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
                 break
+            except LogAhead as ahead:
+                # An append this job stopped waiting for (cancelled mid-write) did land.
+                log.warning("job %s: result seq %d is taken in the log; numbering it %d", self.job_id, seq, ahead.next_seq)
+                seq = self.events.result_seq_from(ahead.next_seq)
             except (RedisError, OSError, TimeoutError) as exc:
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker

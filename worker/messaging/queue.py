@@ -20,7 +20,7 @@ from shared.codec import decode_stored, encode
 from shared.eventlog import RESULT_LANDED_LUA, entry_json
 from shared.messages import JobSpec, JobState, StageEvent, WorkerInfo
 
-__all__ = ["QUEUED_STAGE", "Claim", "Fenced", "StoredFrame", "WorkerQueue", "now_ms"]
+__all__ = ["QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "now_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ if (not mine) or (not state) or terminal[state] then
   redis.call('LREM', KEYS[6], 1, ARGV[8])
   return 0
 end
+-- The log is ahead of the worker's count (an append it gave up waiting for did land):
+-- nothing is written, and the worker numbers the result again.
+local next_seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
+if tonumber(ARGV[6]) < next_seq then return {2, next_seq} end
 redis.call('XADD', KEYS[2], '*', 'seq', ARGV[6], 'name', 'result', 'data', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1)
 redis.call('HDEL', KEYS[1], 'worker')
@@ -231,6 +235,14 @@ def now_ms() -> int:
 
 class Fenced(Exception):
     """This worker no longer holds the job (its lease was taken over, or the job ended)."""
+
+
+class LogAhead(Exception):
+    """The job's log already holds the seq a result was given: number it `next_seq`."""
+
+    def __init__(self, next_seq: int) -> None:
+        super().__init__(f"the log's next seq is {next_seq}")
+        self.next_seq = next_seq
 
 
 class Claim(msgspec.Struct, frozen=True):
@@ -391,9 +403,13 @@ class WorkerQueue:
 
         `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
         `kept_bytes` (the output in the log and beside the result) goes on `owner`'s ledger
-        of retained output until the job's records expire.
+        of retained output until the job's records expire. False: the job is not this
+        worker's any more (or has ended).
+
+        Raises:
+            LogAhead: the log already holds `seq` (nothing was written).
         """
-        ok = await self._finish(
+        answer = await self._finish(
             keys=[
                 keys.status_key(job_id),
                 keys.events_key(job_id),
@@ -415,7 +431,9 @@ class WorkerQueue:
                 output[0], output[1], kept_bytes if owner else 0,
             ],
         )
-        return bool(ok)
+        if isinstance(answer, list):
+            raise LogAhead(int(answer[1]))
+        return bool(answer)
 
     async def hand_back(self, job_id: str, attempt: int, to_back: bool = False) -> bool:
         """Return a job that never started to the queue, its start flag kept: to the head
