@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from shared.grading import TestVerdict as Verdict
 from shared.grading import batch_verdict, case_verdict, outputs_match
+from shared.limits import DEFAULT_LIMITS
+from shared.messages import CtrlMessage, FileSpec, JobSpec, TestCase
 from tests.helpers import Api, Realtime
+from worker.isolation.jail import JailExit
+from worker.job import batch
+from worker.job.supervise import StepFacts
 
 C_SUM = r"""
 #include <stdio.h>
@@ -182,6 +189,72 @@ def test_killing_a_batch_skips_what_did_not_run(api: Api, realtime: Realtime) ->
     result = followed.wait_result(timeout_s=20)
     assert result["outcome"] == "killed" and result["killedBy"] == "user"
     assert {case["verdict"] for case in result["tests"]} == {"skipped"}
+
+
+class _Sandbox:
+    """What run_batch touches of a sandbox before it supervises the case."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.jail = SimpleNamespace(name=name, proc=SimpleNamespace(stdin=None), stdout=None, stderr=None)
+        self.cgroup = None
+        self.memory_base_bytes = 0
+
+    async def load(self, *_args: Any) -> None:
+        pass
+
+
+class _Pool:
+    """One ready sandbox at the batch's start, then none until `free` is set."""
+
+    ready = 1
+
+    def __init__(self) -> None:
+        self.free = asyncio.Event()
+        self.waiting = asyncio.Event()
+        self.given_back: list[str] = []
+
+    async def take(self, *_args: Any) -> _Sandbox:
+        self.waiting.set()
+        await self.free.wait()
+        return _Sandbox("late")
+
+    def give_back(self, sandbox: _Sandbox) -> None:
+        self.given_back.append(sandbox.name)
+
+
+async def test_a_kill_reaches_a_case_still_waiting_for_its_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Case 1 is let through (two may run at once) but finds no sandbox ready: another job
+    # took it. A kill comes meanwhile; the sandbox it gets afterwards must not run it.
+    ran: list[str] = []
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> StepFacts:
+        ran.append(jail.name)
+        await inbox.get()  # runs until the kill reaches it
+        return StepFacts(exit=JailExit(None, "SIGKILL", False), fired="user", duration_ms=1, cpu_ms=1, memory_kb=0, oom_kills=0)
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    first, pool, ctrl = _Sandbox("first"), _Pool(), asyncio.Queue()
+    spec = JobSpec(
+        job_id="j", language="python", version="3", files=[FileSpec(name="main.py", content="")],
+        limits=DEFAULT_LIMITS, created_at_ms=0, tests=[TestCase(stdin=""), TestCase(stdin="")],
+    )  # fmt: skip
+    events = SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0))
+    task = asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",
+            sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(), pool=pool,
+            events=events, ctrl=ctrl, keep_output=False,
+        )  # type: ignore[arg-type]
+    )  # fmt: skip
+    await asyncio.wait_for(pool.waiting.wait(), 5)
+    ctrl.put_nowait(CtrlMessage(type="kill"))
+    await asyncio.sleep(0.05)
+    pool.free.set()
+    result = await asyncio.wait_for(task, 5)
+    assert ran == ["first"]  # the late sandbox never ran case 1
+    assert result.killed and [c.verdict for c in result.cases] == ["skipped", "skipped"]
+    assert sorted(pool.given_back) == ["first", "late"]
 
 
 @pytest.mark.parametrize(

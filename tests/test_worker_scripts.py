@@ -13,15 +13,16 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from redis.asyncio import Redis
 
 from api.store import JobStore
 from shared import keys
-from shared.messages import JobState, Outcome, result_without_run
+from shared.messages import JobState, Outcome, TestCase, result_without_run
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.job.run import JobRun
-from worker.messaging.queue import QUEUED_STAGE, LogAhead, WorkerQueue
+from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
 
 pytestmark = [pytest.mark.stack]
 
@@ -149,6 +150,22 @@ async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it
     assert published == [("stage", 0), ("result", 2)]
     status = await redis.hgetall(keys.status_key(claim.spec.job_id))
     assert status[b"state"] == b"killed" and json.loads(status[b"result"])["seq"] == 2
+
+
+async def test_a_batch_that_loses_its_lease_before_running_leaves_its_sandbox_to_the_teardown(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    claim = await _claimed(redis, queue)
+    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
+    run = JobRun(ctx, msgspec.structs.replace(claim, spec=msgspec.structs.replace(claim.spec, tests=[TestCase()])))  # type: ignore[arg-type]
+    sandbox = object()
+    run.sandbox = sandbox  # type: ignore[assignment]
+    await redis.hincrby(keys.status_key(claim.spec.job_id), "attempt", 1)  # another worker has it now
+    plan = SimpleNamespace(compile=None, files=[])
+    with pytest.raises(Fenced):
+        await run._run_batch(asyncio.Queue(), plan, None)  # type: ignore[arg-type]
+    # Still the job's to destroy (execute's finally does), not dropped on the floor.
+    assert run.sandbox is sandbox and not run._destroyed
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

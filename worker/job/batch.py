@@ -129,6 +129,11 @@ async def run_batch(
             except BaseException:
                 pool.give_back(sandbox)
                 raise
+        if stop.is_set():
+            # A kill (or a failure under stopOnFirstFailure) came while this case waited for
+            # its sandbox: it is not run, so it is not left running past the kill.
+            pool.give_back(sandbox)
+            return
         inbox: asyncio.Queue[object] = asyncio.Queue()
         running.append(inbox)
         output = _CaseOutput(limits.output_kb * 1024)

@@ -624,19 +624,20 @@ class JobRun:
 
     async def _run_batch(self, ctrl: asyncio.Queue[CtrlMessage], plan: Plan, compiled: CompileInfo | None) -> None:
         """A test batch: every case in a fresh sandbox with what the compile left, judged."""
-        first, self.sandbox = self.sandbox, None  # the batch gives every sandbox back itself
+        first = self.sandbox
         assert first is not None
-        self._destroyed = True
         files, executable = plan.files, frozenset[str]()
         if plan.compile is not None:
             try:
                 files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
             except (WorkspaceError, OSError) as exc:
-                self.ctx.pool.give_back(first)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"could not copy the compiled program: {exc}")
                 return
         self._program_started = True
         await self.events.stage("running", state=JobState.RUNNING, started=True)
+        # From here the batch gives every sandbox back itself, the first one included; until
+        # here (a failure, a cancel, a lost lease) execute's own teardown destroys it.
+        self.sandbox, self._destroyed = None, True
         batch = await run_batch(
             spec=self.spec,
             manifest=plan.manifest,
