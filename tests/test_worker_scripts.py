@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api.store import JobStore
 from shared import keys
@@ -166,6 +167,25 @@ async def test_a_batch_that_loses_its_lease_before_running_leaves_its_sandbox_to
         await run._run_batch(asyncio.Queue(), plan, None)  # type: ignore[arg-type]
     # Still the job's to destroy (execute's finally does), not dropped on the floor.
     assert run.sandbox is sandbox and not run._destroyed
+
+
+async def test_a_hand_back_that_redis_refuses_leaves_the_claim_for_recovery(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = await _claimed(redis, queue)
+    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
+    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+
+    async def unreachable(*_args: Any, **_kwargs: Any) -> bool:
+        raise RedisConnectionError("Redis went away")
+
+    monkeypatch.setattr(queue, "hand_back", unreachable)
+    await run._end_unstarted("handback")  # a stopping worker's parked job
+    # Not ended for it (no internal_error, start flag kept): still parked, still claimed by
+    # this worker, where the stray-claim recovery finds it.
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"state"] == b"parked" and b"result" not in status
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

@@ -143,10 +143,7 @@ class JobRun:
             except (RedisError, TimeoutError) as exc:
                 log.warning("job %s: cannot subscribe to its control channels (%s); handing it back", self.job_id, exc)
                 self._finished = True
-                try:
-                    await self.ctx.queue.hand_back(self.job_id, self.claim.attempt)
-                except RedisError:
-                    pass  # the stray-claim recovery re-queues it once Redis is back
+                await self._hand_back()
                 return
             if self.claim.kill_flag:
                 await self._finish_without_run(Outcome.KILLED, "killed before it started")
@@ -158,8 +155,8 @@ class JobRun:
                 # worker that has it take the job, unless it has gone round too often.
                 if self.claim.handovers < MAX_HANDOVERS:
                     log.info("job %s: %s; handing it to another worker", self.job_id, exc)
-                    await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=True)
                     self._finished = True
+                    await self._hand_back(to_back=True)
                     self.ctx.claim_paused_until = asyncio.get_running_loop().time() + HANDOVER_PAUSE_S
                 else:
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
@@ -275,7 +272,9 @@ class JobRun:
             await asyncio.shield(self._abort("internal error in the worker"))
         finally:
             try:
-                if precompile is not None and precompile.sandbox is not None:
+                if precompile is not None:
+                    # Also when it holds nothing yet: one still waiting for a sandbox would
+                    # otherwise go on to load or compile for a job that is over.
                     await asyncio.shield(precompile.discard())
                 await self._discard(self._running_stage)
                 await self._discard(kill_watch)
@@ -302,12 +301,22 @@ class JobRun:
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
 
+    async def _hand_back(self, to_back: bool = False) -> bool:
+        """Return the never-started job to the queue. Should Redis fail, the claim stays in
+        this worker's list and the stray-claim recovery re-queues it: a job that did not
+        run is never ended for it (nor its start flag dropped)."""
+        try:
+            return await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=to_back)
+        except (RedisError, OSError) as exc:
+            log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
+            return False
+
     async def _end_unstarted(self, signal: str, killed_message: str = "killed before it started") -> None:
         """End a job whose program never ran: handed back, killed or expired."""
         if signal == "handback":
-            if await self.ctx.queue.hand_back(self.job_id, self.claim.attempt):
-                log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
             self._finished = True
+            if await self._hand_back():
+                log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
         elif signal == "kill":
             await self._finish_without_run(Outcome.KILLED, killed_message)
         else:
