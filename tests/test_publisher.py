@@ -59,3 +59,35 @@ def test_each_delivery_finds_its_connection_dialled(make_stack: StackFactory, mo
         rt.close()
         api.close()
     assert publisher_module.IDLE_CONNECTION_S < 10  # under uWS's idle timeout
+
+
+def test_a_result_in_the_batch_being_paced_still_goes_when_close_runs_out_of_time(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lane paced to a slow rate holds its last batch (output and the result) back; close()
+    # gives up waiting before it is sent. The output may be dropped, the result may not.
+    monkeypatch.setattr(publisher_module, "LANE_BURST_BYTES", 1024)
+    monkeypatch.setattr(publisher_module, "LANE_RATE_BYTES_S", 8 * 1024)
+    stack = make_stack(with_worker=False)
+    api, rt = Api(stack), Realtime(stack)
+    job = api.execute(py_job("print(1)"))  # no worker: only its channel is used
+    followed = rt.follow(job)
+    chunk = "x" * 8000
+
+    async def main() -> None:
+        publisher = Publisher(load_settings(stack.env()))
+        lane = publisher.lane(job["channel"])
+        for seq in range(3):
+            lane.send("stdout", f'{{"chunk":"{chunk}","seq":{seq}}}'.encode())
+        lane.send("result", b'{"outcome":"completed","seq":3}')
+        await asyncio.sleep(0.2)  # the drain has taken the batch and is pacing it (~3 s)
+        await lane.close(timeout_s=0.3)
+        await publisher.aclose()
+
+    try:
+        asyncio.run(main())
+        assert followed.finished.wait(5), followed.summary()
+        assert [p["seq"] for n, p in followed.events if n == "result"] == [3]
+    finally:
+        rt.close()
+        api.close()

@@ -254,6 +254,7 @@ class JobLane:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._tokens = float(LANE_BURST_BYTES)
+        self._unsent: list[_Event] = []
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -297,10 +298,15 @@ class JobLane:
             batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
             size = sum(len(event.data) for event in batch)
             self._pending_bytes -= size
+            # Until its delivery begins, a batch is still close()'s to send should time run out.
+            self._unsent = batch
             if not await self._heard():
+                self._unsent = []
                 self._publisher.unheard += len(batch)
                 continue
             await self._pace(size)
+            # Once a request may have reached soketi, sending it again could double a result.
+            self._unsent = []
             await self._publisher.deliver(batch)
 
     def wants_audience(self) -> bool:
@@ -338,11 +344,13 @@ class JobLane:
         except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        rest = [event for event in self._pending if event.name not in CHUNK_EVENTS]
-        self._publisher.dropped += len(self._pending) - len(rest)
-        if len(self._pending) > len(rest):
-            log.warning("channel %s: %d live output events not delivered in time", self._channel, len(self._pending) - len(rest))
+        left = [*self._unsent, *self._pending]
+        rest = [event for event in left if event.name not in CHUNK_EVENTS]
+        self._publisher.dropped += len(left) - len(rest)
+        if len(left) > len(rest):
+            log.warning("channel %s: %d live output events not delivered in time", self._channel, len(left) - len(rest))
         self._pending.clear()
+        self._unsent = []
         if not rest or not await self._heard():
             self._publisher.unheard += len(rest)
             return
