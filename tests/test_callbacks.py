@@ -475,9 +475,10 @@ async def test_finish_and_reap_queue_one_delivery(redis: Redis) -> None:
         assert claim is not None and claim.spec.job_id == spec.job_id
         assert await redis.zscore(keys.CALLBACKS_DUE, spec.job_id) is None  # not before the end
         if how == "finish":
+            seq = claim.next_seq  # after the claim's stage{queued}
             for _ in range(2):
                 await queue.finish(
-                    spec.job_id, claim.attempt, JobState.DONE, 0, b'{"outcome":"completed","seq":0}', None
+                    spec.job_id, claim.attempt, JobState.DONE, seq, b'{"outcome":"completed","seq":%d}' % seq, None
                 )
         else:
             await queue.advance(spec.job_id, claim.attempt, [], started=True)
