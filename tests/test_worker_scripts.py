@@ -188,6 +188,38 @@ async def test_a_hand_back_that_redis_refuses_leaves_the_claim_for_recovery(
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
 
 
+async def test_a_job_cancelled_while_its_result_is_retried_still_stores_and_publishes_it(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = await _claimed(redis, queue)
+    lane = _Lane()
+    ctx = SimpleNamespace(
+        queue=queue,
+        publisher=SimpleNamespace(lane=lambda _channel: lane),
+        settings=SimpleNamespace(pusher_max_payload_kb=100),
+        hard_stop=asyncio.Event(),
+    )
+    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    await run.events.go_live()
+    finish, failed = queue.finish, asyncio.Event()
+
+    async def blip_once(*args: Any, **kwargs: Any) -> bool:
+        if not failed.is_set():
+            failed.set()
+            raise RedisConnectionError("a blip")
+        return await finish(*args, **kwargs)
+
+    monkeypatch.setattr(queue, "finish", blip_once)
+    task = asyncio.create_task(run._finish(Outcome.COMPLETED, result_without_run(Outcome.COMPLETED, None)))
+    await asyncio.wait_for(failed.wait(), 5)  # now waiting to retry
+    task.cancel()  # the worker's grace period is over
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"state"] == b"done" and json.loads(status[b"result"])["seq"] == 1
+    assert [name for name, _ in lane.sent] == ["stage", "result"]
+
+
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

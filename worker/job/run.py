@@ -69,6 +69,8 @@ _encoder = msgspec.json.Encoder()
 # A produced result is kept trying for this long through a Redis outage (reconnecting with
 # backoff); past it, the claim is left for the stray-claim recovery of this worker's upkeep.
 FINISH_RETRY_S = 300.0
+# A job cancelled (its worker stopping) while its result is being stored waits this long more.
+FINISH_ON_CANCEL_S = 3.0
 
 
 class PlatformError(Exception):
@@ -723,6 +725,30 @@ class JobRun:
             return
         self._finished = True
         seq = await self.events.take_result_seq()
+        store = asyncio.ensure_future(self._store_result(outcome, event, seq))
+        try:
+            stored = await asyncio.shield(store)
+        except asyncio.CancelledError:
+            # The worker is stopping and cancelled its jobs while this one's result was being
+            # stored (retrying through a Redis blip): it gets a moment more, as each write
+            # does under a hard stop, so the job ends with its result rather than `lost`.
+            try:
+                stored = await asyncio.wait_for(store, FINISH_ON_CANCEL_S)
+            except (TimeoutError, Exception):
+                log.error("job %s: the worker stopped before the result could be stored", self.job_id)
+                raise asyncio.CancelledError from None
+            if stored is not None:
+                await self._go_live_with_result(stored[0])
+                self._publish_result(outcome, *stored)
+            raise
+        if stored is not None:
+            await self._go_live_with_result(stored[0])
+            self._publish_result(outcome, *stored)
+
+    async def _store_result(self, outcome: Outcome, event: ResultEvent, seq: int) -> tuple[int, bytes, ResultEvent] | None:
+        """Write the result (retrying through Redis outages up to FINISH_RETRY_S). Returns its
+        seq, JSON and event once written, None if it was not (the claim is then left to
+        recovery, or the job is no longer this worker's)."""
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FINISH_RETRY_S
@@ -732,52 +758,58 @@ class JobRun:
                 msgspec.structs.replace(event, seq=seq), self.ctx.settings.pusher_max_payload_kb * 1024
             )
             output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
+            write = self.ctx.queue.finish(
+                self.job_id,
+                self.claim.attempt,
+                OUTCOME_STATE[outcome],
+                seq,
+                result_json,
+                output_json,
+                output,
+                owner=self.spec.owner,
+                kept_bytes=self.events.stored_chunk_bytes
+                + (sum(map(len, output)) if output_json else 0)
+                + sum(meta.bytes for meta in self._artifacts),
+            )
             try:
-                write = self.ctx.queue.finish(
-                    self.job_id,
-                    self.claim.attempt,
-                    OUTCOME_STATE[outcome],
-                    seq,
-                    result_json,
-                    output_json,
-                    output,
-                    owner=self.spec.owner,
-                    kept_bytes=self.events.stored_chunk_bytes
-                    + (sum(map(len, output)) if output_json else 0)
-                    + sum(meta.bytes for meta in self._artifacts),
-                )
                 # Told twice to stop, the worker gives each write a moment, not minutes.
                 written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
-                break
             except LogAhead as ahead:
                 # An append this job stopped waiting for (cancelled mid-write) did land.
                 log.warning("job %s: result seq %d is taken in the log; numbering it %d", self.job_id, seq, ahead.next_seq)
                 seq = self.events.result_seq_from(ahead.next_seq)
+                continue
             except (RedisError, OSError, TimeoutError) as exc:
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)
                     # ends it `lost` if it had started, else queues it again.
                     log.error("job %s: could not store the result: %s", self.job_id, exc)
-                    return
+                    return None
                 log.warning("job %s: storing the result failed (%s); retrying in %.1fs", self.job_id, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        if written:
-            try:
-                # A job that ends without having started (expired, killed) has its parked
-                # events published now, before its result (which a second claim's log
-                # already holds: it goes out below, once).
-                await self.events.go_live(before_seq=seq)
-            except RedisError as exc:
-                log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
-            self.events.publish("result", result_json)
-            log.info(
-                "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
-                self.job_id, outcome.value, event.exit_code, event.signal, event.duration_ms, event.cpu_ms, event.memory_kb,
-            )  # fmt: skip
-        else:
-            log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
+                continue
+            if not written:
+                log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
+                return None
+            return seq, result_json, event
+
+    async def _go_live_with_result(self, seq: int) -> None:
+        """A job that ends without having started (expired, killed) has its parked events
+        published now, before its result (which a second claim's log already holds: it is
+        published by _publish_result, once)."""
+        try:
+            await self.events.go_live(before_seq=seq)
+        except RedisError as exc:
+            log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
+
+    def _publish_result(self, outcome: Outcome, seq: int, result_json: bytes, event: ResultEvent) -> None:
+        self.events.publish("result", result_json)
+        log.info(
+            "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
+            self.job_id, outcome.value, event.exit_code, event.signal, event.duration_ms, event.cpu_ms, event.memory_kb,
+        )  # fmt: skip
 
     def _stored_output(self, event: ResultEvent) -> StoredOutput:
         shared = {f: getattr(event, f) for f in Verdict.__struct_fields__}
