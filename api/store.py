@@ -101,7 +101,9 @@ if ARGV[14] ~= '' then
   redis.call('EXPIRE', KEYS[6], ARGV[4])
 end
 if ARGV[16] == '1' then
-  -- A test batch: each case gets its own stdin; there is none to send to the job.
+  -- EOF comes with the job (closeStdin, the default with up-front stdin) or there is no
+  -- job stdin at all (a test batch: each case has its own): a later frame could never
+  -- reach the program, so it is refused rather than accepted and dropped.
   redis.call('HSET', KEYS[3], 'stdinClosed', '1')
 end
 redis.call('EXPIRE', KEYS[3], ARGV[4])
@@ -484,7 +486,7 @@ class JobStore:
             body_sha256,
             spec.callback_url or "",
             "1" if spec.collect_output else "",
-            "1" if spec.tests else "",
+            "1" if spec.tests or spec.close_stdin else "",
             max_retained_bytes,
         ]
         return ScriptCall(self._enqueue, script_keys, args)

@@ -133,9 +133,16 @@ def test_stdin_sent_before_start_follows_the_upfront_stdin(api: Api, realtime: R
 def test_upfront_stdin_ends_with_eof_unless_asked_to_stay_open(api: Api, realtime: Realtime) -> None:
     job = api.execute(py_job("import sys\nprint(repr(sys.stdin.read()))\n", stdin="all of it"))
     followed = realtime.follow(job)
+    # The input ends with the job's own: more can never reach the program, so it is refused.
+    more = stdin(api, job, "more")
+    assert more.status_code == 409 and "closed" in more.json()["error"], more.text
+    assert close(api, job).status_code == 409
     api.start(job)
     assert followed.wait_result()["outcome"] == "completed"
     assert followed.text("stdout") == "'all of it'\n"
+    explicit = api.execute(py_job("print(1)\n", closeStdin=True))  # EOF at once, no input given
+    assert stdin(api, explicit, "x").status_code == 409
+    kill(api, explicit)
 
 
 def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime) -> None:
