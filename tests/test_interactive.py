@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from launcher.stack import Stack
 from tests.conftest import StackFactory
 from tests.helpers import Api, Followed, Realtime, py_job
 
@@ -176,6 +177,28 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
     close(api, job)
     followed.wait_result()
     assert followed.text("stdout") == "65537\n"
+
+
+def test_input_the_program_has_read_does_not_pile_up_in_redis(api: Api, realtime: Realtime, stack: Stack) -> None:
+    # A program that reads as fast as a client types: what it read is not kept, so a long
+    # session cannot grow the job's stdin stream by its whole input.
+    job = api.execute(py_job("import sys\nprint(len(sys.stdin.buffer.read()))\n"))
+    followed = realtime.follow(job)
+    api.start(job)
+    block = b"z" * 16384
+    for _ in range(20):
+        while (r := stdin(api, job, data=block)).status_code == 429:  # frame rate or pending cap
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+    with stack.redis() as redis:
+        deadline = time.monotonic() + 10
+        while int(redis.hget(f"job:{job['jobId']}:status", "stdinWritten") or 0) < 20 * len(block):
+            assert time.monotonic() < deadline, "the program did not read its input"
+            time.sleep(0.05)
+        assert redis.xlen(f"job:{job['jobId']}:stdin") <= 1  # the last frame written, at most
+    close(api, job)
+    followed.wait_result()
+    assert followed.text("stdout") == f"{20 * len(block)}\n"
 
 
 def test_stdin_validation_and_closed_stdin(api: Api) -> None:

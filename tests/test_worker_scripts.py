@@ -259,10 +259,16 @@ async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -
     assert await redis.xlen(keys.done_key(job)) == 1
 
 
-async def test_stdin_written_sent_twice_is_the_same_count(redis: Redis, queue: WorkerQueue) -> None:
+async def test_stdin_written_sent_twice_is_the_same_count_and_drops_the_written_frames(
+    redis: Redis, queue: WorkerQueue
+) -> None:
     claim = await _claimed(redis, queue)
-    await queue.stdin_written(claim.spec.job_id, claim.attempt, 42)
+    stream = keys.stdin_key(claim.spec.job_id)
+    ids = [await redis.xadd(stream, {"n": n, "kind": "data", "data": "x" * 21}) for n in range(3)]
+    await queue.stdin_written(claim.spec.job_id, claim.attempt, 42, ids[1].decode())
     after_one = await snapshot(redis)
     await queue._stdin_written.again()  # type: ignore[attr-defined]
     assert_same_state(after_one, await snapshot(redis))
     assert await redis.hget(keys.status_key(claim.spec.job_id), "stdinWritten") == b"42"
+    # Frames before the last one written are gone; that one and the unwritten stay.
+    assert [entry_id for entry_id, _ in await redis.xrange(stream)] == ids[1:]

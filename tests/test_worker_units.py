@@ -150,7 +150,7 @@ class _StoredStdin:
         start = 0 if after_id is None else next(i for i, f in enumerate(self.frames) if f.id == after_id) + 1
         return self.frames[start : start + count]
 
-    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int) -> None:
+    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int, through_id: str) -> None:
         pass
 
 

@@ -129,7 +129,7 @@ class StdinFeed:
         await self._write(writer, data, activity)
         self.written_bytes += len(data)
         try:
-            await self._queue.stdin_written(self._job_id, self._attempt, self.written_bytes)
+            await self._queue.stdin_written(self._job_id, self._attempt, self.written_bytes, frame_id)
         except RedisError as exc:
             # The bytes reached the program; only the pending count lags until the next frame.
             log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)

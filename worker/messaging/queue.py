@@ -63,14 +63,18 @@ return {attempt, seq, spec, start, kill, handovers, logged}
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 
-# KEYS: status. ARGV: attempt, bytes of stdin written to the program so far (absolute, so
-# a retried write changes nothing).
+# KEYS: status, stdin stream. ARGV: attempt, bytes of stdin written to the program so far
+# (absolute, so a retried write changes nothing), the stream id of the last frame written.
+# Frames before that one are dropped: a started job never runs again, so nothing reads them,
+# and a program that reads as fast as a client sends would otherwise let the stream grow by
+# its whole input, however long the job runs.
 _STDIN_WRITTEN = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
 redis.call('HSET', KEYS[1], 'stdinWritten', ARGV[2])
+redis.call('XTRIM', KEYS[2], 'MINID', ARGV[3])
 return 1
 """
 )
@@ -346,9 +350,12 @@ class WorkerQueue:
             for entry_id, fields in raw
         ]
 
-    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int) -> None:
-        """Record how many accepted stdin bytes reached the program (frees the pending cap)."""
-        await self._stdin_written(keys=[keys.status_key(job_id)], args=[attempt, total_bytes])
+    async def stdin_written(self, job_id: str, attempt: int, total_bytes: int, through_id: str) -> None:
+        """Record how many accepted stdin bytes reached the program (frees the pending cap),
+        the last of them in frame `through_id`; the frames before it are dropped."""
+        await self._stdin_written(
+            keys=[keys.status_key(job_id), keys.stdin_key(job_id)], args=[attempt, total_bytes, through_id]
+        )
 
     async def event_log(self, job_id: str) -> list[tuple[int, str, bytes]]:
         """Every event in the job's durable log, as (seq, name, data)."""
