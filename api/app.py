@@ -19,7 +19,7 @@ from api.errors import exception_handlers
 from api.events import BLOCK_MS
 from api.playground import playground_routes
 from api.realtime import RealtimePublisher
-from api.routes import routes
+from api.routes import OUTPUT_WAIT_SLICE_MS, routes
 from api.state import AppState
 from api.store import JobStore
 from api.streams import StreamSlots
@@ -76,7 +76,19 @@ def create_app(settings: Settings) -> Starlette:
                 **_RECONNECTING,
             )
         )
-        store = JobStore(redis, settings.job_record_ttl_s, streams=streams)
+        # Long-polls for a result block on the job's done stream: a pool of their own, so
+        # however many wait, event streams keep theirs (each side is admitted, api/streams.py).
+        waits = Redis(
+            connection_pool=BlockingConnectionPool.from_url(
+                settings.redis_url,
+                max_connections=settings.max_output_waits,
+                timeout=5,
+                socket_timeout=OUTPUT_WAIT_SLICE_MS / 1000 + _COMMAND_TIMEOUT_S,
+                socket_connect_timeout=_COMMAND_TIMEOUT_S,
+                **_RECONNECTING,
+            )
+        )
+        store = JobStore(redis, settings.job_record_ttl_s, streams=streams, waits=waits)
         realtime = RealtimePublisher(settings)
         app.state.coderunner = AppState(
             settings=settings,
@@ -86,11 +98,13 @@ def create_app(settings: Settings) -> Starlette:
             auth=Authenticator(settings),
             realtime=realtime,
         )
-        app.state.event_streams = StreamSlots(settings)
+        app.state.event_streams = StreamSlots.event_streams(settings)
+        app.state.output_waits = StreamSlots.output_waits(settings)
         try:
             yield
         finally:
             await realtime.aclose()
+            await waits.aclose()
             await streams.aclose()
             await redis.aclose()
 

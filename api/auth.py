@@ -25,6 +25,11 @@ class Principal(msgspec.Struct, frozen=True):
     # Set for a job-token holder: the one job it may touch.
     job_id: str | None = None
 
+    @property
+    def caller(self) -> str:
+        """Who is asking, for per-caller bounds: the API token's holder, or one job token."""
+        return f"job:{self.job_id}" if self.job_id is not None else f"owner:{self.owner}"
+
     def may_access(self, job_id: str, job_owner: str) -> bool:
         if self.job_id is not None:
             return self.job_id == job_id

@@ -91,6 +91,5 @@ async def job_events(request: Request) -> Response:
     status = await state.visible_job(request, url_token=True)
     after_seq = _after(request)
     principal = state.auth.principal(request, url_token=request.query_params.get("token"))
-    caller = f"job:{principal.job_id}" if principal.job_id is not None else f"owner:{principal.owner}"
-    slot = slots.acquire(status.job_id, caller)
+    slot = slots.acquire(status.job_id, principal.caller)
     return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)

@@ -401,7 +401,7 @@ async def job_output(request: Request) -> Response:
     deadline = loop.time() + wait_ms / 1000
     store = state.store
     missing = "No output for this job (unknown, not collected, not finished, or expired)"
-    if not wait_ms:
+    if not wait_ms or status.state in TERMINAL_STATES:
         found = await store.output(status.job_id)
         if found is None:
             raise ApiError(404, missing)
@@ -410,18 +410,25 @@ async def job_output(request: Request) -> Response:
     # marks the job's done stream, and a blocking read of that stream wakes the moment it is
     # marked (or at once, if it already was). Output and other events never wake it. A job
     # that had not ended when its status was read has nothing to fetch yet: wait first.
-    if status.state not in TERMINAL_STATES:
+    # Each wait holds a connection of the waits' pool: admitted like an event stream (a 429
+    # past the per-caller bound, 503 when all are in use; see api/streams.py).
+    slot = request.app.state.output_waits.acquire(status.job_id, state.auth.principal(request).caller)
+    try:
         await store.wait_for_result(status.job_id, min(wait_ms, OUTPUT_WAIT_SLICE_MS))
-    while True:
-        look = await store.output_snapshot(status.job_id)
-        if look.output is not None:
-            return await _output_response(state, status.job_id, look.output)
-        if look.ended:
-            raise ApiError(404, missing)
-        left_ms = int((deadline - loop.time()) * 1000)
-        if left_ms <= 0:
-            raise ApiError(404, missing)
-        await store.wait_for_result(status.job_id, min(left_ms, OUTPUT_WAIT_SLICE_MS))
+        while True:
+            look = await store.output_snapshot(status.job_id)
+            if look.output is not None:
+                break
+            if look.ended:
+                raise ApiError(404, missing)
+            left_ms = int((deadline - loop.time()) * 1000)
+            if left_ms <= 0:
+                raise ApiError(404, missing)
+            await store.wait_for_result(status.job_id, min(left_ms, OUTPUT_WAIT_SLICE_MS))
+    finally:
+        slot.release()
+    return await _output_response(state, status.job_id, look.output)
+
 
 
 # One blocking read of the done stream lasts at most this long before the job is looked at again.

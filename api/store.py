@@ -430,9 +430,10 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobStore:
-    def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None) -> None:
+    def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None, waits: Redis | None = None) -> None:
         self._redis = redis
         self._streams = streams or redis
+        self._waits = waits or self._streams
         self._record_ttl_s = record_ttl_s
         self._enqueue = redis.register_script(_ENQUEUE)
         self._stdin = redis.register_script(_STDIN)
@@ -794,7 +795,7 @@ class JobStore:
         Every script that logs a result also adds the one entry of the job's done stream, so
         this read wakes then and only then; reading from the start, it returns at once for
         a result that landed before it began."""
-        await self._streams.xread({keys.done_key(job_id): "0-0"}, count=1, block=max(1, block_ms))
+        await self._waits.xread({keys.done_key(job_id): "0-0"}, count=1, block=max(1, block_ms))
 
     async def output(self, job_id: str) -> StoredOutputFound | None:
         """The stored result of a collectOutput job, or None (see StoredOutputFound)."""

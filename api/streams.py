@@ -1,4 +1,5 @@
-"""Admission control for `GET /v1/jobs/:id/events`.
+"""Admission control for what blocks on Redis: `GET /v1/jobs/:id/events`, and
+`GET /v1/jobs/:id/output?waitMs` while it waits.
 
 Every open event stream may hold one connection of a bounded Redis pool (it blocks in
 XREAD). Without a bound per caller, one job token could open the whole pool and every
@@ -13,6 +14,10 @@ admitted, before any byte of it is sent, only while
 
 The counts are per API process, like the pool they protect: behind a load balancer a
 caller may hold the per-caller number on each process.
+
+Waiting long-polls get the same rules from their own slots and their own pool
+(`MAX_OUTPUT_WAITS`, `MAX_OUTPUT_WAITS_PER_PRINCIPAL`, the per-job bound shared), so no
+number of them can take a connection from an event stream, nor one caller all of them.
 """
 
 from __future__ import annotations
@@ -45,13 +50,27 @@ class StreamSlot:
 
 
 class StreamSlots:
-    def __init__(self, settings: Settings) -> None:
-        self.max_total = settings.max_event_streams
-        self.max_per_job = settings.max_event_streams_per_job
-        self.max_per_principal = settings.max_event_streams_per_principal
+    def __init__(self, max_total: int, max_per_job: int, max_per_principal: int, what: str = "event streams") -> None:
+        self.max_total = max_total
+        self.max_per_job = max_per_job
+        self.max_per_principal = max_per_principal
+        self.what = what
         self.total = 0
         self._jobs: Counter[str] = Counter()
         self._principals: Counter[str] = Counter()
+
+    @classmethod
+    def event_streams(cls, settings: Settings) -> StreamSlots:
+        return cls(settings.max_event_streams, settings.max_event_streams_per_job, settings.max_event_streams_per_principal)
+
+    @classmethod
+    def output_waits(cls, settings: Settings) -> StreamSlots:
+        return cls(
+            settings.max_output_waits,
+            settings.max_event_streams_per_job,
+            settings.max_output_waits_per_principal,
+            "waits for output",
+        )
 
     def acquire(self, job_id: str, principal: str) -> StreamSlot:
         """Admit one stream or refuse it (nothing is counted when refused).
@@ -59,18 +78,17 @@ class StreamSlots:
         Raises:
             ApiError: 429 past the per-job or per-caller bound, 503 when the pool is full.
         """
+        what = self.what
         if self._jobs[job_id] >= self.max_per_job:
             raise _refused(
-                429, f"Too many event streams open for this job (at most {self.max_per_job}); close one or retry later"
+                429, f"Too many {what} open for this job (at most {self.max_per_job}); close one or retry later"
             )
         if self._principals[principal] >= self.max_per_principal:
             raise _refused(
-                429,
-                f"Too many event streams open with this token (at most {self.max_per_principal}); "
-                "close one or retry later",
+                429, f"Too many {what} open with this token (at most {self.max_per_principal}); close one or retry later"
             )
         if self.total >= self.max_total:
-            raise _refused(503, f"All {self.max_total} event streams of this server are in use; retry shortly")
+            raise _refused(503, f"All {self.max_total} {what} of this server are in use; retry shortly")
         self.total += 1
         self._jobs[job_id] += 1
         self._principals[principal] += 1

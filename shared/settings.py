@@ -44,6 +44,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # one job token), counted per API process, so no caller can hold the whole pool.
     max_event_streams_per_job: int = 4
     max_event_streams_per_principal: int = 32
+    # Waiting GET /v1/jobs/:id/output?waitMs requests per API process (each blocks on a
+    # connection of its own pool, apart from the event streams'), and per caller.
+    max_output_waits: int = 256
+    max_output_waits_per_principal: int = 64
     # Slow clients: a request's headers must arrive within the first timeout (from its
     # first byte, or from the connection's opening), its body within the second (from the
     # end of its headers).
@@ -167,6 +171,8 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
     "MAX_EVENT_STREAMS_PER_JOB": ("max_event_streams_per_job", _positive_int),
     "MAX_EVENT_STREAMS_PER_PRINCIPAL": ("max_event_streams_per_principal", _positive_int),
+    "MAX_OUTPUT_WAITS": ("max_output_waits", _positive_int),
+    "MAX_OUTPUT_WAITS_PER_PRINCIPAL": ("max_output_waits_per_principal", _positive_int),
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
     "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
@@ -251,6 +257,11 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError(
             f"MAX_EVENT_STREAMS_PER_PRINCIPAL ({settings.max_event_streams_per_principal}) must be smaller than "
             f"MAX_EVENT_STREAMS ({settings.max_event_streams}), so one caller cannot hold every event stream"
+        )
+    if settings.max_output_waits_per_principal >= settings.max_output_waits:
+        raise ConfigError(
+            f"MAX_OUTPUT_WAITS_PER_PRINCIPAL ({settings.max_output_waits_per_principal}) must be smaller than "
+            f"MAX_OUTPUT_WAITS ({settings.max_output_waits}), so one caller cannot hold every wait"
         )
     if settings.callback_secret and len(settings.callback_secret) < 16:
         raise ConfigError("CALLBACK_SECRET must be at least 16 characters (receivers verify signatures with it)")

@@ -88,6 +88,9 @@ def test_per_principal_bound_below_the_pool_is_required() -> None:
     assert load_settings({}).max_event_streams_per_principal == 32
     with pytest.raises(ConfigError, match="MAX_EVENT_STREAMS_PER_PRINCIPAL"):
         load_settings({"MAX_EVENT_STREAMS": "8", "MAX_EVENT_STREAMS_PER_PRINCIPAL": "8"})
+    assert (load_settings({}).max_output_waits, load_settings({}).max_output_waits_per_principal) == (256, 64)
+    with pytest.raises(ConfigError, match="MAX_OUTPUT_WAITS_PER_PRINCIPAL"):
+        load_settings({"MAX_OUTPUT_WAITS": "8", "MAX_OUTPUT_WAITS_PER_PRINCIPAL": "9"})
 
 
 def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> None:
@@ -181,6 +184,69 @@ def test_small_pool_is_503_before_any_byte_and_admitted_streams_never_break(make
     finally:
         for response in held:
             response.close()
+        client.close()
+        api.close()
+    assert not _error_lines(stack.log("api"))
+
+
+def test_output_waits_have_their_own_bounds_and_never_take_an_event_streams_connection(
+    make_stack: StackFactory,
+) -> None:
+    # A pool of 4 for event streams; long-polls are bounded apart (3 in all, 2 per caller).
+    # Before, every long-poll blocked on the event streams' pool without admission, so a
+    # few of them left an admitted event stream without a connection.
+    stack = make_stack(
+        with_worker=False,  # nothing runs: every long-poll waits its full time
+        MAX_EVENT_STREAMS="4", MAX_EVENT_STREAMS_PER_PRINCIPAL="2",
+        MAX_OUTPUT_WAITS="3", MAX_OUTPUT_WAITS_PER_PRINCIPAL="2",
+    )  # fmt: skip
+    api = Api(stack)
+    jobs = [api.execute(py_job("print(1)", collectOutput=True)) for _ in range(6)]
+    answers: dict[int, httpx.Response] = {}
+
+    def wait(index: int, token: str) -> None:
+        with httpx.Client(base_url=api.url, timeout=30) as client:
+            answers[index] = client.get(
+                f"/v1/jobs/{jobs[index]['jobId']}/output",
+                params={"waitMs": "6000"},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+
+    waiters = [
+        threading.Thread(target=wait, args=(i, token), daemon=True)
+        for i, token in enumerate([api.stack.api_token, api.stack.api_token, jobs[2]["jobToken"]])
+    ]
+    client = httpx.Client(base_url=api.url, timeout=30)
+    try:
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(1.0)  # all three are waiting now
+        assert answers == {}
+        # The API token's third wait is over its caller's bound; another caller finds all in use.
+        assert "waits for output" in _refusal(
+            client.get(f"/v1/jobs/{jobs[3]['jobId']}/output", params={"waitMs": "1000"},
+                       headers={"Authorization": f"Bearer {api.stack.api_token}"}), 429,
+        )["error"]  # fmt: skip
+        _refusal(
+            client.get(f"/v1/jobs/{jobs[4]['jobId']}/output", params={"waitMs": "1000"},
+                       headers={"Authorization": f"Bearer {jobs[4]['jobToken']}"}), 503,
+        )  # fmt: skip
+        # Meanwhile the event streams' whole pool is there for streams: four of them follow
+        # their jobs to the result (a kill ends a queued job at once), past the pool's 5 s wait.
+        streams = [_open_stream(client, jobs[5], jobs[5]["jobToken"]) for _ in range(2)]
+        streams += [_open_stream(client, jobs[i], jobs[i]["jobToken"]) for i in (3, 4)]
+        assert [r.status_code for r in streams] == [200] * 4
+        time.sleep(5.5)
+        for i in (5, 3, 4):
+            _kill(api, jobs[i])
+        for response in streams:
+            assert _events_until_result(response)[-1][1]["outcome"] == "killed"
+            response.close()
+        for waiter in waiters:
+            waiter.join(15)
+        # The waits ended as waits do: nothing finished in time.
+        assert [answers[i].status_code for i in range(3)] == [404] * 3
+    finally:
         client.close()
         api.close()
     assert not _error_lines(stack.log("api"))
