@@ -18,6 +18,7 @@ import itertools
 import json
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -29,7 +30,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from api import callbacks as api_callbacks
 from api.callbacks import check_callback_url
+from api.errors import ApiError
 from api.store import JobStore
 from launcher.stack import Stack
 from shared import keys
@@ -303,11 +306,10 @@ def test_settings() -> None:
     assert load_settings(base).callback_window_s == 300
 
 
-async def test_submit_check_resolves_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host name is resolved with the loop's getaddrinfo (no blocking call), and every
-    address it gives is checked: one private address among public ones refuses it."""
+async def test_submit_check_resolves_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host name is resolved on the check's own threads (no blocking call on the loop),
+    and every address it gives is checked: one private address among public ones refuses it."""
     settings = load_settings({"CALLBACK_SECRET": "x" * 16})
-    loop = asyncio.get_running_loop()
     asked: list[str] = []
     answers = {
         "public.test": ["93.184.216.34", "2606:2800:220:1::1"],
@@ -315,15 +317,13 @@ async def test_submit_check_resolves_on_the_loop(monkeypatch: pytest.MonkeyPatch
         "meta.test": ["169.254.169.254"],
     }
 
-    async def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+    def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
         asked.append(host)
         if host not in answers:
-            import socket
-
             raise socket.gaierror(-2, "Name or service not known")
         return [(10 if ":" in a else 2, 1, 6, "", (a, port)) for a in answers[host]]
 
-    monkeypatch.setattr(loop, "getaddrinfo", fake_getaddrinfo)
+    monkeypatch.setattr(api_callbacks, "getaddrinfo", fake_getaddrinfo)
     target = await check_callback_url("https://public.test/hook", settings)
     assert target.host == "public.test" and not target.literal
     for url, why in (
@@ -339,6 +339,38 @@ async def test_submit_check_resolves_on_the_loop(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ValidationError):
         await check_callback_url("https://10.0.0.1/", settings)
     assert asked == ["public.test", "mixed.test", "meta.test", "nowhere.test"]
+
+
+async def test_names_that_never_resolve_hold_only_the_checks_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name server that never answers holds a lookup past the check's timeout; such names
+    fill the check's few threads, and then the next check is refused at once (503), while
+    the loop's own resolver, shared with everything else in the process, stays free."""
+    settings = load_settings({"CALLBACK_SECRET": "x" * 16})
+    release = threading.Event()
+
+    def stuck_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        release.wait(30)
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(api_callbacks, "getaddrinfo", stuck_getaddrinfo)
+    monkeypatch.setattr(api_callbacks, "RESOLVE_TIMEOUT_S", 0.2)
+    try:
+        for n in range(api_callbacks.RESOLVE_THREADS):
+            with pytest.raises(ValidationError, match="could not be resolved within"):
+                await check_callback_url(f"https://stuck{n}.test/", settings)
+        began = time.monotonic()
+        with pytest.raises(ApiError) as busy:
+            await check_callback_url("https://next.test/", settings)
+        assert busy.value.status == 503 and busy.value.extra["retryAfterMs"] > 0
+        assert time.monotonic() - began < 0.1  # refused at once, not after a timeout
+        # The loop's resolver is untouched by all this.
+        await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo("127.0.0.1", 80), 1.0)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while api_callbacks._lookups.busy:  # the threads come back once their lookups return
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------- a stack without workers
