@@ -220,6 +220,36 @@ async def test_a_job_cancelled_while_its_result_is_retried_still_stores_and_publ
     assert [name for name, _ in lane.sent] == ["stage", "result"]
 
 
+async def test_under_a_hard_stop_a_result_whose_answer_is_late_is_still_published(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Told twice to stop, the worker gives a write 2 s and does not retry; a write that
+    # landed but whose answer came late must not be taken for a failed one.
+    claim = await _claimed(redis, queue)
+    lane = _Lane()
+    hard_stop = asyncio.Event()
+    hard_stop.set()
+    ctx = SimpleNamespace(
+        queue=queue,
+        publisher=SimpleNamespace(lane=lambda _channel: lane),
+        settings=SimpleNamespace(pusher_max_payload_kb=100),
+        hard_stop=hard_stop,
+    )
+    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    await run.events.go_live()
+    finish = queue.finish
+
+    async def late_answer(*args: Any, **kwargs: Any) -> bool:
+        written = await finish(*args, **kwargs)
+        await asyncio.sleep(3)  # the answer is lost on the way
+        return written
+
+    monkeypatch.setattr(queue, "finish", late_answer)
+    await run._finish(Outcome.COMPLETED, result_without_run(Outcome.COMPLETED, None))
+    assert (await redis.hget(keys.status_key(claim.spec.job_id), "state")) == b"done"
+    assert [name for name, _ in lane.sent] == ["stage", "result"]
+
+
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

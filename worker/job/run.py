@@ -780,6 +780,10 @@ class JobRun:
                 seq = self.events.result_seq_from(ahead.next_seq)
                 continue
             except (RedisError, OSError, TimeoutError) as exc:
+                if self.ctx.hard_stop.is_set() and await self._stored_already(result_json):
+                    # The write landed and only its answer was lost or late: no retry comes
+                    # under a hard stop to find that out, so look.
+                    return seq, result_json, event
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)
@@ -794,6 +798,13 @@ class JobRun:
                 log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
                 return None
             return seq, result_json, event
+
+    async def _stored_already(self, result_json: bytes) -> bool:
+        """Whether the job's record holds this very result (one quick read, or False)."""
+        try:
+            return await asyncio.wait_for(self.ctx.queue.stored_result(self.job_id), 1.0) == result_json
+        except (RedisError, OSError, TimeoutError):
+            return False
 
     async def _go_live_with_result(self, seq: int) -> None:
         """A job that ends without having started (expired, killed) has its parked events

@@ -442,6 +442,10 @@ class WorkerQueue:
             raise LogAhead(int(answer[1]))
         return bool(answer)
 
+    async def stored_result(self, job_id: str) -> bytes | None:
+        """The result JSON the job's record holds, if it has ended."""
+        return await self.redis.hget(keys.status_key(job_id), "result")
+
     async def hand_back(self, job_id: str, attempt: int, to_back: bool = False) -> bool:
         """Return a job that never started to the queue, its start flag kept: to the head
         (it was next; a stopping worker), or to the back (this worker cannot run it)."""
