@@ -44,6 +44,7 @@ from shared.paths import REPO_ROOT
 from shared.settings import Settings, load_settings
 from tests.helpers import Api, py_job
 from worker.callbacks import CallbackSender
+from worker.callbacks import send as send_module
 from worker.callbacks.deliveries import Deliveries
 from worker.callbacks.send import new_client
 from worker.messaging.queue import WorkerQueue
@@ -371,6 +372,26 @@ async def test_names_that_never_resolve_hold_only_the_checks_own_threads(monkeyp
     while api_callbacks._lookups.busy:  # the threads come back once their lookups return
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+
+
+async def test_the_senders_stuck_lookups_leave_the_loops_resolver_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Callbacks to names whose server never answers time out their attempts; their lookups
+    hold only the sender's own threads, never the resolver the worker reaches Redis with."""
+    release = threading.Event()
+
+    def stuck_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        release.wait(30)
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(send_module, "getaddrinfo", stuck_getaddrinfo)
+    try:
+        for n in range(2 * send_module.LOOKUP_THREADS):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await send_module.resolve(parse_callback_url(f"https://stuck{n}.test/", False))
+        await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo("127.0.0.1", 6379), 1.0)
+    finally:
+        release.set()
 
 
 # ---------------------------------------------------------------- a stack without workers

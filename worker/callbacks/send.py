@@ -10,10 +10,12 @@ kept for another request (a pooled connection is keyed by address, not by host n
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -26,6 +28,16 @@ __all__ = ["MAX_RESPONSE_BYTES", "AttemptFailed", "Refused", "new_client", "post
 # is used; it is read so a small answer ends its exchange cleanly).
 MAX_RESPONSE_BYTES = 64 * 1024
 USER_AGENT = "coderunner-callbacks/1"
+
+
+# Lookups run on threads of their own. A name whose server never answers holds a lookup for
+# the system resolver's whole timeout (the attempt's timeout cuts the wait, not the lookup);
+# on the loop's shared resolver a few of them would stall the worker's own Redis reconnects.
+# A callback waiting behind stuck lookups only fails its attempt, which is retried later.
+LOOKUP_THREADS = 4
+_lookups = ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="callback-dns")
+# The resolver call (a module attribute, so tests can stand in for DNS).
+getaddrinfo = socket.getaddrinfo
 
 
 class AttemptFailed(Exception):
@@ -56,7 +68,8 @@ async def resolve(target: CallbackTarget) -> list[IPAddress]:
         return [ipaddress.ip_address(target.host)]
     loop = asyncio.get_running_loop()
     try:
-        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+        lookup = functools.partial(getaddrinfo, target.host, target.port, type=socket.SOCK_STREAM)
+        infos = await loop.run_in_executor(_lookups, lookup)
     except (socket.gaierror, UnicodeError) as exc:
         raise AttemptFailed(f"host {target.host} could not be resolved ({exc.args[-1] if exc.args else exc})") from None
     found: list[IPAddress] = []
