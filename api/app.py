@@ -41,6 +41,21 @@ _RECONNECTING: dict[str, Any] = {
 _COMMAND_TIMEOUT_S = 5.0
 
 
+def _blocking_pool(settings: Settings, connections: int, block_ms: int) -> Redis:
+    """A bounded pool for reads that block in Redis up to `block_ms`: their timeout is the
+    block time plus the usual one."""
+    return Redis(
+        connection_pool=BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=connections,
+            timeout=5,
+            socket_timeout=block_ms / 1000 + _COMMAND_TIMEOUT_S,
+            socket_connect_timeout=_COMMAND_TIMEOUT_S,
+            **_RECONNECTING,
+        )
+    )
+
+
 def create_app(settings: Settings) -> Starlette:
     if not settings.api_token:
         raise ConfigError("EXECUTOR_API_TOKEN must be set")
@@ -66,28 +81,10 @@ def create_app(settings: Settings) -> Starlette:
         # Event streams block in XREAD for seconds at a time: they get their own bounded pool,
         # so however many are open, the rest of the API keeps its connections. Their reads
         # wait out the XREAD block first, so their timeout is the block time plus the above.
-        streams = Redis(
-            connection_pool=BlockingConnectionPool.from_url(
-                settings.redis_url,
-                max_connections=settings.max_event_streams,
-                timeout=5,
-                socket_timeout=BLOCK_MS / 1000 + _COMMAND_TIMEOUT_S,
-                socket_connect_timeout=_COMMAND_TIMEOUT_S,
-                **_RECONNECTING,
-            )
-        )
+        streams = _blocking_pool(settings, settings.max_event_streams, BLOCK_MS)
         # Long-polls for a result block on the job's done stream: a pool of their own, so
         # however many wait, event streams keep theirs (each side is admitted, api/streams.py).
-        waits = Redis(
-            connection_pool=BlockingConnectionPool.from_url(
-                settings.redis_url,
-                max_connections=settings.max_output_waits,
-                timeout=5,
-                socket_timeout=OUTPUT_WAIT_SLICE_MS / 1000 + _COMMAND_TIMEOUT_S,
-                socket_connect_timeout=_COMMAND_TIMEOUT_S,
-                **_RECONNECTING,
-            )
-        )
+        waits = _blocking_pool(settings, settings.max_output_waits, OUTPUT_WAIT_SLICE_MS)
         store = JobStore(redis, settings.job_record_ttl_s, streams=streams, waits=waits)
         realtime = RealtimePublisher(settings)
         app.state.coderunner = AppState(

@@ -129,18 +129,27 @@ class _Lane:
         return False
 
 
+def _job_run(queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_stop: bool = False) -> JobRun:
+    """A JobRun on a real queue, its live events recorded in `lane`: what _finish and the
+    park/hand-back paths use of a worker, without sandboxes or soketi."""
+    stop = asyncio.Event()
+    if hard_stop:
+        stop.set()
+    ctx = SimpleNamespace(
+        queue=queue,
+        publisher=SimpleNamespace(lane=lambda _channel: lane or _Lane()),
+        settings=SimpleNamespace(pusher_max_payload_kb=100),
+        hard_stop=stop,
+    )
+    return JobRun(ctx, claim)  # type: ignore[arg-type]
+
+
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
     redis: Redis, queue: WorkerQueue
 ) -> None:
     claim = await _claimed(redis, queue)
     lane = _Lane()
-    ctx = SimpleNamespace(
-        queue=queue,
-        publisher=SimpleNamespace(lane=lambda _channel: lane),
-        settings=SimpleNamespace(pusher_max_payload_kb=100),
-        hard_stop=asyncio.Event(),
-    )
-    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    run = _job_run(queue, claim, lane)
     await run.events.go_live()
     # An append that landed although its caller was cancelled before the answer came.
     await queue.advance(claim.spec.job_id, claim.attempt, [(1, "stdout", "chunk", b"landed\n")])
@@ -157,8 +166,7 @@ async def test_a_batch_that_loses_its_lease_before_running_leaves_its_sandbox_to
     redis: Redis, queue: WorkerQueue
 ) -> None:
     claim = await _claimed(redis, queue)
-    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
-    run = JobRun(ctx, msgspec.structs.replace(claim, spec=msgspec.structs.replace(claim.spec, tests=[TestCase()])))  # type: ignore[arg-type]
+    run = _job_run(queue, msgspec.structs.replace(claim, spec=msgspec.structs.replace(claim.spec, tests=[TestCase()])))
     sandbox = object()
     run.sandbox = sandbox  # type: ignore[assignment]
     await redis.hincrby(keys.status_key(claim.spec.job_id), "attempt", 1)  # another worker has it now
@@ -173,8 +181,7 @@ async def test_a_hand_back_that_redis_refuses_leaves_the_claim_for_recovery(
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     claim = await _claimed(redis, queue)
-    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
-    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    run = _job_run(queue, claim)
 
     async def unreachable(*_args: Any, **_kwargs: Any) -> bool:
         raise RedisConnectionError("Redis went away")
@@ -193,13 +200,7 @@ async def test_a_job_cancelled_while_its_result_is_retried_still_stores_and_publ
 ) -> None:
     claim = await _claimed(redis, queue)
     lane = _Lane()
-    ctx = SimpleNamespace(
-        queue=queue,
-        publisher=SimpleNamespace(lane=lambda _channel: lane),
-        settings=SimpleNamespace(pusher_max_payload_kb=100),
-        hard_stop=asyncio.Event(),
-    )
-    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    run = _job_run(queue, claim, lane)
     await run.events.go_live()
     finish, failed = queue.finish, asyncio.Event()
 
@@ -227,15 +228,7 @@ async def test_under_a_hard_stop_a_result_whose_answer_is_late_is_still_publishe
     # landed but whose answer came late must not be taken for a failed one.
     claim = await _claimed(redis, queue)
     lane = _Lane()
-    hard_stop = asyncio.Event()
-    hard_stop.set()
-    ctx = SimpleNamespace(
-        queue=queue,
-        publisher=SimpleNamespace(lane=lambda _channel: lane),
-        settings=SimpleNamespace(pusher_max_payload_kb=100),
-        hard_stop=hard_stop,
-    )
-    run = JobRun(ctx, claim)  # type: ignore[arg-type]
+    run = _job_run(queue, claim, lane, hard_stop=True)
     await run.events.go_live()
     finish = queue.finish
 
