@@ -7,13 +7,15 @@ import base64
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from shared.messages import StdinFrame
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
-from worker.isolation.sandbox import build_enter
+from worker.isolation.pool import SandboxPool
+from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, supervise
@@ -293,3 +295,51 @@ async def test_a_held_go_live_is_dropped_when_the_job_is_over() -> None:
     await events.drop_hold()
     await asyncio.sleep(0.05)
     assert lane.sent == [] and not events.live
+
+
+class _FakeSandbox:
+    """What the warm pool looks at: a slot, an age, a jail that may have died."""
+
+    def __init__(self, slot: int, serial: int) -> None:
+        self.slot, self.name, self.prime = slot, f"s{slot}-{serial}", None
+        self.idle_s = 0.0
+        self.jail = SimpleNamespace(proc=SimpleNamespace(returncode=None))
+        self.destroyed = False
+
+    def adopts(self, _program: object) -> bool:
+        return False
+
+    async def destroy(self) -> None:
+        self.destroyed = True
+
+
+class _FakeFactory:
+    def __init__(self) -> None:
+        self.built: list[_FakeSandbox] = []
+
+    async def prepare(self, _owner: str, slot: int, _prime: object) -> _FakeSandbox:
+        sandbox = _FakeSandbox(slot, len(self.built))
+        self.built.append(sandbox)
+        return sandbox
+
+
+async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() -> None:
+    # nsjail ends a warm jail at its own time limit: one idle past MAX_IDLE_S, or already
+    # dead, would run the job at a dead gate. take() rebuilt such sandboxes; lending did not.
+    factory = _FakeFactory()
+    pool = SandboxPool(factory, "w", slots=3)  # type: ignore[arg-type]
+    pool.start()
+    while pool.ready < 3:
+        await asyncio.sleep(0)
+    old, dead, good = factory.built
+    old.idle_s = MAX_IDLE_S + 1
+    dead.jail.proc.returncode = -9
+    lent = await asyncio.wait_for(pool.borrow(lambda: None), 1)
+    assert lent is good
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert old.destroyed and dead.destroyed and len(factory.built) == 5  # both slots rebuilt
+    pool.keep(lent)
+    again = pool.lend_ready(lambda: None, SimpleNamespace())  # type: ignore[arg-type]
+    assert again is not None and again not in (old, dead)
+    await pool.close()

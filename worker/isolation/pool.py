@@ -138,11 +138,19 @@ class SandboxPool:
         adopting = (s for s in self._ready if program is not None and s.adopts(program) and self._may_lend(s, program))
         return next(adopting, None) or next((s for s in self._ready if self._may_lend(s, program)), None)
 
+    def _replace_stale(self) -> None:
+        """Ready sandboxes that sat idle too long (nsjail's own time limit nears) or whose
+        jail died are rebuilt, never lent (take() checks the one it picks the same way)."""
+        for sandbox in [s for s in self._ready if not _fresh(s)]:
+            self._ready.remove(sandbox)
+            self._spawn(self._replace(sandbox), f"replace-{sandbox.name}")
+
     def lend_ready(self, recall: Callable[[], None], program: Program, language: str = "") -> Sandbox | None:
         """A sandbox ready now that a parked job may borrow for `program` (see `borrow`), or
         None: nothing is waited for and nothing is rebuilt for it."""
+        self._replace_stale()
         sandbox = self._lendable(program)
-        if sandbox is None or sandbox.idle_s >= MAX_IDLE_S or sandbox.jail.proc.returncode is not None:
+        if sandbox is None:
             return None
         self._ready.remove(sandbox)
         self._lend(sandbox, recall, program, language)
@@ -163,6 +171,7 @@ class SandboxPool:
         sandbox ready, and the borrower must then give its sandbox up (destroy it; the slot
         rebuilds) and do its work after start instead.
         """
+        self._replace_stale()
         sandbox = self._lendable(program)
         if sandbox is not None:
             self._ready.remove(sandbox)
@@ -221,7 +230,7 @@ class SandboxPool:
             if language:
                 self._slot_prime[sandbox.slot] = demand
             usable = sandbox.prime is None or program is None or sandbox.adopts(program)
-            if usable and sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None:
+            if usable and _fresh(sandbox):
                 return sandbox
             plain = not usable
             self._spawn(self._replace(sandbox, plain=plain), f"replace-{sandbox.name}")
@@ -264,3 +273,8 @@ class SandboxPool:
         ready = list(self._ready)
         self._ready.clear()
         await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
+
+
+def _fresh(sandbox: Sandbox) -> bool:
+    """Its jail is alive and has time left before nsjail's own limit."""
+    return sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None
