@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detec
 from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
+from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, supervise
@@ -343,3 +345,22 @@ async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() 
     again = pool.lend_ready(lambda: None, SimpleNamespace())  # type: ignore[arg-type]
     assert again is not None and again not in (old, dead)
     await pool.close()
+
+
+def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tmp_path: Path) -> None:
+    # What a compile left is walked recursively, a descriptor per level: a tree nested
+    # past the cap (a Java package of 1,500 components fits the workspace) must end in
+    # WorkspaceError, not a RecursionError or a thousand open descriptors.
+    workspace = Workspace.__new__(Workspace)
+    workspace.path = tmp_path
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "Main.class").write_bytes(b"\xca\xfe")
+    (tmp_path / "run").write_text("#!/bin/sh\n")
+    (tmp_path / "run").chmod(0o755)
+    files, executable = workspace.snapshot(1 << 20)
+    assert files == [("a/b/Main.class", b"\xca\xfe"), ("run", b"#!/bin/sh\n")] and executable == {"run"}
+    (tmp_path / "deep" / "/".join("p" * 200)).mkdir(parents=True)  # well past the cap
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(WorkspaceError, match="deeper than"):
+        workspace.snapshot(1 << 20)
+    assert len(os.listdir("/proc/self/fd")) == open_before

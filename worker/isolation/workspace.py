@@ -21,6 +21,11 @@ __all__ = ["Workspace", "WorkspaceError", "detach_workspace"]
 
 log = logging.getLogger(__name__)
 
+# How deep the folders a compile left may nest for a test batch to copy them (a Java
+# package of 1,500 components fits the workspace's inodes; 64 is far past any real one).
+MAX_SNAPSHOT_DEPTH = 64
+
+
 class WorkspaceError(Exception):
     """The workspace could not be created or staged (a platform failure, not the program's)."""
 
@@ -65,15 +70,19 @@ class Workspace:
         for reading: O_NONBLOCK, then fstat), and the total is capped.
 
         Raises:
-            WorkspaceError: over `max_bytes` or `max_files`.
+            WorkspaceError: over `max_bytes` or `max_files`, or folders nested deeper than
+                MAX_SNAPSHOT_DEPTH (each level holds a descriptor while its folders are
+                read, and the walk recurses).
         """
         files: list[tuple[str, bytes]] = []
         executable: set[str] = set()
         total = 0
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
-        def walk(dir_fd: int, prefix: str) -> None:
+        def walk(dir_fd: int, prefix: str, depth: int = 0) -> None:
             nonlocal total
+            if depth > MAX_SNAPSHOT_DEPTH:
+                raise WorkspaceError(f"the compiled workspace nests folders deeper than {MAX_SNAPSHOT_DEPTH}")
             for entry in sorted(os.listdir(dir_fd)):
                 try:
                     fd = os.open(entry, flags, dir_fd=dir_fd)
@@ -82,7 +91,7 @@ class Workspace:
                 try:
                     info = os.fstat(fd)
                     if stat.S_ISDIR(info.st_mode):
-                        walk(fd, f"{prefix}{entry}/")
+                        walk(fd, f"{prefix}{entry}/", depth + 1)
                     elif stat.S_ISREG(info.st_mode):
                         total += info.st_size
                         if total > max_bytes or len(files) >= max_files:
