@@ -503,17 +503,28 @@ class JobCgroup:
         except (OSError, ValueError):
             return 0
 
+    def _procs(self, d: Path) -> str:
+        # cgroup v1 keeps a cgroup.procs listing per open file and serves it again for a
+        # second: only a fresh open reads it afresh. cgroup2 lists anew.
+        return self._read_kept(d / "cgroup.procs") if d == self.v2_dir else _read(d / "cgroup.procs")
+
     def pids(self) -> list[int]:
         seen: set[int] = set()
         for d in self._all_dirs():
             try:
-                # cgroup v1 keeps a cgroup.procs listing per open file and serves it again
-                # for a second: only a fresh open reads it afresh. cgroup2 lists anew.
-                text = self._read_kept(d / "cgroup.procs") if d == self.v2_dir else _read(d / "cgroup.procs")
-                seen.update(int(p) for p in text.split())
+                seen.update(int(p) for p in self._procs(d).split())
             except (OSError, ValueError):
                 continue
         return sorted(seen)
+
+    def holds(self, pid: int) -> bool:
+        """Whether `pid` is in the job's cgroups: one listing is enough, a jail's processes
+        are in all of its folders (pids() reads every one)."""
+        d = self.v2_dir if self.v2_dir is not None else next(iter(self.v1_dirs.values()))
+        try:
+            return str(pid) in self._procs(d).split()
+        except OSError:
+            return False
 
     def kill_leftovers(self) -> None:
         """After the jail has exited: kill whatever is still in the cgroups.

@@ -200,7 +200,7 @@ class Sandbox:
         self.workspace.stage(files, executable)
         memory = limits.memory_mb * 1024 * 1024
         if self.adopts(program):
-            if self.runtime_pid not in self.cgroup.pids():
+            if not self.cgroup.holds(self.runtime_pid):
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
             self.memory_base_bytes = self.cgroup.memory_current_bytes()

@@ -726,24 +726,25 @@ class JobRun:
         self._finished = True
         seq = await self.events.take_result_seq()
         store = asyncio.ensure_future(self._store_result(outcome, event, seq))
+        cancelled = False
         try:
             stored = await asyncio.shield(store)
         except asyncio.CancelledError:
             # The worker is stopping and cancelled its jobs while this one's result was being
             # stored (retrying through a Redis blip): it gets a moment more, as each write
             # does under a hard stop, so the job ends with its result rather than `lost`.
+            cancelled = True
             try:
                 stored = await asyncio.wait_for(store, FINISH_ON_CANCEL_S)
             except (TimeoutError, Exception):
                 log.error("job %s: the worker stopped before the result could be stored", self.job_id)
                 raise asyncio.CancelledError from None
-            if stored is not None:
-                await self._go_live_with_result(stored[0])
-                self._publish_result(outcome, *stored)
-            raise
         if stored is not None:
-            await self._go_live_with_result(stored[0])
-            self._publish_result(outcome, *stored)
+            seq, result_json, event = stored
+            await self._go_live_with_result(seq)
+            self._publish_result(outcome, result_json, event)
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _store_result(self, outcome: Outcome, event: ResultEvent, seq: int) -> tuple[int, bytes, ResultEvent] | None:
         """Write the result (retrying through Redis outages up to FINISH_RETRY_S). Returns its
@@ -815,7 +816,7 @@ class JobRun:
         except RedisError as exc:
             log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
 
-    def _publish_result(self, outcome: Outcome, seq: int, result_json: bytes, event: ResultEvent) -> None:
+    def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent) -> None:
         self.events.publish("result", result_json)
         log.info(
             "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
