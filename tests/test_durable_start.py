@@ -15,6 +15,26 @@ from tests.helpers import Api, Realtime, py_job
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
 
+def _running(stack, worker_id: str) -> dict[int, str]:  # type: ignore[no-untyped-def]
+    """Live (not zombie) processes of a worker's jails: nsjail naming its sandboxes, or
+    anything running as one of the stack's job uids."""
+    uids = range(stack.uid_base, stack.uid_base + int(stack.extra_env.get("WORKER_MAX_SANDBOXES", "8")) + 1)
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if "zombie" in status.get("State", ""):
+            continue
+        if int(status["Uid"].split()[0]) in uids or f"/{worker_id}.".encode() in cmdline:
+            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:100]
+    return found
+
+
 def _leftovers(deployment: str, worker_id: str) -> list[str]:
     """Sandbox cgroups of that worker and host processes whose command line names them."""
     jobs = Path("/sys/fs/cgroup/unified") / deployment / "jobs"
@@ -160,6 +180,13 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
             time.sleep(0.02)
         os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
         stack.procs["worker"].wait()
+        # Its jails died with it (the program, its warm spares, their nsjails), before any
+        # other worker's janitor could have seen them: nothing runs on for nsjail's backstop.
+        dead = stack.worker_ids["worker"]
+        deadline = time.monotonic() + 3
+        while alive := _running(stack, dead):
+            assert time.monotonic() < deadline, f"still running after the worker died: {alive}"
+            time.sleep(0.05)
         stack.start_worker()  # its reaper notices the dead lease
         result = followed.wait_result(timeout_s=20)
         assert result["outcome"] == "lost"
@@ -167,9 +194,8 @@ def test_running_job_of_a_killed_worker_is_lost_not_rerun(make_stack: StackFacto
         time.sleep(1.0)
         assert len(followed.results()) == 1
         assert followed.text("stdout") == "started\n"  # never re-run
-        # The dead worker's jails (the running one and its warm spares) were found and removed
-        # by the surviving worker's janitor.
-        dead = stack.worker_ids["worker"]
+        # What the dead worker's jails left (cgroups, workspaces) was found and removed by
+        # the surviving worker's janitor.
         deadline = time.monotonic() + 10
         while _leftovers(stack.deployment, dead):
             assert time.monotonic() < deadline, f"leftovers of {dead}: {_leftovers(stack.deployment, dead)}"

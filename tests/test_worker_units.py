@@ -7,6 +7,8 @@ import base64
 import json
 import os
 import struct
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,8 +81,8 @@ def test_nsjail_argv_is_a_list_and_starts_the_gate() -> None:
         rlimit_nofile=64,
     )
     argv = build_argv("/bin/nsjail", Path("/p/base.cfg"), spec, 9, 10, ["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"])
-    assert argv[:4] == ["/run/coderunner/.enter-x", "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
-    assert argv[4] == "/bin/nsjail"
+    assert argv[:5] == ["/run/coderunner/.enter-x", str(os.getpid()), "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs"]
+    assert argv[5] == "/bin/nsjail"
     assert argv[argv.index("--user") + 1] == "65534:61003:1"
     assert argv[argv.index("--bindmount") + 1] == "/run/coderunner/x:/workspace"
     assert "/run/coderunner/.gate-x:/.coderunner/gate" in argv
@@ -96,7 +98,8 @@ async def test_enter_joins_every_cgroup_before_it_execs(tmp_path: Path) -> None:
     for path in procs:
         path.write_text("")
     proc = await asyncio.create_subprocess_exec(
-        str(enter), "2", *map(str, procs), "/bin/sh", "-c", "echo $$", stdout=asyncio.subprocess.PIPE, env={}
+        str(enter), str(os.getpid()), "2", *map(str, procs), "/bin/sh", "-c", "echo $$",
+        stdout=asyncio.subprocess.PIPE, env={},
     )
     out, _ = await proc.communicate()
     assert proc.returncode == 0
@@ -108,22 +111,58 @@ async def test_enter_joins_every_cgroup_before_it_execs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["1", "{missing}", "/bin/touch", "{marker}"],  # the cgroup write fails
-        ["3", "{ok}", "/bin/touch"],  # more procs files claimed than arguments
-        ["-1", "/bin/touch", "{marker}"],
-        ["x", "/bin/touch", "{marker}"],
+        ["{me}", "1", "{missing}", "/bin/touch", "{marker}"],  # the cgroup write fails
+        ["{me}", "3", "{ok}", "/bin/touch"],  # more procs files claimed than arguments
+        ["{me}", "-1", "/bin/touch", "{marker}"],
+        ["{me}", "x", "/bin/touch", "{marker}"],
+        ["1", "0", "/bin/touch", "{marker}"],  # its parent is not the one named: the worker is gone
+        ["x", "0", "/bin/touch", "{marker}"],
+        ["0", "/bin/touch", "{marker}"],  # the pid left out
     ],
 )
 async def test_enter_refuses_a_bad_count_or_a_failed_write_before_exec(tmp_path: Path, args: list[str]) -> None:
     enter = await build_enter(tmp_path)
     marker = tmp_path / "ran"
     (tmp_path / "ok.procs").write_text("")
-    paths = {"missing": tmp_path / "no-such-cgroup" / "cgroup.procs", "ok": tmp_path / "ok.procs", "marker": marker}
+    paths = {
+        "missing": tmp_path / "no-such-cgroup" / "cgroup.procs",
+        "ok": tmp_path / "ok.procs",
+        "marker": marker,
+        "me": os.getpid(),
+    }
     argv = [str(enter), *(arg.format(**paths) for arg in args)]
     proc = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE, env={})
     _, err = await proc.communicate()
     assert proc.returncode == 125, err
     assert not marker.exists()
+
+
+async def test_what_enter_became_dies_with_the_process_that_spawned_it(tmp_path: Path) -> None:
+    """A stand-in worker spawns `enter` from a helper thread, as the isolation threads do,
+    then is SIGKILLed: the program enter exec'd (nsjail, in the worker) dies with it."""
+    enter = await build_enter(tmp_path)
+    worker = (
+        "import os, subprocess, sys, threading, time\n"
+        "def spawn():\n"
+        f"    p = subprocess.Popen([{str(enter)!r}, str(os.getpid()), '0', '/bin/sleep', '60'],\n"
+        "                         stdout=subprocess.DEVNULL, start_new_session=True)\n"
+        "    print(p.pid, flush=True)\n"
+        "    time.sleep(60)  # the signal follows the spawning thread: isolation threads live on\n"
+        "threading.Thread(target=spawn).start()\n"
+        "time.sleep(60)\n"
+    )
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", worker, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    child = int(await asyncio.wait_for(proc.stdout.readline(), 10))
+    await asyncio.sleep(0.2)  # past the exec: the pid is sleep's now
+    assert Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"/bin/sleep\0")
+    proc.kill()
+    await asyncio.wait_for(proc.wait(), 5)
+    deadline = time.monotonic() + 5
+    # Reparented to init (or a subreaper), which reaps it; a zombie counts as dead.
+    while Path(f"/proc/{child}").exists() and "zombie" not in Path(f"/proc/{child}/status").read_text():
+        assert time.monotonic() < deadline, "the program outlived the process that spawned enter"
+        await asyncio.sleep(0.02)
 
 
 def test_gate_frame_carries_argv_verbatim() -> None:

@@ -2,10 +2,11 @@
 
 Launch path (all argv, never a shell string built from user data):
 
-    enter <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
+    enter <worker pid> <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
 
-`enter` (worker/isolation/enter.c) writes its own pid into the sandbox's cgroups and execs
-nsjail, so the jail is born inside them. When nsjail logs that the jail is executing, the
+`enter` (worker/isolation/enter.c) asks to be killed with the worker, writes its own pid
+into the sandbox's cgroups and execs nsjail, so the jail is born inside them and dies with
+the worker even if the worker is SIGKILLed. When nsjail logs that the jail is executing, the
 worker moves nsjail itself out, leaving only jailed processes in those cgroups. The gate
 (worker/gate.c), already inside the jail, blocks on stdin until `go()` sends it the
 program's argv, environment and rlimits as one binary frame; it then execs the program in
@@ -113,7 +114,7 @@ def build_argv(
     for mount in spec.extra_mounts:
         flags += ["--bindmount_ro", mount]
     return [
-        str(spec.enter), str(len(procs_files)), *procs_files,
+        str(spec.enter), str(os.getpid()), str(len(procs_files)), *procs_files,
         nsjail, *flags, "--", GATE_IN_JAIL, str(status_fd),
     ]  # fmt: skip
 

@@ -21,7 +21,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 # Two cores here; more threads than concurrent set-ups buys nothing, and a few let a slow
-# teardown (an rmdir waiting on the kernel) overlap the next set-up.
+# teardown (an rmdir waiting on the kernel) overlap the next set-up. These threads must live
+# as long as the worker: the jails spawned on one die when that thread ends (enter.c's
+# parent-death signal follows the spawning thread), and an executor's threads never retire.
 _EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="isolation")
 
 
