@@ -228,3 +228,51 @@ def test_a_dropped_cgroup_closes_its_descriptors() -> None:
         assert len(os.listdir("/proc/self/fd")) == fds_before
     finally:
         remove_deployment(name)
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("with_cgroup_kill", [True, False])
+def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_cgroup_kill: bool) -> None:
+    """Hybrid, for real, with and without cgroup.kill (a host without it is made by hiding
+    the file). The job's processes die. A pid the listing gave but that is not the job's by
+    the time of the signal (its number reused by a host process: here a stand-in, handed to
+    the kill as if listed) is left alone."""
+    name = f"coderunner-kill-{os.getpid()}-{int(with_cgroup_kill)}"
+    layout = detect_layout(name)
+    layout.prepare()
+    job = layout.job("w.0.1")
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        job.create()
+        if not with_cgroup_kill:
+            assert job.v2_dir is not None
+            layout.optional_files[f"{job.v2_dir.parent}/cgroup.kill"] = False
+        assert (job._kill_file() is not None) is with_cgroup_kill
+        inside = _spawn_into(job.procs_files(), "time.sleep(30)")
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        children += [inside, bystander]
+        deadline = time.monotonic() + 10
+        while job.pids() != [inside.pid]:
+            assert time.monotonic() < deadline, "the job's process never joined"
+            time.sleep(0.01)
+        real_listing = job.pids
+        listings = 0
+
+        def pids() -> list[int]:
+            # The first listing names the bystander too, as if it had taken a job process's number.
+            nonlocal listings
+            listings += 1
+            return sorted({*real_listing(), bystander.pid}) if listings == 1 else real_listing()
+
+        job.pids = pids  # type: ignore[method-assign]
+        job.kill()
+        assert inside.wait(5) == -9
+        time.sleep(0.1)
+        assert bystander.poll() is None, "a process outside the job was killed"
+        assert job.remove_blocking()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        job.remove_blocking()
+        remove_deployment(name)

@@ -543,25 +543,49 @@ class JobCgroup:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL every process of the job, however it detached or whatever it ignores."""
+        """SIGKILL every process of the job, however it detached or whatever it ignores.
+
+        With cgroup.kill (cgroup2, kernel 5.14+, hybrid hosts too) the kernel does it all,
+        forks made while it walks the tree included. Without it, each listed process is
+        signalled through a pidfd, and only if it is still listed once the pidfd is open:
+        a listed process may exit and its number go to a host process before the signal.
+        """
         kill_file = self._kill_file()
         if kill_file is not None:
             try:
                 with self._fds_lock:
                     os.write(self._kept_fd(kill_file, write=True), b"1")
+                return
             except OSError as exc:
                 # ENODEV: written through a descriptor kept from before the cgroup was removed.
-                if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                    log.warning("job %s: cgroup.kill failed: %s", self.job_id, exc)
-        # Also signal what the v1 hierarchies list: covers hosts without cgroup.kill, and a
-        # process that forked while the kill was walking the tree.
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                log.warning("job %s: cannot signal pid %s", self.job_id, pid)
+                if exc.errno in (errno.ENOENT, errno.ENODEV):
+                    return
+                log.warning("job %s: cgroup.kill failed, signalling instead: %s", self.job_id, exc)
+        self._signal_listed()
+
+    def _signal_listed(self) -> None:
+        pidfds: dict[int, int] = {}
+        try:
+            for pid in self.pids():
+                try:
+                    pidfds[pid] = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    pass
+            if not pidfds:
+                return
+            still = set(self.pids())
+            for pid, pidfd in pidfds.items():
+                if pid not in still:
+                    continue  # gone since the first listing: the pidfd may be another process's
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    log.warning("job %s: cannot signal pid %s", self.job_id, pid)
+        finally:
+            for pidfd in pidfds.values():
+                os.close(pidfd)
 
     def try_remove(self) -> bool:
         """Remove the job's cgroups (closing the kept descriptors once all are gone); False
