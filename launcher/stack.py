@@ -16,6 +16,8 @@ Redis keeps its data across that in an append-only file, fsynced every second).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -35,6 +37,7 @@ from pathlib import Path
 from launcher.node import NodeNotFound, find_node
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
+from worker.isolation.uids import LOCK_DIR as UID_LOCK_DIR
 
 __all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
 
@@ -53,6 +56,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _reserve_uid_block() -> tuple[int, int | None]:
+    """The first of 1000 job uids no other live stack on this host uses, and the descriptor
+    whose lock holds them (None when this process cannot lock: not root).
+
+    Workers refuse to start on uids another worker holds (worker/isolation/uids.py), so
+    stacks side by side (a test run beside a dev stack) must not draw the same block.
+    """
+    for _ in range(200):
+        block = secrets.randbelow(800)
+        try:
+            UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(UID_LOCK_DIR / f"stack-block-{block}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return 100000 + 1000 * block, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                continue
+            raise
+        return 100000 + 1000 * block, fd
+    raise StackError("no free block of job uids on this host (800 stacks running?)")
 
 
 def _dev_token() -> str:
@@ -173,7 +201,7 @@ class Stack:
         # so stacks side by side (tests, a dev stack next to CI) never judge each other's
         # sandboxes (a worker's janitor removes sandboxes of workers its Redis calls dead).
         self.deployment = "coderunner-" + secrets.token_hex(4)
-        self.uid_base = 100000 + 1000 * secrets.randbelow(800)
+        self.uid_base, self._uid_block_fd = _reserve_uid_block()
         self._tmp = tempfile.TemporaryDirectory(prefix="coderunner-stack-")
         self.data_dir = Path(self._tmp.name)
         self.log_dir = self.log_dir or self.data_dir
@@ -524,6 +552,9 @@ class Stack:
         self.stop()
         self._remove_deployment()
         self._tmp.cleanup()
+        if self._uid_block_fd is not None:
+            os.close(self._uid_block_fd)  # the block is free for another stack
+            self._uid_block_fd = None
 
     def __enter__(self) -> Stack:
         """`with Stack(...) as stack:` starts it, and cleans up after it however the block

@@ -30,6 +30,7 @@ from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_enter, build_gate, stage_prestart_shims
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, expose_mounts
+from worker.isolation.uids import UidLease, UidsInUse
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 
 __all__ = ["main", "preflight"]
@@ -72,6 +73,21 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
             "the kernel accepts x32 system calls, which a seccomp deny-list written for x86-64 numbers "
             "does not see; boot with x32 disabled (syscall.x32=n, or a kernel without CONFIG_X86_X32_ABI)"
         )
+    try:
+        # Slots plus the self-test's uid past them, held for the worker's life.
+        uids = UidLease(settings.sandbox_uid_base, settings.worker_max_sandboxes + 1)
+    except UidsInUse as exc:
+        raise SandboxUnavailable(str(exc)) from None
+    except OSError as exc:
+        raise SandboxUnavailable(f"cannot lock the job uids: {exc}") from None
+    try:
+        return await _prepare(settings, worker_id, uids)
+    except BaseException:
+        uids.close()
+        raise
+
+
+async def _prepare(settings: Settings, worker_id: str, uids: UidLease) -> tuple[SandboxFactory, dict[str, Runtime]]:
     nsjail = find_nsjail(settings)
     if not os.access(nsjail, os.X_OK):
         raise SandboxUnavailable(f"nsjail at {nsjail} is not executable")
@@ -114,6 +130,7 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
         prestart_shims=shims,
         cgroups=layout,
         uid_base=settings.sandbox_uid_base,
+        uid_lease=uids,
         max_limits=settings.limit_maxima,
         extra_mounts=mounts,
     )
@@ -153,6 +170,9 @@ async def _serve(settings: Settings) -> int:
     except WorkerIdInUse as exc:
         print(f"coderunner worker: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if factory.uid_lease is not None:
+            factory.uid_lease.close()
     return 0
 
 
@@ -175,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         except SandboxUnavailable as exc:
             print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
             return 3
+        if factory.uid_lease is not None:
+            factory.uid_lease.close()
         print(f"ok: {factory.cgroups.describe()}; languages: {', '.join(f'{k} {r.version}' for k, r in runtimes.items())}")
         return 0
     try:

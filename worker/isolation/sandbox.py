@@ -29,6 +29,7 @@ from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailError, JailSpec, Program
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
 from worker.isolation.offload import off_loop
+from worker.isolation.uids import UidLease
 from worker.isolation.workspace import Workspace
 
 __all__ = [
@@ -296,6 +297,8 @@ class SandboxFactory:
     cgroups: CgroupLayout
     uid_base: int
     max_limits: Limits
+    # This worker's hold on its job uids (worker/isolation/uids.py), kept as long as the factory.
+    uid_lease: UidLease | None = None
     extra_mounts: list[str] = field(default_factory=list)
     # Staged prestart shims by file name (stage_prestart_shims).
     prestart_shims: dict[str, Path] = field(default_factory=dict)
