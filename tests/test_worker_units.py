@@ -386,6 +386,31 @@ async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() 
     await pool.close()
 
 
+async def test_a_closed_pool_builds_nothing_after_a_build_fails() -> None:
+    # A primed slot whose runtime fails is rebuilt plain at once; a failure that lands
+    # once the pool is closing (the build gave up as it was torn down) must not start a
+    # build nobody waits for, which the loop's end would leave half-made.
+    class Failing(_FakeFactory):
+        async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
+            if prime is None:
+                return await super().prepare(owner, slot, prime)
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                raise RuntimeError("the runtime went away with its jail") from None
+            raise AssertionError("unreachable")
+
+    factory = Failing()
+    prime = SimpleNamespace(language="python")
+    pool = SandboxPool(factory, "w", slots=1, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
+    pool.start()
+    await asyncio.sleep(0.01)
+    await pool.close()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert factory.built == [] and pool.ready == 0
+
+
 def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tmp_path: Path) -> None:
     # What a compile left is walked recursively, a descriptor per level: a tree nested
     # past the cap (a Java package of 1,500 components fits the workspace) must end in

@@ -74,7 +74,9 @@ class SandboxPool:
         task.add_done_callback(self._tasks.discard)
 
     def _arm(self, slot: int, delay_s: float = 0.0) -> None:
-        """Build a fresh sandbox for `slot` in the background."""
+        """Build a fresh sandbox for `slot` in the background (never once the pool is closed)."""
+        if self._closed:
+            return
 
         async def arm() -> None:
             if delay_s:
@@ -96,8 +98,7 @@ class SandboxPool:
                     self._arm(slot)
                     return
                 log.error("slot %d: cannot build a sandbox (%s); retrying in %.0fs", slot, exc, ARM_RETRY_S)
-                if not self._closed:
-                    self._arm(slot, delay_s=ARM_RETRY_S)
+                self._arm(slot, delay_s=ARM_RETRY_S)
                 return
             if self._closed:
                 await sandbox.destroy()
@@ -260,8 +261,7 @@ class SandboxPool:
     def rearm(self, slot: int) -> None:
         """A job destroyed its sandbox itself: build the slot's next one."""
         self._lent.pop(slot, None)
-        if not self._closed:
-            self._arm(slot)
+        self._arm(slot)
 
     async def close(self) -> None:
         """Stop building; destroy every ready sandbox."""
