@@ -149,6 +149,7 @@ class Jail:
         self._log_lines: list[bytes] = []
         self._log_task = asyncio.create_task(self._read_log(), name=f"nsjail-log:{cgroup.job_id}")
         self.released = False
+        self._release_error: OSError | None = None
         self._pids_at_release: list[int] = []
 
     @classmethod
@@ -185,20 +186,23 @@ class Jail:
         return cls(proc, reader, log_transport, status_read, cgroup)
 
     async def _read_log(self) -> None:
-        while True:
-            line = await self._log_reader.readline()
-            if not line:
-                self._log_transport.close()
-                break
-            self._log_lines.append(line)
-            if not self._ready.is_set() and b"Executing " in line:
-                # The jail exists (nsjail logs this from inside the child, just before exec):
-                # take nsjail itself out of the job's cgroups so only jailed code is limited,
-                # and see (same trip to the isolation threads) that the jail stayed in them.
-                self._pids_at_release = await off_loop(self._release)
-                self.released = True
-                self._ready.set()
-        self._ready.set()
+        try:
+            while line := await self._log_reader.readline():
+                self._log_lines.append(line)
+                if not self._ready.is_set() and b"Executing " in line:
+                    # The jail exists (nsjail logs this from inside the child, just before
+                    # exec): take nsjail itself out of the job's cgroups so only jailed code
+                    # is limited, and see (same trip to the isolation threads) that the jail
+                    # stayed in them.
+                    try:
+                        self._pids_at_release = await off_loop(self._release)
+                        self.released = True
+                    except OSError as exc:
+                        self._release_error = exc
+                    self._ready.set()
+        finally:
+            self._log_transport.close()
+            self._ready.set()
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)
@@ -219,6 +223,8 @@ class Jail:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
             raise JailError(f"nsjail did not become ready within {timeout_s:.1f}s") from None
+        if self._release_error is not None:
+            raise JailError(f"nsjail could not be moved out of the job's cgroups: {self._release_error}")
         if not self.released:
             await self._log_task
             raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
@@ -240,14 +246,21 @@ class Jail:
     async def wait(self) -> JailExit:
         if self._exit is None:
             await self.proc.wait()
-            await self._log_task
-            self._exit = self._parse_exit(self._read_status())
+            try:
+                await self._log_task
+            finally:
+                status = self._read_status()
+            self._exit = self._parse_exit(status)
         return self._exit
 
     def close(self) -> None:
-        """Close every pipe to the jail (once its output has been read, or is not wanted)."""
+        """Close every pipe to the jail (once its output has been read, or is not wanted, and
+        after `wait()`, which reads the status pipe, if it is to be called at all)."""
         self.proc.close()
         self._log_transport.close()
+        if self._status_fd >= 0:
+            os.close(self._status_fd)
+            self._status_fd = -1
 
     def _read_status(self) -> bytes:
         """The gate's report; every writer is gone once nsjail has exited, so this never blocks."""

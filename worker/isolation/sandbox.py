@@ -369,10 +369,11 @@ class SandboxFactory:
                 if jail is not None:
                     jail.terminate_supervisor()
                     await asyncio.shield(jail.wait())
-                    jail.close()
             except Exception:
                 log.exception("sandbox %s: nsjail failed while being torn down", name)
             finally:
+                if jail is not None:
+                    jail.close()
                 # Even if cancelled again meanwhile: the cgroups (and the descriptors kept
                 # of them) go, and what the kill did not reach dies in the removal.
                 await asyncio.shield(cgroup.remove())
