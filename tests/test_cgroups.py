@@ -67,6 +67,39 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     assert (d / "cgroup.kill").read_text() == "1"
 
 
+@pytest.mark.parametrize("co_mounted", [True, False])
+def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_folder(
+    tmp_path: Path, co_mounted: bool
+) -> None:
+    # Without a cgroup2 mount the CPU figure comes from cpuacct, which most hosts mount
+    # together with cpu (one hierarchy, `cpu,cpuacct`): its folder must be made, joined and
+    # removed once, not twice.
+    roots = {c: tmp_path / c for c in ("memory", "pids", "cpu,cpuacct")}
+    mounts = f"cgroup {roots['memory']} cgroup rw,memory 0 0\ncgroup {roots['pids']} cgroup rw,pids 0 0\n"
+    if co_mounted:
+        mounts += f"cgroup {roots['cpu,cpuacct']} cgroup rw,cpu,cpuacct 0 0\n"
+    else:
+        roots["cpu"], roots["cpuacct"] = tmp_path / "cpu", tmp_path / "cpuacct"
+        mounts += f"cgroup {roots['cpu']} cgroup rw,cpu 0 0\ncgroup {roots['cpuacct']} cgroup rw,cpuacct 0 0\n"
+    layout = detect_layout("coderunner", mounts)
+    assert layout.mode is CgroupMode.HYBRID and layout.v2 is None and layout.v1_cpuacct is not None
+    for root in roots.values():
+        root.mkdir(exist_ok=True)
+    layout.prepare()
+    job = layout.job("w.0.1")
+    job.create()
+    procs = job.procs_files()
+    assert len(procs) == len(set(procs)) == (3 if co_mounted else 4)
+    assert layout.job_ids() == {"w.0.1"}
+    usage = layout.v1_cpuacct / "coderunner" / "w.0.1" / "cpuacct.usage"
+    usage.write_text("2500000000\n")
+    assert job.cpu_us() == 2_500_000
+    job.close_files()
+    usage.unlink()  # a real cgroup's files go with its folder; this tree's are plain files
+    assert job.try_remove()
+    assert layout.job_ids() == set()
+
+
 @pytest.mark.parametrize(
     ("mounts", "reason"),
     [

@@ -183,7 +183,7 @@ class CgroupLayout:
                 (base / "supervisor").mkdir(exist_ok=True)
                 if self.mode is CgroupMode.V2:
                     _write(base / "jobs" / "cgroup.subtree_control", "+memory +pids +cpu")
-            for root in (self.v1_memory, self.v1_pids, self.v1_cpu):
+            for root in (self.v1_memory, self.v1_pids, self.v1_cpu, self.v1_cpuacct):
                 if root is not None:
                     (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -227,8 +227,8 @@ class CgroupLayout:
         base = self._v2_base()
         if base is not None:
             dirs.append(base / "jobs")
-        for root in (self.v1_memory, self.v1_pids, self.v1_cpu):
-            if root is not None:
+        for root in (self.v1_memory, self.v1_pids, self.v1_cpu, self.v1_cpuacct):
+            if root is not None and root / self.name not in dirs:
                 dirs.append(root / self.name)
         names: set[str] = set()
         for d in dirs:
@@ -312,7 +312,8 @@ class JobCgroup:
         dirs = list(self.v1_dirs.values())
         if self.v2_dir is not None:
             dirs.append(self.v2_dir)
-        if self._cpuacct is not None:
+        # cpuacct is usually co-mounted with cpu (`cpu,cpuacct`): then it is the same folder.
+        if self._cpuacct is not None and self._cpuacct not in dirs:
             dirs.append(self._cpuacct)
         return dirs
 
@@ -433,10 +434,8 @@ class JobCgroup:
         ):
             if root is not None:
                 targets.append(root / self.layout.name / "supervisor")
-        if self._cpuacct is not None and self.layout.v1_cpuacct is not None:
-            supervisor = self.layout.v1_cpuacct / self.layout.name / "supervisor"
-            supervisor.mkdir(parents=True, exist_ok=True)
-            targets.append(supervisor)
+        if self._cpuacct is not None and self.layout.v1_cpuacct not in (None, self.layout.v1_cpu):
+            targets.append(self.layout.v1_cpuacct / self.layout.name / "supervisor")
         for target in targets:
             try:
                 _write(target / "cgroup.procs", str(pid))
