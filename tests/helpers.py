@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +14,21 @@ from pysher.channel import Channel
 
 from launcher.stack import Stack
 
-__all__ = ["Api", "Followed", "Realtime", "py_job"]
+__all__ = ["Api", "Followed", "Realtime", "pids_with_cmdline", "py_job"]
+
+
+def pids_with_cmdline(*fragments: bytes) -> list[int]:
+    """Host processes whose command line contains every one of `fragments`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(fragment in cmdline for fragment in fragments):
+                found.append(int(entry.name))
+    return found
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

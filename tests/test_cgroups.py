@@ -13,7 +13,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from launcher.stack import Stack, remove_deployment
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, py_job
-from worker.isolation.cgroups import CgroupError, CgroupMode, detect_layout
+from worker.isolation.cgroups import CgroupError, CgroupLayout, CgroupMode, JobCgroup, detect_layout
 
 
 def _fake_v2(root: Path) -> str:
@@ -172,6 +173,25 @@ def _spawn_into(files: list[str], program: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", f"import os, time\n{join}{program}"])
 
 
+@contextmanager
+def _host_cgroup(label: str) -> Iterator[tuple[CgroupLayout, JobCgroup, list[subprocess.Popen[bytes]]]]:
+    """A job cgroup on this host's real hierarchies, in a deployment of its own, and a list
+    for the children a test starts: all killed and removed at the end, however it ends."""
+    name = f"coderunner-{label}-{os.getpid()}"
+    layout = detect_layout(name)
+    layout.prepare()
+    job = layout.job("w.0.1")
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        yield layout, job, children
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        job.remove_blocking()
+        remove_deployment(name)
+
+
 @pytest.mark.sandbox
 def test_kept_counter_descriptors_read_afresh_on_this_host() -> None:
     """Hybrid, for real: the clocks read the counters and the cgroup2 process list through
@@ -179,12 +199,12 @@ def test_kept_counter_descriptors_read_afresh_on_this_host() -> None:
     lists are opened anew every time (a v1 cgroup.procs kept open serves a stale list for
     a second). kill_leftovers kills what is there and makes no kill when nothing is; the
     descriptors are closed with the cgroups."""
-    name = f"coderunner-kept-fds-{os.getpid()}"
-    layout = detect_layout(name)
-    layout.prepare()
-    job = layout.job("w.0.1")
+    with _host_cgroup("kept-fds") as (_layout, job, children):
+        _check_kept_descriptors(job, children)
+
+
+def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[bytes]]) -> None:
     fds_before = len(os.listdir("/proc/self/fd"))
-    children: list[subprocess.Popen[bytes]] = []
 
     def listed_everywhere(pid: int) -> bool:
         return all(str(pid) in (d / "cgroup.procs").read_text().split() for d in job.paths())
@@ -195,53 +215,46 @@ def test_kept_counter_descriptors_read_afresh_on_this_host() -> None:
             assert time.monotonic() < deadline, what
             time.sleep(0.01)
 
+    job.create()
+    job.set_limits(memory_bytes=256 << 20, pids=16)
+    job.open_counters()
+    assert len(os.listdir("/proc/self/fd")) > fds_before  # the counters stay open
+    peak_before = job.memory_peak_bytes()
+    program = "data = b'x' * (8 << 20)\nwhile time.process_time() < 0.5: pass\ntime.sleep(30)"
+    burner = _spawn_into(job.procs_files(), program)
+    children.append(burner)
+    wait_until(lambda: listed_everywhere(burner.pid), "the burner never joined every cgroup")
+    first = job.cpu_us()
+    wait_until(lambda: job.cpu_us() - first >= 200_000, "no fresh CPU figure through the kept descriptor")
+    assert job.memory_peak_bytes() >= peak_before + (8 << 20)
+    assert job.pids() == [burner.pid]
+    # Listed at once in every hierarchy, v1 included, though pids() read them just now.
+    late = _spawn_into(job.procs_files(), "time.sleep(30)")
+    children.append(late)
+    wait_until(lambda: listed_everywhere(late.pid), "the second process never joined every cgroup")
+    assert set(job.pids()) == {burner.pid, late.pid}
+    job.kill_leftovers()
+    assert burner.wait(5) == -9 and late.wait(5) == -9
+    kills: list[int] = []
+    original = job.kill
+    job.kill = lambda: kills.append(1)  # type: ignore[method-assign]
     try:
-        job.create()
-        job.set_limits(memory_bytes=256 << 20, pids=16)
-        job.open_counters()
-        assert len(os.listdir("/proc/self/fd")) > fds_before  # the counters stay open
-        peak_before = job.memory_peak_bytes()
-        program = "data = b'x' * (8 << 20)\nwhile time.process_time() < 0.5: pass\ntime.sleep(30)"
-        burner = _spawn_into(job.procs_files(), program)
-        children.append(burner)
-        wait_until(lambda: listed_everywhere(burner.pid), "the burner never joined every cgroup")
-        first = job.cpu_us()
-        wait_until(lambda: job.cpu_us() - first >= 200_000, "no fresh CPU figure through the kept descriptor")
-        assert job.memory_peak_bytes() >= peak_before + (8 << 20)
-        assert job.pids() == [burner.pid]
-        # Listed at once in every hierarchy, v1 included, though pids() read them just now.
-        late = _spawn_into(job.procs_files(), "time.sleep(30)")
-        children.append(late)
-        wait_until(lambda: listed_everywhere(late.pid), "the second process never joined every cgroup")
-        assert set(job.pids()) == {burner.pid, late.pid}
-        job.kill_leftovers()
-        assert burner.wait(5) == -9 and late.wait(5) == -9
-        kills: list[int] = []
-        original = job.kill
-        job.kill = lambda: kills.append(1)  # type: ignore[method-assign]
-        try:
-            job.kill_leftovers()  # an empty cgroup: one read, no kill
-        finally:
-            job.kill = original  # type: ignore[method-assign]
-        assert kills == [] and job.pids() == []
-        # The peak restarts from the current usage when reset (through the descriptor the
-        # peak is read through: on cgroup2 from 6.12 a reset holds only for that one).
-        spike = _spawn_into(job.procs_files(), "data = b'x' * (32 << 20)\ndel data\ntime.sleep(30)")
-        children.append(spike)
-        wait_until(lambda: job.memory_peak_bytes() >= 32 << 20, "no 32 MiB peak")
-        wait_until(lambda: job.memory_current_bytes() < 16 << 20, "the spike never freed its memory")
-        job.reset_memory_peak()
-        assert job.memory_peak_bytes() < 16 << 20
-        job.kill()
-        spike.wait(5)
-        assert job.remove_blocking()
-        assert len(os.listdir("/proc/self/fd")) == fds_before  # closed with the cgroups
+        job.kill_leftovers()  # an empty cgroup: one read, no kill
     finally:
-        for child in children:
-            child.kill()
-            child.wait()
-        job.remove_blocking()
-        remove_deployment(name)
+        job.kill = original  # type: ignore[method-assign]
+    assert kills == [] and job.pids() == []
+    # The peak restarts from the current usage when reset (through the descriptor the
+    # peak is read through: on cgroup2 from 6.12 a reset holds only for that one).
+    spike = _spawn_into(job.procs_files(), "data = b'x' * (32 << 20)\ndel data\ntime.sleep(30)")
+    children.append(spike)
+    wait_until(lambda: job.memory_peak_bytes() >= 32 << 20, "no 32 MiB peak")
+    wait_until(lambda: job.memory_current_bytes() < 16 << 20, "the spike never freed its memory")
+    job.reset_memory_peak()
+    assert job.memory_peak_bytes() < 16 << 20
+    job.kill()
+    spike.wait(5)
+    assert job.remove_blocking()
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # closed with the cgroups
 
 
 @pytest.mark.sandbox
@@ -270,12 +283,7 @@ def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_
     the file). The job's processes die. A pid the listing gave but that is not the job's by
     the time of the signal (its number reused by a host process: here a stand-in, handed to
     the kill as if listed) is left alone."""
-    name = f"coderunner-kill-{os.getpid()}-{int(with_cgroup_kill)}"
-    layout = detect_layout(name)
-    layout.prepare()
-    job = layout.job("w.0.1")
-    children: list[subprocess.Popen[bytes]] = []
-    try:
+    with _host_cgroup(f"kill-{int(with_cgroup_kill)}") as (layout, job, children):
         job.create()
         if not with_cgroup_kill:
             assert job.v2_dir is not None
@@ -303,9 +311,3 @@ def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_
         time.sleep(0.1)
         assert bystander.poll() is None, "a process outside the job was killed"
         assert job.remove_blocking()
-    finally:
-        for child in children:
-            child.kill()
-            child.wait()
-        job.remove_blocking()
-        remove_deployment(name)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, pids_with_cmdline, py_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -39,15 +39,7 @@ def _leftovers(deployment: str, worker_id: str) -> list[str]:
     """Sandbox cgroups of that worker and host processes whose command line names them."""
     jobs = Path("/sys/fs/cgroup/unified") / deployment / "jobs"
     found = [p.name for p in jobs.iterdir() if p.name.startswith(worker_id + ".")]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if f"/{worker_id}.".encode() in cmdline:
-                found.append(entry.name)
-    return found
+    return found + [str(pid) for pid in pids_with_cmdline(f"/{worker_id}.".encode())]
 
 
 def test_start_sent_while_no_worker_runs_is_honoured(make_stack: StackFactory) -> None:

@@ -11,12 +11,12 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from launcher.stack import remove_deployment
 from shared.settings import load_settings
+from tests.helpers import pids_with_cmdline
 from worker.__main__ import preflight
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError
@@ -50,19 +50,6 @@ def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _nsjails_in(work_root: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"nsjail" in cmdline and f"{work_root}/".encode() in cmdline:
-                found.append(int(entry.name))
-    return found
-
-
 async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothing(
     factory: SandboxFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,7 +69,7 @@ async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothin
         await factory.prepare("teardown", 0)
     assert time.monotonic() - started < factory.ready_timeout_s / 2
     assert _open_fds() == before
-    assert _nsjails_in(factory.work_root) == []
+    assert pids_with_cmdline(b"nsjail", f"{factory.work_root}/".encode()) == []
     assert {n for n in factory.cgroups.job_ids() if n.startswith("teardown.")} == set()
     monkeypatch.undo()
     sandbox = await factory.prepare("teardown", 0)  # and the next one builds as usual
