@@ -568,6 +568,46 @@ async def _one_round(sender: CallbackSender, job_id: str) -> None:
 
 
 @pytest.mark.stack
+async def test_a_sender_whose_own_attempt_outlives_its_lease_polls_instead_of_spinning(
+    bare_stack: Stack, redis: Redis
+) -> None:
+    # The attempt (or its report, on a slow Redis) runs past its lease: its due score is
+    # then in the past, the round skips it as in flight, and must still wait a poll.
+    job_id = await _killed_in_queue(redis, NEVER_SENT)
+    for other in await redis.zrange(keys.CALLBACKS_DUE, 0, -1):
+        if other.decode() != job_id:
+            await redis.zrem(keys.CALLBACKS_DUE, other)
+    sender = CallbackSender(_sender_settings(bare_stack), redis, None, "test")  # type: ignore[arg-type]
+    sender._lease_ms = 50
+    release = asyncio.Event()
+
+    async def held(_delivery: Any) -> None:
+        await release.wait()
+
+    sender._deliver = held  # type: ignore[method-assign]
+    rounds = 0
+    take_round = sender._round
+
+    async def counted() -> float:
+        nonlocal rounds
+        rounds += 1
+        return await take_round()
+
+    sender._round = counted  # type: ignore[method-assign]
+    running = asyncio.create_task(sender.run())
+    try:
+        await asyncio.sleep(1.0)
+        assert job_id in sender._inflight  # still held, its lease long over
+        assert rounds <= 10, f"{rounds} rounds in a second"
+    finally:
+        release.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await sender.stop()
+        await redis.zrem(keys.CALLBACKS_DUE, job_id)
+
+
+@pytest.mark.stack
 async def test_send_connects_to_the_checked_address(
     bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,6 +108,11 @@ class CallbackSender:
             task.add_done_callback(lambda _t, job_id=job_id: self._inflight.pop(job_id, None))
         if taken:
             upcoming = await self.deliveries.next_due_ms()  # what was taken is leased now
+        elif due:
+            # Due, yet none could be taken: ours still in flight past their lease (their
+            # scores stay at or before now), or held by other senders. Nothing changes for
+            # us before they end: poll, do not spin.
+            return POLL_S
         if upcoming is None:
             return POLL_S
         return min(POLL_S, max(0.0, (upcoming - now_ms()) / 1000))
