@@ -86,6 +86,30 @@ async def test_claim_sent_twice_takes_one_attempt(redis: Redis, queue: WorkerQue
     assert QUEUED_STAGE == b'{"phase":"queued","seq":0}'
 
 
+async def test_a_claim_re_queued_as_a_stray_before_its_script_ran_is_not_taken(redis: Redis, queue: WorkerQueue) -> None:
+    # The claim's script round trip outlasted two upkeeps (a reply lost, re-sent): the id
+    # was recovered as a stray meanwhile, out of our list and back on the queue. The script
+    # must not claim it then, or it would run here while in no claimed list and queued too.
+    spec = _spec()
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    real = queue._claim
+    recovered: list[Any] = []
+
+    async def late(keys: list[Any], args: list[Any]) -> Any:
+        recovered.extend(await queue.recover_claims(queue.worker_id, only={spec.job_id}))
+        return await real(keys=keys, args=args)
+
+    queue._claim = late  # type: ignore[assignment]
+    assert await queue.claim(1.0, 0.0) is None
+    assert recovered == []  # never started: re-queued, not lost
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == []
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
+    assert await redis.hget(keys.status_key(spec.job_id), "state") == b"queued"
+    queue._claim = real
+    claim = await queue.claim(1.0, 0.0)  # claimed afresh, as any worker would
+    assert claim is not None and claim.spec.job_id == spec.job_id
+
+
 async def test_advance_sent_twice_appends_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

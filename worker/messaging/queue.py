@@ -32,6 +32,9 @@ _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=t
 # Run twice (its reply lost with a connection), the second run finds the job parked by this
 # worker and answers the same claim without taking another attempt (or logging again).
 _CLAIM = """
+-- Claim only what is still in our claimed list: a claim whose round trip outlasted two
+-- upkeeps has been re-queued as a stray meanwhile, and is another worker's to take.
+if not redis.call('LPOS', KEYS[3], ARGV[2]) then return false end
 local state = redis.call('HGET', KEYS[1], 'state')
 local spec = redis.call('GET', KEYS[2])
 local again = state == 'parked' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1]
@@ -305,7 +308,7 @@ class WorkerQueue:
             args=[self.worker_id, job_id, now_ms(), QUEUED_STAGE, self._record_ttl_s],
         )
         if not loaded:
-            log.warning("job %s: claimed id had no queued record; dropped", job_id)
+            log.warning("job %s: claimed id had no queued record, or was re-queued meanwhile; dropped", job_id)
             return None
         attempt, seq, spec_raw, start, kill, handovers, logged = loaded
         try:
