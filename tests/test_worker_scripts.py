@@ -21,9 +21,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from api.store import JobStore
 from shared import keys
 from shared.messages import JobState, Outcome, TestCase, result_without_run
+from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.job.run import JobRun
 from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
+from worker.worker import Worker
 
 pytestmark = [pytest.mark.stack]
 
@@ -151,6 +153,9 @@ class _Lane:
 
     def wants_audience(self) -> bool:
         return False
+
+    async def close(self, timeout_s: float = 0.0) -> None:
+        pass
 
 
 def _job_run(queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_stop: bool = False) -> JobRun:
@@ -319,3 +324,39 @@ async def test_stdin_written_sent_twice_is_the_same_count_and_drops_the_written_
     assert await redis.hget(keys.status_key(claim.spec.job_id), "stdinWritten") == b"42"
     # Frames before the last one written are gone; that one and the unwritten stay.
     assert [entry_id for entry_id, _ in await redis.xrange(stream)] == ids[1:]
+
+
+async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_rest_to_others(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # At shutdown a claim can outlive its task (a claim cut short by the stop, a hand-back
+    # Redis refused). Upkeep has stopped by then, and unregistering used to drop the worker
+    # from the list the others reap from: such a job stayed parked until its record expired.
+    settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    orphan = await _claimed(redis, queue)  # claimed, and no task holds it
+    held = await _claimed(redis, queue)  # its task would not end in time
+    stuck = asyncio.create_task(asyncio.sleep(60))
+    worker._jobs[stuck] = held.spec.job_id
+    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
+    try:
+        await worker._leave(ctx)  # type: ignore[arg-type]
+    finally:
+        stuck.cancel()
+    assert await redis.hget(keys.status_key(orphan.spec.job_id), "state") == b"queued"
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [orphan.spec.job_id.encode()]
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [held.spec.job_id.encode()]
+    assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
+    assert await redis.hexists(keys.WORKERS, queue.worker_id)  # still listed: the others reap it
+    other = WorkerQueue(redis, "w-other", RECORD_TTL_S, RESULT_TTL_S)
+    assert await other.reap_dead_workers() == []  # never started: re-queued, not lost
+    assert await redis.hget(keys.status_key(held.spec.job_id), "state") == b"queued"
+    assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+
+    # With nothing left claimed, leaving takes the worker off the list at once.
+    await queue.heartbeat(worker.info(), 60_000)
+    worker._jobs.clear()
+    await worker._leave(ctx)  # type: ignore[arg-type]
+    assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+    assert not await redis.exists(keys.worker_alive_key(queue.worker_id))

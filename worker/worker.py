@@ -164,10 +164,12 @@ class Worker:
             await self.pool.close()
             try:
                 # Bounded: a worker told twice to stop must stop even while Redis is away (its
-                # lease then simply expires).
-                await asyncio.wait_for(queue.unregister(), 2.0)
+                # lease then simply expires, and others recover its claims).
+                await asyncio.wait_for(self._leave(ctx), 2.0)
             except (RedisError, OSError, TimeoutError):
                 pass
+            # Results the recovery wrote go out live before the publisher closes.
+            await asyncio.gather(*self._background, return_exceptions=True)
             try:
                 await asyncio.wait_for(control.aclose(), 2.0)
             except (RedisError, OSError, TimeoutError):
@@ -176,6 +178,21 @@ class Worker:
             await claim_redis.aclose()
             await redis.aclose()
             log.info("worker %s stopped", self.worker_id)
+
+    async def _leave(self, ctx: WorkerContext) -> None:
+        """Hand back what no task holds any more, then unregister.
+
+        Claims can outlive their tasks: a claim cut short by the stop (its id moved, its
+        reply never read), a parked job whose hand-back Redis refused, a result write that
+        failed under a hard stop. Upkeep would have recovered them; it has stopped, so they
+        are recovered here (never started: re-queued; started: lost). Whatever is still
+        claimed after that (a job task that would not end) keeps this worker listed, so
+        the others reap it once the liveness key is gone.
+        """
+        strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+        if strays:
+            self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
+        await ctx.queue.unregister()
 
     def _install_signal_handlers(self, ctx: WorkerContext) -> None:
         loop = asyncio.get_running_loop()

@@ -63,6 +63,13 @@ local handovers = redis.call('HGET', KEYS[1], 'handovers') or '0'
 return {attempt, seq, spec, start, kill, handovers, logged}
 """
 
+# KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id.
+_UNREGISTER = """
+redis.call('DEL', KEYS[1])
+if redis.call('LLEN', KEYS[3]) == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+return 1
+"""
+
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 
@@ -286,6 +293,7 @@ class WorkerQueue:
         self._finish = redis.register_script(_FINISH)
         self._hand_back = redis.register_script(_HAND_BACK)
         self._reap = redis.register_script(_REAP)
+        self._unregister = redis.register_script(_UNREGISTER)
         # Results of jobs ended while claiming (unreadable specs), for the worker to publish.
         self.orphan_results: list[tuple[str, bytes]] = []
 
@@ -467,10 +475,11 @@ class WorkerQueue:
             await pipe.execute()
 
     async def unregister(self) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.worker_alive_key(self.worker_id))
-            pipe.hdel(keys.WORKERS, self.worker_id)
-            await pipe.execute()
+        """Drop the liveness key; leave the workers list only with no claim left, so any
+        claim still there is reaped by the others (they walk that list)."""
+        await self._unregister(
+            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed], args=[self.worker_id]
+        )
 
     async def _recover(
         self, claimed: str, job_id: str, mode: str, template: tuple[bytes, bytes], state: JobState
