@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,25 @@ def test_job_reaches_a_worker_that_offers_its_language(make_stack: StackFactory,
         fb = rt.follow(bash)
         api.start(bash)
         assert fb.wait_result()["outcome"] == "completed"
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_worker_started_with_a_live_workers_id_is_refused(make_stack: StackFactory) -> None:
+    stack = make_stack()
+    env = stack.env()
+    env["WORKER_ID"] = stack.worker_ids["worker"]
+    env["SANDBOX_UID_BASE"] = str(stack.uid_base + 500)  # its own uids: the id alone clashes
+    proc = subprocess.run([sys.executable, "-m", "worker"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr
+    assert f"another live worker already uses the id {stack.worker_ids['worker']!r}" in proc.stderr
+    api, rt = Api(stack), Realtime(stack)
+    try:  # the first one still serves
+        job = api.execute(py_job("print('still here')"))
+        followed = rt.follow(job)
+        api.start(job)
+        assert followed.wait_result()["outcome"] == "completed"
     finally:
         rt.close()
         api.close()

@@ -360,3 +360,11 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     await worker._leave(ctx)  # type: ignore[arg-type]
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
     assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
+
+
+async def test_one_worker_id_is_taken_by_one_of_two_workers_started_together(redis: Redis) -> None:
+    first, second = (WorkerQueue(redis, "w-same", RECORD_TTL_S, RESULT_TTL_S) for _ in range(2))
+    taken = await asyncio.gather(*(q.take_id(60_000) for q in (first, second, first, second)))
+    assert sorted(taken) == [False, False, False, True]
+    await redis.delete(keys.worker_alive_key("w-same"))  # gone (unregistered, or its lease ran out)
+    assert await second.take_id(60_000)

@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from shared.messages import StdinFrame
+from shared.settings import load_settings
+from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.jail import JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
@@ -24,6 +27,7 @@ from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, supervise
 from worker.messaging.queue import StoredFrame
+from worker.worker import Worker
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -428,3 +432,50 @@ def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tm
     with pytest.raises(WorkspaceError, match="deeper than"):
         workspace.snapshot(1 << 20)
     assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+async def _swallows_a_cancel() -> None:
+    """What redis-py's client sometimes does with a cancel that lands during a command."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        pass
+
+
+async def _ends_when_cancelled(loop_coro: Any) -> None:
+    task = asyncio.create_task(loop_coro)
+    await asyncio.sleep(0.05)  # inside its command
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2)
+
+
+async def test_the_callback_sender_stops_though_its_redis_client_swallowed_the_cancel() -> None:
+    # It kept looping for good: the worker could not exit (asyncio waits at the end for
+    # the tasks it cancels), as a worker refused for a live worker's id showed.
+    redis = SimpleNamespace(register_script=lambda _source: None)
+    sender = CallbackSender(SimpleNamespace(callback_timeout_ms=1000), redis, None, "t")  # type: ignore[arg-type]
+
+    async def round_() -> float:
+        await _swallows_a_cancel()
+        return 0.01
+
+    sender._round = round_  # type: ignore[method-assign]
+    await _ends_when_cancelled(sender.run())
+
+
+async def test_the_heartbeat_and_upkeep_stop_though_redis_swallowed_the_cancel() -> None:
+    # A heartbeat that ran on after its worker was told to go would keep the lease alive:
+    # no one would ever reap the worker's claims.
+    settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off",
+                              "WORKER_HEARTBEAT_MS": "10"})  # fmt: skip
+    worker = Worker(settings, "w", SimpleNamespace(), {})  # type: ignore[arg-type]
+
+    async def swallow(*_args: Any, **_kwargs: Any) -> list[str]:
+        await _swallows_a_cancel()
+        return []
+
+    queue = SimpleNamespace(heartbeat=swallow, claimed_ids=swallow)
+    ctx = SimpleNamespace(queue=queue)
+    await _ends_when_cancelled(worker._heartbeat(ctx))  # type: ignore[arg-type]
+    await _ends_when_cancelled(worker._upkeep(ctx))  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from worker.messaging.control import ControlBus
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import WorkerQueue, now_ms
 from worker.runtimes import Runtime
-from worker.tasks import cancel_and_wait
+from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["Worker", "WorkerIdInUse"]
 
@@ -132,7 +132,7 @@ class Worker:
             hard_stop=self._hard_stop,
         )
         self._install_signal_handlers(ctx)
-        if await queue.alive(self.worker_id):
+        if not await queue.take_id(settings.worker_lease_ttl_ms):
             raise WorkerIdInUse(f"another live worker already uses the id {self.worker_id!r} (WORKER_ID)")
         # A previous incarnation with the same id (WORKER_ID) that was killed: nobody else
         # reaps its claims or sweeps its sandboxes, because they carry our id.
@@ -237,6 +237,7 @@ class Worker:
         stopping = asyncio.ensure_future(ctx.stopping.wait())
         try:
             while not ctx.stopping.is_set():
+                raise_if_cancelled()
                 pause_s = ctx.claim_paused_until - loop.time()
                 if pause_s > 0:
                     await asyncio.wait({stopping}, timeout=pause_s)
@@ -301,6 +302,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         interval_s = self.settings.worker_heartbeat_ms / 1000
         while True:
+            raise_if_cancelled()
             try:
                 # A beat that hangs (a half-open connection) is abandoned for the next one.
                 await asyncio.wait_for(
@@ -330,6 +332,7 @@ class Worker:
         interval_s = self.settings.worker_heartbeat_ms / 1000
         while True:
             await asyncio.sleep(interval_s)
+            raise_if_cancelled()
             try:
                 strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects

@@ -38,7 +38,7 @@ from shared.errors import ValidationError
 from shared.settings import Settings
 from worker.callbacks.deliveries import Deliveries, Delivery, ResultGone
 from worker.callbacks.send import AttemptFailed, Refused, checked, new_client, post, resolve
-from worker.tasks import cancel_and_wait
+from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["CallbackSender", "callback_sender"]
 
@@ -76,6 +76,7 @@ class CallbackSender:
         """Take and send due deliveries until cancelled."""
         pause = POLL_S
         while True:
+            raise_if_cancelled()
             try:
                 pause = await self._round()
             except RedisError as exc:

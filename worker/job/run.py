@@ -59,7 +59,7 @@ from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead
-from worker.tasks import cancel_and_wait
+from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["JobRun"]
 
@@ -355,6 +355,7 @@ class JobRun:
         """Turn a stored kill flag into a kill message, should the live one have been lost."""
         while True:
             await asyncio.sleep(FLAG_POLL_S)
+            raise_if_cancelled()
             try:
                 if await self.ctx.queue.kill_requested(self.job_id):
                     ctrl.put_nowait(CtrlMessage(type="kill"))

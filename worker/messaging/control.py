@@ -101,7 +101,11 @@ class ControlBus:
             log.warning("job %s: unsubscribe failed: %s", sub.job_id, exc)
 
     async def _read(self) -> None:
+        reader = asyncio.current_task()
         while True:
+            # A cancel redis-py swallowed (see worker/tasks.py) still ends the reader.
+            if reader is not None and reader.cancelling():
+                raise asyncio.CancelledError
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
             except RedisError as exc:

@@ -468,6 +468,11 @@ class WorkerQueue:
 
     # -- liveness ---------------------------------------------------------------------
 
+    async def take_id(self, lease_ms: int) -> bool:
+        """Take this worker's id for a first lease, unless a live worker holds it (one atomic
+        SET NX: two workers started together with one WORKER_ID cannot both pass)."""
+        return bool(await self.redis.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms, nx=True))
+
     async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms)
@@ -543,5 +548,3 @@ class WorkerQueue:
                 ended.append(result)
         return ended
 
-    async def alive(self, worker_id: str) -> bool:
-        return bool(await self.redis.exists(keys.worker_alive_key(worker_id)))
