@@ -636,6 +636,33 @@ async def test_send_connects_to_the_checked_address(
 
 
 @pytest.mark.stack
+async def test_an_attempt_that_fails_in_the_sender_itself_is_reported_and_retried(
+    bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of ours (here the stored result cannot be read) counts as a failed attempt:
+    reported with a retry time, so the retry window still ends it, where it used to be left
+    to its lease and taken again every 15 s until its record expired."""
+    path = receiver.path()
+    job_id = await _killed_in_queue(redis, f"http://127.0.0.1:{receiver.port}{path}")
+
+    async def unreadable(_self: Any, _delivery: Any) -> Any:
+        raise ValueError("the stored result is not JSON")
+
+    monkeypatch.setattr("worker.callbacks.deliveries.Deliveries.body", unreadable)
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
+    before = int(time.time() * 1000)
+    async with new_client(settings) as client:
+        await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    assert receiver.received(path) == []
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"pending" and record[b"attempts"] == b"1"
+    assert record[b"lastError"] == b"the sender failed: ValueError"
+    due = await redis.zscore(keys.CALLBACKS_DUE, job_id)
+    assert due is not None and before < due <= before + settings.callback_backoff_ms + 5_000
+    await redis.zrem(keys.CALLBACKS_DUE, job_id)
+
+
+@pytest.mark.stack
 async def test_send_refuses_a_name_that_now_resolves_private(
     bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

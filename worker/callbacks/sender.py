@@ -127,8 +127,8 @@ class CallbackSender:
         except asyncio.CancelledError:
             raise
         except Exception:
-            # Held until its lease runs out, then taken again.
-            log.exception("job %s: callback attempt %d failed unexpectedly", delivery.job_id, delivery.attempt)
+            # Its report failed (Redis away): held until its lease runs out, then taken again.
+            log.exception("job %s: callback attempt %d could not be reported", delivery.job_id, delivery.attempt)
 
     async def _attempt(self, delivery: Delivery) -> None:
         settings = self.settings
@@ -147,6 +147,11 @@ class CallbackSender:
             error = (
                 str(exc) if isinstance(exc, AttemptFailed) else f"no answer within {settings.callback_timeout_ms} ms"
             )
+        except Exception as exc:
+            # Ours, not the receiver's (the stored result unreadable, Redis failing while it
+            # is read): an attempt like any other, so the window still ends it.
+            log.exception("job %s: callback attempt %d failed unexpectedly", job_id, delivery.attempt)
+            error = f"the sender failed: {type(exc).__name__}"
         else:
             if 200 <= status < 300:
                 self.delivered += 1
