@@ -63,6 +63,8 @@ def check_file_name(name: str) -> str | None:
             return "must not contain '.' or '..' components"
         if part.startswith("-"):
             return "must not start a component with '-' (it would read as an option)"
+        if part.startswith("@"):
+            return "must not start a component with '@' (compilers read '@name' as a file of options)"
     return None
 
 

@@ -34,6 +34,9 @@ def _error(response, status: int) -> dict:  # type: ignore[no-untyped-def]
         ({"language": "python", "files": [{"name": "ok.py", "content": "x"}, {"name": "x\u202egnp.py", "content": "x"}]}, "files[1].name", "invisible"),
         ({"language": "python", "files": [{"name": "a" * 300, "content": "x"}]}, "files[0].name", "255"),
         ({"language": "python", "files": [{"name": "-o", "content": "x"}]}, "files[0].name", "option"),
+        # gcc, rustc and javac read `@name` as a file of more options (-fplugin=, -C linker=).
+        ({"language": "c", "files": [{"name": "main.c", "content": "int main(){}"}, {"name": "@main.c", "content": "x"}]},
+         "files[1].name", "file of options"),
         ({"language": "python", "files": [{"name": "m.py", "content": "%%%", "encoding": "base64"}]}, "files[0].content", "base64"),
         ({"language": "python", "files": [{"name": "m.py", "content": 5}]}, "files[0].content", "Expected `str`"),
         ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"memoryMb": 999999}}, "limits.memoryMb", "at most"),

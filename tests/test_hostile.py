@@ -266,6 +266,7 @@ with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
 """
 
 D3_C = r"""
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -278,6 +279,16 @@ int main(void) {
     printf("netlink %d\n", socket(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE));
     printf("vsock %d\n", socket(40, SOCK_STREAM, 0));
     printf("tcp %d\n", socket(AF_INET, SOCK_STREAM, 0));
+    /* A pair of a family runs that family's kernel code too (netlink, vsock: their create
+       functions; TIPC implements pairs outright where its module can load). */
+    int pair[2];
+    /* Refused by the filter (EPERM) before the family is even looked up: without it, each
+       fails too, but only after its family's code ran (EOPNOTSUPP, ENODEV...). */
+    errno = 0; printf("pair-inet %d", socketpair(AF_INET, SOCK_STREAM, 0, pair)); printf(" errno %d\n", errno);
+    errno = 0; printf("pair-netlink %d", socketpair(AF_NETLINK, SOCK_RAW, 0, pair)); printf(" errno %d\n", errno);
+    errno = 0; printf("pair-vsock %d", socketpair(40, SOCK_DGRAM, 0, pair)); printf(" errno %d\n", errno);
+    errno = 0; printf("pair-tipc %d", socketpair(30, SOCK_STREAM, 0, pair)); printf(" errno %d\n", errno);
+    printf("pair-unix-works %d\n", socketpair(AF_UNIX, SOCK_STREAM, 0, pair) + 1);
     int u = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un a = { .sun_family = AF_UNIX };
     memcpy(a.sun_path, "\0probe", 6);
@@ -304,6 +315,7 @@ int main(void) {
 
 D4_PY = r"""
 import resource as r
+print("MEMLOCK", *r.getrlimit(r.RLIMIT_MEMLOCK))
 for name in ("RLIMIT_NOFILE", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE"):
     k = getattr(r, name); soft, hard = r.getrlimit(k)
     try:
@@ -368,6 +380,25 @@ int main(void) {
     return 0;
 }
 """.replace("CALLS", ", ".join(f'{{"{name}", {nr}}}' for name, nr in KILL_LISTED.items()))
+
+
+D5_THREAD_C = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static void *probe(void *arg) { (void)arg; syscall(321, 0L, 0L, 0L); return NULL; }
+int main(void) {
+    printf("probing\n");
+    fflush(stdout);
+    pthread_t t;
+    pthread_create(&t, NULL, probe, NULL);
+    pthread_join(t, NULL);
+    sleep(1);
+    printf("main thread survived bpf in a thread\n");
+    return 0;
+}
+"""
 
 
 def d5_every_kill_listed_call_killed(out: dict[str, Any]) -> None:
@@ -641,16 +672,24 @@ CASES = [
                     "loopback down (IFF_UP clear)"))),
     Case("D3-c-socket-families", "c", D3_C,
          both(expect(outcome="completed", exitCode=0),
-              where(lambda o: all(line.endswith(" -1") for line in o["stdout"].splitlines()), "every family refused"))),
+              where(lambda o: "pair-unix-works 1\n" in o["stdout"], "unix socket pairs work"),
+              where(lambda o: all(line.endswith(" -1") for line in o["stdout"].splitlines() if not line.startswith("pair-")),
+                    "every other family refused"),
+              where(lambda o: sum(line.endswith(" -1 errno 1") for line in o["stdout"].splitlines()) == 4,
+                    "and every pair of one, by the filter"))),
     Case("D4-c-privilege", "c", D4_C,
          both(expect(outcome="completed"),
               where(lambda o: o["stdout"].startswith("uid=65534 euid=65534 nnp=1\nsetuid(0)=-1 setgid(0)=-1\n"), "unprivileged, no new privs"),
               where(lambda o: all(line.split()[1] == "0000000000000000" for line in o["stdout"].splitlines() if line.startswith("Cap") and not line.startswith("CapBnd")), "no capabilities"))),
     Case("D4-python-rlimits", "python", D4_PY,
          both(expect(outcome="completed", exitCode=0),
-              where(lambda o: "RAISED" not in o["stdout"] and o["stdout"].count("refused") == 4, "finite limits cannot be raised"))),
+              where(lambda o: "RAISED" not in o["stdout"] and o["stdout"].count("refused") == 4, "finite limits cannot be raised"),
+              where(lambda o: o["stdout"].startswith("MEMLOCK 0 0\n"), "no memory can be locked"))),
     Case("D5-c-kernel-surfaces", "c", D5_C,
          both(expect(outcome="completed", exitCode=0, signal=None), d5_every_kill_listed_call_killed)),
+    Case("D5-c-killed-call-in-a-thread", "c", D5_THREAD_C,
+         # A kill-listed call from a throwaway thread ends the whole program, not the thread.
+         both(expect(outcome="completed", signal="SIGSYS", stdout="probing\n"))),
     Case("D6-c-namespaces-and-mounts", "c", D6_C,
          both(expect(outcome="completed", signal="SIGSYS", stdout="unshare -1\n"))),
     Case("D7-c-32bit-syscall-abi", "c",
@@ -737,7 +776,7 @@ def test_d5_probes_every_kill_listed_call() -> None:
         if line.startswith("seccomp_string:")
     ]  # fmt: skip
     policy = " ".join(lines)
-    kill_block = policy[policy.index("KILL {") + len("KILL {") :]
+    kill_block = policy[policy.index("KILL_PROCESS {") + len("KILL_PROCESS {") :]
     kill_block = kill_block[: kill_block.index("}")]
     assert {name.strip() for name in kill_block.split(",") if name.strip()} == set(KILL_LISTED)
 

@@ -70,7 +70,7 @@ def test_nul_and_invalid_bytes_do_not_break_the_stream() -> None:
 @pytest.mark.parametrize(
     "name",
     ["../../etc/passwd", "/etc/cron.d/job", "a/../../x", "..", ".", "", "a\x00b", "line\nbreak", "-o/tmp/pwn.c",
-     "--help", "x" * 5000, "dir/", "a//../../b", "\u202egnp.py", "main.py\r", "main.py/.", "a\\b"],
+     "--help", "@opts", "src/@opts", "x" * 5000, "dir/", "a//../../b", "\u202egnp.py", "main.py\r", "main.py/.", "a\\b"],
 )  # fmt: skip
 def test_hostile_names_are_refused(name: str) -> None:
     assert check_file_name(name) is not None
