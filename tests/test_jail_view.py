@@ -1,8 +1,10 @@
 """What a jailed program can learn about the host from /proc: not the kernel command line,
-and no host path of the worker's own (work root, deployment, sandbox names)."""
+no host path of the worker's own (work root, deployment, sandbox names), no host-wide
+activity or boot id; and none of the host's configuration under /usr/local/etc."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,32 @@ PROBE = """
 print(repr(open('/proc/cmdline').read()))
 print(open('/proc/self/mountinfo').read())
 """
+
+
+MASKED = ["/proc/interrupts", "/proc/diskstats", "/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo",
+          "/proc/sys/kernel/random/boot_id"]  # fmt: skip
+HOST_VIEW = f"""
+import os
+for path in {MASKED!r}:
+    print(path, len(open(path).read()))
+for folder in ("/proc/pressure", "/usr/local/etc"):
+    print(folder, sorted(os.listdir(folder)) if os.path.isdir(folder) else "absent")
+"""
+
+
+def test_no_host_wide_activity_boot_id_or_host_configuration(api: Api, realtime: Realtime) -> None:
+    job = api.execute(py_job(HOST_VIEW, collectOutput=True))
+    followed = realtime.follow(job)
+    api.start(job)
+    assert followed.wait_result()["outcome"] == "completed"
+    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"]
+    for path in MASKED:
+        if Path(path).exists():  # what the host has, the jail must read as empty
+            assert Path(path).read_text() and f"{path} 0\n" in out, out
+    for folder in ("/proc/pressure", "/usr/local/etc"):
+        assert f"{folder} []\n" in out or f"{folder} absent\n" in out, out
+        if Path(folder).is_dir() and os.listdir(folder):
+            assert f"{folder} []\n" in out, out  # the host's has files; the jail's is empty
 
 
 def test_proc_shows_no_kernel_command_line_and_no_worker_paths(api: Api, realtime: Realtime) -> None:
