@@ -16,8 +16,6 @@ Redis keeps its data across that in an append-only file, fsynced every second).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import secrets
 import shutil
@@ -38,6 +36,7 @@ from launcher.node import NodeNotFound, find_node
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
 from worker.isolation.uids import LOCK_DIR as UID_LOCK_DIR
+from worker.isolation.uids import try_lock, uids_held
 
 __all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_deployment", "soketi_entry"]
 
@@ -69,16 +68,15 @@ def _reserve_uid_block() -> tuple[int, int | None]:
         block = secrets.randbelow(800)
         try:
             UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(UID_LOCK_DIR / f"stack-block-{block}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = try_lock(UID_LOCK_DIR / f"stack-block-{block}")
         except OSError:
             return 100000 + 1000 * block, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        if fd is None:
+            continue
+        # A worker started by hand on uids of this block (not through a stack) shows here.
+        if uids_held(100000 + 1000 * block, 1000):
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                continue
-            raise
+            continue
         return 100000 + 1000 * block, fd
     raise StackError("no free block of job uids on this host (800 stacks running?)")
 

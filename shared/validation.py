@@ -53,6 +53,9 @@ def check_file_name(name: str) -> str | None:
         return "must use '/' as the only separator"
     if name.startswith("/"):
         return "must be a relative path"
+    if name.startswith("@"):
+        # Sources go on compilers' command lines as their relative names.
+        return "must not start with '@' (compilers read '@name' as a file of options)"
     parts = name.split("/")
     if len(parts) > MAX_DEPTH:
         return f"must be at most {MAX_DEPTH} directories deep"
@@ -63,8 +66,6 @@ def check_file_name(name: str) -> str | None:
             return "must not contain '.' or '..' components"
         if part.startswith("-"):
             return "must not start a component with '-' (it would read as an option)"
-        if part.startswith("@"):
-            return "must not start a component with '@' (compilers read '@name' as a file of options)"
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +15,25 @@ from pysher.channel import Channel
 
 from launcher.stack import Stack
 
-__all__ = ["Api", "Followed", "Realtime", "pids_with_cmdline", "py_job"]
+__all__ = ["Api", "Followed", "Realtime", "host_processes", "pids_with_cmdline", "py_job"]
 
 
-def pids_with_cmdline(*fragments: bytes) -> list[int]:
-    """Host processes whose command line contains every one of `fragments`."""
-    found = []
+def host_processes() -> Iterator[tuple[int, bytes, dict[str, str]]]:
+    """Every host process still there when looked at: pid, command line, /proc status fields."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
+                status = (entry / "status").read_text()
             except OSError:
                 continue
-            if all(fragment in cmdline for fragment in fragments):
-                found.append(int(entry.name))
-    return found
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            yield int(entry.name), cmdline, {k: v.strip() for k, v in fields.items()}
+
+
+def pids_with_cmdline(*fragments: bytes) -> list[int]:
+    """Host processes whose command line contains every one of `fragments`."""
+    return [pid for pid, cmdline, _ in host_processes() if all(f in cmdline for f in fragments)]
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

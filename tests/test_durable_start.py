@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, pids_with_cmdline, py_job
+from tests.helpers import Api, Realtime, host_processes, pids_with_cmdline, py_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -19,20 +19,12 @@ def _running(stack, worker_id: str) -> dict[int, str]:  # type: ignore[no-untype
     """Live (not zombie) processes of a worker's jails: nsjail naming its sandboxes, or
     anything running as one of the stack's job uids."""
     uids = range(stack.uid_base, stack.uid_base + int(stack.extra_env.get("WORKER_MAX_SANDBOXES", "8")) + 1)
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if "zombie" in status.get("State", ""):
-            continue
-        if int(status["Uid"].split()[0]) in uids or f"/{worker_id}.".encode() in cmdline:
-            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:100]
-    return found
+    return {
+        pid: cmdline.replace(b"\0", b" ").decode(errors="replace")[:100]
+        for pid, cmdline, status in host_processes()
+        if "zombie" not in status.get("State", "")
+        and (int(status["Uid"].split()[0]) in uids or f"/{worker_id}.".encode() in cmdline)
+    }
 
 
 def _leftovers(deployment: str, worker_id: str) -> list[str]:

@@ -19,7 +19,7 @@ print(open('/proc/self/mountinfo').read())
 """
 
 
-MASKED = ["/proc/interrupts", "/proc/diskstats", "/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo",
+MASKED = ["/proc/interrupts", "/proc/softirqs", "/proc/diskstats", "/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo",
           "/proc/sys/kernel/random/boot_id"]  # fmt: skip
 HOST_VIEW = f"""
 import os

@@ -65,3 +65,10 @@ def test_a_second_worker_with_the_same_uids_is_refused(make_stack: StackFactory)
     assert time.monotonic() - started < 30
     # The first worker is untouched: its liveness key is still there.
     assert stack._redis_call("exists", f"worker:{stack.worker_ids['worker']}:alive")
+    # A check of the host takes no uid (it never stands in a starting worker's way) and says
+    # who holds these.
+    check = subprocess.run(
+        [sys.executable, "-m", "worker", "--check"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=90
+    )
+    assert check.returncode == 0, check.stderr
+    assert f"note: job uids {stack.uid_base}-" in check.stdout and "held by a running worker" in check.stdout

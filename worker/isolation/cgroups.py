@@ -183,9 +183,8 @@ class CgroupLayout:
                 (base / "supervisor").mkdir(exist_ok=True)
                 if self.mode is CgroupMode.V2:
                     _write(base / "jobs" / "cgroup.subtree_control", "+memory +pids +cpu")
-            for root in (self.v1_memory, self.v1_pids, self.v1_cpu, self.v1_cpuacct):
-                if root is not None:
-                    (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
+            for root in self.v1_roots():
+                (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
 
@@ -218,6 +217,14 @@ class CgroupLayout:
             _write(self.v2 / "cgroup.subtree_control", enable)
         _write(base / "cgroup.subtree_control", enable)
 
+    def v1_roots(self) -> list[Path]:
+        """Each v1 hierarchy sandboxes use, once (cpuacct is usually co-mounted with cpu)."""
+        roots: list[Path] = []
+        for root in (self.v1_memory, self.v1_pids, self.v1_cpu, self.v1_cpuacct):
+            if root is not None and root not in roots:
+                roots.append(root)
+        return roots
+
     def job(self, job_id: str) -> JobCgroup:
         return JobCgroup(self, job_id)
 
@@ -227,9 +234,7 @@ class CgroupLayout:
         base = self._v2_base()
         if base is not None:
             dirs.append(base / "jobs")
-        for root in (self.v1_memory, self.v1_pids, self.v1_cpu, self.v1_cpuacct):
-            if root is not None and root / self.name not in dirs:
-                dirs.append(root / self.name)
+        dirs += [root / self.name for root in self.v1_roots()]
         names: set[str] = set()
         for d in dirs:
             if d.is_dir():
@@ -424,18 +429,9 @@ class JobCgroup:
 
     def release_supervisor(self, pid: int) -> None:
         """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
-        targets: list[Path] = []
+        targets = [root / self.layout.name / "supervisor" for root in self.layout.v1_roots()]
         if self.v2_supervisor is not None:
-            targets.append(self.v2_supervisor)
-        for _ctrl, root in (
-            ("memory", self.layout.v1_memory),
-            ("pids", self.layout.v1_pids),
-            ("cpu", self.layout.v1_cpu),
-        ):
-            if root is not None:
-                targets.append(root / self.layout.name / "supervisor")
-        if self._cpuacct is not None and self.layout.v1_cpuacct not in (None, self.layout.v1_cpu):
-            targets.append(self.layout.v1_cpuacct / self.layout.name / "supervisor")
+            targets.insert(0, self.v2_supervisor)
         for target in targets:
             try:
                 _write(target / "cgroup.procs", str(pid))

@@ -150,6 +150,7 @@ class Jail:
         self._log_task = asyncio.create_task(self._read_log(), name=f"nsjail-log:{cgroup.job_id}")
         self.released = False
         self._release_error: OSError | None = None
+        self._status = b""  # the gate's report, once read
         self._pids_at_release: list[int] = []
 
     @classmethod
@@ -226,7 +227,7 @@ class Jail:
         if self._release_error is not None:
             raise JailError(f"nsjail could not be moved out of the job's cgroups: {self._release_error}")
         if not self.released:
-            await self._log_task
+            await asyncio.shield(self._log_task)
             raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
         if not self._pids_at_release:
             raise JailError("jail is not inside the job's cgroups")
@@ -247,10 +248,11 @@ class Jail:
         if self._exit is None:
             await self.proc.wait()
             try:
-                await self._log_task
+                # Shielded: a cancelled wait must not kill the log reader a later wait needs.
+                await asyncio.shield(self._log_task)
             finally:
-                status = self._read_status()
-            self._exit = self._parse_exit(status)
+                self._read_status()  # kept in _status, even if this wait is cancelled here
+            self._exit = self._parse_exit(self._status)
         return self._exit
 
     def close(self) -> None:
@@ -262,10 +264,11 @@ class Jail:
             os.close(self._status_fd)
             self._status_fd = -1
 
-    def _read_status(self) -> bytes:
-        """The gate's report; every writer is gone once nsjail has exited, so this never blocks."""
+    def _read_status(self) -> None:
+        """Read the gate's report into `_status` (once); every writer is gone once nsjail
+        has exited, so this never blocks."""
         if self._status_fd < 0:
-            return b""
+            return
         chunks = []
         try:
             while chunk := os.read(self._status_fd, 256):
@@ -275,7 +278,7 @@ class Jail:
         finally:
             os.close(self._status_fd)
             self._status_fd = -1
-        return b"".join(chunks)
+            self._status = b"".join(chunks)
 
     def _parse_exit(self, status: bytes) -> JailExit:
         backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)

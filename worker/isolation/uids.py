@@ -15,7 +15,7 @@ import fcntl
 import os
 from pathlib import Path
 
-__all__ = ["LOCK_DIR", "UidLease", "UidsInUse"]
+__all__ = ["LOCK_DIR", "UidLease", "UidsInUse", "try_lock", "uids_held"]
 
 # Host-wide, not under a work root: two workers with different work roots and the same
 # uids must still see each other.
@@ -24,6 +24,38 @@ LOCK_DIR = Path("/run/coderunner-uids")
 
 class UidsInUse(Exception):
     """Another worker on this host holds some of these uids."""
+
+
+def try_lock(path: Path) -> int | None:
+    """An open descriptor of `path` holding its exclusive flock, or None while another
+    process holds it. Close-on-exec: a child (nsjail) must not inherit the lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+def uids_held(first: int, count: int, lock_dir: Path = LOCK_DIR) -> dict[int, str]:
+    """Which of these uids a running worker holds, and its pid (a look: nothing is taken)."""
+    held = {}
+    for uid in range(first, first + count):
+        try:
+            fd = os.open(lock_dir / str(uid), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held[uid] = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)  # a shared lock taken just now goes with it
+    return held
 
 
 class UidLease:
@@ -43,22 +75,15 @@ class UidLease:
 
     def _take(self, path: Path, uid: int) -> None:
         while True:
-            # Close-on-exec: a jail's nsjail must not inherit the lock, or outlive the worker with it.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
+            fd = try_lock(path)
+            if fd is None:
+                holder = _holder(path)
                 last = self.first + self.count - 1
                 raise UidsInUse(
                     f"job uid {uid} is in use by another worker on this host (pid {holder}); this worker's "
                     f"range is {self.first}-{last} (SANDBOX_UID_BASE {self.first} plus one per slot and one "
                     f"for the self-test): give each worker on a host a SANDBOX_UID_BASE at least {self.count} apart"
-                ) from None
+                )
             # A holder removes its file on close (under the lock); a lock taken on a file
             # already removed holds nothing, so take the one now at that path instead.
             try:
@@ -81,3 +106,10 @@ class UidLease:
                 pass
             os.close(fd)  # releases its lock
         self._held.clear()
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.codec import decode_stored
 from shared.messages import CtrlMessage, StdinFrame
+from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["ControlBus", "Subscription"]
 
@@ -67,11 +68,7 @@ class ControlBus:
 
     async def aclose(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._reader])
         await self._pubsub.aclose()
 
     async def subscribe(self, job_id: str, timeout_s: float = 5.0) -> Subscription:
@@ -101,11 +98,8 @@ class ControlBus:
             log.warning("job %s: unsubscribe failed: %s", sub.job_id, exc)
 
     async def _read(self) -> None:
-        reader = asyncio.current_task()
         while True:
-            # A cancel redis-py swallowed (see worker/tasks.py) still ends the reader.
-            if reader is not None and reader.cancelling():
-                raise asyncio.CancelledError
+            raise_if_cancelled()
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
             except RedisError as exc:
