@@ -123,6 +123,12 @@ def test_a_c_batch_compiles_once_and_judges_every_case_in_a_fresh_jail(api: Api,
     assert verdicts == ["accepted", "wrong_answer", "runtime_error", "time_limit_exceeded", "accepted", "accepted"]
     assert result["tests"][2]["exitCode"] == 3 and result["tests"][3]["killedBy"] in ("wall", "cpu")
     assert result["summary"] == {"passed": 3, "failed": 3, "skipped": 0, "verdict": "wrong_answer"}
+    # The result's own figures sum the batch up (README, Test batches).
+    cases = result["tests"]
+    assert result["exitCode"] is None and result["signal"] is None and "killedBy" not in result
+    assert result["cpuMs"] == sum(case["cpuMs"] for case in cases)
+    assert result["memoryKb"] == max(case["memoryKb"] for case in cases)
+    assert result["durationMs"] >= max(case["durationMs"] for case in cases)
     live = sorted((p["index"], p["verdict"]) for n, p in followed.events if n == "test_result")
     assert live == list(enumerate(verdicts))
     seqs = sorted(p["seq"] for _, p in followed.events)
