@@ -9,6 +9,7 @@
     mounts     the two mount(2) calls the worker makes on the host
     toolchains read-only binds for toolchains outside folders jails may traverse
     janitor    removing sandboxes of workers that died
+    uids       this worker's job uids, locked on the host for its life
     selftest   one real jail at start-up, or a clear refusal
 
 The job lifecycle (park, run, clocks, events, result) lives beside it, in worker/job/,
