@@ -401,6 +401,97 @@ int main(void) {
 """
 
 
+# clone3's flags sit in a struct the filter cannot read, so clone3 is refused outright
+# (ENOSYS, runtimes fall back to clone); clone is refused (EPERM) when it asks for a new
+# namespace. A nested user namespace is the way into most kernel privilege escalations.
+D6_CLONE_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned long long args[8] = {0};
+    args[0] = CLONE_NEWUSER | CLONE_NEWNET;
+    args[4] = SIGCHLD;
+    errno = 0;
+    long r = syscall(435, args, sizeof args);
+    if (r == 0) _exit(0);
+    printf("clone3 %ld %d\n", r, errno);
+    errno = 0;
+    r = syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, 0L, 0L, 0L, 0L);
+    if (r == 0) _exit(0);
+    printf("clone %ld %d\n", r, errno);
+    return 0;
+}
+"""
+
+# The rest of the ERRNO list, each refused with EPERM (D5 makes the first three).
+D5_ERRNO_C = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PROBE(name, ...) do { errno = 0; long r = syscall(__VA_ARGS__); printf("%s %ld %d\n", name, r, errno); } while (0)
+int main(void) {
+    PROBE("semget", SYS_semget, 0L, 1L, 01000 | 0600);
+    PROBE("io_uring_enter", 426, 0L, 0L, 0L, 0L, 0L);
+    PROBE("io_uring_register", 427, 0L, 0L, 0L, 0L);
+    PROBE("inotify_init1", SYS_inotify_init1, 0L);
+    PROBE("fanotify_init", SYS_fanotify_init, 0L, 0L);
+    PROBE("unshare", SYS_unshare, 0x10000000L);
+    return 0;
+}
+"""
+
+# What the jail's mounts allow, by statvfs flags (ST_RDONLY 1, ST_NOSUID 2, ST_NODEV 4,
+# ST_NOEXEC 8): a bind left writable would be caught here, not only by file permissions.
+MOUNT_FLAGS_PY = r"""
+import os
+for path in ("/", "/usr", "/bin", "/lib", "/etc/passwd", "/etc/hosts", "/proc", "/usr/local/etc",
+             "/tmp", "/dev/shm", "/workspace", "/dev"):
+    print(path, os.statvfs(path).f_flag & 15)
+print("DEV", sorted(os.listdir("/dev")))
+"""
+
+# Every namespace its own, the cgroup view empty of host names, the uid map to one
+# unprivileged outside uid.
+NAMESPACES_PY = r"""
+import os
+for ns in ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts"):
+    print("NS", ns, os.readlink("/proc/self/ns/" + ns))
+print("CGROUP", open("/proc/self/cgroup").read().strip().replace("\n", "|"))
+print("UIDMAP", " ".join(open("/proc/self/uid_map").read().split()))
+print("GIDMAP", " ".join(open("/proc/self/gid_map").read().split()))
+"""
+
+# The worker reads how a jail ended from nsjail's log, never from the program's output:
+# the log's own phrases, written by the program, change nothing.
+FORGED_SUPERVISOR_SH = (
+    "for s in 'exited with status: 137' 'terminated with signal: SIGKILL (9)' 'run time >= time limit'; do\n"
+    "  echo \"[I][2026-01-01T00:00:00+0000] pid=1 ($s)\"; echo \"$s\" >&2\n"
+    "done\nexit 0\n"
+)
+
+
+def host_namespace(name: str) -> str:
+    return os.readlink(f"/proc/self/ns/{name}")
+
+
+def namespaces_are_the_jails_own(out: dict[str, Any]) -> None:
+    lines = out["stdout"].splitlines()
+    seen = {line.split()[1]: line.split()[2] for line in lines if line.startswith("NS ")}
+    assert len(seen) == 7 and all(link != host_namespace(ns) for ns, link in seen.items()), f"shared: {seen}"
+    cgroup = next(line for line in lines if line.startswith("CGROUP "))
+    assert "coderunner" not in cgroup and "jobs" not in cgroup, cgroup
+    for name in ("UIDMAP", "GIDMAP"):
+        inside, outside, count = next(line for line in lines if line.startswith(name)).split()[1:]
+        # One id, the jail's 65534, onto a stack's job id (blocks start at 100000): never 0.
+        assert (inside, count) == ("65534", "1") and int(outside) >= 100000, f"{name} {inside} {outside} {count}"
+
+
 def d5_every_kill_listed_call_killed(out: dict[str, Any]) -> None:
     lines = out["stdout"].splitlines()
     assert lines[:3] == [
@@ -727,6 +818,35 @@ CASES = [
          both(compile_failed)),
     Case("F5-c-giant-object-file", "c", "char big[1 << 30] = {1};\nint main(int argc, char **argv) { return big[argc * 4096]; }\n",
          both(compile_failed)),
+    Case("D6-c-clone-into-namespaces", "c", D6_CLONE_C,
+         both(expect(outcome="completed", exitCode=0, stdout="clone3 -1 38\nclone -1 1\n"))),
+    Case("D5-c-errno-listed-calls", "c", D5_ERRNO_C,
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: [line.split(" ", 1)[1] for line in o["stdout"].splitlines()] == ["-1 1"] * 6,
+                    "each refused with EPERM"))),
+    Case("D1-python-mount-flags", "python", MOUNT_FLAGS_PY,
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: all(f"{p} {f}\n" in o["stdout"] for p, f in [
+                  ("/", 1), *((p, 1 | 2 | 4) for p in ("/usr", "/bin", "/lib")), ("/usr/local/etc", 1 | 2 | 4 | 8),
+                  ("/proc", 1 | 2 | 4 | 8), ("/tmp", 2 | 4 | 8), ("/dev/shm", 2 | 4 | 8), ("/workspace", 2 | 4)]),
+                    "read-only binds, noexec scratch, nosuid+nodev workspace"),
+              where(lambda o: re.search(r"^/etc/(passwd|hosts) [1357]$", o["stdout"], re.M) is not None
+                    and "/etc/passwd 0\n" not in o["stdout"] and "/etc/hosts 0\n" not in o["stdout"],
+                    "the synthetic identity files are read-only"),
+              where(lambda o: "DEV ['null', 'random', 'shm', 'urandom', 'zero']\n" in o["stdout"], "a /dev of five entries"))),
+    Case("D2-python-namespaces-and-ids", "python", NAMESPACES_PY,
+         both(expect(outcome="completed", exitCode=0), namespaces_are_the_jails_own)),
+    Case("G1-bash-forged-supervisor-lines", "bash", FORGED_SUPERVISOR_SH,
+         both(expect(outcome="completed", exitCode=0, signal=None, timedOut=False),
+              where(lambda o: "killedBy" not in o, "no clock or kill claimed"))),
+    # rustc reads an included file to its end (gcc trusts the size, 0 for /proc files), so
+    # the compiler's own environment becomes the program's text.
+    Case("F2-rust-compile-environment", "rust",
+         'const ENV: &str = include_str!("/proc/self/environ");\nfn main() { print!("{}", ENV.replace(\'\\0\', "\\n")); }\n',
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: "PATH=" in o["stdout"], "the compiler's environment, read"),
+              where(lambda o: not re.search(r"PUSHER|REDIS|SECRET|TOKEN|CALLBACK|API", o["stdout"]),
+                    "holds nothing of the worker's"))),
     # ---- more process-table and descriptor abuse
     Case("A6-bash-stops-itself", "bash", "sleep 1000 &\nkill -STOP $!\necho stopping\nkill -STOP $$\necho never\n",
          both(expect(outcome="idle_timed_out", killedBy="idle", stdout="stopping\n"))),
