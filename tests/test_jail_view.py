@@ -30,12 +30,17 @@ for folder in ("/proc/pressure", "/usr/local/etc"):
 """
 
 
-def test_no_host_wide_activity_boot_id_or_host_configuration(api: Api, realtime: Realtime) -> None:
-    job = api.execute(py_job(HOST_VIEW, collectOutput=True))
+def _stdout_of(api: Api, realtime: Realtime, code: str) -> str:
+    """Run `code` (Python) to completion; its whole stdout."""
+    job = api.execute(py_job(code, collectOutput=True))
     followed = realtime.follow(job)
     api.start(job)
     assert followed.wait_result()["outcome"] == "completed"
-    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"]
+    return str(api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"])
+
+
+def test_no_host_wide_activity_boot_id_or_host_configuration(api: Api, realtime: Realtime) -> None:
+    out = _stdout_of(api, realtime, HOST_VIEW)
     for path in MASKED:
         if Path(path).exists():  # what the host has, the jail must read as empty
             assert Path(path).read_text() and f"{path} 0\n" in out, out
@@ -46,11 +51,7 @@ def test_no_host_wide_activity_boot_id_or_host_configuration(api: Api, realtime:
 
 
 def test_proc_shows_no_kernel_command_line_and_no_worker_paths(api: Api, realtime: Realtime) -> None:
-    job = api.execute(py_job(PROBE, collectOutput=True))
-    followed = realtime.follow(job)
-    api.start(job)
-    assert followed.wait_result()["outcome"] == "completed"
-    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"]
+    out = _stdout_of(api, realtime, PROBE)
     first, _, mountinfo = out.partition("\n")
     assert first == "''", "the jail reads the host's kernel command line"
     assert Path("/proc/cmdline").read_text().strip()  # the host has one to hide
