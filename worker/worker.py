@@ -192,9 +192,7 @@ class Worker:
         """
         try:
             async with asyncio.timeout(timeout_s):
-                strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
-                if strays:
-                    self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
+                await self._recover(ctx, await self._strays(ctx))
         except (RedisError, OSError, TimeoutError):
             pass  # what is left is reaped by the others once the lease is gone
         # A bound of its own: a slow recovery must not keep the liveness key alive a lease.
@@ -202,6 +200,15 @@ class Worker:
             await asyncio.wait_for(ctx.queue.unregister(), timeout_s)
         except (RedisError, OSError, TimeoutError):
             pass
+
+    async def _strays(self, ctx: WorkerContext) -> set[str]:
+        """Ids in this worker's claimed list that no job task holds."""
+        return set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+
+    async def _recover(self, ctx: WorkerContext, strays: set[str]) -> None:
+        """Recover these claims of ours (re-queued, or lost if started) and publish any result."""
+        if strays:
+            self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
 
     def _install_signal_handlers(self, ctx: WorkerContext) -> None:
         loop = asyncio.get_running_loop()
@@ -343,10 +350,9 @@ class Worker:
             await asyncio.sleep(interval_s)
             raise_if_cancelled()
             try:
-                strays = set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+                strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
-                if confirmed:
-                    self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=confirmed))
+                await self._recover(ctx, confirmed)
                 if not self._may_judge():
                     continue
                 self._publish_results(ctx, await ctx.queue.reap_dead_workers())

@@ -250,8 +250,7 @@ class SandboxPool:
         if plain:
             self._slot_prime[sandbox.slot] = None
         await sandbox.destroy()
-        if not self._closed:
-            self._arm(sandbox.slot)
+        self._arm(sandbox.slot)
 
     def give_back(self, sandbox: Sandbox) -> None:
         """A job is done with `sandbox`: destroy it and build its slot's next one."""

@@ -52,7 +52,7 @@ def uids_held(first: int, count: int, lock_dir: Path = LOCK_DIR) -> dict[int, st
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                held[uid] = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                held[uid] = _holder(lock_dir / str(uid))
         finally:
             os.close(fd)  # a shared lock taken just now goes with it
     return held
