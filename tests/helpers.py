@@ -15,7 +15,7 @@ from pysher.channel import Channel
 
 from launcher.stack import Stack
 
-__all__ = ["Api", "Followed", "Realtime", "host_processes", "pids_with_cmdline", "py_job"]
+__all__ = ["Api", "Followed", "Realtime", "host_processes", "pids_with_cmdline", "py_job", "run_job"]
 
 
 def host_processes() -> Iterator[tuple[int, bytes, dict[str, str]]]:
@@ -200,3 +200,11 @@ class Realtime:
         doubled = {f.job["jobId"]: len(f.results()) for f in self._followed if len(f.results()) > 1}
         if doubled:
             raise AssertionError(f"jobs with more than one live result event: {doubled}")
+
+
+def run_job(api: Api, realtime: Realtime, body: dict[str, Any], timeout_s: float = 20) -> tuple[dict[str, Any], Followed]:
+    """Submit `body`, follow it live, start it, and wait for its one result."""
+    job = api.execute(body)
+    followed = realtime.follow(job)
+    api.start(job)
+    return followed.wait_result(timeout_s=timeout_s), followed

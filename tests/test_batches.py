@@ -13,7 +13,7 @@ from shared.grading import TestVerdict as Verdict
 from shared.grading import batch_verdict, case_verdict, outputs_match
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import CtrlMessage, FileSpec, JobSpec, TestCase
-from tests.helpers import Api, Realtime
+from tests.helpers import Api, Realtime, run_job
 from worker.isolation.jail import JailExit
 from worker.job import batch
 from worker.job.supervise import StepFacts
@@ -47,10 +47,7 @@ def c_batch(tests: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 
 def run(api: Api, rt: Realtime, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    job = api.execute(body)
-    followed = rt.follow(job)
-    api.start(job)
-    return followed.wait_result(timeout_s=60), followed
+    return run_job(api, rt, body, timeout_s=60)
 
 
 # ---------------------------------------------------------------- the rules, unit by unit

@@ -11,7 +11,7 @@ import pytest
 
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, py_job, run_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -35,10 +35,8 @@ def test_job_reaches_a_worker_that_offers_its_language(make_stack: StackFactory,
             result = f.wait_result(timeout_s=30)
             assert result["outcome"] == "completed", result
             assert f.text("stdout") == f"{i}\n"
-        bash = api.execute({"language": "bash", "files": [{"name": "main.sh", "content": "echo fine"}]})
-        fb = rt.follow(bash)
-        api.start(bash)
-        assert fb.wait_result()["outcome"] == "completed"
+        bash = {"language": "bash", "files": [{"name": "main.sh", "content": "echo fine"}]}
+        assert run_job(api, rt, bash)[0]["outcome"] == "completed"
     finally:
         rt.close()
         api.close()
@@ -54,10 +52,7 @@ def test_a_worker_started_with_a_live_workers_id_is_refused(make_stack: StackFac
     assert f"another live worker already uses the id {stack.worker_ids['worker']!r}" in proc.stderr
     api, rt = Api(stack), Realtime(stack)
     try:  # the first one still serves
-        job = api.execute(py_job("print('still here')"))
-        followed = rt.follow(job)
-        api.start(job)
-        assert followed.wait_result()["outcome"] == "completed"
+        assert run_job(api, rt, py_job("print('still here')"))[0]["outcome"] == "completed"
     finally:
         rt.close()
         api.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, py_job, run_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -32,11 +32,9 @@ for folder in ("/proc/pressure", "/usr/local/etc"):
 
 def _stdout_of(api: Api, realtime: Realtime, code: str) -> str:
     """Run `code` (Python) to completion; its whole stdout."""
-    job = api.execute(py_job(code, collectOutput=True))
-    followed = realtime.follow(job)
-    api.start(job)
-    assert followed.wait_result()["outcome"] == "completed"
-    return str(api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"])
+    result, followed = run_job(api, realtime, py_job(code, collectOutput=True))
+    assert result["outcome"] == "completed"
+    return str(api.get(f"/v1/jobs/{followed.job['jobId']}/output", params={"waitMs": "5000"}).json()["stdout"])
 
 
 def test_no_host_wide_activity_boot_id_or_host_configuration(api: Api, realtime: Realtime) -> None:
