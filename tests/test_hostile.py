@@ -27,6 +27,7 @@ from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, Followed, Realtime
 from tests.invariants import HostWatch, cgroup_mounts, check_result_shape, check_trivial_job
+from tests.seccomp_view import AUDIT_ARCH_I386, ERRNO, KILL_PROCESS, installed_filters, verdict
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -790,6 +791,14 @@ CASES = [
          # A 32-bit system call would dodge a filter written for x86-64 numbers; the
          # filter's architecture check kills it instead.
          both(expect(outcome="completed", signal="SIGSYS", stdout=""))),
+    Case("D7-c-x32-syscall-abi", "c",
+         "#include <stdio.h>\n#include <unistd.h>\n#include <sys/syscall.h>\n"
+         "int main(void) { puts(\"probing\"); fflush(stdout);\n"
+         "  long r = syscall(0x40000000L | SYS_getpid);\n  printf(\"x32 %ld\\n\", r); return 0; }\n",
+         # x32 numbers (bit 30 set) reach the same kernel code as x86-64 ones but match no
+         # rule of a filter keyed on x86-64 numbers; the gate's own filter kills them, on
+         # kernels that serve x32 and on those that would answer ENOSYS alike.
+         both(expect(outcome="completed", signal="SIGSYS", stdout="probing\n"))),
     Case("D8-c-signal-everything", "c", D8_C,
          both(expect(outcome="completed", exitCode=0),
               # Its namespace holds only itself and the gate (pid 1: kill() "succeeds" but the
@@ -944,3 +953,51 @@ def test_hostile_program(case: Case, hostile_stack: Stack, watch: HostWatch, cli
     check_events(api, followed, result_at)
     watch.settle(base)
     check_trivial_job(api, realtime)
+
+
+# The last call number base.cfg's policy was reviewed against; the gate's filter (gate.c,
+# REVIEWED_SYSCALL_MAX) answers ENOSYS past it.
+REVIEWED_SYSCALL_MAX = 469
+ALLOW = 0x7FFF0000
+ENOSYS = ERRNO | 38
+
+
+def test_jail_filter_stack(hostile_stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    """The seccomp filters a job's program really runs under, read from the kernel and run
+    for every call number a behavioural probe cannot reach on this kernel: numbers past
+    the reviewed ones get ENOSYS, the whole x32 range and every 32-bit call die, and the
+    kafel policy below still decides the reviewed numbers."""
+    assert f"#define REVIEWED_SYSCALL_MAX {REVIEWED_SYSCALL_MAX}\n" in (REPO_ROOT / "worker/isolation/gate.c").read_text()
+    assert f"calls up to {REVIEWED_SYSCALL_MAX} (" in (REPO_ROOT / "sandbox-profiles/base.cfg").read_text()
+    api, realtime = clients
+    job = api.execute({"language": "bash", "files": [{"name": "main.sh", "content": "echo running; exec sleep 29.5\n"}],
+                       "limits": LIMITS})  # fmt: skip
+    followed = realtime.follow(job)
+    api.start(job)
+    deadline = time.monotonic() + 10
+    while not (programs := _programs_of(hostile_stack, "sleep\x0029.5")):
+        assert time.monotonic() < deadline, "the job's program never showed up"
+        time.sleep(0.02)
+    try:
+        filters = installed_filters(next(iter(programs)))
+    finally:
+        api.post(f"/v1/jobs/{job['jobId']}/kill")
+        followed.wait_result(timeout_s=20)
+
+    def action(nr: int, **kw: Any) -> int:
+        return verdict(filters, nr, **kw)
+
+    # Reviewed numbers: kafel's policy decides (a sample of each kind).
+    assert action(0) == action(1) == action(39) == ALLOW  # read, write, getpid
+    assert action(101) == action(321) == action(467) == KILL_PROCESS  # ptrace, bpf, open_tree_attr
+    assert action(41, args=(2,)) == ERRNO | 1 and action(41, args=(1,)) == ALLOW  # socket: AF_INET, AF_UNIX
+    assert action(435) == ENOSYS  # clone3
+    # Past the reviewed numbers, up to where x32's begin, and the negative ones.
+    for nr in [*range(REVIEWED_SYSCALL_MAX + 1, 1024), 4096, 0x3FFFFFFF, 0x80000000, 0xFFFFFFFF]:
+        assert action(nr) == ENOSYS, f"call {nr:#x}: {action(nr):#x}"
+    # Every x32 call, whatever its x86-64 twin.
+    for nr in [*(0x40000000 | n for n in range(0, 1024)), 0x7FFFFFFF]:
+        assert action(nr) == KILL_PROCESS, f"x32 call {nr:#x}: {action(nr):#x}"
+    # The 32-bit ABI, whatever the number.
+    for nr in (0, 1, 20, 26, 102, 310):
+        assert action(nr, arch=AUDIT_ARCH_I386) == KILL_PROCESS

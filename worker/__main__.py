@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import errno
 import fcntl
 import logging
 import os
@@ -36,16 +34,6 @@ from worker.runtimes import Runtime, discover_runtimes, load_manifests
 __all__ = ["main", "preflight"]
 
 log = logging.getLogger("worker")
-
-
-def _x32_enabled() -> bool:
-    """True when the kernel serves x32-ABI system calls (probed with a harmless getpid)."""
-    if os.uname().machine != "x86_64":
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    result = libc.syscall(ctypes.c_long(0x40000000 | 39))
-    return not (result == -1 and ctypes.get_errno() == errno.ENOSYS)
 
 
 def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
@@ -73,11 +61,6 @@ async def preflight(
     if os.geteuid() != 0:
         raise SandboxUnavailable(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
-        )
-    if _x32_enabled():
-        raise SandboxUnavailable(
-            "the kernel accepts x32 system calls, which a seccomp deny-list written for x86-64 numbers "
-            "does not see; boot with x32 disabled (syscall.x32=n, or a kernel without CONFIG_X86_X32_ABI)"
         )
     if not hold_uids:
         return await _prepare(settings, worker_id, None)
