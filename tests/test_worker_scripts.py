@@ -368,3 +368,22 @@ async def test_one_worker_id_is_taken_by_one_of_two_workers_started_together(red
     assert sorted(taken) == [False, False, False, True]
     await redis.delete(keys.worker_alive_key("w-same"))  # gone (unregistered, or its lease ran out)
     assert await second.take_id(60_000)
+
+
+async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(
+    redis: Redis, redis_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between taking its id and its first heartbeat a worker recovers its own old claims
+    # and sweeps its leftovers; when that fails, a restart under the same WORKER_ID must
+    # not be refused for a whole lease as if a live worker held it.
+    async def sweep_fails(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("the sweep failed")
+
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep_fails)
+    settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, "w-restarted", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="the sweep failed"):
+        await asyncio.wait_for(worker.run(), 10)
+    assert not await redis.exists(keys.worker_alive_key("w-restarted"))
+    assert not await redis.hexists(keys.WORKERS, "w-restarted")
+    assert await WorkerQueue(redis, "w-restarted", RECORD_TTL_S, RESULT_TTL_S).take_id(60_000)
