@@ -415,6 +415,51 @@ async def test_a_closed_pool_builds_nothing_after_a_build_fails() -> None:
     assert factory.built == [] and pool.ready == 0
 
 
+async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when_none_does() -> None:
+    # Under saturation a primed sandbox only costs more (the shim and the interpreter's
+    # start-up on top of nsjail, before a job that is already waiting can have it); the
+    # prime is the slot's again as soon as no started job waits.
+    class Recording(_FakeFactory):
+        def __init__(self) -> None:
+            super().__init__()
+            self.primes: list[object] = []
+            self.gate = asyncio.Event()
+
+        async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
+            self.primes.append(prime)
+            await self.gate.wait()
+            sandbox = await super().prepare(owner, slot, prime)
+            sandbox.prime = prime
+            return sandbox
+
+    factory = Recording()
+    prime = SimpleNamespace(language="python", adopts=lambda _program: True)
+    pool = SandboxPool(factory, "w", slots=1, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
+    pool.start()
+    await asyncio.sleep(0)
+    factory.gate.set()
+    first = await asyncio.wait_for(pool.take(), 1)
+    assert factory.primes == [prime]  # idle: primed
+    # Two started jobs wait while the slot rebuilds: that build is plain.
+    waiting = [asyncio.create_task(pool.take()) for _ in range(2)]
+    await asyncio.sleep(0)
+    factory.gate.clear()
+    pool.give_back(first)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert factory.primes == [prime, None]
+    factory.gate.set()
+    second = await asyncio.wait_for(waiting[0], 1)
+    pool.give_back(second)  # one job still waits: plain again
+    third = await asyncio.wait_for(waiting[1], 1)
+    assert factory.primes == [prime, None, None]
+    pool.give_back(third)  # nobody waits: primed again
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert factory.primes == [prime, None, None, prime]
+    await pool.close()
+
+
 def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tmp_path: Path) -> None:
     # What a compile left is walked recursively, a descriptor per level: a tree nested
     # past the cap (a Java package of 1,500 components fits the workspace) must end in

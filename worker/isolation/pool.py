@@ -7,7 +7,8 @@ and its slot builds the next one in the background.
 
 A slot's next sandbox is primed with the runtime of the language its last job used (if
 that language has a prestart shim; the worker's WORKER_PRESTART language before any
-job), so a run of jobs in one language finds its interpreter already started. A job
+job), so a run of jobs in one language finds its interpreter already started; while
+started jobs already wait for a sandbox it is built plain instead (see `_prime_now`). A job
 takes a sandbox whose runtime it can adopt, else a plain one; a primed sandbox it cannot
 use is rebuilt plain for it (a plain sandbox runs anything).
 """
@@ -81,10 +82,10 @@ class SandboxPool:
         async def arm() -> None:
             if delay_s:
                 await asyncio.sleep(delay_s)
+            prime = self._prime_now(slot)
             try:
-                sandbox = await self._factory.prepare(self._owner, slot, self._slot_prime.get(slot))
+                sandbox = await self._factory.prepare(self._owner, slot, prime)
             except Exception as exc:
-                prime = self._slot_prime.get(slot)
                 if prime is not None:
                     # A runtime that will not start must not keep the slot from serving.
                     self._slot_prime[slot] = None
@@ -106,6 +107,20 @@ class SandboxPool:
             self._offer(sandbox)
 
         self._spawn(arm(), f"arm-slot-{slot}")
+
+    def _prime_now(self, slot: int) -> Prime | None:
+        """What `slot` builds now: its prime, unless a job already waits for a sandbox.
+
+        A waiting job gets whichever sandbox is ready first, and a plain one is ready
+        sooner and costs less in all (nsjail alone; the job's own interpreter start-up is
+        the same work the prestarted one would have done before it, plus the shim's). So
+        a saturated worker builds plain and spends its CPU on jobs; priming, which only
+        shortens start → first byte for a start that finds its sandbox already waiting,
+        resumes as soon as nobody waits.
+        """
+        if self.waiting or any(not waiter.done() for waiter, _program in self._borrow_waiters):
+            return None
+        return self._slot_prime.get(slot)
 
     def _offer(self, sandbox: Sandbox) -> None:
         while self._waiters:
