@@ -19,13 +19,14 @@ from shared.messages import StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
+from worker.isolation.child import PipeReader, read_pipe
 from worker.isolation.jail import Jail, JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
-from worker.job.supervise import Activity, Clocks, supervise
+from worker.job.supervise import Activity, Clocks, _pump, supervise
 from worker.messaging.queue import StoredFrame
 from worker.worker import Worker
 
@@ -522,6 +523,54 @@ async def test_upkeep_stops_though_redis_swallowed_the_cancel() -> None:
 
     ctx = SimpleNamespace(queue=SimpleNamespace(claimed_ids=swallow))
     await _ends_when_cancelled(worker._upkeep(ctx))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(loop_kind: str) -> None:
+    # The pump's pause between small reads must hold the pipe's reading too: otherwise the
+    # transport reads (and wakes the loop) for every line anyway, and the pause only
+    # delays the event. 200 lines, one every 0.2 ms, are gathered into few reads.
+    import threading
+
+    import uvloop
+
+    lines, fed, chunks = 200, [], []
+
+    async def main() -> None:
+        read_fd, write_fd = os.pipe()
+        reader, transport = await read_pipe(read_fd)
+        assert isinstance(reader, PipeReader)
+        original = reader.feed_data
+
+        def counting(data: bytes) -> None:
+            fed.append(len(data))
+            original(data)
+
+        reader.feed_data = counting  # type: ignore[method-assign]
+
+        def write() -> None:
+            for n in range(lines):
+                os.write(write_fd, b"%d\n" % n)
+                time.sleep(0.0002)
+            os.close(write_fd)
+
+        async def on_data(data: bytes) -> None:
+            chunks.append(data)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            await asyncio.wait_for(_pump(reader, on_data, Activity(0.0)), 10)
+        finally:
+            writer.join()
+            transport.close()
+
+    if loop_kind == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    assert b"".join(chunks) == b"".join(b"%d\n" % n for n in range(lines))
+    assert len(fed) <= lines // 4, f"{len(fed)} pipe reads for {lines} lines"
 
 
 async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_nor_the_log() -> None:

@@ -13,10 +13,11 @@ import asyncio
 import os
 import subprocess
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from worker.isolation.offload import off_loop
 
-__all__ = ["Child"]
+__all__ = ["Child", "PipeReader"]
 
 PIPE_LIMIT = 1 << 20
 
@@ -62,6 +63,31 @@ def _pipe_object(fd: int, mode: str):  # type: ignore[no-untyped-def]
     return os.fdopen(fd, mode, 0)  # the stock loop closes the file object, once
 
 
+class PipeReader(asyncio.StreamReader):
+    """A StreamReader over a pipe whose reading can be held for a moment.
+
+    The transport under a StreamReader reads whenever the pipe is readable, whether or not
+    anyone calls `read()`: a program writing line by line wakes the loop for every line
+    even while its reader waits to gather lines. Held, the pipe itself gathers them (the
+    writer blocks only if its 64 KiB fill up) and the next read takes them in one go.
+    """
+
+    _pipe: asyncio.ReadTransport | None = None
+
+    def set_transport(self, transport: asyncio.BaseTransport) -> None:
+        super().set_transport(transport)
+        # uvloop's pipe transports have the ReadTransport methods without the base class.
+        self._pipe = cast(asyncio.ReadTransport, transport)
+
+    def hold(self) -> None:
+        if self._pipe is not None and not self._pipe.is_closing():
+            self._pipe.pause_reading()
+
+    def release(self) -> None:
+        if self._pipe is not None and not self._pipe.is_closing():
+            self._pipe.resume_reading()
+
+
 async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     """A StreamReader over `fd`, and its transport (which owns `fd`).
 
@@ -69,7 +95,7 @@ async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTranspor
     to, and StreamReaderProtocol does.
     """
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=PIPE_LIMIT)
+    reader = PipeReader(limit=PIPE_LIMIT)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_object(fd, "rb"))
     return reader, transport
 

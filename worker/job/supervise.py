@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from shared.messages import CtrlMessage
 from worker.isolation.cgroups import JobCgroup
+from worker.isolation.child import PipeReader
 from worker.isolation.jail import Jail, JailExit, Program
 from worker.isolation.offload import off_loop
 from worker.tasks import cancel_and_wait
@@ -89,8 +90,20 @@ async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: 
             return
         if len(data) < COALESCE_BELOW:
             # A program writing line by line would wake the worker once per line; a moment's
-            # pause lets the pipe gather its next lines into one read and one event.
-            await asyncio.sleep(COALESCE_S)
+            # pause, with the pipe's reading held, lets the pipe gather its next lines into
+            # one read and one event.
+            await _gather_pause(reader)
+
+
+async def _gather_pause(reader: asyncio.StreamReader) -> None:
+    if not isinstance(reader, PipeReader):
+        await asyncio.sleep(COALESCE_S)
+        return
+    reader.hold()
+    try:
+        await asyncio.sleep(COALESCE_S)
+    finally:
+        reader.release()
 
 
 async def supervise(
