@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 #define MAX_ITEMS 4096
+#define MAX_ITEM_BYTES (1u << 20)
 /* The highest call number sandbox-profiles/base.cfg was reviewed against (Linux 6.18). */
 #define REVIEWED_SYSCALL_MAX 469
 
@@ -60,7 +61,6 @@
 #error "the gate's seccomp filter knows x86-64 and AArch64 only"
 #endif
 #define X32_SYSCALL_BIT 0x40000000u
-#define MAX_ITEM_BYTES (1u << 20)
 
 extern char **environ;
 
