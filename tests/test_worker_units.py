@@ -573,6 +573,65 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
     assert len(fed) <= lines // 4, f"{len(fed)} pipe reads for {lines} lines"
 
 
+def _exhaust_seccomp_budget() -> None:
+    """In a child before exec: stack allow-all filters until not even a one-instruction
+    filter fits the kernel's instruction budget per call path, so the gate's is refused."""
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        os._exit(99)
+    allow = struct.pack("<HBBI", 0x06, 0, 0, 0x7FFF0000)  # RET ALLOW
+    noop = struct.pack("<HBBI", 0x05, 0, 0, 0)  # JA +0
+    length = 4096
+    while length:
+        code = ctypes.create_string_buffer(noop * (length - 1) + allow)
+        prog = SockFprog(length, ctypes.addressof(code))
+        if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER: full
+            length //= 2
+
+
+async def test_a_gate_whose_filter_the_kernel_refuses_runs_nothing_and_says_so(tmp_path: Path) -> None:
+    # The gate's own seccomp filter is part of the policy: without it the gate must run no
+    # program, and say why on the status pipe, so the job ends as an internal error and
+    # not as a program that "exited 126".
+    import subprocess
+
+    from worker.isolation.sandbox import GATE_SOURCE, _compile
+
+    gate = await _compile(GATE_SOURCE, tmp_path, "gate")
+    status_read, status_write = os.pipe()
+    proc = subprocess.run(
+        [str(gate), str(status_write)],
+        input=Program(argv=["/bin/echo", "ran"], env={}).frame(),
+        capture_output=True,
+        pass_fds=(status_write,),
+        preexec_fn=_exhaust_seccomp_budget,
+        timeout=10,
+    )
+    os.close(status_write)
+    with os.fdopen(status_read, "rb") as status:
+        report = status.read()
+    assert (proc.returncode, proc.stdout, report) == (126, b"", b"fault seccomp\n")
+
+    async def exited() -> int:
+        return 126
+
+    log = asyncio.StreamReader()
+    log.feed_eof()
+    read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    os.write(write_end, report)
+    os.close(write_end)
+    proc_stub = SimpleNamespace(wait=exited, stdout=None, stderr=None, pid=0, returncode=126)
+    jail = Jail(proc_stub, log, SimpleNamespace(close=lambda: None), read_end, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+    ended = await asyncio.wait_for(jail.wait(), 2)
+    assert (ended.exit_code, ended.signal) == (None, None)
+    assert ended.errors == ["the jail's gate failed: seccomp"]
+
+
 async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_nor_the_log() -> None:
     # supervise() cancels its wait task, destroy() times one out: the next wait() must still
     # read the gate's report (and the log reader must still be alive to end).

@@ -287,6 +287,9 @@ class Jail:
             return JailExit(int(value), None, backstop)
         if kind == b"signal" and value.isdigit():
             return JailExit(None, _signal_name(int(value)), backstop)
+        if kind == b"fault":
+            # The gate could not set the jail up (its seccomp filter) and ran nothing.
+            return JailExit(None, None, backstop, [f"the jail's gate failed: {value.decode(errors='replace')}"])
         # No report: the gate itself was killed (a clock fired, the memory limit, a kill
         # request) or never ran the program; nsjail's log says how the jail ended.
         exit_code: int | None = None
