@@ -19,14 +19,14 @@ from shared.messages import StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
-from worker.isolation.child import PipeReader, read_pipe
+from worker.isolation.child import PipeReader, _pipe_object, read_pipe
 from worker.isolation.jail import Jail, JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
-from worker.job.supervise import Activity, Clocks, _pump, supervise
+from worker.job.supervise import COALESCE_S, Activity, Clocks, _pump, supervise
 from worker.messaging.queue import StoredFrame
 from worker.worker import Worker
 
@@ -534,7 +534,7 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
 
     import uvloop
 
-    lines, fed, chunks = 200, [], []
+    lines, fed, chunks, took = 200, [], [], []
 
     async def main() -> None:
         read_fd, write_fd = os.pipe()
@@ -549,9 +549,11 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
         reader.feed_data = counting  # type: ignore[method-assign]
 
         def write() -> None:
+            started = time.monotonic()
             for n in range(lines):
                 os.write(write_fd, b"%d\n" % n)
                 time.sleep(0.0002)
+            took.append(time.monotonic() - started)
             os.close(write_fd)
 
         async def on_data(data: bytes) -> None:
@@ -570,7 +572,62 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
     else:
         asyncio.run(main())
     assert b"".join(chunks) == b"".join(b"%d\n" % n for n in range(lines))
-    assert len(fed) <= lines // 4, f"{len(fed)} pipe reads for {lines} lines"
+    # At most one read per pause while the lines came, whatever pace a busy machine gave
+    # them (about 0.25 ms apart on an idle one: some 30 reads, against 200 unheld).
+    bound = took[0] / COALESCE_S + 10
+    assert len(fed) <= bound, f"{len(fed)} pipe reads for {lines} lines written in {took[0] * 1000:.0f} ms"
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_holding_a_pipe_leaves_the_stream_readers_own_pause_alone(loop_kind: str) -> None:
+    # While the pump waits on a slow consumer, the StreamReader pauses its transport once
+    # its buffer passes twice its limit; the pump's own hold and release after a small read
+    # must not resume that transport, or the buffer grows with all the program writes.
+    import threading
+
+    import uvloop
+
+    limit, total = 64 * 1024, 4 * 1024 * 1024
+    seen: dict[str, int] = {}
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        read_fd, write_fd = os.pipe()
+        reader = PipeReader(limit=limit)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_object(read_fd, "rb"))
+        written = threading.Event()
+
+        def write() -> None:
+            try:
+                os.write(write_fd, b"x" * total)
+            except OSError:
+                pass
+            written.set()
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            for _ in range(200):  # until the StreamReader has paused itself
+                await asyncio.sleep(0.005)
+                if len(reader._buffer) > 2 * limit:
+                    break
+            reader.hold()
+            await asyncio.sleep(0.01)
+            reader.release()
+            await asyncio.sleep(0.2)
+            seen["buffered"] = len(reader._buffer)
+            seen["all_written"] = written.is_set()
+        finally:
+            transport.close()  # the blocked writer gets EPIPE once the loop has closed it
+            await loop.run_in_executor(None, writer.join, 5)
+            os.close(write_fd)
+
+    if loop_kind == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    assert seen["buffered"] <= 4 * limit, seen
+    assert not seen["all_written"], seen
 
 
 def _exhaust_seccomp_budget() -> None:

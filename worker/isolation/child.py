@@ -73,6 +73,7 @@ class PipeReader(asyncio.StreamReader):
     """
 
     _pipe: asyncio.ReadTransport | None = None
+    _held = False
 
     def set_transport(self, transport: asyncio.BaseTransport) -> None:
         super().set_transport(transport)
@@ -80,10 +81,17 @@ class PipeReader(asyncio.StreamReader):
         self._pipe = cast(asyncio.ReadTransport, transport)
 
     def hold(self) -> None:
-        if self._pipe is not None and not self._pipe.is_closing():
-            self._pipe.pause_reading()
+        # Only a transport that is reading: one the StreamReader paused itself (its buffer
+        # is full) stays the StreamReader's to resume, and one past EOF has nothing to hold.
+        if self._pipe is None or self._pipe.is_closing() or self._paused or self._eof:
+            return
+        self._pipe.pause_reading()
+        self._held = True
 
     def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
         if self._pipe is not None and not self._pipe.is_closing():
             self._pipe.resume_reading()
 
