@@ -416,24 +416,32 @@ async def test_a_closed_pool_builds_nothing_after_a_build_fails() -> None:
     assert factory.built == [] and pool.ready == 0
 
 
+class _RecordingFactory(_FakeFactory):
+    """Builds only while `gate` is set, and notes what each build was primed with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.primes: list[object] = []
+        self.gate = asyncio.Event()
+
+    async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
+        self.primes.append(prime)
+        await self.gate.wait()
+        sandbox = await super().prepare(owner, slot, prime)
+        sandbox.prime = prime
+        return sandbox
+
+
+async def _turns(n: int = 10) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when_none_does() -> None:
     # Under saturation a primed sandbox only costs more (the shim and the interpreter's
     # start-up on top of nsjail, before a job that is already waiting can have it); the
     # prime is the slot's again as soon as no started job waits.
-    class Recording(_FakeFactory):
-        def __init__(self) -> None:
-            super().__init__()
-            self.primes: list[object] = []
-            self.gate = asyncio.Event()
-
-        async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
-            self.primes.append(prime)
-            await self.gate.wait()
-            sandbox = await super().prepare(owner, slot, prime)
-            sandbox.prime = prime
-            return sandbox
-
-    factory = Recording()
+    factory = _RecordingFactory()
     prime = SimpleNamespace(language="python", adopts=lambda _program: True)
     pool = SandboxPool(factory, "w", slots=1, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
     pool.start()
@@ -458,6 +466,70 @@ async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when
     for _ in range(5):
         await asyncio.sleep(0)
     assert factory.primes == [prime, None, None, prime]
+    await pool.close()
+
+
+async def test_one_waiting_job_makes_one_build_plain_not_every_build_under_way() -> None:
+    # Two slots rebuild while one started job waits: one plain build serves it, and the
+    # other slot keeps its prime for the next job (an IDE's, which it shortens).
+    factory = _RecordingFactory()
+    prime = SimpleNamespace(language="python", adopts=lambda _program: True)
+    pool = SandboxPool(factory, "w", slots=2, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
+    pool.start()
+    factory.gate.set()
+    first = await asyncio.wait_for(pool.take(), 1)
+    second = await asyncio.wait_for(pool.take(), 1)
+    factory.gate.clear()
+    waiting = asyncio.create_task(pool.take())
+    await _turns()
+    pool.give_back(first)
+    pool.give_back(second)
+    await _turns()
+    assert factory.primes[2:] == [None, prime]
+    factory.gate.set()
+    assert (await asyncio.wait_for(waiting, 1)).prime is None
+    await pool.close()
+
+
+async def test_a_borrower_that_may_not_be_lent_to_leaves_priming_alone() -> None:
+    # A parked job waiting to borrow while the lending cap is reached cannot be served
+    # by any build; it must not turn every build of an idle worker plain.
+    factory = _RecordingFactory()
+    prime = SimpleNamespace(language="python", adopts=lambda _program: False)
+    pool = SandboxPool(factory, "w", slots=2, primes={"python": prime}, first_prime="")  # type: ignore[arg-type]
+    pool.start()
+    factory.gate.set()
+    await _turns()
+    lent = await asyncio.wait_for(pool.borrow(lambda: None), 1)  # the one loan the cap allows
+    blocked = asyncio.create_task(pool.borrow(lambda: None))
+    await _turns()
+    assert not blocked.done()
+    pool._slot_prime[0] = pool._slot_prime[1] = prime
+    started = await asyncio.wait_for(pool.take(), 1)  # the other slot's sandbox
+    pool.give_back(started)
+    await _turns()
+    assert factory.primes[-1] is prime
+    blocked.cancel()
+    pool.give_back(lent)
+    await pool.close()
+
+
+async def test_two_offers_in_one_turn_never_lend_past_the_cap() -> None:
+    # Both borrowers waited; both slots finished building in the same turn of the loop.
+    # The loan is recorded when the sandbox is handed over, so the second offer sees the
+    # cap (one slot always stays for started jobs) and keeps its sandbox ready.
+    factory = _RecordingFactory()
+    pool = SandboxPool(factory, "w", slots=2)  # type: ignore[arg-type]
+    pool.start()
+    await _turns()
+    borrowers = [asyncio.create_task(pool.borrow(lambda: None)) for _ in range(2)]
+    await _turns()
+    factory.gate.set()
+    await _turns()
+    assert sum(b.done() for b in borrowers) == 1 and pool.ready == 1
+    for b in borrowers:
+        b.cancel()
+    await asyncio.gather(*borrowers, return_exceptions=True)
     await pool.close()
 
 

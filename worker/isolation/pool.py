@@ -8,7 +8,8 @@ and its slot builds the next one in the background.
 A slot's next sandbox is primed with the runtime of the language its last job used (if
 that language has a prestart shim; the worker's WORKER_PRESTART language before any
 job), so a run of jobs in one language finds its interpreter already started; while
-started jobs already wait for a sandbox it is built plain instead (see `_prime_now`). A job
+more jobs wait for a sandbox than are being built, it is built plain instead (see
+`_prime_now`). A job
 takes a sandbox whose runtime it can adopt, else a plain one; a primed sandbox it cannot
 use is rebuilt plain for it (a plain sandbox runs anything).
 """
@@ -19,6 +20,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from worker.isolation.jail import Program
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, Sandbox, SandboxFactory
@@ -28,6 +30,16 @@ __all__ = ["SandboxPool"]
 log = logging.getLogger(__name__)
 
 ARM_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class _Borrower:
+    """A parked job waiting to borrow a sandbox (see `SandboxPool.borrow`)."""
+
+    waiter: asyncio.Future[Sandbox]
+    program: Program | None
+    recall: Callable[[], None]
+    language: str
 
 
 class SandboxPool:
@@ -49,9 +61,11 @@ class SandboxPool:
         self._waiters: collections.deque[asyncio.Future[Sandbox]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Sandboxes being built right now (each will go to whoever waits first).
+        self._building = 0
         # Parked jobs waiting to borrow a spare sandbox, and the borrowers (oldest first) with
         # the callback that makes one give its sandbox up for a started job.
-        self._borrow_waiters: collections.deque[tuple[asyncio.Future[Sandbox], Program | None]] = collections.deque()
+        self._borrow_waiters: collections.deque[_Borrower] = collections.deque()
         self._lent: dict[int, Callable[[], None]] = {}
         # Set whenever a sandbox becomes ready or a waiter is served (the claimer watches it).
         self.changed = asyncio.Event()
@@ -83,6 +97,7 @@ class SandboxPool:
             if delay_s:
                 await asyncio.sleep(delay_s)
             prime = self._prime_now(slot)
+            self._building += 1
             try:
                 sandbox = await self._factory.prepare(self._owner, slot, prime)
             except Exception as exc:
@@ -101,6 +116,8 @@ class SandboxPool:
                 log.error("slot %d: cannot build a sandbox (%s); retrying in %.0fs", slot, exc, ARM_RETRY_S)
                 self._arm(slot, delay_s=ARM_RETRY_S)
                 return
+            finally:
+                self._building -= 1
             if self._closed:
                 await sandbox.destroy()
                 return
@@ -109,16 +126,18 @@ class SandboxPool:
         self._spawn(arm(), f"arm-slot-{slot}")
 
     def _prime_now(self, slot: int) -> Prime | None:
-        """What `slot` builds now: its prime, unless a job already waits for a sandbox.
+        """What `slot` builds now: its prime, unless more jobs wait for a sandbox than are
+        being built already (started jobs, and parked borrowers that may be lent one).
 
         A waiting job gets whichever sandbox is ready first, and a plain one is ready
         sooner and costs less in all (nsjail alone; the job's own interpreter start-up is
         the same work the prestarted one would have done before it, plus the shim's). So
         a saturated worker builds plain and spends its CPU on jobs; priming, which only
         shortens start → first byte for a start that finds its sandbox already waiting,
-        resumes as soon as nobody waits.
+        resumes as soon as every waiting job has a build of its own.
         """
-        if self.waiting or any(not waiter.done() for waiter, _program in self._borrow_waiters):
+        borrowers = sum(1 for b in self._borrow_waiters if not b.waiter.done()) if self._can_lend() else 0
+        if self.waiting + borrowers > self._building:
             return None
         return self._slot_prime.get(slot)
 
@@ -129,13 +148,15 @@ class SandboxPool:
                 waiter.set_result(sandbox)
                 self.changed.set()
                 return
-        for entry in list(self._borrow_waiters):
-            waiter, program = entry
-            if waiter.done():
-                self._borrow_waiters.remove(entry)
-            elif self._may_lend(sandbox, program):
-                self._borrow_waiters.remove(entry)
-                waiter.set_result(sandbox)
+        for borrower in list(self._borrow_waiters):
+            if borrower.waiter.done():
+                self._borrow_waiters.remove(borrower)
+            elif self._may_lend(sandbox, borrower.program):
+                self._borrow_waiters.remove(borrower)
+                # Lent here, not when the borrower resumes: a second offer in the same turn
+                # of the loop must already see this loan against the cap.
+                self._lend(sandbox, borrower.recall, borrower.program, borrower.language)
+                borrower.waiter.set_result(sandbox)
                 return
         self._ready.append(sandbox)
         self.changed.set()
@@ -146,7 +167,11 @@ class SandboxPool:
         """A parked job may borrow `sandbox` for `program`: it is plain or its runtime adopts
         the program, no started job waits, and at least one slot stays for started jobs."""
         fits = sandbox.prime is None or (program is not None and sandbox.adopts(program))
-        return fits and not self.waiting and len(self._lent) < self.slots - 1
+        return fits and not self.waiting and self._can_lend()
+
+    def _can_lend(self) -> bool:
+        """At least one slot always stays for started jobs."""
+        return len(self._lent) < self.slots - 1
 
     def _lendable(self, program: Program | None) -> Sandbox | None:
         """The ready sandbox a parked job would borrow: one whose runtime adopts `program`,
@@ -191,23 +216,24 @@ class SandboxPool:
         sandbox = self._lendable(program)
         if sandbox is not None:
             self._ready.remove(sandbox)
-        else:
-            spare = self._ready[0] if self._ready and not self.waiting and len(self._lent) < self.slots - 1 else None
-            if spare is not None:
-                # Only primed sandboxes are spare: one is rebuilt plain for this borrower
-                # (a started job still comes first when it is ready).
-                self._ready.remove(spare)
-                self._spawn(self._replace(spare, plain=True), f"replace-{spare.name}")
-            waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
-            self._borrow_waiters.append((waiter, program))
-            try:
-                sandbox = await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._offer(waiter.result())
-                raise
-        self._lend(sandbox, recall, program, language)
-        return sandbox
+            self._lend(sandbox, recall, program, language)
+            return sandbox
+        spare = self._ready[0] if self._ready and not self.waiting and self._can_lend() else None
+        if spare is not None:
+            # Only primed sandboxes are spare: one is rebuilt plain for this borrower
+            # (a started job still comes first when it is ready).
+            self._ready.remove(spare)
+            self._spawn(self._replace(spare, plain=True), f"replace-{spare.name}")
+        waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
+        self._borrow_waiters.append(_Borrower(waiter, program, recall, language))
+        try:
+            return await waiter  # `_offer` lent it
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                sandbox = waiter.result()
+                self._lent.pop(sandbox.slot, None)
+                self._offer(sandbox)
+            raise
 
     def keep(self, sandbox: Sandbox) -> None:
         """The borrower started: the sandbox is its job's now, no longer recallable."""
