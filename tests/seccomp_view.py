@@ -54,7 +54,7 @@ def _ptrace(request: int, pid: int, addr: int = 0, data: int | ctypes.Array[ctyp
 
 
 def installed_filters(pid: int) -> list[list[Instruction]]:
-    """Every filter of `pid`, the most recently installed first (as the kernel lists them).
+    """Every filter of `pid`, the first installed first (index 0 of the kernel's listing).
 
     The caller must not be `pid`'s tracer already and must not run this on two threads
     at once for one pid; the process is stopped only while the filters are copied.
@@ -76,7 +76,11 @@ def installed_filters(pid: int) -> list[list[Instruction]]:
             filters.append([struct.unpack_from("<HBBI", buffer.raw, 8 * i) for i in range(count)])
         return filters
     finally:
-        _ptrace(_PTRACE_DETACH, pid)
+        try:
+            _ptrace(_PTRACE_DETACH, pid)
+        except OSError as exc:
+            if exc.errno != 3:  # ESRCH: it ended meanwhile; the error that matters is above
+                raise
 
 
 def _run(program: list[Instruction], data: bytes) -> int:
@@ -99,7 +103,13 @@ def _run(program: list[Instruction], data: bytes) -> int:
             else:
                 raise ValueError(f"BPF_LD mode {mode:#x} at {pc - 1}")
         elif cls == 0x01:  # BPF_LDX
-            x = memory[k] if code & 0xE0 == 0x60 else k
+            mode = code & 0xE0
+            if mode == 0x60:  # MEM
+                x = memory[k]
+            elif mode == 0x00:  # IMM
+                x = k
+            else:
+                raise ValueError(f"BPF_LDX mode {mode:#x} at {pc - 1}")
         elif cls == 0x02:  # BPF_ST
             memory[k] = a
         elif cls == 0x03:  # BPF_STX
@@ -135,7 +145,10 @@ def _precedence(action: int) -> int:
 
 
 def verdict(filters: list[list[Instruction]], nr: int, arch: int = AUDIT_ARCH_X86_64, args: tuple[int, ...] = ()) -> int:
-    """What the whole stack of `filters` returns for call `nr` (full value: action | data)."""
+    """What the whole stack of `filters` (as `installed_filters` lists them) returns for call
+    `nr` (full value: action | data)."""
     padded = (*args, 0, 0, 0, 0, 0, 0)[:6]
     data = struct.pack("<iIQ6Q", nr if nr < 1 << 31 else nr - (1 << 32), arch, 0, *padded)
-    return min((_run(f, data) for f in filters), key=_precedence)
+    # The kernel runs the newest filter first and keeps an earlier result on a tie, so among
+    # equal actions the newest filter's data (its errno) wins: min() keeps the first minimum.
+    return min((_run(f, data) for f in reversed(filters)), key=_precedence)

@@ -980,6 +980,18 @@ ALLOW = 0x7FFF0000
 ENOSYS = ERRNO | 38
 
 
+def test_verdict_resolves_filters_as_the_kernel_does() -> None:
+    # installed_filters lists the oldest filter first; on equal actions the kernel keeps
+    # the newest filter's result (its errno), and across actions the strictest wins.
+    def ret(value: int) -> list[tuple[int, int, int, int]]:
+        return [(0x06, 0, 0, value)]  # RET value
+
+    older, newer = ret(ERRNO | 1), ret(ERRNO | 2)
+    assert verdict([older, newer], 0) == ERRNO | 2
+    assert verdict([ret(KILL_PROCESS), newer], 0) == KILL_PROCESS
+    assert verdict([older, ret(ALLOW)], 0) == ERRNO | 1
+
+
 def test_jail_filter_stack(hostile_stack: Stack, clients: tuple[Api, Realtime]) -> None:
     """The seccomp filters a job's program really runs under, read from the kernel and run
     for every call number a behavioural probe cannot reach on this kernel: numbers past
