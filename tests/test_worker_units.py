@@ -437,14 +437,20 @@ async def _turns(n: int = 10) -> None:
         await asyncio.sleep(0)
 
 
+def _priming_pool(slots: int, first_prime: str, adopts: bool) -> tuple[_RecordingFactory, object, SandboxPool]:
+    """A started pool over a recording factory, with one Python prime its jobs adopt or not."""
+    factory = _RecordingFactory()
+    prime = SimpleNamespace(language="python", adopts=lambda _program: adopts)
+    pool = SandboxPool(factory, "w", slots=slots, primes={"python": prime}, first_prime=first_prime)  # type: ignore[arg-type, dict-item]
+    pool.start()
+    return factory, prime, pool
+
+
 async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when_none_does() -> None:
     # Under saturation a primed sandbox only costs more (the shim and the interpreter's
     # start-up on top of nsjail, before a job that is already waiting can have it); the
     # prime is the slot's again as soon as no started job waits.
-    factory = _RecordingFactory()
-    prime = SimpleNamespace(language="python", adopts=lambda _program: True)
-    pool = SandboxPool(factory, "w", slots=1, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
-    pool.start()
+    factory, prime, pool = _priming_pool(slots=1, first_prime="python", adopts=True)
     await asyncio.sleep(0)
     factory.gate.set()
     first = await asyncio.wait_for(pool.take(), 1)
@@ -472,10 +478,7 @@ async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when
 async def test_one_waiting_job_makes_one_build_plain_not_every_build_under_way() -> None:
     # Two slots rebuild while one started job waits: one plain build serves it, and the
     # other slot keeps its prime for the next job (an IDE's, which it shortens).
-    factory = _RecordingFactory()
-    prime = SimpleNamespace(language="python", adopts=lambda _program: True)
-    pool = SandboxPool(factory, "w", slots=2, primes={"python": prime}, first_prime="python")  # type: ignore[arg-type]
-    pool.start()
+    factory, prime, pool = _priming_pool(slots=2, first_prime="python", adopts=True)
     factory.gate.set()
     first = await asyncio.wait_for(pool.take(), 1)
     second = await asyncio.wait_for(pool.take(), 1)
@@ -494,10 +497,7 @@ async def test_one_waiting_job_makes_one_build_plain_not_every_build_under_way()
 async def test_a_borrower_that_may_not_be_lent_to_leaves_priming_alone() -> None:
     # A parked job waiting to borrow while the lending cap is reached cannot be served
     # by any build; it must not turn every build of an idle worker plain.
-    factory = _RecordingFactory()
-    prime = SimpleNamespace(language="python", adopts=lambda _program: False)
-    pool = SandboxPool(factory, "w", slots=2, primes={"python": prime}, first_prime="")  # type: ignore[arg-type]
-    pool.start()
+    factory, prime, pool = _priming_pool(slots=2, first_prime="", adopts=False)
     factory.gate.set()
     await _turns()
     lent = await asyncio.wait_for(pool.borrow(lambda: None), 1)  # the one loan the cap allows
