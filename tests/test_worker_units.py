@@ -446,10 +446,17 @@ def _priming_pool(slots: int, first_prime: str, adopts: bool) -> tuple[_Recordin
     return factory, prime, pool
 
 
-async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when_none_does() -> None:
+@pytest.fixture
+def short_pool_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("worker.isolation.pool.SATURATED_FOR_S", 0.2)
+    monkeypatch.setattr("worker.isolation.pool.REPRIME_IDLE_S", 0.3)
+
+
+async def test_a_slot_builds_plain_while_jobs_wait_or_just_waited_then_primes_again(short_pool_clocks: None) -> None:
     # Under saturation a primed sandbox only costs more (the shim and the interpreter's
-    # start-up on top of nsjail, before a job that is already waiting can have it); the
-    # prime is the slot's again as soon as no started job waits.
+    # start-up on top of nsjail, before a job that is already waiting can have it). A job
+    # that waited a moment ago still counts (under a steady load jobs come in waves); once
+    # the worker is idle the plain spare is rebuilt primed.
     factory, prime, pool = _priming_pool(slots=1, first_prime="python", adopts=True)
     await asyncio.sleep(0)
     factory.gate.set()
@@ -460,24 +467,27 @@ async def test_a_slot_builds_plain_while_started_jobs_wait_and_primes_again_when
     await asyncio.sleep(0)
     factory.gate.clear()
     pool.give_back(first)
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await _turns(5)
     assert factory.primes == [prime, None]
     factory.gate.set()
     second = await asyncio.wait_for(waiting[0], 1)
     pool.give_back(second)  # one job still waits: plain again
     third = await asyncio.wait_for(waiting[1], 1)
     assert factory.primes == [prime, None, None]
-    pool.give_back(third)  # nobody waits: primed again
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert factory.primes == [prime, None, None, prime]
+    pool.give_back(third)  # nobody waits, but a job just did: plain
+    await _turns(5)
+    assert factory.primes == [prime, None, None, None]
+    await asyncio.sleep(0.5)  # idle: the plain spare is rebuilt primed
+    assert factory.primes == [prime, None, None, None, prime]
+    assert pool.ready == 1 and pool._ready[0].prime is prime
     await pool.close()
 
 
-async def test_one_waiting_job_makes_one_build_plain_not_every_build_under_way() -> None:
-    # Two slots rebuild while one started job waits: one plain build serves it, and the
-    # other slot keeps its prime for the next job (an IDE's, which it shortens).
+async def test_plain_spares_a_burst_left_are_primed_again_once_idle(short_pool_clocks: None) -> None:
+    # Both slots rebuild while a started job waits: both build plain (the waiting job
+    # takes the first ready). The other plain spare is rebuilt primed once no job has asked
+    # for a sandbox for a while (never under load, where it would be thrown away for
+    # nothing), so the next IDE job finds its runtime started.
     factory, prime, pool = _priming_pool(slots=2, first_prime="python", adopts=True)
     factory.gate.set()
     first = await asyncio.wait_for(pool.take(), 1)
@@ -488,9 +498,16 @@ async def test_one_waiting_job_makes_one_build_plain_not_every_build_under_way()
     pool.give_back(first)
     pool.give_back(second)
     await _turns()
-    assert factory.primes[2:] == [None, prime]
+    assert factory.primes[2:] == [None, None]
     factory.gate.set()
     assert (await asyncio.wait_for(waiting, 1)).prime is None
+    await _turns(30)
+    assert factory.primes[2:] == [None, None]  # a job asked a moment ago: not yet
+    await asyncio.sleep(0.5)
+    assert factory.primes[2:] == [None, None, prime]
+    assert pool.ready == 1 and pool._ready[0].prime is prime
+    spare = factory.built[-2]
+    assert spare.destroyed and spare.prime is None
     await pool.close()
 
 

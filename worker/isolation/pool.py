@@ -7,9 +7,9 @@ and its slot builds the next one in the background.
 
 A slot's next sandbox is primed with the runtime of the language its last job used (if
 that language has a prestart shim; the worker's WORKER_PRESTART language before any
-job), so a run of jobs in one language finds its interpreter already started; while
-more jobs wait for a sandbox than are being built, it is built plain instead (see
-`_prime_now`). A job
+job), so a run of jobs in one language finds its interpreter already started; a
+saturated worker builds plain instead, and primes its plain spares again once idle (see
+`_prime_now` and `_reprime_one`). A job
 takes a sandbox whose runtime it can adopt, else a plain one; a primed sandbox it cannot
 use is rebuilt plain for it (a plain sandbox runs anything).
 """
@@ -30,6 +30,10 @@ __all__ = ["SandboxPool"]
 log = logging.getLogger(__name__)
 
 ARM_RETRY_S = 2.0
+# How long no job may have asked for a sandbox before plain spares are primed again.
+REPRIME_IDLE_S = 1.0
+# Started jobs that waited side by side for sandboxes this recently: the worker is saturated.
+SATURATED_FOR_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,11 @@ class SandboxPool:
         self._closed = False
         # Sandboxes being built right now (each will go to whoever waits first).
         self._building = 0
+        # loop.time() of the last take() or borrow(), and the pending re-priming check.
+        self._last_demand = 0.0
+        # loop.time() of the last take() that found no sandbox ready.
+        self._last_wait = float("-inf")
+        self._reprime_timer: asyncio.TimerHandle | None = None
         # Parked jobs waiting to borrow a spare sandbox, and the borrowers (oldest first) with
         # the callback that makes one give its sandbox up for a started job.
         self._borrow_waiters: collections.deque[_Borrower] = collections.deque()
@@ -126,20 +135,49 @@ class SandboxPool:
         self._spawn(arm(), f"arm-slot-{slot}")
 
     def _prime_now(self, slot: int) -> Prime | None:
-        """What `slot` builds now: its prime, unless more jobs wait for a sandbox than are
-        being built already (started jobs, and parked borrowers that may be lent one).
+        """What `slot` builds now: its prime, unless the worker is saturated: jobs wait for
+        a sandbox (started jobs, or parked borrowers that may be lent one), or started jobs
+        waited side by side within the last SATURATED_FOR_S.
 
         A waiting job gets whichever sandbox is ready first, and a plain one is ready
         sooner and costs less in all (nsjail alone; the job's own interpreter start-up is
         the same work the prestarted one would have done before it, plus the shim's). So
-        a saturated worker builds plain and spends its CPU on jobs; priming, which only
-        shortens start → first byte for a start that finds its sandbox already waiting,
-        resumes as soon as every waiting job has a build of its own.
+        a saturated worker builds plain and spends its CPU on jobs. The recent wait counts
+        as well as a present one: under a steady load jobs and builds come in waves, and a
+        build started between two waves is taken by the next one. Plain sandboxes left
+        ready afterwards are primed again once the worker is idle (`_reprime_one`).
         """
-        borrowers = sum(1 for b in self._borrow_waiters if not b.waiter.done()) if self._can_lend() else 0
-        if self.waiting + borrowers > self._building:
+        if self._jobs_wait() or asyncio.get_running_loop().time() - self._last_wait < SATURATED_FOR_S:
             return None
         return self._slot_prime.get(slot)
+
+    def _jobs_wait(self) -> bool:
+        return bool(self.waiting) or (self._can_lend() and any(not b.waiter.done() for b in self._borrow_waiters))
+
+    def _reprime_one(self) -> None:
+        """Idle (no job asked for a sandbox for REPRIME_IDLE_S, nobody waits, nothing
+        builds): rebuild one ready plain sandbox whose slot has a prime, primed. Each
+        rebuild that becomes ready calls this again, so the spares a burst left plain are
+        primed one at a time. A worker under load never gets here: its plain spares are
+        used as they are, never thrown away for primed ones."""
+        if self._reprime_timer is not None:
+            self._reprime_timer.cancel()
+            self._reprime_timer = None
+        if self._closed or self._building or self._jobs_wait():
+            return
+        stale = next((s for s in self._ready if s.prime is None and self._slot_prime.get(s.slot) is not None), None)
+        if stale is None:
+            return
+        loop = asyncio.get_running_loop()
+        # Past both: idle long enough, and no longer saturated (the rebuild must be primed).
+        wait_s = max(self._last_demand + REPRIME_IDLE_S, self._last_wait + SATURATED_FOR_S) - loop.time()
+        if wait_s > 0:
+            self._reprime_timer = loop.call_later(wait_s, self._reprime_one)
+            return
+        if self._prime_now(stale.slot) is None:
+            return
+        self._ready.remove(stale)
+        self._spawn(self._replace(stale), f"reprime-{stale.name}")
 
     def _offer(self, sandbox: Sandbox) -> None:
         while self._waiters:
@@ -160,6 +198,7 @@ class SandboxPool:
                 return
         self._ready.append(sandbox)
         self.changed.set()
+        self._reprime_one()
 
     # ------------------------------------------------------------------ lending
 
@@ -189,6 +228,7 @@ class SandboxPool:
     def lend_ready(self, recall: Callable[[], None], program: Program, language: str = "") -> Sandbox | None:
         """A sandbox ready now that a parked job may borrow for `program` (see `borrow`), or
         None: nothing is waited for and nothing is rebuilt for it."""
+        self._last_demand = asyncio.get_running_loop().time()
         self._replace_stale()
         sandbox = self._lendable(program)
         if sandbox is None:
@@ -212,6 +252,7 @@ class SandboxPool:
         sandbox ready, and the borrower must then give its sandbox up (destroy it; the slot
         rebuilds) and do its work after start instead.
         """
+        self._last_demand = asyncio.get_running_loop().time()
         self._replace_stale()
         sandbox = self._lendable(program)
         if sandbox is not None:
@@ -252,14 +293,22 @@ class SandboxPool:
         sandbox that sat idle too long, whose jail died, or whose prestarted runtime cannot
         run `program`, is replaced first (plain, for a runtime mismatch).
         """
+        self._last_demand = asyncio.get_running_loop().time()
         if language:
             # The slot that serves this job primes its next sandbox for this language (if
             # jobs like this one could adopt that runtime).
             prime = self._primes.get(language)
             demand = prime if prime is not None and program is not None and prime.adopts(program) else None
+        first_pass = True
         while True:
             sandbox = self._pick(program) if not self._waiters else None
             if sandbox is None:
+                if first_pass and self.waiting:
+                    # Nothing was ready for it and other started jobs wait too: the worker
+                    # is saturated. (One job at a time waiting for its slot's rebuild is a
+                    # single client going fast, and a wait after giving up a sandbox primed
+                    # for another language is a change of language; neither is load.)
+                    self._last_wait = asyncio.get_running_loop().time()
                 waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
                 self._recall_one()
@@ -275,6 +324,7 @@ class SandboxPool:
             if usable and _fresh(sandbox):
                 return sandbox
             plain = not usable
+            first_pass = False
             self._spawn(self._replace(sandbox, plain=plain), f"replace-{sandbox.name}")
 
     def _pick(self, program: Program | None) -> Sandbox | None:
@@ -306,6 +356,8 @@ class SandboxPool:
     async def close(self) -> None:
         """Stop building; destroy every ready sandbox."""
         self._closed = True
+        if self._reprime_timer is not None:
+            self._reprime_timer.cancel()
         for task in list(self._tasks):
             if task.get_name().startswith("arm-slot-"):
                 task.cancel()
