@@ -614,14 +614,23 @@ async def test_upkeep_stops_though_redis_swallowed_the_cancel() -> None:
     await _ends_when_cancelled(worker._upkeep(ctx))  # type: ignore[arg-type]
 
 
+def _run_on(loop_kind: str, main: Any) -> None:
+    """Run `main` on the stock asyncio loop or on uvloop (the worker's): their pipe
+    transports differ."""
+    import uvloop
+
+    if loop_kind == "uvloop":
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
 def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(loop_kind: str) -> None:
     # The pump's pause between small reads must hold the pipe's reading too: otherwise the
     # transport reads (and wakes the loop) for every line anyway, and the pause only
     # delays the event. 200 lines, one every 0.2 ms, are gathered into few reads.
     import threading
-
-    import uvloop
 
     lines, fed, chunks, took = 200, [], [], []
 
@@ -656,10 +665,7 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
             writer.join()
             transport.close()
 
-    if loop_kind == "uvloop":
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
+    _run_on(loop_kind, main())
     assert b"".join(chunks) == b"".join(b"%d\n" % n for n in range(lines))
     # At most one read per pause while the lines came, whatever pace a busy machine gave
     # them (about 0.25 ms apart on an idle one: some 30 reads, against 200 unheld).
@@ -673,8 +679,6 @@ def test_holding_a_pipe_leaves_the_stream_readers_own_pause_alone(loop_kind: str
     # its buffer passes twice its limit; the pump's own hold and release after a small read
     # must not resume that transport, or the buffer grows with all the program writes.
     import threading
-
-    import uvloop
 
     limit, total = 64 * 1024, 4 * 1024 * 1024
     seen: dict[str, int] = {}
@@ -711,10 +715,7 @@ def test_holding_a_pipe_leaves_the_stream_readers_own_pause_alone(loop_kind: str
             await loop.run_in_executor(None, writer.join, 5)
             os.close(write_fd)
 
-    if loop_kind == "uvloop":
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
+    _run_on(loop_kind, main())
     assert seen["buffered"] <= 4 * limit, seen
     assert not seen["all_written"], seen
 

@@ -3,8 +3,8 @@
 A worker killed with SIGKILL takes its jails' processes with it (enter.c), but leaves their
 cgroups and workspace mounts; a worker frozen past its lease leaves everything. Sandbox
 names start with the owning worker's id, so any worker on the host can find them: a
-sandbox whose owner no longer holds its liveness key is killed and removed. Live workers' sandboxes (this one's included) are never touched,
-so several workers can share a host.
+sandbox whose owner no longer holds its liveness key is killed and removed. Live workers'
+sandboxes (this one's included) are never touched, so several workers can share a host.
 """
 
 from __future__ import annotations

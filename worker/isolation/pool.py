@@ -174,8 +174,6 @@ class SandboxPool:
         if wait_s > 0:
             self._reprime_timer = loop.call_later(wait_s, self._reprime_one)
             return
-        if self._prime_now(stale.slot) is None:
-            return
         self._ready.remove(stale)
         self._spawn(self._replace(stale), f"reprime-{stale.name}")
 

@@ -547,4 +547,3 @@ class WorkerQueue:
                 log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
                 ended.append(result)
         return ended
-
