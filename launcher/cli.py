@@ -1,8 +1,8 @@
 """`coderunner up | api | worker`.
 
 `up` runs the whole stack on this machine: a private redis-server and soketi on free
-ports, the API, and one worker (`--workers N`: N of them); Ctrl-C or SIGTERM stops every
-child (whole process groups), so nothing is left behind. A worker that dies is restarted
+ports, the API, and one worker (`--workers N`: N of them); Ctrl-C, SIGTERM or a hangup
+(the terminal closing) stops every child (whole process groups), so nothing is left behind. A worker that dies is restarted
 with backoff and said so (launcher/supervisor.py); Redis, soketi or the API dying stops
 the stack. Its logs go to `.coderunner/logs/<UTC time>/` of this
 checkout (or `CODERUNNER_LOG_ROOT`), and outlive the stack: the last `KEEP_LOG_RUNS` runs
@@ -25,7 +25,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from shared.paths import REPO_ROOT
 
@@ -134,7 +134,7 @@ def _up(argv: list[str]) -> int:
     workers = 0 if args.no_worker else args.workers
 
     def on_event(message: str) -> None:
-        print(f"coderunner up: {message}", flush=True)
+        _say(f"coderunner up: {message}")
 
     stack = Stack(
         api_port=args.port,
@@ -151,46 +151,58 @@ def _up(argv: list[str]) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGHUP is the terminal closing: the children sit in sessions of their own, so only
+    # `up` hears it, and dying of it would leave the whole stack running.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     what = {0: "and the API", 1: "API and worker"}.get(workers, f"API and {workers} workers")
-    print(f"coderunner: starting redis-server, soketi, {what}...", flush=True)
+    _say(f"coderunner: starting redis-server, soketi, {what}...")
     try:
         stack.start()
     except StackError as exc:
-        print(f"coderunner up: {exc}", file=sys.stderr)
+        _say(f"coderunner up: {exc}", sys.stderr)
         for name in ("redis", "soketi", "api", *stack.worker_names()):
             tail = stack.log(name).strip().splitlines()[-15:]
             if tail:
-                print(f"--- {name} log ---\n" + "\n".join(tail), file=sys.stderr)
+                _say(f"--- {name} log ---\n" + "\n".join(tail), sys.stderr)
         stack.cleanup()
-        print(f"coderunner up: logs kept in {log_dir}", file=sys.stderr)
+        _say(f"coderunner up: logs kept in {log_dir}", sys.stderr)
         return 1
-    print(
-        f"\n  API         {stack.api_url}\n"
-        f"  Playground  {stack.api_url}/#token={stack.api_token}\n"
-        f"  API token   {stack.api_token}\n"
-        f"  Callbacks   signed with CALLBACK_SECRET={stack.callback_secret}\n"
-        f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
-        f"  Workers     {_workers_line(stack)}\n"
-        f"  Logs        {stack.log_dir}\n\n"
-        "  Ctrl-C stops everything.\n",
-        flush=True,
-    )
     status = 0
-    while not stopping:
-        dead = stack.dead_children()
-        if dead:
-            print(f"coderunner up: {', '.join(dead)} exited unexpectedly; stopping", file=sys.stderr)
-            for name in dead:
-                print(f"--- {name} log ---\n" + "\n".join(stack.log(name).splitlines()[-20:]), file=sys.stderr)
-            status = 1
-            break
-        time.sleep(0.2)
-    print("coderunner: stopping...", flush=True)
-    stack.cleanup()
-    print(f"coderunner: stopped; logs kept in {log_dir}", flush=True)
+    try:
+        _say(
+            f"\n  API         {stack.api_url}\n"
+            f"  Playground  {stack.api_url}/#token={stack.api_token}\n"
+            f"  API token   {stack.api_token}\n"
+            f"  Callbacks   signed with CALLBACK_SECRET={stack.callback_secret}\n"
+            f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
+            f"  Workers     {_workers_line(stack)}\n"
+            f"  Logs        {stack.log_dir}\n\n"
+            "  Ctrl-C stops everything.\n"
+        )
+        while not stopping:
+            dead = stack.dead_children()
+            if dead:
+                _say(f"coderunner up: {', '.join(dead)} exited unexpectedly; stopping", sys.stderr)
+                for name in dead:
+                    _say(f"--- {name} log ---\n" + "\n".join(stack.log(name).splitlines()[-20:]), sys.stderr)
+                status = 1
+                break
+            time.sleep(0.2)
+        _say("coderunner: stopping...")
+    finally:
+        stack.cleanup()
+    _say(f"coderunner: stopped; logs kept in {log_dir}")
     return status
+
+
+def _say(line: str, stream: TextIO | None = None) -> None:
+    """Print a line; once the terminal is gone (a hangup), the stack goes on (or stops)
+    silently rather than dying of a failed write with its children still running."""
+    try:
+        print(line, file=stream or sys.stdout, flush=True)
+    except OSError:
+        pass
 
 
 def _workers_line(stack: Stack) -> str:

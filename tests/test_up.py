@@ -200,3 +200,43 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     # Nothing else is listening on the API port either.
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+def test_up_stops_clean_when_its_terminal_goes_away(tmp_path: Path) -> None:
+    """Closing the terminal `make up` runs in sends SIGHUP, and writes to it fail from then on:
+    the stack still stops whole (its children are in sessions of their own, so the hangup
+    reaches only `up`)."""
+    port = free_port()
+    env, mark = _up_env(tmp_path)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), "--no-worker"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+    )
+    banner = ""
+    try:
+        deadline = time.monotonic() + 60
+        assert up.stdout is not None
+        while "Ctrl-C stops everything" not in banner:
+            line = up.stdout.readline()
+            assert line, f"coderunner up exited early:\n{banner}"
+            banner += line
+            assert time.monotonic() < deadline, banner
+        family = _descendants(up.pid)
+        assert len(family) >= 3, family  # redis-server, soketi, the API
+        up.stdout.close()  # the terminal is gone: whatever `up` prints now fails
+        up.send_signal(signal.SIGHUP)
+        up.wait(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    time.sleep(0.2)
+    survivors = [pid for pid in family if _alive(pid)]
+    assert survivors == [], f"left behind: {survivors}"
+    assert _marked(mark) == [], "left behind"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
