@@ -12,6 +12,10 @@ Redis, soketi or the API dying is for the caller to notice (`dead_children`). Te
 `kill_worker` to kill or stop one worker while the rest serve, and `restart` to take
 Redis, soketi or the API down and up again on the same port (with `redis_persistence`,
 Redis keeps its data across that in an append-only file, fsynced every second).
+
+Whatever ends the process that owns a stack, the stack does not outlive it: its first spawn
+also starts a lifeline watcher (launcher/lifeline.py) that stops every child if the owner
+goes away without stopping them itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from launcher.lifeline import MARK_ENV, start_time
 from launcher.node import NodeNotFound, find_node
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared.paths import REPO_ROOT
@@ -221,6 +226,9 @@ class Stack:
         self._awaiting_ready: dict[str, tuple[str, float]] = {}
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
+        # The lifeline watcher (launcher/lifeline.py) and the write end of its pipe.
+        self._lifeline: subprocess.Popen[bytes] | None = None
+        self._lifeline_fd = -1
 
     # -------------------------------------------------------------- addresses
 
@@ -261,18 +269,68 @@ class Stack:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
-        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env or self.env(),
-            cwd=REPO_ROOT,
-            start_new_session=True,  # its own process group: stopping kills the whole group
-        )
-        log_file.close()
-        return proc
+        with self._lock:
+            self._start_lifeline()
+            env = dict(env or self.env())
+            env[MARK_ENV] = self.deployment  # how the lifeline tells our processes from others
+            log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO_ROOT,
+                start_new_session=True,  # its own process group: stopping kills the whole group
+            )
+            log_file.close()
+            role = "worker" if name in self._worker_index else "service"
+            try:
+                # Not waited for yet, so the child is there to read, a zombie at worst.
+                started = start_time(proc.pid) or 0
+                os.write(self._lifeline_fd, f"+{proc.pid} {started} {role}\n".encode())
+            except OSError:
+                pass  # the watcher is gone (killed by hand): the stack runs on without one
+            return proc
+
+    def _start_lifeline(self) -> None:
+        """Start the watcher that stops this stack if its owner dies without doing so
+        (launcher/lifeline.py). Only this process holds the pipe's write end: it is not
+        inheritable, and every child is spawned with its other descriptors closed."""
+        if self._lifeline is not None:
+            return
+        read_fd, write_fd = os.pipe()
+        try:
+            self._lifeline = subprocess.Popen(
+                [sys.executable, "-m", "launcher.lifeline", self.deployment],
+                stdin=read_fd,
+                stdout=subprocess.DEVNULL,
+                cwd=REPO_ROOT,
+                start_new_session=True,  # not in the owner's group: a Ctrl-C there must not end it
+            )
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._lifeline_fd = write_fd
+
+    def _release_lifeline(self) -> None:
+        """The stack was stopped here: the watcher has nothing to do."""
+        if self._lifeline is None:
+            return
+        try:
+            os.write(self._lifeline_fd, b"stopped\n")
+        except OSError:
+            pass
+        os.close(self._lifeline_fd)
+        self._lifeline_fd = -1
+        try:
+            self._lifeline.wait(10)
+        except subprocess.TimeoutExpired:
+            self._lifeline.kill()
+            self._lifeline.wait()
+        self._lifeline = None
 
     def start(self, timeout_s: float = 30.0) -> None:
         try:
@@ -549,6 +607,7 @@ class Stack:
     def cleanup(self) -> None:
         self.stop()
         self._remove_deployment()
+        self._release_lifeline()
         self._tmp.cleanup()
         if self._uid_block_fd is not None:
             os.close(self._uid_block_fd)  # the block is free for another stack

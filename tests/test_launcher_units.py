@@ -1,18 +1,27 @@
 """The launcher's small parts: which node runs soketi and the clients, the persistent log
-folders of `coderunner up`, and the port check it makes before starting anything."""
+folders of `coderunner up`, the port check it makes before starting anything, and the
+lifeline that stops a stack whose owner died."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import signal
 import socket
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import launcher.node as node_mod
 from launcher.cli import new_log_dir, port_in_use
+from launcher.lifeline import MARK_ENV, SERVICE_GRACE_S, WORKER_GRACE_S, live_marked, start_time
 from launcher.node import NodeNotFound, find_node, node_major
+from shared.paths import REPO_ROOT
 
 
 def fake_node(folder: Path, version: str, real: str | None = None, marker: Path | None = None) -> Path:
@@ -148,3 +157,70 @@ def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, m
         pass
     assert stack.procs == {}  # redis, started first, was stopped
     assert not stack.data_dir.exists()
+
+
+def _sleeper(mark: str | None, ignore_term: bool = False) -> subprocess.Popen[bytes]:
+    """A process group of its own, carrying CODERUNNER_STACK=<mark> (or no mark)."""
+    env = {k: v for k, v in os.environ.items() if k != MARK_ENV}
+    if mark is not None:
+        env[MARK_ENV] = mark
+    script = ("trap '' TERM; " if ignore_term else "") + "sleep 60 & wait"
+    return subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
+
+
+def _lifeline(deployment: str, lines: list[str]) -> subprocess.Popen[bytes]:
+    """A watcher told `lines`; its pipe is closed at once, as when its owner dies."""
+    read_fd, write_fd = os.pipe()
+    watcher = subprocess.Popen([sys.executable, "-m", "launcher.lifeline", deployment], stdin=read_fd, cwd=REPO_ROOT)
+    os.close(read_fd)
+    os.write(write_fd, "".join(f"{line}\n" for line in lines).encode())
+    os.close(write_fd)
+    return watcher
+
+
+def test_the_lifeline_stops_its_stack_when_the_owner_is_gone() -> None:
+    """Its owner gone without a word, the watcher ends the groups it was told of: one that
+    ignores SIGTERM too (SIGKILL after its grace), and one whose leader's environment shows
+    no mark (Redis overwrites it with its process title) but whose start time is the one
+    given. A group whose id now belongs to a process with another start time and no mark
+    of this stack (the id reused) is left alone."""
+    deployment = f"coderunner-test-{secrets.token_hex(4)}"
+    ours, stubborn = _sleeper(deployment), _sleeper(deployment, ignore_term=True)
+    unmarked, stranger = _sleeper(None), _sleeper("another-stack")
+    procs = (ours, stubborn, unmarked, stranger)
+    try:
+        time.sleep(0.2)  # the traps are set
+        starts = {proc.pid: start_time(proc.pid) for proc in procs}
+        watcher = _lifeline(
+            deployment,
+            [
+                f"+{ours.pid} {starts[ours.pid]} worker",
+                f"+{unmarked.pid} {starts[unmarked.pid]} service",
+                f"+{stubborn.pid} {starts[stubborn.pid]} service",
+                f"+{stranger.pid} {starts[stranger.pid] + 1} service",  # type: ignore[operator]
+            ],
+        )
+        started = time.monotonic()
+        assert watcher.wait(WORKER_GRACE_S + 3 * SERVICE_GRACE_S) == 0
+        assert SERVICE_GRACE_S <= time.monotonic() - started < WORKER_GRACE_S  # only the stubborn one was waited for
+        assert ours.wait(1) == -signal.SIGTERM
+        assert unmarked.wait(1) == -signal.SIGTERM
+        assert stubborn.wait(1) == -signal.SIGKILL
+        assert stranger.poll() is None and live_marked(stranger.pid, "another-stack")
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_lifeline_does_nothing_once_the_stack_was_stopped() -> None:
+    deployment = f"coderunner-test-{secrets.token_hex(4)}"
+    ours = _sleeper(deployment)
+    try:
+        watcher = _lifeline(deployment, [f"+{ours.pid} {start_time(ours.pid)} service", "stopped"])
+        assert watcher.wait(5) == 0
+        assert ours.poll() is None
+    finally:
+        os.killpg(ours.pid, signal.SIGKILL)
+        ours.wait()

@@ -240,3 +240,48 @@ def test_up_stops_clean_when_its_terminal_goes_away(tmp_path: Path) -> None:
     assert _marked(mark) == [], "left behind"
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+def test_a_killed_up_leaves_nothing_running(tmp_path: Path) -> None:
+    """SIGKILL gives `up` no chance to stop its children; its lifeline does it instead:
+    workers first, then the services, and the deployment's mounts go too."""
+    mounts_before = _sandbox_mounts()
+    port = free_port()
+    env, mark = _up_env(tmp_path)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+    )
+    banner = ""
+    try:
+        deadline = time.monotonic() + 60
+        assert up.stdout is not None
+        while "Ctrl-C stops everything" not in banner:
+            line = up.stdout.readline()
+            assert line, f"coderunner up exited early:\n{banner}"
+            banner += line
+            assert time.monotonic() < deadline, banner
+        family = _descendants(up.pid)
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in family]
+        assert any(b"-m worker" in c for c in commands) and any(c.startswith(b"redis-server") for c in commands)
+        assert len(_sandbox_mounts() - mounts_before) > 0  # the worker's warm workspaces
+    finally:
+        up.kill()
+        up.wait()
+    deadline = time.monotonic() + 30
+    while (survivors := [pid for pid in family if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert survivors == [], f"left behind: {survivors}"
+    assert _marked(mark) == [], "left behind"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+    # The worker's warm workspaces went with it (other stacks of this session keep theirs).
+    deadline = time.monotonic() + 10
+    other_deployments = {Path(m).parent for m in mounts_before}
+    while (left := {m for m in _sandbox_mounts() if Path(m).parent not in other_deployments}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left
