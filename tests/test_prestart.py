@@ -216,6 +216,34 @@ def test_java_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert fast["cpuMs"] < slow["cpuMs"], (fast["cpuMs"], slow["cpuMs"])
 
 
+JAVA_SPIN = r"""
+import java.nio.file.*;
+public class Main {
+    public static void main(String[] args) throws Exception {
+        System.out.println("cmdline " + new String(Files.readAllBytes(Path.of("/proc/self/cmdline"))).replace('\0', ' '));
+        System.out.flush();
+        long x = 0;
+        while (true) { x++; }
+    }
+}
+"""
+
+
+def test_a_prestarted_vm_times_out_on_its_cpu_clock_not_its_startup(stacks: tuple[Api, Api]) -> None:
+    """The JVM spends over a second of CPU starting its shim, and RLIMIT_CPU counts a
+    process's CPU from its own start: set to the job's limit plus the usual second, it
+    would SIGKILL a busy job before its CPU clock fired ("completed" by SIGKILL, where a
+    fresh VM times out). The job's CPU limit is what ends it, warm or not."""
+    warm, plain = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_SPIN}],
+            "limits": {"cpuMs": 2000, "wallTimeMs": 20000}}  # fmt: skip
+    for api, want_prestarted in ((warm, True), (plain, False)):
+        out = until_prestarted(api, body, tries=8) if want_prestarted else run(api, body)
+        assert prestarted(out) == want_prestarted, out["stdout"]
+        assert (out["outcome"], out.get("killedBy"), out["signal"]) == ("timed_out", "cpu", "SIGKILL"), out
+        assert out["cpuMs"] >= 2000, out
+
+
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     probe = py_job("print(1)\nprint(open('/proc/self/cmdline', 'rb').read())\n")

@@ -49,6 +49,10 @@ GATE_SOURCE = Path(__file__).with_name("gate.c")
 ENTER_SOURCE = Path(__file__).with_name("enter.c")
 # A sandbox left idle this long is replaced before use (it also bounds nsjail's backstop).
 MAX_IDLE_S = 1200.0
+# CPU a prestarted runtime may spend starting, on top of the largest CPU limit: the JVM
+# compiling its shim takes over a second here, and more on a slow host.
+PRESTART_CPU_ROOM_MS = 10_000
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class GateBuildError(Exception):
@@ -205,7 +209,7 @@ class Sandbox:
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
             self.memory_base_bytes = self.cgroup.memory_current_bytes()
-            _set_rlimits(self.runtime_pid, program)
+            _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory + self.memory_base_bytes, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
@@ -264,21 +268,35 @@ def _runtime_pid(cgroup: JobCgroup) -> int:
     raise JailError("the prestarted runtime is gone")
 
 
-def _set_rlimits(pid: int, program: Program) -> None:
+def _cpu_used_s(pid: int) -> float:
+    """The CPU time a process has used (all its threads), in seconds."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _set_rlimits(pid: int, program: Program, cpu_used_s: float) -> None:
     """Give a waiting runtime the rlimits the gate would have given `program`.
 
-    The CPU rlimit is only a backstop a second past the job's CPU limit, which the worker
-    enforces on the cgroup counting from start; the runtime's start-up (a few tens of ms)
-    comes out of that second, and the program sees the same limits as a fresh one.
+    The CPU rlimit is a backstop a second past the job's CPU limit, which the worker
+    enforces on the cgroup counting from start. The rlimit counts the process's CPU from
+    its own start, warm-up included (`cpu_used_s`), so whole seconds of that are added back
+    until at least half of the second is left: a few tens of ms (Python, Node, Ruby) change
+    nothing, the JVM compiling its shim (over a second) gets its second back. Otherwise a
+    busy job would be SIGKILLed before its CPU clock fired, and end "completed" by a signal
+    where a fresh run times out.
     """
+    cpu_s = program.rlimit_cpu_s + max(0, math.ceil(cpu_used_s - 0.5)) if program.rlimit_cpu_s else 0
     for which, value in (
-        (resource.RLIMIT_CPU, program.rlimit_cpu_s),
+        (resource.RLIMIT_CPU, cpu_s),
         (resource.RLIMIT_FSIZE, program.rlimit_fsize_bytes),
         (resource.RLIMIT_NOFILE, program.rlimit_nofile),
     ):
         if value:
             # Only ever lowered (raising a hard limit needs CAP_SYS_RESOURCE, which a
-            # containerised worker may lack): the runtime was started with the maxima.
+            # containerised worker may lack): the runtime was started with the maxima, and
+            # its jail's CPU maximum has PRESTART_CPU_ROOM_MS more for its start-up.
             _soft, hard = resource.prlimit(pid, which)
             if hard != resource.RLIM_INFINITY:
                 value = min(value, hard)
@@ -407,7 +425,7 @@ class SandboxFactory:
             # environment, the JVM, gets only the language's, which is the job's).
             env={**env, "CODERUNNER_PRESTART_ENV": ",".join(env)} if env else {},
             # The most any job may get, plus room for start-up: lowered to the job's own at load.
-            **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + 10_000)),
+            **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + PRESTART_CPU_ROOM_MS)),
         )
         return Prime(language=language, shim=shim, prefix=tuple(argv[:-1]), program=program)
 
@@ -418,10 +436,12 @@ class SandboxFactory:
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
         mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime else []
+        # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room too.
+        limits = self.max_limits
+        if prime is not None:
+            limits = msgspec.structs.replace(limits, cpu_ms=limits.cpu_ms + PRESTART_CPU_ROOM_MS)
         try:
-            cgroup, jail = await self._launch(
-                name, uid, workspace, self.max_limits, merge_stderr=False, mounts=mounts, new_workspace=True
-            )
+            cgroup, jail = await self._launch(name, uid, workspace, limits, merge_stderr=False, mounts=mounts, new_workspace=True)
         except BaseException:
             await off_loop(workspace.destroy)
             raise
