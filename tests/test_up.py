@@ -86,6 +86,30 @@ def _up_env(tmp_path: Path) -> tuple[dict[str, str], str]:
     return env, mark
 
 
+def _up_process(port: int, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+    )
+
+
+def _banner(up: subprocess.Popen[str], timeout_s: float = 60) -> str:
+    """What `up` prints until its stack serves (the line saying how to stop it)."""
+    banner = ""
+    deadline = time.monotonic() + timeout_s
+    assert up.stdout is not None
+    while "Ctrl-C stops everything" not in banner:
+        line = up.stdout.readline()
+        assert line, f"coderunner up exited early:\n{banner}"
+        banner += line
+        assert time.monotonic() < deadline, banner
+    return banner
+
+
 def test_up_on_a_busy_port_says_so_before_anything_starts(tmp_path: Path) -> None:
     env, mark = _up_env(tmp_path)
     with socket.socket() as squatter:
@@ -118,23 +142,9 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     mounts_before = _sandbox_mounts()
     port = free_port()
     env, mark = _up_env(tmp_path)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=REPO_ROOT,
-        env=env,
-        text=True,
-    )
-    banner = ""
+    up = _up_process(port, env)
     try:
-        deadline = time.monotonic() + 60
-        assert up.stdout is not None
-        while "Ctrl-C stops everything" not in banner:
-            line = up.stdout.readline()
-            assert line, f"coderunner up exited early:\n{banner}"
-            banner += line
-            assert time.monotonic() < deadline, banner
+        banner = _banner(up)
         token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
         log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
         assert log_dir.parent == tmp_path / "logs" and log_dir.is_dir(), banner
@@ -208,25 +218,12 @@ def test_up_stops_clean_when_its_terminal_goes_away(tmp_path: Path) -> None:
     reaches only `up`)."""
     port = free_port()
     env, mark = _up_env(tmp_path)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), "--no-worker"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=REPO_ROOT,
-        env=env,
-        text=True,
-    )
-    banner = ""
+    up = _up_process(port, env, "--no-worker")
     try:
-        deadline = time.monotonic() + 60
-        assert up.stdout is not None
-        while "Ctrl-C stops everything" not in banner:
-            line = up.stdout.readline()
-            assert line, f"coderunner up exited early:\n{banner}"
-            banner += line
-            assert time.monotonic() < deadline, banner
+        _banner(up)
         family = _descendants(up.pid)
         assert len(family) >= 3, family  # redis-server, soketi, the API
+        assert up.stdout is not None
         up.stdout.close()  # the terminal is gone: whatever `up` prints now fails
         up.send_signal(signal.SIGHUP)
         up.wait(timeout=30)
@@ -248,23 +245,9 @@ def test_a_killed_up_leaves_nothing_running(tmp_path: Path) -> None:
     mounts_before = _sandbox_mounts()
     port = free_port()
     env, mark = _up_env(tmp_path)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "up", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=REPO_ROOT,
-        env=env,
-        text=True,
-    )
-    banner = ""
+    up = _up_process(port, env)
     try:
-        deadline = time.monotonic() + 60
-        assert up.stdout is not None
-        while "Ctrl-C stops everything" not in banner:
-            line = up.stdout.readline()
-            assert line, f"coderunner up exited early:\n{banner}"
-            banner += line
-            assert time.monotonic() < deadline, banner
+        _banner(up)
         family = _descendants(up.pid)
         commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in family]
         assert any(b"-m worker" in c for c in commands) and any(c.startswith(b"redis-server") for c in commands)
