@@ -799,3 +799,29 @@ async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_n
     log.feed_eof()
     ended = await asyncio.wait_for(jail.wait(), 2)
     assert (ended.exit_code, ended.signal) == (None, "SIGKILL")
+
+
+@pytest.mark.parametrize(("burn_s", "added_s"), [(0.0, 0), (0.9, 1)])
+def test_a_waiting_runtimes_cpu_rlimit_gives_back_its_start_up(burn_s: float, added_s: int) -> None:
+    """RLIMIT_CPU counts a process's CPU from its own start: a runtime that spent most of a
+    second starting gets that second added to the job's rlimit (else the kernel kills a
+    busy job before the worker's CPU clock fires); a quick start-up changes nothing."""
+    import resource
+    import subprocess
+
+    from worker.isolation.sandbox import _cpu_used_s, _set_rlimits
+
+    burner = subprocess.Popen(
+        [sys.executable, "-c", f"import time\nwhile time.process_time() < {burn_s}: pass\nprint(flush=True)\ntime.sleep(30)"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert burner.stdout is not None and burner.stdout.readline() == b"\n"  # done burning
+        used = _cpu_used_s(burner.pid)
+        assert burn_s - 0.05 <= used < burn_s + 0.5, used  # /proc counts whole ticks
+        _set_rlimits(burner.pid, Program(argv=["x"], env={}, rlimit_cpu_s=3, rlimit_nofile=64), used)
+        assert resource.prlimit(burner.pid, resource.RLIMIT_CPU) == (3 + added_s, 3 + added_s)
+        assert resource.prlimit(burner.pid, resource.RLIMIT_NOFILE) == (64, 64)
+    finally:
+        burner.kill()
+        burner.wait()
