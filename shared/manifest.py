@@ -99,18 +99,23 @@ def interpreter_prefix(argv: list[str], entry: str) -> list[str] | None:
         return None
 
 
-def prestart_argv_for(run: list[str], shim: str, memory_mb: int) -> list[str] | None:
+def prestart_argv_for(run: list[str], shim: str, memory_mb: int, compiled: bool = False) -> list[str] | None:
     """What a warm jail starts for a language with a prestart shim, or None if it cannot.
 
     It is `run` up to the entry file, expanded for `memory_mb`, plus the shim: the runtime
     is the very one (same binary, same options) the job's own command would start, and a
-    job adopts it only if its own expanded command starts with the same prefix.
+    job adopts it only if its own expanded command starts with the same prefix. The shim is
+    the file bound at PRESTART_DIR_IN_JAIL; for a compiled language it was compiled like a
+    job's entry file, and `run` names it as it names a compiled entry (Java: its class).
     """
     marker = "\x00entry"
     argv = expand_argv(run, entry=marker, sources=[], args=[], memory_mb=memory_mb)
     prefix = interpreter_prefix(argv, marker)
     if not prefix:
         return None
+    if compiled:
+        named = expand_argv(run, entry=shim, sources=[], args=[], memory_mb=memory_mb)
+        return [*prefix, named[len(prefix)]]
     return [*prefix, f"{PRESTART_DIR_IN_JAIL}/{shim}"]
 
 

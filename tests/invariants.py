@@ -222,7 +222,8 @@ class HostWatch:
             if not stat or int(stat[stat.rindex(")") + 2 :].split()[1]) not in gates:
                 continue
             argv = _read_vanishing(entry / "cmdline").split("\0")
-            if not any(arg.startswith("/.coderunner/prestart/") for arg in argv):
+            # A shim bound in the jail, or Java's compiled one (started by its class name).
+            if not any(arg.startswith("/.coderunner/prestart/") or arg == "CoderunnerPrestart" for arg in argv):
                 continue
             # Any of its threads (the JVM reads on a thread of its own, not the process's first).
             try:

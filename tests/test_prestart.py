@@ -28,6 +28,8 @@ from tests.helpers import Api, py_job
 pytestmark = pytest.mark.slow
 
 SHIM = "/.coderunner/prestart/"
+# Java's shim is compiled at start-up and started by its class name, from the workspace.
+JAVA_SHIM = "CoderunnerPrestart"
 
 PY_PROBE = r"""
 import os, sys, resource
@@ -84,7 +86,7 @@ def run(api: Api, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def prestarted(out: dict[str, Any]) -> bool:
-    return SHIM in out["stdout"]
+    return SHIM in out["stdout"] or f" {JAVA_SHIM}" in out["stdout"]
 
 
 def without_cmdline(out: dict[str, Any]) -> str:
@@ -230,10 +232,11 @@ public class Main {
 
 
 def test_a_prestarted_vm_times_out_on_its_cpu_clock_not_its_startup(stacks: tuple[Api, Api]) -> None:
-    """The JVM spends over a second of CPU starting its shim, and RLIMIT_CPU counts a
-    process's CPU from its own start: set to the job's limit plus the usual second, it
-    would SIGKILL a busy job before its CPU clock fired ("completed" by SIGKILL, where a
-    fresh VM times out). The job's CPU limit is what ends it, warm or not."""
+    """A busy Java job ends on its CPU clock, warm or not ("timed_out", not "completed" by
+    a SIGKILL). RLIMIT_CPU counts a process's CPU from its own start, and a warm VM once
+    spent over a second starting (its shim compiled in source-file mode): the rlimit then
+    fired first. test_worker_units covers the rlimit itself with a runtime that has spent
+    its second."""
     warm, plain = stacks
     body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_SPIN}],
             "limits": {"cpuMs": 2000, "wallTimeMs": 20000}}  # fmt: skip
@@ -242,6 +245,37 @@ def test_a_prestarted_vm_times_out_on_its_cpu_clock_not_its_startup(stacks: tupl
         assert prestarted(out) == want_prestarted, out["stdout"]
         assert (out["outcome"], out.get("killedBy"), out["signal"]) == ("timed_out", "cpu", "SIGKILL"), out
         assert out["cpuMs"] >= 2000, out
+
+
+JAVA_STARTUP = r"""
+import java.nio.file.*;
+public class Main {
+    public static void main(String[] args) throws Exception {
+        String stat = Files.readString(Path.of("/proc/self/stat"));
+        String[] f = stat.substring(stat.lastIndexOf(')') + 2).split(" ");
+        System.out.println("ticks " + (Long.parseLong(f[11]) + Long.parseLong(f[12])));
+        System.out.println("cmdline " + new String(Files.readAllBytes(Path.of("/proc/self/cmdline"))).replace('\0', ' '));
+    }
+}
+"""
+
+
+def test_a_warm_vm_started_on_a_compiled_shim(stacks: tuple[Api, Api]) -> None:
+    """The JVM's shim is compiled once at worker start-up: a warm VM's start-up costs about
+    what a plain VM's does (in the JDK's source-file mode it ran javac first, over a second
+    of CPU), and the workspace holds only the job's own files."""
+    warm, _ = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}
+    out = until_prestarted(warm, body, tries=8)
+    assert f"-cp . {JAVA_SHIM}" in out["stdout"], out["stdout"]
+    ticks = int(re.search(r"ticks (\d+)", out["stdout"]).group(1))  # type: ignore[union-attr]
+    assert ticks * 1000 // os.sysconf("SC_CLK_TCK") < 500, out["stdout"]
+    # The shim's class left the workspace before the job's files went in.
+    java_dir = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP.replace(
+        'System.out.println("ticks "', 'System.out.println("files " + java.util.Arrays.toString(new java.io.File(".").list()));\n        System.out.println("ticks "')}]}  # fmt: skip
+    seen = until_prestarted(warm, java_dir, tries=8)
+    files = re.search(r"files \[(.*)\]", seen["stdout"]).group(1)  # type: ignore[union-attr]
+    assert sorted(files.split(", ")) == ["Main.class", "Main.java"], seen["stdout"]
 
 
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:

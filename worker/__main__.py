@@ -20,12 +20,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.errors import ConfigError
+from shared.limits import COMPILE_DEFAULTS, with_overrides
 from shared.logs import configure_logging
 from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
-from worker.isolation.sandbox import GateBuildError, SandboxFactory, build_enter, build_gate, stage_prestart_shims
+from worker.isolation.sandbox import (
+    GateBuildError,
+    SandboxFactory,
+    build_compiled_shims,
+    build_enter,
+    build_gate,
+    stage_prestart_shims,
+)
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, expose_mounts
 from worker.isolation.uids import UidLease, UidsInUse, uids_held
@@ -104,6 +112,7 @@ async def _prepare(
             gate = await build_gate(work_root)
             enter = await build_enter(work_root)
             shims = stage_prestart_shims(pdir, work_root)
+            builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes))
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
         try:
@@ -121,6 +130,7 @@ async def _prepare(
         gate=gate,
         enter=enter,
         prestart_shims=shims,
+        prestart_builds=builds,
         cgroups=layout,
         uid_base=settings.sandbox_uid_base,
         uid_lease=uids,
@@ -141,6 +151,18 @@ async def _work_root_lock(work_root: Path) -> AsyncIterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _shim_compilers(runtimes: dict[str, Runtime]) -> dict[str, tuple[list[str], int, str]]:
+    """Shim -> compile argv template, memory and toolchain version, for compiled languages
+    that prestart."""
+    out: dict[str, tuple[list[str], int, str]] = {}
+    for runtime in runtimes.values():
+        m = runtime.manifest
+        if m.prestart is not None and m.compile is not None:
+            memory_mb = with_overrides(COMPILE_DEFAULTS, m.compile.limits).memory_mb
+            out[m.prestart] = (m.compile.argv, memory_mb, runtime.version)
+    return out
 
 
 def new_worker_id(settings: Settings) -> str:

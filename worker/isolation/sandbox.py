@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from shared.limits import Limits
-from shared.manifest import prestart_argv_for
+from shared.manifest import expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailError, JailSpec, Program
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
@@ -37,6 +38,7 @@ __all__ = [
     "Prime",
     "Sandbox",
     "SandboxFactory",
+    "build_compiled_shims",
     "build_enter",
     "build_gate",
     "owner_of",
@@ -49,8 +51,8 @@ GATE_SOURCE = Path(__file__).with_name("gate.c")
 ENTER_SOURCE = Path(__file__).with_name("enter.c")
 # A sandbox left idle this long is replaced before use (it also bounds nsjail's backstop).
 MAX_IDLE_S = 1200.0
-# CPU a prestarted runtime may spend starting, on top of the largest CPU limit: the JVM
-# compiling its shim takes over a second here, and more on a slow host.
+# CPU a prestarted runtime may spend starting, on top of the largest CPU limit (a JVM in
+# source-file mode, compiling its shim, took over a second here; more on a slow host).
 PRESTART_CPU_ROOM_MS = 10_000
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -121,6 +123,60 @@ def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]
     return staged
 
 
+async def build_compiled_shims(
+    profiles_dir: Path, work_root: Path, compilers: dict[str, tuple[list[str], int, str]], timeout_s: float = 120.0
+) -> dict[str, list[tuple[str, Path]]]:
+    """Compile the shims of compiled languages the way a job's entry file is compiled
+    (`compilers`: shim -> the language's compile argv template, memory and toolchain
+    version); shim -> the files the compile made, staged into the gate tmpfs. A warm jail
+    copies them into its workspace for the runtime's start-up and removes them before any
+    job's files go in. Like the gate, a build stays there for the workers that start after
+    (named by a digest of the shim, the command and the toolchain's version).
+
+    Java's source-file mode would do without this, but it compiles the shim with an
+    in-process javac at every warm-up: 1.2 s of CPU against 0.1 s for the VM itself. A shim
+    that does not compile is left out (its language is then prestarted from the source,
+    if its runtime can run one) and logged.
+    """
+    gate_dir = work_root / ".gate"
+    built: dict[str, list[tuple[str, Path]]] = {}
+    for shim, (argv_template, memory_mb, version) in sorted(compilers.items()):
+        source = profiles_dir / "prestart" / shim
+        if not source.is_file():
+            continue
+        argv = expand_argv(argv_template, entry=shim, sources=[shim], args=[], memory_mb=memory_mb)
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), version.encode()]))
+        prefix = f"prestart-build-{key.hexdigest()[:16]}-"
+        kept = sorted(p for p in gate_dir.glob(f"{prefix}*") if p.is_file())
+        if not kept:
+            kept = await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix)
+        if kept:
+            built[shim] = [(path.name.removeprefix(prefix), path) for path in kept]
+    return built
+
+
+async def _compile_shim(
+    source: Path, argv: list[str], work_root: Path, timeout_s: float, gate_dir: Path, prefix: str
+) -> list[Path]:
+    """Run `argv` over a copy of `source` in a folder of its own, and stage what it made
+    into `gate_dir` under `prefix`; [] if it failed."""
+    with tempfile.TemporaryDirectory(prefix=".prestart-build-", dir=work_root) as tmp:
+        shutil.copyfile(source, Path(tmp) / source.name)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, cwd=tmp, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        except (OSError, TimeoutError) as exc:
+            log.warning("prestart shim %s did not compile (%r); its language starts from the source", source.name, exc)
+            return []
+        made = sorted(p for p in Path(tmp).iterdir() if p.name != source.name and p.is_file())
+        if proc.returncode != 0 or not made:
+            log.warning("prestart shim %s did not compile: %s", source.name, out.decode(errors="replace")[-500:])
+            return []
+        return [_stage_file(path, gate_dir, prefix + path.name, 0o644) for path in made]
+
+
 async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
     """Compile one of the C helpers once per source version; returns the binary's path."""
     source = source_path.read_bytes()
@@ -157,6 +213,9 @@ class Prime:
     shim: str
     prefix: tuple[str, ...]
     program: Program
+    # A compiled shim's files (name in the workspace, staged copy): in the workspace for the
+    # runtime's start-up only. Without them the shim's source is bound in the jail instead.
+    workspace_files: tuple[tuple[str, Path], ...] = ()
 
     def adopts(self, program: Program) -> bool:
         return tuple(program.argv[: len(self.prefix)]) == self.prefix and len(program.argv) > len(self.prefix)
@@ -268,6 +327,17 @@ def _runtime_pid(cgroup: JobCgroup) -> int:
     raise JailError("the prestarted runtime is gone")
 
 
+def _put_shim_files(workspace: Workspace, files: tuple[tuple[str, Path], ...]) -> None:
+    workspace.stage([(name, path.read_bytes()) for name, path in files])
+
+
+def _after_warm_up(cgroup: JobCgroup, workspace: Workspace, shim_files: list[str]) -> int:
+    """The runtime is up: its shim's files leave the workspace (the job's go in alone);
+    returns the runtime's host pid."""
+    workspace.remove(shim_files)
+    return _runtime_pid(cgroup)
+
+
 def _cpu_used_s(pid: int) -> float:
     """The CPU time a process has used (all its threads), in seconds."""
     stat = Path(f"/proc/{pid}/stat").read_text()
@@ -282,10 +352,11 @@ def _set_rlimits(pid: int, program: Program, cpu_used_s: float) -> None:
     The CPU rlimit is a backstop a second past the job's CPU limit, which the worker
     enforces on the cgroup counting from start. The rlimit counts the process's CPU from
     its own start, warm-up included (`cpu_used_s`), so whole seconds of that are added back
-    until at least half of the second is left: a few tens of ms (Python, Node, Ruby) change
-    nothing, the JVM compiling its shim (over a second) gets its second back. Otherwise a
-    busy job would be SIGKILLed before its CPU clock fired, and end "completed" by a signal
-    where a fresh run times out.
+    until at least half of the second is left: a few tens of ms (Python, Node, Ruby, Java on
+    its compiled shim) change nothing; a start-up of over a second (the JVM compiling its
+    shim in source-file mode, a slow host) gets its seconds back. Otherwise a busy job would
+    be SIGKILLed before its CPU clock fired, and end "completed" by a signal where a fresh
+    run times out.
     """
     cpu_s = program.rlimit_cpu_s + max(0, math.ceil(cpu_used_s - 0.5)) if program.rlimit_cpu_s else 0
     for which, value in (
@@ -318,8 +389,10 @@ class SandboxFactory:
     # This worker's hold on its job uids (worker/isolation/uids.py), kept as long as the factory.
     uid_lease: UidLease | None = None
     extra_mounts: list[str] = field(default_factory=list)
-    # Staged prestart shims by file name (stage_prestart_shims).
+    # Staged prestart shims by file name (stage_prestart_shims), and what the compiled ones
+    # compiled to (build_compiled_shims).
     prestart_shims: dict[str, Path] = field(default_factory=dict)
+    prestart_builds: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)
     workspace_bytes: int = 64 * 1024 * 1024
     workspace_inodes: int = 4096
     rlimit_fsize_mb: int = 16
@@ -415,7 +488,8 @@ class SandboxFactory:
         """The Prime of a language whose manifest names a staged shim, for jobs with `limits`."""
         if shim not in self.prestart_shims:
             return None
-        argv = prestart_argv_for(manifest_run, shim, limits.memory_mb)
+        built = self.prestart_builds.get(shim, [])
+        argv = prestart_argv_for(manifest_run, shim, limits.memory_mb, compiled=bool(built))
         if argv is None:
             return None
         program = Program(
@@ -427,7 +501,7 @@ class SandboxFactory:
             # The most any job may get, plus room for start-up: lowered to the job's own at load.
             **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + PRESTART_CPU_ROOM_MS)),
         )
-        return Prime(language=language, shim=shim, prefix=tuple(argv[:-1]), program=program)
+        return Prime(language=language, shim=shim, prefix=tuple(argv[:-1]), program=program, workspace_files=tuple(built))
 
     async def prepare(self, owner: str, slot: int, prime: Prime | None = None) -> Sandbox:
         """Build a fresh sandbox for `slot` and wait until its jail sits at the gate; with a
@@ -435,7 +509,7 @@ class SandboxFactory:
         name = self._name(owner, slot)
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
-        mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime else []
+        mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime and not prime.workspace_files else []
         # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room too.
         limits = self.max_limits
         if prime is not None:
@@ -448,9 +522,12 @@ class SandboxFactory:
         sandbox = Sandbox(name=name, slot=slot, uid=uid, workspace=workspace, cgroup=cgroup, jail=jail, prime=prime)
         if prime is not None:
             try:
+                names = [name for name, _ in prime.workspace_files]
+                if names:
+                    await off_loop(_put_shim_files, workspace, prime.workspace_files)
                 jail.go(prime.program)
                 await self._await_runtime(jail)
-                sandbox.runtime_pid = await off_loop(_runtime_pid, cgroup)
+                sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
             except BaseException:
                 await asyncio.shield(sandbox.destroy())
                 raise

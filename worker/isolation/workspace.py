@@ -61,6 +61,20 @@ class Workspace:
         finally:
             os.close(root_fd)
 
+    def remove(self, names: list[str]) -> None:
+        """Remove top-level files (not folders) by name; a missing one is fine."""
+        if not names:
+            return
+        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=root_fd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(root_fd)
+
     def snapshot(self, max_bytes: int, max_files: int = 4096) -> tuple[list[tuple[str, bytes]], frozenset[str]]:
         """Every regular file in the workspace (relative path, bytes) and which are executable.
 
