@@ -45,6 +45,17 @@ _PLACEHOLDER = re.compile(r"\{[A-Za-z]+\}")
 NonEmptyArgv = Annotated[list[str], msgspec.Meta(min_length=1)]
 
 
+class CompilerArchive(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A file of the compiler's own start-up state (a JVM's class-data archive) that the
+    worker makes once at start-up, by compiling the language's prestart shim with `make`
+    added to the compile command ({archive}: where to write it), and binds read-only at
+    `path` in compile jails. The compile command names `path` itself; a compiler that finds
+    no usable file there must go on without it (the JVM does, silently)."""
+
+    path: Annotated[str, msgspec.Meta(pattern=r"^/\.coderunner/[A-Za-z0-9._-]{1,64}$")]
+    make: NonEmptyArgv
+
+
 class CompileStep(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     argv: NonEmptyArgv
     # Limits of the compile step (its own clocks and cgroup); unset fields take the
@@ -54,6 +65,7 @@ class CompileStep(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     output_kb: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     # Environment for the compiler only (on top of the manifest's `env`).
     env: dict[str, str] = {}
+    archive: CompilerArchive | None = None
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -29,6 +29,7 @@ from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.sandbox import (
     GateBuildError,
     SandboxFactory,
+    ShimCompiler,
     build_compiled_shims,
     build_enter,
     build_gate,
@@ -130,7 +131,8 @@ async def _prepare(
         gate=gate,
         enter=enter,
         prestart_shims=shims,
-        prestart_builds=builds,
+        prestart_builds=builds.files,
+        compile_mounts=builds.compile_mounts,
         cgroups=layout,
         uid_base=settings.sandbox_uid_base,
         uid_lease=uids,
@@ -153,15 +155,14 @@ async def _work_root_lock(work_root: Path) -> AsyncIterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _shim_compilers(runtimes: dict[str, Runtime]) -> dict[str, tuple[list[str], int, str]]:
-    """Shim -> compile argv template, memory and toolchain version, for compiled languages
-    that prestart."""
-    out: dict[str, tuple[list[str], int, str]] = {}
+def _shim_compilers(runtimes: dict[str, Runtime]) -> dict[str, ShimCompiler]:
+    """How each compiled language that prestarts compiles its shim."""
+    out: dict[str, ShimCompiler] = {}
     for runtime in runtimes.values():
         m = runtime.manifest
         if m.prestart is not None and m.compile is not None:
             memory_mb = with_overrides(COMPILE_DEFAULTS, m.compile.limits).memory_mb
-            out[m.prestart] = (m.compile.argv, memory_mb, runtime.version)
+            out[m.prestart] = ShimCompiler(m.compile.argv, memory_mb, runtime.version, m.compile.archive)
     return out
 
 

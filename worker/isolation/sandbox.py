@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from shared.limits import Limits
-from shared.manifest import expand_argv, prestart_argv_for
+from shared.manifest import CompilerArchive, expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailError, JailSpec, Program
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
@@ -38,6 +38,8 @@ __all__ = [
     "Prime",
     "Sandbox",
     "SandboxFactory",
+    "ShimBuilds",
+    "ShimCompiler",
     "build_compiled_shims",
     "build_enter",
     "build_gate",
@@ -123,36 +125,75 @@ def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]
     return staged
 
 
-async def build_compiled_shims(
-    profiles_dir: Path, work_root: Path, compilers: dict[str, tuple[list[str], int, str]], timeout_s: float = 120.0
-) -> dict[str, list[tuple[str, Path]]]:
-    """Compile the shims of compiled languages the way a job's entry file is compiled
-    (`compilers`: shim -> the language's compile argv template, memory and toolchain
-    version); shim -> the files the compile made, staged into the gate tmpfs. A warm jail
-    copies them into its workspace for the runtime's start-up and removes them before any
-    job's files go in. Like the gate, a build stays there for the workers that start after
-    (named by a digest of the shim, the command and the toolchain's version).
+@dataclass(frozen=True)
+class ShimCompiler:
+    """How a compiled language's shim is compiled: the compile argv template, its memory,
+    the toolchain's version, and the compiler archive the same compile also makes."""
 
-    Java's source-file mode would do without this, but it compiles the shim with an
-    in-process javac at every warm-up: 1.2 s of CPU against 0.1 s for the VM itself. A shim
-    that does not compile is left out (its language is then prestarted from the source,
-    if its runtime can run one) and logged.
+    argv: list[str]
+    memory_mb: int
+    version: str
+    archive: CompilerArchive | None = None
+
+
+@dataclass
+class ShimBuilds:
+    # Shim -> the files its compile made (name in the workspace, staged copy).
+    files: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)
+    # Binds (`host:jail`, read-only) of the compiler archives, for compile jails.
+    compile_mounts: list[str] = field(default_factory=list)
+
+
+async def build_compiled_shims(
+    profiles_dir: Path, work_root: Path, compilers: dict[str, ShimCompiler], timeout_s: float = 120.0
+) -> ShimBuilds:
+    """Compile the shims of compiled languages the way a job's entry file is compiled,
+    staged into the gate tmpfs. A warm jail copies a shim's files into its workspace for the
+    runtime's start-up and removes them before any job's files go in. The same compile
+    makes the language's compiler archive, if its manifest names one. Like the gate, a build
+    stays in the work root for the workers that start after (named by a digest of the shim,
+    the command and the toolchain's version).
+
+    Java's source-file mode would do without the shim's compile, but it runs javac inside
+    the VM at every warm-up: 1.2 s of CPU against 0.1 s for the VM itself. A shim that does
+    not compile is left out (its language is then prestarted from the source, if its
+    runtime can run one) and logged.
     """
     gate_dir = work_root / ".gate"
-    built: dict[str, list[tuple[str, Path]]] = {}
-    for shim, (argv_template, memory_mb, version) in sorted(compilers.items()):
+    builds = ShimBuilds()
+    for shim, how in sorted(compilers.items()):
         source = profiles_dir / "prestart" / shim
         if not source.is_file():
             continue
-        argv = expand_argv(argv_template, entry=shim, sources=[shim], args=[], memory_mb=memory_mb)
-        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), version.encode()]))
+        argv = expand_argv(how.argv, entry=shim, sources=[shim], args=[], memory_mb=how.memory_mb)
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), how.version.encode()]))
         prefix = f"prestart-build-{key.hexdigest()[:16]}-"
+        archive = work_root / f".compiler-archive-{key.hexdigest()[:16]}" if how.archive else None
         kept = sorted(p for p in gate_dir.glob(f"{prefix}*") if p.is_file())
-        if not kept:
-            kept = await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix)
+        if not kept or (archive is not None and not archive.is_file()):
+            # Written under another name first: a half-written archive must never be used.
+            fresh = archive.with_name(f"{archive.name}.tmp{os.getpid()}") if archive else None
+            making = _archive_making(argv, how.archive, fresh) if how.archive and fresh else argv
+            kept = await _compile_shim(source, making, work_root, timeout_s, gate_dir, prefix)
+            if fresh is not None and archive is not None and fresh.is_file():
+                if kept:
+                    os.replace(fresh, archive)
+                else:
+                    fresh.unlink()
         if kept:
-            built[shim] = [(path.name.removeprefix(prefix), path) for path in kept]
-    return built
+            builds.files[shim] = [(path.name.removeprefix(prefix), path) for path in kept]
+        if how.archive is not None and archive is not None and archive.is_file():
+            builds.compile_mounts.append(f"{archive}:{how.archive.path}")
+    return builds
+
+
+def _archive_making(argv: list[str], archive: CompilerArchive, dest: Path) -> list[str]:
+    """`argv` making the archive at `dest`: `make` stands where the command names the
+    archive's path (the compiler cannot use an archive it is making), else after argv[0]."""
+    make = [item.replace("{archive}", str(dest)) for item in archive.make]
+    out = [item for item in argv if archive.path not in item]
+    at = next((i for i, item in enumerate(argv) if archive.path in item), 1)
+    return [*out[:at], *make, *out[at:]]
 
 
 async def _compile_shim(
@@ -393,6 +434,8 @@ class SandboxFactory:
     # compiled to (build_compiled_shims).
     prestart_shims: dict[str, Path] = field(default_factory=dict)
     prestart_builds: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)
+    # Binds every compile jail gets (compiler archives, see build_compiled_shims).
+    compile_mounts: list[str] = field(default_factory=list)
     workspace_bytes: int = 64 * 1024 * 1024
     workspace_inodes: int = 4096
     rlimit_fsize_mb: int = 16
@@ -547,5 +590,7 @@ class SandboxFactory:
     async def add_compile_jail(self, sandbox: Sandbox, owner: str, limits: Limits) -> None:
         """Give `sandbox` a compile jail (its own cgroup and limits)."""
         name = self._name(owner, sandbox.slot)
-        cgroup, jail = await self._launch(name, sandbox.uid, sandbox.workspace, limits, merge_stderr=False)
+        cgroup, jail = await self._launch(
+            name, sandbox.uid, sandbox.workspace, limits, merge_stderr=False, mounts=self.compile_mounts
+        )
         sandbox.compile_cgroup, sandbox.compile_jail = cgroup, jail
