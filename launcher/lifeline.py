@@ -41,16 +41,23 @@ WORKER_GRACE_S = 15.0
 SERVICE_GRACE_S = 5.0
 
 
-def start_time(pid: int) -> int | None:
-    """A process's start time (clock ticks after boot), which a reused pid does not share;
-    None when it is gone or a zombie."""
+def _live_stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state first), or None when the
+    process is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] == "Z" else int(fields[19])
+    return None if fields[0] == "Z" else fields
+
+
+def start_time(pid: int) -> int | None:
+    """A live process's start time (clock ticks after boot), which a reused pid does not
+    share; None when it is gone or a zombie."""
+    fields = _live_stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def live_marked(pgid: int, deployment: str) -> bool:
@@ -59,14 +66,13 @@ def live_marked(pgid: int, deployment: str) -> bool:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        fields = _live_stat(entry.name)
+        if fields is None or int(fields[2]) != pgid:
+            continue
         try:
-            stat = (entry / "stat").read_text()
-            state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
-            if int(group) != pgid or state == "Z":
-                continue
             if mark in (entry / "environ").read_bytes().split(b"\0"):
                 return True
-        except (OSError, ValueError):
+        except OSError:
             continue
     return False
 
