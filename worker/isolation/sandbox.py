@@ -168,21 +168,21 @@ async def build_compiled_shims(
         argv = expand_argv(how.argv, entry=shim, sources=[shim], args=[], memory_mb=how.memory_mb)
         key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), how.version.encode()]))
         prefix = f"prestart-build-{key.hexdigest()[:16]}-"
-        archive = work_root / f".compiler-archive-{key.hexdigest()[:16]}" if how.archive else None
+        archive = work_root / f".compiler-archive-{key.hexdigest()[:16]}"
+        # Written under another name first: a half-written archive must never be used.
+        fresh = archive.with_name(f"{archive.name}.tmp{os.getpid()}")
         kept = sorted(p for p in gate_dir.glob(f"{prefix}*") if p.is_file())
-        if not kept or (archive is not None and not archive.is_file()):
-            # Written under another name first: a half-written archive must never be used.
-            fresh = archive.with_name(f"{archive.name}.tmp{os.getpid()}") if archive else None
-            making = _archive_making(argv, how.archive, fresh) if how.archive and fresh else argv
+        if not kept or (how.archive is not None and not archive.is_file()):
+            making = argv if how.archive is None else _archive_making(argv, how.archive, fresh)
             kept = await _compile_shim(source, making, work_root, timeout_s, gate_dir, prefix)
-            if fresh is not None and archive is not None and fresh.is_file():
+            if fresh.is_file():
                 if kept:
                     os.replace(fresh, archive)
                 else:
                     fresh.unlink()
         if kept:
             builds.files[shim] = [(path.name.removeprefix(prefix), path) for path in kept]
-        if how.archive is not None and archive is not None and archive.is_file():
+        if how.archive is not None and archive.is_file():
             builds.compile_mounts.append(f"{archive}:{how.archive.path}")
     return builds
 
