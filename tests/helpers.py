@@ -14,8 +14,10 @@ import pysher
 from pysher.channel import Channel
 
 from launcher.stack import Stack
+from shared.paths import REPO_ROOT
+from worker.runtimes import load_manifests
 
-__all__ = ["Api", "Followed", "Realtime", "host_processes", "pids_with_cmdline", "py_job", "run_job"]
+__all__ = ["Api", "Followed", "Realtime", "compiled_shims", "host_processes", "pids_with_cmdline", "py_job", "run_job"]
 
 
 def host_processes() -> Iterator[tuple[int, bytes, dict[str, str]]]:
@@ -34,6 +36,16 @@ def host_processes() -> Iterator[tuple[int, bytes, dict[str, str]]]:
 def pids_with_cmdline(*fragments: bytes) -> list[int]:
     """Host processes whose command line contains every one of `fragments`."""
     return [pid for pid, cmdline, _ in host_processes() if all(f in cmdline for f in fragments)]
+
+
+def compiled_shims() -> dict[str, str]:
+    """Language -> the name a compiled prestart shim is started by (Java: its class), from
+    the manifests: the worker compiles such a shim and names it as `run` names a class."""
+    return {
+        m.language: Path(m.prestart).stem
+        for m in load_manifests(REPO_ROOT / "sandbox-profiles")
+        if m.prestart is not None and m.compile is not None
+    }
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

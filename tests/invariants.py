@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.stack import Stack
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, compiled_shims, py_job
 
 __all__ = ["Baseline", "HostWatch", "cgroup_mounts", "check_result_shape", "check_trivial_job"]
 
@@ -33,6 +33,7 @@ RESULT_FIELDS = {
 #     batches (when their transports are collected), so the count drifts up and drops.
 #   Worker RSS: -4.1 .. +3.9 MiB.
 SHMEM_SLACK_KB = 12 * 1024
+_COMPILED_SHIMS = set(compiled_shims().values())
 WORKER_FD_SLACK = 8
 WORKER_RSS_SLACK_KB = 16 * 1024
 
@@ -222,8 +223,8 @@ class HostWatch:
             if not stat or int(stat[stat.rindex(")") + 2 :].split()[1]) not in gates:
                 continue
             argv = _read_vanishing(entry / "cmdline").split("\0")
-            # A shim bound in the jail, or Java's compiled one (started by its class name).
-            if not any(arg.startswith("/.coderunner/prestart/") or arg == "CoderunnerPrestart" for arg in argv):
+            # A shim bound in the jail, or a compiled one (Java's, started by its class name).
+            if not any(arg.startswith("/.coderunner/prestart/") or arg in _COMPILED_SHIMS for arg in argv):
                 continue
             # Any of its threads (the JVM reads on a thread of its own, not the process's first).
             try:

@@ -14,7 +14,7 @@ import pytest
 from launcher.stack import Stack
 from shared.manifest import expand_argv
 from shared.paths import REPO_ROOT
-from tests.helpers import Api, Realtime
+from tests.helpers import Api, Realtime, pids_with_cmdline
 from worker.runtimes import load_manifests
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
@@ -196,7 +196,7 @@ def test_compile_error(api: Api, realtime: Realtime, language: str) -> None:
     assert published["output"] == compile_block["output"]
 
 
-def test_javac_starts_from_the_archive_the_worker_made(stack: Stack, api: Api, tmp_path: Path) -> None:
+def test_javac_starts_from_the_archive_the_worker_made(stack: Stack, api: Api, realtime: Realtime, tmp_path: Path) -> None:
     """The worker archives javac's classes at start-up (while it compiles Java's prestart
     shim) and binds the archive into compile jails; javac run with the manifest's own
     options maps it, which takes a compile from about 1.0 s of CPU to 0.7 s. The VM says
@@ -220,28 +220,15 @@ def test_javac_starts_from_the_archive_the_worker_made(stack: Stack, api: Api, t
 
     def watch() -> None:
         while not done.is_set():
-            for entry in Path("/proc").iterdir():
-                try:
-                    if entry.name.isdigit() and bind in (entry / "cmdline").read_bytes():
-                        seen.add(int(entry.name))
-                except OSError:
-                    continue
+            seen.update(pids_with_cmdline(b"nsjail", bind))
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        body = {"language": "java", "files": [{"name": "Main.java", "content": LANGUAGES["java"]["hello"]}]}
-        out = _collect(api, body)
+        out, followed = run(api, realtime, "java", LANGUAGES["java"]["hello"])
     finally:
         done.set()
         watcher.join()
-    assert out["stdout"] == "Hello, world!\n" and out["compile"]["output"] == "", out
+    assert followed.text("stdout") == "Hello, world!\n" and out["compile"]["output"] == "", out
     assert seen, "no compile jail had the archive bound"
-
-
-def _collect(api: Api, body: dict[str, Any]) -> dict[str, Any]:
-    job = api.execute({**body, "collectOutput": True})
-    api.start(job)
-    out: dict[str, Any] = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "30000"}).json()
-    return out

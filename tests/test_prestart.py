@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 
 from launcher.stack import Stack
-from tests.helpers import Api, py_job
+from tests.helpers import Api, compiled_shims, py_job
 
 pytestmark = pytest.mark.slow
 
 SHIM = "/.coderunner/prestart/"
 # Java's shim is compiled at start-up and started by its class name, from the workspace.
-JAVA_SHIM = "CoderunnerPrestart"
+JAVA_SHIM = compiled_shims()["java"]
 
 PY_PROBE = r"""
 import os, sys, resource
