@@ -6,9 +6,11 @@ own, so these tests see exactly what a worker does; they need root, cgroups and 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -19,8 +21,9 @@ from shared.settings import load_settings
 from tests.helpers import pids_with_cmdline
 from worker.__main__ import preflight
 from worker.isolation.cgroups import JobCgroup
-from worker.isolation.jail import JailError
+from worker.isolation.jail import JailError, Program
 from worker.isolation.sandbox import SandboxFactory
+from worker.job.supervise import Clocks, supervise
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -75,3 +78,64 @@ async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothin
     sandbox = await factory.prepare("teardown", 0)  # and the next one builds as usual
     await sandbox.destroy()
     assert _open_fds() == before
+
+
+# Writes more than a pipe holds, leaves a child that would print later (its command line
+# alone names it "left-behind"), and exits 3.
+_LEAVES_A_CHILD = """
+import subprocess, sys, time
+sys.stdout.write("x" * 300000 + "\\n")
+subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(30); print('late')", "left-" + "behind"])
+print("end", flush=True)
+time.sleep(0.5)
+sys.exit(3)
+"""
+
+
+async def test_a_step_ends_at_the_gates_report_without_waiting_for_nsjail(factory: SandboxFactory) -> None:
+    # The gate reports once the program and all it left behind are dead; the step must end
+    # there, with every byte of output, while nsjail has yet to take the jail apart (a few
+    # ms of a job's latency). Here nsjail is stopped, so it cannot exit at all until the
+    # test lets it go on: a step that waited for it would run into the wall clock.
+    sandbox = await factory.prepare("teardown", 0)
+    jail = sandbox.jail
+    out: list[bytes] = []
+    left: list[int] = []
+    alive_at_report: list[bool] = []
+
+    async def collect(data: bytes) -> None:
+        out.append(data)
+
+    reported = jail._on_status
+
+    def on_status() -> None:
+        if left:
+            alive_at_report.append(os.path.exists(f"/proc/{left[0]}"))
+        reported()
+
+    jail._on_status = on_status  # type: ignore[method-assign]
+    os.kill(jail.proc.pid, signal.SIGSTOP)
+    try:
+        step = asyncio.create_task(
+            supervise(
+                jail,
+                sandbox.cgroup,
+                Program(argv=["/usr/bin/python3", "-c", _LEAVES_A_CHILD], env={}),
+                Clocks(wall_ms=30000, cpu_ms=30000, idle_ms=None),
+                [(jail.stdout, collect), (jail.stderr, collect)],
+                asyncio.Queue(),
+            )
+        )
+        while not left and not step.done():
+            await asyncio.sleep(0.02)
+            left += pids_with_cmdline(b"left-behind")
+        facts = await asyncio.wait_for(step, 15)
+        assert not jail.exited  # the step did not wait for nsjail
+    finally:
+        os.kill(jail.proc.pid, signal.SIGCONT)
+        await sandbox.destroy()
+    assert (facts.exit.exit_code, facts.exit.signal, facts.fired) == (3, None, None)
+    assert b"".join(out) == b"x" * 300000 + b"\nend\n"
+    assert facts.duration_ms < 10000
+    # The child it left was dead when the gate reported (the gate kills and reaps first).
+    assert len(left) == 1 and alive_at_report == [False]

@@ -236,15 +236,21 @@ async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(sto
 class _ExitsLate:
     """A jail whose pipes reach EOF well before nsjail is reaped (its teardown follows)."""
 
+    reported = False
+
     def __init__(self, reap_after_s: float) -> None:
         self.reap_after_s = reap_after_s
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def go(self, program: Program) -> None:
-        pass
+        asyncio.get_running_loop().call_later(self.reap_after_s, self.ended.set_result, None)
 
-    async def wait(self) -> JailExit:
-        await asyncio.sleep(self.reap_after_s)
+    async def wait_program(self) -> JailExit:
+        await self.ended
         return JailExit(exit_code=0, signal=None, backstop_fired=False)
+
+    def end_output(self) -> None:
+        pass
 
 
 class _CountingCgroup:
@@ -720,6 +726,37 @@ def test_holding_a_pipe_leaves_the_stream_readers_own_pause_alone(loop_kind: str
     assert not seen["all_written"], seen
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_pipe_held_open_by_someone_else_ends_with_what_it_holds(loop_kind: str) -> None:
+    # After the gate's report nsjail still holds the program's pipes open, so their EOF
+    # comes only with nsjail's exit: take_rest() must end the stream at once with all the
+    # pipe holds (read before, and still in it), and end a pump's pause there too.
+    got: dict[str, Any] = {}
+
+    async def main() -> None:
+        read_fd, write_fd = os.pipe()
+        reader, transport = await read_pipe(read_fd)
+        assert isinstance(reader, PipeReader)
+        try:
+            os.write(write_fd, b"a" * 1000)
+            await asyncio.sleep(0.02)  # the transport reads this part
+            pause = asyncio.create_task(reader.pause(30))
+            await asyncio.sleep(0)
+            os.write(write_fd, b"b" * 60000)  # held: this part stays in the pipe
+            started = time.monotonic()
+            reader.take_rest()
+            got["data"] = await asyncio.wait_for(reader.read(), 1)
+            await asyncio.wait_for(pause, 1)
+            got["took"] = time.monotonic() - started
+        finally:
+            transport.close()
+            os.close(write_fd)
+
+    _run_on(loop_kind, main())
+    assert got["data"] == b"a" * 1000 + b"b" * 60000
+    assert got["took"] < 0.5, got["took"]
+
+
 def _exhaust_seccomp_budget() -> None:
     """In a child before exec: stack allow-all filters until not even a one-instruction
     filter fits the kernel's instruction budget per call path, so the gate's is refused."""
@@ -772,7 +809,7 @@ async def test_a_gate_whose_filter_the_kernel_refuses_runs_nothing_and_says_so(t
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     os.write(write_end, report)
     os.close(write_end)
-    proc_stub = SimpleNamespace(wait=exited, stdout=None, stderr=None, pid=0, returncode=126)
+    proc_stub = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=0, returncode=126)
     jail = Jail(proc_stub, log, SimpleNamespace(close=lambda: None), read_end, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
     ended = await asyncio.wait_for(jail.wait(), 2)
     assert (ended.exit_code, ended.signal) == (None, None)
@@ -790,7 +827,7 @@ async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_n
         return 0
 
     log = asyncio.StreamReader()
-    proc = SimpleNamespace(wait=exited, stdout=None, stderr=None, pid=0, returncode=0)
+    proc = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=0, returncode=0)
     jail = Jail(proc, log, SimpleNamespace(close=lambda: None), status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
     first = asyncio.create_task(jail.wait())
     await asyncio.sleep(0.01)  # nsjail has exited; its log is still being read

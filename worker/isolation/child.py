@@ -74,6 +74,8 @@ class PipeReader(asyncio.StreamReader):
 
     _pipe: asyncio.ReadTransport | None = None
     _held = False
+    _fd = -1
+    _pause_end: asyncio.Future[None] | None = None
 
     def set_transport(self, transport: asyncio.BaseTransport) -> None:
         super().set_transport(transport)
@@ -95,6 +97,40 @@ class PipeReader(asyncio.StreamReader):
         if self._pipe is not None and not self._pipe.is_closing():
             self._pipe.resume_reading()
 
+    async def pause(self, seconds: float) -> None:
+        """Hold the pipe for `seconds`, or until `take_rest()` ends it, whichever is first."""
+        self.hold()
+        loop = asyncio.get_running_loop()
+        self._pause_end = waiter = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._pause_end = None
+            self.release()
+
+    def take_rest(self) -> None:
+        """End the stream with what the pipe holds now, though its write end stays open.
+
+        For a pipe whose every writer that matters is known to be gone while some other
+        holder keeps it open (nsjail, for a jail whose gate has reported): nothing more can
+        come, so no EOF need be waited for.
+        """
+        if self._pipe is None or self._pipe.is_closing() or self._eof or self._fd < 0:
+            return  # (a closed transport's descriptor may be another file's by now)
+        self._held = False
+        os.set_blocking(self._fd, False)
+        try:
+            while data := os.read(self._fd, 65536):
+                self.feed_data(data)
+        except BlockingIOError:
+            pass
+        self.feed_eof()
+        self._pipe.close()
+        if self._pause_end is not None:
+            _resolve(self._pause_end)
+
 
 async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     """A StreamReader over `fd`, and its transport (which owns `fd`).
@@ -104,6 +140,7 @@ async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTranspor
     """
     loop = asyncio.get_running_loop()
     reader = PipeReader(limit=PIPE_LIMIT)
+    reader._fd = fd
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_object(fd, "rb"))
     return reader, transport
 
@@ -205,6 +242,10 @@ class Child:
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
 
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the loop) once the child has exited and been reaped."""
+        self._exited.add_done_callback(lambda _: callback())
+
     def close(self) -> None:
         """Close the pipes (after their readers are done with them)."""
         if self.stdin is not None:
@@ -229,6 +270,11 @@ def _spawn(
     return subprocess.Popen(
         argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds, env={}, start_new_session=True
     )
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _close_quietly(fd: int) -> None:

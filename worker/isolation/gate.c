@@ -17,11 +17,12 @@
  * The gate stays pid 1 of the jail's pid namespace, so the program is an ordinary
  * process: the kernel drops signals a namespace's init sends itself, which would turn
  * abort() into SIGSEGV and make kill(getpid(), SIGTERM) a no-op. As init, the gate reaps
- * orphans, and when the program ends it exits at once, which ends every process left in
- * the namespace. The program's wait status goes to the worker over the status pipe whose
- * descriptor number is argv[1]: "exit N" or "signal N". The program never holds that
- * descriptor (close-on-exec) and cannot reach it through /proc/1/fd (the gate is not
- * dumpable), so what the worker reads there is the truth about how the program ended.
+ * orphans, and when the program ends it kills and reaps every process left in the
+ * namespace, then reports and exits. The program's wait status goes to the worker over the
+ * status pipe whose descriptor number is argv[1]: "exit N" or "signal N". The program
+ * never holds that descriptor (close-on-exec) and cannot reach it through /proc/1/fd (the
+ * gate is not dumpable), so what the worker reads there is the truth about how the program
+ * ended, and when it reads it, no process of the job is left.
  *
  * Before anything else the gate adds a second seccomp filter of its own, which the program
  * inherits (see seal_syscalls): nsjail's kafel policy is a deny-list keyed on x86-64 call
@@ -141,6 +142,21 @@ static int seal_syscalls(void) {
     return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0);
 }
 
+/* The program has ended: so does everything it left running, before the report. As the
+ * namespace's init the gate can signal every other process in it, and every one of them
+ * is its descendant, so once it has no child left (orphans come to it), nothing of the job
+ * runs. Without this the kernel would do the same when the gate exits, but only later, in
+ * the gate's own exit, after it has torn down the jail's mount namespace: the report then
+ * tells the worker that the output is complete and the figures final, and it need not wait
+ * for nsjail to tear the jail down. A child forked while the signal went out is caught by
+ * the next round. */
+static void end_the_rest(void) {
+    for (;;) {
+        kill(-1, SIGKILL);
+        if (waitpid(-1, NULL, 0) < 0 && errno == ECHILD) return;
+    }
+}
+
 static void report(int status_fd, int status) {
     char line[32];
     int n = WIFSIGNALED(status) ? snprintf(line, sizeof line, "signal %d\n", WTERMSIG(status))
@@ -200,6 +216,7 @@ int main(int gate_argc, char **gate_argv) {
             _exit(125);
         }
         if (pid == child) {
+            end_the_rest();
             report(status_fd, status);
             _exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
         }

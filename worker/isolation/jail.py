@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.isolation.cgroups import JobCgroup
-from worker.isolation.child import Child, read_pipe
+from worker.isolation.child import Child, PipeReader, read_pipe
 from worker.isolation.offload import off_loop
 
 __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
@@ -152,6 +152,11 @@ class Jail:
         self._release_error: OSError | None = None
         self._status = b""  # the gate's report, once read
         self._pids_at_release: list[int] = []
+        # Set once the program's end is known: the gate's report came, or nsjail exited.
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reported: JailExit | None = None
+        self._watching_status = False
+        proc.on_exit(self._mark_ended)
 
     @classmethod
     async def launch(
@@ -243,6 +248,53 @@ class Jail:
         """Release the gate: the program starts now."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(program.frame())
+        if self._status_fd >= 0 and not self._watching_status:
+            # (A prestarted runtime was let go once already; its job's frame comes second.)
+            self._watching_status = True
+            asyncio.get_running_loop().add_reader(self._status_fd, self._on_status)
+
+    def _mark_ended(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def _on_status(self) -> None:
+        """The status pipe is readable: keep what came; a whole line is the gate's report.
+
+        The gate writes it once the program and everything it left are dead (gate.c), while
+        nsjail still has the jail to tear down, a few milliseconds more on this machine.
+        """
+        try:
+            chunk = os.read(self._status_fd, 256)
+        except BlockingIOError:
+            return
+        self._status += chunk
+        if chunk and not self._status.endswith(b"\n"):
+            return
+        asyncio.get_running_loop().remove_reader(self._status_fd)
+        if chunk:
+            self._reported = self._parse_exit(self._status)
+        self._mark_ended()
+
+    @property
+    def reported(self) -> bool:
+        """Whether the gate has reported the program's end (nothing of the job runs now)."""
+        return self._reported is not None
+
+    async def wait_program(self) -> JailExit:
+        """How the program ended, as soon as that is known: at the gate's report, when the
+        job's processes are all gone and their output is in the pipes (see `end_output`), or
+        else once nsjail has exited. `wait()` still waits for nsjail itself."""
+        await asyncio.shield(self.ended)
+        if self._reported is not None and self._exit is None:
+            return self._reported
+        return await self.wait()
+
+    def end_output(self) -> None:
+        """After the gate's report: read what the program's pipes still hold and end them
+        there. nsjail keeps their write ends until it exits, so no EOF would come sooner."""
+        for reader in (self.stdout, self.stderr):
+            if isinstance(reader, PipeReader):
+                reader.take_rest()
 
     async def wait(self) -> JailExit:
         if self._exit is None:
@@ -261,16 +313,18 @@ class Jail:
         self.proc.close()
         self._log_transport.close()
         if self._status_fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._status_fd)
             os.close(self._status_fd)
             self._status_fd = -1
 
     def _read_status(self) -> None:
-        """Read the gate's report into `_status` (once); every writer is gone once nsjail
-        has exited, so this never blocks."""
+        """Read the rest of the gate's report into `_status` (once); every writer is gone
+        once nsjail has exited, so this never blocks."""
         if self._status_fd < 0:
             return
-        chunks = []
+        chunks = [self._status]
         try:
+            asyncio.get_running_loop().remove_reader(self._status_fd)
             while chunk := os.read(self._status_fd, 256):
                 chunks.append(chunk)
         except BlockingIOError:

@@ -327,9 +327,11 @@ class Sandbox:
                 try:
                     # A jail seen to exit (after every run: the step saw its cgroup empty or
                     # killed it, and waited) has nothing left alive; any straggler dies in
-                    # the removal below.
+                    # the removal below. One whose gate reported has only the gate and
+                    # nsjail left, both on their way out by themselves.
                     if not jail.exited:
-                        await off_loop(cgroup.kill)
+                        if not jail.reported:
+                            await off_loop(cgroup.kill)
                         try:
                             await asyncio.wait_for(jail.wait(), exit_grace_s)
                         except TimeoutError:

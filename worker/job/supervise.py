@@ -99,11 +99,7 @@ async def _gather_pause(reader: asyncio.StreamReader) -> None:
     if not isinstance(reader, PipeReader):
         await asyncio.sleep(COALESCE_S)
         return
-    reader.hold()
-    try:
-        await asyncio.sleep(COALESCE_S)
-    finally:
-        reader.release()
+    await reader.pause(COALESCE_S)
 
 
 async def supervise(
@@ -124,7 +120,6 @@ async def supervise(
     activity = Activity(go_at)
     readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
     stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None else None
-    exit_task = asyncio.create_task(jail.wait())
     inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
     children = [*readers, *([stdin_task] if stdin_task else [])]
     fired: str | None = None
@@ -151,9 +146,9 @@ async def supervise(
             # would turn this wait into a spin until nsjail is reaped (its teardown comes after
             # the pipes close), reading cpu.stat on every turn.
             pending = [t for t in (*readers, *([sink] if sink is not None else [])) if not t.done()]
-            watched = {exit_task, inbox_task, *pending}
+            watched = {jail.ended, inbox_task, *pending}
             done, _ = await asyncio.wait(watched, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
-            if exit_task in done:
+            if jail.ended in done:
                 ended_at = loop.time()
                 break
             # `sink` is what takes the output away (the flusher): if it failed, nothing will.
@@ -172,28 +167,30 @@ async def supervise(
                     ended_at = loop.time()
                     break
 
-        # Whatever ended the step, nothing of it may outlive it. A jail that ended by itself
-        # took its pid namespace with it: a read of its cgroup's process list shows it
+        # Whatever ended the step, nothing of it may outlive it. A gate that reported has
+        # killed and reaped the rest of its namespace first; a jail that ended by itself
+        # took its pid namespace with it, and a read of its cgroup's process list shows it
         # empty, cheaper here than a trip to the isolation threads.
-        if exit_task.done():
-            cgroup.kill_leftovers()
+        if jail.ended.done():
+            if not jail.reported:
+                cgroup.kill_leftovers()
         else:
             await off_loop(cgroup.kill)
         killed = True
         try:
-            exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_GRACE_S)
+            exit_info = await asyncio.wait_for(jail.wait_program(), EXIT_GRACE_S)
         except TimeoutError:
             log.error("nsjail did not exit after the kill; killing it")
             jail.terminate_supervisor()
-            exit_info = await exit_task
+            exit_info = await jail.wait_program()
+        # The pipes hold all there is: nothing that could write to them runs any more.
+        jail.end_output()
         await asyncio.wait(readers, timeout=EXIT_GRACE_S)
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
         if not killed:
             cgroup.kill()
         inbox_task.cancel()
-        if not exit_task.done():
-            exit_task.cancel()
         # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
         # hold the job forever; the stdin feeder also stops on a flag of its own.
         await cancel_and_wait(children, CHILD_EXIT_S)
