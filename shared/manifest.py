@@ -33,6 +33,7 @@ __all__ = [
     "Manifest",
     "expand_argv",
     "interpreter_prefix",
+    "names_compiled_shim",
     "parse_manifest",
     "prestart_argv_for",
     "with_home",
@@ -129,6 +130,19 @@ def prestart_argv_for(run: list[str], shim: str, memory_mb: int, compiled: bool 
         named = expand_argv(run, entry=shim, sources=[], args=[], memory_mb=memory_mb)
         return [*prefix, named[len(prefix)]]
     return [*prefix, f"{PRESTART_DIR_IN_JAIL}/{shim}"]
+
+
+def names_compiled_shim(manifest: Manifest, files: list[tuple[str, bytes]]) -> bool:
+    """Whether a job's files name the class of its language's compiled prestart shim.
+
+    A warm runtime has loaded that class before the job's own (Java: in the same application
+    class loader), so a class of the job's with that name would resolve to the shim's. Such
+    a job runs in a plain jail, where its own class is the only one of that name.
+    """
+    if manifest.prestart is None or manifest.compile is None:
+        return False
+    name = manifest.prestart.rpartition(".")[0].encode()
+    return any(name in data for _, data in files)
 
 
 def _check_templates(manifest: Manifest, origin: str) -> None:

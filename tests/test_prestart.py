@@ -278,6 +278,34 @@ def test_a_warm_vm_started_on_a_compiled_shim(stacks: tuple[Api, Api]) -> None:
     assert sorted(files.split(", ")) == ["Main.class", "Main.java"], seen["stdout"]
 
 
+JAVA_NAMES_THE_SHIM = r"""
+import java.nio.file.*;
+public class Main {
+    public static void main(String[] args) throws Exception {
+        System.out.println("cmdline " + new String(Files.readAllBytes(Path.of("/proc/self/cmdline"))).replace('\0', ' '));
+        System.out.println(SHIM.mine());
+    }
+}
+class SHIM {
+    static String mine() { return "the job's own class"; }
+}
+""".replace("SHIM", JAVA_SHIM)
+
+
+def test_a_job_class_named_like_the_shim_is_its_own(stacks: tuple[Api, Api]) -> None:
+    """The warm VM has loaded the shim's class, in the class loader the job's classes go to:
+    a job class of the same name would resolve to the shim's (NoSuchMethodError). Such a job
+    runs in a plain jail instead, even where one primed for Java is waiting."""
+    warm, _ = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_NAMES_THE_SHIM}]}
+    until_prestarted(warm, {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}, tries=8)
+    for _ in range(3):  # a slot primes for its last job's language: the next is Java again
+        out = run(warm, body)
+        assert (out["outcome"], out["exitCode"], out["stderr"]) == ("completed", 0, ""), out
+        assert "the job's own class" in out["stdout"] and not prestarted(out), out["stdout"]
+        until_prestarted(warm, {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}, tries=8)
+
+
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     probe = py_job("print(1)\nprint(open('/proc/self/cmdline', 'rb').read())\n")

@@ -15,7 +15,7 @@ from shared.chunking import Utf8Chunker, split_utf8
 from shared.codec import decode_request, encode
 from shared.errors import ConfigError, ValidationError
 from shared.limits import DEFAULT_LIMITS, DEFAULT_MAXIMA, RequestedLimits, resolve_limits, with_overrides
-from shared.manifest import expand_argv, parse_manifest
+from shared.manifest import expand_argv, names_compiled_shim, parse_manifest
 from shared.messages import ExecuteRequest, FileSpec, JobSpec, RealtimeInfo, ResultEvent
 from shared.paths import REPO_ROOT
 from shared.pusher import channel_auth, signed_query, valid_socket_id
@@ -241,3 +241,16 @@ def test_worker_layers_point_one_way() -> None:
     tasks = ast.parse((REPO_ROOT / "worker" / "tasks.py").read_text())
     assert not [n for n in ast.walk(tasks) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("worker")]
     assert _worker_parts_used_by("job") <= {"isolation", "messaging", "context", "tasks"}
+
+
+def test_a_job_naming_a_compiled_shims_class_is_found() -> None:
+    # Only a compiled shim's class can clash (Java's loads into the job's class loader); an
+    # interpreted language's shim is a file outside the job's namespace.
+    java = parse_manifest((REPO_ROOT / "sandbox-profiles" / "languages" / "java.toml").read_text(), "java.toml")
+    python = parse_manifest((REPO_ROOT / "sandbox-profiles" / "languages" / "python.toml").read_text(), "python.toml")
+    assert java.prestart is not None and java.compile is not None
+    shim = java.prestart.rpartition(".")[0]
+    plain = [("Main.java", b"public class Main {}")]
+    assert not names_compiled_shim(java, plain)
+    assert names_compiled_shim(java, [*plain, ("Util.java", f"class {shim} {{}}".encode())])
+    assert not names_compiled_shim(python, [("main.py", b"CoderunnerPrestart = 1\npython = 2")])

@@ -59,6 +59,8 @@ class Program:
     rlimit_cpu_s: int = 0
     rlimit_fsize_bytes: int = 0
     rlimit_nofile: int = 0
+    # False: never run in a prestarted runtime (the job's code names the shim's own class).
+    adoptable: bool = True
 
     def frame(self) -> bytes:
         out = [b"CRG1", struct.pack("<I", len(self.argv))]

@@ -259,7 +259,11 @@ class Prime:
     workspace_files: tuple[tuple[str, Path], ...] = ()
 
     def adopts(self, program: Program) -> bool:
-        return tuple(program.argv[: len(self.prefix)]) == self.prefix and len(program.argv) > len(self.prefix)
+        return (
+            program.adoptable
+            and tuple(program.argv[: len(self.prefix)]) == self.prefix
+            and len(program.argv) > len(self.prefix)
+        )
 
 
 @dataclass

@@ -86,6 +86,7 @@ async def run_batch(
     entry: str,
     sources: list[str],
     program_rlimits: dict[str, int],
+    adoptable: bool = True,
     first: Sandbox,
     files: list[tuple[str, bytes]],
     executable: frozenset[str],
@@ -108,7 +109,7 @@ async def run_batch(
 
     def program(case: TestCase) -> Program:
         argv = expand_argv(manifest.run, entry=entry, sources=sources, args=case.args, memory_mb=limits.memory_mb)
-        return Program(argv=argv, env=dict(manifest.env), **program_rlimits)
+        return Program(argv=argv, env=dict(manifest.env), **program_rlimits, adoptable=adoptable)
 
     async def forward_kills() -> None:
         nonlocal killed

@@ -27,7 +27,7 @@ from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
 from shared.errors import ValidationError
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
-from shared.manifest import Manifest, expand_argv
+from shared.manifest import Manifest, expand_argv, names_compiled_shim
 from shared.messages import (
     OUTCOME_STATE,
     CaseOutput,
@@ -388,6 +388,7 @@ class JobRun:
             argv=expand_argv(manifest.run, entry=entry, sources=sources, args=spec.args, memory_mb=spec.limits.memory_mb),
             env=dict(manifest.env),
             **factory.program_rlimits(spec.limits),
+            adoptable=not names_compiled_shim(manifest, files),
         )
         step = manifest.compile
         if step is None:
@@ -656,6 +657,7 @@ class JobRun:
             entry=plan.entry,
             sources=plan.sources,
             program_rlimits=self.ctx.sandboxes.program_rlimits(self.spec.limits),
+            adoptable=plan.run.adoptable,
             first=first,
             files=files,
             executable=executable,
