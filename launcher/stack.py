@@ -253,6 +253,8 @@ class Stack:
                 "PUSHER_APP_ID": self.pusher_app_id,
                 "PUSHER_KEY": self.pusher_key,
                 "PUSHER_SECRET": self.pusher_secret,
+                # soketi runs on its Redis adapter in this Redis (see _start_soketi).
+                "PUSHER_PUBLISH": "redis",
                 "CALLBACK_SECRET": self.callback_secret,
                 "SANDBOX_CGROUP_NAME": self.deployment,
                 "SANDBOX_WORK_ROOT": f"/run/{self.deployment}",
@@ -392,6 +394,13 @@ class Stack:
                 # The workers keep every event under PUSHER_MAX_PAYLOAD_KB: say the same here.
                 "SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB": self.env().get("PUSHER_MAX_PAYLOAD_KB", "100"),
                 "SOKETI_SHUTDOWN_GRACE_PERIOD": "200",
+                # Workers PUBLISH live events where soketi's Redis adapter listens (one hop
+                # less than its HTTP API); several soketi nodes would share them the same way.
+                "SOKETI_ADAPTER_DRIVER": "redis",
+                "SOKETI_DB_REDIS_HOST": "127.0.0.1",
+                "SOKETI_DB_REDIS_PORT": str(self.redis_port),
+                "SOKETI_DB_REDIS_PASSWORD": self.redis_password,
+                "SOKETI_DB_REDIS_DB": "0",
                 "NODE_NO_WARNINGS": "1",
             }
         )

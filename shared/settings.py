@@ -71,6 +71,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # soketi's largest event payload (its SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB); every
     # published event is kept under it.
     pusher_max_payload_kb: int = 100
+    # How workers hand live events to soketi: "http", the Pusher HTTP API (any Pusher-protocol
+    # server), or "redis", a PUBLISH on the channel of soketi's Redis adapter in this Redis
+    # (for a soketi started with SOKETI_ADAPTER_DRIVER=redis on it: one hop less per event).
+    pusher_publish: str = "http"
+    # soketi's SOKETI_ADAPTER_REDIS_PREFIX, if it has one.
+    pusher_redis_prefix: str = ""
 
     worker_id: str = ""
     worker_max_sandboxes: int = 8
@@ -187,6 +193,8 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "PUSHER_WS_PORT": ("pusher_ws_port", _positive_int),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
     "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),
+    "PUSHER_PUBLISH": ("pusher_publish", _str),
+    "PUSHER_REDIS_PREFIX": ("pusher_redis_prefix", _str),
     "WORKER_ID": ("worker_id", _str),
     "WORKER_MAX_SANDBOXES": ("worker_max_sandboxes", _positive_int),
     "WORKER_MAX_PARKED": ("worker_max_parked", _positive_int),
@@ -246,6 +254,8 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     settings = Settings(**values)
     if settings.pusher_scheme not in ("http", "https"):
         raise ConfigError("PUSHER_SCHEME must be 'http' or 'https'")
+    if settings.pusher_publish not in ("http", "redis"):
+        raise ConfigError("PUSHER_PUBLISH must be 'http' or 'redis'")
     if settings.pusher_max_payload_kb < 64:
         # An 8 KiB output chunk can take six times that as JSON.
         raise ConfigError("PUSHER_MAX_PAYLOAD_KB must be at least 64 (soketi's default is 100)")

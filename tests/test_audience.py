@@ -19,7 +19,10 @@ from tests.helpers import Api, Realtime, py_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
-_TALLY = re.compile(r"live events: (\d+) delivered, (\d+) refused or unreachable, (\d+) dropped, (\d+) unheard \((\d+) audience checks\)")
+_TALLY = re.compile(
+    r"live events: (\d+) delivered \(\d+ through Redis\), (\d+) refused or unreachable, (\d+) dropped, (\d+) unheard"
+    r" \((\d+) audience checks\)"
+)
 
 
 def _tally(stack) -> tuple[int, ...]:  # type: ignore[no-untyped-def]

@@ -38,6 +38,11 @@ def test_environment_names_exist_in_settings() -> None:
     # The app credentials soketi gets are the ones API and worker sign with.
     assert soketi["SOKETI_DEFAULT_APP_KEY"].startswith("${PUSHER_KEY")
     assert soketi["SOKETI_DEFAULT_APP_SECRET"].startswith("${PUSHER_SECRET")
+    # Workers publish through soketi's Redis adapter: soketi must be on the same Redis.
+    assert services["worker"]["environment"]["PUSHER_PUBLISH"] == "redis"
+    assert soketi["SOKETI_ADAPTER_DRIVER"] == "redis"
+    redis_url = services["worker"]["environment"]["REDIS_URL"]
+    assert redis_url == f"redis://:{soketi['SOKETI_DB_REDIS_PASSWORD']}@{soketi['SOKETI_DB_REDIS_HOST']}:{soketi['SOKETI_DB_REDIS_PORT']}/{soketi['SOKETI_DB_REDIS_DB']}"
     assert services["api"]["environment"]["PUSHER_HOST"] == "soketi"
 
 

@@ -1,18 +1,23 @@
-"""The worker's soketi publisher against a real soketi: every delivery is its own connection
-(soketi closes each after one answer), and the next one is dialled ahead of its event."""
+"""The worker's soketi publisher against a real soketi: through soketi's Redis adapter (the
+stack's default), or over HTTP, where every delivery is its own connection (soketi closes
+each after one answer) and the next one is dialled ahead of its event."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 
 import pytest
+import redis
+from redis.asyncio import Redis
 
 from shared.settings import load_settings
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, py_job, run_job
 from worker.messaging import publisher as publisher_module
-from worker.messaging.publisher import Publisher, _Event
+from worker.messaging.publisher import Publisher, _Event, adapter_channel
 
 pytestmark = [pytest.mark.stack]
 
@@ -88,6 +93,102 @@ def test_a_result_in_the_batch_being_paced_still_goes_when_close_runs_out_of_tim
         asyncio.run(main())
         assert followed.finished.wait(5), followed.summary()
         assert [p["seq"] for n, p in followed.events if n == "result"] == [3]
+    finally:
+        rt.close()
+        api.close()
+
+
+def _deliver_five(stack_env: dict[str, str], redis_url: str, channel: str) -> tuple[int, int, int]:
+    """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
+
+    async def main() -> tuple[int, int, int]:
+        client = Redis.from_url(redis_url)
+        publisher = Publisher(load_settings(stack_env), client)
+        for i in range(5):
+            await publisher.deliver([_Event(channel, "stdout", f'{{"chunk":"{i}\\n","seq":{i}}}')])
+        counts = publisher.sent, publisher.sent_via_redis, publisher.failed
+        await publisher.aclose()
+        await client.aclose()
+        return counts
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("prefix", ["", "nobody-listens"])
+def test_events_go_through_soketis_redis_adapter_or_else_http(make_stack: StackFactory, prefix: str) -> None:
+    # The stack's soketi listens on its Redis adapter's channel: a PUBLISH there reaches
+    # every subscriber with no HTTP request. Where no soketi node listens (here: another
+    # prefix), PUBLISH reaches nobody and each event goes over HTTP instead, once.
+    stack = make_stack(with_worker=False)
+    api, rt = Api(stack), Realtime(stack)
+    job = api.execute(py_job("print(1)"))  # no worker: only its channel is used
+    followed = rt.follow(job)
+    env = {**stack.env(), "PUSHER_PUBLISH": "redis", "PUSHER_REDIS_PREFIX": prefix}
+    try:
+        sent, via_redis, failed = _deliver_five(env, stack.redis_url, job["channel"])
+        assert (sent, via_redis, failed) == (5, 0 if prefix else 5, 0)
+        deadline = time.monotonic() + 5
+        while followed.text("stdout") != "".join(f"{i}\n" for i in range(5)):
+            assert time.monotonic() < deadline, followed.summary()
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert [p["seq"] for n, p in followed.events if n == "stdout"] == list(range(5)), followed.summary()
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_the_stacks_workers_publish_through_redis(make_stack: StackFactory) -> None:
+    # `make up` and every test stack run soketi on its Redis adapter and the workers with
+    # PUSHER_PUBLISH=redis: a followed job's events all appear on the adapter's channel,
+    # published by the worker.
+    stack = make_stack()
+    seen: list[dict[str, object]] = []
+    listening = threading.Event()
+
+    def listen() -> None:
+        with redis.Redis.from_url(stack.redis_url).pubsub() as pubsub:
+            pubsub.subscribe(adapter_channel(""))
+            listening.set()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                message = pubsub.get_message(timeout=0.1)
+                if message and message["type"] == "message":
+                    seen.append(json.loads(message["data"]))
+                    if json.loads(seen[-1]["data"])["event"] == "result":  # type: ignore[arg-type]
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert listening.wait(5)
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print(1)"))
+        followed = rt.follow(job)
+        api.start(job)
+        result = followed.wait_result()
+        listener.join(10)
+        assert result["outcome"] == "completed" and followed.text("stdout") == "1\n"
+        # (soketi itself also PUBLISHes there what reaches it over HTTP, for its other nodes,
+        # under its own uuid.)
+        ours = [m for m in seen if str(m["uuid"]).startswith("coderunner-worker-") and m["channel"] == job["channel"]]
+        frames = [json.loads(m["data"]) for m in ours]  # type: ignore[arg-type]
+        assert [(f["event"], json.loads(f["data"])["seq"]) for f in frames] == [
+            (name, payload["seq"]) for name, payload in followed.events
+        ], (frames, followed.summary())
+        assert frames[-1]["event"] == "result"
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_stack_publishing_over_http_still_streams(make_stack: StackFactory) -> None:
+    # PUSHER_PUBLISH=http: for a Pusher-protocol server that is not soketi on this Redis.
+    stack = make_stack(PUSHER_PUBLISH="http")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        result, followed = run_job(api, rt, py_job("print(1)\nprint(2)"))
+        assert result["outcome"] == "completed" and followed.text("stdout") == "1\n2\n", followed.summary()
     finally:
         rt.close()
         api.close()

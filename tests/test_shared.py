@@ -172,7 +172,7 @@ def test_settings_errors_name_the_variable() -> None:
     assert load_settings({"WORKER_MAX_SANDBOXES": "3"}).worker_max_sandboxes == 3
     assert load_settings({"MAX_MEMORY_MB": "64"}).limit_maxima.memory_mb == 64
     for env, name in [({"WORKER_MAX_SANDBOXES": "lots"}, "WORKER_MAX_SANDBOXES"), ({"PUSHER_APP_ID": "app"}, "PUSHER_APP_ID"),
-                      ({"MAX_CPU_MS": "-5"}, "MAX_CPU_MS")]:  # fmt: skip
+                      ({"MAX_CPU_MS": "-5"}, "MAX_CPU_MS"), ({"PUSHER_PUBLISH": "soketi"}, "PUSHER_PUBLISH")]:  # fmt: skip
         with pytest.raises(ConfigError, match=name):
             load_settings(env)
 

@@ -1,10 +1,18 @@
-"""Best-effort delivery of job events to soketi through the Pusher HTTP API.
+"""Best-effort delivery of job events to soketi, through its Redis adapter or the Pusher HTTP API.
 
 Redis holds the durable log; this is only the live view, so it must never stall a run:
 each job gets an ordered in-memory lane drained by one task, bursts go out through the
 batch endpoint (soketi accepts up to 10 events per batch), requests have a short
 timeout, and after a failure the publisher backs off for a moment instead of making
 every job wait for a dead server.
+
+With PUSHER_PUBLISH=redis, events go out as PUBLISHes on the channel soketi's Redis adapter
+listens to (a soketi started with SOKETI_ADAPTER_DRIVER=redis on the same Redis), in the
+message form soketi's own nodes use to pass events to each other. Every soketi node then
+sends them to its subscribers. That is one Redis round trip on a kept connection, where
+HTTP costs a request that soketi parses and checks, and answers only after it has sent
+the event on. An event no soketi node heard (PUBLISH reached no subscriber: soketi down,
+restarting, or not on the adapter) goes through HTTP instead.
 
 soketi answers every HTTP API request with `Connection: close`, so each delivery is one
 short connection, dialled while the previous delivery is under way so that an event never
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 import time
 from collections import deque
@@ -58,6 +67,30 @@ class _Batch(msgspec.Struct, frozen=True):
     batch: list[_Event]
 
 
+class _Message(msgspec.Struct, frozen=True):
+    """What a soketi node sends its subscribers (the Pusher protocol's event frame)."""
+
+    event: str
+    channel: str
+    data: str
+
+
+class _AdapterMessage(msgspec.Struct, frozen=True):
+    """soketi's Redis adapter message (HorizontalAdapter.send): a node ignores only its own
+    uuid, and `data` is the frame as text."""
+
+    uuid: str
+    appId: str
+    channel: str
+    data: str
+    exceptingId: str | None = None
+
+
+def adapter_channel(prefix: str) -> str:
+    """The Redis channel soketi's Redis adapter listens to (SOKETI_ADAPTER_REDIS_PREFIX)."""
+    return f"{prefix}#redis-adapter" if prefix else "redis-adapter"
+
+
 _encoder = msgspec.json.Encoder()
 
 
@@ -76,7 +109,11 @@ class Publisher:
         self._ssl = ssl.create_default_context() if settings.pusher_scheme == "https" else None
         self._timeout_s = settings.pusher_timeout_ms / 1000
         self._down_until = 0.0
+        self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
+        self._uuid = "coderunner-worker-" + secrets.token_hex(8)
         self.sent = 0
+        # Of `sent`, those soketi heard through its Redis adapter.
+        self.sent_via_redis = 0
         self.failed = 0
         self.dropped = 0
         # Events not sent because nobody followed the channel (a grader's job).
@@ -99,8 +136,9 @@ class Publisher:
             writer.close()
         self._idle.clear()
         log.info(
-            "live events: %d delivered, %d refused or unreachable, %d dropped, %d unheard (%d audience checks)",
-            self.sent, self.failed, self.dropped, self.unheard, self.audience_checks,
+            "live events: %d delivered (%d through Redis), %d refused or unreachable, %d dropped, %d unheard"
+            " (%d audience checks)",
+            self.sent, self.sent_via_redis, self.failed, self.dropped, self.unheard, self.audience_checks,
         )  # fmt: skip
 
     async def occupied(self, channel: str) -> bool:
@@ -207,6 +245,10 @@ class Publisher:
         return JobLane(self, channel)
 
     async def deliver(self, events: list[_Event]) -> None:
+        if self._adapter is not None and self._redis is not None:
+            events = await self._publish_through_redis(events)
+            if not events:
+                return
         if time.monotonic() < self._down_until:
             self.dropped += len(events)
             return
@@ -229,6 +271,39 @@ class Publisher:
             log.warning("soketi refused %d events: %s %r", len(events), status, answer[:200])
             return
         self.sent += len(events)
+
+    async def _publish_through_redis(self, events: list[_Event]) -> list[_Event]:
+        """PUBLISH each event to soketi's adapter channel; returns those no node heard."""
+        assert self._adapter is not None and self._redis is not None
+        messages = [
+            _encoder.encode(
+                _AdapterMessage(
+                    uuid=self._uuid,
+                    appId=self._app_id,
+                    channel=event.channel,
+                    data=_encoder.encode(_Message(event.name, event.channel, event.data)).decode(),
+                )
+            )
+            for event in events
+        ]
+        try:
+            if len(messages) == 1:
+                heard = [await asyncio.wait_for(self._redis.publish(self._adapter, messages[0]), self._timeout_s)]
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for message in messages:
+                        pipe.publish(self._adapter, message)
+                    heard = await asyncio.wait_for(pipe.execute(), self._timeout_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            # Unknown whether it got out: sent again over HTTP, it could reach a client twice
+            # (a client drops a seq it has seen; a double result is what must never happen).
+            self.failed += len(events)
+            log.warning("publishing %d live events through Redis failed: %s", len(events), exc)
+            return []
+        unheard = [event for event, receivers in zip(events, heard, strict=True) if not receivers]
+        self.sent += len(events) - len(unheard)
+        self.sent_via_redis += len(events) - len(unheard)
+        return unheard
 
 
 class JobLane:
