@@ -816,6 +816,38 @@ async def test_a_gate_whose_filter_the_kernel_refuses_runs_nothing_and_says_so(t
     assert ended.errors == ["the jail's gate failed: seccomp"]
 
 
+async def test_the_program_ends_at_a_whole_report_and_at_nothing_else() -> None:
+    # The step ends at the gate's report, before nsjail exits: only a whole, well-formed
+    # line may end it. A partial line waits for the rest; a line that is not a report
+    # leaves the end to nsjail's exit.
+    async def running() -> int:
+        await asyncio.sleep(3600)
+        return 0
+
+    for lines, want in (([b"exi", b"t 3\n"], 3), ([b"nonsense\n"], None)):
+        status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        stdin = SimpleNamespace(write=lambda data: None)
+        proc = SimpleNamespace(
+            wait=running, on_exit=lambda callback: None, stdin=stdin, stdout=None, stderr=None, pid=0, returncode=None, close=lambda: None
+        )
+        jail = Jail(proc, asyncio.StreamReader(), SimpleNamespace(close=lambda: None), status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+        jail.go(Program(argv=["/bin/true"], env={}))
+        for line in lines:
+            assert not jail.ended.done()
+            os.write(status_write, line)
+            await asyncio.sleep(0.05)
+        if want is None:
+            assert not jail.ended.done() and not jail.reported
+        else:
+            assert jail.ended.done() and jail.reported
+            ended = await asyncio.wait_for(jail.wait_program(), 1)
+            assert (ended.exit_code, ended.signal) == (want, None)
+        os.close(status_write)
+        jail._log_task.cancel()
+        await asyncio.gather(jail._log_task, return_exceptions=True)
+        jail.close()
+
+
 async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_nor_the_log() -> None:
     # supervise() cancels its wait task, destroy() times one out: the next wait() must still
     # read the gate's report (and the log reader must still be alive to end).

@@ -274,8 +274,9 @@ class Jail:
             return
         asyncio.get_running_loop().remove_reader(self._status_fd)
         if chunk:
-            self._reported = self._parse_exit(self._status)
-        self._mark_ended()
+            self._reported = self._parse_report(self._status)
+        if self._reported is not None:
+            self._mark_ended()  # else nsjail's exit tells (at EOF, it has exited already)
 
     @property
     def reported(self) -> bool:
@@ -336,7 +337,8 @@ class Jail:
             self._status_fd = -1
             self._status = b"".join(chunks)
 
-    def _parse_exit(self, status: bytes) -> JailExit:
+    def _parse_report(self, status: bytes) -> JailExit | None:
+        """The gate's report, or None when there is none (or it is not one)."""
         backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)
         kind, _, value = status.strip().partition(b" ")
         if kind == b"exit" and value.isdigit():
@@ -346,6 +348,13 @@ class Jail:
         if kind == b"fault":
             # The gate could not set the jail up (its seccomp filter) and ran nothing.
             return JailExit(None, None, backstop, [f"the jail's gate failed: {value.decode(errors='replace')}"])
+        return None
+
+    def _parse_exit(self, status: bytes) -> JailExit:
+        reported = self._parse_report(status)
+        if reported is not None:
+            return reported
+        backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)
         # No report: the gate itself was killed (a clock fired, the memory limit, a kill
         # request) or never ran the program; nsjail's log says how the jail ended.
         exit_code: int | None = None
