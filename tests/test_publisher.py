@@ -11,7 +11,6 @@ import time
 
 import pytest
 import redis
-from redis.asyncio import Redis
 
 from shared.settings import load_settings
 from tests.conftest import StackFactory
@@ -31,7 +30,7 @@ def test_each_delivery_finds_its_connection_dialled(make_stack: StackFactory, mo
     looks: list[str] = []
 
     async def main() -> tuple[int, int]:
-        publisher = Publisher(load_settings(stack.env()))
+        publisher = Publisher(load_settings({**stack.env(), "PUSHER_PUBLISH": "http"}))
         ready_connection = publisher._ready_connection
 
         def recorded():  # type: ignore[no-untyped-def]
@@ -80,7 +79,7 @@ def test_a_result_in_the_batch_being_paced_still_goes_when_close_runs_out_of_tim
     chunk = "x" * 8000
 
     async def main() -> None:
-        publisher = Publisher(load_settings(stack.env()))
+        publisher = Publisher(load_settings({**stack.env(), "PUSHER_PUBLISH": "http"}))
         lane = publisher.lane(job["channel"])
         for seq in range(3):
             lane.send("stdout", f'{{"chunk":"{chunk}","seq":{seq}}}'.encode())
@@ -98,17 +97,15 @@ def test_a_result_in_the_batch_being_paced_still_goes_when_close_runs_out_of_tim
         api.close()
 
 
-def _deliver_five(stack_env: dict[str, str], redis_url: str, channel: str) -> tuple[int, int, int]:
+def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 
     async def main() -> tuple[int, int, int]:
-        client = Redis.from_url(redis_url)
-        publisher = Publisher(load_settings(stack_env), client)
+        publisher = Publisher(load_settings(stack_env))
         for i in range(5):
             await publisher.deliver([_Event(channel, "stdout", f'{{"chunk":"{i}\\n","seq":{i}}}')])
         counts = publisher.sent, publisher.sent_via_redis, publisher.failed
         await publisher.aclose()
-        await client.aclose()
         return counts
 
     return asyncio.run(main())
@@ -125,7 +122,7 @@ def test_events_go_through_soketis_redis_adapter_or_else_http(make_stack: StackF
     followed = rt.follow(job)
     env = {**stack.env(), "PUSHER_PUBLISH": "redis", "PUSHER_REDIS_PREFIX": prefix}
     try:
-        sent, via_redis, failed = _deliver_five(env, stack.redis_url, job["channel"])
+        sent, via_redis, failed = _deliver_five(env, job["channel"])
         assert (sent, via_redis, failed) == (5, 0 if prefix else 5, 0)
         deadline = time.monotonic() + 5
         while followed.text("stdout") != "".join(f"{i}\n" for i in range(5)):

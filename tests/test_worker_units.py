@@ -894,3 +894,32 @@ def test_a_waiting_runtimes_cpu_rlimit_gives_back_its_start_up(burn_s: float, ad
     finally:
         burner.kill()
         burner.wait()
+
+
+async def test_a_publish_whose_answer_is_lost_is_not_sent_again() -> None:
+    # A PUBLISH whose connection drops before the answer may have gone out: the publisher's
+    # Redis client must not send it again (that could double a result), and the event counts
+    # as failed, not as unheard (which would send it once more over HTTP).
+    from shared.settings import load_settings
+    from worker.messaging.publisher import Publisher, _Event
+
+    publishes: list[bytes] = []
+
+    async def redis_that_drops_publishes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            if b"PUBLISH" in data:
+                publishes.append(data)
+                writer.close()
+                return
+            writer.write(b"+OK\r\n" * data.count(b"*"))  # the client's set-up commands
+
+    server = await asyncio.start_server(redis_that_drops_publishes, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    publisher = Publisher(load_settings({"REDIS_URL": f"redis://127.0.0.1:{port}/0", "PUSHER_PUBLISH": "redis", "PUSHER_PORT": "9"}))
+    try:
+        await publisher.deliver([_Event("private-run-x", "result", '{"seq":1}')])
+    finally:
+        await publisher.aclose()
+        server.close()
+    assert len(publishes) == 1
+    assert (publisher.sent, publisher.failed) == (0, 1)

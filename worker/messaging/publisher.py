@@ -32,6 +32,8 @@ from urllib.parse import urlencode
 
 import msgspec
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from shared import keys
@@ -111,6 +113,19 @@ class Publisher:
         self._down_until = 0.0
         self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
         self._uuid = "coderunner-worker-" + secrets.token_hex(8)
+        # Publishes get a client of their own that never sends a command twice: a PUBLISH
+        # whose answer was lost may have gone out, and sending it again could double a
+        # result (the shared client retries, which suits the fenced, idempotent scripts).
+        self._publish_redis = (
+            Redis.from_url(
+                settings.redis_url,
+                socket_timeout=self._timeout_s,
+                socket_connect_timeout=self._timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+            if self._adapter is not None
+            else None
+        )
         self.sent = 0
         # Of `sent`, those soketi heard through its Redis adapter.
         self.sent_via_redis = 0
@@ -135,6 +150,8 @@ class Publisher:
         for _reader, writer, _opened in self._idle:
             writer.close()
         self._idle.clear()
+        if self._publish_redis is not None:
+            await self._publish_redis.aclose()
         log.info(
             "live events: %d delivered (%d through Redis), %d refused or unreachable, %d dropped, %d unheard"
             " (%d audience checks)",
@@ -245,8 +262,8 @@ class Publisher:
         return JobLane(self, channel)
 
     async def deliver(self, events: list[_Event]) -> None:
-        if self._adapter is not None and self._redis is not None:
-            events = await self._publish_through_redis(events)
+        if self._publish_redis is not None:
+            events = await self._publish_through_redis(self._publish_redis, events)
             if not events:
                 return
         if time.monotonic() < self._down_until:
@@ -272,9 +289,9 @@ class Publisher:
             return
         self.sent += len(events)
 
-    async def _publish_through_redis(self, events: list[_Event]) -> list[_Event]:
+    async def _publish_through_redis(self, redis: Redis, events: list[_Event]) -> list[_Event]:
         """PUBLISH each event to soketi's adapter channel; returns those no node heard."""
-        assert self._adapter is not None and self._redis is not None
+        assert self._adapter is not None
         messages = [
             _encoder.encode(
                 _AdapterMessage(
@@ -288,15 +305,15 @@ class Publisher:
         ]
         try:
             if len(messages) == 1:
-                heard = [await asyncio.wait_for(self._redis.publish(self._adapter, messages[0]), self._timeout_s)]
+                heard = [await redis.publish(self._adapter, messages[0])]
             else:
-                async with self._redis.pipeline(transaction=False) as pipe:
+                async with redis.pipeline(transaction=False) as pipe:
                     for message in messages:
                         pipe.publish(self._adapter, message)
-                    heard = await asyncio.wait_for(pipe.execute(), self._timeout_s)
-        except (RedisError, OSError, TimeoutError) as exc:
-            # Unknown whether it got out: sent again over HTTP, it could reach a client twice
-            # (a client drops a seq it has seen; a double result is what must never happen).
+                    heard = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            # Unknown whether it got out: sent again (here or over HTTP), it could reach a
+            # client twice (a client drops a seq it has seen; a double result must never be).
             self.failed += len(events)
             log.warning("publishing %d live events through Redis failed: %s", len(events), exc)
             return []
