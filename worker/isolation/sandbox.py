@@ -138,8 +138,9 @@ class ShimCompiler:
 
 @dataclass
 class ShimBuilds:
-    # Shim -> the files its compile made (name in the workspace, staged copy).
-    files: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)
+    # Shim -> the files its compile made (name in the workspace, content), read once here:
+    # every warm jail of the language writes them into its workspace.
+    files: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)
     # Binds (`host:jail`, read-only) of the compiler archives, for compile jails.
     compile_mounts: list[str] = field(default_factory=list)
 
@@ -181,7 +182,7 @@ async def build_compiled_shims(
                 else:
                     fresh.unlink()
         if kept:
-            builds.files[shim] = [(path.name.removeprefix(prefix), path) for path in kept]
+            builds.files[shim] = [(path.name.removeprefix(prefix), path.read_bytes()) for path in kept]
         if how.archive is not None and archive.is_file():
             builds.compile_mounts.append(f"{archive}:{how.archive.path}")
     return builds
@@ -254,9 +255,9 @@ class Prime:
     shim: str
     prefix: tuple[str, ...]
     program: Program
-    # A compiled shim's files (name in the workspace, staged copy): in the workspace for the
+    # A compiled shim's files (name in the workspace, content): in the workspace for the
     # runtime's start-up only. Without them the shim's source is bound in the jail instead.
-    workspace_files: tuple[tuple[str, Path], ...] = ()
+    workspace_files: tuple[tuple[str, bytes], ...] = ()
 
     def adopts(self, program: Program) -> bool:
         return (
@@ -374,10 +375,6 @@ def _runtime_pid(cgroup: JobCgroup) -> int:
     raise JailError("the prestarted runtime is gone")
 
 
-def _put_shim_files(workspace: Workspace, files: tuple[tuple[str, Path], ...]) -> None:
-    workspace.stage([(name, path.read_bytes()) for name, path in files])
-
-
 def _after_warm_up(cgroup: JobCgroup, workspace: Workspace, shim_files: list[str]) -> int:
     """The runtime is up: its shim's files leave the workspace (the job's go in alone);
     returns the runtime's host pid."""
@@ -439,7 +436,7 @@ class SandboxFactory:
     # Staged prestart shims by file name (stage_prestart_shims), and what the compiled ones
     # compiled to (build_compiled_shims).
     prestart_shims: dict[str, Path] = field(default_factory=dict)
-    prestart_builds: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)
+    prestart_builds: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)
     # Binds every compile jail gets (compiler archives, see build_compiled_shims).
     compile_mounts: list[str] = field(default_factory=list)
     workspace_bytes: int = 64 * 1024 * 1024
@@ -573,7 +570,7 @@ class SandboxFactory:
             try:
                 names = [name for name, _ in prime.workspace_files]
                 if names:
-                    await off_loop(_put_shim_files, workspace, prime.workspace_files)
+                    await off_loop(workspace.stage, list(prime.workspace_files))
                 jail.go(prime.program)
                 await self._await_runtime(jail)
                 sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
