@@ -31,6 +31,7 @@ __all__ = [
     "PRESTART_DIR_IN_JAIL",
     "CompileStep",
     "Manifest",
+    "compiled_shim_name",
     "expand_argv",
     "interpreter_prefix",
     "names_compiled_shim",
@@ -132,6 +133,14 @@ def prestart_argv_for(run: list[str], shim: str, memory_mb: int, compiled: bool 
     return [*prefix, f"{PRESTART_DIR_IN_JAIL}/{shim}"]
 
 
+def compiled_shim_name(manifest: Manifest) -> str | None:
+    """The name a compiled prestart shim is started by, as `run` names a compiled entry
+    (Java: its class); None for a language whose shim is not compiled."""
+    if manifest.prestart is None or manifest.compile is None:
+        return None
+    return manifest.prestart.rpartition(".")[0]
+
+
 def names_compiled_shim(manifest: Manifest, files: list[tuple[str, bytes]]) -> bool:
     """Whether a job's files name the class of its language's compiled prestart shim.
 
@@ -139,10 +148,8 @@ def names_compiled_shim(manifest: Manifest, files: list[tuple[str, bytes]]) -> b
     class loader), so a class of the job's with that name would resolve to the shim's. Such
     a job runs in a plain jail, where its own class is the only one of that name.
     """
-    if manifest.prestart is None or manifest.compile is None:
-        return False
-    name = manifest.prestart.rpartition(".")[0].encode()
-    return any(name in data for _, data in files)
+    name = compiled_shim_name(manifest)
+    return name is not None and any(name.encode() in data for _, data in files)
 
 
 def _check_templates(manifest: Manifest, origin: str) -> None:

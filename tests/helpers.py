@@ -14,6 +14,7 @@ import pysher
 from pysher.channel import Channel
 
 from launcher.stack import Stack
+from shared.manifest import compiled_shim_name
 from shared.paths import REPO_ROOT
 from worker.runtimes import load_manifests
 
@@ -41,11 +42,8 @@ def pids_with_cmdline(*fragments: bytes) -> list[int]:
 def compiled_shims() -> dict[str, str]:
     """Language -> the name a compiled prestart shim is started by (Java: its class), from
     the manifests: the worker compiles such a shim and names it as `run` names a class."""
-    return {
-        m.language: Path(m.prestart).stem
-        for m in load_manifests(REPO_ROOT / "sandbox-profiles")
-        if m.prestart is not None and m.compile is not None
-    }
+    manifests = load_manifests(REPO_ROOT / "sandbox-profiles")
+    return {m.language: name for m in manifests if (name := compiled_shim_name(m)) is not None}
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

@@ -298,12 +298,13 @@ def test_a_job_class_named_like_the_shim_is_its_own(stacks: tuple[Api, Api]) -> 
     runs in a plain jail instead, even where one primed for Java is waiting."""
     warm, _ = stacks
     body = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_NAMES_THE_SHIM}]}
-    until_prestarted(warm, {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}, tries=8)
+    primes = {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}
+    until_prestarted(warm, primes, tries=8)
     for _ in range(3):  # a slot primes for its last job's language: the next is Java again
         out = run(warm, body)
         assert (out["outcome"], out["exitCode"], out["stderr"]) == ("completed", 0, ""), out
         assert "the job's own class" in out["stdout"] and not prestarted(out), out["stdout"]
-        until_prestarted(warm, {"language": "java", "files": [{"name": "Main.java", "content": JAVA_STARTUP}]}, tries=8)
+        until_prestarted(warm, primes, tries=8)
 
 
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:

@@ -15,7 +15,7 @@ from shared.chunking import Utf8Chunker, split_utf8
 from shared.codec import decode_request, encode
 from shared.errors import ConfigError, ValidationError
 from shared.limits import DEFAULT_LIMITS, DEFAULT_MAXIMA, RequestedLimits, resolve_limits, with_overrides
-from shared.manifest import expand_argv, names_compiled_shim, parse_manifest
+from shared.manifest import compiled_shim_name, expand_argv, names_compiled_shim, parse_manifest
 from shared.messages import ExecuteRequest, FileSpec, JobSpec, RealtimeInfo, ResultEvent
 from shared.paths import REPO_ROOT
 from shared.pusher import channel_auth, signed_query, valid_socket_id
@@ -250,6 +250,7 @@ def test_a_job_naming_a_compiled_shims_class_is_found() -> None:
     python = parse_manifest((REPO_ROOT / "sandbox-profiles" / "languages" / "python.toml").read_text(), "python.toml")
     assert java.prestart is not None and java.compile is not None
     shim = java.prestart.rpartition(".")[0]
+    assert (compiled_shim_name(java), compiled_shim_name(python)) == (shim, None)
     plain = [("Main.java", b"public class Main {}")]
     assert not names_compiled_shim(java, plain)
     assert names_compiled_shim(java, [*plain, ("Util.java", f"class {shim} {{}}".encode())])
