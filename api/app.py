@@ -23,6 +23,7 @@ from api.routes import OUTPUT_WAIT_SLICE_MS, routes
 from api.state import AppState
 from api.store import JobStore
 from api.streams import StreamSlots
+from leanredis import LeanRedis
 from shared.errors import ConfigError
 from shared.paths import profiles_dir
 from shared.settings import Settings
@@ -67,16 +68,13 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Requests wait briefly for a pooled connection instead of failing when all are busy.
-        redis = Redis(
-            connection_pool=BlockingConnectionPool.from_url(
-                settings.redis_url,
-                max_connections=64,
-                timeout=5,
-                socket_timeout=_COMMAND_TIMEOUT_S,
-                socket_connect_timeout=_COMMAND_TIMEOUT_S,
-                **_RECONNECTING,
-            )
+        # Every request's short commands share one pipelined connection (leanredis/); no
+        # command on it blocks in Redis.
+        redis = LeanRedis.from_url(
+            settings.redis_url,
+            socket_timeout=_COMMAND_TIMEOUT_S,
+            socket_connect_timeout=_COMMAND_TIMEOUT_S,
+            **_RECONNECTING,
         )
         # Event streams block in XREAD for seconds at a time: they get their own bounded pool,
         # so however many are open, the rest of the API keeps its connections. Their reads

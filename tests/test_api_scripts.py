@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from api.store import JobStore, ScriptCall
 from launcher.stack import Stack
+from leanredis import LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import FileSpec, JobSpec, JobState
@@ -37,9 +38,10 @@ def redis_stack() -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture
-async def redis(redis_stack: Stack) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_stack.redis_url)
+# Both clients the services use: redis-py's own, and its pipelined LeanRedis (leanredis/).
+@pytest.fixture(params=[Redis, LeanRedis], ids=["redis-py", "lean"])
+async def redis(request: pytest.FixtureRequest, redis_stack: Stack) -> AsyncIterator[Redis]:
+    client = request.param.from_url(redis_stack.redis_url)
     await client.flushdb()
     yield client
     await client.aclose()

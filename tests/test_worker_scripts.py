@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api.store import JobStore
+from leanredis import LeanRedis
 from shared import keys
 from shared.messages import JobState, Outcome, TestCase, result_without_run
 from shared.settings import load_settings
@@ -48,9 +49,10 @@ class Recorded:
         return await self.script(keys=keys_, args=args)
 
 
-@pytest.fixture
-async def redis(redis_stack) -> AsyncIterator[Redis]:  # type: ignore[no-untyped-def]
-    client = Redis.from_url(redis_stack.redis_url)
+# Both clients the services use: redis-py's own, and its pipelined LeanRedis (leanredis/).
+@pytest.fixture(params=[Redis, LeanRedis], ids=["redis-py", "lean"])
+async def redis(request: pytest.FixtureRequest, redis_stack) -> AsyncIterator[Redis]:  # type: ignore[no-untyped-def]
+    client = request.param.from_url(redis_stack.redis_url)
     await client.flushdb()
     yield client
     await client.aclose()

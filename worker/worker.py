@@ -20,13 +20,13 @@ import logging
 import signal
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from leanredis import LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo
@@ -102,7 +102,7 @@ class Worker:
         settings = self.settings
         # Every command has a deadline, so a half-open connection cannot hang a heartbeat,
         # an event or a result; the blocking claim gets its poll time on top.
-        redis = Redis.from_url(
+        redis = LeanRedis.from_url(
             settings.redis_url,
             health_check_interval=30,
             socket_timeout=COMMAND_TIMEOUT_S,
@@ -110,7 +110,7 @@ class Worker:
             **_RECONNECTING,
         )
         # Blocking claims get their own connection so they never delay other commands.
-        claim_redis = Redis.from_url(
+        claim_redis = LeanRedis.from_url(
             settings.redis_url,
             socket_timeout=CLAIM_POLL_S + COMMAND_TIMEOUT_S,
             socket_connect_timeout=COMMAND_TIMEOUT_S,

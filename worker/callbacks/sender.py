@@ -33,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from leanredis import LeanRedis
 from shared import callbacks
 from shared.errors import ValidationError
 from shared.settings import Settings
@@ -203,7 +204,7 @@ async def callback_sender(settings: Settings, sender_id: str) -> AsyncIterator[C
         log.warning("CALLBACK_SECRET is not set: this worker sends no callbacks")
         yield None
         return
-    redis = Redis.from_url(
+    redis = LeanRedis.from_url(
         settings.redis_url,
         socket_timeout=COMMAND_TIMEOUT_S,
         socket_connect_timeout=COMMAND_TIMEOUT_S,

@@ -36,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from leanredis import LeanRedis
 from shared import keys
 from shared.eventlog import CHUNK_EVENTS
 from shared.pusher import signed_query
@@ -117,7 +118,7 @@ class Publisher:
         # whose answer was lost may have gone out, and sending it again could double a
         # result (the shared client retries, which suits the fenced, idempotent scripts).
         self._publish_redis = (
-            Redis.from_url(
+            LeanRedis.from_url(
                 settings.redis_url,
                 socket_timeout=self._timeout_s,
                 socket_connect_timeout=self._timeout_s,

@@ -1,0 +1,8 @@
+"""A Redis client for the hot path: redis-py's interface over one pipelined connection.
+
+See `leanredis.client` for why it exists and what it keeps of redis-py.
+"""
+
+from leanredis.client import LeanRedis
+
+__all__ = ["LeanRedis"]

@@ -1,0 +1,263 @@
+"""LeanRedis (leanredis/): redis-py's interface over one pipelined connection, against a
+real redis-server of the test's own (stopped, killed and restarted on purpose)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from launcher.stack import free_port
+from leanredis import LeanRedis
+
+
+class Server:
+    """A redis-server child in its own process group, on a port of its own."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.socket = str(tmp / "redis.sock")
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        argv += ["--unixsocket", self.socket, *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.socket):
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+            if os.path.exists(self.socket):
+                os.unlink(self.socket)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    s = Server(tmp_path)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+async def plain(server: Server) -> AsyncIterator[Redis]:
+    client = Redis.from_url(server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def lean(server: Server) -> AsyncIterator[LeanRedis]:
+    client = LeanRedis.from_url(server.url, socket_timeout=5)
+    yield client
+    await client.aclose()
+
+
+async def test_replies_are_redis_pys(plain: Redis, lean: LeanRedis) -> None:
+    await plain.set("s", "v")
+    await plain.hset("h", mapping={"a": "1", "b": "2"})
+    await plain.zadd("z", {"m": 1.5, "n": 2})
+    await plain.xadd("x", {"f": "1"}, id="1-1")
+    await plain.xadd("x", {"f": "2"}, id="1-2")
+    script = "return {KEYS[1], ARGV[1], 7, false, redis.call('GET', KEYS[1])}"
+    calls = [
+        lambda c: c.get("s"),
+        lambda c: c.get("missing"),
+        lambda c: c.hmget("h", ["a", "missing", "b"]),
+        lambda c: c.hgetall("h"),
+        lambda c: c.hget("h", "a"),
+        lambda c: c.exists("s", "h", "missing"),
+        lambda c: c.getrange("s", 0, 10),
+        lambda c: c.zrange("z", 0, -1, withscores=True),
+        lambda c: c.xrange("x"),
+        lambda c: c.xread({"x": "0-0"}, count=1),
+        lambda c: c.xread({"missing": "0-0"}),
+        lambda c: c.ttl("s"),
+        lambda c: c.config_get("maxmemory*"),
+        lambda c: c.register_script(script)(keys=["s"], args=["a"]),
+    ]
+    for call in calls:
+        assert await call(lean) == await call(plain)
+    assert await lean.set("t", "1", ex=60) is True
+    assert await lean.set("t", "1", nx=True) is None
+    assert await lean.incr("n") == 1
+    assert await lean.publish("nobody", "x") == 0
+
+
+async def test_scripts_are_loaded_again_after_a_flush(lean: LeanRedis) -> None:
+    script = lean.register_script("return ARGV[1] .. '!'")
+    assert await script(args=["a"]) == b"a!"
+    await lean.script_flush()
+    with pytest.raises(NoScriptError):
+        await lean.evalsha(script.sha, 0, "b")
+    assert await script(args=["b"]) == b"b!"  # NOSCRIPT: loaded again, sent again
+
+
+async def test_pipelines_with_and_without_a_transaction(lean: LeanRedis) -> None:
+    async with lean.pipeline(transaction=True) as pipe:
+        pipe.set("k", "v")
+        pipe.hset("h", "f", "1")
+        pipe.hgetall("h")
+        pipe.exists("k", "h")
+        assert await pipe.execute() == [True, 1, {b"f": b"1"}, 2]
+    async with lean.pipeline(transaction=False) as pipe:
+        pipe.get("k")
+        pipe.incr("k")  # not a number: its error takes its place
+        pipe.get("missing")
+        got = await pipe.execute(raise_on_error=False)
+    assert got[0] == b"v" and isinstance(got[1], ResponseError) and got[2] is None
+    async with lean.pipeline(transaction=False) as pipe:
+        pipe.exists("k")  # one command: still a list of one reply
+        assert await pipe.execute() == [1]
+    async with lean.pipeline(transaction=True) as pipe:
+        pipe.incr("k")
+        with pytest.raises(ResponseError, match="not an integer"):
+            await pipe.execute()
+    async with lean.pipeline(transaction=True) as pipe:
+        pipe.execute_command("SET", "k")  # refused while queueing: the transaction is dropped
+        with pytest.raises(ExecAbortError):
+            await pipe.execute()
+    assert await lean.get("k") == b"v"  # and the connection still answers in order
+
+
+async def test_concurrent_callers_each_get_their_own_reply(lean: LeanRedis) -> None:
+    async def one(i: int) -> None:
+        assert await lean.incrby(f"c{i % 7}", i) >= i
+        await lean.set(f"k{i}", i)
+        assert await lean.get(f"k{i}") == str(i).encode()
+
+    async def atomic(i: int) -> None:
+        # Each transaction is written in one piece: nothing of another lands between its
+        # INCR and its GET.
+        async with lean.pipeline(transaction=True) as pipe:
+            pipe.incr("shared")
+            pipe.get("shared")
+            counted, seen = await pipe.execute()
+        assert seen == str(counted).encode()
+
+    await asyncio.gather(*(one(i) for i in range(300)), *(atomic(i) for i in range(100)))
+    assert await lean.get("shared") == b"100"
+
+
+async def test_a_cancelled_caller_does_not_shift_the_replies(lean: LeanRedis) -> None:
+    await lean.set("k", "v")
+    slow = asyncio.ensure_future(lean.blpop(["empty"], timeout=0.3))
+    await asyncio.sleep(0.05)
+    slow.cancel()
+    # Queued behind the BLPOP: its reply (None) comes first and must go to nobody.
+    assert await lean.get("k") == b"v"
+    assert await lean.hget("nothing", "f") is None
+    assert slow.cancelled()
+
+
+async def test_a_silent_server_fails_every_waiting_command_at_the_timeout(server: Server) -> None:
+    client = LeanRedis.from_url(server.url, socket_timeout=0.3)
+    try:
+        await client.set("k", "v")
+        server.pause()
+        started = time.monotonic()
+        gathered = asyncio.gather(*(client.get("k") for _ in range(5)), return_exceptions=True)
+        answers = await asyncio.wait_for(gathered, 5)
+        waited = time.monotonic() - started
+        assert all(isinstance(a, RedisTimeoutError) for a in answers), answers
+        assert 0.25 <= waited < 1.5, waited
+        server.resume()
+        assert await client.get("k") == b"v"  # on a new connection
+    finally:
+        server.resume()
+        await client.aclose()
+
+
+async def test_a_lost_connection_is_dialled_again_under_the_retry_policy(server: Server, plain: Redis) -> None:
+    client = LeanRedis.from_url(server.url, socket_timeout=2, retry=Retry(ConstantBackoff(0.05), 3))
+    bare = LeanRedis.from_url(server.url, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+    try:
+        await client.set("k", "v")
+        assert await bare.get("k") == b"v"
+        killed = await plain.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 2
+        assert await client.get("k") == b"v"
+        # With no retries, a command sent before the loss was noticed fails; the next one
+        # dials again. Either way nothing hangs.
+        try:
+            assert await bare.get("k") == b"v"
+        except RedisConnectionError:
+            assert await bare.get("k") == b"v"
+        # The server itself goes away and comes back (empty: no persistence).
+        server.stop()
+        with pytest.raises(RedisConnectionError):
+            await bare.get("k")
+        server.start()
+        assert await client.get("k") is None
+        await client.set("k", "again")
+        assert await bare.get("k") == b"again"
+    finally:
+        await client.aclose()
+        await bare.aclose()
+
+
+async def test_password_db_and_unix_socket_from_the_url(tmp_path: Path) -> None:
+    server = Server(tmp_path, "--requirepass", "s3cret")
+    server.start()
+    try:
+        tcp = LeanRedis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/3", socket_timeout=5)
+        unix = LeanRedis.from_url(f"unix://:s3cret@{server.socket}?db=3", socket_timeout=5)
+        admin = Redis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/0")
+        wrong = LeanRedis.from_url(f"redis://:nope@127.0.0.1:{server.port}/0", socket_timeout=5)
+        try:
+            await tcp.set("k", "tcp")
+            assert await unix.get("k") == b"tcp"
+            assert await admin.get("k") is None  # it went to db 3, not 0
+            assert await admin.execute_command("SELECT", 3) and await admin.get("k") == b"tcp"
+            with pytest.raises(RedisConnectionError):  # AuthenticationError is one
+                await wrong.get("k")
+        finally:
+            for client in (tcp, unix, admin, wrong):
+                await client.aclose()
+    finally:
+        server.stop()
+
+
+async def test_pubsub_still_uses_redis_pys_pool(lean: LeanRedis) -> None:
+    pubsub = lean.pubsub()
+    try:
+        await pubsub.subscribe("news")
+        assert (await pubsub.get_message(timeout=2))["type"] == "subscribe"  # type: ignore[index]
+        assert await lean.publish("news", "hello") == 1
+        message = await pubsub.get_message(timeout=2)
+        assert message is not None and message["data"] == b"hello"
+    finally:
+        await pubsub.aclose()
