@@ -181,6 +181,14 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         self._end(RedisConnectionError(f"Connection to Redis at {self._address} closed by the client"))
 
+    def hand_over(self, protocol: asyncio.Protocol) -> asyncio.Transport:
+        """Give the (idle, handshake done) transport to another protocol; this one is done."""
+        assert self._transport is not None and not self._waiting
+        transport, self._transport = self._transport, None
+        self.broken = RedisConnectionError("handed over")
+        transport.set_protocol(protocol)
+        return transport
+
 
 async def _no_op(*_: Any) -> None:
     pass
@@ -249,7 +257,8 @@ class LeanRedis(Redis):
                 self._lean = await self._dial()
         return await self._lean.send(data, count)
 
-    async def _dial(self) -> _Connection:
+    async def _dial(self, resp3: bool | None = None) -> _Connection:
+        """A new connection, its handshake done; RESP2 with `resp3` False (pub/sub)."""
         options = self._options
         loop = asyncio.get_running_loop()
         timeout_s = options.get("socket_timeout")
@@ -268,7 +277,7 @@ class LeanRedis(Redis):
                         int(options.get("port", 6379)),
                         ssl=self._ssl_context(),
                     )
-                for command in self._handshake():
+                for command in self._handshake(resp3):
                     await protocol.send(_pack(command))
         except TimeoutError:
             protocol.close()
@@ -293,14 +302,16 @@ class LeanRedis(Redis):
             context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
         return context
 
-    def _handshake(self) -> list[tuple[Any, ...]]:
+    def _handshake(self, resp3: bool | None) -> list[tuple[Any, ...]]:
         """What a new connection sends before anything else: the protocol, the URL's
         credentials and db."""
         options = self._options
         commands: list[tuple[Any, ...]] = []
         password, user = options.get("password"), options.get("username")
         credentials = (user or "default", password) if password else ()
-        if int(options.get("protocol") or _DEFAULT_PROTOCOL) == 3:
+        if resp3 is None:
+            resp3 = int(options.get("protocol") or _DEFAULT_PROTOCOL) == 3
+        if resp3:
             commands.append(("HELLO", 3, "AUTH", *credentials) if credentials else ("HELLO", 3))
         elif credentials:
             commands.append(("AUTH", *credentials))

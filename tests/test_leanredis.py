@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from launcher.stack import free_port
 from leanredis import LeanRedis
+from leanredis.subscriber import Subscriber
 
 
 class Server:
@@ -261,3 +262,93 @@ async def test_pubsub_still_uses_redis_pys_pool(lean: LeanRedis) -> None:
         assert message is not None and message["data"] == b"hello"
     finally:
         await pubsub.aclose()
+
+
+class Heard:
+    """What a Subscriber handed to its callback, with a way to wait for one more."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[bytes, bytes, bytes | int]] = []
+        self._more = asyncio.Event()
+
+    def __call__(self, kind: bytes, channel: bytes, data: bytes | int) -> None:
+        self.items.append((kind, channel, data))
+        self._more.set()
+
+    async def wait_for(self, item: tuple[bytes, bytes, bytes | int], times: int = 1, timeout_s: float = 5.0) -> None:
+        """Wait until `item` has been heard `times` times in all."""
+        async with asyncio.timeout(timeout_s):
+            while self.items.count(item) < times:
+                self._more.clear()
+                await self._more.wait()
+
+
+async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -> None:
+    heard = Heard()
+    subscriber = Subscriber(lean, heard)
+    await subscriber.start()
+    try:
+        subscriber.subscribe("a", "b")
+        await heard.wait_for((b"subscribe", b"b", 2))
+        assert await lean.publish("a", "one") == 1
+        await heard.wait_for((b"message", b"a", b"one"))
+        subscriber.unsubscribe("a")
+        await heard.wait_for((b"unsubscribe", b"a", 1))
+        assert await lean.publish("a", "two") == 0
+        assert await lean.publish("b", "three") == 1
+        await heard.wait_for((b"message", b"b", b"three"))
+        assert (b"message", b"a", b"two") not in heard.items
+        assert subscriber.connections == 1
+    finally:
+        await subscriber.aclose()
+
+
+async def test_subscriber_comes_back_with_its_channels(server: Server, lean: LeanRedis, plain: Redis) -> None:
+    heard = Heard()
+    subscriber = Subscriber(lean, heard)
+    await subscriber.start()
+    try:
+        subscriber.subscribe("kept", "dropped")
+        await heard.wait_for((b"subscribe", b"dropped", 2))
+        subscriber.unsubscribe("dropped")
+        await heard.wait_for((b"unsubscribe", b"dropped", 1))
+        await plain.client_kill_filter(_type="pubsub")
+        # Back on a new connection, subscribed again to what is still wanted, and counted.
+        await heard.wait_for((b"subscribe", b"kept", 1), times=2)
+        assert subscriber.connections == 2
+        assert await lean.publish("kept", "after") == 1
+        await heard.wait_for((b"message", b"kept", b"after"))
+        assert await plain.publish("dropped", "x") == 0
+        # The server goes away for a while, then comes back empty.
+        server.stop()
+        await asyncio.sleep(0.3)
+        server.start()
+        await heard.wait_for((b"subscribe", b"kept", 1), times=3)
+        assert subscriber.connections >= 3
+        fresh = Redis.from_url(server.url)
+        try:
+            assert await fresh.publish("kept", "again") == 1
+        finally:
+            await fresh.aclose()
+        await heard.wait_for((b"message", b"kept", b"again"))
+    finally:
+        await subscriber.aclose()
+
+
+async def test_a_quiet_subscriber_connection_is_checked_and_replaced(server: Server) -> None:
+    client = LeanRedis.from_url(server.url, socket_timeout=0.3, health_check_interval=0.3)
+    heard = Heard()
+    subscriber = Subscriber(client, heard)
+    await subscriber.start()
+    try:
+        subscriber.subscribe("c")
+        await heard.wait_for((b"subscribe", b"c", 1))
+        server.pause()  # half-open as far as the client can tell: nothing answers
+        await asyncio.sleep(1.0)
+        server.resume()
+        await heard.wait_for((b"subscribe", b"c", 1), times=2)
+        assert subscriber.connections >= 2
+    finally:
+        server.resume()
+        await subscriber.aclose()
+        await client.aclose()
