@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,7 +23,7 @@ from api.routes import OUTPUT_WAIT_SLICE_MS, routes
 from api.state import AppState
 from api.store import JobStore
 from api.streams import StreamSlots
-from leanredis import LeanRedis
+from leanredis import BlockingLeanRedis, LeanRedis
 from shared.errors import ConfigError
 from shared.paths import profiles_dir
 from shared.settings import Settings
@@ -45,15 +45,13 @@ _COMMAND_TIMEOUT_S = 5.0
 def _blocking_pool(settings: Settings, connections: int, block_ms: int) -> Redis:
     """A bounded pool for reads that block in Redis up to `block_ms`: their timeout is the
     block time plus the usual one."""
-    return Redis(
-        connection_pool=BlockingConnectionPool.from_url(
-            settings.redis_url,
-            max_connections=connections,
-            timeout=5,
-            socket_timeout=block_ms / 1000 + _COMMAND_TIMEOUT_S,
-            socket_connect_timeout=_COMMAND_TIMEOUT_S,
-            **_RECONNECTING,
-        )
+    return BlockingLeanRedis.from_url(
+        settings.redis_url,
+        max_connections=connections,
+        pool_timeout_s=5,
+        socket_timeout=block_ms / 1000 + _COMMAND_TIMEOUT_S,
+        socket_connect_timeout=_COMMAND_TIMEOUT_S,
+        **_RECONNECTING,
     )
 
 

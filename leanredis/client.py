@@ -39,12 +39,12 @@ import redis.utils
 from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["LeanRedis"]
+__all__ = ["BlockingLeanRedis", "LeanRedis"]
 
 # redis-py's own reply options (redis.client's EMPTY_RESPONSE and NEVER_DECODE).
 _EMPTY_RESPONSE = "EMPTY_RESPONSE"
@@ -325,6 +325,62 @@ class LeanRedis(Redis):
         if self._lean is not None:
             self._lean.close()
             self._lean = None
+        await super().aclose(close_connection_pool)
+
+
+class BlockingLeanRedis(LeanRedis):
+    """LeanRedis for commands that block in Redis (XREAD BLOCK): each command has a
+    connection to itself, one of at most `max_connections` kept for reuse.
+
+    A command that fails or whose caller stops waiting takes its connection with it: a
+    blocking read may still be pending in Redis and would hold up the next command sent
+    there. A caller finding every connection busy waits up to `pool_timeout_s` for one,
+    then gets a ConnectionError, as from redis-py's BlockingConnectionPool.
+    """
+
+    def __init__(self, *args: Any, max_connections: int, pool_timeout_s: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._free = asyncio.Semaphore(max_connections)
+        self._idle: list[_Connection] = []
+        self._pool_timeout_s = pool_timeout_s
+
+    @classmethod
+    def from_url(cls, url: str, *, max_connections: int, pool_timeout_s: float = 5.0, **kwargs: Any) -> BlockingLeanRedis:  # type: ignore[override]
+        client = cls(
+            connection_pool=ConnectionPool.from_url(url, **kwargs),
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+        )
+        client.auto_close_connection_pool = True  # its own pool, closed with it (as from redis-py's from_url)
+        return client
+
+    async def _send(self, data: bytes, count: int | None = None) -> Any:  # type: ignore[override]
+        try:
+            await asyncio.wait_for(self._free.acquire(), self._pool_timeout_s)
+        except TimeoutError:
+            raise RedisConnectionError("No connection available.") from None
+        try:
+            connection = None
+            while self._idle and connection is None:
+                connection = self._idle.pop()
+                if connection.broken is not None:
+                    connection = None
+            if connection is None:
+                connection = await self._dial()
+            try:
+                reply = await connection.send(data, count)
+            except BaseException:
+                connection.close()
+                raise
+            self._idle.append(connection)
+            return reply
+        finally:
+            self._free.release()
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        for connection in self._idle:
+            connection.close()
+        self._idle.clear()
         await super().aclose(close_connection_pool)
 
 

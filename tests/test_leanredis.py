@@ -20,7 +20,7 @@ from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from launcher.stack import free_port
-from leanredis import LeanRedis
+from leanredis import BlockingLeanRedis, LeanRedis
 from leanredis.subscriber import Subscriber
 
 
@@ -352,3 +352,32 @@ async def test_a_quiet_subscriber_connection_is_checked_and_replaced(server: Ser
         server.resume()
         await subscriber.aclose()
         await client.aclose()
+
+
+async def test_blocking_reads_each_have_a_connection(server: Server, plain: Redis) -> None:
+    pool = BlockingLeanRedis.from_url(server.url, max_connections=3, pool_timeout_s=0.3, socket_timeout=5)
+    try:
+        # Three reads block at once, each on its own connection; one write wakes them all.
+        readers = [asyncio.ensure_future(pool.xread({"s": "$"}, block=3000)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        # A fourth finds all three busy: refused after the pool timeout, as redis-py's pool does.
+        with pytest.raises(RedisConnectionError, match="No connection available"):
+            await pool.xread({"s": "$"}, block=3000)
+        assert 0.25 <= time.monotonic() - started < 1.0
+        await plain.xadd("s", {"f": "v"})
+        answers = await asyncio.wait_for(asyncio.gather(*readers), 2)
+        assert all(a and a[0][1][0][1] == {b"f": b"v"} for a in answers), answers
+        # A read whose caller gave up takes its connection along: what comes next is not
+        # queued behind a block still pending in Redis.
+        gave_up = asyncio.ensure_future(pool.xread({"t": "$"}, block=3000))
+        await asyncio.sleep(0.1)
+        gave_up.cancel()
+        started = time.monotonic()
+        assert await pool.xread({"s": "0-0"}, count=1, block=3000)
+        assert await pool.get("missing") is None
+        assert time.monotonic() - started < 0.5
+        clients = await plain.client_list()
+        assert sum(1 for c in clients if c["cmd"] == "xread") <= 1  # the abandoned one, if Redis has not seen it go yet
+    finally:
+        await pool.aclose()
