@@ -870,6 +870,41 @@ async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_n
     assert (ended.exit_code, ended.signal) == (None, "SIGKILL")
 
 
+async def test_the_nsjail_log_keeps_what_is_read_from_it_and_drops_the_rest() -> None:
+    # nsjail writes some 45 lines per jail; the reader keeps warnings, errors and the four
+    # info lines it acts on (ready, exit, signal, time limit), whatever the chunking.
+    head = "[I][2026-12-02T00:37:14+0000] "
+    text = (
+        f"{head}Mode: STANDALONE_ONCE\n{head}Jail parameters: hostname:'sandbox'\n"
+        + "".join(f"{head}Mount: '/dev/null' -> '/proc/x{i}' type:'' options:''\n" for i in range(40))
+        + "[W][2026-12-02T00:37:14+0000][1] createMountTarget():142 open('/proc/modules'): No such file\n"
+        + f"{head}Uid map: inside_uid:65534\n{head}Executing '/.coderunner/gate' for '[STANDALONE MODE]'\n"
+        + f"{head}pid=7 ([STANDALONE MODE]) run time >= time limit (3 >= 2) (killing it)\n"
+        + f"{head}pid=7 ([STANDALONE MODE]) terminated with signal: SIGKILL (9), (PIDs left: 0)"  # no newline at EOF
+    ).encode()
+    released: list[int] = []
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [8])
+    status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    os.close(status_write)  # the gate never reported: nsjail's log says how it ended
+
+    async def exited() -> int:
+        return 0
+
+    log = asyncio.StreamReader()
+    proc = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=5, returncode=0)
+    jail = Jail(proc, log, SimpleNamespace(close=lambda: None), status_read, cgroup)  # type: ignore[arg-type]
+    for start in range(0, len(text), 700):  # cut mid-line
+        log.feed_data(text[start : start + 700])
+        await asyncio.sleep(0)
+    await asyncio.wait_for(jail.wait_ready(2), 3)
+    assert released == [5]
+    log.feed_eof()
+    ended = await asyncio.wait_for(jail.wait(), 2)
+    assert (ended.exit_code, ended.signal, ended.backstop_fired) == (None, "SIGKILL", True)
+    assert [line[:3] for line in jail._log_lines] == [b"[W]", b"[I]", b"[I]", b"[I]"]
+    assert jail.error_lines() == [text.split(b"\n")[42].decode()]
+
+
 @pytest.mark.parametrize(("burn_s", "added_s"), [(0.0, 0), (0.9, 1)])
 def test_a_waiting_runtimes_cpu_rlimit_gives_back_its_start_up(burn_s: float, added_s: int) -> None:
     """RLIMIT_CPU counts a process's CPU from its own start: a runtime that spent most of a

@@ -44,6 +44,10 @@ GATE_IN_JAIL = "/.coderunner/gate"
 _EXITED = re.compile(rb"exited with status: (\d+)")
 _SIGNALLED = re.compile(rb"terminated with signal: (SIG[A-Z0-9]+) \((\d+)\)")
 _TIME_LIMIT = re.compile(rb"run time >= time limit")
+_READY = b"Executing "
+# nsjail logs some 45 lines per jail, most of them one per mount: of its info lines only
+# these are ever looked at (warnings and errors are all kept).
+_KEPT_INFO = re.compile(rb"Executing |exited with status: |terminated with signal: |run time >= time limit")
 
 
 class JailError(Exception):
@@ -194,10 +198,13 @@ class Jail:
         return cls(proc, reader, log_transport, status_read, cgroup)
 
     async def _read_log(self) -> None:
+        rest = b""
         try:
-            while line := await self._log_reader.readline():
-                self._log_lines.append(line)
-                if not self._ready.is_set() and b"Executing " in line:
+            # What has arrived, at once: a read per line cost a loop round per mount.
+            while chunk := await self._log_reader.read(65536):
+                *lines, rest = (rest + chunk).split(b"\n")
+                ready = self._keep_log_lines(lines)
+                if ready and not self._ready.is_set():
                     # The jail exists (nsjail logs this from inside the child, just before
                     # exec): take nsjail itself out of the job's cgroups so only jailed code
                     # is limited, and see (same trip to the isolation threads) that the jail
@@ -208,9 +215,20 @@ class Jail:
                     except OSError as exc:
                         self._release_error = exc
                     self._ready.set()
+            self._keep_log_lines([rest] if rest else [])
         finally:
             self._log_transport.close()
             self._ready.set()
+
+    def _keep_log_lines(self, lines: list[bytes]) -> bool:
+        """Keep the lines that matter (see _KEPT_INFO); whether one says the jail is ready."""
+        ready = False
+        for line in lines:
+            if line.startswith((b"[I]", b"[D]")) and not _KEPT_INFO.search(line):
+                continue
+            self._log_lines.append(line)
+            ready = ready or _READY in line
+        return ready
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)
