@@ -19,6 +19,7 @@ COPY pyproject.toml README.md ./
 COPY api api
 COPY worker worker
 COPY shared shared
+COPY leanredis leanredis
 COPY launcher launcher
 COPY sandbox-profiles sandbox-profiles
 COPY web web

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 
 import yaml
 
@@ -57,6 +58,20 @@ def test_dockerfile_copies_what_exists() -> None:
         if line.startswith("COPY ") and "--from=" not in line:
             for source in line.split()[1:-1]:
                 assert (REPO_ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_dockerfile_copies_every_package_the_project_installs() -> None:
+    """The image installs the project from what it copied: a package named in pyproject's
+    find-include but not copied would be missing at import time in the container."""
+    include = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {
+        source
+        for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+        for source in line.split()[1:-1]
+    }
+    packages = {pattern.rstrip("*") for pattern in include}
+    assert packages and packages <= copied, sorted(packages - copied)
 
 
 def test_dockerfile_workers_run_the_nsjail_it_builds() -> None:
