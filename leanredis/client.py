@@ -355,10 +355,13 @@ class BlockingLeanRedis(LeanRedis):
         return client
 
     async def _send(self, data: bytes, count: int | None = None) -> Any:  # type: ignore[override]
-        try:
-            await asyncio.wait_for(self._free.acquire(), self._pool_timeout_s)
-        except TimeoutError:
-            raise RedisConnectionError("No connection available.") from None
+        if self._free.locked():
+            try:
+                await asyncio.wait_for(self._free.acquire(), self._pool_timeout_s)
+            except TimeoutError:
+                raise RedisConnectionError("No connection available.") from None
+        else:
+            await self._free.acquire()  # free: no wait, and no timer to set up
         try:
             connection = None
             while self._idle and connection is None:
