@@ -20,10 +20,12 @@ pipelines, exceptions and Retry policy) and replaces the transport:
 - a caller that stops waiting (cancelled) leaves the connection alone: its reply is read
   and dropped when it comes.
 
-Not for: WATCH (connection state every caller would share), and blocking commands on a
-client that others use (a BLMOVE or XREAD BLOCK holds up every command queued behind it).
-A client that blocks must have one caller at a time, as the worker's claim loop does.
-Pub/sub is unchanged: it takes its own connection from redis-py's pool.
+Not for: WATCH (connection state every caller would share), and blocking commands (a
+BLMOVE or XREAD BLOCK holds up every command queued behind it, and one whose caller gave
+up would still go on blocking in Redis, and might still move an item nobody then reads).
+Those go through BlockingLeanRedis, which gives each command a connection of its own and
+closes one whose caller gave up, so Redis drops the pending block (as redis-py does).
+Pub/sub goes through leanredis.subscriber.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ExecAbortError, RedisError, ResponseError, WatchError
+from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["BlockingLeanRedis", "LeanRedis"]
@@ -56,6 +58,10 @@ _PUSH = getattr(hiredis, "PushNotification", None)
 # callbacks are chosen for it, so this connection speaks it too.
 _DEFAULT_PROTOCOL = getattr(redis.utils, "DEFAULT_RESP_VERSION", 2)
 
+# What hiredis hands back for "no whole reply yet": its default, False, is also a reply
+# (RESP3's boolean false), which would then be dropped and every later reply shifted.
+NOT_ENOUGH_DATA = object()
+
 _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
 
@@ -64,7 +70,10 @@ def _pack(args: tuple[Any, ...]) -> bytes:
     name = args[0]
     if isinstance(name, str) and " " in name:  # "SCRIPT LOAD": the server wants two words
         args = (*name.split(), *args[1:])
-    return hiredis.pack_command(args)
+    try:
+        return hiredis.pack_command(args)
+    except TypeError as exc:  # what redis-py's encoder raises for a value it cannot send
+        raise DataError(f"Invalid input: {exc}") from None
 
 
 def _error(message: str) -> RedisError:
@@ -97,7 +106,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, address: str, timeout_s: float | None) -> None:
         self._address = address
         self._timeout_s = timeout_s
-        self._reader = hiredis.Reader(replyError=_error)
+        self._reader = hiredis.Reader(replyError=_error, notEnoughData=NOT_ENOUGH_DATA)
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -112,7 +121,7 @@ class _Connection(asyncio.Protocol):
         reader = self._reader
         reader.feed(data)
         waiting = self._waiting
-        while (reply := reader.gets()) is not False:
+        while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if _PUSH is not None and isinstance(reply, _PUSH):
                 continue  # RESP3 out-of-band news (none is asked for here): not a reply
             if not waiting:
@@ -182,7 +191,10 @@ class _Connection(asyncio.Protocol):
         self._end(RedisConnectionError(f"Connection to Redis at {self._address} closed by the client"))
 
     def hand_over(self, protocol: asyncio.Protocol) -> asyncio.Transport:
-        """Give the (idle, handshake done) transport to another protocol; this one is done."""
+        """Give the (idle, handshake done) transport to another protocol; this one is done.
+        Raises the connection's error if it was lost meanwhile."""
+        if self.broken is not None:
+            raise self.broken
         assert self._transport is not None and not self._waiting
         transport, self._transport = self._transport, None
         self.broken = RedisConnectionError("handed over")
@@ -209,7 +221,9 @@ class LeanRedis(Redis):
         self._options = options
         self._retry = options.get("retry")
         self._lean: _Connection | None = None
-        self._dialing: asyncio.Lock | None = None
+        # The dial under way, which every caller needing a connection meanwhile awaits.
+        self._dialing: asyncio.Future[_Connection] | None = None
+        self._closed = False
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         return _LeanPipeline(self, transaction)
@@ -250,12 +264,31 @@ class LeanRedis(Redis):
         return asyncio.ensure_future(self._dial_and_send(data, count))
 
     async def _dial_and_send(self, data: bytes, count: int | None) -> Any:
+        connection = await self._connected()
+        return await connection.send(data, count)
+
+    async def _connected(self) -> _Connection:
+        """The connection, dialled if need be. Callers arriving while a dial is under way
+        share its outcome (its connection, or its error, at once for all), and one of them
+        giving up does not stop it for the others."""
+        if self._closed:
+            raise RedisError("the client is closed")
+        lean = self._lean
+        if lean is not None and lean.broken is None:
+            return lean
         if self._dialing is None:
-            self._dialing = asyncio.Lock()
-        async with self._dialing:  # callers arriving meanwhile share one new connection
-            if self._lean is None or self._lean.broken is not None:
-                self._lean = await self._dial()
-        return await self._lean.send(data, count)
+            self._dialing = asyncio.ensure_future(self._dial())
+            self._dialing.add_done_callback(self._dialled)
+        return await asyncio.shield(self._dialing)
+
+    def _dialled(self, dialing: asyncio.Future[_Connection]) -> None:
+        self._dialing = None
+        if dialing.cancelled() or dialing.exception() is not None:  # retrieved: no warning
+            return
+        if self._closed:
+            dialing.result().close()
+        else:
+            self._lean = dialing.result()
 
     async def _dial(self, resp3: bool | None = None) -> _Connection:
         """A new connection, its handshake done; RESP2 with `resp3` False (pub/sub)."""
@@ -322,6 +355,7 @@ class LeanRedis(Redis):
         return commands
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        self._closed = True
         if self._lean is not None:
             self._lean.close()
             self._lean = None
@@ -354,33 +388,54 @@ class BlockingLeanRedis(LeanRedis):
         client.auto_close_connection_pool = True  # its own pool, closed with it (as from redis-py's from_url)
         return client
 
-    async def _send(self, data: bytes, count: int | None = None) -> Any:  # type: ignore[override]
-        if self._free.locked():
-            try:
-                await asyncio.wait_for(self._free.acquire(), self._pool_timeout_s)
-            except TimeoutError:
-                raise RedisConnectionError("No connection available.") from None
-        else:
-            await self._free.acquire()  # free: no wait, and no timer to set up
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        # A slot is taken once per command, outside the retry policy: a pool that stays full
+        # is "No connection available." after pool_timeout_s, as with redis-py, not retried.
+        await self._take_slot()
         try:
-            connection = None
-            while self._idle and connection is None:
-                connection = self._idle.pop()
-                if connection.broken is not None:
-                    connection = None
-            if connection is None:
-                connection = await self._dial()
-            try:
-                reply = await connection.send(data, count)
-            except BaseException:
-                connection.close()
-                raise
-            self._idle.append(connection)
-            return reply
+            return await super().execute_command(*args, **options)
         finally:
             self._free.release()
 
+    async def _send_batch(self, data: bytes, count: int) -> list[Any]:
+        await self._take_slot()
+        try:
+            return await super()._send_batch(data, count)
+        finally:
+            self._free.release()
+
+    async def _take_slot(self) -> None:
+        if not self._free.locked():
+            await self._free.acquire()  # free: no wait, and no timer to set up
+            return
+        try:
+            await asyncio.wait_for(self._free.acquire(), self._pool_timeout_s)
+        except TimeoutError:
+            raise RedisConnectionError("No connection available.") from None
+
+    async def _send(self, data: bytes, count: int | None = None) -> Any:  # type: ignore[override]
+        if self._closed:
+            raise RedisError("the client is closed")
+        connection = None
+        while self._idle and connection is None:
+            connection = self._idle.pop()
+            if connection.broken is not None:
+                connection = None
+        if connection is None:
+            connection = await self._dial()
+        try:
+            reply = await connection.send(data, count)
+        except BaseException:
+            connection.close()
+            raise
+        if self._closed:
+            connection.close()
+        else:
+            self._idle.append(connection)
+        return reply
+
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        self._closed = True
         for connection in self._idle:
             connection.close()
         self._idle.clear()
@@ -426,11 +481,9 @@ class _LeanPipeline(Pipeline):
         """The commands' replies from MULTI's, each QUEUED and EXEC's."""
         answer = replies[-1]
         if isinstance(answer, Exception):
-            # EXECABORT: a command was refused while queueing (its error says why).
+            # EXECABORT: a command was refused while queueing; like redis-py, raise why.
             refused = next((r for r in replies[1:-1] if isinstance(r, Exception)), None)
-            if refused is not None:
-                raise ExecAbortError(f"Transaction discarded: {refused}")
-            raise answer
+            raise refused if refused is not None else answer
         if answer is None:
             raise WatchError("Watched variable changed.")
         return answer  # type: ignore[no-any-return]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import hiredis
 from redis.exceptions import RedisError
 
-from leanredis.client import LeanRedis, _error, _pack
+from leanredis.client import NOT_ENOUGH_DATA, LeanRedis, _error, _pack
 
 __all__ = ["Subscriber"]
 
@@ -43,7 +43,7 @@ class _Pushes(asyncio.Protocol):
     def __init__(self, on_message: OnMessage, address: str) -> None:
         self._on_message = on_message
         self._address = address
-        self._reader = hiredis.Reader(replyError=_error)
+        self._reader = hiredis.Reader(replyError=_error, notEnoughData=NOT_ENOUGH_DATA)
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_heard = asyncio.get_running_loop().time()
@@ -52,7 +52,7 @@ class _Pushes(asyncio.Protocol):
         self.last_heard = asyncio.get_running_loop().time()
         reader = self._reader
         reader.feed(data)
-        while (reply := reader.gets()) is not False:
+        while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):
                 log.warning("Redis at %s refused a pub/sub command: %s", self._address, reply)
             elif isinstance(reply, list) and len(reply) == 3 and reply[0] != b"pong":

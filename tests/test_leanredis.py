@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ExecAbortError, NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from launcher.stack import free_port
@@ -149,7 +149,7 @@ async def test_pipelines_with_and_without_a_transaction(lean: LeanRedis) -> None
             await pipe.execute()
     async with lean.pipeline(transaction=True) as pipe:
         pipe.execute_command("SET", "k")  # refused while queueing: the transaction is dropped
-        with pytest.raises(ExecAbortError):
+        with pytest.raises(ResponseError, match="wrong number of arguments"):  # as redis-py
             await pipe.execute()
     assert await lean.get("k") == b"v"  # and the connection still answers in order
 
@@ -381,3 +381,84 @@ async def test_blocking_reads_each_have_a_connection(server: Server, plain: Redi
         assert sum(1 for c in clients if c["cmd"] == "xread") <= 1  # the abandoned one, if Redis has not seen it go yet
     finally:
         await pool.aclose()
+
+
+async def test_a_resp3_false_reply_is_a_reply(lean: LeanRedis) -> None:
+    # hiredis's "no whole reply yet" must not be mistaken for RESP3's false (nor dropped,
+    # which would hand every later reply to the caller before its own).
+    await lean.set("k", "v")
+    answers = await asyncio.wait_for(
+        asyncio.gather(lean.eval("redis.setresp(3); return false", 0), lean.get("k"), lean.get("missing")), 5
+    )
+    assert answers == [False, b"v", None]
+
+
+async def test_values_redis_py_cannot_send_are_a_data_error(lean: LeanRedis) -> None:
+    with pytest.raises(DataError):
+        await lean.execute_command("SET", "k", None)
+    assert await lean.set("k", "still fine") is True
+
+
+async def test_a_cancelled_blocking_claim_moves_nothing_later(server: Server, plain: Redis) -> None:
+    # The worker's claim client: a BLMOVE cut short (the worker stopping) must not stay
+    # pending in Redis and move a job into a claimed list nobody reads any more.
+    claims = BlockingLeanRedis.from_url(server.url, max_connections=1, socket_timeout=5)
+    try:
+        claim = asyncio.ensure_future(claims.blmove("queue", "claimed", 2, "RIGHT", "LEFT"))
+        await asyncio.sleep(0.1)
+        claim.cancel()
+        await asyncio.sleep(0.1)
+        await plain.lpush("queue", "job-1")
+        await asyncio.sleep(0.2)
+        assert await plain.lrange("queue", 0, -1) == [b"job-1"]
+        assert await plain.lrange("claimed", 0, -1) == []
+        assert await claims.blmove("queue", "claimed", 1, "RIGHT", "LEFT") == b"job-1"  # the next claim works
+    finally:
+        await claims.aclose()
+
+
+async def test_callers_waiting_for_a_dial_share_its_outcome(server: Server) -> None:
+    client = LeanRedis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        await client.set("k", "v")
+        server.pause()  # the connection times out; the re-dial cannot finish its handshake
+        with pytest.raises(RedisTimeoutError):
+            await client.get("k")
+        started = time.monotonic()
+        answers = await asyncio.gather(*(client.get("k") for _ in range(6)), return_exceptions=True)
+        assert all(isinstance(a, RedisTimeoutError) for a in answers), answers
+        assert time.monotonic() - started < 1.2  # one dial's timeout for all, not one after another
+    finally:
+        server.resume()
+        await client.aclose()
+
+
+async def test_a_full_blocking_pool_is_not_retried(server: Server) -> None:
+    pool = BlockingLeanRedis.from_url(
+        server.url, max_connections=1, pool_timeout_s=0.3, socket_timeout=5, retry=Retry(ConstantBackoff(0.1), 6)
+    )
+    try:
+        busy = asyncio.ensure_future(pool.blpop(["empty"], timeout=3))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError, match="No connection available"):
+            await pool.get("k")
+        assert time.monotonic() - started < 1.0  # the pool's wait once, not seven times
+        busy.cancel()
+    finally:
+        await pool.aclose()
+
+
+async def test_a_closed_client_dials_nothing_more(server: Server) -> None:
+    client = LeanRedis.from_url(server.url, socket_timeout=5, retry=Retry(ConstantBackoff(0.05), 3))
+    pool = BlockingLeanRedis.from_url(server.url, max_connections=2, socket_timeout=5)
+    in_flight = asyncio.ensure_future(client.blpop(["empty"], timeout=1))
+    reading = asyncio.ensure_future(pool.blpop(["empty"], timeout=0.5))
+    await asyncio.sleep(0.1)
+    await client.aclose()
+    await pool.aclose()
+    assert isinstance((await asyncio.gather(in_flight, return_exceptions=True))[0], RedisError)
+    await asyncio.gather(reading, return_exceptions=True)  # answered after the close, or failed
+    assert client._lean is None and pool._idle == []
+    with pytest.raises(RedisError):
+        await client.get("k")

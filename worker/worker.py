@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from leanredis import LeanRedis
+from leanredis import BlockingLeanRedis, LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo
@@ -109,9 +109,12 @@ class Worker:
             socket_connect_timeout=COMMAND_TIMEOUT_S,
             **_RECONNECTING,
         )
-        # Blocking claims get their own connection so they never delay other commands.
-        claim_redis = LeanRedis.from_url(
+        # Blocking claims get their own connection so they never delay other commands; a
+        # claim cut short (a stop) closes it, so Redis drops the pending BLMOVE instead of
+        # moving a job into our claimed list after we have left.
+        claim_redis = BlockingLeanRedis.from_url(
             settings.redis_url,
+            max_connections=1,
             socket_timeout=CLAIM_POLL_S + COMMAND_TIMEOUT_S,
             socket_connect_timeout=COMMAND_TIMEOUT_S,
             **_RECONNECTING,
