@@ -462,3 +462,42 @@ async def test_a_closed_client_dials_nothing_more(server: Server) -> None:
     assert client._lean is None and pool._idle == []
     with pytest.raises(RedisError):
         await client.get("k")
+
+
+async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server = Server(tmp_path)
+    tls_port = free_port()
+    server.extra = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                    "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
+    server.start()
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    try:
+        client = LeanRedis.from_url(f"{url}?ssl_ca_certs={cert}", socket_timeout=5)
+        pool = BlockingLeanRedis.from_url(f"{url}?ssl_ca_certs={cert}", max_connections=1, socket_timeout=5)
+        unverified = LeanRedis.from_url(url, socket_timeout=5)  # the system's CAs do not know this one
+        try:
+            await client.set("k", "over tls")
+            assert await pool.get("k") == b"over tls"
+            heard = Heard()
+            subscriber = Subscriber(client, heard)
+            await subscriber.start()
+            try:
+                subscriber.subscribe("c")
+                await heard.wait_for((b"subscribe", b"c", 1))
+                assert await client.publish("c", "x") == 1
+                await heard.wait_for((b"message", b"c", b"x"))
+            finally:
+                await subscriber.aclose()
+            with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                await unverified.get("k")
+        finally:
+            for c in (client, pool, unverified):
+                await c.aclose()
+    finally:
+        server.stop()
