@@ -89,6 +89,12 @@ def _error(message: str) -> RedisError:
     return found(message)
 
 
+def _fresh(error: RedisError) -> RedisError:
+    """A copy for one more caller: an exception object raised in several tasks would gather
+    all their tracebacks."""
+    return type(error)(*error.args)
+
+
 class _Waiting:
     """A command, or a pipeline of `count` commands (`count` None: one command, answered
     by its reply rather than a list), sent and not yet answered in full."""
@@ -152,7 +158,7 @@ class _Connection(asyncio.Protocol):
         reply (for a pipeline, the list of its `count` replies)."""
         future = self._loop.create_future()
         if self.broken is not None:
-            future.set_exception(self.broken)
+            future.set_exception(_fresh(self.broken))
             return future
         deadline = self._loop.time() + self._timeout_s if self._timeout_s else 0.0
         self._waiting.append(_Waiting(future, count, deadline))
@@ -183,7 +189,7 @@ class _Connection(asyncio.Protocol):
         while self._waiting:
             future = self._waiting.popleft().future
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(_fresh(error))
         if self._transport is not None:
             self._transport.abort()
 
@@ -194,7 +200,7 @@ class _Connection(asyncio.Protocol):
         """Give the (idle, handshake done) transport to another protocol; this one is done.
         Raises the connection's error if it was lost meanwhile."""
         if self.broken is not None:
-            raise self.broken
+            raise _fresh(self.broken)
         assert self._transport is not None and not self._waiting
         transport, self._transport = self._transport, None
         self.broken = RedisConnectionError("handed over")
