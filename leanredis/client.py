@@ -26,6 +26,11 @@ up would still go on blocking in Redis, and might still move an item nobody then
 Those go through BlockingLeanRedis, which gives each command a connection of its own and
 closes one whose caller gave up, so Redis drops the pending block (as redis-py does).
 Pub/sub goes through leanredis.subscriber.
+
+Of redis-py's connection options it honours the URL (host and port or unix path, TLS,
+username, password, db), socket_timeout, socket_connect_timeout, client_name, protocol and
+retry; socket_keepalive and health_check_interval have no effect on command connections
+(the command timeout is what notices a dead peer; the Subscriber PINGs its own).
 """
 
 from __future__ import annotations
