@@ -240,12 +240,8 @@ class LeanRedis(Redis):
         return _LeanPipeline(self, transaction)
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        data = _pack(args)
         try:
-            if self._retry is None:
-                reply = await self._send(data)
-            else:
-                reply = await self._retry.call_with_retry(lambda: self._send(data), _no_op)
+            reply = await self._request(_pack(args))
         except ResponseError:
             if _EMPTY_RESPONSE in options:
                 return options[_EMPTY_RESPONSE]
@@ -263,10 +259,11 @@ class LeanRedis(Redis):
         parsed = callback(reply, **options)
         return await parsed if inspect.isawaitable(parsed) else parsed
 
-    async def _send_batch(self, data: bytes, count: int) -> list[Any]:
+    async def _request(self, data: bytes, count: int | None = None) -> Any:
+        """Send one command, or a pipeline of `count`, under the client's Retry policy."""
         if self._retry is None:
-            return await self._send(data, count)  # type: ignore[no-any-return]
-        return await self._retry.call_with_retry(lambda: self._send(data, count), _no_op)  # type: ignore[no-any-return]
+            return await self._send(data, count)
+        return await self._retry.call_with_retry(lambda: self._send(data, count), _no_op)
 
     def _send(self, data: bytes, count: int | None = None) -> asyncio.Future[Any]:
         lean = self._lean
@@ -399,19 +396,12 @@ class BlockingLeanRedis(LeanRedis):
         client.auto_close_connection_pool = True  # its own pool, closed with it (as from redis-py's from_url)
         return client
 
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
+    async def _request(self, data: bytes, count: int | None = None) -> Any:
         # A slot is taken once per command, outside the retry policy: a pool that stays full
         # is "No connection available." after pool_timeout_s, as with redis-py, not retried.
         await self._take_slot()
         try:
-            return await super().execute_command(*args, **options)
-        finally:
-            self._free.release()
-
-    async def _send_batch(self, data: bytes, count: int) -> list[Any]:
-        await self._take_slot()
-        try:
-            return await super()._send_batch(data, count)
+            return await super()._request(data, count)
         finally:
             self._free.release()
 
@@ -471,7 +461,7 @@ class _LeanPipeline(Pipeline):
             transaction = self.is_transaction or self.explicit_transaction
             if transaction:
                 packed = [_MULTI, *packed, _EXEC]
-            replies = await self._client._send_batch(b"".join(packed), len(packed))
+            replies = await self._client._request(b"".join(packed), len(packed))
             if transaction:
                 replies = self._exec_replies(replies)
             results: list[Any] = []
