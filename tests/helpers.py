@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +45,18 @@ def compiled_shims() -> dict[str, str]:
     the manifests: the worker compiles such a shim and names it as `run` names a class."""
     manifests = load_manifests(REPO_ROOT / "sandbox-profiles")
     return {m.language: name for m in manifests if (name := compiled_shim_name(m)) is not None}
+
+
+def self_signed_certificate(folder: Path, alt_name: str) -> tuple[Path, Path]:
+    """A one-day self-signed certificate and its key (files in `folder`) for `alt_name`,
+    as openssl's subjectAltName says it ("IP:127.0.0.1", "DNS:hooks.test")."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", f"/CN={alt_name.partition(':')[2]}", "-addext", f"subjectAltName={alt_name}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

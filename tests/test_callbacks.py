@@ -20,7 +20,6 @@ import re
 import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import uuid
@@ -42,7 +41,7 @@ from shared.limits import DEFAULT_LIMITS
 from shared.messages import FileSpec, JobSpec, JobState
 from shared.paths import REPO_ROOT
 from shared.settings import Settings, load_settings
-from tests.helpers import Api, py_job
+from tests.helpers import Api, py_job, self_signed_certificate
 from worker.callbacks import CallbackSender
 from worker.callbacks import send as send_module
 from worker.callbacks.deliveries import Deliveries
@@ -723,12 +722,7 @@ async def test_https_to_the_checked_address_keeps_the_server_name(
     name fails the attempt."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=hooks.test", "-addext", "subjectAltName=DNS:hooks.test"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path, "DNS:hooks.test")
     server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_tls.load_cert_chain(cert, key)
     trusting = ssl.create_default_context(cafile=str(cert))

@@ -4,6 +4,7 @@ real redis-server of the test's own (stopped, killed and restarted on purpose)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from launcher.stack import free_port
 from leanredis import BlockingLeanRedis, LeanRedis
 from leanredis.subscriber import Subscriber
+from tests.helpers import self_signed_certificate
 
 
 class Server:
@@ -284,11 +286,20 @@ class Heard:
                 await self._more.wait()
 
 
-async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -> None:
+@contextlib.asynccontextmanager
+async def subscribed(client: LeanRedis) -> AsyncIterator[tuple[Subscriber, Heard]]:
+    """A started Subscriber on `client`, and what it hears; closed on the way out."""
     heard = Heard()
-    subscriber = Subscriber(lean, heard)
+    subscriber = Subscriber(client, heard)
     await subscriber.start()
     try:
+        yield subscriber, heard
+    finally:
+        await subscriber.aclose()
+
+
+async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -> None:
+    async with subscribed(lean) as (subscriber, heard):
         subscriber.subscribe("a", "b")
         await heard.wait_for((b"subscribe", b"b", 2))
         assert await lean.publish("a", "one") == 1
@@ -300,15 +311,10 @@ async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -
         await heard.wait_for((b"message", b"b", b"three"))
         assert (b"message", b"a", b"two") not in heard.items
         assert subscriber.connections == 1
-    finally:
-        await subscriber.aclose()
 
 
 async def test_subscriber_comes_back_with_its_channels(server: Server, lean: LeanRedis, plain: Redis) -> None:
-    heard = Heard()
-    subscriber = Subscriber(lean, heard)
-    await subscriber.start()
-    try:
+    async with subscribed(lean) as (subscriber, heard):
         subscriber.subscribe("kept", "dropped")
         await heard.wait_for((b"subscribe", b"dropped", 2))
         subscriber.unsubscribe("dropped")
@@ -332,26 +338,21 @@ async def test_subscriber_comes_back_with_its_channels(server: Server, lean: Lea
         finally:
             await fresh.aclose()
         await heard.wait_for((b"message", b"kept", b"again"))
-    finally:
-        await subscriber.aclose()
 
 
 async def test_a_quiet_subscriber_connection_is_checked_and_replaced(server: Server) -> None:
     client = LeanRedis.from_url(server.url, socket_timeout=0.3, health_check_interval=0.3)
-    heard = Heard()
-    subscriber = Subscriber(client, heard)
-    await subscriber.start()
     try:
-        subscriber.subscribe("c")
-        await heard.wait_for((b"subscribe", b"c", 1))
-        server.pause()  # half-open as far as the client can tell: nothing answers
-        await asyncio.sleep(1.0)
-        server.resume()
-        await heard.wait_for((b"subscribe", b"c", 1), times=2)
-        assert subscriber.connections >= 2
+        async with subscribed(client) as (subscriber, heard):
+            subscriber.subscribe("c")
+            await heard.wait_for((b"subscribe", b"c", 1))
+            server.pause()  # half-open as far as the client can tell: nothing answers
+            await asyncio.sleep(1.0)
+            server.resume()
+            await heard.wait_for((b"subscribe", b"c", 1), times=2)
+            assert subscriber.connections >= 2
     finally:
         server.resume()
-        await subscriber.aclose()
         await client.aclose()
 
 
@@ -466,12 +467,7 @@ async def test_a_closed_client_dials_nothing_more(server: Server) -> None:
 
 
 async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path, "IP:127.0.0.1")
     server = Server(tmp_path)
     tls_port = free_port()
     server.extra = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
@@ -485,16 +481,11 @@ async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
         try:
             await client.set("k", "over tls")
             assert await pool.get("k") == b"over tls"
-            heard = Heard()
-            subscriber = Subscriber(client, heard)
-            await subscriber.start()
-            try:
+            async with subscribed(client) as (subscriber, heard):
                 subscriber.subscribe("c")
                 await heard.wait_for((b"subscribe", b"c", 1))
                 assert await client.publish("c", "x") == 1
                 await heard.wait_for((b"message", b"c", b"x"))
-            finally:
-                await subscriber.aclose()
             with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
                 await unverified.get("k")
         finally:
