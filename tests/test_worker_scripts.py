@@ -25,6 +25,7 @@ from shared.messages import JobState, Outcome, TestCase, result_without_run
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.job.run import JobRun
+from worker.messaging.control import ControlBus
 from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
 from worker.worker import Worker
 
@@ -169,10 +170,10 @@ def _job_run(queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_sto
     ctx = SimpleNamespace(
         queue=queue,
         publisher=SimpleNamespace(lane=lambda _channel: lane or _Lane()),
-        settings=SimpleNamespace(pusher_max_payload_kb=100),
+        settings=SimpleNamespace(pusher_max_payload_kb=100, pusher_timeout_ms=1000),
         hard_stop=stop,
     )
-    return JobRun(ctx, claim)  # type: ignore[arg-type]
+    return JobRun(ctx, claim, None)  # type: ignore[arg-type]
 
 
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
@@ -389,3 +390,89 @@ async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(
     assert not await redis.exists(keys.worker_alive_key("w-restarted"))
     assert not await redis.hexists(keys.WORKERS, "w-restarted")
     assert await WorkerQueue(redis, "w-restarted", RECORD_TTL_S, RESULT_TTL_S).take_id(60_000)
+
+
+@pytest.fixture
+async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator[tuple[Worker, Any]]:
+    """A Worker (no sandboxes) and the context its claims use: the queue, a real ControlBus."""
+    settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    bus_redis = LeanRedis.from_url(redis_stack.redis_url)
+    control = ControlBus(bus_redis)
+    await control.start()
+    try:
+        yield worker, SimpleNamespace(queue=queue, control=control)
+    finally:
+        await control.aclose()
+        await bus_redis.aclose()
+
+
+async def test_a_start_landing_at_any_moment_of_a_claim_reaches_the_job(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    # The worker subscribes to a job's channels before its claim reads the stored flags, so
+    # a start is either in the claim or published to the subscription, never in between
+    # (the job reads no flags of its own on arrival).
+    worker, ctx = claiming_worker
+    store = JobStore(redis, RECORD_TTL_S)
+    real = queue.claim_taken
+    strays_seen: list[set[str]] = []
+
+    async def claim_then(when: str, job_id: str, now: float) -> Any:
+        strays_seen.append(await worker._strays(ctx))  # taken, in our list: not a stray
+        if when == "before":
+            assert (await store.start(job_id, "owner-a")).outcome == "started"
+            assert (await store.stdin(job_id, b"early", False, 30, 65536)).frame == 0
+        claim = await real(job_id, now)
+        if when == "after":
+            assert (await store.start(job_id, "owner-a")).outcome == "started"
+        return claim
+
+    for when in ("before", "after"):
+        spec = _spec()
+        assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+        queue.claim_taken = lambda job_id, now, when=when: claim_then(when, job_id, now)  # type: ignore[method-assign]
+        claimed = await worker._claim_one(ctx, queue)
+        assert claimed is not None
+        claim, sub = claimed
+        assert sub is not None and claim.spec.job_id == sub.job_id == spec.job_id
+        assert spec.job_id not in strays_seen[-1]
+        assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, 0) == [spec.job_id.encode()]
+        if when == "before":
+            assert claim.start_flag and claim.stdin_frames == 1
+        else:
+            assert not claim.start_flag and claim.stdin_frames == 0
+            message = await asyncio.wait_for(sub.ctrl.get(), 5)
+            assert message.type == "start"
+        await ctx.control.unsubscribe(sub)
+
+
+async def test_a_job_whose_subscription_failed_is_claimed_and_handed_back(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    worker, ctx = claiming_worker
+    spec = _spec()
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+
+    async def unconfirmed(job_id: str, timeout_s: float = 5.0) -> Any:
+        raise TimeoutError
+
+    ctx.control.subscribe = unconfirmed
+    claimed = await worker._claim_one(ctx, queue)
+    assert claimed is not None
+    claim, sub = claimed
+    assert sub is None and claim.attempt == 1
+    await _job_run(queue, claim).execute()
+    assert await redis.hget(keys.status_key(spec.job_id), "state") == b"queued"
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == []
+
+
+async def test_a_claimed_id_that_vanished_leaves_no_subscription_behind(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    worker, ctx = claiming_worker
+    await redis.lpush(keys.QUEUE, "no-such-job")
+    assert await worker._claim_one(ctx, queue) is None
+    assert ctx.control._subs == {}
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == []

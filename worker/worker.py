@@ -36,9 +36,9 @@ from worker.isolation.janitor import sweep_orphans
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
-from worker.messaging.control import ControlBus
+from worker.messaging.control import ControlBus, Subscription
 from worker.messaging.publisher import Publisher
-from worker.messaging.queue import WorkerQueue, now_ms
+from worker.messaging.queue import Claim, WorkerQueue, now_ms
 from worker.runtimes import Runtime
 from worker.tasks import cancel_and_wait, raise_if_cancelled
 
@@ -69,6 +69,8 @@ class Worker:
         self.sandboxes = sandboxes
         self.runtimes = runtimes
         self._jobs: dict[asyncio.Task[None], str] = {}
+        # The id being claimed (taken, not yet a job task): not a stray meanwhile.
+        self._claiming: str | None = None
         self.pool = SandboxPool(
             sandboxes,
             worker_id,
@@ -206,7 +208,7 @@ class Worker:
 
     async def _strays(self, ctx: WorkerContext) -> set[str]:
         """Ids in this worker's claimed list that no job task holds."""
-        return set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values())
+        return set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values()) - {self._claiming}
 
     async def _recover(self, ctx: WorkerContext, strays: set[str]) -> None:
         """Recover these claims of ours (re-queued, or lost if started) and publish any result."""
@@ -271,7 +273,7 @@ class Worker:
                         w.cancel()
                     continue
                 try:
-                    claim = await claim_queue.claim(CLAIM_POLL_S, loop.time())
+                    claimed = await self._claim_one(ctx, claim_queue)
                 except RedisError as exc:
                     log.warning("claim failed (%s); retrying", exc)
                     await asyncio.sleep(0.5)
@@ -285,14 +287,45 @@ class Worker:
                 finally:
                     self._publish_results(ctx, claim_queue.orphan_results)
                     claim_queue.orphan_results = []
-                if claim is None:
+                if claimed is None:
                     continue
-                run = JobRun(ctx, claim)
-                task = asyncio.create_task(run.execute(), name=f"job:{claim.spec.job_id}")
-                self._jobs[task] = claim.spec.job_id
+                run = JobRun(ctx, *claimed)
+                task = asyncio.create_task(run.execute(), name=f"job:{run.job_id}")
+                self._jobs[task] = run.job_id
                 task.add_done_callback(self._job_done)
         finally:
             stopping.cancel()
+
+    async def _claim_one(self, ctx: WorkerContext, claim_queue: WorkerQueue) -> tuple[Claim, Subscription | None] | None:
+        """Take a job, subscribe to its control channels, then claim it.
+
+        Subscribed before the claim reads the job's stored flags: a start stored earlier is
+        in the claim, one published later reaches the job by pub/sub, and nothing needs
+        reading again on arrival. A job whose subscription failed is claimed all the same
+        and handed back by its run (no subscription: None).
+        """
+        job_id = await claim_queue.take(CLAIM_POLL_S)
+        if job_id is None:
+            return None
+        self._claiming = job_id
+        sub: Subscription | None = None
+        try:
+            try:
+                sub = await ctx.control.subscribe(job_id)
+            except (RedisError, TimeoutError) as exc:
+                log.warning("job %s: cannot subscribe to its control channels (%s); handing it back", job_id, exc)
+            claim = await claim_queue.claim_taken(job_id, asyncio.get_running_loop().time())
+        except BaseException:
+            if sub is not None:
+                await ctx.control.unsubscribe(sub)
+            raise
+        finally:
+            self._claiming = None
+        if claim is None:
+            if sub is not None:
+                await ctx.control.unsubscribe(sub)
+            return None
+        return claim, sub
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._jobs.pop(task, None)

@@ -58,6 +58,7 @@ from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
+from worker.messaging.control import Subscription
 from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead
 from worker.tasks import cancel_and_wait, raise_if_cancelled
 
@@ -110,9 +111,12 @@ class Plan:
 
 
 class JobRun:
-    def __init__(self, ctx: WorkerContext, claim: Claim) -> None:
+    def __init__(self, ctx: WorkerContext, claim: Claim, sub: Subscription | None) -> None:
         self.ctx = ctx
         self.claim = claim
+        # The job's control channels, subscribed before the claim read its flags (None: the
+        # subscription failed, and the job goes back to the queue).
+        self.sub = sub
         self.spec: JobSpec = claim.spec
         self.job_id = claim.spec.job_id
         # Taken from the warm pool when the job starts; a parked job holds none.
@@ -124,8 +128,10 @@ class JobRun:
         self._finished = False
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
-        # Stdin frames stored when the job's subscription was in place (None: unknown).
-        self._stdin_stored: int | None = None
+        # Stdin frames stored when the job's subscription was in place: any stored later is
+        # also published to it, so with none stored the stdin feeder need not read the
+        # stream before its first pub/sub message.
+        self._stdin_stored = claim.stdin_frames
         self._batch_cases: list[CaseOutput] | None = None
         self._running_stage: asyncio.Task[None] | None = None
         self._artifacts: list[ArtifactMeta] = []
@@ -136,14 +142,11 @@ class JobRun:
     # ------------------------------------------------------------------ entry point
 
     async def execute(self) -> None:
-        sub = None
+        sub = self.sub
         kill_watch: asyncio.Task[None] | None = None
         precompile: Precompile | None = None
         try:
-            try:
-                sub = await self.ctx.control.subscribe(self.job_id)
-            except (RedisError, TimeoutError) as exc:
-                log.warning("job %s: cannot subscribe to its control channels (%s); handing it back", self.job_id, exc)
+            if sub is None:
                 self._finished = True
                 await self._hand_back()
                 return
@@ -425,37 +428,38 @@ class JobRun:
         """"kill" or "start" from the stored flags (a kill wins), or None (also while Redis
         cannot be reached: the job stays parked and looks again)."""
         try:
-            start, kill, stdin_frames = await self.ctx.queue.flags(self.job_id)
+            start, kill = await self.ctx.queue.flags(self.job_id)
         except (RedisError, OSError) as exc:
             log.warning("job %s: reading its start and kill flags failed: %s", self.job_id, exc)
             return None
-        if self._stdin_stored is None:
-            # Read after the subscription was confirmed: any frame stored later is also
-            # published to it, so with none stored yet the stdin feeder need not read the
-            # stream before its first pub/sub message.
-            self._stdin_stored = stdin_frames
         return "kill" if kill else "start" if start else None
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
         """Wait for start. Returns "start", "expired", "kill" or "handback".
 
-        The live ctrl message is the fast path. The stored flags are read on arrival, again
-        whenever the pub/sub connection was re-established (what it carried meanwhile is
-        lost), and every PARKED_POLL_S besides, so a thousand parked jobs cost Redis little.
+        The live ctrl message is the fast path. The claim read the stored flags once the
+        subscription was in place; they are read again whenever the pub/sub connection was
+        re-established since (what it carried meanwhile is lost), and every PARKED_POLL_S
+        besides, so a thousand parked jobs cost Redis little.
         """
         loop = asyncio.get_running_loop()
         control = self.ctx.control
-        generation = control.generation
-        signal = await self._durable_signal()
-        if signal is not None:
-            return signal
+        assert self.sub is not None
+        generation = self.sub.generation
+        if self.claim.start_flag:
+            return "start"
         deadline = self.claim.claimed_at + self.ctx.settings.worker_warmup_ms / 1000
         next_poll = loop.time() + PARKED_POLL_S
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         try:
             while True:
-                now = loop.time()
-                left = deadline - now
+                if control.generation != generation or loop.time() >= next_poll:
+                    generation = control.generation
+                    next_poll = loop.time() + PARKED_POLL_S
+                    signal = await self._durable_signal()
+                    if signal is not None:
+                        return signal
+                left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
                     return await self._durable_signal() or "expired"
@@ -471,12 +475,6 @@ class JobRun:
                 getter.cancel()
                 if stopping in done:
                     return "handback"
-                if control.generation != generation or loop.time() >= next_poll:
-                    generation = control.generation
-                    next_poll = loop.time() + PARKED_POLL_S
-                    signal = await self._durable_signal()
-                    if signal is not None:
-                        return signal
         finally:
             stopping.cancel()
 

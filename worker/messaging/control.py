@@ -32,6 +32,9 @@ class Subscription:
         self.ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
         self.stdin: asyncio.Queue[StdinFrame] = asyncio.Queue()
         self._confirmed: dict[str, asyncio.Future[None]] = {}
+        # ControlBus.generation when the subscription was asked for: a different one later
+        # means the connection was replaced since, and messages may have been lost.
+        self.generation = 0
 
 
 class ControlBus:
@@ -52,6 +55,7 @@ class ControlBus:
 
     async def subscribe(self, job_id: str, timeout_s: float = 5.0) -> Subscription:
         sub = Subscription(job_id)
+        sub.generation = self.generation
         channels = (keys.ctrl_channel(job_id), keys.stdin_channel(job_id))
         loop = asyncio.get_running_loop()
         for channel in channels:

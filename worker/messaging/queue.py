@@ -60,7 +60,8 @@ end
 local start = redis.call('EXISTS', KEYS[4])
 local kill = redis.call('HGET', KEYS[1], 'kill') == '1' and 1 or 0
 local handovers = redis.call('HGET', KEYS[1], 'handovers') or '0'
-return {attempt, seq, spec, start, kill, handovers, logged}
+local frames = redis.call('HGET', KEYS[1], 'stdinFrames') or '0'
+return {attempt, seq, spec, start, kill, handovers, logged, frames}
 """
 
 # KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id.
@@ -269,6 +270,8 @@ class Claim(msgspec.Struct, frozen=True):
     handovers: int = 0  # times workers lacking its runtime passed it on
     # This claim logged the job's `stage{queued}` (seq 0, QUEUED_STAGE).
     logged_queued: bool = False
+    # Stdin frames stored when the claim was made (its flags are read at the same moment).
+    stdin_frames: int = 0
 
 
 class StoredFrame(msgspec.Struct, frozen=True):
@@ -300,11 +303,21 @@ class WorkerQueue:
     # -- claiming --------------------------------------------------------------------
 
     async def claim(self, timeout_s: float, now: float) -> Claim | None:
-        """Wait up to `timeout_s` for a job; None on timeout or when the job vanished."""
+        """Wait up to `timeout_s` for a job and claim it; None on timeout or when it vanished."""
+        job_id = await self.take(timeout_s)
+        return await self.claim_taken(job_id, now) if job_id is not None else None
+
+    async def take(self, timeout_s: float) -> str | None:
+        """Move the next queued id into this worker's claimed list (None on timeout).
+
+        The job is not this worker's yet: `claim_taken` makes it so. Until then an id left
+        in the list (a worker that died in between) is re-queued by recovery as a stray.
+        """
         job_raw = await self.redis.blmove(keys.QUEUE, self._claimed, timeout_s, "RIGHT", "LEFT")
-        if job_raw is None:
-            return None
-        job_id = job_raw.decode()
+        return job_raw.decode() if job_raw is not None else None
+
+    async def claim_taken(self, job_id: str, now: float) -> Claim | None:
+        """Claim a taken id: its record, spec and durable signals, read in one step."""
         loaded = await self._claim(
             keys=[
                 keys.status_key(job_id),
@@ -318,7 +331,7 @@ class WorkerQueue:
         if not loaded:
             log.warning("job %s: claimed id had no queued record, or was re-queued meanwhile; dropped", job_id)
             return None
-        attempt, seq, spec_raw, start, kill, handovers, logged = loaded
+        attempt, seq, spec_raw, start, kill, handovers, logged, frames = loaded
         try:
             spec = decode_stored(JobSpec, spec_raw)
         except msgspec.MsgspecError as exc:
@@ -336,16 +349,16 @@ class WorkerQueue:
             kill_flag=bool(int(kill)),
             handovers=int(handovers),
             logged_queued=bool(int(logged)),
+            stdin_frames=int(frames),
         )
 
-    async def flags(self, job_id: str) -> tuple[bool, bool, int]:
-        """(start flag set, kill requested, stdin frames stored so far): the durable signals,
-        for when pub/sub missed one."""
+    async def flags(self, job_id: str) -> tuple[bool, bool]:
+        """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(keys.start_flag_key(job_id))
-            pipe.hmget(keys.status_key(job_id), ["kill", "stdinFrames"])
-            start, (kill, frames) = await pipe.execute()
-        return bool(start), kill == b"1", int(frames or 0)
+            pipe.hget(keys.status_key(job_id), "kill")
+            start, kill = await pipe.execute()
+        return bool(start), kill == b"1"
 
     async def kill_requested(self, job_id: str) -> bool:
         return await self.redis.hget(keys.status_key(job_id), "kill") == b"1"
