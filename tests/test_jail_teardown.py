@@ -1,4 +1,5 @@
-"""A real sandbox factory in this process: jails that fail half-way are taken apart whole.
+"""A real sandbox factory in this process: jails that fail half-way are taken apart whole,
+and a step's clocks rest on what this kernel really does.
 
 The worker's own preflight builds the factory (self-test included), on a deployment of its
 own, so these tests see exactly what a worker does; they need root, cgroups and nsjail.
@@ -23,7 +24,7 @@ from worker.__main__ import preflight
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError, Program
 from worker.isolation.sandbox import SandboxFactory
-from worker.job.supervise import Clocks, supervise
+from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -139,3 +140,39 @@ async def test_a_step_ends_at_the_gates_report_without_waiting_for_nsjail(factor
     assert facts.duration_ms < 10000
     # The child it left was dead when the gate reported (the gate kills and reaps first).
     assert len(left) == 1 and alive_at_report == [False]
+
+
+async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: SandboxFactory) -> None:
+    # The CPU clock leaves the counter unread until the cap could have let the budget be
+    # spent (cpu_clock_due_at). Four spinning processes on this host's cores, sampled every
+    # few ms: at no sample has the step used more than the bound allows, and the clock
+    # still stops it at its budget.
+    sandbox = await factory.prepare("teardown", 0)
+    cgroup = sandbox.cgroup
+    assert cgroup.cpu_cap_cores == 1.0
+    spin = Program(argv=["/bin/bash", "-c", "for i in 1 2 3 4; do (while :; do :; done) & done; wait"], env={})
+    samples: list[tuple[float, float]] = []
+    base_us, t0 = cgroup.cpu_us(), time.monotonic()
+
+    async def silent(data: bytes) -> None:
+        pass
+
+    step = asyncio.create_task(
+        supervise(
+            sandbox.jail, cgroup, spin, Clocks(wall_ms=8000, cpu_ms=1500, idle_ms=None),
+            [(sandbox.jail.stdout, silent), (sandbox.jail.stderr, silent)], asyncio.Queue(),
+        )
+    )  # fmt: skip
+    try:
+        while not step.done():
+            samples.append((time.monotonic(), (cgroup.cpu_us() - base_us) / 1e6))
+            await asyncio.sleep(0.004)
+        facts = await step
+    finally:
+        await sandbox.destroy()
+    assert facts.fired == "cpu" and 1500 <= facts.cpu_ms <= 1700, facts
+    for at, used_s in samples:
+        # Whatever was spent by `at` could have been spent by the earliest moment allowed.
+        assert cpu_clock_due_at(t0, used_s, 1.0) <= at, (at - t0, used_s)
+    # The spinners did saturate the cap: the bound was tested, not idled under.
+    assert facts.cpu_ms >= 0.85 * facts.duration_ms, facts

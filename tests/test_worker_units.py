@@ -26,7 +26,7 @@ from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.stdin import StdinFeed
-from worker.job.supervise import COALESCE_S, Activity, Clocks, _pump, supervise
+from worker.job.supervise import COALESCE_S, Activity, Clocks, _pump, cpu_clock_due_at, supervise
 from worker.messaging.queue import StoredFrame
 from worker.worker import Worker
 
@@ -254,18 +254,24 @@ class _ExitsLate:
 
 
 class _CountingCgroup:
-    def __init__(self) -> None:
+    """A job cgroup that counts reads of its CPU counter, which runs at `cores` while read."""
+
+    def __init__(self, cap_cores: float | None = None, cores: float = 0.0) -> None:
         self.cpu_reads = 0
+        self.cpu_cap_cores = cap_cores
+        self.cores = cores
+        self.born = time.monotonic()
+        self.killed_at: float | None = None
 
     def cpu_us(self) -> int:
         self.cpu_reads += 1
-        return 0
+        return int(((self.killed_at or time.monotonic()) - self.born) * self.cores * 1e6)
 
     def kill(self) -> None:
-        pass
+        self.killed_at = self.killed_at or time.monotonic()
 
     def kill_leftovers(self) -> None:
-        pass
+        self.kill()
 
     def counters(self) -> JobCounters:
         return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=0)
@@ -295,6 +301,49 @@ async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
     # The first read, the end-of-step read, and one per wake-up: the 50 ms CPU poll over
     # 200 ms, the two pumps ending, and the reap. A spin makes it thousands.
     assert cgroup.cpu_reads <= 12, cgroup.cpu_reads
+
+
+def test_the_cpu_clock_cannot_fire_before_the_cap_lets_the_budget_be_spent() -> None:
+    ahead_s = 0.2 + (os.cpu_count() or 1) * 0.005  # two 100 ms periods' quota, a slice per CPU
+    assert cpu_clock_due_at(10.0, 15.0, None) == 10.0  # no cap: any time
+    assert cpu_clock_due_at(10.0, 15.0, 1.0) == pytest.approx(10.0 + 15.0 - ahead_s)
+    assert cpu_clock_due_at(10.0, 15.0, 2.0) == pytest.approx(10.0 + (15.0 - 2 * 0.2 - (ahead_s - 0.2)) / 2)
+    assert cpu_clock_due_at(10.0, 0.1, 1.0) == 10.0  # a budget within what it may hold at go
+
+
+async def _step(cgroup: _CountingCgroup, jail: Any, cpu_ms: int) -> Any:
+    """A silent step (its pipes at EOF from the start) under `cgroup`'s CPU counter."""
+    stdout = asyncio.StreamReader()
+    stdout.feed_eof()
+
+    async def on_data(data: bytes) -> None:
+        pass
+
+    return await supervise(
+        jail,
+        cgroup,  # type: ignore[arg-type]
+        Program(argv=["main"], env={}),
+        Clocks(wall_ms=5000, cpu_ms=cpu_ms, idle_ms=None),
+        [(stdout, on_data)],
+        asyncio.Queue(),
+    )
+
+
+async def test_a_capped_step_reads_its_cpu_counter_only_once_its_budget_is_within_reach() -> None:
+    # Under a one-core cap a 200 ms step cannot spend 5 s of CPU: the counter is read at go
+    # and for the step's figures, not at every 50 ms poll (an rstat flush in the kernel each).
+    capped = _CountingCgroup(cap_cores=1.0)
+    facts = await _step(capped, _ExitsLate(0.2), 5000)
+    assert facts.fired is None and capped.cpu_reads == 2, capped.cpu_reads
+    uncapped = _CountingCgroup()
+    await _step(uncapped, _ExitsLate(0.2), 5000)
+    assert uncapped.cpu_reads >= 5, uncapped.cpu_reads
+    # Near its budget it is polled as before, and the CPU clock fires: a step spending one
+    # core's worth, with a 500 ms budget, is stopped at about 500 ms of CPU.
+    spinning = _CountingCgroup(cap_cores=1.0, cores=1.0)
+    facts = await _step(spinning, _ExitsLate(3.0), 500)
+    assert facts.fired == "cpu" and 500 <= facts.cpu_ms <= 620, facts
+    assert 480 <= facts.duration_ms <= 620, facts
 
 
 class _LogOnly:

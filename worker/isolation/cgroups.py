@@ -289,6 +289,8 @@ class JobCgroup:
         # Limit files and the values last written to them: a rewrite that changes nothing
         # (the CPU quota, swappiness when a job's limits go in) is skipped.
         self._written: dict[Path, str] = {}
+        # The CPU bandwidth cap last written, in cores (None: no cpu controller here).
+        self.cpu_cap_cores: float | None = None
         # Open descriptors of the files a running job's clocks and kill use (see the module
         # docstring), by path; "w:" before the path for one opened to write. The lock keeps
         # close_files from racing a read: a closed descriptor's number can be reused at once,
@@ -387,6 +389,7 @@ class JobCgroup:
             self._limit(self.v2_dir / "pids.max", str(pids))
             if self._has(self.v2_dir / "cpu.max"):
                 self._limit(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+                self.cpu_cap_cores = quota / CPU_PERIOD_US
             if self._has(self.v2_dir / "cpu.weight"):
                 self._limit(self.v2_dir / "cpu.weight", str(max(1, round(100 * share))))
             # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
@@ -414,6 +417,7 @@ class JobCgroup:
         if cpu is not None:
             self._limit(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
             self._limit(cpu / "cpu.cfs_quota_us", str(quota))
+            self.cpu_cap_cores = quota / CPU_PERIOD_US
             self._limit(cpu / "cpu.shares", str(max(2, round(1024 * share))))
 
     def procs_files(self) -> list[str]:

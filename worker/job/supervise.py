@@ -2,7 +2,8 @@
 
 The same supervision serves the compile step and the run step:
     wall  — time since go, never resets
-    cpu   — CPU of every process of the step, from its cgroup, polled every 50 ms
+    cpu   — CPU of every process of the step, from its cgroup, polled every 50 ms once
+            the step's CPU cap lets it reach its budget (see cpu_clock_due_at)
     idle  — no output (and, for interactive runs, no stdin) for the window; run step only
 The first clock to fire (or a kill request) SIGKILLs the whole cgroup. Output pumps read
 until EOF so nothing the program wrote before dying is lost.
@@ -12,17 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shared.messages import CtrlMessage
-from worker.isolation.cgroups import JobCgroup
+from worker.isolation.cgroups import CPU_PERIOD_US, JobCgroup
 from worker.isolation.child import PipeReader
 from worker.isolation.jail import Jail, JailExit, Program
 from worker.isolation.offload import off_loop
 from worker.tasks import cancel_and_wait
 
-__all__ = ["Activity", "Clocks", "StepFacts", "supervise"]
+__all__ = ["Activity", "Clocks", "StepFacts", "cpu_clock_due_at", "supervise"]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,26 @@ PARTIAL_LINE_S = 0.003
 EXIT_GRACE_S = 5.0
 CHILD_EXIT_S = 2.0
 
+# CFS bandwidth hands runtime to each CPU's run queue in slices of this much (the kernel's
+# sched_cfs_bandwidth_slice_us default), and a queue may keep what it holds into the next period.
+CFS_SLICE_S = 0.005
+
 OnData = Callable[[bytes], Awaitable[None]]
+
+
+def cpu_clock_due_at(go_at: float, cpu_s: float, cap_cores: float | None) -> float:
+    """The earliest moment a step released at `go_at` can have used `cpu_s` of CPU.
+
+    Under a bandwidth cap of `cap_cores` a cgroup gets at most cap x period of runtime per
+    period: over any stretch, cap x its length, plus what it may hold when the stretch
+    begins (the current period's quota, the next one's if it refreshes at once, and a slice
+    per CPU carried over). Until then the CPU clock cannot fire, and its counter (an rstat
+    flush in the kernel per read) need not be read. Without a cap it can fire at any time.
+    """
+    if not cap_cores:
+        return go_at
+    ahead_s = 2 * cap_cores * CPU_PERIOD_US / 1e6 + (os.cpu_count() or 1) * CFS_SLICE_S
+    return go_at + max(0.0, (cpu_s - ahead_s) / cap_cores)
 
 
 @dataclass(frozen=True)
@@ -126,20 +147,21 @@ async def supervise(
     ended_at = go_at
     wall_s = clocks.wall_ms / 1000
     idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
+    cpu_due_at = cpu_clock_due_at(go_at, clocks.cpu_ms / 1000, cgroup.cpu_cap_cores)
     killed = False
     try:
         while True:
             now = loop.time()
             if now - go_at >= wall_s:
                 fired = "wall"
-            elif cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
+            elif now >= cpu_due_at and cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
                 fired = "cpu"
             elif idle_s is not None and now - activity.last >= idle_s:
                 fired = "idle"
             if fired:
                 ended_at = now
                 break
-            timeout = min(go_at + wall_s - now, CPU_POLL_S)
+            timeout = min(go_at + wall_s - now, max(CPU_POLL_S, cpu_due_at - now))
             if idle_s is not None:
                 timeout = min(timeout, activity.last + idle_s - now)
             # Only what is still pending: a pump that reached EOF stays done, and watching it
