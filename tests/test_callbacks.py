@@ -607,6 +607,43 @@ async def test_a_sender_whose_own_attempt_outlives_its_lease_polls_instead_of_sp
 
 
 @pytest.mark.stack
+async def test_a_full_sender_takes_the_next_delivery_as_soon_as_an_attempt_ends(
+    bare_stack: Stack, redis: Redis
+) -> None:
+    # One delivery at a time: the second waits, and goes as soon as the first attempt ends,
+    # not at the sender's next look at the due set (a second away).
+    await redis.delete(keys.CALLBACKS_DUE)
+    first, second = [await _killed_in_queue(redis, NEVER_SENT) for _ in range(2)]
+    sender = CallbackSender(_sender_settings(bare_stack, CALLBACK_CONCURRENCY="1"), redis, None, "test")  # type: ignore[arg-type]
+    release = asyncio.Event()
+    started: dict[str, float] = {}
+
+    async def held(delivery: Any) -> None:
+        started[delivery.job_id] = time.monotonic()
+        await release.wait()
+
+    sender._deliver = held  # type: ignore[method-assign]
+    running = asyncio.create_task(sender.run())
+    try:
+        await asyncio.sleep(0.3)
+        assert len(started) == 1
+        released_at = time.monotonic()
+        release.set()
+        for _ in range(100):
+            if len(started) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert set(started) == {first, second}
+        assert max(started.values()) - released_at < 0.3, max(started.values()) - released_at
+    finally:
+        release.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await sender.stop()
+        await redis.zrem(keys.CALLBACKS_DUE, first, second)
+
+
+@pytest.mark.stack
 async def test_send_connects_to_the_checked_address(
     bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -818,6 +855,22 @@ def test_result_is_delivered_signed(cb_stack: Stack, cb_api: Api, receiver: Rece
     assert last["deliveredAtMs"] >= status["updatedAtMs"]
     time.sleep(0.5)
     assert len(receiver.received(path)) == 1
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_a_result_is_called_back_as_soon_as_it_is_stored(cb_stack: Stack, cb_api: Api, receiver: Receiver) -> None:
+    # The worker that stores a result with a callback wakes its own sender: the delivery
+    # does not wait for the sender's next look at the due set (POLL_S, a second).
+    delays_ms = []
+    for _ in range(6):
+        path = receiver.path()
+        job = _run(cb_api, py_job("print(1)", callbackUrl=receiver.url(path)))
+        (request,) = receiver.wait(path, 1)
+        stored_at_ms = cb_api.status(job)["updatedAtMs"]
+        delays_ms.append(request["at"] * 1000 - stored_at_ms)
+    delays_ms.sort()
+    assert delays_ms[len(delays_ms) // 2] < 100 and delays_ms[-1] < 400, delays_ms
 
 
 @pytest.mark.stack

@@ -181,8 +181,8 @@ async def _serve(settings: Settings) -> int:
         return 3
     try:
         # Results of finished jobs go to their callbackUrl from a task beside the worker.
-        async with callback_sender(settings, worker_id):
-            await Worker(settings, worker_id, factory, runtimes).run()
+        async with callback_sender(settings, worker_id) as sender:
+            await Worker(settings, worker_id, factory, runtimes, callback_due=sender.wake if sender else None).run()
     except WorkerIdInUse as exc:
         print(f"coderunner worker: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.settings import Settings
@@ -32,3 +33,5 @@ class WorkerContext:
     # loop.time() before which the claimer takes nothing: set after handing on a job this
     # worker cannot run, so it does not take the same job straight back again and again.
     claim_paused_until: float = 0.0
+    # Tells this process's callback sender that a delivery was queued (no-op without one).
+    callback_due: Callable[[], None] = lambda: None

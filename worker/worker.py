@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio.retry import Retry
@@ -63,8 +64,16 @@ class WorkerIdInUse(Exception):
 
 
 class Worker:
-    def __init__(self, settings: Settings, worker_id: str, sandboxes: SandboxFactory, runtimes: dict[str, Runtime]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        worker_id: str,
+        sandboxes: SandboxFactory,
+        runtimes: dict[str, Runtime],
+        callback_due: Callable[[], None] | None = None,
+    ) -> None:
         self.settings = settings
+        self._callback_due = callback_due
         self.worker_id = worker_id
         self.sandboxes = sandboxes
         self.runtimes = runtimes
@@ -136,6 +145,8 @@ class Worker:
             stopping=self._stopping,
             hard_stop=self._hard_stop,
         )
+        if self._callback_due is not None:
+            ctx.callback_due = self._callback_due
         self._install_signal_handlers(ctx)
         if not await queue.take_id(settings.worker_lease_ttl_ms):
             await asyncio.gather(publisher.aclose(), claim_redis.aclose(), redis.aclose(), return_exceptions=True)
@@ -404,6 +415,8 @@ class Worker:
 
     def _publish_results(self, ctx: WorkerContext, ended: list[tuple[str, bytes]]) -> None:
         """Publish results recovery wrote, without waiting for soketi."""
+        if ended:
+            ctx.callback_due()  # any of them may have a callback queued
         for job_id, result in ended:
             lane = ctx.publisher.lane(keys.realtime_channel(job_id))
             lane.send("result", result)

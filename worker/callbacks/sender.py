@@ -45,8 +45,10 @@ __all__ = ["CallbackSender", "callback_sender"]
 
 log = logging.getLogger(__name__)
 
-# How often the due set is looked at when nothing is due sooner.
-POLL_S = 0.2
+# How often the due set is looked at when nothing is due sooner and nothing woke the
+# sender: deliveries this worker queues, and the end of its own attempts, wake it at once,
+# so the poll only finds those queued elsewhere (by the API, or by busier senders).
+POLL_S = 1.0
 # A taken delivery is held this long past the attempt's own time limit before another
 # sender may take it again (time to report, and for the clocks of two hosts to differ).
 LEASE_MARGIN_MS = 5000
@@ -69,15 +71,21 @@ class CallbackSender:
         self.sender_id = sender_id
         self._lease_ms = settings.callback_timeout_ms + LEASE_MARGIN_MS
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._woken = asyncio.Event()
         self.delivered = 0
         self.failed = 0
         self.retried = 0
+
+    def wake(self) -> None:
+        """A delivery may be due now (a result with a callback was just stored): look at once."""
+        self._woken.set()
 
     async def run(self) -> None:
         """Take and send due deliveries until cancelled."""
         pause = POLL_S
         while True:
             raise_if_cancelled()
+            self._woken.clear()
             try:
                 pause = await self._round()
             except RedisError as exc:
@@ -87,7 +95,9 @@ class CallbackSender:
                 # Never let one bad round end the sender for the rest of the worker's life.
                 log.exception("callbacks: sender round failed; trying again shortly")
                 pause = 1.0
-            await asyncio.sleep(pause)
+            if not self._woken.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), pause)
 
     async def _round(self) -> float:
         free = self.settings.callback_concurrency - len(self._inflight)
@@ -107,7 +117,7 @@ class CallbackSender:
             taken = True
             task = asyncio.create_task(self._deliver(delivery), name=f"callback-{job_id}")
             self._inflight[job_id] = task
-            task.add_done_callback(lambda _t, job_id=job_id: self._inflight.pop(job_id, None))
+            task.add_done_callback(lambda _t, job_id=job_id: self._attempt_over(job_id))
         if taken:
             upcoming = await self.deliveries.next_due_ms()  # what was taken is leased now
         elif due:
@@ -118,6 +128,11 @@ class CallbackSender:
         if upcoming is None:
             return POLL_S
         return min(POLL_S, max(0.0, (upcoming - now_ms()) / 1000))
+
+    def _attempt_over(self, job_id: str) -> None:
+        # A slot is free, and a retry may already be due (a zero backoff, or a long attempt).
+        self._inflight.pop(job_id, None)
+        self.wake()
 
     async def stop(self) -> None:
         await cancel_and_wait(list(self._inflight.values()))

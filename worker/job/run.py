@@ -742,6 +742,8 @@ class JobRun:
                 raise asyncio.CancelledError from None
         if stored is not None:
             seq, result_json, event = stored
+            if self.spec.callback_url:
+                self.ctx.callback_due()  # the result write queued its delivery
             await self._go_live_with_result(seq)
             self._publish_result(outcome, result_json, event)
         if cancelled:
