@@ -9,7 +9,9 @@ and SUBSCRIBE / UNSUBSCRIBE are plain writes whose confirmations arrive as messa
 The connection is kept: a keeper task re-dials one that was lost (backing off up to a
 second), subscribes again to every channel still wanted, and counts the connections
 (`connections`), because whatever was published while it was down is lost and the owner
-must look at its durable state again. An idle connection is checked with a PING every
+must look at its durable state again: `on_ready` is called once a new connection is
+subscribed to all of them (a PING sent after the SUBSCRIBE has been answered), so what the
+owner reads then cannot miss a message the new connection would not carry. An idle connection is checked with a PING every
 `health_check_interval` (30 s unless the client says), and one that does not answer
 within `socket_timeout` is dropped and re-dialled, so a half-open connection cannot
 silently swallow messages for long.
@@ -37,6 +39,9 @@ REDIAL_MAX_S = 1.0
 # on_message(kind, channel, data): kind is b"message", b"subscribe" or b"unsubscribe"
 # (data is then the connection's subscription count).
 OnMessage = Callable[[bytes, bytes, bytes | int], None]
+# The argument of the PING that follows a connection's SUBSCRIBE: its answer means the
+# subscriptions are in place (a subscribed connection answers [b"pong", arg], another arg).
+READY_MARK = b"coderunner:subscribed"
 
 
 class _Pushes(asyncio.Protocol):
@@ -46,6 +51,7 @@ class _Pushes(asyncio.Protocol):
         self._reader = hiredis.Reader(replyError=_error, notEnoughData=NOT_ENOUGH_DATA)
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_heard = asyncio.get_running_loop().time()
 
     def data_received(self, data: bytes) -> None:
@@ -55,6 +61,9 @@ class _Pushes(asyncio.Protocol):
         while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):
                 log.warning("Redis at %s refused a pub/sub command: %s", self._address, reply)
+            elif reply == READY_MARK or reply == [b"pong", READY_MARK]:
+                if not self.ready.done():
+                    self.ready.set_result(None)
             elif isinstance(reply, list) and len(reply) == 3 and reply[0] != b"pong":
                 self._on_message(reply[0], reply[1], reply[2])
 
@@ -74,9 +83,12 @@ class _Pushes(asyncio.Protocol):
 class Subscriber:
     """Subscriptions to channels, messages to `on_message`, on a connection kept alive."""
 
-    def __init__(self, client: LeanRedis, on_message: OnMessage) -> None:
+    def __init__(self, client: LeanRedis, on_message: OnMessage, on_ready: Callable[[], None] | None = None) -> None:
         self._client = client
         self._on_message = on_message
+        # Called once each connection (the first included) is subscribed to every channel
+        # wanted when it was made.
+        self._on_ready = on_ready
         self._wanted: set[bytes] = set()
         self._pushes: _Pushes | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -122,6 +134,10 @@ class Subscriber:
         self.connections += 1
         if self._wanted:
             pushes.write(_pack(("SUBSCRIBE", *self._wanted)))
+        pushes.write(_pack(("PING", READY_MARK)))
+        if self._on_ready is not None:
+            on_ready = self._on_ready
+            pushes.ready.add_done_callback(lambda _: on_ready())
         return pushes
 
     async def _keep(self) -> None:

@@ -290,7 +290,7 @@ class Heard:
 async def subscribed(client: LeanRedis) -> AsyncIterator[tuple[Subscriber, Heard]]:
     """A started Subscriber on `client`, and what it hears; closed on the way out."""
     heard = Heard()
-    subscriber = Subscriber(client, heard)
+    subscriber = Subscriber(client, heard, on_ready=lambda: heard(b"ready", b"", 0))
     await subscriber.start()
     try:
         yield subscriber, heard
@@ -311,6 +311,26 @@ async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -
         await heard.wait_for((b"message", b"b", b"three"))
         assert (b"message", b"a", b"two") not in heard.items
         assert subscriber.connections == 1
+
+
+async def test_subscriber_is_ready_only_once_its_channels_are_subscribed_again(lean: LeanRedis, plain: Redis) -> None:
+    # A reader woken by on_ready reads the stored copy of what pub/sub may have lost: had it
+    # read before the new connection's SUBSCRIBE took effect, a message published in
+    # between would be lost as well, with nothing to wake the reader again.
+    async with subscribed(lean) as (subscriber, heard):
+        await heard.wait_for((b"ready", b"", 0))
+        subscriber.subscribe("a", "b", "c")
+        await heard.wait_for((b"subscribe", b"c", 3))
+        for turn in (2, 3):
+            del heard.items[:]
+            await plain.client_kill_filter(_type="pubsub")
+            await heard.wait_for((b"ready", b"", 0))
+            assert subscriber.connections == turn
+            assert heard.items[-1] == (b"ready", b"", 0), heard.items
+            confirmed = {item[1] for item in heard.items if item[0] == b"subscribe"}
+            assert confirmed == {b"a", b"b", b"c"}, heard.items
+            assert await plain.publish("b", "at once") == 1  # nothing more to wait for
+            await heard.wait_for((b"message", b"b", b"at once"))
 
 
 async def test_subscriber_comes_back_with_its_channels(server: Server, lean: LeanRedis, plain: Redis) -> None:

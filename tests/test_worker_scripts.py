@@ -401,7 +401,7 @@ async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator
     control = ControlBus(bus_redis)
     await control.start()
     try:
-        yield worker, SimpleNamespace(queue=queue, control=control)
+        yield worker, SimpleNamespace(queue=queue, control=control, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
     finally:
         await control.aclose()
         await bus_redis.aclose()
@@ -476,3 +476,62 @@ async def test_a_claimed_id_that_vanished_leaves_no_subscription_behind(
     assert await worker._claim_one(ctx, queue) is None
     assert ctx.control._subs == {}
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == []
+
+
+async def test_a_running_jobs_kill_watch_reads_only_when_pubsub_may_have_lost_the_kill(
+    redis: Redis, redis_stack: Any, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    # A healthy pub/sub connection loses nothing: the watch reads the stored kill flag when
+    # the connection was replaced, and on a slow safety poll, not every second.
+    worker, ctx = claiming_worker
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(_spec(), 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claimed = await worker._claim_one(ctx, queue)
+    assert claimed is not None
+    claim, sub = claimed
+    assert sub is not None
+    run = JobRun(ctx, claim, sub)
+    reads = 0
+    real = queue.kill_requested
+
+    async def counted(job_id: str) -> bool:
+        nonlocal reads
+        reads += 1
+        return await real(job_id)
+
+    queue.kill_requested = counted  # type: ignore[method-assign]
+    ctrl: asyncio.Queue[Any] = asyncio.Queue()
+    watching = asyncio.create_task(run._watch_kill(ctrl))
+    try:
+        await asyncio.sleep(2.5)
+        assert reads == 0 and ctrl.empty()
+        # A kill whose message was lost: stored, never published; then the connection goes.
+        await redis.hset(keys.status_key(claim.spec.job_id), "kill", "1")
+        await redis.client_kill_filter(_type="pubsub")
+        message = await asyncio.wait_for(ctrl.get(), 3)
+        assert message.type == "kill" and reads >= 1
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await ctx.control.unsubscribe(sub)
+
+
+async def test_a_connection_watch_sees_each_replacement_once(
+    redis: Redis, claiming_worker: tuple[Worker, Any]
+) -> None:
+    _worker, ctx = claiming_worker
+    sub = await ctx.control.subscribe("watched")
+    try:
+        watch = ctx.control.watch(sub.generation)
+        watch.replaced()  # whatever happened before the subscription was confirmed
+        assert not watch.replaced()
+        replacement = watch.next_replacement()
+        await asyncio.sleep(0.3)
+        assert not replacement.done() and not watch.replaced()
+        await redis.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(asyncio.shield(replacement), 3)
+        assert watch.replaced() and not watch.replaced()
+        # Subscribed again by then: a message published now is heard.
+        assert await redis.publish(keys.ctrl_channel("watched"), b'{"type":"start"}') == 1
+        assert (await asyncio.wait_for(sub.ctrl.get(), 3)).type == "start"
+    finally:
+        await ctx.control.unsubscribe(sub)

@@ -233,6 +233,47 @@ async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(sto
     assert stream.reads == (0 if stored_before == 0 else 1)
 
 
+class _Watch:
+    """A ConnectionWatch whose connection the test replaces."""
+
+    def __init__(self) -> None:
+        self.generation = self.seen = 0
+        self.next: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def replace(self) -> None:
+        self.generation += 1
+        self.next.set_result(None)
+        self.next = asyncio.get_running_loop().create_future()
+
+    def replaced(self) -> bool:
+        replaced, self.seen = self.generation != self.seen, self.generation
+        return replaced
+
+    def next_replacement(self) -> asyncio.Future[None]:
+        return self.next
+
+
+async def test_a_quiet_stdin_feeder_reads_the_stream_only_when_pubsub_may_have_lost_a_frame() -> None:
+    # While the connection holds, pub/sub loses nothing: a quiet feeder does not poll the
+    # stream. A replaced connection may have lost a frame: it reads the stream at once.
+    stream = _StoredStdin([])
+    inbox: asyncio.Queue[StdinFrame] = asyncio.Queue()
+    watch = _Watch()
+    feed = StdinFeed(stream, "job", 1, inbox, None, close_after_upfront=False, stored_before=0, watch=watch)  # type: ignore[arg-type]
+    pipe = _Pipe()
+    feeding = asyncio.create_task(feed.run(pipe, Activity(0.0)))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(2.5)
+        assert stream.reads == 0
+        # Stored while the connection was down (its message lost), then it came back.
+        stream.frames += [StoredFrame(id="1-0", n=0, kind="data", data=b"lost\n"), StoredFrame(id="2-0", n=1, kind="close", data=b"")]
+        watch.replace()
+        await asyncio.wait_for(asyncio.shield(feeding), 2)
+    finally:
+        feeding.cancel()
+    assert pipe.data == b"lost\n" and pipe.closed and stream.reads == 1
+
+
 class _ExitsLate:
     """A jail whose pipes reach EOF well before nsjail is reaped (its teardown follows)."""
 

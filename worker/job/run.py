@@ -88,11 +88,10 @@ MAX_HANDOVERS = 20
 # worker that can run it instead of coming straight back.
 HANDOVER_PAUSE_S = 1.0
 
-# How often a parked or running job re-reads its durable start and kill flags, in case
-# the pub/sub message that carried one was lost with a connection.
-FLAG_POLL_S = 1.0
-# A parked job reads its stored flags this often even when pub/sub looks healthy.
-PARKED_POLL_S = 10.0
+# A parked or running job reads its stored start and kill flags when the pub/sub
+# connection was replaced (the message that carried one may have been lost with it), and
+# this often besides, in case a loss went unnoticed.
+FLAG_POLL_S = 10.0
 # At start, the events logged while parked wait this long for the program's first output,
 # to reach soketi with it in one request (see JobEvents.go_live_within).
 LIVE_HOLD_S = 0.005
@@ -355,9 +354,16 @@ class JobRun:
                 await asyncio.gather(take, return_exceptions=True)
 
     async def _watch_kill(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
-        """Turn a stored kill flag into a kill message, should the live one have been lost."""
+        """Turn a stored kill flag into a kill message, should the live one have been lost:
+        read when the pub/sub connection was replaced, and every FLAG_POLL_S besides."""
+        assert self.sub is not None
+        watch = self.ctx.control.watch(self.sub.generation)
         while True:
-            await asyncio.sleep(FLAG_POLL_S)
+            # Taken before the look: a replacement during the read below is caught next turn.
+            replacement = watch.next_replacement()
+            if not watch.replaced():
+                await asyncio.wait({replacement}, timeout=FLAG_POLL_S)
+                watch.replaced()
             raise_if_cancelled()
             try:
                 if await self.ctx.queue.kill_requested(self.job_id):
@@ -438,45 +444,52 @@ class JobRun:
         """Wait for start. Returns "start", "expired", "kill" or "handback".
 
         The live ctrl message is the fast path. The claim read the stored flags once the
-        subscription was in place; they are read again whenever the pub/sub connection was
-        re-established since (what it carried meanwhile is lost), and every PARKED_POLL_S
-        besides, so a thousand parked jobs cost Redis little.
+        subscription was in place; they are read again when the pub/sub connection was
+        replaced since (what it carried meanwhile is lost), and every FLAG_POLL_S besides. A
+        parked job wakes for nothing else, so a thousand of them cost the worker and Redis
+        next to nothing.
         """
         loop = asyncio.get_running_loop()
-        control = self.ctx.control
         assert self.sub is not None
-        generation = self.sub.generation
+        watch = self.ctx.control.watch(self.sub.generation)
         if self.claim.start_flag:
             return "start"
         deadline = self.claim.claimed_at + self.ctx.settings.worker_warmup_ms / 1000
-        next_poll = loop.time() + PARKED_POLL_S
+        next_poll = loop.time() + FLAG_POLL_S
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
+        getter: asyncio.Future[CtrlMessage] | None = None
         try:
             while True:
-                if control.generation != generation or loop.time() >= next_poll:
-                    generation = control.generation
-                    next_poll = loop.time() + PARKED_POLL_S
+                # Taken before the look: a replacement during the read is caught next turn.
+                replacement = watch.next_replacement()
+                if watch.replaced() or loop.time() >= next_poll:
+                    next_poll = loop.time() + FLAG_POLL_S
                     signal = await self._durable_signal()
                     if signal is not None:
                         return signal
+                    continue
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
                     return await self._durable_signal() or "expired"
-                getter = asyncio.ensure_future(inbox.get())
+                if getter is None:
+                    getter = asyncio.ensure_future(inbox.get())
                 done, _ = await asyncio.wait(
-                    {getter, stopping}, timeout=min(left, FLAG_POLL_S), return_when=asyncio.FIRST_COMPLETED
+                    {getter, stopping, replacement},
+                    timeout=min(left, next_poll - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if getter in done:
-                    item = getter.result()
+                    item, getter = getter.result(), None
                     if item.type in ("start", "kill"):
                         return item.type
                     continue
-                getter.cancel()
                 if stopping in done:
                     return "handback"
         finally:
             stopping.cancel()
+            if getter is not None:
+                getter.cancel()
 
     # ------------------------------------------------------------------ compile
 
@@ -558,6 +571,7 @@ class JobRun:
             # close when stdin was given, keep open when it was not).
             close_after_upfront=self.spec.close_stdin,
             stored_before=self._stdin_stored,
+            watch=self.ctx.control.watch(self.sub.generation) if self.sub is not None else None,
         )
 
         flusher = OutputFlusher(self.events)

@@ -2,9 +2,9 @@
 
 The API stores every accepted frame in the job's stdin stream, numbered n = 0, 1, 2 …, and
 only then publishes it on `stdin:<id>`. The published copy is the fast path: a frame whose
-n is the next one is written at once. A gap (a message lost with a pub/sub connection) or
-a quiet second sends the feeder to the stream, to read on from the last frame it wrote; a
-frame below its cursor was written already and is skipped. So a frame the API accepted
+n is the next one is written at once. A gap, a replaced pub/sub connection (either can
+lose messages), or ten quiet seconds send the feeder to the stream, to read on from the
+last frame it wrote; a frame below its cursor was written already and is skipped. So a frame the API accepted
 reaches the program once, in order, whatever happened to pub/sub.
 
 A `close` frame is EOF: the pipe is closed after every frame before it was written.
@@ -21,14 +21,16 @@ from redis.exceptions import RedisError
 
 from shared.messages import StdinFrame
 from worker.job.supervise import Activity
+from worker.messaging.control import ConnectionWatch
 from worker.messaging.queue import WorkerQueue
 
 __all__ = ["StdinFeed"]
 
 log = logging.getLogger(__name__)
 
-# How long the feeder trusts pub/sub before it looks at the stream itself.
-POLL_S = 1.0
+# How long a quiet feeder trusts a pub/sub connection that was not replaced before it
+# looks at the stream itself (a safety net: a healthy connection loses nothing).
+POLL_S = 10.0
 BATCH = 64
 
 
@@ -42,6 +44,7 @@ class StdinFeed:
         upfront: bytes | None,
         close_after_upfront: bool,
         stored_before: int | None = None,
+        watch: ConnectionWatch | None = None,
     ) -> None:
         self._queue = queue
         self._job_id = job_id
@@ -53,6 +56,8 @@ class StdinFeed:
         # Later ones are published to it too, so with none the stream is read only on a gap
         # or a quiet second.
         self._stored_before = stored_before
+        # Tells when the pub/sub connection was replaced (None: never known to be).
+        self._watch = watch
         self.next_n = 0
         self.last_id: str | None = None
         self.written_bytes = 0
@@ -99,8 +104,17 @@ class StdinFeed:
                         continue
                 if getter is None:
                     getter = asyncio.ensure_future(self._inbox.get())
-                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
-                if not done:
+                waits: set[asyncio.Future[object]] = {getter}
+                if self._watch is not None:
+                    # Taken before the look: a replacement during a read is caught next turn.
+                    waits.add(self._watch.next_replacement())
+                    if self._watch.replaced():
+                        catch_up = True  # what came meanwhile is in the stream only
+                        continue
+                done, _ = await asyncio.wait(waits, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    if self._watch is not None:
+                        self._watch.replaced()  # taken in: the read comes now
                     catch_up = True
                     continue
                 message, getter = getter.result(), None

@@ -5,7 +5,10 @@ Each message goes to the job that subscribed as soon as it is parsed (leanredis.
 durable start flag afterwards cannot miss a start published in between.
 
 Pub/sub is only the fast path: every signal it carries is also stored (the start flag,
-the kill flag, the stdin stream), and a job re-reads those when a message may be missing.
+the kill flag, the stdin stream), and a job re-reads those when a message may be missing:
+when the connection was replaced (a ConnectionWatch tells, and wakes it then), and on a
+slow safety poll of its own. A healthy connection loses nothing, so a job that waits
+costs Redis nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from shared import keys
 from shared.codec import decode_stored
 from shared.messages import CtrlMessage, StdinFrame
 
-__all__ = ["ControlBus", "Subscription"]
+__all__ = ["ConnectionWatch", "ControlBus", "Subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +40,51 @@ class Subscription:
         self.generation = 0
 
 
+class ConnectionWatch:
+    """For one reader of a job's stored signals: whether the pub/sub connection was
+    replaced since it last looked (what the old one carried meanwhile is lost)."""
+
+    def __init__(self, bus: ControlBus, seen: int) -> None:
+        self._bus = bus
+        self._seen = seen
+
+    def replaced(self) -> bool:
+        """True when it was replaced since the last look (this look takes that in)."""
+        now = self._bus.generation
+        replaced, self._seen = now != self._seen, now
+        return replaced
+
+    def next_replacement(self) -> asyncio.Future[None]:
+        """Done once the connection is next replaced and subscribed again. It is shared by
+        every reader: wait on it with asyncio.wait, which never cancels it."""
+        return self._bus.next_replacement()
+
+
 class ControlBus:
     def __init__(self, redis: LeanRedis) -> None:
-        self._subscriber = Subscriber(redis, self._on_message)
+        self._subscriber = Subscriber(redis, self._on_message, on_ready=self._on_ready)
         self._subs: dict[str, Subscription] = {}
+        self._ready = 0
+        self._next_ready: asyncio.Future[None] | None = None
 
     @property
     def generation(self) -> int:
-        """How many times the pub/sub connection was (re)established."""
-        return self._subscriber.connections
+        """How many times the pub/sub connection was (re)established and subscribed."""
+        return self._ready
+
+    def watch(self, since: int) -> ConnectionWatch:
+        """A watch that has seen generation `since` (a Subscription's, say)."""
+        return ConnectionWatch(self, since)
+
+    def next_replacement(self) -> asyncio.Future[None]:
+        if self._next_ready is None or self._next_ready.done():
+            self._next_ready = asyncio.get_running_loop().create_future()
+        return self._next_ready
+
+    def _on_ready(self) -> None:
+        self._ready += 1
+        if self._next_ready is not None and not self._next_ready.done():
+            self._next_ready.set_result(None)
 
     async def start(self) -> None:
         await self._subscriber.start()
