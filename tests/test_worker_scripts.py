@@ -535,3 +535,21 @@ async def test_a_connection_watch_sees_each_replacement_once(
         assert (await asyncio.wait_for(sub.ctrl.get(), 3)).type == "start"
     finally:
         await ctx.control.unsubscribe(sub)
+
+
+async def test_a_jobs_first_run_ending_late_leaves_its_second_claims_channels_alone(
+    redis: Redis, claiming_worker: tuple[Worker, Any]
+) -> None:
+    # A job handed on (a worker without its runtime) can come straight back to this worker,
+    # which subscribes for the new claim before the first run has finished unsubscribing.
+    _worker, ctx = claiming_worker
+    first = await ctx.control.subscribe("twice")
+    second = await asyncio.wait_for(ctx.control.subscribe("twice"), 3)
+    await ctx.control.unsubscribe(first)
+    try:
+        assert await redis.publish(keys.ctrl_channel("twice"), b'{"type":"start"}') == 1
+        assert (await asyncio.wait_for(second.ctrl.get(), 3)).type == "start"
+    finally:
+        await ctx.control.unsubscribe(second)
+    assert ctx.control._subs == {}
+    assert await redis.publish(keys.ctrl_channel("twice"), b'{"type":"start"}') == 0

@@ -160,8 +160,9 @@ class JobRun:
                 if self.claim.handovers < MAX_HANDOVERS:
                     log.info("job %s: %s; handing it to another worker", self.job_id, exc)
                     self._finished = True
-                    await self._hand_back(to_back=True)
+                    # Paused first, so this worker's claimer does not take the job straight back.
                     self.ctx.claim_paused_until = asyncio.get_running_loop().time() + HANDOVER_PAUSE_S
+                    await self._hand_back(to_back=True)
                 else:
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
                 return

@@ -109,10 +109,17 @@ class ControlBus:
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:
-        channels = (keys.ctrl_channel(sub.job_id), keys.stdin_channel(sub.job_id))
+        """Drop `sub`'s channels, unless a newer subscription to the same job holds them: a
+        job handed back can be claimed again here before its first run has ended."""
+        channels = [
+            channel
+            for channel in (keys.ctrl_channel(sub.job_id), keys.stdin_channel(sub.job_id))
+            if self._subs.get(channel) is sub
+        ]
         for channel in channels:
-            self._subs.pop(channel, None)
-        self._subscriber.unsubscribe(*channels)
+            del self._subs[channel]
+        if channels:
+            self._subscriber.unsubscribe(*channels)
 
     def _on_message(self, kind: bytes, raw_channel: bytes, data: bytes | int) -> None:
         channel = raw_channel.decode()
