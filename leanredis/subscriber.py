@@ -98,6 +98,12 @@ class Subscriber:
         # How many times a connection was made (the first included).
         self.connections = 0
 
+    @property
+    def ready(self) -> bool:
+        """Whether a connection is up and subscribed to what was wanted when it was made."""
+        pushes = self._pushes
+        return pushes is not None and pushes.ready.done() and not pushes.lost.done()
+
     async def start(self) -> None:
         """Connect (raises RedisError when Redis cannot be reached), then keep connected."""
         self._pushes = await self._connect()

@@ -325,7 +325,7 @@ async def test_subscriber_is_ready_only_once_its_channels_are_subscribed_again(l
             del heard.items[:]
             await plain.client_kill_filter(_type="pubsub")
             await heard.wait_for((b"ready", b"", 0))
-            assert subscriber.connections == turn
+            assert subscriber.connections == turn and subscriber.ready
             assert heard.items[-1] == (b"ready", b"", 0), heard.items
             confirmed = {item[1] for item in heard.items if item[0] == b"subscribe"}
             assert confirmed == {b"a", b"b", b"c"}, heard.items
@@ -349,6 +349,7 @@ async def test_subscriber_comes_back_with_its_channels(server: Server, lean: Lea
         # The server goes away for a while, then comes back empty.
         server.stop()
         await asyncio.sleep(0.3)
+        assert not subscriber.ready
         server.start()
         await heard.wait_for((b"subscribe", b"kept", 1), times=3)
         assert subscriber.connections >= 3

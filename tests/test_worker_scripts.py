@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -553,3 +554,28 @@ async def test_a_jobs_first_run_ending_late_leaves_its_second_claims_channels_al
         await ctx.control.unsubscribe(second)
     assert ctx.control._subs == {}
     assert await redis.publish(keys.ctrl_channel("twice"), b'{"type":"start"}') == 0
+
+
+async def test_nothing_is_taken_while_the_pubsub_connection_is_down(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    worker, ctx = claiming_worker
+    spec = _spec()
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    real = ctx.control
+    async def unconfirmed(job_id: str, timeout_s: float = 5.0) -> Any:
+        raise TimeoutError  # what a subscription on a dead connection comes to, 5 s later
+
+    down = SimpleNamespace(
+        connected=False, next_replacement=lambda: asyncio.get_running_loop().create_future(), subscribe=unconfirmed
+    )
+    ctx.control = down
+    started = time.monotonic()
+    assert await worker._claim_one(ctx, queue) is None
+    assert 0.9 <= time.monotonic() - started < 3  # waited for the connection, up to a poll
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]  # left for others
+    ctx.control = real
+    assert real.connected
+    claimed = await worker._claim_one(ctx, queue)
+    assert claimed is not None and claimed[1] is not None
+    await real.unsubscribe(claimed[1])

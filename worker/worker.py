@@ -313,8 +313,12 @@ class Worker:
         Subscribed before the claim reads the job's stored flags: a start stored earlier is
         in the claim, one published later reaches the job by pub/sub, and nothing needs
         reading again on arrival. A job whose subscription failed is claimed all the same
-        and handed back by its run (no subscription: None).
+        and handed back by its run (no subscription: None). While the pub/sub connection is
+        down nothing is taken (each claim would wait out its subscription, then go back).
         """
+        if not ctx.control.connected:
+            await asyncio.wait({ctx.control.next_replacement()}, timeout=CLAIM_POLL_S)
+            return None
         job_id = await claim_queue.take(CLAIM_POLL_S)
         if job_id is None:
             return None

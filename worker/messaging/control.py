@@ -72,6 +72,11 @@ class ControlBus:
         """How many times the pub/sub connection was (re)established and subscribed."""
         return self._ready
 
+    @property
+    def connected(self) -> bool:
+        """Whether the pub/sub connection is up (a subscription now is confirmed at once)."""
+        return self._subscriber.ready
+
     def watch(self, since: int) -> ConnectionWatch:
         """A watch that has seen generation `since` (a Subscription's, say)."""
         return ConnectionWatch(self, since)
