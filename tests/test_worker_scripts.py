@@ -402,7 +402,13 @@ async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator
     control = ControlBus(bus_redis)
     await control.start()
     try:
-        yield worker, SimpleNamespace(queue=queue, control=control, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
+        yield worker, SimpleNamespace(
+            queue=queue,
+            control=control,
+            publisher=SimpleNamespace(lane=lambda _channel: _Lane()),
+            settings=settings,
+            stopping=asyncio.Event(),
+        )
     finally:
         await control.aclose()
         await bus_redis.aclose()
@@ -579,3 +585,51 @@ async def test_nothing_is_taken_while_the_pubsub_connection_is_down(
     claimed = await worker._claim_one(ctx, queue)
     assert claimed is not None and claimed[1] is not None
     await real.unsubscribe(claimed[1])
+
+
+async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_a_start(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    worker, ctx = claiming_worker
+    store = JobStore(redis, RECORD_TTL_S)
+    reads = 0
+    real = queue.flags
+
+    async def counted(job_id: str) -> tuple[bool, bool]:
+        nonlocal reads
+        reads += 1
+        return await real(job_id)
+
+    queue.flags = counted  # type: ignore[method-assign]
+
+    async def parked() -> tuple[Any, Any]:
+        spec = _spec()
+        assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+        claimed = await worker._claim_one(ctx, queue)
+        assert claimed is not None and claimed[1] is not None
+        return JobRun(ctx, *claimed), claimed[1]
+
+    # Started before its claim: the claim says so, and the job goes on without a read.
+    run, sub = await parked()
+    assert (await store.start(run.job_id, "owner-a")).outcome == "started"
+    run.claim = msgspec.structs.replace(run.claim, start_flag=True)
+    assert await run._park(sub.ctrl) == "start" and reads == 0
+    await ctx.control.unsubscribe(sub)
+
+    # Parked on a healthy connection: it waits for the message and reads nothing meanwhile.
+    run, sub = await parked()
+    parking = asyncio.create_task(run._park(sub.ctrl))
+    await asyncio.sleep(1.5)
+    assert not parking.done() and reads == 0
+    assert (await store.start(run.job_id, "owner-a")).outcome == "started"
+    assert await asyncio.wait_for(parking, 3) == "start" and reads == 0
+    await ctx.control.unsubscribe(sub)
+
+    # A start whose message was lost with the connection: read once the connection is back.
+    run, sub = await parked()
+    parking = asyncio.create_task(run._park(sub.ctrl))
+    await asyncio.sleep(0.2)
+    await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message never came
+    await redis.client_kill_filter(_type="pubsub")
+    assert await asyncio.wait_for(parking, 3) == "start" and reads >= 1
+    await ctx.control.unsubscribe(sub)
