@@ -393,6 +393,25 @@ async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(
     assert await WorkerQueue(redis, "w-restarted", RECORD_TTL_S, RESULT_TTL_S).take_id(60_000)
 
 
+class _Counted:
+    """Stands in for an async method of `owner`, counting its calls."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.calls = 0
+        self._real = getattr(owner, name)
+        setattr(owner, name, self)
+
+    async def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return await self._real(*args)
+
+
+async def _start_is_heard(redis: Redis, sub: Any, job_id: str) -> None:
+    """A start published on the job's ctrl channel reaches `sub`."""
+    assert await redis.publish(keys.ctrl_channel(job_id), b'{"type":"start"}') == 1
+    assert (await asyncio.wait_for(sub.ctrl.get(), 3)).type == "start"
+
+
 @pytest.fixture
 async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator[tuple[Worker, Any]]:
     """A Worker (no sandboxes) and the context its claims use: the queue, a real ControlBus."""
@@ -497,25 +516,17 @@ async def test_a_running_jobs_kill_watch_reads_only_when_pubsub_may_have_lost_th
     claim, sub = claimed
     assert sub is not None
     run = JobRun(ctx, claim, sub)
-    reads = 0
-    real = queue.kill_requested
-
-    async def counted(job_id: str) -> bool:
-        nonlocal reads
-        reads += 1
-        return await real(job_id)
-
-    queue.kill_requested = counted  # type: ignore[method-assign]
+    reads = _Counted(queue, "kill_requested")
     ctrl: asyncio.Queue[Any] = asyncio.Queue()
     watching = asyncio.create_task(run._watch_kill(ctrl))
     try:
         await asyncio.sleep(2.5)
-        assert reads == 0 and ctrl.empty()
+        assert reads.calls == 0 and ctrl.empty()
         # A kill whose message was lost: stored, never published; then the connection goes.
         await redis.hset(keys.status_key(claim.spec.job_id), "kill", "1")
         await redis.client_kill_filter(_type="pubsub")
         message = await asyncio.wait_for(ctrl.get(), 3)
-        assert message.type == "kill" and reads >= 1
+        assert message.type == "kill" and reads.calls >= 1
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
@@ -537,9 +548,7 @@ async def test_a_connection_watch_sees_each_replacement_once(
         await redis.client_kill_filter(_type="pubsub")
         await asyncio.wait_for(asyncio.shield(replacement), 3)
         assert watch.replaced() and not watch.replaced()
-        # Subscribed again by then: a message published now is heard.
-        assert await redis.publish(keys.ctrl_channel("watched"), b'{"type":"start"}') == 1
-        assert (await asyncio.wait_for(sub.ctrl.get(), 3)).type == "start"
+        await _start_is_heard(redis, sub, "watched")  # subscribed again by then
     finally:
         await ctx.control.unsubscribe(sub)
 
@@ -554,8 +563,7 @@ async def test_a_jobs_first_run_ending_late_leaves_its_second_claims_channels_al
     second = await asyncio.wait_for(ctx.control.subscribe("twice"), 3)
     await ctx.control.unsubscribe(first)
     try:
-        assert await redis.publish(keys.ctrl_channel("twice"), b'{"type":"start"}') == 1
-        assert (await asyncio.wait_for(second.ctrl.get(), 3)).type == "start"
+        await _start_is_heard(redis, second, "twice")
     finally:
         await ctx.control.unsubscribe(second)
     assert ctx.control._subs == {}
@@ -592,15 +600,7 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
 ) -> None:
     worker, ctx = claiming_worker
     store = JobStore(redis, RECORD_TTL_S)
-    reads = 0
-    real = queue.flags
-
-    async def counted(job_id: str) -> tuple[bool, bool]:
-        nonlocal reads
-        reads += 1
-        return await real(job_id)
-
-    queue.flags = counted  # type: ignore[method-assign]
+    reads = _Counted(queue, "flags")
 
     async def parked() -> tuple[Any, Any]:
         spec = _spec()
@@ -613,16 +613,16 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     run, sub = await parked()
     assert (await store.start(run.job_id, "owner-a")).outcome == "started"
     run.claim = msgspec.structs.replace(run.claim, start_flag=True)
-    assert await run._park(sub.ctrl) == "start" and reads == 0
+    assert await run._park(sub.ctrl) == "start" and reads.calls == 0
     await ctx.control.unsubscribe(sub)
 
     # Parked on a healthy connection: it waits for the message and reads nothing meanwhile.
     run, sub = await parked()
     parking = asyncio.create_task(run._park(sub.ctrl))
     await asyncio.sleep(1.5)
-    assert not parking.done() and reads == 0
+    assert not parking.done() and reads.calls == 0
     assert (await store.start(run.job_id, "owner-a")).outcome == "started"
-    assert await asyncio.wait_for(parking, 3) == "start" and reads == 0
+    assert await asyncio.wait_for(parking, 3) == "start" and reads.calls == 0
     await ctx.control.unsubscribe(sub)
 
     # A start whose message was lost with the connection: read once the connection is back.
@@ -631,5 +631,5 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     await asyncio.sleep(0.2)
     await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message never came
     await redis.client_kill_filter(_type="pubsub")
-    assert await asyncio.wait_for(parking, 3) == "start" and reads >= 1
+    assert await asyncio.wait_for(parking, 3) == "start" and reads.calls >= 1
     await ctx.control.unsubscribe(sub)
