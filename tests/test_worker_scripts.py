@@ -7,6 +7,7 @@ checks that Redis holds what one run leaves (every key, its contents and its TTL
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import uuid
@@ -549,6 +550,18 @@ async def test_a_connection_watch_sees_each_replacement_once(
         await asyncio.wait_for(asyncio.shield(replacement), 3)
         assert watch.replaced() and not watch.replaced()
         await _start_is_heard(redis, sub, "watched")  # subscribed again by then
+        # Each watch waits on a future of its own (a shared one made every wait's end scan
+        # the callbacks of all the others); the next replacement ends them all, and a
+        # watch that is gone leaves nothing behind.
+        watches = [ctx.control.watch(ctx.control.generation) for _ in range(100)]
+        futures = [w.next_replacement() for w in watches]
+        assert len({id(f) for f in futures}) == 100 and watches[0].next_replacement() is futures[0]
+        del watches[50:], futures[50:]
+        gc.collect()
+        assert len(ctx.control._waiting) == 50
+        await redis.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), 3)
+        assert all(w.replaced() for w in watches) and len(ctx.control._waiting) == 0
     finally:
         await ctx.control.unsubscribe(sub)
 

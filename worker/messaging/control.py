@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 import msgspec
 
@@ -47,6 +48,7 @@ class ConnectionWatch:
     def __init__(self, bus: ControlBus, seen: int) -> None:
         self._bus = bus
         self._seen = seen
+        self._next: asyncio.Future[None] | None = None
 
     def replaced(self) -> bool:
         """True when it was replaced since the last look (this look takes that in)."""
@@ -55,9 +57,12 @@ class ConnectionWatch:
         return replaced
 
     def next_replacement(self) -> asyncio.Future[None]:
-        """Done once the connection is next replaced and subscribed again. It is shared by
-        every reader: wait on it with asyncio.wait, which never cancels it."""
-        return self._bus.next_replacement()
+        """Done once the connection is next replaced and subscribed again. The watch keeps
+        its own from one wait to the next: each wait adds and removes one callback on it,
+        where a future shared by a thousand parked jobs made every removal a long scan."""
+        if self._next is None or self._next.done():
+            self._next = self._bus.next_replacement()
+        return self._next
 
 
 class ControlBus:
@@ -65,7 +70,9 @@ class ControlBus:
         self._subscriber = Subscriber(redis, self._on_message, on_ready=self._on_ready)
         self._subs: dict[str, Subscription] = {}
         self._ready = 0
-        self._next_ready: asyncio.Future[None] | None = None
+        # The futures next_replacement handed out, done at the next replacement; a reader
+        # that is gone takes its future with it.
+        self._waiting: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
 
     @property
     def generation(self) -> int:
@@ -82,14 +89,18 @@ class ControlBus:
         return ConnectionWatch(self, since)
 
     def next_replacement(self) -> asyncio.Future[None]:
-        if self._next_ready is None or self._next_ready.done():
-            self._next_ready = asyncio.get_running_loop().create_future()
-        return self._next_ready
+        """A future of its own, done once the connection is next replaced and subscribed again."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.add(future)
+        return future
 
     def _on_ready(self) -> None:
         self._ready += 1
-        if self._next_ready is not None and not self._next_ready.done():
-            self._next_ready.set_result(None)
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        for future in waiting:
+            if not future.done():
+                future.set_result(None)
 
     async def start(self) -> None:
         await self._subscriber.start()
