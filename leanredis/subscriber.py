@@ -11,10 +11,10 @@ second), subscribes again to every channel still wanted, and counts the connecti
 (`connections`), because whatever was published while it was down is lost and the owner
 must look at its durable state again: `on_ready` is called once a new connection is
 subscribed to all of them (a PING sent after the SUBSCRIBE has been answered), so what the
-owner reads then cannot miss a message the new connection would not carry. An idle connection is checked with a PING every
-`health_check_interval` (30 s unless the client says), and one that does not answer
-within `socket_timeout` is dropped and re-dialled, so a half-open connection cannot
-silently swallow messages for long.
+owner reads then cannot miss a message the new connection would not carry. An idle
+connection is checked with a PING every `health_check_interval` (30 s unless the client
+says), and one that does not answer within `socket_timeout` is dropped and re-dialled, so a
+half-open connection cannot silently swallow messages for long.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The API stores every accepted frame in the job's stdin stream, numbered n = 0, 1
 only then publishes it on `stdin:<id>`. The published copy is the fast path: a frame whose
 n is the next one is written at once. A gap, a replaced pub/sub connection (either can
 lose messages), or ten quiet seconds send the feeder to the stream, to read on from the
-last frame it wrote; a frame below its cursor was written already and is skipped. So a frame the API accepted
-reaches the program once, in order, whatever happened to pub/sub.
+last frame it wrote; a frame below its cursor was written already and is skipped. So a
+frame the API accepted reaches the program once, in order, whatever happened to pub/sub.
 
 A `close` frame is EOF: the pipe is closed after every frame before it was written.
 """
@@ -53,8 +53,8 @@ class StdinFeed:
         self._upfront = upfront
         self._close_after_upfront = close_after_upfront
         # Frames stored before the job's pub/sub subscription was in place (None: unknown).
-        # Later ones are published to it too, so with none the stream is read only on a gap
-        # or a quiet second.
+        # Later ones are published to it too, so with none the stream is read only on a gap,
+        # a replaced connection or a long quiet spell.
         self._stored_before = stored_before
         # Tells when the pub/sub connection was replaced (None: never known to be).
         self._watch = watch
