@@ -541,27 +541,28 @@ async def test_a_connection_watch_sees_each_replacement_once(
     sub = await ctx.control.subscribe("watched")
     try:
         watch = ctx.control.watch(sub.generation)
-        watch.replaced()  # whatever happened before the subscription was confirmed
-        assert not watch.replaced()
-        replacement = watch.next_replacement()
+        watch.look()  # whatever happened before the subscription was confirmed
+        replacement = watch.look()
+        assert replacement is not None
         await asyncio.sleep(0.3)
-        assert not replacement.done() and not watch.replaced()
+        assert not replacement.done() and watch.look() is replacement
         await redis.client_kill_filter(_type="pubsub")
         await asyncio.wait_for(asyncio.shield(replacement), 3)
-        assert watch.replaced() and not watch.replaced()
+        assert watch.look() is None and not watch.replaced()
         await _start_is_heard(redis, sub, "watched")  # subscribed again by then
+        del watch, replacement  # (its look took a future for the next replacement)
         # Each watch waits on a future of its own (a shared one made every wait's end scan
         # the callbacks of all the others); the next replacement ends them all, and a
         # watch that is gone leaves nothing behind.
         watches = [ctx.control.watch(ctx.control.generation) for _ in range(100)]
-        futures = [w.next_replacement() for w in watches]
-        assert len({id(f) for f in futures}) == 100 and watches[0].next_replacement() is futures[0]
+        futures = [w.look() for w in watches]
+        assert len({id(f) for f in futures}) == 100 and watches[0].look() is futures[0]
         del watches[50:], futures[50:]
         gc.collect()
         assert len(ctx.control._waiting) == 50
         await redis.client_kill_filter(_type="pubsub")
         await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), 3)
-        assert all(w.replaced() for w in watches) and len(ctx.control._waiting) == 0
+        assert len(ctx.control._waiting) == 0 and all(w.look() is None for w in watches)
     finally:
         await ctx.control.unsubscribe(sub)
 

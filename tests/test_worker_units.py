@@ -249,8 +249,8 @@ class _Watch:
         replaced, self.seen = self.generation != self.seen, self.generation
         return replaced
 
-    def next_replacement(self) -> asyncio.Future[None]:
-        return self.next
+    def look(self) -> asyncio.Future[None] | None:
+        return None if self.replaced() else self.next
 
 
 async def test_a_quiet_stdin_feeder_reads_the_stream_only_when_pubsub_may_have_lost_a_frame() -> None:

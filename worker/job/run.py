@@ -127,10 +127,6 @@ class JobRun:
         self._finished = False
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
-        # Stdin frames stored when the job's subscription was in place: any stored later is
-        # also published to it, so with none stored the stdin feeder need not read the
-        # stream before its first pub/sub message.
-        self._stdin_stored = claim.stdin_frames
         self._batch_cases: list[CaseOutput] | None = None
         self._running_stage: asyncio.Task[None] | None = None
         self._artifacts: list[ArtifactMeta] = []
@@ -360,11 +356,10 @@ class JobRun:
         assert self.sub is not None
         watch = self.ctx.control.watch(self.sub.generation)
         while True:
-            # Taken before the look: a replacement during the read below is caught next turn.
-            replacement = watch.next_replacement()
-            if not watch.replaced():
+            replacement = watch.look()
+            if replacement is not None:
                 await asyncio.wait({replacement}, timeout=FLAG_POLL_S)
-                watch.replaced()
+                watch.replaced()  # taken in: the read comes now
             raise_if_cancelled()
             try:
                 if await self.ctx.queue.kill_requested(self.job_id):
@@ -461,9 +456,8 @@ class JobRun:
         getter: asyncio.Future[CtrlMessage] | None = None
         try:
             while True:
-                # Taken before the look: a replacement during the read is caught next turn.
-                replacement = watch.next_replacement()
-                if watch.replaced() or loop.time() >= next_poll:
+                replacement = watch.look()
+                if replacement is None or loop.time() >= next_poll:
                     next_poll = loop.time() + FLAG_POLL_S
                     signal = await self._durable_signal()
                     if signal is not None:
@@ -571,7 +565,9 @@ class JobRun:
             # EOF after the up-front input, if any: closeStdin (the API's default is to
             # close when stdin was given, keep open when it was not).
             close_after_upfront=self.spec.close_stdin,
-            stored_before=self._stdin_stored,
+            # Counted by the claim, with the subscription in place: any stored later is also
+            # published to it, so with none the feeder reads the stream only when it must.
+            stored_before=self.claim.stdin_frames,
             watch=self.ctx.control.watch(self.sub.generation) if self.sub is not None else None,
         )
 

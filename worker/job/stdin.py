@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import logging
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -104,13 +105,13 @@ class StdinFeed:
                         continue
                 if getter is None:
                     getter = asyncio.ensure_future(self._inbox.get())
-                waits: set[asyncio.Future[object]] = {getter}
+                waits: set[asyncio.Future[Any]] = {getter}
                 if self._watch is not None:
-                    # Taken before the look: a replacement during a read is caught next turn.
-                    waits.add(self._watch.next_replacement())
-                    if self._watch.replaced():
+                    replacement = self._watch.look()
+                    if replacement is None:
                         catch_up = True  # what came meanwhile is in the stream only
                         continue
+                    waits.add(replacement)
                 done, _ = await asyncio.wait(waits, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     if self._watch is not None:

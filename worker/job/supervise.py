@@ -45,6 +45,7 @@ CHILD_EXIT_S = 2.0
 # CFS bandwidth hands runtime to each CPU's run queue in slices of this much (the kernel's
 # sched_cfs_bandwidth_slice_us default), and a queue may keep what it holds into the next period.
 CFS_SLICE_S = 0.005
+_CPUS = os.cpu_count() or 1
 
 OnData = Callable[[bytes], Awaitable[None]]
 
@@ -62,7 +63,7 @@ def cpu_clock_due_at(go_at: float, cpu_s: float, cap_cores: float | None) -> flo
     """
     if not cap_cores:
         return go_at
-    ahead_s = 2 * cap_cores * CPU_PERIOD_US / 1e6 + (os.cpu_count() or 1) * CFS_SLICE_S
+    ahead_s = 2 * cap_cores * CPU_PERIOD_US / 1e6 + _CPUS * CFS_SLICE_S
     return go_at + max(0.0, (cpu_s - ahead_s) / cap_cores)
 
 

@@ -31,14 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class Subscription:
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, generation: int) -> None:
         self.job_id = job_id
         self.ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
         self.stdin: asyncio.Queue[StdinFrame] = asyncio.Queue()
         self._confirmed: dict[str, asyncio.Future[None]] = {}
         # ControlBus.generation when the subscription was asked for: a different one later
         # means the connection was replaced since, and messages may have been lost.
-        self.generation = 0
+        self.generation = generation
 
 
 class ConnectionWatch:
@@ -56,13 +56,18 @@ class ConnectionWatch:
         replaced, self._seen = now != self._seen, now
         return replaced
 
-    def next_replacement(self) -> asyncio.Future[None]:
-        """Done once the connection is next replaced and subscribed again. The watch keeps
-        its own from one wait to the next: each wait adds and removes one callback on it,
-        where a future shared by a thousand parked jobs made every removal a long scan."""
+    def look(self) -> asyncio.Future[None] | None:
+        """None when the connection was replaced since the last look (read the stored copy
+        now); else a future done at the next replacement, to wait on with asyncio.wait.
+
+        The future is taken before the look, so a replacement while the caller reads or
+        waits is never missed. The watch keeps its own from one wait to the next: each wait
+        adds and removes one callback on it, where a future shared by a thousand parked
+        jobs made every removal a long scan.
+        """
         if self._next is None or self._next.done():
             self._next = self._bus.next_replacement()
-        return self._next
+        return None if self.replaced() else self._next
 
 
 class ControlBus:
@@ -109,8 +114,7 @@ class ControlBus:
         await self._subscriber.aclose()
 
     async def subscribe(self, job_id: str, timeout_s: float = 5.0) -> Subscription:
-        sub = Subscription(job_id)
-        sub.generation = self.generation
+        sub = Subscription(job_id, self.generation)
         channels = (keys.ctrl_channel(job_id), keys.stdin_channel(job_id))
         loop = asyncio.get_running_loop()
         for channel in channels:
