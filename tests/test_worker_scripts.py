@@ -413,6 +413,19 @@ async def _start_is_heard(redis: Redis, sub: Any, job_id: str) -> None:
     assert (await asyncio.wait_for(sub.ctrl.get(), 3)).type == "start"
 
 
+async def _claimed_run(redis: Redis, worker: Worker, ctx: Any, queue: WorkerQueue, started: bool = False) -> tuple[JobRun, Any]:
+    """A job queued (and with `started`, started while still queued), then claimed as the
+    worker's claimer does: its run and its subscription."""
+    store = JobStore(redis, RECORD_TTL_S)
+    spec = _spec()
+    assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    if started:
+        assert (await store.start(spec.job_id, "owner-a")).outcome == "started"
+    claimed = await worker._claim_one(ctx, queue)
+    assert claimed is not None and claimed[1] is not None
+    return JobRun(ctx, *claimed), claimed[1]
+
+
 @pytest.fixture
 async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator[tuple[Worker, Any]]:
     """A Worker (no sandboxes) and the context its claims use: the queue, a real ControlBus."""
@@ -511,12 +524,7 @@ async def test_a_running_jobs_kill_watch_reads_only_when_pubsub_may_have_lost_th
     # A healthy pub/sub connection loses nothing: the watch reads the stored kill flag when
     # the connection was replaced, and on a slow safety poll, not every second.
     worker, ctx = claiming_worker
-    assert (await JobStore(redis, RECORD_TTL_S).enqueue(_spec(), 100, 100, RESULT_TTL_S)).outcome == "queued"
-    claimed = await worker._claim_one(ctx, queue)
-    assert claimed is not None
-    claim, sub = claimed
-    assert sub is not None
-    run = JobRun(ctx, claim, sub)
+    run, sub = await _claimed_run(redis, worker, ctx, queue)
     reads = _Counted(queue, "kill_requested")
     ctrl: asyncio.Queue[Any] = asyncio.Queue()
     watching = asyncio.create_task(run._watch_kill(ctrl))
@@ -524,7 +532,7 @@ async def test_a_running_jobs_kill_watch_reads_only_when_pubsub_may_have_lost_th
         await asyncio.sleep(2.5)
         assert reads.calls == 0 and ctrl.empty()
         # A kill whose message was lost: stored, never published; then the connection goes.
-        await redis.hset(keys.status_key(claim.spec.job_id), "kill", "1")
+        await redis.hset(keys.status_key(run.job_id), "kill", "1")
         await redis.client_kill_filter(_type="pubsub")
         message = await asyncio.wait_for(ctrl.get(), 3)
         assert message.type == "kill" and reads.calls >= 1
@@ -616,22 +624,14 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     store = JobStore(redis, RECORD_TTL_S)
     reads = _Counted(queue, "flags")
 
-    async def parked() -> tuple[Any, Any]:
-        spec = _spec()
-        assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
-        claimed = await worker._claim_one(ctx, queue)
-        assert claimed is not None and claimed[1] is not None
-        return JobRun(ctx, *claimed), claimed[1]
-
-    # Started before its claim: the claim says so, and the job goes on without a read.
-    run, sub = await parked()
-    assert (await store.start(run.job_id, "owner-a")).outcome == "started"
-    run.claim = msgspec.structs.replace(run.claim, start_flag=True)
+    # Started while still queued: the claim says so, and the job goes on without a read.
+    run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
+    assert run.claim.start_flag
     assert await run._park(sub.ctrl) == "start" and reads.calls == 0
     await ctx.control.unsubscribe(sub)
 
     # Parked on a healthy connection: it waits for the message and reads nothing meanwhile.
-    run, sub = await parked()
+    run, sub = await _claimed_run(redis, worker, ctx, queue)
     parking = asyncio.create_task(run._park(sub.ctrl))
     await asyncio.sleep(1.5)
     assert not parking.done() and reads.calls == 0
@@ -640,7 +640,7 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     await ctx.control.unsubscribe(sub)
 
     # A start whose message was lost with the connection: read once the connection is back.
-    run, sub = await parked()
+    run, sub = await _claimed_run(redis, worker, ctx, queue)
     parking = asyncio.create_task(run._park(sub.ctrl))
     await asyncio.sleep(0.2)
     await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message never came
