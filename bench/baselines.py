@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench.keepalive import HttpError, KeepAliveHttp
 from bench.latency import bare_argv, bare_workspace
 
 __all__ = ["Bare", "Piston", "piston_from_env"]
@@ -29,9 +28,10 @@ class Piston:
     version: str = "*"
     language: str = "python"
 
-    def client(self) -> httpx.Client:
-        """One keep-alive client per caller thread (never one per request)."""
-        return httpx.Client(base_url=self.url, timeout=60)
+    def client(self) -> KeepAliveHttp:
+        """One kept-open connection per caller thread (never one per request): the same lean
+        client our side's load generators use."""
+        return KeepAliveHttp(self.url, timeout_s=60)
 
     def describe(self) -> str:
         """The runtime Piston offers for `language`, or SystemExit when nothing answers at
@@ -39,7 +39,7 @@ class Piston:
         try:
             with self.client() as client:
                 runtimes = client.get("/api/v2/runtimes").raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
+        except (HttpError, ValueError) as exc:
             raise SystemExit(f"PISTON_URL={self.url}: no Piston answers there ({exc})") from None
         versions = [
             r.get("version", "?")
@@ -50,7 +50,7 @@ class Piston:
             raise SystemExit(f"PISTON_URL={self.url}: Piston has no {self.language} runtime installed")
         return f"Piston at {self.url} ({self.language} {', '.join(versions)}; asking for {self.version!r})"
 
-    def execute(self, client: httpx.Client, name: str, source: str, stdin: str = "") -> dict[str, Any]:
+    def execute(self, client: KeepAliveHttp, name: str, source: str, stdin: str = "") -> dict[str, Any]:
         """POST /api/v2/execute; the answer (its `compile` and `run` parts) is the result."""
         body: dict[str, Any] = {
             "language": self.language,
@@ -63,7 +63,7 @@ class Piston:
             raise RuntimeError(f"Piston answered {response.status_code}: {response.text[:300]}")
         return response.json()  # type: ignore[no-any-return]
 
-    def run(self, client: httpx.Client, program: str, expect: str) -> None:
+    def run(self, client: KeepAliveHttp, program: str, expect: str) -> None:
         """A Python program, its stdout checked."""
         run = self.execute(client, "main.py", program).get("run") or {}
         if run.get("stdout") != expect or run.get("code") != 0:

@@ -10,6 +10,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.keepalive import KeepAliveHttp
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime
 
@@ -45,17 +46,18 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 class KeepAliveRealtime(Realtime):
-    """A Realtime whose channel auth goes through the Api's keep-alive httpx client.
+    """A Realtime whose channel auth goes through a kept-open client of the API's.
 
     pysher signs each subscription with a fresh `requests.post` (a new connection per job);
-    pusher-js in a browser reuses its connection, and so do these benchmarks.
+    pusher-js in a browser reuses its connection, and so do these benchmarks. `api` is the
+    tests' Api or a bench.keepalive.KeepAliveHttp holding the API token.
     """
 
-    def __init__(self, stack: Stack, api: Api) -> None:
+    def __init__(self, stack: Stack, api: Api | KeepAliveHttp) -> None:
         super().__init__(stack)
         self.pusher._generate_auth_token = lambda channel: self._auth(api, channel)
 
-    def _auth(self, api: Api, channel: str) -> str:
+    def _auth(self, api: Api | KeepAliveHttp, channel: str) -> str:
         form = {"channel_name": channel, "socket_id": self.pusher.connection.socket_id}
         response = api.post("/v1/channel-auth", data=form)
         if response.status_code != 200:

@@ -10,7 +10,7 @@ graded against --cases cases (default 50) in three ways, on this machine in one 
                 the summary `{passed: N, failed: 0, skipped: 0, verdict: accepted}`.
   (b) jobs      N separate C jobs, each compiling the same source with one case's stdin
                 (`collectOutput: true`), from --clients threads (default 4) that each own
-                one keep-alive httpx client and loop execute → start → GET /output?waitMs
+                one kept-open connection (bench/keepalive.py) and loop execute → start → GET /output?waitMs
                 over a shared list of cases; every job must end `completed`, exit 0, with
                 the case's expected stdout.
   (c) Piston    only when PISTON_URL is set: the same --clients threads, each with its own
@@ -58,12 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
 from bench.baselines import Piston, piston_from_env
+from bench.keepalive import KeepAliveHttp
 from launcher.stack import Stack, StackError
 from tests.helpers import Api
 
@@ -101,13 +100,13 @@ def make_cases(n: int) -> list[Case]:
 # ---------------------------------------------------------------- our API
 
 
-def api_client(stack: Stack) -> httpx.Client:
-    """One keep-alive client (one per thread; never one per request)."""
+def api_client(stack: Stack) -> KeepAliveHttp:
+    """One kept-open connection (one per thread; never one per request)."""
     headers = {"Authorization": f"Bearer {stack.api_token}"}
-    return httpx.Client(base_url=stack.api_url, headers=headers, timeout=OUTPUT_WAIT_MS / 1000 + 15)
+    return KeepAliveHttp(stack.api_url, headers, OUTPUT_WAIT_MS / 1000 + 15)
 
 
-def submit(client: httpx.Client, body: dict[str, Any]) -> str:
+def submit(client: KeepAliveHttp, body: dict[str, Any]) -> str:
     """POST /v1/execute (waiting out a 429 as its retryAfterMs says) and POST /start; the job id."""
     for _ in range(100):
         response = client.post("/v1/execute", json=body)
@@ -123,7 +122,7 @@ def submit(client: httpx.Client, body: dict[str, Any]) -> str:
     return job_id
 
 
-def wait_output(client: httpx.Client, job_id: str, timeout_s: float = SERIES_TIMEOUT_S) -> dict[str, Any]:
+def wait_output(client: KeepAliveHttp, job_id: str, timeout_s: float = SERIES_TIMEOUT_S) -> dict[str, Any]:
     """GET /v1/jobs/:id/output?waitMs=… until the RunResult is there (404 while it is not)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -235,7 +234,7 @@ def replay_batch(api: Api, job_id: str, cases: list[Case]) -> tuple[dict[str, in
 # ---------------------------------------------------------------- Piston
 
 
-def piston_run(piston: Piston, client: httpx.Client, case: Case) -> None:
+def piston_run(piston: Piston, client: KeepAliveHttp, case: Case) -> None:
     """One case on Piston: a compile and a run per request, the run's stdout checked."""
     answer = piston.execute(client, "main.c", PROGRAM, case.stdin)
     compiled = answer.get("compile") or {}
@@ -261,10 +260,10 @@ class Bench:
     stack: Stack
     api: Api
     cases: list[Case]
-    batch_client: httpx.Client
-    job_clients: list[httpx.Client]
+    batch_client: KeepAliveHttp
+    job_clients: list[KeepAliveHttp]
     piston: Piston | None
-    piston_clients: list[httpx.Client]
+    piston_clients: list[KeepAliveHttp]
     runs: dict[str, list[Run]] = field(default_factory=dict)
     background: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -345,7 +344,7 @@ def pooled(clients: list[Any], cases: list[Case], one: Callable[[Any, Case], Non
     return errors, extra
 
 
-def one_job(client: httpx.Client, case: Case) -> None:
+def one_job(client: KeepAliveHttp, case: Case) -> None:
     job_id = submit(client, single_body(case))
     check_single(wait_output(client, job_id), case, job_id)
 

@@ -12,7 +12,7 @@ of those over the repetitions, and the ratio of the medians, ours / baseline):
      received (stamped in the Pusher client's thread). Baseline: bare nsjail spawn … the
      first byte read from its stdout pipe (Piston's execute does not stream).
   3  grader throughput, jobs/s, for each --clients count (4 and 8): every client thread owns
-     one keep-alive httpx client and loops POST /v1/execute (`collectOutput: true`) → POST
+     one kept-open connection (bench/keepalive.py) and loops POST /v1/execute (`collectOutput: true`) → POST
      /v1/jobs/:id/start → GET /v1/jobs/:id/output?waitMs=30000 (no WebSocket), checking
      the stdout; jobs completed within --duration seconds after --warmup-s seconds.
      Baseline: the same threads and loop posting to Piston, or each running bare nsjail.
@@ -61,13 +61,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
 from bench.baselines import Bare, Piston, piston_from_env
 from bench.common import KeepAliveRealtime, first_arrival, pct
+from bench.keepalive import KeepAliveHttp
 from bench.streaming import EXPECTED as STREAM_EXPECTED
 from bench.streaming import PROGRAM as STREAM_PROGRAM
 from bench.streaming import _stack_runs as stream_runs
@@ -100,12 +99,13 @@ class Bench:
 
     args: argparse.Namespace
     stack: Stack
-    api: Api
+    api: Api  # for what is not timed
+    http: KeepAliveHttp  # for the timed requests: a lean client, the API token by default
     rt: KeepAliveRealtime
     bare: Bare
     bare_stream: Bare
     piston: Piston | None
-    piston_client: httpx.Client | None
+    piston_client: KeepAliveHttp | None
     rows: dict[str, Row] = field(default_factory=dict)
     cpu_runs: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -126,11 +126,16 @@ def interleaved(rep: int, *sides: Callable[[], None]) -> None:
 def ide_job(b: Bench, timeout_s: float = 60) -> dict[str, float]:
     """One `print(1)` driven like an IDE: execute, subscribe, start, wait for the result."""
     t0 = time.perf_counter()
-    job = b.api.execute(py_job(PROGRAM))
+    response = b.http.post("/v1/execute", json=py_job(PROGRAM))
+    if response.status_code != 202:
+        raise SystemExit(f"execute: {response.status_code} {response.text[:200]}")
+    job = response.json()
     followed = b.rt.follow(job)
     first = first_arrival(b.rt, job["channel"], "stdout")
     t1 = time.perf_counter()
-    b.api.start(job)
+    response = b.http.post(f"/v1/jobs/{job['jobId']}/start", headers={"Authorization": f"Bearer {job['jobToken']}"})
+    if response.status_code != 202:
+        raise SystemExit(f"start: {response.status_code} {response.text[:200]}")
     try:
         result = followed.wait_result(timeout_s)
     except AssertionError:
@@ -292,7 +297,7 @@ def background_ms_per_s(seconds: float) -> float:
     return (after.host_ms - before.host_ms - (after.client_ms - before.client_ms)) / (after.at - before.at)
 
 
-def grader_job(client: httpx.Client) -> None:
+def grader_job(client: KeepAliveHttp) -> None:
     """A grader's job: execute with collectOutput, start, long-poll the output; no WebSocket."""
     response = client.post("/v1/execute", json=py_job(PROGRAM, collectOutput=True))
     if response.status_code != 202:
@@ -308,6 +313,11 @@ def grader_job(client: httpx.Client) -> None:
     if output.get("stdout") != EXPECT or output.get("outcome") != "completed":
         why = output.get("message") or f"stdout {output.get('stdout')!r}"
         raise RuntimeError(f"grader job {job_id} ended {output.get('outcome')}: {why}")
+
+
+def api_client(stack: Stack, timeout_s: float = 60) -> KeepAliveHttp:
+    """A lean keep-alive client for the stack's API, holding its API token."""
+    return KeepAliveHttp(stack.api_url, {"Authorization": f"Bearer {stack.api_token}"}, timeout_s)
 
 
 def stack_groups(stack: Stack) -> dict[str, list[int]]:
@@ -340,9 +350,8 @@ def throughput_pair(b: Bench, rep: int, clients: int, with_cpu_row: bool) -> Non
         if run.errors:
             b.notes.append(f"{clients} clients, {side}: {len(run.errors)} failed jobs, first: {run.errors[0]}")
 
-    def make_client() -> httpx.Client:
-        headers = {"Authorization": f"Bearer {b.stack.api_token}"}
-        return httpx.Client(base_url=b.stack.api_url, headers=headers, timeout=OUTPUT_WAIT_MS / 1000 + 10)
+    def make_client() -> KeepAliveHttp:
+        return api_client(b.stack, timeout_s=OUTPUT_WAIT_MS / 1000 + 10)
 
     def ours() -> None:
         def groups() -> dict[str, list[int]]:
@@ -497,9 +506,10 @@ def main() -> int:
     stack = Stack(extra_env={"LOG_LEVEL": "WARNING"})
     stack.start()
     api = Api(stack)
-    rt = KeepAliveRealtime(stack, api)
+    http = api_client(stack)
+    rt = KeepAliveRealtime(stack, http)
     b = Bench(
-        args, stack, api, rt, Bare(PROGRAM, EXPECT), Bare(STREAM_PROGRAM, STREAM_EXPECTED), piston,
+        args, stack, api, http, rt, Bare(PROGRAM, EXPECT), Bare(STREAM_PROGRAM, STREAM_EXPECTED), piston,
         piston.client() if piston else None,
     )  # fmt: skip
     try:
@@ -513,6 +523,7 @@ def main() -> int:
     finally:
         rt.close()
         api.close()
+        http.close()
         if b.piston_client is not None:
             b.piston_client.close()
         stack.cleanup()
