@@ -20,7 +20,7 @@ from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.child import PipeReader, _pipe_object, read_pipe
-from worker.isolation.jail import Jail, JailExit, JailSpec, Program, build_argv
+from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
@@ -898,16 +898,23 @@ async def test_a_gate_whose_filter_the_kernel_refuses_runs_nothing_and_says_so(t
     async def exited() -> int:
         return 126
 
-    log = asyncio.StreamReader()
-    log.feed_eof()
+    log, log_write = _log_pipe()
+    os.close(log_write)
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     os.write(write_end, report)
     os.close(write_end)
     proc_stub = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=0, returncode=126)
-    jail = Jail(proc_stub, log, SimpleNamespace(close=lambda: None), read_end, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+    jail = Jail(proc_stub, log, read_end, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
     ended = await asyncio.wait_for(jail.wait(), 2)
     assert (ended.exit_code, ended.signal) == (None, None)
     assert ended.errors == ["the jail's gate failed: seccomp"]
+
+
+def _log_pipe() -> tuple[int, int]:
+    """A pipe like the one nsjail logs to: the worker's end (non-blocking) and nsjail's."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    return read_end, write_end
 
 
 async def test_the_program_ends_at_a_whole_report_and_at_nothing_else() -> None:
@@ -924,7 +931,8 @@ async def test_the_program_ends_at_a_whole_report_and_at_nothing_else() -> None:
         proc = SimpleNamespace(
             wait=running, on_exit=lambda callback: None, stdin=stdin, stdout=None, stderr=None, pid=0, returncode=None, close=lambda: None
         )
-        jail = Jail(proc, asyncio.StreamReader(), SimpleNamespace(close=lambda: None), status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+        log, log_write = _log_pipe()
+        jail = Jail(proc, log, status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
         jail.go(Program(argv=["/bin/true"], env={}))
         for line in lines:
             assert not jail.ended.done()
@@ -937,8 +945,7 @@ async def test_the_program_ends_at_a_whole_report_and_at_nothing_else() -> None:
             ended = await asyncio.wait_for(jail.wait_program(), 1)
             assert (ended.exit_code, ended.signal) == (want, None)
         os.close(status_write)
-        jail._log_task.cancel()
-        await asyncio.gather(jail._log_task, return_exceptions=True)
+        os.close(log_write)
         jail.close()
 
 
@@ -952,14 +959,14 @@ async def test_a_wait_cancelled_after_the_jail_exited_loses_neither_the_report_n
     async def exited() -> int:
         return 0
 
-    log = asyncio.StreamReader()
+    log, log_write = _log_pipe()
     proc = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=0, returncode=0)
-    jail = Jail(proc, log, SimpleNamespace(close=lambda: None), status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+    jail = Jail(proc, log, status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
     first = asyncio.create_task(jail.wait())
     await asyncio.sleep(0.01)  # nsjail has exited; its log is still being read
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
-    log.feed_eof()
+    os.close(log_write)
     ended = await asyncio.wait_for(jail.wait(), 2)
     assert (ended.exit_code, ended.signal) == (None, "SIGKILL")
 
@@ -984,19 +991,45 @@ async def test_the_nsjail_log_keeps_what_is_read_from_it_and_drops_the_rest() ->
     async def exited() -> int:
         return 0
 
-    log = asyncio.StreamReader()
+    log, log_write = _log_pipe()
     proc = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=5, returncode=0)
-    jail = Jail(proc, log, SimpleNamespace(close=lambda: None), status_read, cgroup)  # type: ignore[arg-type]
-    for start in range(0, len(text), 700):  # cut mid-line
-        log.feed_data(text[start : start + 700])
-        await asyncio.sleep(0)
+    jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
+    ready_at = text.index(b"Executing ") + 4
+    for start in range(0, len(text), 700):  # cut mid-line, and the ready marker in two
+        stop = ready_at if start < ready_at < start + 700 else start + 700
+        os.write(log_write, text[start:stop])
+        await asyncio.sleep(0.01)
+        if stop == ready_at:
+            assert released == []
+            os.write(log_write, text[stop : start + 700])
+            await asyncio.sleep(0.01)
     await asyncio.wait_for(jail.wait_ready(2), 3)
     assert released == [5]
-    log.feed_eof()
+    os.close(log_write)
     ended = await asyncio.wait_for(jail.wait(), 2)
     assert (ended.exit_code, ended.signal, ended.backstop_fired) == (None, "SIGKILL", True)
     assert [line[:3] for line in jail._log_lines] == [b"[W]", b"[I]", b"[I]", b"[I]"]
     assert jail.error_lines() == [text.split(b"\n")[42].decode()]
+
+
+async def test_a_jail_that_never_executes_fails_with_nsjails_own_errors() -> None:
+    # nsjail ended (its log at EOF) before logging that the jail executes: wait_ready()
+    # reports nsjail's error lines, and nsjail is never moved out of cgroups it was not in.
+    released: list[int] = []
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [])
+    status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    os.close(status_write)
+    log, log_write = _log_pipe()
+    proc = SimpleNamespace(on_exit=lambda callback: None, stdout=None, stderr=None, pid=5, returncode=255, close=lambda: None)
+    jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
+    os.write(log_write, b"[I][t] Mode: STANDALONE_ONCE\n[E][t][1] mountFs(): mount('/usr'): Permission denied\n")
+    await asyncio.sleep(0.01)
+    os.write(log_write, b"[F][t][1] runChild(): Launching child process failed")
+    os.close(log_write)
+    with pytest.raises(JailError, match=r"failed to start the jail: \[E\].*Permission denied; \[F\].*Launching child"):
+        await asyncio.wait_for(jail.wait_ready(2), 3)
+    assert released == []
+    jail.close()
 
 
 @pytest.mark.parametrize(("burn_s", "added_s"), [(0.0, 0), (0.9, 1)])

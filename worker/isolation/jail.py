@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.isolation.cgroups import JobCgroup
-from worker.isolation.child import Child, PipeReader, read_pipe
-from worker.isolation.offload import off_loop
+from worker.isolation.child import Child, PipeReader
+from worker.isolation.offload import off_loop_soon
 
 __all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
 
@@ -48,6 +48,7 @@ _READY = b"Executing "
 # nsjail logs some 45 lines per jail, most of them one per mount: of its info lines only
 # these are ever looked at (warnings and errors are all kept).
 _KEPT_INFO = re.compile(rb"Executing |exited with status: |terminated with signal: |run time >= time limit")
+_LOG_READ = 65536
 
 
 class JailError(Exception):
@@ -135,25 +136,22 @@ def _signal_name(number: int) -> str:
 class Jail:
     """A launched jail. Use `wait_ready()`, then `go()`, then read `stdout`/`stderr` and `wait()`."""
 
-    def __init__(
-        self,
-        proc: Child,
-        log_reader: asyncio.StreamReader,
-        log_transport: asyncio.BaseTransport,
-        status_fd: int,
-        cgroup: JobCgroup,
-    ) -> None:
+    def __init__(self, proc: Child, log_fd: int, status_fd: int, cgroup: JobCgroup) -> None:
         self.proc = proc
-        self._log_transport = log_transport
         self._status_fd = status_fd
         self.stdout = proc.stdout
         self.stderr = proc.stderr
         self._cgroup = cgroup
-        self._log_reader = log_reader
         self._ready = asyncio.Event()
         self._exit: JailExit | None = None
-        self._log_lines: list[bytes] = []
-        self._log_task = asyncio.create_task(self._read_log(), name=f"nsjail-log:{cgroup.job_id}")
+        # nsjail's log, read as it comes by a plain reader callback (a StreamReader and a
+        # task cost a loop round and several futures per read, a dozen reads a jail).
+        self._log_fd = log_fd
+        self._log = bytearray()
+        self._log_kept: list[bytes] | None = None  # its lines that matter, once it has ended
+        self._log_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._releasing = False
+        asyncio.get_running_loop().add_reader(log_fd, self._on_log)
         self.released = False
         self._release_error: OSError | None = None
         self._status = b""  # the gate's report, once read
@@ -177,6 +175,7 @@ class Jail:
         """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers).
         `before` (e.g. making the cgroups) runs just before the spawn, on the same thread."""
         read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)  # (our end only: nsjail writes its log blocking)
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             argv = build_argv(nsjail, profile, spec, write_fd, status_write, cgroup.procs_files())
@@ -188,51 +187,69 @@ class Jail:
         finally:
             os.close(write_fd)
             os.close(status_write)
-        try:
-            reader, log_transport = await read_pipe(read_fd)
-        except BaseException:
-            proc.close()
-            proc.kill_group()
-            os.close(status_read)
-            raise
-        return cls(proc, reader, log_transport, status_read, cgroup)
+        return cls(proc, read_fd, status_read, cgroup)
 
-    async def _read_log(self) -> None:
-        rest = b""
+    def _on_log(self) -> None:
+        """nsjail's log pipe is readable: keep what came; at EOF, nsjail has exited."""
         try:
-            # What has arrived, at once: a read per line cost a loop round per mount.
-            while chunk := await self._log_reader.read(65536):
-                *lines, rest = (rest + chunk).split(b"\n")
-                ready = self._keep_log_lines(lines)
-                if ready and not self._ready.is_set():
-                    # The jail exists (nsjail logs this from inside the child, just before
-                    # exec): take nsjail itself out of the job's cgroups so only jailed code
-                    # is limited, and see (same trip to the isolation threads) that the jail
-                    # stayed in them.
-                    try:
-                        self._pids_at_release = await off_loop(self._release)
-                        self.released = True
-                    except OSError as exc:
-                        self._release_error = exc
-                    self._ready.set()
-            self._keep_log_lines([rest] if rest else [])
-        finally:
-            self._log_transport.close()
-            self._ready.set()
-
-    def _keep_log_lines(self, lines: list[bytes]) -> bool:
-        """Keep the lines that matter (see _KEPT_INFO); whether one says the jail is ready."""
-        ready = False
-        for line in lines:
-            if line.startswith((b"[I]", b"[D]")) and not _KEPT_INFO.search(line):
-                continue
-            self._log_lines.append(line)
-            ready = ready or _READY in line
-        return ready
+            chunk = os.read(self._log_fd, _LOG_READ)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close_log()
+            if not self._releasing:
+                self._ready.set()  # the jail never executed: wait_ready() reports why
+            return
+        seen = len(self._log)
+        self._log += chunk
+        if not self._releasing and self._log.find(_READY, max(0, seen - len(_READY))) >= 0:
+            # The jail exists (nsjail logs this from inside the child, just before exec):
+            # take nsjail itself out of the job's cgroups so only jailed code is limited,
+            # and see (same trip to the isolation threads) that the jail stayed in them.
+            self._releasing = True
+            off_loop_soon(self._release).add_done_callback(self._released)
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)
         return self._cgroup.pids()
+
+    def _released(self, done: asyncio.Future[list[int]]) -> None:
+        if done.cancelled():  # (the loop is closing)
+            self._ready.set()
+            return
+        error = done.exception()
+        if error is None:
+            self._pids_at_release = done.result()
+            self.released = True
+        elif isinstance(error, OSError):
+            self._release_error = error
+        else:
+            self._release_error = OSError(f"{type(error).__name__}: {error}")
+        self._ready.set()
+
+    def _close_log(self) -> None:
+        if self._log_fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._log_fd)
+            os.close(self._log_fd)
+            self._log_fd = -1
+        if not self._log_ended.done():
+            self._log_ended.set_result(None)
+
+    @property
+    def _log_lines(self) -> list[bytes]:
+        """The log's lines that matter (see _KEPT_INFO); all of them once it has ended."""
+        if self._log_kept is not None:
+            return self._log_kept
+        lines = [
+            line
+            for line in bytes(self._log).split(b"\n")
+            if line and not (line.startswith((b"[I]", b"[D]")) and not _KEPT_INFO.search(line))
+        ]
+        if self._log_ended.done():
+            self._log_kept = lines
+        return lines
 
     @property
     def exited(self) -> bool:
@@ -252,7 +269,7 @@ class Jail:
         if self._release_error is not None:
             raise JailError(f"nsjail could not be moved out of the job's cgroups: {self._release_error}")
         if not self.released:
-            await asyncio.shield(self._log_task)
+            await asyncio.shield(self._log_ended)
             raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
         if not self._pids_at_release:
             raise JailError("jail is not inside the job's cgroups")
@@ -321,8 +338,7 @@ class Jail:
         if self._exit is None:
             await self.proc.wait()
             try:
-                # Shielded: a cancelled wait must not kill the log reader a later wait needs.
-                await asyncio.shield(self._log_task)
+                await asyncio.shield(self._log_ended)  # the last of the log: nsjail has exited
             finally:
                 self._read_status()  # kept in _status, even if this wait is cancelled here
             self._exit = self._parse_exit(self._status)
@@ -332,7 +348,7 @@ class Jail:
         """Close every pipe to the jail (once its output has been read, or is not wanted, and
         after `wait()`, which reads the status pipe, if it is to be called at all)."""
         self.proc.close()
-        self._log_transport.close()
+        self._close_log()
         if self._status_fd >= 0:
             asyncio.get_running_loop().remove_reader(self._status_fd)
             os.close(self._status_fd)
@@ -357,7 +373,7 @@ class Jail:
 
     def _parse_report(self, status: bytes) -> JailExit | None:
         """The gate's report, or None when there is none (or it is not one)."""
-        backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)
+        backstop = _TIME_LIMIT.search(self._log) is not None
         kind, _, value = status.strip().partition(b" ")
         if kind == b"exit" and value.isdigit():
             return JailExit(int(value), None, backstop)
@@ -372,7 +388,7 @@ class Jail:
         reported = self._parse_report(status)
         if reported is not None:
             return reported
-        backstop = any(_TIME_LIMIT.search(line) for line in self._log_lines)
+        backstop = _TIME_LIMIT.search(self._log) is not None
         # No report: the gate itself was killed (a clock fired, the memory limit, a kill
         # request) or never ran the program; nsjail's log says how the jail ended.
         exit_code: int | None = None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
-__all__ = ["off_loop"]
+__all__ = ["off_loop", "off_loop_soon"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -46,3 +46,9 @@ async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
             except BaseException:
                 break
         raise
+
+
+def off_loop_soon(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Run `fn` on the isolation threads; its future, for a callback rather than an await
+    (so a reader callback can hand work off without a task of its own)."""
+    return asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn)
