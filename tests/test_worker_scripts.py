@@ -23,11 +23,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from api.store import JobStore
 from leanredis import LeanRedis
 from shared import keys
-from shared.messages import JobState, Outcome, TestCase, result_without_run
+from shared.messages import CtrlMessage, JobState, Outcome, TestCase, result_without_run
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.job.run import JobRun
 from worker.messaging.control import ControlBus
+from worker.messaging.flagsweep import BATCH, FlagSweep
 from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
 from worker.worker import Worker
 
@@ -434,15 +435,20 @@ async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator
     bus_redis = LeanRedis.from_url(redis_stack.redis_url)
     control = ControlBus(bus_redis)
     await control.start()
+    flag_sweep = FlagSweep(queue, control)
+    sweeping = asyncio.create_task(flag_sweep.run())
     try:
         yield worker, SimpleNamespace(
             queue=queue,
             control=control,
+            flag_sweep=flag_sweep,
             publisher=SimpleNamespace(lane=lambda _channel: _Lane()),
             settings=settings,
             stopping=asyncio.Event(),
         )
     finally:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
         await control.aclose()
         await bus_redis.aclose()
 
@@ -562,15 +568,16 @@ async def test_a_connection_watch_sees_each_replacement_once(
         # Each watch waits on a future of its own (a shared one made every wait's end scan
         # the callbacks of all the others); the next replacement ends them all, and a
         # watch that is gone leaves nothing behind.
+        others = len(ctx.control._waiting)  # (the worker's flag sweep watches too)
         watches = [ctx.control.watch(ctx.control.generation) for _ in range(100)]
         futures = [w.look() for w in watches]
         assert len({id(f) for f in futures}) == 100 and watches[0].look() is futures[0]
         del watches[50:], futures[50:]
         gc.collect()
-        assert len(ctx.control._waiting) == 50
+        assert len(ctx.control._waiting) == others + 50
         await redis.client_kill_filter(_type="pubsub")
         await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), 3)
-        assert len(ctx.control._waiting) == 0 and all(w.look() is None for w in watches)
+        assert not any(f in ctx.control._waiting for f in futures) and all(w.look() is None for w in watches)
     finally:
         await ctx.control.unsubscribe(sub)
 
@@ -622,7 +629,8 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
 ) -> None:
     worker, ctx = claiming_worker
     store = JobStore(redis, RECORD_TTL_S)
-    reads = _Counted(queue, "flags")
+    swept = _Counted(queue, "flags_of")  # every read of flags: the sweep's, and a job's own
+    reads = _Counted(queue, "flags")  # a job's own
 
     # Started while still queued: the claim says so, and the job goes on without a read.
     run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
@@ -639,11 +647,63 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     assert await asyncio.wait_for(parking, 3) == "start" and reads.calls == 0
     await ctx.control.unsubscribe(sub)
 
-    # A start whose message was lost with the connection: read once the connection is back.
+    # A start whose message was lost with the connection: the sweep reads it (with every
+    # parked job's flags) once the connection is back, and the job reads nothing itself.
+    assert swept.calls == 0
     run, sub = await _claimed_run(redis, worker, ctx, queue)
     parking = asyncio.create_task(run._park(sub.ctrl))
     await asyncio.sleep(0.2)
     await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message never came
     await redis.client_kill_filter(_type="pubsub")
-    assert await asyncio.wait_for(parking, 3) == "start" and reads.calls >= 1
+    assert await asyncio.wait_for(parking, 3) == "start"
+    assert swept.calls >= 1 and reads.calls == 0 and len(ctx.flag_sweep) == 0
     await ctx.control.unsubscribe(sub)
+
+    # A loss nothing noticed (a half-open connection): the periodic sweep finds it.
+    ctx.flag_sweep = FlagSweep(queue, ctx.control, every_s=0.5)
+    sweeping = asyncio.create_task(ctx.flag_sweep.run())
+    try:
+        run, sub = await _claimed_run(redis, worker, ctx, queue)
+        parking = asyncio.create_task(run._park(sub.ctrl))
+        await asyncio.sleep(0.1)
+        assert len(ctx.flag_sweep) == 1
+        await redis.hset(keys.status_key(run.job_id), "kill", "1")  # stored; no message
+        assert await asyncio.wait_for(parking, 3) == "kill" and reads.calls == 0
+        assert len(ctx.flag_sweep) == 0
+        await ctx.control.unsubscribe(sub)
+    finally:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+
+
+async def test_one_sweep_reads_every_parked_jobs_flags_and_tells_only_those_with_one(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
+) -> None:
+    _worker, ctx = claiming_worker
+    sweep = FlagSweep(queue, ctx.control)
+    trips = _Counted(queue, "flags_of")
+    count = BATCH + 44
+    inboxes = {f"swept-{n}": asyncio.Queue[CtrlMessage]() for n in range(count)}
+    for job_id, inbox in inboxes.items():
+        sweep.add(job_id, inbox)
+    started, killed = {f"swept-{n}" for n in range(0, count, 7)}, {f"swept-{n}" for n in range(0, count, 5)}
+    for job_id in started:
+        await redis.set(keys.start_flag_key(job_id), "1")
+    for job_id in killed:
+        await redis.hset(keys.status_key(job_id), "kill", "1")
+    await redis.hset(keys.status_key("swept-1"), "kill", "0")  # a record, no kill
+    await sweep.sweep()
+    assert trips.calls == 2  # BATCH jobs a trip
+    told = {job_id: [inbox.get_nowait().type for _ in range(inbox.qsize())] for job_id, inbox in inboxes.items()}
+    assert {j: t for j, t in told.items() if t} == {j: ["kill" if j in killed else "start"] for j in started | killed}
+    assert len(sweep) == count - len(started | killed) <= BATCH  # each told once; the rest still watched
+    await sweep.sweep()
+    assert trips.calls == 3 and all(inbox.empty() for inbox in inboxes.values())
+    # A job claimed again keeps its own entry when its first park ends late.
+    first, second = asyncio.Queue[CtrlMessage](), asyncio.Queue[CtrlMessage]()
+    sweep.add("again", first)
+    sweep.add("again", second)
+    sweep.discard("again", first)
+    await redis.set(keys.start_flag_key("again"), "1")
+    await sweep.sweep()
+    assert first.empty() and second.get_nowait().type == "start"

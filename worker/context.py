@@ -10,6 +10,7 @@ from shared.settings import Settings
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import SandboxFactory
 from worker.messaging.control import ControlBus
+from worker.messaging.flagsweep import FlagSweep
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import WorkerQueue
 from worker.runtimes import Runtime
@@ -26,6 +27,8 @@ class WorkerContext:
     sandboxes: SandboxFactory
     pool: SandboxPool
     runtimes: dict[str, Runtime]
+    # Reads the stored flags of every parked job at once (see worker.messaging.flagsweep).
+    flag_sweep: FlagSweep
     # Set on SIGTERM: parked jobs go back to the queue, nothing new is claimed.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Set on the second signal: stop now; what cannot be written at once is left for recovery.

@@ -38,6 +38,7 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
 from worker.messaging.control import ControlBus, Subscription
+from worker.messaging.flagsweep import FlagSweep
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import Claim, WorkerQueue, now_ms
 from worker.runtimes import Runtime
@@ -142,6 +143,7 @@ class Worker:
             sandboxes=self.sandboxes,
             pool=self.pool,
             runtimes=self.runtimes,
+            flag_sweep=FlagSweep(queue, control),
             stopping=self._stopping,
             hard_stop=self._hard_stop,
         )
@@ -169,6 +171,7 @@ class Worker:
             background += [
                 asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
                 asyncio.create_task(self._upkeep(ctx), name="upkeep"),
+                asyncio.create_task(ctx.flag_sweep.run(), name="flag-sweep"),
             ]
             log.info(
                 "worker %s ready: %d slots, languages: %s",

@@ -440,40 +440,36 @@ class JobRun:
         """Wait for start. Returns "start", "expired", "kill" or "handback".
 
         The live ctrl message is the fast path. The claim read the stored flags once the
-        subscription was in place; they are read again when the pub/sub connection was
-        replaced since (what it carried meanwhile is lost), and every FLAG_POLL_S besides. A
-        parked job wakes for nothing else, so a thousand of them cost the worker and Redis
-        next to nothing.
+        subscription was in place; from then on the worker's FlagSweep reads them, with
+        every other parked job's in one round trip, whenever the pub/sub connection is
+        replaced and every SWEEP_S besides, and puts a start or kill it finds in the inbox.
+        A parked job wakes for nothing else, so a thousand of them cost the worker and
+        Redis next to nothing.
         """
         loop = asyncio.get_running_loop()
         assert self.sub is not None
-        watch = self.ctx.control.watch(self.sub.generation)
         if self.claim.start_flag:
             return "start"
+        sweep = self.ctx.flag_sweep
+        sweep.add(self.job_id, inbox)  # before the look below: no sweep from here on misses it
         deadline = self.claim.claimed_at + self.ctx.settings.worker_warmup_ms / 1000
-        next_poll = loop.time() + FLAG_POLL_S
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         getter: asyncio.Future[CtrlMessage] | None = None
         try:
+            if self.ctx.control.generation != self.sub.generation:
+                # Replaced since the subscription, maybe before the claim read the flags:
+                # what the old connection carried is lost, and no sweep has looked yet.
+                signal = await self._durable_signal()
+                if signal is not None:
+                    return signal
             while True:
-                replacement = watch.look()
-                if replacement is None or loop.time() >= next_poll:
-                    next_poll = loop.time() + FLAG_POLL_S
-                    signal = await self._durable_signal()
-                    if signal is not None:
-                        return signal
-                    continue
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
                     return await self._durable_signal() or "expired"
                 if getter is None:
                     getter = asyncio.ensure_future(inbox.get())
-                done, _ = await asyncio.wait(
-                    {getter, stopping, replacement},
-                    timeout=min(left, next_poll - loop.time()),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                done, _ = await asyncio.wait({getter, stopping}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     item, getter = getter.result(), None
                     if item.type in ("start", "kill"):
@@ -482,6 +478,7 @@ class JobRun:
                 if stopping in done:
                     return "handback"
         finally:
+            sweep.discard(self.job_id, inbox)
             stopping.cancel()
             if getter is not None:
                 getter.cancel()

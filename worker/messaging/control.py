@@ -5,10 +5,11 @@ Each message goes to the job that subscribed as soon as it is parsed (leanredis.
 durable start flag afterwards cannot miss a start published in between.
 
 Pub/sub is only the fast path: every signal it carries is also stored (the start flag,
-the kill flag, the stdin stream), and a job re-reads those when a message may be missing:
-when the connection was replaced (a ConnectionWatch tells, and wakes it then), and on a
-slow safety poll of its own. A healthy connection loses nothing, so a job that waits
-costs Redis nothing meanwhile.
+the kill flag, the stdin stream), and those are read again when a message may be missing:
+when the connection was replaced (a ConnectionWatch tells, and wakes the reader then), and
+on a slow safety poll. Parked jobs have theirs read all together (worker.messaging.
+flagsweep); a running job's kill watch and stdin feeder read their own. A healthy
+connection loses nothing, so a job that waits costs Redis nothing meanwhile.
 """
 
 from __future__ import annotations

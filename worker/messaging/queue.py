@@ -354,11 +354,16 @@ class WorkerQueue:
 
     async def flags(self, job_id: str) -> tuple[bool, bool]:
         """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
+        return (await self.flags_of([job_id]))[0]
+
+    async def flags_of(self, job_ids: list[str]) -> list[tuple[bool, bool]]:
+        """flags() of each of `job_ids`, in one pipelined round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(keys.start_flag_key(job_id))
-            pipe.hget(keys.status_key(job_id), "kill")
-            start, kill = await pipe.execute()
-        return bool(start), kill == b"1"
+            for job_id in job_ids:
+                pipe.exists(keys.start_flag_key(job_id))
+                pipe.hget(keys.status_key(job_id), "kill")
+            replies = await pipe.execute()
+        return [(bool(replies[i]), replies[i + 1] == b"1") for i in range(0, len(replies), 2)]
 
     async def kill_requested(self, job_id: str) -> bool:
         return await self.redis.hget(keys.status_key(job_id), "kill") == b"1"

@@ -1,0 +1,78 @@
+"""The stored start and kill flags of every parked job, read in one round trip.
+
+A parked job hears its start or kill on its ctrl subscription. The flags stored in Redis are
+the durable copy, for a message the subscription lost: one lost with a replaced connection,
+or one that went unnoticed (a half-open connection lives until its health check). Read by
+each job on a timer of its own, a thousand parked jobs made a hundred round trips and a
+hundred wake-ups a second. The sweep reads them all in one pipelined trip: at once when the
+connection has been replaced, and every SWEEP_S besides. A job whose flag is set gets it as
+the message it missed, in its ctrl inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError
+
+from shared.messages import CtrlMessage
+from worker.messaging.control import ControlBus
+from worker.messaging.queue import WorkerQueue
+
+__all__ = ["SWEEP_S", "FlagSweep"]
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 10.0
+# Jobs per pipeline: a thousand parked jobs are four trips, none holding Redis for long.
+BATCH = 256
+
+
+class FlagSweep:
+    def __init__(self, queue: WorkerQueue, control: ControlBus, every_s: float = SWEEP_S) -> None:
+        self._queue = queue
+        self._control = control
+        self._every_s = every_s
+        self._parked: dict[str, asyncio.Queue[CtrlMessage]] = {}
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def add(self, job_id: str, inbox: asyncio.Queue[CtrlMessage]) -> None:
+        """Watch `job_id`'s flags for the job parked on `inbox` (from the next sweep on)."""
+        self._parked[job_id] = inbox
+
+    def discard(self, job_id: str, inbox: asyncio.Queue[CtrlMessage]) -> None:
+        """Stop watching; a newer park of the same job (claimed again) keeps its entry."""
+        if self._parked.get(job_id) is inbox:
+            del self._parked[job_id]
+
+    async def run(self) -> None:
+        """Sweep when the pub/sub connection is replaced and every `every_s`, until cancelled."""
+        watch = self._control.watch(self._control.generation)
+        while True:
+            replacement = watch.look()
+            if replacement is not None:
+                await asyncio.wait({replacement}, timeout=self._every_s)
+                if replacement.done():
+                    continue  # the next look takes the replacement in, and sweeps
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """Read the flags of every job parked now; hand each job with one set its message."""
+        ids = list(self._parked)
+        for first in range(0, len(ids), BATCH):
+            batch = ids[first : first + BATCH]
+            try:
+                found = await self._queue.flags_of(batch)
+            except (RedisError, OSError) as exc:
+                # The jobs stay parked, and the next sweep looks again.
+                log.warning("reading the flags of %d parked jobs failed: %s", len(ids), exc)
+                return
+            for job_id, (start, kill) in zip(batch, found, strict=True):
+                inbox = self._parked.get(job_id)
+                if inbox is not None and (start or kill):
+                    # Told once: its park ends now (a kill wins, as on the channel).
+                    del self._parked[job_id]
+                    inbox.put_nowait(CtrlMessage(type="kill" if kill else "start"))
