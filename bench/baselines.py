@@ -72,6 +72,8 @@ class Piston:
 
 def piston_from_env(language: str = "python", version_env: str = "PISTON_PYTHON_VERSION") -> Piston | None:
     url = os.environ.get("PISTON_URL", "").strip().rstrip("/")
+    if url and not url.startswith("http://"):
+        raise SystemExit(f"PISTON_URL={url}: give an http:// URL (the benchmarks' client speaks plain HTTP)")
     return Piston(url, os.environ.get(version_env, "*"), language) if url else None
 
 

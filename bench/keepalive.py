@@ -21,6 +21,12 @@ __all__ = ["HttpError", "KeepAliveHttp", "Reply"]
 _READ = 65536
 
 
+def _readable(sock: socket.socket) -> bool:
+    poller = select.poll()  # (not select.select: it refuses descriptors past 1023)
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class HttpError(Exception):
     """The connection failed or the server's answer was not HTTP this client understands."""
 
@@ -114,23 +120,20 @@ class KeepAliveHttp:
         try:
             sock.sendall(message)
             return self._read_reply(method)
-        except (OSError, HttpError) as exc:
+        except Exception as exc:  # mid-reply, whatever it was: the connection is out of step
             self.close()
             raise HttpError(f"{method} {target}: {exc}") from exc
 
     def _connected(self) -> socket.socket:
-        """The open connection, or a new one if there is none or the server has closed it.
+        """The open connection, or a new one if there is none or it is not clean.
 
         A keep-alive server closes a connection that idled too long (uvicorn after 5 s); the
-        close shows as the socket turning readable at EOF while no request is in flight.
+        close shows as the socket turning readable while no request is in flight. Anything
+        readable then (EOF, or bytes no request asked for, such as a 408 before the close)
+        means the connection cannot carry the next request in step.
         """
-        if self._sock is not None and select.select([self._sock], [], [], 0)[0]:
-            try:
-                peeked = self._sock.recv(1, socket.MSG_PEEK)
-            except OSError:
-                peeked = b""
-            if not peeked:
-                self.close()
+        if self._sock is not None and (self._buffer or _readable(self._sock)):
+            self.close()
         if self._sock is None:
             try:
                 sock = socket.create_connection(self._address, timeout=self._timeout_s)
@@ -152,7 +155,9 @@ class KeepAliveHttp:
         for line in lines:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if 100 <= status < 200:
+            return self._read_reply(method)  # an interim answer: the real one follows
+        if method == "HEAD" or status in (204, 304):
             content = b""
         elif headers.get("transfer-encoding", "").lower() == "chunked":
             content = self._read_chunked()

@@ -36,6 +36,23 @@ class _Handler(BaseHTTPRequestHandler):
             for part in (b'{"parts": ', b'"two"', b"}"):
                 self.wfile.write(b"%x;ext=1\r\n%s\r\n" % (len(part), part))
             self.wfile.write(b"0\r\nX-Trailer: yes\r\n\r\n")
+        elif self.path.startswith("/says-close"):  # says so, but leaves the socket open
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"{}")
+        elif self.path.startswith("/extra"):  # bytes after the reply that nobody asked for
+            self._answer(200, {"path": self.path})
+            self.wfile.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        elif self.path.startswith("/bad-length"):
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n{}")
+        elif self.path.startswith("/interim"):
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._answer(201, {"path": self.path})
+        elif self.path.startswith("/unframed"):  # no length: the body ends with the connection
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"to\": \"close\"}")
+            self.close_connection = True
         elif self.path.startswith("/close"):
             self.send_response(200)
             self.send_header("Content-Length", "2")
@@ -125,3 +142,24 @@ def test_failures_say_what_failed(server: _Server) -> None:
         KeepAliveHttp(f"http://127.0.0.1:{port}").get("/")
     with pytest.raises(ValueError, match="plain http"):
         KeepAliveHttp("https://127.0.0.1:1")
+
+
+def test_a_connection_out_of_step_is_never_reused(server: _Server) -> None:
+    # Whatever could leave a reply's bytes on the connection, the next request gets a new one.
+    with KeepAliveHttp(_url(server)) as client:
+        assert client.get("/says-close").json() == {}
+        assert client.get("/one").json() == {"path": "/one"}  # on a new connection
+        assert server.connections == 2
+        assert client.get("/extra").json() == {"path": "/extra"}
+        time.sleep(0.1)
+        assert client.get("/two").json() == {"path": "/two"}  # not the stray 408
+        assert server.connections == 3
+        with pytest.raises(HttpError, match="GET /bad-length"):
+            client.get("/bad-length")
+        assert client.get("/three").json() == {"path": "/three"}
+        assert server.connections == 4
+        interim = client.get("/interim")
+        assert (interim.status_code, interim.json()) == (201, {"path": "/interim"})
+        assert client.get("/unframed").json() == {"to": "close"}
+        assert client.get("/four").json() == {"path": "/four"}
+        assert server.connections == 5

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from api.store import JobStore
 from leanredis import LeanRedis
@@ -707,3 +708,39 @@ async def test_one_sweep_reads_every_parked_jobs_flags_and_tells_only_those_with
     await redis.set(keys.start_flag_key("again"), "1")
     await sweep.sweep()
     assert first.empty() and second.get_nowait().type == "start"
+
+
+async def test_a_sweep_that_fails_reads_the_other_batches_and_soon_tries_again(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _worker, ctx = claiming_worker
+    failures: list[BaseException] = [RedisError("Redis is away"), RuntimeError("a bug"), RedisError("again")]
+    real = queue.flags_of
+
+    async def flaky(job_ids: list[str]) -> list[tuple[bool, bool]]:
+        if failures and job_ids[0] != "later-0":
+            raise failures.pop(0)
+        return await real(job_ids)
+
+    monkeypatch.setattr(queue, "flags_of", flaky)
+    sweep = FlagSweep(queue, ctx.control, every_s=30)
+    inboxes = {f"{name}-{n}": asyncio.Queue[CtrlMessage]() for name in ("first", "later") for n in range(BATCH)}
+    for job_id, inbox in inboxes.items():
+        sweep.add(job_id, inbox)
+        await redis.set(keys.start_flag_key(job_id), "1")
+    assert await sweep.sweep() is False  # the first batch failed ...
+    assert all(inbox.qsize() == (job_id.startswith("later")) for job_id, inbox in inboxes.items())  # ... not the second
+    sweeping = asyncio.create_task(sweep.run())
+    sub = await ctx.control.subscribe("first-0")  # (a bus with no channels does not reconnect)
+    try:
+        await redis.client_kill_filter(_type="pubsub")  # a replacement: sweep now
+        began = time.monotonic()
+        # A bug (logged) and another Redis failure, each followed by a retry RETRY_S later
+        # rather than every_s: the sweep goes on, and the first batch is told within seconds.
+        await asyncio.wait_for(inboxes["first-0"].get(), 6)
+        assert 1.5 < time.monotonic() - began < 6 and not failures and len(sweep) == 0
+        assert not sweeping.done()
+    finally:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+        await ctx.control.unsubscribe(sub)

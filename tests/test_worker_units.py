@@ -1032,6 +1032,20 @@ async def test_a_jail_that_never_executes_fails_with_nsjails_own_errors() -> Non
     jail.close()
 
 
+async def test_closing_a_jail_ends_a_wait_for_it_to_be_ready() -> None:
+    status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    log, log_write = _log_pipe()
+    proc = SimpleNamespace(on_exit=lambda callback: None, stdout=None, stderr=None, pid=5, returncode=None, close=lambda: None)
+    jail = Jail(proc, log, status_read, SimpleNamespace(job_id="x"))  # type: ignore[arg-type]
+    waiting = asyncio.create_task(jail.wait_ready(30))
+    await asyncio.sleep(0.05)
+    jail.close()
+    with pytest.raises(JailError, match="failed to start the jail"):
+        await asyncio.wait_for(waiting, 2)
+    for fd in (status_write, log_write):
+        os.close(fd)
+
+
 @pytest.mark.parametrize(("burn_s", "added_s"), [(0.0, 0), (0.9, 1)])
 def test_a_waiting_runtimes_cpu_rlimit_gives_back_its_start_up(burn_s: float, added_s: int) -> None:
     """RLIMIT_CPU counts a process's CPU from its own start: a runtime that spent most of a

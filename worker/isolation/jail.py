@@ -199,8 +199,6 @@ class Jail:
             chunk = b""
         if not chunk:
             self._close_log()
-            if not self._releasing:
-                self._ready.set()  # the jail never executed: wait_ready() reports why
             return
         seen = len(self._log)
         self._log += chunk
@@ -230,12 +228,15 @@ class Jail:
         self._ready.set()
 
     def _close_log(self) -> None:
+        """At the log's EOF (nsjail has exited), or when the jail is closed."""
         if self._log_fd >= 0:
             asyncio.get_running_loop().remove_reader(self._log_fd)
             os.close(self._log_fd)
             self._log_fd = -1
         if not self._log_ended.done():
             self._log_ended.set_result(None)
+        if not self._releasing:
+            self._ready.set()  # the jail never executed: wait_ready() says why
 
     @property
     def _log_lines(self) -> list[bytes]:

@@ -25,6 +25,8 @@ __all__ = ["SWEEP_S", "FlagSweep"]
 log = logging.getLogger(__name__)
 
 SWEEP_S = 10.0
+# After a sweep that could not read everything (Redis away), the next comes this soon.
+RETRY_S = 1.0
 # Jobs per pipeline: a thousand parked jobs are four trips, none holding Redis for long.
 BATCH = 256
 
@@ -49,30 +51,42 @@ class FlagSweep:
             del self._parked[job_id]
 
     async def run(self) -> None:
-        """Sweep when the pub/sub connection is replaced and every `every_s`, until cancelled."""
+        """Sweep when the pub/sub connection is replaced and every `every_s` (`RETRY_S` after
+        a sweep that missed some jobs), until cancelled."""
         watch = self._control.watch(self._control.generation)
+        pause_s = self._every_s
         while True:
             replacement = watch.look()
             if replacement is not None:
-                await asyncio.wait({replacement}, timeout=self._every_s)
+                await asyncio.wait({replacement}, timeout=pause_s)
                 if replacement.done():
                     continue  # the next look takes the replacement in, and sweeps
-            await self.sweep()
+            try:
+                complete = await self.sweep()
+            except Exception:
+                # Never the end of the sweep: every parked job's fallback depends on it.
+                log.exception("the parked jobs' flag sweep failed")
+                complete = False
+            pause_s = self._every_s if complete else min(RETRY_S, self._every_s)
 
-    async def sweep(self) -> None:
-        """Read the flags of every job parked now; hand each job with one set its message."""
+    async def sweep(self) -> bool:
+        """Read the flags of every job parked now; hand each job with one set its message.
+        Whether every job's flags were read (a batch Redis failed stays parked, looked at
+        again by the next sweep)."""
         ids = list(self._parked)
+        failed = 0
         for first in range(0, len(ids), BATCH):
             batch = ids[first : first + BATCH]
             try:
                 found = await self._queue.flags_of(batch)
             except (RedisError, OSError) as exc:
-                # The jobs stay parked, and the next sweep looks again.
-                log.warning("reading the flags of %d parked jobs failed: %s", len(ids), exc)
-                return
+                failed += 1
+                log.warning("reading the flags of %d parked jobs failed: %s", len(batch), exc)
+                continue
             for job_id, (start, kill) in zip(batch, found, strict=True):
                 inbox = self._parked.get(job_id)
                 if inbox is not None and (start or kill):
                     # Told once: its park ends now (a kill wins, as on the channel).
                     del self._parked[job_id]
                     inbox.put_nowait(CtrlMessage(type="kill" if kill else "start"))
+        return failed == 0
