@@ -660,6 +660,19 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     assert swept.calls >= 1 and reads.calls == 0 and len(ctx.flag_sweep) == 0
     await ctx.control.unsubscribe(sub)
 
+    # The connection replaced between the subscription and the park: the sweep at that
+    # replacement ran before the job was parked, so the job reads its flags itself, once.
+    run, sub = await _claimed_run(redis, worker, ctx, queue)
+    await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message lost with the old connection
+    seen = ctx.control.generation
+    await redis.client_kill_filter(_type="pubsub")
+    deadline = time.monotonic() + 3
+    while ctx.control.generation == seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the sweep at the replacement has come and gone
+    assert await asyncio.wait_for(run._park(sub.ctrl), 3) == "start" and reads.calls == 1
+    await ctx.control.unsubscribe(sub)
+
     # A loss nothing noticed (a half-open connection): the periodic sweep finds it.
     ctx.flag_sweep = FlagSweep(queue, ctx.control, every_s=0.5)
     sweeping = asyncio.create_task(ctx.flag_sweep.run())
@@ -669,7 +682,7 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
         await asyncio.sleep(0.1)
         assert len(ctx.flag_sweep) == 1
         await redis.hset(keys.status_key(run.job_id), "kill", "1")  # stored; no message
-        assert await asyncio.wait_for(parking, 3) == "kill" and reads.calls == 0
+        assert await asyncio.wait_for(parking, 3) == "kill" and reads.calls == 1
         assert len(ctx.flag_sweep) == 0
         await ctx.control.unsubscribe(sub)
     finally:
