@@ -14,7 +14,13 @@ from bench.keepalive import KeepAliveHttp
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime
 
-__all__ = ["KeepAliveRealtime", "first_arrival", "pct", "summary", "time_job"]
+__all__ = ["KeepAliveRealtime", "api_client", "first_arrival", "pct", "summary", "time_job"]
+
+
+def api_client(stack: Stack, timeout_s: float = 60) -> KeepAliveHttp:
+    """A kept-open connection to the stack's API holding its API token (one per thread,
+    never one per request)."""
+    return KeepAliveHttp(stack.api_url, {"Authorization": f"Bearer {stack.api_token}"}, timeout_s)
 
 
 def pct(values: list[float], p: float) -> float:

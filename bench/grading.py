@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
 from bench.baselines import Piston, piston_from_env
+from bench.common import api_client
 from bench.keepalive import KeepAliveHttp
 from launcher.stack import Stack, StackError
 from tests.helpers import Api
@@ -78,6 +79,7 @@ int main(void) {
 LIMITS = {"wallTimeMs": 5000, "cpuMs": 2000}
 OUTPUT_WAIT_MS = 60000  # the API's longest long-poll; a longer wait polls again
 SERIES_TIMEOUT_S = 600.0
+CLIENT_TIMEOUT_S = OUTPUT_WAIT_MS / 1000 + 15  # a long-poll, and time for its answer
 ENDED = {"done", "killed", "error", "expired", "lost"}
 STACK_PARTS = ("worker", "api", "soketi", "redis", "jails")
 
@@ -98,12 +100,6 @@ def make_cases(n: int) -> list[Case]:
 
 
 # ---------------------------------------------------------------- our API
-
-
-def api_client(stack: Stack) -> KeepAliveHttp:
-    """One kept-open connection (one per thread; never one per request)."""
-    headers = {"Authorization": f"Bearer {stack.api_token}"}
-    return KeepAliveHttp(stack.api_url, headers, OUTPUT_WAIT_MS / 1000 + 15)
 
 
 def submit(client: KeepAliveHttp, body: dict[str, Any]) -> str:
@@ -529,7 +525,8 @@ def main() -> int:
         raise SystemExit(f"the stack did not start: {exc}\n{shown}") from None
     api = Api(stack)
     b = Bench(
-        args, stack, api, make_cases(args.cases), api_client(stack), [api_client(stack) for _ in range(args.clients)],
+        args, stack, api, make_cases(args.cases), api_client(stack, CLIENT_TIMEOUT_S),
+        [api_client(stack, CLIENT_TIMEOUT_S) for _ in range(args.clients)],
         piston, [piston.client() for _ in range(args.clients)] if piston else [],
     )  # fmt: skip
     order = ["a", "b"] + (["c"] if piston else [])

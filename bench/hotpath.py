@@ -65,8 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu
 from bench.baselines import Bare, Piston, piston_from_env
-from bench.common import KeepAliveRealtime, first_arrival, pct
-from bench.keepalive import KeepAliveHttp
+from bench.common import KeepAliveRealtime, api_client, first_arrival, pct
+from bench.keepalive import KeepAliveHttp, Reply
 from bench.streaming import EXPECTED as STREAM_EXPECTED
 from bench.streaming import PROGRAM as STREAM_PROGRAM
 from bench.streaming import _stack_runs as stream_runs
@@ -126,16 +126,12 @@ def interleaved(rep: int, *sides: Callable[[], None]) -> None:
 def ide_job(b: Bench, timeout_s: float = 60) -> dict[str, float]:
     """One `print(1)` driven like an IDE: execute, subscribe, start, wait for the result."""
     t0 = time.perf_counter()
-    response = b.http.post("/v1/execute", json=py_job(PROGRAM))
-    if response.status_code != 202:
-        raise SystemExit(f"execute: {response.status_code} {response.text[:200]}")
-    job = response.json()
+    job = _answer(b.http.post("/v1/execute", json=py_job(PROGRAM)), 202, "execute")
     followed = b.rt.follow(job)
     first = first_arrival(b.rt, job["channel"], "stdout")
     t1 = time.perf_counter()
-    response = b.http.post(f"/v1/jobs/{job['jobId']}/start", headers={"Authorization": f"Bearer {job['jobToken']}"})
-    if response.status_code != 202:
-        raise SystemExit(f"start: {response.status_code} {response.text[:200]}")
+    token = {"Authorization": f"Bearer {job['jobToken']}"}
+    _answer(b.http.post(f"/v1/jobs/{job['jobId']}/start", headers=token), 202, "start")
     try:
         result = followed.wait_result(timeout_s)
     except AssertionError:
@@ -297,27 +293,21 @@ def background_ms_per_s(seconds: float) -> float:
     return (after.host_ms - before.host_ms - (after.client_ms - before.client_ms)) / (after.at - before.at)
 
 
+def _answer(response: Reply, status: int, what: str) -> Any:
+    """The JSON of a reply with `status`; RuntimeError (a failed job) for any other."""
+    if response.status_code != status:
+        raise RuntimeError(f"{what}: {response.status_code} {response.text[:200]}")
+    return response.json()
+
+
 def grader_job(client: KeepAliveHttp) -> None:
     """A grader's job: execute with collectOutput, start, long-poll the output; no WebSocket."""
-    response = client.post("/v1/execute", json=py_job(PROGRAM, collectOutput=True))
-    if response.status_code != 202:
-        raise RuntimeError(f"execute: {response.status_code} {response.text[:200]}")
-    job_id = response.json()["jobId"]
-    response = client.post(f"/v1/jobs/{job_id}/start")
-    if response.status_code != 202:
-        raise RuntimeError(f"start: {response.status_code} {response.text[:200]}")
-    response = client.get(f"/v1/jobs/{job_id}/output", params={"waitMs": str(OUTPUT_WAIT_MS)})
-    if response.status_code != 200:
-        raise RuntimeError(f"output: {response.status_code} {response.text[:200]}")
-    output = response.json()
+    job_id = _answer(client.post("/v1/execute", json=py_job(PROGRAM, collectOutput=True)), 202, "execute")["jobId"]
+    _answer(client.post(f"/v1/jobs/{job_id}/start"), 202, "start")
+    output = _answer(client.get(f"/v1/jobs/{job_id}/output", params={"waitMs": str(OUTPUT_WAIT_MS)}), 200, "output")
     if output.get("stdout") != EXPECT or output.get("outcome") != "completed":
         why = output.get("message") or f"stdout {output.get('stdout')!r}"
         raise RuntimeError(f"grader job {job_id} ended {output.get('outcome')}: {why}")
-
-
-def api_client(stack: Stack, timeout_s: float = 60) -> KeepAliveHttp:
-    """A lean keep-alive client for the stack's API, holding its API token."""
-    return KeepAliveHttp(stack.api_url, {"Authorization": f"Bearer {stack.api_token}"}, timeout_s)
 
 
 def stack_groups(stack: Stack) -> dict[str, list[int]]:

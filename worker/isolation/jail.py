@@ -148,7 +148,6 @@ class Jail:
         # task cost a loop round and several futures per read, a dozen reads a jail).
         self._log_fd = log_fd
         self._log = bytearray()
-        self._log_kept: list[bytes] | None = None  # its lines that matter, once it has ended
         self._log_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._releasing = False
         asyncio.get_running_loop().add_reader(log_fd, self._on_log)
@@ -240,17 +239,13 @@ class Jail:
 
     @property
     def _log_lines(self) -> list[bytes]:
-        """The log's lines that matter (see _KEPT_INFO); all of them once it has ended."""
-        if self._log_kept is not None:
-            return self._log_kept
-        lines = [
+        """The log's lines that matter (see _KEPT_INFO), split out when asked (on the rare
+        paths that look: a failed jail, an end the gate did not report)."""
+        return [
             line
             for line in bytes(self._log).split(b"\n")
             if line and not (line.startswith((b"[I]", b"[D]")) and not _KEPT_INFO.search(line))
         ]
-        if self._log_ended.done():
-            self._log_kept = lines
-        return lines
 
     @property
     def exited(self) -> bool:

@@ -33,8 +33,7 @@ async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     Isolation steps must not overlap their own clean-up: a caller cancelled while a thread
     is creating a cgroup must not start removing it until the creation is over.
     """
-    loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(_EXECUTOR, lambda: fn(*args, **kwargs))
+    future = off_loop_soon(lambda: fn(*args, **kwargs))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
