@@ -45,6 +45,14 @@ def _serve():
     # check. The job's compile() below would pay it after start; this pays it now. An empty
     # source is enough (a larger one measured no faster afterwards); no module is created.
     compile("", "<prestart>", "exec", dont_inherit=True)
+    # Everything alive now is the runtime's own (the job's __main__ and all it makes come
+    # after the frame). Frozen, the cyclic collector never walks it again, and that includes
+    # the full collection in the interpreter's shutdown, which took 1.2 to 1.9 ms of every
+    # job's end here. Nothing the job makes is frozen, so its finalizers run at exit exactly
+    # as under `python3 main.py`.
+    import gc
+
+    gc.freeze()
     os.write(2, READY)  # the worker waits for this before offering the jail to a job
     if read_exact(4) != b"CRG1":
         raise SystemExit(0)
