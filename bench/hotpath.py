@@ -11,6 +11,11 @@ of those over the repetitions, and the ratio of the medians, ours / baseline):
   2  start → first stdout byte, p50 ms: POST /start sent … the first `stdout` event
      received (stamped in the Pusher client's thread). Baseline: bare nsjail spawn … the
      first byte read from its stdout pipe (Piston's execute does not stream).
+     Rows 1 to 2 run their jobs back to back, each execute sent as the last result
+     arrives: on a small host that keeps the CPU busy (every job's slot rebuilds its warm
+     jail while the next job starts), so they measure a saturated worker. Rows 1p and 2p
+     (execute → result, start → first byte) run the same jobs --pace-ms apart, as one IDE
+     user clicking Run, next to bare nsjail runs paced the same way.
   3  grader throughput, jobs/s, for each --clients count (4 and 8): every client thread owns
      one kept-open connection (bench/keepalive.py) and loops POST /v1/execute (`collectOutput: true`) → POST
      /v1/jobs/:id/start → GET /v1/jobs/:id/output?waitMs=30000 (no WebSocket), checking
@@ -160,11 +165,25 @@ def series_latency(b: Bench, rep: int) -> None:
     start_row = b.row("1b", "start → result, p50", "ms", "", "bare nsjail")
     first_row = b.row("2", "start → first stdout byte, p50", "ms", "≤ 5 ms", "bare nsjail")
 
+    pace_s = b.args.pace_ms / 1000
+    if pace_s:
+        apart = f"jobs {b.args.pace_ms} ms apart"
+        paced_exec_row = b.row("1p", f"execute → result, IDE path, {apart}, p50", "ms", "", "bare nsjail")
+        paced_first_row = b.row("2p", f"start → first stdout byte, {apart}, p50", "ms", "", "bare nsjail")
+
+    def paced(run: Callable[[], Any]) -> Any:
+        time.sleep(pace_s)
+        return run()
+
     def ours() -> None:
         figures = p50s([ide_job(b) for _ in range(n)])
         exec_row.ours.append(figures["execute_result"])
         start_row.ours.append(figures["start_result"])
         first_row.ours.append(figures["start_first_stdout"])
+        if pace_s:
+            figures = p50s([paced(lambda: ide_job(b)) for _ in range(n)])
+            paced_exec_row.ours.append(figures["execute_result"])
+            paced_first_row.ours.append(figures["start_first_stdout"])
 
     def bare() -> None:
         runs = [b.bare.run() for _ in range(n)]
@@ -172,6 +191,10 @@ def series_latency(b: Bench, rep: int) -> None:
         start_row.baseline.append(pct([r[1] for r in runs], 50))
         if b.piston is None:
             exec_row.baseline.append(pct([r[1] for r in runs], 50))
+        if pace_s:
+            runs = [paced(b.bare.run) for _ in range(n)]
+            paced_first_row.baseline.append(pct([r[0] for r in runs], 50))
+            paced_exec_row.baseline.append(pct([r[1] for r in runs], 50))
 
     def piston() -> None:
         assert b.piston is not None and b.piston_client is not None
@@ -475,6 +498,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")], default=[4, 8], help="default 4,8")
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per throughput run")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured seconds before each throughput run")
+    parser.add_argument("--pace-ms", type=int, default=200, help="pause before each job of rows 1p and 2p (0: skip them)")
     parser.add_argument("--parked", type=int, default=50, help="unstarted jobs parked for row 5 (default 50)")
     parser.add_argument("--parked-timeout", type=float, default=60.0, help="row 5: a start → result longer is 'timeout'")
     parser.add_argument("--idle-s", type=float, default=2.0, help="seconds of background CPU measured before each throughput pair (0: skip)")
