@@ -49,10 +49,11 @@ def _serve():
     # after the frame). Frozen, the cyclic collector never walks it again, and that includes
     # the full collection in the interpreter's shutdown, which took 1.2 to 1.9 ms of every
     # job's end here. Nothing the job makes is frozen, so its finalizers run at exit exactly
-    # as under `python3 main.py`.
+    # as under `python3 main.py`. (CPython only: PyPy's gc has no freeze, nor that cost.)
     import gc
 
-    gc.freeze()
+    if hasattr(gc, "freeze"):
+        gc.freeze()
     os.write(2, READY)  # the worker waits for this before offering the jail to a job
     if read_exact(4) != b"CRG1":
         raise SystemExit(0)
