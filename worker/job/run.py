@@ -466,7 +466,6 @@ class JobRun:
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
-                    sweep.discard(self.job_id, inbox)
                     return await self._durable_signal() or "expired"
                 if getter is None:
                     getter = asyncio.ensure_future(inbox.get())
