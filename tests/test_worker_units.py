@@ -443,6 +443,33 @@ async def test_a_held_go_live_is_dropped_when_the_job_is_over() -> None:
     assert lane.sent == [] and not events.live
 
 
+class _LoggedBefore(_LogOnly):
+    """A job's log as a second claim finds it: what an earlier claim logged, and the result
+    once the finishing script has written it."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[int, str, bytes]] = [(0, "stage", b'{"phase":"queued","seq":0}')]
+
+    async def event_log(self, job_id: str) -> list[tuple[int, str, bytes]]:
+        return list(self.log)
+
+
+async def test_a_held_go_live_that_fires_after_the_result_is_logged_leaves_the_result_to_its_writer() -> None:
+    # A second claim reads its backlog from the log. A quiet program ends within the hold:
+    # the result is in the log when the hold's timer reads it, and the result's writer
+    # publishes it too. The live channel must carry it once.
+    queue, lane = _LoggedBefore(), _SentLane()
+    events = JobEvents(queue, lane, "job", 2, 1)  # type: ignore[arg-type]
+    events.go_live_within(0.005)
+    seq = await events.take_result_seq()
+    result = b'{"outcome":"completed","seq":1}'
+    queue.log.append((seq, "result", result))
+    await asyncio.sleep(0.05)  # the hold's timer fires while the result is being stored
+    await events.go_live(before_seq=seq)
+    events.publish("result", result)
+    assert [(name, data["seq"]) for name, data in lane.sent] == [("stage", 0), ("result", 1)]
+
+
 class _FakeSandbox:
     """What the warm pool looks at: a slot, an age, a jail that may have died."""
 
