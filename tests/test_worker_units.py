@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shared.messages import StdinFrame
+from shared.messages import CompileInfo, CtrlMessage, StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
@@ -25,8 +25,9 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
+from worker.job.precompile import Precompile
 from worker.job.stdin import StdinFeed
-from worker.job.supervise import COALESCE_S, Activity, Clocks, _pump, cpu_clock_due_at, supervise
+from worker.job.supervise import COALESCE_S, Activity, Clocks, StepFacts, _pump, cpu_clock_due_at, supervise
 from worker.messaging.queue import StoredFrame
 from worker.worker import Worker
 
@@ -352,7 +353,7 @@ def test_the_cpu_clock_cannot_fire_before_the_cap_lets_the_budget_be_spent() -> 
     assert cpu_clock_due_at(10.0, 0.1, 1.0) == 10.0  # a budget within what it may hold at go
 
 
-async def _step(cgroup: _CountingCgroup, jail: Any, cpu_ms: int) -> Any:
+async def _step(cgroup: _CountingCgroup, jail: Any, cpu_ms: int, inbox: asyncio.Queue[Any] | None = None) -> Any:
     """A silent step (its pipes at EOF from the start) under `cgroup`'s CPU counter."""
     stdout = asyncio.StreamReader()
     stdout.feed_eof()
@@ -366,8 +367,28 @@ async def _step(cgroup: _CountingCgroup, jail: Any, cpu_ms: int) -> Any:
         Program(argv=["main"], env={}),
         Clocks(wall_ms=5000, cpu_ms=cpu_ms, idle_ms=None),
         [(stdout, on_data)],
-        asyncio.Queue(),
+        asyncio.Queue() if inbox is None else inbox,
     )
+
+
+class _ReapedSlowly(_ExitsLate):
+    """A jail whose program has ended (`ended`) but whose nsjail takes a while to be reaped."""
+
+    async def wait_program(self) -> JailExit:
+        await self.ended
+        await asyncio.sleep(0.05)
+        return JailExit(exit_code=0, signal=None, backstop_fired=False)
+
+
+async def test_a_kill_that_comes_as_a_step_ends_by_itself_stays_for_the_next_step() -> None:
+    # A compile that ends just as the user presses Stop: the step is over, so the kill is not
+    # its to act on, but the run that follows must see it, not start as if none came.
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    kill = CtrlMessage(type="kill")
+    asyncio.get_running_loop().call_later(0.03, inbox.put_nowait, kill)
+    facts = await _step(_CountingCgroup(), _ReapedSlowly(0.01), 5000, inbox)
+    assert facts.fired is None
+    assert inbox.qsize() == 1 and inbox.get_nowait() is kill
 
 
 async def test_a_capped_step_reads_its_cpu_counter_at_the_slower_pace_until_its_budget_is_within_reach() -> None:
@@ -1126,3 +1147,56 @@ async def test_a_publish_whose_answer_is_lost_is_not_sent_again() -> None:
         server.close()
     assert len(publishes) == 1
     assert (publisher.sent, publisher.failed) == (0, 1)
+
+
+class _LendingPool:
+    """Lends one sandbox at once to a parked compile; records what is kept or given back."""
+
+    def __init__(self) -> None:
+        self.kept: list[object] = []
+        self.given_back: list[object] = []
+
+    async def borrow(self, recall: Any, program: Program, language: str) -> object:
+        return "sandbox"
+
+    def keep(self, sandbox: object) -> None:
+        self.kept.append(sandbox)
+
+    def give_back(self, sandbox: object) -> None:
+        self.given_back.append(sandbox)
+
+
+async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_the_run() -> None:
+    # Started while its parked compile runs: a kill then goes to the compile's own inbox.
+    # A compile that ends before it reads it has not acted on it, so the run must see it.
+    compiling = asyncio.Event()
+    finish = asyncio.Event()
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        compiling.set()
+        await finish.wait()
+        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
+        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    pool = _LendingPool()
+    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await compiling.wait()
+    ctrl: asyncio.Queue[Any] = asyncio.Queue()
+    kill = CtrlMessage(type="kill")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.01, ctrl.put_nowait, kill)
+    loop.call_later(0.03, finish.set)
+    assert await precompile.settle(ctrl, _LoggedEvents()) == "compiled"
+    assert ctrl.qsize() == 1 and ctrl.get_nowait() is kill
+    assert precompile.take() == "sandbox" and pool.kept == ["sandbox"]
+
+
+class _LoggedEvents:
+    async def stage(self, phase: str) -> None:
+        pass
+
+    async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
+        pass

@@ -185,6 +185,9 @@ class Precompile:
             message.cancel()
             if message.done() and not message.cancelled():
                 kept.append(message.result())
+        while not self._inbox.empty():
+            # A kill sent on to a compile that ended before it could act on it.
+            kept.append(self._inbox.get_nowait())
         for message in kept:
             ctrl.put_nowait(message)  # keep a kill for the run to see
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:

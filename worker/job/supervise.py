@@ -222,7 +222,12 @@ async def supervise(
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
         if not killed:
             cgroup.kill()
-        inbox_task.cancel()
+        if inbox_task.done() and not inbox_task.cancelled():
+            # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
+            # kill that came as a compile ended is for the run that follows, so it goes back.
+            inbox.put_nowait(inbox_task.result())
+        else:
+            inbox_task.cancel()
         # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
         # hold the job forever; the stdin feeder also stops on a flag of its own.
         await cancel_and_wait(children, CHILD_EXIT_S)
