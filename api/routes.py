@@ -38,6 +38,7 @@ from shared.messages import (
     JobState,
     RealtimeInfo,
     StdinRequest,
+    output_without_run,
 )
 from shared.pusher import channel_auth, valid_socket_id
 from shared.validation import check_args, check_stdin, check_tests, decode_files
@@ -404,7 +405,7 @@ async def job_output(request: Request) -> Response:
     if not wait_ms or status.state in TERMINAL_STATES:
         found = await store.output(status.job_id)
         if found is None:
-            raise ApiError(404, missing)
+            return await _without_output(status, missing)
         return await _output_response(state, status.job_id, found)
     # Waiting is event-driven: the script that stores the output also logs the result and
     # marks the job's done stream, and a blocking read of that stream wakes the moment it is
@@ -420,7 +421,7 @@ async def job_output(request: Request) -> Response:
             if look.output is not None:
                 break
             if look.ended:
-                raise ApiError(404, missing)
+                return await _without_output(await store.status(status.job_id) or status, missing)
             left_ms = int((deadline - loop.time()) * 1000)
             if left_ms <= 0:
                 raise ApiError(404, missing)
@@ -429,6 +430,15 @@ async def job_output(request: Request) -> Response:
         slot.release()
     return await _output_response(state, status.job_id, look.output)
 
+
+
+async def _without_output(status: StoredStatus, missing: str) -> Response:
+    """A job with no stored output: a collecting job that ended before any was stored (killed
+    in the queue, lost with its worker) answers its verdict with empty streams; else 404."""
+    if status.collects_output and status.state in TERMINAL_STATES and status.result is not None:
+        meta = _encoder.encode(output_without_run(status.result))
+        return Response(await whole_run_result(meta, b"", b""), media_type="application/json")
+    raise ApiError(404, missing)
 
 
 # One blocking read of the done stream lasts at most this long before the job is looked at again.

@@ -100,6 +100,11 @@ if ARGV[14] ~= '' then
              'createdAtMs', ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[4])
 end
+if ARGV[15] == '1' then
+  -- Read by GET /output: a collecting job that ends before a worker stored any output
+  -- (killed in the queue, lost) still has its verdict to pull.
+  redis.call('HSET', KEYS[3], 'collect', '1')
+end
 if ARGV[16] == '1' then
   -- EOF comes with the job (closeStdin, the default with up-front stdin) or there is no
   -- job stdin at all (a test batch: each case has its own): a later frame could never
@@ -297,7 +302,9 @@ _KILLED_BEFORE_START = result_template(result_without_run(Outcome.KILLED, "kille
 _CALLBACK_FIELDS = (
     "state", "attempts", "lastStatus", "lastError", "lastAttemptAtMs", "nextAttemptAtMs", "deliveredAtMs", "endedAtMs",
 )  # fmt: skip
-_STATUS_FIELDS = ("state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback")
+_STATUS_FIELDS = (
+    "state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback", "collect",
+)  # fmt: skip
 
 
 # Stored outputs up to this size (each stream) are read with the result and answered whole.
@@ -414,6 +421,8 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
     kill_requested: bool = False
     # The job was submitted with a callbackUrl (its delivery state is read apart).
     has_callback: bool = False
+    # The job was submitted with collectOutput (jobs enqueued before this was recorded: False).
+    collects_output: bool = False
 
     def view(self, callback: CallbackStatus | None = None) -> JobStatus:
         return JobStatus(
@@ -579,7 +588,7 @@ class JobStore:
 
     async def status(self, job_id: str) -> StoredStatus | None:
         values = await self._redis.hmget(keys.status_key(job_id), _STATUS_FIELDS)
-        state, updated, language, version, owner, result, started, kill, callback = values
+        state, updated, language, version, owner, result, started, kill, callback, collect = values
         if state is None:
             return None
         return StoredStatus(
@@ -593,6 +602,7 @@ class JobStore:
             result=decode_stored(ResultEvent, result) if result else None,
             kill_requested=kill == b"1",
             has_callback=callback == b"1",
+            collects_output=collect == b"1",
         )
 
     async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:

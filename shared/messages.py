@@ -47,6 +47,7 @@ __all__ = [
     "TestResultEvent",
     "TestSummary",
     "WorkerInfo",
+    "output_without_run",
     "result_template",
     "result_without_run",
 ]
@@ -438,6 +439,14 @@ def result_without_run(outcome: Outcome, message: str | None, compile: CompileIn
         killed_by="user" if killed else None,
         message=message,
     )
+
+
+def output_without_run(result: ResultEvent) -> StoredOutput:
+    """What a collectOutput job that ended before any output was stored (killed in the
+    queue, lost with its worker) has to pull: its verdict, empty streams, no artifacts.
+    Served like any stored output, so the RunResult has the same shape."""
+    verdict = {name: getattr(result, name) for name in Verdict.__struct_fields__}
+    return StoredOutput(**verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False)
 
 
 def result_template(result: ResultEvent) -> tuple[bytes, bytes]:

@@ -966,6 +966,9 @@ def test_killed_while_queued_gets_its_callback(make_stack: Any, receiver: Receiv
         body = verified(stack.callback_secret, request)
         assert body["jobId"] == job["jobId"] and body["outcome"] == "killed" and body["killedBy"] == "user"
         assert body["stdout"] == "" and body["stderr"] == ""  # collectOutput: a RunResult, empty
+        # The same RunResult GET /output gives (no output was ever stored: the verdict alone).
+        pulled = api.get(f"/v1/jobs/{job['jobId']}/output").json()
+        assert {k: v for k, v in body.items() if k != "jobId"} == pulled
         assert _callback_history(api, job, "delivered")[-1]["attempts"] == 1
     finally:
         api.close()

@@ -203,3 +203,27 @@ def test_pulled_output_is_the_same_whole_or_streamed(api: Api, size: int) -> Non
     assert out["stderr"] == "err ✓" and out["exitCode"] == 0 and out["outcome"] == "completed"
     # The non-waiting read answers the same body.
     assert api.get(f"/v1/jobs/{job['jobId']}/output").content == response.content
+
+
+def test_a_collected_job_killed_in_the_queue_has_its_verdict_at_output(make_stack: StackFactory) -> None:
+    # Killed before any worker took it, the job has a result (killed) but no output was ever
+    # stored: a grader pulling it must get that verdict, not "no output for this job".
+    stack = make_stack(with_worker=False)
+    with Api(stack) as api, Api(stack) as waiter:
+        job = api.execute(py_job("print(1)", collectOutput=True))
+        path = f"/v1/jobs/{job['jobId']}/output"
+        waited: list[httpx.Response] = []
+        wait = threading.Thread(target=lambda: waited.append(waiter.get(path, params={"waitMs": "20000"})))
+        wait.start()
+        time.sleep(0.5)  # the long-poll is waiting
+        assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+        wait.join(10)
+        for response in [*waited, api.get(path), api.get(path, params={"waitMs": "5000"})]:
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["outcome"] == "killed" and body["stdout"] == "" and body["stderr"] == "", body
+            assert body["message"] == "killed before it started", body
+        # A job that does not collect output still has none to pull.
+        plain = api.execute(py_job("print(1)"))
+        assert api.post(f"/v1/jobs/{plain['jobId']}/kill").status_code == 202
+        assert api.get(f"/v1/jobs/{plain['jobId']}/output").status_code == 404

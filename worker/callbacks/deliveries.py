@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.codec import decode_stored
-from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback
+from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback, output_without_run
 from shared.runresult import run_result_pieces
 
 __all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
@@ -195,9 +195,8 @@ class Deliveries:
             run = decode_stored(RunResult, meta)
         else:
             # The job ended before any output was collected (killed in the queue, lost, ...).
-            event = decode_stored(ResultEvent, result)
-            verdict = {k: v for k, v in _fields(event).items() if k != "seq"}
-            run = RunResult(stdout="", stderr="", **verdict)
+            meta = _encoder.encode(output_without_run(decode_stored(ResultEvent, result)))
+            return CallbackBody(self.redis, job_id, meta=meta)
         return CallbackBody(self.redis, job_id, whole=_encoder.encode(RunResultCallback(job_id=job_id, **_fields(run))))
 
 
