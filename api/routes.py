@@ -413,22 +413,44 @@ async def job_output(request: Request) -> Response:
     # that had not ended when its status was read has nothing to fetch yet: wait first.
     # Each wait holds a connection of the waits' pool: admitted like an event stream (a 429
     # past the per-caller bound, 503 when all are in use; see api/streams.py).
+    if status.collects_output is False:
+        raise ApiError(404, missing)  # nothing will ever be stored to wait for
     slot = request.app.state.output_waits.acquire(status.job_id, state.auth.principal(request).caller)
-    try:
+
+    async def wait() -> StoredOutputFound | None:
         await store.wait_for_result(status.job_id, min(wait_ms, OUTPUT_WAIT_SLICE_MS))
         while True:
             look = await store.output_snapshot(status.job_id)
-            if look.output is not None:
-                break
-            if look.ended:
-                return await _without_output(await store.status(status.job_id) or status, missing)
+            if look.output is not None or look.ended:
+                return look.output
             left_ms = int((deadline - loop.time()) * 1000)
             if left_ms <= 0:
                 raise ApiError(404, missing)
             await store.wait_for_result(status.job_id, min(left_ms, OUTPUT_WAIT_SLICE_MS))
+
+    waiting = asyncio.ensure_future(wait())
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # A client that hung up (its own timeout shorter than waitMs, say) gets its slot and
+        # the wait's Redis connection back now, not at waitMs.
+        for task in (waiting, gone):
+            task.cancel()
+        await asyncio.gather(waiting, gone, return_exceptions=True)
         slot.release()
-    return await _output_response(state, status.job_id, look.output)
+    if not waiting.done() or waiting.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    found = waiting.result()
+    if found is None:
+        return await _without_output(await store.status(status.job_id) or status, missing)
+    return await _output_response(state, status.job_id, found)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection (a GET has no body to read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 

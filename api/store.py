@@ -100,11 +100,10 @@ if ARGV[14] ~= '' then
              'createdAtMs', ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[4])
 end
-if ARGV[15] == '1' then
-  -- Read by GET /output: a collecting job that ends before a worker stored any output
-  -- (killed in the queue, lost) still has its verdict to pull.
-  redis.call('HSET', KEYS[3], 'collect', '1')
-end
+-- Read by GET /output: a collecting job that ends before a worker stored any output
+-- (killed in the queue, lost) still has its verdict to pull, and a wait for the output of
+-- a job that does not collect it ends at once.
+redis.call('HSET', KEYS[3], 'collect', ARGV[15] == '1' and '1' or '0')
 if ARGV[16] == '1' then
   -- EOF comes with the job (closeStdin, the default with up-front stdin) or there is no
   -- job stdin at all (a test batch: each case has its own): a later frame could never
@@ -421,8 +420,8 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
     kill_requested: bool = False
     # The job was submitted with a callbackUrl (its delivery state is read apart).
     has_callback: bool = False
-    # The job was submitted with collectOutput (jobs enqueued before this was recorded: False).
-    collects_output: bool = False
+    # The job was submitted with collectOutput (None: enqueued before this was recorded).
+    collects_output: bool | None = None
 
     def view(self, callback: CallbackStatus | None = None) -> JobStatus:
         return JobStatus(
@@ -602,7 +601,7 @@ class JobStore:
             result=decode_stored(ResultEvent, result) if result else None,
             kill_requested=kill == b"1",
             has_callback=callback == b"1",
-            collects_output=collect == b"1",
+            collects_output=None if collect is None else collect == b"1",
         )
 
     async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:

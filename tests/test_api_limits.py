@@ -441,3 +441,29 @@ def test_slow_but_steady_requests_and_long_streams_are_not_cut(slow_stack: Stack
     finally:
         api.close()
     assert not _error_lines(stack.log("api")), stack.log("api")
+
+
+@pytest.mark.stack
+def test_a_wait_for_output_whose_client_left_gives_its_slot_back(make_stack: StackFactory) -> None:
+    # A grader whose HTTP timeout is shorter than its waitMs gives up and asks again. The
+    # waits it left must not go on holding its slots (and Redis connections) to waitMs.
+    stack = make_stack(with_worker=False, MAX_OUTPUT_WAITS_PER_PRINCIPAL="2")
+    api = Api(stack)
+    job = api.execute(py_job("print(1)", collectOutput=True))
+    path = f"/v1/jobs/{job['jobId']}/output"
+    try:
+        for _ in range(4):
+            with httpx.Client(base_url=api.url, timeout=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
+                impatient.get(path, params={"waitMs": "60000"}, headers=api.headers())
+        time.sleep(0.3)
+        started = time.monotonic()
+        answer = api.get(path, params={"waitMs": "1000"})
+        assert answer.status_code == 404, answer.text  # waited its second, then nothing yet
+        assert time.monotonic() - started >= 0.9
+        # A job that does not collect output has nothing to wait for: 404 at once.
+        plain = api.execute(py_job("print(1)"))
+        started = time.monotonic()
+        assert api.get(f"/v1/jobs/{plain['jobId']}/output", params={"waitMs": "5000"}).status_code == 404
+        assert time.monotonic() - started < 0.5
+    finally:
+        api.close()
