@@ -15,7 +15,10 @@ from shared.errors import FieldError, ValidationError
 __all__ = [
     "COMPILE_DEFAULTS","DEFAULT_LIMITS", "DEFAULT_MAXIMA", "Limits", "RequestedLimits", "resolve_limits", "wire_name", "with_overrides"]
 
-Positive = Annotated[int, msgspec.Meta(ge=1, le=2**40)]
+# No upper bound here: resolve_limits refuses anything past the server's maximum, and names
+# that maximum (a type's own bound would give a message naming a number that does not apply).
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class RequestedLimits(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
@@ -25,11 +28,11 @@ class RequestedLimits(msgspec.Struct, frozen=True, kw_only=True, rename="camel",
     idle_ms: Positive | None = None
     cpu_ms: Positive | None = None
     # Below 16 MiB no runtime starts, and nsjail's own set-up pages are charged there too.
-    memory_mb: Annotated[int, msgspec.Meta(ge=16, le=2**20)] | None = None
+    memory_mb: Annotated[int, msgspec.Meta(ge=16)] | None = None
     pids: Positive | None = None
     output_kb: Positive | None = None
-    max_artifacts: Annotated[int, msgspec.Meta(ge=0, le=2**20)] | None = None
-    max_artifact_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] | None = None
+    max_artifacts: NonNegative | None = None
+    max_artifact_bytes: NonNegative | None = None
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -40,6 +40,10 @@ def _error(response, status: int) -> dict:  # type: ignore[no-untyped-def]
         ({"language": "python", "files": [{"name": "m.py", "content": "%%%", "encoding": "base64"}]}, "files[0].content", "base64"),
         ({"language": "python", "files": [{"name": "m.py", "content": 5}]}, "files[0].content", "Expected `str`"),
         ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"memoryMb": 999999}}, "limits.memoryMb", "at most"),
+        # Past any sane value, the message still names the server's maximum, not a type's bound.
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"memoryMb": 2000000}}, "limits.memoryMb", "at most 2048"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"wallTimeMs": 2**41}}, "limits.wallTimeMs", "at most 300000"),
+        ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"outputKb": 10**30}}, "limits.outputKb", "at most 16384"),
         ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"cpuMs": 0}}, "limits.cpuMs", ">= 1"),
         ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "limits": {"bogus": 1}}, "limits.bogus", "not a known field"),
         ({"language": "python", "files": [{"name": "m.py", "content": "x"}], "version": "1.0"}, "version", "not available"),
