@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import struct
@@ -1200,3 +1201,29 @@ class _LoggedEvents:
 
     async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
         pass
+
+
+async def test_a_cancelled_settle_leaves_no_reader_on_the_jobs_control_queue() -> None:
+    # The worker stopping cancels a job waiting for its parked compile: no read of the job's
+    # control queue may outlive that wait and take a message meant for whoever reads next.
+    finish = asyncio.Event()
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        await finish.wait()
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    precompile = Precompile("job", _LendingPool(), load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    ctrl: asyncio.Queue[Any] = asyncio.Queue()
+    settling = asyncio.create_task(precompile.settle(ctrl, _LoggedEvents()))
+    await asyncio.sleep(0.01)
+    settling.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await settling
+    kill = CtrlMessage(type="kill")
+    ctrl.put_nowait(kill)
+    await asyncio.sleep(0.01)
+    assert ctrl.qsize() == 1 and ctrl.get_nowait() is kill
+    await precompile.discard()

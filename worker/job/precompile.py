@@ -176,13 +176,16 @@ class Precompile:
         kept: list[CtrlMessage] = []
         while not self._task.done():
             message = asyncio.ensure_future(ctrl.get())
-            done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not message.done():
+                    message.cancel()  # the compile ended first, or this wait was cancelled
             if message in done:
                 if message.result().type == "kill":
                     # A compile sees it now; a load is short, and the run sees it next.
                     (self._inbox.put_nowait if self._compile is not None else kept.append)(message.result())
                 continue
-            message.cancel()
             if message.done() and not message.cancelled():
                 kept.append(message.result())
         while not self._inbox.empty():

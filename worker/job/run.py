@@ -329,6 +329,7 @@ class JobRun:
         kill came first, "handback" if the worker is stopping."""
         take = asyncio.ensure_future(self.ctx.pool.take(program, self.spec.language))
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
+        message: asyncio.Future[CtrlMessage] | None = None
         try:
             while True:
                 message = asyncio.ensure_future(ctrl.get())
@@ -346,6 +347,8 @@ class JobRun:
                     return "handback"
         finally:
             stopping.cancel()
+            if message is not None and not message.done():
+                message.cancel()  # also when this wait itself was cancelled (the worker stopping)
             if not take.done():
                 take.cancel()
                 await asyncio.gather(take, return_exceptions=True)
