@@ -720,3 +720,42 @@ def test_soketi_down_mid_run_loses_only_the_live_view(make_fleet: StackFactory) 
             rt2.close()
         rt.close()
         api.close()
+
+
+def test_a_started_job_on_a_worker_that_cannot_build_sandboxes_ends_instead_of_waiting(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    # The worker's nsjail starts failing after start-up (as on a full disk or a broken cgroup
+    # tree): every rebuild fails. A started job must not stay `starting` for as long as that
+    # lasts: it goes round the queue a few times, then ends internal_error with the reason.
+    from bench.latency import stack_nsjail
+
+    broken = tmp_path / "broken"
+    wrapper = tmp_path / "nsjail"
+    wrapper.write_text(
+        f"#!/bin/sh\nif [ -e {broken} ]; then echo 'nsjail: injected failure' >&2; exit 1; fi\n"
+        f'exec {stack_nsjail()} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    stack = make_stack(NSJAIL_PATH=str(wrapper), WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        first = api.execute(py_job("print('first')"))
+        broken.touch()  # from now on every sandbox build fails
+        api.start(first)
+        assert api.wait_state(first, TERMINAL)["state"] == "done"  # it had its warm sandbox
+        job = api.execute(py_job("print('never')"))
+        followed = rt.follow(job)
+        started_at = time.monotonic()
+        api.start(job)
+        result = followed.wait_result(timeout_s=60)
+        took_s = time.monotonic() - started_at
+        assert result["outcome"] == "internal_error", result
+        assert "sandbox preparation failed" in result["message"], result
+        assert int(status_hash(stack, job["jobId"]).get(b"handovers", b"0")) == 3
+        assert took_s < 40, took_s
+        assert followed.text("stdout") == ""
+        figure("started_job_broken_sandboxes", internal_error_after_s=round(took_s, 1))
+    finally:
+        rt.close()
+        api.close()

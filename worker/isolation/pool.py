@@ -78,6 +78,11 @@ class SandboxPool:
         self._lent: dict[int, Callable[[], None]] = {}
         # Set whenever a sandbox becomes ready or a waiter is served (the claimer watches it).
         self.changed = asyncio.Event()
+        # Builds that ended so far, and how the last failed one failed: a started job that
+        # sees only failures while it waits gives up on this worker (JobRun._acquire_sandbox).
+        self.builds_done = 0
+        self.builds_failed = 0
+        self.last_build_error = ""
 
     @property
     def waiting(self) -> int:
@@ -122,11 +127,14 @@ class SandboxPool:
                     )
                     self._arm(slot)
                     return
+                self.builds_failed += 1
+                self.last_build_error = str(exc) or type(exc).__name__
                 log.error("slot %d: cannot build a sandbox (%s); retrying in %.0fs", slot, exc, ARM_RETRY_S)
                 self._arm(slot, delay_s=ARM_RETRY_S)
                 return
             finally:
                 self._building -= 1
+            self.builds_done += 1
             if self._closed:
                 await sandbox.destroy()
                 return

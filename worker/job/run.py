@@ -84,6 +84,12 @@ class NotOfferedHere(PlatformError):
 
 # A job no worker can run is handed around this many times before it ends internal_error.
 MAX_HANDOVERS = 20
+# A started job waiting for a sandbox gives up on this worker once this many builds failed
+# (and none succeeded) since it began waiting; the pool's builds are looked at this often.
+# It is handed to another worker up to MAX_BROKEN_HANDOVERS times, then ends internal_error.
+BUILD_FAILURES_TO_GIVE_UP = 3
+BUILD_CHECK_S = 0.5
+MAX_BROKEN_HANDOVERS = 3
 # After handing a job on, this worker claims nothing for this long, so the job reaches a
 # worker that can run it instead of coming straight back.
 HANDOVER_PAUSE_S = 1.0
@@ -210,6 +216,9 @@ class JobRun:
                 self._running_stage = asyncio.create_task(self._mark_running())
             elif early == "gone":
                 signal = await self._acquire_sandbox(sub.ctrl, plan.run)
+                if signal == "broken":
+                    await self._give_up_on_sandboxes()
+                    return
                 if signal != "start":
                     await self._end_unstarted(signal, "killed before it ran")
                     return
@@ -312,6 +321,19 @@ class JobRun:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
             return False
 
+    async def _give_up_on_sandboxes(self) -> None:
+        """This worker cannot build sandboxes: let another worker run the started job (its
+        start flag stays), or end it internal_error once it has gone round enough."""
+        error = self.ctx.pool.last_build_error
+        log.error("job %s: no sandbox could be built here (%s)", self.job_id, error)
+        if self.claim.handovers < MAX_BROKEN_HANDOVERS:
+            self._finished = True
+            # Paused first, so this worker's claimer does not take the job straight back.
+            self.ctx.claim_paused_until = asyncio.get_running_loop().time() + HANDOVER_PAUSE_S
+            await self._hand_back(to_back=True)
+            return
+        await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {error}")
+
     async def _end_unstarted(self, signal: str, killed_message: str = "killed before it started") -> None:
         """End a job whose program never ran: handed back, killed or expired."""
         if signal == "handback":
@@ -327,24 +349,37 @@ class JobRun:
         """Take a warm sandbox (first started, first served; one whose prestarted runtime
         can run `program` if there is one). Returns "start" once it holds one, "kill" if a
         kill came first, "handback" if the worker is stopping."""
-        take = asyncio.ensure_future(self.ctx.pool.take(program, self.spec.language))
+        pool = self.ctx.pool
+        take = asyncio.ensure_future(pool.take(program, self.spec.language))
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         message: asyncio.Future[CtrlMessage] | None = None
+        built, failed = pool.builds_done, pool.builds_failed
         try:
             while True:
-                message = asyncio.ensure_future(ctrl.get())
-                done, _ = await asyncio.wait({take, stopping, message}, return_when=asyncio.FIRST_COMPLETED)
+                if message is None:
+                    message = asyncio.ensure_future(ctrl.get())
+                # The timeout only looks at the pool's builds; a started job normally has
+                # its sandbox at once.
+                done, _ = await asyncio.wait(
+                    {take, stopping, message}, timeout=BUILD_CHECK_S, return_when=asyncio.FIRST_COMPLETED
+                )
                 if take in done:
                     message.cancel()
                     if message.done() and not message.cancelled():
                         ctrl.put_nowait(message.result())  # keep a kill for the run to see
                     self.sandbox = take.result()
                     return "start"
-                if message in done and message.result().type == "kill":
-                    return "kill"
+                if message in done:
+                    if message.result().type == "kill":
+                        return "kill"
+                    message = None
                 if stopping in done:
-                    message.cancel()
                     return "handback"
+                if pool.builds_done == built and pool.builds_failed - failed >= BUILD_FAILURES_TO_GIVE_UP:
+                    # Every sandbox this worker tried to build since the job began waiting
+                    # failed (a full disk, a broken cgroup tree...): waiting on would leave
+                    # the started job `starting` for as long as that lasts.
+                    return "broken"
         finally:
             stopping.cancel()
             if message is not None and not message.done():
