@@ -2,7 +2,8 @@
 
 Every event a job ever emitted is in its Redis stream, so a client that subscribed late,
 or lost its WebSocket, fetches exactly what it missed: `Last-Event-ID` (or `?after=`)
-names the last seq it has, the stream resumes after it, and it ends after `result`.
+names the last seq it has, the stream resumes after it, and it ends after `result`. A
+resume from the result or later is a 204 (No Content), which ends an EventSource for good.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ async def job_events(request: Request) -> Response:
     slots: StreamSlots = request.app.state.event_streams
     status = await state.visible_job(request, url_token=True)
     after_seq = _after(request)
+    if status.result is not None and after_seq >= status.result.seq:
+        # The client has the result already: nothing will ever follow. A 204 makes a
+        # browser's EventSource stop; an empty 200 would have it reconnect every few seconds.
+        return Response(status_code=204)
     principal = state.auth.principal(request, url_token=request.query_params.get("token"))
     slot = slots.acquire(status.job_id, principal.caller)
     return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)

@@ -72,6 +72,13 @@ def test_event_log_resumes_after_last_event_id(api: Api, realtime: Realtime) -> 
     with api.client.stream("GET", f"/v1/jobs/{job['jobId']}/events", headers={**api.headers(), "Last-Event-ID": str(len(full) - 2)}) as r:
         body = r.read().decode()
     assert body.count("event: ") == 1 and "event: result" in body
+    # Resumed past its result, the stream has nothing more, ever: 204, which tells a
+    # browser's EventSource to stop, where a 200 that ends makes it reconnect every few
+    # seconds for as long as the job's record lives.
+    for resume in ({"Last-Event-ID": str(len(full) - 1)}, {"Last-Event-ID": str(len(full) + 5)}):
+        done = api.client.get(f"/v1/jobs/{job['jobId']}/events", headers={**api.headers(), **resume})
+        assert done.status_code == 204 and done.content == b"", (resume, done.status_code, done.text)
+    assert api.get(f"/v1/jobs/{job['jobId']}/events", params={"after": str(len(full) - 1)}).status_code == 204
     # The job token reads it too; another job's token does not.
     assert api.get(f"/v1/jobs/{job['jobId']}/events", token=job["jobToken"]).status_code == 200
     other = api.execute(py_job("print(0)"))
