@@ -26,7 +26,7 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
-from worker.job.precompile import Precompile
+from worker.job.precompile import Precompile, PrecompileState
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import COALESCE_S, Activity, Clocks, StepFacts, _pump, cpu_clock_due_at, supervise
 from worker.messaging.queue import StoredFrame
@@ -1227,3 +1227,43 @@ async def test_a_cancelled_settle_leaves_no_reader_on_the_jobs_control_queue() -
     await asyncio.sleep(0.01)
     assert ctrl.qsize() == 1 and ctrl.get_nowait() is kill
     await precompile.discard()
+
+
+async def test_a_loan_recalled_before_its_borrower_resumed_still_goes_to_the_started_job() -> None:
+    # A rebuilt sandbox is lent to a waiting parked compile; in the same turn, before that
+    # compile resumes, a started job finds nothing ready and recalls the loan. The recall must
+    # not be lost: the sandbox goes to the started job, not to a compile that may keep it
+    # until its own start or expiry.
+    factory = _RecordingFactory()
+    factory.gate.set()
+    pool = SandboxPool(factory, "w", slots=2)  # type: ignore[arg-type]
+    pool.start()
+    await _turns()
+    lent = await pool.borrow(lambda: None)
+    running = await pool.take()
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        await asyncio.Event().wait()
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    parked = Precompile("parked", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await _turns()
+    assert parked.state is PrecompileState.WAITING  # one slot always stays for started jobs
+    factory.gate.clear()
+    pool.give_back(lent)  # its slot rebuilds, held at the gate
+    await _turns()
+
+    async def start() -> Any:
+        await factory.gate.wait()  # woken in the turn the rebuild ends, after it
+        return await pool.take()
+
+    started = asyncio.create_task(start())
+    await _turns()
+    factory.gate.set()
+    await _turns()
+    assert started.done(), parked.state
+    assert started.result() is not running and parked.state is PrecompileState.GONE
+    await parked.discard()
+    await pool.close()

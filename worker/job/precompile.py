@@ -116,6 +116,12 @@ class Precompile:
         self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
 
     def _recall(self) -> None:
+        if self.state is PrecompileState.WAITING and not self._task.done():
+            # Lent a sandbox, but recalled in the same turn, before this resumed to use it:
+            # cancelled, the borrow hands the sandbox on (to the started job that recalled it).
+            self._task.cancel()
+            self.state = PrecompileState.GONE
+            return
         if self.state in (PrecompileState.COMPILING, PrecompileState.COMPILED, PrecompileState.LOADED):
             log.info("job %s: a started job needs the sandbox; compiling after start instead", self.job_id)
             self._task.cancel()
