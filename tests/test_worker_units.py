@@ -1267,3 +1267,43 @@ async def test_a_loan_recalled_before_its_borrower_resumed_still_goes_to_the_sta
     assert started.result() is not running and parked.state is PrecompileState.GONE
     await parked.discard()
     await pool.close()
+
+
+async def _slow_taker_step(taker_s: float, jail: Any, idle_ms: int | None) -> tuple[Any, list[bytes]]:
+    """A step whose program wrote one line, and whose output is taken away slowly (the
+    flusher full while Redis is away): each hand-over takes `taker_s`."""
+    stdout = asyncio.StreamReader()
+    stdout.feed_data(b"line\n")
+    stdout.feed_eof()
+    taken: list[bytes] = []
+
+    async def on_data(data: bytes) -> None:
+        await asyncio.sleep(taker_s)
+        taken.append(data)
+
+    facts = await supervise(
+        jail,
+        _CountingCgroup(),  # type: ignore[arg-type]
+        Program(argv=["main"], env={}),
+        Clocks(wall_ms=5000, cpu_ms=5000, idle_ms=idle_ms),
+        [(stdout, on_data)],
+        asyncio.Queue(),
+    )
+    return facts, taken
+
+
+async def test_output_held_up_on_the_workers_side_does_not_count_as_idle() -> None:
+    # The program is blocked writing because the worker cannot take its output away yet:
+    # that is not the program being idle.
+    facts, taken = await _slow_taker_step(0.3, _ExitsLate(0.33), idle_ms=150)
+    assert facts.fired is None and taken == [b"line\n"], facts
+
+
+async def test_output_held_up_on_the_workers_side_is_waited_for_past_the_exit_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The program has exited; what it wrote is still being handed over (slowly, not stuck):
+    # it is waited for, not cut off at the grace period and silently lost.
+    monkeypatch.setattr("worker.job.supervise.EXIT_GRACE_S", 0.1)
+    facts, taken = await _slow_taker_step(0.3, _ExitsLate(0.02), idle_ms=None)
+    assert facts.fired is None and taken == [b"line\n"], facts

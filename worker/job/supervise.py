@@ -75,10 +75,13 @@ class Clocks:
 
 
 class Activity:
-    """When the program last showed signs of life (output, or input reaching it)."""
+    """When the program last showed signs of life (output, or input reaching it), and how
+    many of its reads are being handed over right now (while the worker cannot take output
+    away, the program is blocked writing, not idle)."""
 
     def __init__(self, now: float) -> None:
         self.last = now
+        self.handing_over = 0
 
     def touch(self) -> None:
         self.last = asyncio.get_running_loop().time()
@@ -113,7 +116,12 @@ async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: 
                 data += more
                 ended = not more
         activity.touch()
-        await on_data(data)
+        activity.handing_over += 1
+        try:
+            await on_data(data)
+        finally:
+            activity.handing_over -= 1
+        activity.touch()  # the idle window starts once the worker took it, not before
         if ended:
             return
         if len(data) < COALESCE_BELOW:
@@ -164,7 +172,7 @@ async def supervise(
                 fired = "wall"
             elif now >= cpu_read_at and cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
                 fired = "cpu"
-            elif idle_s is not None and now - activity.last >= idle_s:
+            elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
                 fired = "idle"
             if fired:
                 ended_at = now
@@ -172,7 +180,9 @@ async def supervise(
             if now >= cpu_read_at:
                 cpu_read_at = min(now + CPU_CHECK_S, max(cpu_due_at, now + CPU_POLL_S))
             timeout = min(go_at + wall_s - now, cpu_read_at - now)
-            if idle_s is not None:
+            if idle_s is not None and not activity.handing_over:
+                # (While output is being handed over the idle clock waits; it is looked at
+                # again within CPU_CHECK_S of the hand-over's end.)
                 timeout = min(timeout, activity.last + idle_s - now)
             # Only what is still pending: a pump that reached EOF stays done, and watching it
             # would turn this wait into a spin until nsjail is reaped (its teardown comes after
@@ -218,6 +228,11 @@ async def supervise(
         # The pipes hold all there is: nothing that could write to them runs any more.
         jail.end_output()
         await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+        while activity.handing_over and not all(t.done() for t in readers):
+            # What the program wrote is still being handed over (Redis slow or away: the
+            # flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not stuck in a
+            # pipe nobody can read: wait for it rather than lose it.
+            await asyncio.wait(readers, timeout=EXIT_GRACE_S)
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
         if not killed:
