@@ -73,8 +73,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_head()
         if self._head_timer is not None:
             self._request_bytes_seen = True
+        head = self._head_timer
         super().data_received(data)
-        if self._head_timer is not None and not self.transport.is_closing():
+        if self._head_timer is None or self.transport.is_closing():
+            return
+        # Counted against the head that was under way when this read began. A head that began
+        # inside it (a pipelined request after a body) counts from the next read on: the
+        # read's bytes before it are the previous request's, and one read is bounded anyway.
+        if self._head_timer is head:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")

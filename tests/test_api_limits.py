@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import threading
@@ -467,3 +468,25 @@ def test_a_wait_for_output_whose_client_left_gives_its_slot_back(make_stack: Sta
         assert time.monotonic() - started < 0.5
     finally:
         api.close()
+
+
+def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_large_head(make_stack: StackFactory) -> None:
+    # One write holds a POST with a 400 KB body and the next request: the head guard
+    # counted the whole read, body included, against the second request's head (431, and
+    # the POST's own answer lost).
+    stack = make_stack(with_worker=False)
+    body = json.dumps(py_job("x = 1\n" + "#" * 400_000)).encode()
+    post = (
+        f"POST /v1/execute HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    get = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as sock:
+        sock.sendall(post + get[:20])  # the next head starts in the same read as the body ends
+        time.sleep(0.3)
+        sock.sendall(get[20:])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+    assert statuses == [b"202", b"200"], answer[:400]
