@@ -27,7 +27,9 @@ from shared import keys
 from shared.messages import CtrlMessage, JobState, Outcome, TestCase, result_without_run
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
+from worker.isolation.jail import JailExit
 from worker.job.run import JobRun
+from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
 from worker.messaging.flagsweep import BATCH, FlagSweep
 from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
@@ -178,6 +180,39 @@ def _job_run(queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_sto
         hard_stop=stop,
     )
     return JobRun(ctx, claim, None)  # type: ignore[arg-type]
+
+
+async def test_a_result_whose_numbering_waits_on_an_append_survives_a_cancel(redis: Redis, queue: WorkerQueue) -> None:
+    # The worker's second signal cancels a job just as it finishes, while an append (retrying
+    # through a Redis blip) holds the events lock the result's seq is taken under. The result
+    # must still be written: a cancel there used to leave the job to recovery, ended `lost`.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim)
+    await run.events._lock.acquire()  # the append in flight
+    finishing = asyncio.create_task(run._finish(Outcome.COMPLETED, result_without_run(Outcome.COMPLETED, None)))
+    await asyncio.sleep(0.05)
+    finishing.cancel()
+    asyncio.get_running_loop().call_later(0.1, run.events._lock.release)  # the append lands
+    with pytest.raises(asyncio.CancelledError):
+        await finishing
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"state"] == b"done" and json.loads(status[b"result"])["outcome"] == "completed", status
+
+
+async def test_a_worker_stopping_after_the_program_ended_reports_the_run_as_it_ended(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # The program exited by itself; the hard stop came while its last output or artifacts
+    # were being stored. The verdict is the run's own, not `killed` by the shutdown.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim)
+    run._program_started = True
+    exit_ = JailExit(exit_code=3, signal=None, backstop_fired=False)
+    run._ran = (StepFacts(exit=exit_, fired=None, duration_ms=12, cpu_ms=5, memory_kb=2048, oom_kills=0), None)
+    await run._cancelled()
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    result = json.loads(status[b"result"])
+    assert status[b"state"] == b"done" and result["outcome"] == "completed" and result["exitCode"] == 3, result
 
 
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(

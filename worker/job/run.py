@@ -139,6 +139,9 @@ class JobRun:
         self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
+        # What the run step ended with, once it has (and the compile's verdict): a worker
+        # stopping after that still reports the run as it ended, not as killed.
+        self._ran: tuple[StepFacts, CompileInfo | None] | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -260,7 +263,7 @@ class JobRun:
                 if plan.compile is None
                 else top_level_names(str(self.sandbox.workspace.path))
             )
-            facts = await self._run(sub.ctrl, sub.stdin, plan.run)
+            facts = await self._run(sub.ctrl, sub.stdin, plan.run, compiled)
             await self._keep_artifacts(before)
             # Every process is dead already (killed, counters read); removing the cgroups and
             # the workspace happens right after the result, off the user's critical path.
@@ -269,13 +272,7 @@ class JobRun:
             log.warning("job %s: lease lost to another worker; abandoning without a result", self.job_id)
             self._finished = True
         except asyncio.CancelledError:
-            # Only a worker stopping cancels a job (after its grace period). A program that
-            # ran was killed on purpose, by the operator, so the verdict is `killed`, not a
-            # failure; a job whose program never ran goes back to the queue instead.
-            if self._program_started:
-                await asyncio.shield(self._abort("the worker shut down before the program finished", Outcome.KILLED))
-            else:
-                await asyncio.shield(self._give_back_unstarted())
+            await asyncio.shield(self._cancelled())
             raise
         except Exception:
             log.exception("job %s: unexpected failure", self.job_id)
@@ -295,6 +292,19 @@ class JobRun:
                     await self.ctx.control.unsubscribe(sub)
                 await self.events.drop_hold()
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+
+    async def _cancelled(self) -> None:
+        """Only a worker stopping cancels a job (after its grace period). A program that was
+        still running was killed on purpose, by the operator, so the verdict is `killed`,
+        not a failure; one that had ended by itself (only its output's last trip or its
+        artifacts were cut short) keeps its own verdict; a job whose program never ran goes
+        back to the queue instead."""
+        if self._ran is not None:
+            await self._finish_run(*self._ran)
+        elif self._program_started:
+            await self._abort("the worker shut down before the program finished", Outcome.KILLED)
+        else:
+            await self._give_back_unstarted()
 
     async def _give_back_unstarted(self) -> None:
         """Hand a never-started job back, briefly; if Redis is away the claim stays in this
@@ -585,7 +595,13 @@ class JobRun:
         self._program_started = True  # from here on, never hand it back (it may have run)
         await self.events.stage("running", state=JobState.RUNNING, started=True)
 
-    async def _run(self, inbox: asyncio.Queue[CtrlMessage], stdin: asyncio.Queue[StdinFrame], program: Program) -> StepFacts:
+    async def _run(
+        self,
+        inbox: asyncio.Queue[CtrlMessage],
+        stdin: asyncio.Queue[StdinFrame],
+        program: Program,
+        compiled: CompileInfo | None = None,
+    ) -> StepFacts:
         jail, limits = self.sandbox.jail, self.spec.limits
         if self._running_stage is not None:
             await self._running_stage  # started while the sandbox was loaded
@@ -631,14 +647,15 @@ class JobRun:
                 feed_stdin=feed_stdin,
                 sink=flusher.task,
             )
+            # A prestarted runtime's own memory was there before start: not the job's.
+            facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
+            self._ran = (facts, compiled)
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()
         finally:
             feed.stop()
             flusher.abort()
-        # A prestarted runtime's own memory was there before start: not the job's.
-        facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
         return facts
 
     async def _keep_artifacts(self, before: set[bytes]) -> None:
@@ -771,8 +788,10 @@ class JobRun:
         if self._finished:
             return
         self._finished = True
-        seq = await self.events.take_result_seq()
-        store = asyncio.ensure_future(self._store_result(outcome, event, seq))
+        # The seq is taken inside the shielded write: a cancel while it waits for the events
+        # lock (an append retrying through a Redis blip) must not leave the job without a
+        # result, ended `lost` by recovery.
+        store = asyncio.ensure_future(self._store_result(outcome, event))
         cancelled = False
         try:
             stored = await asyncio.shield(store)
@@ -795,10 +814,11 @@ class JobRun:
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _store_result(self, outcome: Outcome, event: ResultEvent, seq: int) -> tuple[int, bytes, ResultEvent] | None:
-        """Write the result (retrying through Redis outages up to FINISH_RETRY_S). Returns its
-        seq, JSON and event once written, None if it was not (the claim is then left to
-        recovery, or the job is no longer this worker's)."""
+    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[int, bytes, ResultEvent] | None:
+        """Number and write the result (retrying through Redis outages up to FINISH_RETRY_S).
+        Returns its seq, JSON and event once written, None if it was not (the claim is then
+        left to recovery, or the job is no longer this worker's)."""
+        seq = await self.events.take_result_seq()
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FINISH_RETRY_S
