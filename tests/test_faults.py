@@ -740,10 +740,17 @@ def test_a_started_job_on_a_worker_that_cannot_build_sandboxes_ends_instead_of_w
     stack = make_stack(NSJAIL_PATH=str(wrapper), WORKER_MAX_SANDBOXES="1")
     api, rt = Api(stack), Realtime(stack)
     try:
-        first = api.execute(py_job("print('first')"))
+        warm = api.execute(py_job("print('warm')"))
+        api.start(warm)
+        assert api.wait_state(warm, TERMINAL)["state"] == "done"
+        time.sleep(2)  # the slot's next sandbox is built
+        # A test batch: its first case runs in the warm sandbox; the second needs a new one.
+        batch = api.execute(py_job("print(input())", tests=[{"stdin": "a"}, {"stdin": "b"}]))
         broken.touch()  # from now on every sandbox build fails
-        api.start(first)
-        assert api.wait_state(first, TERMINAL)["state"] == "done"  # it had its warm sandbox
+        api.start(batch)
+        done = api.wait_state(batch, TERMINAL, timeout_s=40)
+        cases = [c["outcome"] for c in api.get(f"/v1/jobs/{batch['jobId']}").json()["result"]["tests"]]
+        assert cases == ["completed", "internal_error"], done
         job = api.execute(py_job("print('never')"))
         followed = rt.follow(job)
         started_at = time.monotonic()

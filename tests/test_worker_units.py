@@ -1307,3 +1307,19 @@ async def test_output_held_up_on_the_workers_side_is_waited_for_past_the_exit_gr
     monkeypatch.setattr("worker.job.supervise.EXIT_GRACE_S", 0.1)
     facts, taken = await _slow_taker_step(0.3, _ExitsLate(0.02), idle_ms=None)
     assert facts.fired is None and taken == [b"line\n"], facts
+
+
+async def test_a_wait_for_a_sandbox_counts_failed_builds_from_the_last_success() -> None:
+    # Two started jobs wait on a worker whose builds begin to fail: one more build succeeds
+    # (the first job takes it), then every build fails. The second job must give up too,
+    # counting failures from that success, not wait for a success that never comes.
+    pool = SandboxPool(_FakeFactory(), "w", slots=2)  # type: ignore[arg-type]
+    mark = pool.build_mark()
+    pool.builds_failed += 2
+    assert not pool.failing(mark)
+    pool.builds_made += 1  # went to the job ahead
+    assert not pool.failing(mark)
+    pool.builds_failed += 2
+    assert not pool.failing(mark)
+    pool.builds_failed += 1
+    assert pool.failing(mark)

@@ -25,11 +25,20 @@ from dataclasses import dataclass
 from worker.isolation.jail import Program
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, Sandbox, SandboxFactory
 
-__all__ = ["SandboxPool"]
+__all__ = ["BUILD_CHECK_S", "SandboxPool", "SandboxesFailing"]
 
 log = logging.getLogger(__name__)
 
 ARM_RETRY_S = 2.0
+# A started job (or a test case) waiting for a sandbox gives up on this worker once this many
+# builds failed, and none succeeded, since it began waiting (see failing); the builds are
+# looked at this often while it waits.
+BUILD_FAILURES_TO_GIVE_UP = 3
+BUILD_CHECK_S = 0.5
+
+
+class SandboxesFailing(Exception):
+    """Every sandbox this worker built while a job waited failed (the last build's error)."""
 # How long no job may have asked for a sandbox before plain spares are primed again.
 REPRIME_IDLE_S = 1.0
 # Started jobs that waited side by side for sandboxes this recently: the worker is saturated.
@@ -78,9 +87,9 @@ class SandboxPool:
         self._lent: dict[int, Callable[[], None]] = {}
         # Set whenever a sandbox becomes ready or a waiter is served (the claimer watches it).
         self.changed = asyncio.Event()
-        # Builds that ended so far, and how the last failed one failed: a started job that
-        # sees only failures while it waits gives up on this worker (JobRun._acquire_sandbox).
-        self.builds_done = 0
+        # Builds that succeeded and that failed so far, and how the last failure failed: a
+        # job that sees only failures while it waits gives up on this worker (see failing).
+        self.builds_made = 0
         self.builds_failed = 0
         self.last_build_error = ""
 
@@ -134,7 +143,7 @@ class SandboxPool:
                 return
             finally:
                 self._building -= 1
-            self.builds_done += 1
+            self.builds_made += 1
             if self._closed:
                 await sandbox.destroy()
                 return
@@ -281,6 +290,35 @@ class SandboxPool:
                 self._lent.pop(sandbox.slot, None)
                 self._offer(sandbox)
             raise
+
+    def build_mark(self) -> list[int]:
+        """Where the builds stand as a wait begins, for `failing`."""
+        return [self.builds_made, self.builds_failed]
+
+    def failing(self, mark: list[int]) -> bool:
+        """Whether BUILD_FAILURES_TO_GIVE_UP builds failed, and none succeeded, since `mark`.
+        A success moves the mark on: it went to some waiting job, and the count starts again
+        for those still waiting."""
+        if self.builds_made != mark[0]:
+            mark[:] = self.build_mark()
+            return False
+        return self.builds_failed - mark[1] >= BUILD_FAILURES_TO_GIVE_UP
+
+    async def take_unless_failing(self, program: Program | None = None, language: str = "") -> Sandbox:
+        """`take`, giving up with SandboxesFailing once builds only fail while it waits."""
+        mark = self.build_mark()
+        take = asyncio.ensure_future(self.take(program, language))
+        try:
+            while True:
+                done, _ = await asyncio.wait({take}, timeout=BUILD_CHECK_S)
+                if done:
+                    return take.result()
+                if self.failing(mark):
+                    raise SandboxesFailing(self.last_build_error)
+        finally:
+            if not take.done():
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
 
     def keep(self, sandbox: Sandbox) -> None:
         """The borrower started: the sandbox is its job's now, no longer recallable."""

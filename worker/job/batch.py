@@ -124,7 +124,8 @@ async def run_batch(
     async def one(index: int, case: TestCase, sandbox: Sandbox | None) -> None:
         prog = program(case)
         if sandbox is None:
-            sandbox = await pool.take(prog, spec.language)
+            # A worker whose builds all fail ends this case internal_error, not never.
+            sandbox = await pool.take_unless_failing(prog, spec.language)
             try:
                 await sandbox.load(files, limits, prog, executable)
             except BaseException:

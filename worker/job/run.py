@@ -46,6 +46,7 @@ from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
+from worker.isolation.pool import BUILD_CHECK_S
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
@@ -84,11 +85,9 @@ class NotOfferedHere(PlatformError):
 
 # A job no worker can run is handed around this many times before it ends internal_error.
 MAX_HANDOVERS = 20
-# A started job waiting for a sandbox gives up on this worker once this many builds failed
-# (and none succeeded) since it began waiting; the pool's builds are looked at this often.
-# It is handed to another worker up to MAX_BROKEN_HANDOVERS times, then ends internal_error.
-BUILD_FAILURES_TO_GIVE_UP = 3
-BUILD_CHECK_S = 0.5
+# A started job that gives up waiting on a worker whose sandbox builds all fail (see
+# SandboxPool.failing) is handed to another worker up to this many times, then ends
+# internal_error.
 MAX_BROKEN_HANDOVERS = 3
 # After handing a job on, this worker claims nothing for this long, so the job reaches a
 # worker that can run it instead of coming straight back.
@@ -363,7 +362,7 @@ class JobRun:
         take = asyncio.ensure_future(pool.take(program, self.spec.language))
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         message: asyncio.Future[CtrlMessage] | None = None
-        built, failed = pool.builds_done, pool.builds_failed
+        mark = pool.build_mark()
         try:
             while True:
                 if message is None:
@@ -385,7 +384,7 @@ class JobRun:
                     message = None
                 if stopping in done:
                     return "handback"
-                if pool.builds_done == built and pool.builds_failed - failed >= BUILD_FAILURES_TO_GIVE_UP:
+                if pool.failing(mark):
                     # Every sandbox this worker tried to build since the job began waiting
                     # failed (a full disk, a broken cgroup tree...): waiting on would leave
                     # the started job `starting` for as long as that lasts.
