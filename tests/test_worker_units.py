@@ -1323,3 +1323,31 @@ async def test_a_wait_for_a_sandbox_counts_failed_builds_from_the_last_success()
     assert not pool.failing(mark)
     pool.builds_failed += 1
     assert pool.failing(mark)
+
+
+async def test_output_still_moving_after_the_exit_grace_is_waited_for_between_hand_overs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At the end of the grace the pump is between two slow hand-overs (none in progress), but
+    # output is still moving: the step keeps waiting rather than cut the rest off.
+    monkeypatch.setattr("worker.job.supervise.EXIT_GRACE_S", 0.1)
+    stdout = asyncio.StreamReader()
+    stdout.feed_data(b"a\n")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.15, stdout.feed_data, b"b\n")
+    loop.call_later(0.16, stdout.feed_eof)
+    taken: list[bytes] = []
+
+    async def on_data(data: bytes) -> None:
+        await asyncio.sleep(0.1)
+        taken.append(data)
+
+    facts = await supervise(
+        _ExitsLate(0.02),  # type: ignore[arg-type]
+        _CountingCgroup(),  # type: ignore[arg-type]
+        Program(argv=["main"], env={}),
+        Clocks(wall_ms=5000, cpu_ms=5000, idle_ms=None),
+        [(stdout, on_data)],
+        asyncio.Queue(),
+    )
+    assert facts.fired is None and b"".join(taken) == b"a\nb\n", taken

@@ -82,6 +82,7 @@ class Activity:
     def __init__(self, now: float) -> None:
         self.last = now
         self.handing_over = 0
+        self.handed_over = 0  # reads handed over so far
 
     def touch(self) -> None:
         self.last = asyncio.get_running_loop().time()
@@ -121,6 +122,7 @@ async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: 
             await on_data(data)
         finally:
             activity.handing_over -= 1
+            activity.handed_over += 1
         activity.touch()  # the idle window starts once the worker took it, not before
         if ended:
             return
@@ -227,11 +229,13 @@ async def supervise(
             exit_info = await jail.wait_program()
         # The pipes hold all there is: nothing that could write to them runs any more.
         jail.end_output()
+        handed = activity.handed_over
         await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-        while activity.handing_over and not all(t.done() for t in readers):
-            # What the program wrote is still being handed over (Redis slow or away: the
-            # flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not stuck in a
-            # pipe nobody can read: wait for it rather than lose it.
+        while not all(t.done() for t in readers) and (activity.handing_over or activity.handed_over != handed):
+            # What the program wrote is still being handed over, and moving (Redis slow or
+            # away: the flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not
+            # stuck in a pipe nobody can read: wait for it rather than lose it.
+            handed = activity.handed_over
             await asyncio.wait(readers, timeout=EXIT_GRACE_S)
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
