@@ -648,10 +648,12 @@ class JobRun:
             )
             # A prestarted runtime's own memory was there before start: not the job's.
             facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
-            self._ran = (facts, compiled)
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()
+            # Only now: a run whose last output never reached the log is not reported as if
+            # all of it had (a cancel during the flush ends the job killed).
+            self._ran = (facts, compiled)
         finally:
             feed.stop()
             flusher.abort()
