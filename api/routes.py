@@ -455,9 +455,12 @@ async def _client_gone(request: Request) -> None:
 
 
 async def _without_output(status: StoredStatus, missing: str) -> Response:
-    """A job with no stored output: a collecting job that ended before any was stored (killed
-    in the queue, lost with its worker) answers its verdict with empty streams; else 404."""
-    if status.collects_output and status.state in TERMINAL_STATES and status.result is not None:
+    """A job with no stored output: a collecting job that ended before any could be stored
+    (killed in the queue, lost with its worker) answers its verdict with empty streams; else
+    404. A job that ran to its end and has no output any more has expired: empty streams
+    would read as a wrong answer to a grader."""
+    never_stored = not status.started or status.state is JobState.LOST
+    if status.collects_output and status.state in TERMINAL_STATES and status.result is not None and never_stored:
         meta = _encoder.encode(output_without_run(status.result))
         return Response(await whole_run_result(meta, b"", b""), media_type="application/json")
     raise ApiError(404, missing)

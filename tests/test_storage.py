@@ -227,3 +227,17 @@ def test_a_collected_job_killed_in_the_queue_has_its_verdict_at_output(make_stac
         plain = api.execute(py_job("print(1)"))
         assert api.post(f"/v1/jobs/{plain['jobId']}/kill").status_code == 202
         assert api.get(f"/v1/jobs/{plain['jobId']}/output").status_code == 404
+
+
+def test_a_run_whose_output_is_gone_is_not_answered_as_empty_output(stack: Stack, api: Api) -> None:
+    # A job that ran to its end stored its output; once that has expired (here: deleted, as
+    # an expiry a moment ahead of the status would), the answer is the uniform 404, never
+    # the verdict with empty streams, which a grader would take for a wrong answer.
+    job = api.execute(py_job("print('answer')", collectOutput=True))
+    api.start(job)
+    api.wait_state(job, {"done"})
+    path = f"/v1/jobs/{job['jobId']}/output"
+    assert api.get(path).json()["stdout"] == "answer\n"
+    with stack.redis() as redis:
+        redis.delete(f"job:{job['jobId']}:output")
+    assert api.get(path).status_code == 404
