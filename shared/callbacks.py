@@ -102,7 +102,10 @@ _PRIVATE_V4: tuple[tuple[_V4, str], ...] = (
     (_V4("192.168.0.0/16"), "a private address"),
     (_V4("100.64.0.0/10"), "a carrier-grade NAT address"),
 )
-_NAT64 = (_V6("64:ff9b::/96"), _V6("64:ff9b:1::/48"))
+_NAT64 = _V6("64:ff9b::/96")
+# Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's prefix
+# length (RFC 6052), and what it reaches is the operator's network: a private destination.
+_LOCAL_NAT64 = _V6("64:ff9b:1::/48")
 _TEREDO = _V6("2001::/32")
 _IPV4_COMPATIBLE = _V6("::/96")
 _GLOBAL_UNICAST_V6 = _V6("2000::/3")
@@ -118,9 +121,8 @@ _NUMERIC_LAST_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
 def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
-    for net in _NAT64:
-        if ip in net:
-            return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     if ip.sixtofour is not None:
         return ip.sixtofour
     return None
@@ -133,6 +135,8 @@ def address_refusal(ip: IPAddress, allow_private: bool) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.scope_id:
             return "a scoped (link-local) address"
+        if ip in _LOCAL_NAT64:
+            return None if allow_private else "a local-use NAT64 address"
         inner = _embedded_v4(ip)
         if inner is not None:
             why = address_refusal(inner, allow_private)

@@ -266,7 +266,7 @@ class Jail:
             raise JailError(f"nsjail could not be moved out of the job's cgroups: {self._release_error}")
         if not self.released:
             await asyncio.shield(self._log_ended)
-            raise JailError("nsjail failed to start the jail: " + "; ".join(self.error_lines()) or "no log")
+            raise JailError("nsjail failed to start the jail: " + ("; ".join(self.error_lines()) or "no log"))
         if not self._pids_at_release:
             raise JailError("jail is not inside the job's cgroups")
 
