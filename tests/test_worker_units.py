@@ -1351,3 +1351,20 @@ async def test_output_still_moving_after_the_exit_grace_is_waited_for_between_ha
         asyncio.Queue(),
     )
     assert facts.fired is None and b"".join(taken) == b"a\nb\n", taken
+
+
+async def test_a_slot_whose_sandbox_teardown_fails_builds_its_next_one() -> None:
+    factory = _FakeFactory()
+    pool = SandboxPool(factory, "w", slots=1)  # type: ignore[arg-type]
+    pool.start()
+    await _turns()
+    sandbox = await pool.take()
+
+    async def broken_destroy() -> None:
+        raise OSError("umount: target is busy")
+
+    sandbox.destroy = broken_destroy  # type: ignore[method-assign]
+    pool.give_back(sandbox)
+    await _turns()
+    assert pool.ready == 1 and len(factory.built) == 2
+    await pool.close()

@@ -384,8 +384,14 @@ class SandboxPool:
     async def _replace(self, sandbox: Sandbox, plain: bool = False) -> None:
         if plain:
             self._slot_prime[sandbox.slot] = None
-        await sandbox.destroy()
-        self._arm(sandbox.slot)
+        try:
+            await sandbox.destroy()
+        except Exception:
+            # The slot builds its next sandbox all the same (as after a job's own teardown):
+            # a failed teardown must not take a slot out of service for the worker's life.
+            log.exception("sandbox %s: teardown failed", sandbox.name)
+        finally:
+            self._arm(sandbox.slot)
 
     def give_back(self, sandbox: Sandbox) -> None:
         """A job is done with `sandbox`: destroy it and build its slot's next one."""
