@@ -766,3 +766,33 @@ def test_a_started_job_on_a_worker_that_cannot_build_sandboxes_ends_instead_of_w
     finally:
         rt.close()
         api.close()
+
+
+def test_a_worker_restarted_under_its_id_after_dying_in_its_self_test_starts(make_stack: StackFactory) -> None:
+    # An operator's fixed WORKER_ID: the worker was killed during its start-up self-test,
+    # whose workspace stayed behind. The next start must not trip over it (and exit, again
+    # and again); its sweep of its own leftovers removes it once it is up.
+    stack = make_stack(with_worker=False, WORKER_MAX_SANDBOXES="2", **FAST_LEASE)
+
+    def start_fixed() -> str:
+        name = stack._add_worker({"WORKER_ID": "fixed-1"})
+        stack.worker_ids[name] = "fixed-1"  # what the stack waits for: the fixed id's key
+        stack._wait_worker_ready(name, 30)
+        return name
+
+    stack.kill_worker(start_fixed(), signal.SIGKILL)
+    leftover = Path(f"/run/{stack.deployment}/fixed-1.2.1")  # the self-test's first name
+    leftover.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "coderunner-ws", str(leftover)], check=True)
+    (leftover / "probe").write_text("ok")
+    with stack.redis() as redis:  # the killed incarnation's lease runs out first
+        wait_until(lambda: not redis.exists("worker:fixed-1:alive"), 15, "the old lease to run out", 0.05)
+    start_fixed()
+    api = Api(stack)
+    try:
+        job = api.execute(py_job("print('up')"))
+        api.start(job)
+        assert api.wait_state(job, TERMINAL)["result"]["outcome"] == "completed"
+        assert not leftover.exists()
+    finally:
+        api.close()

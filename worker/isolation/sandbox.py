@@ -444,7 +444,10 @@ class SandboxFactory:
     rlimit_fsize_mb: int = 16
     rlimit_nofile: int = 64
     ready_timeout_s: float = 10.0
-    _counter: int = 0
+    # Numbers the sandboxes' names (`<owner>.<slot>.<n>`). It starts from the clock, so a
+    # worker restarted under the same WORKER_ID never meets a name its last incarnation left
+    # behind (killed in its start-up self-test, say, which comes before its sweep).
+    _counter: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
 
     def profile(self, name: str = "base") -> Path:
         return self.profiles_dir / f"{name}.cfg"
