@@ -1368,3 +1368,16 @@ async def test_a_slot_whose_sandbox_teardown_fails_builds_its_next_one() -> None
     await _turns()
     assert pool.ready == 1 and len(factory.built) == 2
     await pool.close()
+
+
+def test_an_optional_cgroup_file_is_not_judged_absent_from_a_missing_folder(tmp_path: Path) -> None:
+    # A kill on the clean-up path of a failed build looked for cgroup.kill in a job folder
+    # that did not exist yet: "absent" was kept for the host, and every later kill fell back
+    # to signalling listed processes one by one.
+    cgroup = detect_layout("coderunner", HYBRID).job("j1")
+    kill = tmp_path / "j1" / "cgroup.kill"
+    assert not cgroup._has(kill)
+    kill.parent.mkdir()
+    kill.touch()
+    assert cgroup._has(kill)
+    assert cgroup._has(tmp_path / "j2" / "cgroup.kill")  # the host's answer, for every job

@@ -304,7 +304,11 @@ class JobCgroup:
         key = f"{path.parent.parent}/{path.name}"  # the job's folder is the only part that varies
         found = self.layout.optional_files.get(key)
         if found is None:
-            found = self.layout.optional_files[key] = path.exists()
+            found = path.exists()
+            # Absent because this job's folder is (no longer, or not yet) there says nothing
+            # about the host: only an answer from an existing folder is kept for every job.
+            if found or path.parent.is_dir():
+                self.layout.optional_files[key] = found
         return found
 
     def _limit(self, path: Path, value: str) -> None:
