@@ -217,7 +217,7 @@ class _Pool:
         self.waiting = asyncio.Event()
         self.given_back: list[str] = []
 
-    async def take(self, *_args: Any) -> _Sandbox:
+    async def take_unless_failing(self, *_args: Any) -> _Sandbox:
         self.waiting.set()
         await self.free.wait()
         return _Sandbox("late")
