@@ -453,7 +453,6 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-
 async def _without_output(status: StoredStatus, missing: str) -> Response:
     """A job with no stored output: a collecting job that ended before any could be stored
     (killed in the queue, lost with its worker) answers its verdict with empty streams; else

@@ -487,7 +487,7 @@ async def test_a_held_go_live_that_fires_after_the_result_is_logged_leaves_the_r
     result = b'{"outcome":"completed","seq":1}'
     queue.log.append((seq, "result", result))
     await asyncio.sleep(0.05)  # the hold's timer fires while the result is being stored
-    await events.go_live(before_seq=seq)
+    await events.go_live()
     events.publish("result", result)
     assert [(name, data["seq"]) for name, data in lane.sent] == [("stage", 0), ("result", 1)]
 

@@ -35,14 +35,14 @@ ARM_RETRY_S = 2.0
 # looked at this often while it waits.
 BUILD_FAILURES_TO_GIVE_UP = 3
 BUILD_CHECK_S = 0.5
-
-
-class SandboxesFailing(Exception):
-    """Every sandbox this worker built while a job waited failed (the last build's error)."""
 # How long no job may have asked for a sandbox before plain spares are primed again.
 REPRIME_IDLE_S = 1.0
 # Started jobs that waited side by side for sandboxes this recently: the worker is saturated.
 SATURATED_FOR_S = 1.0
+
+
+class SandboxesFailing(Exception):
+    """Every sandbox this worker built while a job waited failed (the last build's error)."""
 
 
 @dataclass(frozen=True)

@@ -88,31 +88,29 @@ class JobEvents:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def go_live(self, before_seq: int | None = None) -> None:
+    async def go_live(self) -> None:
         """Publish every logged event so far, in seq order, and every later one as it comes.
 
-        `before_seq`: publish only the logged events numbered below it. A job that ends
-        without having gone live does so after its result is in the log, and the result is
-        published by its writer, once.
+        The result is never published from the log, only by its writer (publish()), once: a
+        job that ends without having gone live does so after its result is in the log, and a
+        held go_live whose timer fires while the result is being stored reads a log that may
+        already hold it.
         """
         async with self._lock:
-            await self._go_live_locked(before_seq)
+            await self._go_live_locked()
 
     def _stop_hold_timer(self) -> None:
         if self._live_timer is not None:
             self._live_timer.cancel()
             self._live_timer = None
 
-    async def _go_live_locked(self, before_seq: int | None = None) -> None:
+    async def _go_live_locked(self) -> None:
         self._stop_hold_timer()
         if self.live:
             return
         backlog = await self._read_log() if self._log_has_more else self._backlog
-        for seq, name, data in backlog:
-            # The result is never published from the log, only by its writer (publish()):
-            # a held go_live whose timer fires while the result is being stored reads a log
-            # that may already hold it.
-            if name != "result" and (before_seq is None or seq < before_seq):
+        for _seq, name, data in backlog:
+            if name != "result":  # its writer publishes it (see go_live)
                 self._lane.send(name, data)
         self._backlog = []
         self.live = True

@@ -807,18 +807,18 @@ class JobRun:
                 log.error("job %s: the worker stopped before the result could be stored", self.job_id)
                 raise asyncio.CancelledError from None
         if stored is not None:
-            seq, result_json, event = stored
+            result_json, event = stored
             if self.spec.callback_url:
                 self.ctx.callback_due()  # the result write queued its delivery
-            await self._go_live_with_result(seq)
+            await self._go_live_with_result()
             self._publish_result(outcome, result_json, event)
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[int, bytes, ResultEvent] | None:
+    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[bytes, ResultEvent] | None:
         """Number and write the result (retrying through Redis outages up to FINISH_RETRY_S).
-        Returns its seq, JSON and event once written, None if it was not (the claim is then
-        left to recovery, or the job is no longer this worker's)."""
+        Returns its JSON and event (the seq in it) once written, None if it was not (the claim
+        is then left to recovery, or the job is no longer this worker's)."""
         seq = await self.events.take_result_seq()
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
@@ -854,7 +854,7 @@ class JobRun:
                 if self.ctx.hard_stop.is_set() and await self._stored_already(result_json):
                     # The write landed and only its answer was lost or late: no retry comes
                     # under a hard stop to find that out, so look.
-                    return seq, result_json, event
+                    return result_json, event
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)
@@ -868,7 +868,7 @@ class JobRun:
             if not written:
                 log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
                 return None
-            return seq, result_json, event
+            return result_json, event
 
     async def _stored_already(self, result_json: bytes) -> bool:
         """Whether the job's record holds this very result (one quick read, or False)."""
@@ -877,12 +877,12 @@ class JobRun:
         except (RedisError, OSError, TimeoutError):
             return False
 
-    async def _go_live_with_result(self, seq: int) -> None:
+    async def _go_live_with_result(self) -> None:
         """A job that ends without having started (expired, killed) has its parked events
         published now, before its result (which a second claim's log already holds: it is
         published by _publish_result, once)."""
         try:
-            await self.events.go_live(before_seq=seq)
+            await self.events.go_live()
         except RedisError as exc:
             log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
 
