@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from shared.messages import CompileInfo, CtrlMessage, StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
-from worker.isolation.child import PipeReader, _pipe_object, read_pipe
+from worker.isolation.child import Child, PipeReader, _pipe_object, read_pipe
 from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, build_argv
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
@@ -1041,7 +1042,16 @@ async def test_the_nsjail_log_keeps_what_is_read_from_it_and_drops_the_rest() ->
         return 0
 
     log, log_write = _log_pipe()
-    proc = SimpleNamespace(wait=exited, on_exit=lambda callback: None, stdout=None, stderr=None, pid=5, returncode=0)
+    proc = SimpleNamespace(
+        wait=exited,
+        on_exit=lambda callback: None,
+        hold_reap=lambda: None,
+        allow_reap=lambda: None,
+        stdout=None,
+        stderr=None,
+        pid=5,
+        returncode=0,
+    )
     jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
     ready_at = text.index(b"Executing ") + 4
     for start in range(0, len(text), 700):  # cut mid-line, and the ready marker in two
@@ -1059,6 +1069,41 @@ async def test_the_nsjail_log_keeps_what_is_read_from_it_and_drops_the_rest() ->
     assert (ended.exit_code, ended.signal, ended.backstop_fired) == (None, "SIGKILL", True)
     assert [line[:3] for line in jail._log_lines] == [b"[W]", b"[I]", b"[I]", b"[I]"]
     assert jail.error_lines() == [text.split(b"\n")[42].decode()]
+
+
+async def test_nsjail_stays_unreaped_while_it_is_moved_out_of_the_jobs_cgroups() -> None:
+    # The release writes nsjail's pid into the supervisor cgroups on an isolation thread.
+    # If nsjail died and were reaped meanwhile, that number could go to a host process,
+    # which the write would then move: nsjail is reaped only once the release is over.
+    proc = await Child.spawn(["/bin/sh", "-c", "read line"], merge_stderr=True, pass_fds=())
+    writing = threading.Event()
+    may_finish = threading.Event()
+
+    def release(pid: int) -> None:
+        writing.set()
+        may_finish.wait(10)
+
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=release, pids=lambda: [proc.pid])
+    status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    log, log_write = _log_pipe()
+    jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
+    try:
+        os.write(log_write, b"[I][t] Executing '/.coderunner/gate' for '[STANDALONE MODE]'\n")
+        assert await asyncio.to_thread(writing.wait, 5)
+        os.kill(proc.pid, 9)
+        await asyncio.sleep(0.2)  # long enough for the exit to be seen, had it been watched
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "Z" and proc.returncode is None
+        may_finish.set()
+        await asyncio.wait_for(jail.wait_ready(2), 3)
+        assert await asyncio.wait_for(proc.wait(), 2) == -9
+        assert not Path(f"/proc/{proc.pid}").exists()
+    finally:
+        may_finish.set()
+        os.close(log_write)
+        os.close(status_write)
+        proc.close()
+        jail.close()
 
 
 async def test_a_jail_that_never_executes_fails_with_nsjails_own_errors() -> None:

@@ -165,6 +165,7 @@ class Child:
         self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._pidfd = -1
         self._transports: list[asyncio.BaseTransport] = []
+        self._reap_holds = 0
 
     @classmethod
     async def spawn(
@@ -221,8 +222,26 @@ class Child:
         self._pidfd = os.pidfd_open(self.pid)
         asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
+    def hold_reap(self) -> None:
+        """Leave the child unreaped until `allow_reap()`: while a zombie, its pid is its own.
+
+        For work on another thread that names the child by pid (a write of it into a
+        cgroup's process list): reaped meanwhile, the number could go to a host process,
+        which that write would then move.
+        """
+        self._reap_holds += 1
+
+    def allow_reap(self) -> None:
+        self._reap_holds -= 1
+        if self._reap_holds == 0 and self._pidfd >= 0:
+            # Watched again: if it has exited meanwhile, its pidfd is still readable.
+            asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
     def _on_exit(self) -> None:
         """The pidfd is readable: the child has exited; reap it (never blocks now)."""
+        if self._reap_holds:
+            asyncio.get_running_loop().remove_reader(self._pidfd)  # (readable until reaped)
+            return
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:

@@ -206,6 +206,7 @@ class Jail:
             # take nsjail itself out of the job's cgroups so only jailed code is limited,
             # and see (same trip to the isolation threads) that the jail stayed in them.
             self._releasing = True
+            self.proc.hold_reap()  # (the release names nsjail by its pid)
             off_loop_soon(self._release).add_done_callback(self._released)
 
     def _release(self) -> list[int]:
@@ -213,6 +214,7 @@ class Jail:
         return self._cgroup.pids()
 
     def _released(self, done: asyncio.Future[list[int]]) -> None:
+        self.proc.allow_reap()
         if done.cancelled():  # (the loop is closing)
             self._ready.set()
             return
