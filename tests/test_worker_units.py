@@ -306,6 +306,7 @@ class _CountingCgroup:
         self.cores = cores
         self.born = time.monotonic()
         self.killed_at: float | None = None
+        self.kill_threads: list[threading.Thread] = []
 
     def cpu_us(self) -> int:
         self.cpu_reads += 1
@@ -313,9 +314,10 @@ class _CountingCgroup:
 
     def kill(self) -> None:
         self.killed_at = self.killed_at or time.monotonic()
+        self.kill_threads.append(threading.current_thread())
 
-    def kill_leftovers(self) -> None:
-        self.kill()
+    def may_hold_leftovers(self) -> bool:
+        return True
 
     def counters(self) -> JobCounters:
         return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=0)
@@ -345,6 +347,23 @@ async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
     # The first read, the end-of-step read, and one per wake-up: the 50 ms CPU poll over
     # 200 ms, the two pumps ending, and the reap. A spin makes it thousands.
     assert cgroup.cpu_reads <= 12, cgroup.cpu_reads
+
+
+async def test_supervision_kills_a_jobs_cgroup_off_the_event_loop() -> None:
+    # A kill's write waits on the cgroup lock that other sandboxes' set-ups hold: it runs on
+    # an isolation thread whether the jail ended unreported (a hybrid host, where no cheap
+    # listing shows the cgroups empty) or the step was cancelled mid-run.
+    loop_thread = threading.current_thread()
+    ended_by_itself = _CountingCgroup()
+    await _step(ended_by_itself, _ExitsLate(0.05), cpu_ms=5000)
+    cancelled = _CountingCgroup()
+    step = asyncio.create_task(_step(cancelled, _ExitsLate(30), cpu_ms=5000))
+    await asyncio.sleep(0.1)
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    for cgroup in (ended_by_itself, cancelled):
+        assert cgroup.kill_threads and loop_thread not in cgroup.kill_threads
 
 
 def test_the_cpu_clock_cannot_fire_before_the_cap_lets_the_budget_be_spent() -> None:

@@ -529,21 +529,21 @@ class JobCgroup:
         except OSError:
             return False
 
-    def kill_leftovers(self) -> None:
-        """After the jail has exited: kill whatever is still in the cgroups.
+    def may_hold_leftovers(self) -> bool:
+        """After the jail has exited: whether a kill is needed to be sure nothing is left.
 
         Nothing should be: the jail's pid namespace ended with its first process, and no
         process can leave it. Where the cgroup2 tree lists every process of the job, one read
-        through a kept descriptor shows that, and the kill (whose write waits on the lock
-        that other sandboxes' cgroup creation and removal hold) is made only if it does not.
+        through a kept descriptor shows that (cheap enough for the event loop), and the kill
+        (whose write waits on the lock that other sandboxes' cgroup creation and removal
+        hold) is needed only if it does not. Elsewhere only the kill is sure.
         """
         if self.v2_dir is not None:
             try:
-                if not self._read_kept(self.v2_dir / "cgroup.procs").split():
-                    return
+                return bool(self._read_kept(self.v2_dir / "cgroup.procs").split())
             except OSError:
                 pass
-        self.kill()
+        return True
 
     def kill(self) -> None:
         """SIGKILL every process of the job, however it detached or whatever it ignores.

@@ -213,12 +213,9 @@ async def supervise(
 
         # Whatever ended the step, nothing of it may outlive it. A gate that reported has
         # killed and reaped the rest of its namespace first; a jail that ended by itself
-        # took its pid namespace with it, and a read of its cgroup's process list shows it
-        # empty, cheaper here than a trip to the isolation threads.
-        if jail.ended.done():
-            if not jail.reported:
-                cgroup.kill_leftovers()
-        else:
+        # took its pid namespace with it, and a read of its cgroup's process list usually
+        # shows that here, cheaper than a trip to the isolation threads.
+        if not jail.ended.done() or (not jail.reported and cgroup.may_hold_leftovers()):
             await off_loop(cgroup.kill)
         killed = True
         try:
@@ -240,7 +237,7 @@ async def supervise(
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
         if not killed:
-            cgroup.kill()
+            await off_loop(cgroup.kill)
         if inbox_task.done() and not inbox_task.cancelled():
             # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
             # kill that came as a compile ended is for the run that follows, so it goes back.
