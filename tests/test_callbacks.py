@@ -376,24 +376,107 @@ async def test_names_that_never_resolve_hold_only_the_checks_own_threads(monkeyp
         await asyncio.sleep(0.01)
 
 
+class _StuckDns:
+    """getaddrinfo standing in for DNS: names under `stuck_domain` hang until `release`,
+    others answer at once with 127.0.0.1; it counts the calls and the lookups running."""
+
+    def __init__(self, stuck_domain: str) -> None:
+        self.stuck_domain = stuck_domain
+        self.release = threading.Event()
+        self.asked: list[str] = []
+        self.running = 0
+        self.most_running = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, host: str, port: int, **kwargs: Any) -> list[Any]:
+        with self._lock:
+            self.asked.append(host)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            if host.endswith(self.stuck_domain):
+                self.release.wait(30)
+                raise socket.gaierror(-3, "Temporary failure in name resolution")
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+async def _give_up_after(resolver: send_module.Resolver, url: str, timeout_s: float) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await resolver.resolve(parse_callback_url(url, False))
+
+
 async def test_the_senders_stuck_lookups_leave_the_loops_resolver_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """Callbacks to names whose server never answers time out their attempts; their lookups
     hold only the sender's own threads, never the resolver the worker reaches Redis with."""
-    release = threading.Event()
-
-    def stuck_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
-        release.wait(30)
-        raise socket.gaierror(-3, "Temporary failure in name resolution")
-
-    monkeypatch.setattr(send_module, "getaddrinfo", stuck_getaddrinfo)
+    dns = _StuckDns(".test")
+    monkeypatch.setattr(send_module, "getaddrinfo", dns)
+    resolver = send_module.Resolver()
     try:
         for n in range(2 * send_module.LOOKUP_THREADS):
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.1):
-                    await send_module.resolve(parse_callback_url(f"https://stuck{n}.test/", False))
+            await _give_up_after(resolver, f"https://stuck.domain{n}.test/", 0.1)
         await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo("127.0.0.1", 6379), 1.0)
     finally:
-        release.set()
+        dns.release.set()
+        resolver.close()
+
+
+async def test_one_domain_that_never_resolves_leaves_the_other_callbacks_lookups_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One tenant's callbacks to names under a domain whose server never answers (any number
+    of names, and the same name again and again) hold LOOKUPS_PER_DOMAIN threads at most;
+    another tenant's callback host still resolves at once. Callbacks to one name share its
+    lookup, and a lookup that every caller gave up on before its turn never runs."""
+    dns = _StuckDns(".evil.test")
+    monkeypatch.setattr(send_module, "getaddrinfo", dns)
+    resolver = send_module.Resolver()
+    try:
+        hostile = [f"https://n{n}.evil.test/" for n in range(3 * send_module.LOOKUP_THREADS)]
+        await asyncio.gather(*(_give_up_after(resolver, url, 0.2) for url in hostile * 3))
+        await asyncio.gather(*(_give_up_after(resolver, url, 0.1) for url in hostile))
+        began = time.monotonic()
+        (address,) = await asyncio.wait_for(resolver.resolve(parse_callback_url("https://hooks.good.test/", False)), 1)
+        assert str(address) == "127.0.0.1" and time.monotonic() - began < 0.5
+        assert dns.most_running == send_module.LOOKUPS_PER_DOMAIN + 1  # the good one beside them
+        assert dns.asked == [*(h.split("/")[2] for h in hostile[:2]), "hooks.good.test"]
+    finally:
+        dns.release.set()
+    await asyncio.sleep(0.2)  # the stuck lookups return; nothing queued starts after them
+    assert len(dns.asked) == send_module.LOOKUPS_PER_DOMAIN + 1 and dns.running == 0
+    resolver.close()
+
+
+async def test_callbacks_to_one_name_share_its_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five callbacks to one slow name make one lookup, and each gets its answer; a name
+    that never answers holds one thread however often it is asked for."""
+    dns = _StuckDns(".evil.test")
+    monkeypatch.setattr(send_module, "getaddrinfo", dns)
+    resolver = send_module.Resolver()
+    try:
+        await asyncio.gather(*(_give_up_after(resolver, "https://same.evil.test/", 0.1) for _ in range(5)))
+        await _give_up_after(resolver, "https://same.evil.test/", 0.1)
+        assert dns.asked == ["same.evil.test"]
+        slow = threading.Event()
+        real = dns.__call__
+
+        def slow_dns(host: str, port: int, **kwargs: Any) -> list[Any]:
+            slow.wait(5)
+            return real(host, port, **kwargs)
+
+        monkeypatch.setattr(send_module, "getaddrinfo", slow_dns)
+        waiting = [asyncio.create_task(resolver.resolve(parse_callback_url("https://slow.test/", False))) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        slow.set()
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 2)
+        assert [str(a) for (a,) in answers] == ["127.0.0.1"] * 5
+        assert dns.asked == ["same.evil.test", "slow.test"]
+    finally:
+        dns.release.set()
+        resolver.close()
 
 
 # ---------------------------------------------------------------- a stack without workers
@@ -656,12 +739,12 @@ async def test_send_connects_to_the_checked_address(
     job_id = await _killed_in_queue(redis, f"http://hooks.test:{receiver.port}{path}")
     resolved: list[str] = []
 
-    async def fake_resolve(target: Any) -> list[Any]:
-        resolved.append(target.host)
+    def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        resolved.append(host)
         # 127.0.0.2 is loopback too, but nothing listens there on the receiver's port.
-        return [ipaddress.ip_address("127.0.0.2"), ipaddress.ip_address("127.0.0.1")]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.2", "127.0.0.1")]
 
-    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    monkeypatch.setattr(send_module, "getaddrinfo", fake_getaddrinfo)
     settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
     async with new_client(settings) as client:
         await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
@@ -710,10 +793,7 @@ async def test_send_refuses_a_name_that_now_resolves_private(
     path = receiver.path()
     job_id = await _killed_in_queue(redis, f"http://rebind.test:{receiver.port}{path}")
 
-    async def fake_resolve(target: Any) -> list[Any]:
-        return [ipaddress.ip_address("127.0.0.1")]
-
-    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    monkeypatch.setattr(send_module, "getaddrinfo", _StuckDns(".never.test"))  # every name: 127.0.0.1
     settings = _sender_settings(bare_stack)  # no CALLBACK_ALLOW_PRIVATE
     async with new_client(settings) as client:
         await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
@@ -768,10 +848,7 @@ async def test_https_to_the_checked_address_keeps_the_server_name(
     trusting = ssl.create_default_context(cafile=str(cert))
     tls_receiver = Receiver(tls=server_tls)
 
-    async def fake_resolve(target: Any) -> list[Any]:
-        return [ipaddress.ip_address("127.0.0.1")]
-
-    monkeypatch.setattr("worker.callbacks.sender.resolve", fake_resolve)
+    monkeypatch.setattr(send_module, "getaddrinfo", _StuckDns(".never.test"))  # every name: 127.0.0.1
     settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1", CALLBACK_ALLOW_HTTP="0")
     try:
         path = tls_receiver.path()

@@ -10,19 +10,19 @@ kept for another request (a pooled connection is keyed by address, not by host n
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
 from shared.callbacks import CallbackTarget, IPAddress, address_refusal
 from shared.settings import Settings
 
-__all__ = ["MAX_RESPONSE_BYTES", "AttemptFailed", "Refused", "new_client", "post"]
+__all__ = ["MAX_RESPONSE_BYTES", "AttemptFailed", "Refused", "Resolver", "checked", "new_client", "post"]
 
 # The answer's body is read up to this much, then the connection is dropped (nothing in it
 # is used; it is read so a small answer ends its exchange cleanly).
@@ -33,9 +33,10 @@ USER_AGENT = "coderunner-callbacks/1"
 # Lookups run on threads of their own. A name whose server never answers holds a lookup for
 # the system resolver's whole timeout (the attempt's timeout cuts the wait, not the lookup);
 # on the loop's shared resolver a few of them would stall the worker's own Redis reconnects.
-# A callback waiting behind stuck lookups only fails its attempt, which is retried later.
-LOOKUP_THREADS = 4
-_lookups = ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="callback-dns")
+LOOKUP_THREADS = 8
+# Lookups at once under one domain (a name's last two labels): names under a domain whose
+# server never answers (any number of them, `*.example.com`) hold at most this many threads.
+LOOKUPS_PER_DOMAIN = 2
 # The resolver call (a module attribute, so tests can stand in for DNS).
 getaddrinfo = socket.getaddrinfo
 
@@ -62,25 +63,98 @@ def new_client(settings: Settings, verify: ssl.SSLContext | bool = True) -> http
     )
 
 
-async def resolve(target: CallbackTarget) -> list[IPAddress]:
-    """The host's addresses, in the resolver's order (an IP host is its own)."""
-    if target.literal:
-        return [ipaddress.ip_address(target.host)]
-    loop = asyncio.get_running_loop()
-    try:
-        lookup = functools.partial(getaddrinfo, target.host, target.port, type=socket.SOCK_STREAM)
-        infos = await loop.run_in_executor(_lookups, lookup)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise AttemptFailed(f"host {target.host} could not be resolved ({exc.args[-1] if exc.args else exc})") from None
-    found: list[IPAddress] = []
-    for family, _type, _proto, _name, sockaddr in infos:
-        if family in (socket.AF_INET, socket.AF_INET6):
-            ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-            if ip not in found:
-                found.append(ip)
-    if not found:
-        raise AttemptFailed(f"host {target.host} has no IPv4 or IPv6 address")
-    return found
+class _Lookup:
+    __slots__ = ("on_thread", "task", "waiters")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Future[list[Any]] | None = None
+        self.waiters = 0
+        self.on_thread = False
+
+
+class Resolver:
+    """One sender's name lookups, so that names that never resolve cannot hold up the rest.
+
+    A lookup runs on a thread and cannot be stopped once it does. So callbacks to one name
+    share its lookup while it runs; at most LOOKUPS_PER_DOMAIN names of one domain are looked
+    up at once and at most LOOKUP_THREADS in all, the rest waiting their turn without a
+    thread; and a lookup whose every caller has given up before its turn never runs.
+    """
+
+    def __init__(self, threads: int = LOOKUP_THREADS, per_domain: int = LOOKUPS_PER_DOMAIN) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="callback-dns")
+        self._threads = asyncio.Semaphore(threads)
+        self._per_domain = per_domain
+        self._domains: dict[str, tuple[asyncio.Semaphore, int]] = {}  # (its turns, lookups queued or running)
+        self._running: dict[tuple[str, int], _Lookup] = {}
+
+    async def resolve(self, target: CallbackTarget) -> list[IPAddress]:
+        """The host's addresses, in the resolver's order (an IP host is its own).
+
+        Raises:
+            AttemptFailed: the name does not resolve, or has no IPv4 or IPv6 address.
+        """
+        if target.literal:
+            return [ipaddress.ip_address(target.host)]
+        key = (target.host, target.port)
+        lookup = self._running.get(key)
+        if lookup is None:
+            lookup = self._running[key] = _Lookup()
+            lookup.task = asyncio.ensure_future(self._lookup(lookup, *key))
+            lookup.task.add_done_callback(lambda task: self._done(key, lookup, task))
+        assert lookup.task is not None
+        lookup.waiters += 1
+        try:
+            infos = await asyncio.shield(lookup.task)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise AttemptFailed(f"host {target.host} could not be resolved ({exc.args[-1] if exc.args else exc})") from None
+        finally:
+            lookup.waiters -= 1
+            if not lookup.waiters and not lookup.on_thread and not lookup.task.done():
+                # Nobody waits for it any more and it has not begun: drop it from the queue.
+                self._forget(key, lookup)
+                lookup.task.cancel()
+        found: list[IPAddress] = []
+        for family, _type, _proto, _name, sockaddr in infos:
+            if family in (socket.AF_INET, socket.AF_INET6):
+                ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+                if ip not in found:
+                    found.append(ip)
+        if not found:
+            raise AttemptFailed(f"host {target.host} has no IPv4 or IPv6 address")
+        return found
+
+    def _done(self, key: tuple[str, int], lookup: _Lookup, task: asyncio.Future[list[Any]]) -> None:
+        self._forget(key, lookup)
+        if not task.cancelled():
+            task.exception()  # (seen, even when every caller gave up waiting for it)
+
+    def _forget(self, key: tuple[str, int], lookup: _Lookup) -> None:
+        if self._running.get(key) is lookup:
+            del self._running[key]
+
+    async def _lookup(self, lookup: _Lookup, host: str, port: int) -> list[Any]:
+        domain = ".".join(host.rstrip(".").lower().rsplit(".", 2)[-2:])
+        turns, queued = self._domains.get(domain) or (asyncio.Semaphore(self._per_domain), 0)
+        self._domains[domain] = (turns, queued + 1)
+        try:
+            async with turns, self._threads:
+                lookup.on_thread = True
+                found = self._executor.submit(getaddrinfo, host, port, type=socket.SOCK_STREAM)
+                return await asyncio.wrap_future(found)
+        finally:
+            turns, queued = self._domains[domain]
+            if queued > 1:
+                self._domains[domain] = (turns, queued - 1)
+            else:
+                del self._domains[domain]
+
+    def close(self) -> None:
+        """Stop waiting for lookups (the threads end once their lookups return)."""
+        for lookup in list(self._running.values()):
+            if lookup.task is not None:
+                lookup.task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def checked(target: CallbackTarget, addresses: list[IPAddress], allow_private: bool) -> list[IPAddress]:

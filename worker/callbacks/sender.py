@@ -38,7 +38,7 @@ from shared import callbacks
 from shared.errors import ValidationError
 from shared.settings import Settings
 from worker.callbacks.deliveries import Deliveries, Delivery, ResultGone
-from worker.callbacks.send import AttemptFailed, Refused, checked, new_client, post, resolve
+from worker.callbacks.send import AttemptFailed, Refused, Resolver, checked, new_client, post
 from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["CallbackSender", "callback_sender"]
@@ -68,6 +68,7 @@ class CallbackSender:
         self.settings = settings
         self.deliveries = Deliveries(redis)
         self.client = client
+        self.resolver = Resolver()
         self.sender_id = sender_id
         self._lease_ms = settings.callback_timeout_ms + LEASE_MARGIN_MS
         self._inflight: dict[str, asyncio.Task[None]] = {}
@@ -136,6 +137,7 @@ class CallbackSender:
 
     async def stop(self) -> None:
         await cancel_and_wait(list(self._inflight.values()))
+        self.resolver.close()
 
     async def _deliver(self, delivery: Delivery) -> None:
         try:
@@ -192,7 +194,7 @@ class CallbackSender:
         settings = self.settings
         # The URL was checked at submit; the settings may have changed since, so again.
         target = callbacks.parse_callback_url(delivery.url, settings.callback_allow_http)
-        addresses = checked(target, await resolve(target), settings.callback_allow_private)
+        addresses = checked(target, await self.resolver.resolve(target), settings.callback_allow_private)
         body = await self.deliveries.body(delivery)
         timestamp_s = int(time.time())
         mac = callbacks.signer(settings.callback_secret, timestamp_s)
