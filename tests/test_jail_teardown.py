@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from launcher.stack import remove_deployment
+from shared.messages import CtrlMessage
 from shared.settings import load_settings
 from tests.helpers import pids_with_cmdline
 from worker.__main__ import preflight
@@ -181,3 +182,32 @@ async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: 
         assert cpu_clock_due_at(t0, used_s, 1.0) <= at, (at - t0, used_s)
     # The spinners did saturate the cap: the bound was tested, not idled under.
     assert facts.cpu_ms >= 0.85 * facts.duration_ms, facts
+
+
+async def test_a_kill_waiting_before_the_release_ends_a_real_jail_at_its_gate(factory: SandboxFactory) -> None:
+    # The gate never opens: the jail's cgroup is killed while the gate waits for its frame,
+    # nsjail ends, and the step reports a user kill with nothing run and nothing written.
+    sandbox = await factory.prepare("teardown", 0)
+    jail = sandbox.jail
+    out: list[bytes] = []
+
+    async def collect(data: bytes) -> None:
+        out.append(data)
+
+    inbox: asyncio.Queue[object] = asyncio.Queue()
+    inbox.put_nowait(CtrlMessage(type="kill"))
+    try:
+        facts = await asyncio.wait_for(
+            supervise(
+                jail, sandbox.cgroup,
+                Program(argv=["/bin/sh", "-c", "echo ran"], env={}),
+                Clocks(wall_ms=30000, cpu_ms=30000, idle_ms=None),
+                [(jail.stdout, collect), (jail.stderr, collect)], inbox,
+            ),
+            10,
+        )  # fmt: skip
+        assert jail.exited and sandbox.cgroup.pids() == []
+    finally:
+        await sandbox.destroy()
+    assert facts.fired == "user" and facts.exit.exit_code is None and facts.exit.signal == "SIGKILL"
+    assert out == [] and facts.duration_ms < 1000 and inbox.empty()

@@ -366,6 +366,47 @@ async def test_supervision_kills_a_jobs_cgroup_off_the_event_loop() -> None:
         assert cgroup.kill_threads and loop_thread not in cgroup.kill_threads
 
 
+class _EndsAtTheKill(_ExitsLate):
+    """A jail parked at its gate until released; a kill of its cgroup ends it there."""
+
+    def __init__(self) -> None:
+        super().__init__(0.01)
+        self.released: list[Program] = []
+
+    def go(self, program: Program) -> None:
+        self.released.append(program)
+        super().go(program)
+
+    async def wait_program(self) -> JailExit:
+        await self.ended
+        return JailExit(exit_code=None, signal="SIGKILL", backstop_fired=False)
+
+
+async def test_a_kill_that_came_before_the_release_keeps_the_gate_shut() -> None:
+    # Stop pressed while the job was told `running`, before its program was let go: the
+    # program never runs, not even for the moment the kill takes. Other messages stay.
+    jail = _EndsAtTheKill()
+    cgroup = _CountingCgroup()
+    original_kill = cgroup.kill
+
+    def kill() -> None:
+        original_kill()
+        jail.ended.get_loop().call_soon_threadsafe(lambda: jail.ended.done() or jail.ended.set_result(None))
+
+    cgroup.kill = kill  # type: ignore[method-assign]
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    other = CtrlMessage(type="start")
+    for item in (other, CtrlMessage(type="kill")):
+        inbox.put_nowait(item)
+    facts = await asyncio.wait_for(_step(cgroup, jail, cpu_ms=5000, inbox=inbox), 3)
+    assert jail.released == [] and facts.fired == "user" and facts.duration_ms == 0
+    assert cgroup.killed_at is not None and inbox.get_nowait() is other and inbox.empty()
+    # With nothing waiting the gate opens as before.
+    jail = _EndsAtTheKill()
+    facts = await asyncio.wait_for(_step(_CountingCgroup(), jail, cpu_ms=5000), 3)
+    assert len(jail.released) == 1 and facts.fired is None
+
+
 def test_the_cpu_clock_cannot_fire_before_the_cap_lets_the_budget_be_spent() -> None:
     ahead_s = 0.2 + (os.cpu_count() or 1) * 0.005  # two 100 ms periods' quota, a slice per CPU
     assert cpu_clock_due_at(10.0, 15.0, None) == 10.0  # no cap: any time

@@ -140,6 +140,16 @@ async def _gather_pause(reader: asyncio.StreamReader) -> None:
     await reader.pause(COALESCE_S)
 
 
+def _take_kill(inbox: asyncio.Queue[object]) -> bool:
+    """Take the first kill waiting in `inbox`, if there is one; the rest stay, in order."""
+    waiting = [inbox.get_nowait() for _ in range(inbox.qsize())]
+    kill = next((item for item in waiting if isinstance(item, CtrlMessage) and item.type == "kill"), None)
+    for item in waiting:
+        if item is not kill:
+            inbox.put_nowait(item)
+    return kill is not None
+
+
 async def supervise(
     jail: Jail,
     cgroup: JobCgroup,
@@ -150,17 +160,22 @@ async def supervise(
     feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
     sink: asyncio.Task[None] | None = None,
 ) -> StepFacts:
-    """Release the jail's gate with `program` and watch it to the end."""
+    """Release the jail's gate with `program` and watch it to the end.
+
+    A kill already in the inbox (it came while the stage was announced or the sandbox was
+    loaded) ends the step with the gate still shut: the program never runs at all.
+    """
     loop = asyncio.get_running_loop()
     cpu_base = cgroup.cpu_us()
-    jail.go(program)
+    fired: str | None = "user" if _take_kill(inbox) else None
+    if fired is None:
+        jail.go(program)
     go_at = loop.time()
     activity = Activity(go_at)
     readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
-    stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None else None
+    stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
     inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
     children = [*readers, *([stdin_task] if stdin_task else [])]
-    fired: str | None = None
     ended_at = go_at
     wall_s = clocks.wall_ms / 1000
     idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
@@ -168,7 +183,7 @@ async def supervise(
     cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
     killed = False
     try:
-        while True:
+        while fired is None:
             now = loop.time()
             if now - go_at >= wall_s:
                 fired = "wall"
