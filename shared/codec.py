@@ -33,6 +33,13 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {
     for cls in (ExecuteRequest, JobSpec, ResultEvent, RunResult, CtrlMessage, StdinFrame, StdinRequest, WorkerInfo)
 }
 
+# A \u escape of a high surrogate not followed by one of a low surrogate, or of a low
+# surrogate not preceded by a high one (an escaped backslash before it is not told apart:
+# this only words the error for a body msgspec has refused already).
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
 _PATH = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
@@ -52,6 +59,12 @@ def decode_request(cls: type[T], body: bytes) -> T:
     try:
         return json_decoder(cls).decode(body)
     except msgspec.DecodeError as exc:
+        lone = _LONE_SURROGATE.search(body) if str(exc).startswith("Input data was truncated") else None
+        if lone is not None:
+            # msgspec calls this "truncated", which would send the client looking in vain.
+            escape = lone.group().decode()
+            why = f"{escape} at byte {lone.start()} is half of a UTF-16 surrogate pair, not a character"
+            raise ValidationError([FieldError("body", f"is not valid JSON ({why})")]) from None
         raise ValidationError([_field_error(str(exc))]) from None
     except msgspec.ValidationError as exc:
         raise ValidationError([_field_error(str(exc))]) from None

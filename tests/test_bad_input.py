@@ -62,6 +62,10 @@ def test_bad_json_and_non_object(api: Api) -> None:
     assert "JSON" in err["error"]
     err = _error(api.post("/v1/execute", json=[1, 2]), 400)
     assert "object" in err["error"]
+    # Half a surrogate pair: msgspec says "truncated"; the client is told what is wrong.
+    lone = b'{"language": "python", "files": [{"name": "m.py", "content": "print(1) # \\ud83d"}]}'
+    err = _error(api.post("/v1/execute", content=lone, headers={"content-type": "application/json"}), 400)
+    assert err["details"][0]["field"] == "body" and "\\ud83d at byte 73 is half of a UTF-16 surrogate pair" in err["error"]
 
 
 def test_tokens(api: Api, stack: Stack) -> None:
