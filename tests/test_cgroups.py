@@ -39,7 +39,7 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     base = tmp_path / "coderunner"
     assert (base / "jobs").is_dir() and (base / "supervisor").is_dir()
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
-    assert (base / "jobs" / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert (base / "jobs" / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
 
     job = layout.job("w.0.1")
     job.create()
@@ -111,6 +111,25 @@ def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_fold
 def test_layouts_that_cannot_enforce_limits_are_refused(mounts: str, reason: str) -> None:
     with pytest.raises(CgroupError, match=reason):
         detect_layout("coderunner", mounts)
+
+
+def test_pure_v2_without_the_cpu_controller_runs_jobs_uncapped(tmp_path: Path) -> None:
+    # Some hosts delegate memory and pids but not cpu: the worker starts, enables what is
+    # there at every level, and its jobs run without a core cap, their CPU still counted.
+    mounts = _fake_v2(tmp_path)
+    (tmp_path / "cgroup.controllers").write_text("io memory pids\n")
+    layout = detect_layout("coderunner", mounts)
+    layout.prepare()
+    base = tmp_path / "coderunner"
+    for folder in (tmp_path, base, base / "jobs"):
+        assert (folder / "cgroup.subtree_control").read_text() == "+memory +pids"
+    job = layout.job("w.0.1")
+    job.create()
+    job.set_limits(memory_bytes=128 << 20, pids=33)
+    d = base / "jobs" / "w.0.1"
+    assert job.cpu_cap_cores is None and not (d / "cpu.max").exists()
+    (d / "cpu.stat").write_text("usage_usec 1500000\n")
+    assert job.cpu_us() == 1_500_000
 
 
 def test_v2_without_memory_and_pids_is_refused(tmp_path: Path) -> None:

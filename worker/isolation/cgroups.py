@@ -175,20 +175,22 @@ class CgroupLayout:
     def prepare(self) -> None:
         """Create the parent folders (idempotent). Raises CgroupError with a fix-it hint."""
         try:
-            if self.mode is CgroupMode.V2:
-                self._prepare_v2_controllers()
+            enable = self._prepare_v2_controllers() if self.mode is CgroupMode.V2 else ""
             base = self._v2_base()
             if base is not None:
                 (base / "jobs").mkdir(parents=True, exist_ok=True)
                 (base / "supervisor").mkdir(exist_ok=True)
-                if self.mode is CgroupMode.V2:
-                    _write(base / "jobs" / "cgroup.subtree_control", "+memory +pids +cpu")
+                if enable:
+                    _write(base / "jobs" / "cgroup.subtree_control", enable)
             for root in self.v1_roots():
                 (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
 
-    def _prepare_v2_controllers(self) -> None:
+    def _prepare_v2_controllers(self) -> str:
+        """Enable the controllers down to the deployment's folder; what it enabled, as
+        written to a cgroup.subtree_control. Without the cpu controller jobs run with no
+        one-core cap (their CPU is still counted and clocked: cpu.stat is always there)."""
         assert self.v2 is not None
         wanted = {"memory", "pids", "cpu"}
         available = set(_read(self.v2 / "cgroup.controllers").split())
@@ -216,6 +218,7 @@ class CgroupLayout:
                     pass
             _write(self.v2 / "cgroup.subtree_control", enable)
         _write(base / "cgroup.subtree_control", enable)
+        return enable
 
     def v1_roots(self) -> list[Path]:
         """Each v1 hierarchy sandboxes use, once (cpuacct is usually co-mounted with cpu)."""
