@@ -106,6 +106,8 @@ def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_fold
     [
         ("proc /proc proc rw 0 0\n", "neither cgroup v2"),
         ("cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n", "neither cgroup v2"),
+        # Memory and pids, but nothing to count CPU time with: cpuMs would never fire.
+        ("cgroup /m cgroup rw,memory 0 0\ncgroup /p cgroup rw,pids 0 0\ncgroup /c cgroup rw,cpu 0 0\n", "cpuMs could not"),
     ],
 )
 def test_layouts_that_cannot_enforce_limits_are_refused(mounts: str, reason: str) -> None:

@@ -259,6 +259,11 @@ def detect_layout(name: str, mounts_text: str | None = None) -> CgroupLayout:
             "the worker cannot enforce memory and process limits"
         )
     if "memory" in v1 and "pids" in v1:
+        if v2 is None and "cpuacct" not in v1:
+            raise CgroupError(
+                "cgroup v1 memory and pids are mounted, but neither a cgroup2 mount (cpu.stat) nor a v1 cpuacct "
+                "hierarchy is: the worker could not count a job's CPU time, so cpuMs could not be enforced"
+            )
         return CgroupLayout(
             mode=CgroupMode.HYBRID,
             name=name,
