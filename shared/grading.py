@@ -15,8 +15,9 @@ rules, first match wins:
     accepted                no expectedOutput was given, or stdout matches it under `compare`
     wrong_answer            stdout does not match expectedOutput under `compare`
 
-Comparison modes:
-    exact    byte for byte (the UTF-8 text as captured)
+Comparison modes, over the bytes the program wrote and the expected text's UTF-8 bytes
+(whitespace is ASCII's: space, tab, newline, carriage return, vertical tab, form feed):
+    exact    byte for byte
     lines    line by line, ignoring whitespace at the end of each line and blank lines at the
              end of the output; "\\r\\n" and "\\n" are the same line end
     tokens   the whitespace-separated tokens are equal
@@ -44,19 +45,21 @@ class TestVerdict(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
-def _lines(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+def _lines(data: bytes) -> list[bytes]:
+    # (bytes methods know only ASCII whitespace: U+00A0 or U+3000 in an answer is a character.)
+    lines = [line.rstrip() for line in data.replace(b"\r\n", b"\n").split(b"\n")]
     while lines and not lines[-1]:
         lines.pop()
     return lines
 
 
-def outputs_match(actual: str, expected: str, mode: CompareMode) -> bool:
+def outputs_match(actual: bytes, expected: str, mode: CompareMode) -> bool:
+    wanted = expected.encode()
     if mode == "exact":
-        return actual == expected
+        return actual == wanted
     if mode == "lines":
-        return _lines(actual) == _lines(expected)
-    return actual.split() == expected.split()
+        return _lines(actual) == _lines(wanted)
+    return actual.split() == wanted.split()
 
 
 def case_verdict(
@@ -66,7 +69,7 @@ def case_verdict(
     signal: str | None,
     killed_by: str | None,
     truncated: bool,
-    stdout: str,
+    stdout: bytes,
     expected: str | None,
     compare: CompareMode,
 ) -> TestVerdict:

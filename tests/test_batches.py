@@ -62,24 +62,37 @@ def run(api: Api, rt: Realtime, body: dict[str, Any]) -> tuple[dict[str, Any], A
         (" 3\n", "3\n", "lines", False),
         ("1 2\n3", "1\n2 3\n", "tokens", True),
         ("1 2", "1 3", "tokens", False),
+        ("1\t2\x0b3\x0c", "1 2 3", "tokens", True),
+        # Whitespace is ASCII's: other Unicode spaces and separators are characters.
+        ("1\u00a02", "1 2", "tokens", False),
+        ("1\x1c2", "1 2", "tokens", False),
+        ("3\x1f\u3000\n", "3\n", "lines", False),
+        ("é\n", "é\n", "exact", True),
     ],
 )
 def test_comparison_modes(actual: str, expected: str, mode: str, same: bool) -> None:
-    assert outputs_match(actual, expected, mode) is same  # type: ignore[arg-type]
+    assert outputs_match(actual.encode(), expected, mode) is same  # type: ignore[arg-type]
+
+
+def test_exact_comparison_is_of_the_bytes_written() -> None:
+    # Bytes that are not UTF-8 never match text, not even its replacement character.
+    assert not outputs_match(b"\xff\n", "\ufffd\n", "exact")
+    assert not outputs_match(b"caf\xe9", "café", "exact")
+    assert outputs_match("café".encode(), "café", "exact")
 
 
 def _verdict(**over: Any) -> Verdict:
     facts = {
         "outcome": "completed", "exit_code": 0, "signal": None, "killed_by": None, "truncated": False,
-        "stdout": "3\n", "expected": "3\n", "compare": "exact",
+        "stdout": b"3\n", "expected": "3\n", "compare": "exact",
     }  # fmt: skip
     return case_verdict(**{**facts, **over})
 
 
 def test_verdict_rules_first_match_wins() -> None:
     assert _verdict() is Verdict.ACCEPTED
-    assert _verdict(expected=None, stdout="anything") is Verdict.ACCEPTED
-    assert _verdict(stdout="4\n") is Verdict.WRONG_ANSWER
+    assert _verdict(expected=None, stdout=b"anything") is Verdict.ACCEPTED
+    assert _verdict(stdout=b"4\n") is Verdict.WRONG_ANSWER
     assert _verdict(exit_code=1) is Verdict.RUNTIME_ERROR
     assert _verdict(exit_code=None, signal="SIGSEGV") is Verdict.RUNTIME_ERROR
     assert _verdict(truncated=True, exit_code=1) is Verdict.OUTPUT_LIMIT_EXCEEDED

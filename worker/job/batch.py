@@ -177,7 +177,7 @@ async def run_batch(
             signal=signal,
             killed_by=verdict_of_run.killed_by,
             truncated=output.truncated,
-            stdout=stdout.decode(errors="replace"),
+            stdout=stdout,
             expected=case.expected_output,
             compare=spec.compare,
         )
