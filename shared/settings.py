@@ -224,6 +224,17 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
 }
 
 
+# Variables whose empty value means something (else empty is the same as unset).
+_EMPTY_IS_A_VALUE = {"WORKER_PRESTART"}  # no prestarted runtime until a job names a language
+# The smallest maximum an operator may set: below it no job (and no default) could run.
+_LEAST_MAXIMA = {"memory_mb": 16}
+
+
+def maximum_env_name(field: str) -> str:
+    """The variable that sets a limit's maximum: MAX_WALL_TIME_MS, …, MAX_ARTIFACTS."""
+    return field.upper() if field.startswith("max_") else "MAX_" + field.upper()
+
+
 def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     """Build Settings from an environment mapping (and explicit overrides).
 
@@ -233,7 +244,7 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     values: dict[str, Any] = {}
     for env_name, (field, parse) in ENV_NAMES.items():
         raw = environ.get(env_name)
-        if raw is None or raw == "":
+        if raw is None or (raw == "" and env_name not in _EMPTY_IS_A_VALUE):
             continue
         try:
             values[field] = parse(raw)
@@ -241,11 +252,15 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
             raise ConfigError(f"{env_name}={raw!r} is invalid: {exc}") from None
     maxima: dict[str, int] = {}
     for field in Limits.__struct_fields__:
-        env_name = "MAX_" + field.upper()
+        env_name = maximum_env_name(field)
         raw = environ.get(env_name)
         if raw:
             try:
-                maxima[field] = _positive_int(raw)
+                # Artifacts may be turned off (0); every other limit needs room to run at all.
+                maxima[field] = _int(raw) if field.startswith("max_") else _positive_int(raw)
+                least = _LEAST_MAXIMA.get(field, 0)
+                if maxima[field] < least:
+                    raise ValueError(f"must be at least {least}")
             except ValueError as exc:
                 raise ConfigError(f"{env_name}={raw!r} is invalid: {exc}") from None
     if maxima:

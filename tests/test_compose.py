@@ -9,7 +9,7 @@ import yaml
 
 from shared.limits import Limits
 from shared.paths import REPO_ROOT
-from shared.settings import ENV_NAMES
+from shared.settings import ENV_NAMES, maximum_env_name
 
 
 def _compose() -> dict:  # type: ignore[type-arg]
@@ -27,7 +27,7 @@ def test_services_and_commands() -> None:
 
 def test_environment_names_exist_in_settings() -> None:
     services = _compose()["services"]
-    known = set(ENV_NAMES) | {"MAX_" + f.upper() for f in Limits.__struct_fields__}
+    known = set(ENV_NAMES) | {maximum_env_name(f) for f in Limits.__struct_fields__}
     for name in ("api", "worker"):
         env = services[name]["environment"]
         unknown = set(env) - known

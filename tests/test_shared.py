@@ -171,8 +171,15 @@ def test_request_decoding_names_fields() -> None:
 def test_settings_errors_name_the_variable() -> None:
     assert load_settings({"WORKER_MAX_SANDBOXES": "3"}).worker_max_sandboxes == 3
     assert load_settings({"MAX_MEMORY_MB": "64"}).limit_maxima.memory_mb == 64
+    # Every limit's maximum is read from the variable the README names, artifacts' too.
+    maxima = load_settings({"MAX_ARTIFACTS": "5", "MAX_ARTIFACT_BYTES": "0"}).limit_maxima
+    assert (maxima.max_artifacts, maxima.max_artifact_bytes) == (5, 0)
+    # An empty WORKER_PRESTART is "none until a job names a language", not the default.
+    assert load_settings({"WORKER_PRESTART": ""}).worker_prestart == ""
+    assert load_settings({"WORKER_MAX_SANDBOXES": ""}).worker_max_sandboxes == 8  # empty is unset elsewhere
     for env, name in [({"WORKER_MAX_SANDBOXES": "lots"}, "WORKER_MAX_SANDBOXES"), ({"PUSHER_APP_ID": "app"}, "PUSHER_APP_ID"),
-                      ({"MAX_CPU_MS": "-5"}, "MAX_CPU_MS"), ({"PUSHER_PUBLISH": "soketi"}, "PUSHER_PUBLISH")]:  # fmt: skip
+                      ({"MAX_CPU_MS": "-5"}, "MAX_CPU_MS"), ({"PUSHER_PUBLISH": "soketi"}, "PUSHER_PUBLISH"),
+                      ({"MAX_MEMORY_MB": "8"}, "MAX_MEMORY_MB=.*at least 16"), ({"MAX_ARTIFACTS": "-1"}, "MAX_ARTIFACTS")]:  # fmt: skip
         with pytest.raises(ConfigError, match=name):
             load_settings(env)
 

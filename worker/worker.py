@@ -81,12 +81,14 @@ class Worker:
         self._jobs: dict[asyncio.Task[None], str] = {}
         # The id being claimed (taken, not yet a job task): not a stray meanwhile.
         self._claiming: str | None = None
+        primes = {} if settings.worker_prestart == "off" else _primes(sandboxes, runtimes)
+        if settings.worker_prestart not in ("", "off", *primes):
+            log.warning(
+                "WORKER_PRESTART=%r: no prestarted runtime for that language here (it has: %s); none until a job names one",
+                settings.worker_prestart, ", ".join(sorted(primes)) or "none",
+            )  # fmt: skip
         self.pool = SandboxPool(
-            sandboxes,
-            worker_id,
-            settings.worker_max_sandboxes,
-            primes={} if settings.worker_prestart == "off" else _primes(sandboxes, runtimes),
-            first_prime=settings.worker_prestart,
+            sandboxes, worker_id, settings.worker_max_sandboxes, primes=primes, first_prime=settings.worker_prestart
         )
         self._background: set[asyncio.Task[None]] = set()
         self._job_ended = asyncio.Event()
