@@ -224,6 +224,9 @@ class CaseOutput(CaseFacts, frozen=True, kw_only=True, rename="camel", omit_defa
     stderr: str
     stdout_encoding: Literal["utf8", "base64"] = "utf8"
     stderr_encoding: Literal["utf8", "base64"] = "utf8"
+    # The output kept here is the first part only: a batch keeps at most the job's outputKb
+    # of its cases' output, split evenly among them.
+    output_cut: bool = False
 
 
 class TestSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import signal
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from shared.grading import TestVerdict as Verdict
 from shared.grading import batch_verdict, case_verdict, outputs_match
 from shared.limits import DEFAULT_LIMITS
-from shared.messages import CtrlMessage, FileSpec, JobSpec, TestCase
+from shared.messages import CtrlMessage, FileSpec, JobSpec, Outcome, TestCase
+from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, run_job
 from worker.isolation.jail import JailExit
 from worker.job import batch
 from worker.job.supervise import StepFacts
+from worker.messaging.queue import Fenced
 
 C_SUM = r"""
 #include <stdio.h>
@@ -192,6 +197,66 @@ def test_a_compile_error_ends_the_batch(api: Api, realtime: Realtime) -> None:
     result, followed = run(api, realtime, body)
     assert result["outcome"] == "compile_error"
     assert not [1 for n, _ in followed.events if n == "test_result"]
+    # No case ran, yet a grader reading the batch's verdict finds it, and every case.
+    assert [case["verdict"] for case in result["tests"]] == ["compile_error"]
+    assert result["summary"] == {"passed": 0, "failed": 1, "skipped": 0, "verdict": "compile_error"}
+
+
+@pytest.mark.slow
+def test_a_batchs_kept_output_is_bounded_and_charged_to_its_owner(make_stack: StackFactory) -> None:
+    # Three cases each write 100 000 bytes under outputKb 128: each verdict sees all of it,
+    # the pullable result keeps a third of 128 KiB per case, and the owner's retained-output
+    # ledger is charged for what is kept.
+    stack = make_stack()
+    api = Api(stack)
+    body = {
+        "language": "python",
+        "files": [{"name": "main.py", "content": "import sys\nsys.stdout.write(input() * 100000)\n"}],
+        "tests": [{"stdin": "x\n"}, {"stdin": "\x01\n"}, {"stdin": "y\n", "expectedOutput": "y" * 100000}],
+        "limits": {"outputKb": 128},
+        "collectOutput": True,
+    }
+    try:
+        job = api.execute(body)
+        api.start(job)
+        result = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": 30000}).json()
+        share = 128 * 1024 // 3
+        assert [case["verdict"] for case in result["tests"]] == ["accepted"] * 3
+        plain, control, judged = result["tests"]
+        assert plain["stdout"] == "x" * share and plain["outputCut"] and not plain.get("truncated")
+        assert control["stdoutEncoding"] == "base64" and base64.b64decode(control["stdout"]) == b"\x01" * share
+        assert judged["outputCut"]  # judged on all 100 000 bytes, kept in part
+        with stack.redis() as redis:
+            (ledger,) = redis.keys("owner:*:retained:bytes")
+            assert int(redis.hget(ledger, "_total")) >= 3 * share
+    finally:
+        api.close()
+
+
+@pytest.mark.slow
+def test_a_worker_stopping_mid_batch_keeps_the_verdicts_of_the_cases_that_ran(make_stack: StackFactory) -> None:
+    # SIGTERM with a short grace while case 1 of 3 runs: case 0 keeps its verdict, the rest
+    # are skipped, and the job says it was killed by the stop.
+    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="300")
+    api, rt = Api(stack), Realtime(stack)
+    tests = [{"stdin": "1 1\n", "expectedOutput": "2\n"}, {"stdin": "0 1\n"}, {"stdin": "2 2\n"}]
+    try:
+        job = api.execute(c_batch(tests, limits={"wallTimeMs": 20000, "cpuMs": 20000}, stopOnFirstFailure=True))
+        followed = rt.follow(job)
+        api.start(job)
+        deadline = time.monotonic() + 30
+        while not [1 for n, _ in followed.events if n == "test_result"]:
+            assert time.monotonic() < deadline, "case 0 never ended"
+            time.sleep(0.05)
+        time.sleep(0.3)  # case 1 (a loop) is running
+        stack.stop_process("worker", signal.SIGTERM)
+        result = followed.wait_result(timeout_s=20)
+    finally:
+        api.close()
+        rt.close()
+    assert result["outcome"] == "killed" and "shut down" in result["message"]
+    assert [case["verdict"] for case in result["tests"]] == ["accepted", "skipped", "skipped"]
+    assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 2, "verdict": "skipped"}
 
 
 @pytest.mark.slow
@@ -290,3 +355,183 @@ def test_bad_batches_are_refused_naming_the_field(api: Api, change: dict[str, An
     response = api.post("/v1/execute", json=body)
     assert response.status_code == 400, response.text
     assert field in response.text
+
+
+# ---------------------------------------------------------------- run_batch with a stand-in jail
+
+
+class _ReadyPool:
+    """Sandboxes on demand; `broken` case names fail their load (a worker-side failure)."""
+
+    ready = 4
+
+    def __init__(self, broken: frozenset[str] = frozenset()) -> None:
+        self.broken = broken
+        self.given_back: list[str] = []
+        self.taken = 0
+
+    async def take_unless_failing(self, *_args: Any) -> _Sandbox:
+        self.taken += 1
+        sandbox = _Sandbox(f"s{self.taken}")
+        if sandbox.name in self.broken:
+
+            async def fail(*_a: Any) -> None:
+                raise OSError("no space left on device")
+
+            sandbox.load = fail  # type: ignore[method-assign]
+        return sandbox
+
+    def give_back(self, sandbox: _Sandbox) -> None:
+        self.given_back.append(sandbox.name)
+
+
+def _spec(n: int, **extra: Any) -> JobSpec:
+    return JobSpec(
+        job_id="j", language="python", version="3", files=[FileSpec(name="main.py", content="")],
+        limits=extra.pop("limits", DEFAULT_LIMITS), created_at_ms=0, tests=[TestCase(stdin="") for _ in range(n)], **extra,
+    )  # fmt: skip
+
+
+def _completed(**over: Any) -> StepFacts:
+    return StepFacts(**{"exit": JailExit(0, None, False), "fired": None, "duration_ms": 1, "cpu_ms": 1,
+                        "memory_kb": 0, "oom_kills": 0, **over})  # fmt: skip
+
+
+async def _run(spec: JobSpec, pool: Any, events: Any = None, ctrl: Any = None, keep_output: bool = False) -> Any:
+    return await batch.run_batch(
+        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
+        sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
+        pool=pool, events=events or SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),
+        ctrl=ctrl or asyncio.Queue(), keep_output=keep_output,
+    )  # fmt: skip
+
+
+async def test_a_batch_keeps_at_most_outputkb_of_its_cases_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 cases may each write up to outputKb (their verdicts see all of it), but the result
+    # keeps outputKb in all, a quarter each, stdout first; control bytes go as base64.
+    written = {"first": (b"a" * 600, b"e" * 400), "s1": (b"b" * 100, b"f" * 100),
+               "s2": (b"\x01" * 300, b""), "s3": (b"", b"")}  # fmt: skip
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> StepFacts:
+        for (_reader, sink), data in zip(pumps, written[jail.name], strict=True):
+            await sink(data)
+        return _completed()
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    limits = msgspec.structs.replace(DEFAULT_LIMITS, output_kb=1)
+    result = await _run(_spec(4, limits=limits), _ReadyPool(), keep_output=True)
+    first, small, control, empty = result.cases
+    assert (first.stdout, first.stderr, first.output_cut) == ("a" * 256, "", True)
+    assert (small.stdout, small.stderr, small.output_cut) == ("b" * 100, "f" * 100, False)
+    assert control.stdout_encoding == "base64" and base64.b64decode(control.stdout) == b"\x01" * 256
+    assert control.output_cut and not empty.output_cut and not first.truncated
+    assert [c.verdict for c in result.cases] == ["accepted"] * 4
+
+
+async def test_a_kill_after_every_case_ended_leaves_the_verdicts_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stop pressed as the last case's verdict was being written: no case was touched by it,
+    # so the batch is not `killed`.
+    async def supervise(*_a: Any, **_k: Any) -> StepFacts:
+        return _completed()
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
+    emitted: list[int] = []
+
+    async def emit(_events: Any) -> None:
+        emitted.append(1)
+        if len(emitted) == 2:  # the last case's test_result
+            ctrl.put_nowait(CtrlMessage(type="kill"))
+            await asyncio.sleep(0.01)
+
+    spec = _spec(2, stop_on_first_failure=True)
+    result = await _run(spec, _ReadyPool(), events=SimpleNamespace(emit=emit), ctrl=ctrl)
+    assert not result.killed and result.summary.verdict == "accepted"
+
+
+async def test_under_stop_on_first_failure_a_case_lost_to_the_worker_stops_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[str] = []
+
+    async def supervise(jail: Any, *_a: Any, **_k: Any) -> StepFacts:
+        ran.append(jail.name)
+        return _completed()
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    result = await _run(_spec(3, stop_on_first_failure=True), _ReadyPool(broken=frozenset({"s1"})))
+    assert ran == ["first"]  # case 2 never ran after case 1 was lost
+    assert [c.verdict for c in result.cases] == ["accepted", "internal_error", "skipped"]
+    assert not result.killed and result.summary.verdict == "internal_error"
+
+
+async def test_a_batch_whose_job_is_taken_over_stops_its_cases_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lease is lost while two cases run: writing case 0's verdict is refused (Fenced),
+    # case 1 is stopped, and the batch raises rather than finishing a job not its own.
+    stopped: list[str] = []
+    second_runs = asyncio.Event()
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> StepFacts:
+        if jail.name == "first":
+            await second_runs.wait()
+            return _completed()
+        second_runs.set()
+        await inbox.get()
+        stopped.append(jail.name)
+        return _completed(exit=JailExit(None, "SIGKILL", False), fired="user")
+
+    async def emit(_events: Any) -> None:
+        raise Fenced("j")
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    with pytest.raises(Fenced):
+        await asyncio.wait_for(_run(_spec(2), _ReadyPool(), events=SimpleNamespace(emit=emit)), 5)
+    assert stopped == ["s1"]
+
+
+async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A program that reads a large input slowly and prints nothing is not idle while it reads.
+    touches: list[int] = []
+
+    class Writer:
+        def __init__(self) -> None:
+            self.written = 0
+
+        def write(self, data: bytes) -> None:
+            self.written += len(data)
+
+        async def drain(self) -> None:
+            await asyncio.sleep(0)
+
+        def close(self) -> None:
+            pass
+
+    writer = Writer()
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, feed_stdin: Any) -> StepFacts:
+        activity = SimpleNamespace(touch=lambda: touches.append(writer.written))
+        await feed_stdin(activity)
+        return _completed()
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    first = _Sandbox("first")
+    first.jail.proc.stdin = writer
+    spec = JobSpec(
+        job_id="j", language="python", version="3", files=[FileSpec(name="main.py", content="")],
+        limits=DEFAULT_LIMITS, created_at_ms=0, tests=[TestCase(stdin="x" * (3 * batch.STDIN_PIECE))],
+    )  # fmt: skip
+    await batch.run_batch(
+        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
+        sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(),  # type: ignore[arg-type]
+        pool=_ReadyPool(), events=SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),  # type: ignore[arg-type]
+        ctrl=asyncio.Queue(), keep_output=False,
+    )  # fmt: skip
+    assert touches == [batch.STDIN_PIECE, 2 * batch.STDIN_PIECE, 3 * batch.STDIN_PIECE]
+
+
+def test_a_batch_that_never_ran_lists_every_case() -> None:
+    cases, summary = batch.not_run_batch([TestCase(), TestCase(name="b")], Outcome.COMPILE_ERROR)
+    assert [(c.index, c.name, c.verdict) for c in cases] == [(0, None, "compile_error"), (1, "b", "compile_error")]
+    assert (summary.passed, summary.failed, summary.skipped, summary.verdict) == (0, 2, 0, "compile_error")
+    cases, summary = batch.not_run_batch([TestCase()], Outcome.KILLED)
+    assert cases[0].verdict == "skipped" and summary.verdict == "skipped"

@@ -7,6 +7,11 @@ process or memory carries from one case to the next: each sandbox is destroyed a
 case. Cases run side by side up to the worker's ready sandboxes (one at a time under
 `stopOnFirstFailure`, where each case decides whether the next one runs). Each case ends
 in one `test_result` event; shared/grading.py turns its facts into a verdict.
+
+With collectOutput the result keeps each case's output, all cases together at most the
+job's outputKb, split evenly (each case's verdict still sees the whole of what it wrote, up
+to outputKb): a case's copy past its share is cut (`outputCut`). A case's output that JSON
+would blow up (control bytes escape to six characters) is kept as base64.
 """
 
 from __future__ import annotations
@@ -37,13 +42,17 @@ from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import output_encoding
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
+from worker.messaging.queue import Fenced
 
-__all__ = ["BatchResult", "facts_only", "run_batch"]
+__all__ = ["BatchProgress", "BatchResult", "facts_only", "not_run_batch", "run_batch", "summarize"]
 
 log = logging.getLogger(__name__)
 
 # At most this many cases of one job at once, whatever the worker's free slots.
 MAX_PARALLEL = 4
+# A case's stdin goes in pieces this big, each one that the program takes counting as a
+# sign of life for the idle clock (as an IDE's stdin does).
+STDIN_PIECE = 64 * 1024
 
 
 @dataclass
@@ -54,6 +63,22 @@ class BatchResult:
     duration_ms: int
     cpu_ms: int
     memory_kb: int
+
+
+class BatchProgress:
+    """What a batch has done so far: the caller keeps it, so that a worker stopping in
+    mid-batch still reports the verdicts of the cases that ran (`summarize`)."""
+
+    def __init__(self, tests: list[TestCase], started_at: float) -> None:
+        self.tests = tests
+        self.results: list[CaseOutput | None] = [None] * len(tests)
+        self.broken: set[int] = set()  # cases lost to a failure of the worker
+        self.started_at = started_at
+        self.cpu_ms = 0
+        self.memory_kb = 0
+        # Why cases not run yet are skipped: "kill" or "failure" (stopOnFirstFailure), the first.
+        self.stop_reason: str | None = None
+        self.killed_cases = 0  # cases a kill ended while they ran
 
 
 class _CaseOutput:
@@ -74,9 +99,31 @@ class _CaseOutput:
         return feed
 
 
+# What JSON writes as two characters; the other control bytes take six.
+_SHORT_ESCAPES = b'\b\f\n\r\t"\\'
+# Every byte that JSON writes as itself.
+_PLAIN = bytes(b for b in range(256) if b >= 0x20 and b not in _SHORT_ESCAPES)
+
+
 def _text(data: bytes) -> tuple[str, str]:
     encoding = output_encoding(data)
+    if encoding == "utf8":
+        escaped = len(data.translate(None, _PLAIN))
+        short = len(data) - len(data.translate(None, _SHORT_ESCAPES))
+        if short + 5 * (escaped - short) > len(data):
+            # As text it would take more than twice its size (base64 takes 4/3); below that
+            # (colour codes, say) it stays readable.
+            encoding = "base64"
     return (data.decode() if encoding == "utf8" else base64.b64encode(data).decode()), encoding
+
+
+def _kept(output: _CaseOutput, share: int) -> tuple[bytes, bytes, bool]:
+    """The case's stdout and stderr as the result keeps them (together at most `share`
+    bytes, stdout first), and whether that cut any."""
+    stdout, stderr = bytes(output.data["stdout"]), bytes(output.data["stderr"])
+    kept_out = stdout[:share]
+    kept_err = stderr[: share - len(kept_out)]
+    return kept_out, kept_err, len(kept_out) + len(kept_err) < len(stdout) + len(stderr)
 
 
 async def run_batch(
@@ -94,30 +141,38 @@ async def run_batch(
     events: JobEvents,
     ctrl: asyncio.Queue[CtrlMessage],
     keep_output: bool,
+    progress: BatchProgress | None = None,
 ) -> BatchResult:
     """Run every case of `spec.tests`; `first` (already loaded) serves case 0 and is
-    destroyed like every other case's sandbox (the caller must not reuse it)."""
+    destroyed like every other case's sandbox (the caller must not reuse it).
+
+    Raises:
+        Fenced: the job stopped being this worker's (its running cases are stopped first).
+    """
     tests: list[TestCase] = spec.tests or []
     limits: Limits = spec.limits
-    results: list[CaseOutput | None] = [None] * len(tests)
-    stop = asyncio.Event()  # a kill, or a failure under stopOnFirstFailure
-    killed = False
-    running: list[asyncio.Queue[object]] = []
     loop = asyncio.get_running_loop()
-    started = loop.time()
-    totals = {"cpu": 0, "memory": 0}
+    if progress is None:
+        progress = BatchProgress(tests, loop.time())
+    results = progress.results
+    stop = asyncio.Event()  # a kill, or a failure under stopOnFirstFailure
+    running: list[asyncio.Queue[object]] = []
+    share = limits.output_kb * 1024 // max(1, len(tests))
+
+    def halt(reason: str) -> None:
+        if progress.stop_reason is None:
+            progress.stop_reason = reason
+        stop.set()
 
     def program(case: TestCase) -> Program:
         argv = expand_argv(manifest.run, entry=entry, sources=sources, args=case.args, memory_mb=limits.memory_mb)
         return Program(argv=argv, env=dict(manifest.env), **program_rlimits, adoptable=adoptable)
 
     async def forward_kills() -> None:
-        nonlocal killed
         while True:
             message = await ctrl.get()
             if message.type == "kill":
-                killed = True
-                stop.set()
+                halt("kill")
                 for inbox in running:
                     inbox.put_nowait(message)
 
@@ -141,13 +196,14 @@ async def run_batch(
         output = _CaseOutput(limits.output_kb * 1024)
         stdin = (case.stdin or "").encode()
 
-        async def feed(_activity: Activity) -> None:
+        async def feed(activity: Activity) -> None:
             writer = sandbox.jail.proc.stdin
             assert writer is not None
             try:
-                if stdin:
-                    writer.write(stdin)
+                for at in range(0, len(stdin), STDIN_PIECE):
+                    writer.write(stdin[at : at + STDIN_PIECE])
                     await writer.drain()
+                    activity.touch()  # the program is reading its input: not idle
                 writer.close()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the program stopped reading its input
@@ -170,19 +226,20 @@ async def run_batch(
         signal = facts.exit.signal
         if verdict_of_run.outcome == Outcome.KILLED and signal is None:
             signal = "SIGKILL"
-        stdout = bytes(output.data["stdout"])
+        if verdict_of_run.killed_by == "user":
+            progress.killed_cases += 1
         verdict = case_verdict(
             outcome=verdict_of_run.outcome.value,
             exit_code=facts.exit.exit_code,
             signal=signal,
             killed_by=verdict_of_run.killed_by,
             truncated=output.truncated,
-            stdout=stdout,
+            stdout=bytes(output.data["stdout"]),
             expected=case.expected_output,
             compare=spec.compare,
         )
-        totals["cpu"] += facts.cpu_ms
-        totals["memory"] = max(totals["memory"], facts.memory_kb)
+        progress.cpu_ms += facts.cpu_ms
+        progress.memory_kb = max(progress.memory_kb, facts.memory_kb)
         base = {
             "index": index,
             "name": case.name,
@@ -196,24 +253,28 @@ async def run_batch(
             "killed_by": verdict_of_run.killed_by,
             "truncated": output.truncated,
         }
-        out_text, out_enc = _text(stdout if keep_output else b"")
-        err_text, err_enc = _text(bytes(output.data["stderr"]) if keep_output else b"")
+        kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
+        del output  # (only the kept share outlives the case)
+        out_text, out_enc = _text(kept_out)
+        err_text, err_enc = _text(kept_err)
         results[index] = CaseOutput(
             **base,
             stdout=out_text,
             stderr=err_text,
-            stdout_encoding=out_enc,
+            stdout_encoding=out_enc,  # type: ignore[arg-type]
             stderr_encoding=err_enc,  # type: ignore[arg-type]
+            output_cut=cut,
         )
         await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
         if spec.stop_on_first_failure and verdict is not TestVerdict.ACCEPTED:
-            stop.set()
+            halt("failure")
 
     width = 1 if spec.stop_on_first_failure else max(1, min(MAX_PARALLEL, pool.ready + 1))
     gate = asyncio.Semaphore(width)
     kills = asyncio.create_task(forward_kills(), name=f"batch-kills:{spec.job_id}")
 
     first_taken = False
+    fenced: list[Fenced] = []
 
     async def guarded(index: int, case: TestCase) -> None:
         nonlocal first_taken
@@ -222,7 +283,20 @@ async def run_batch(
                 return
             if index == 0:
                 first_taken = True  # from here on, case 0 gives it back
-            await one(index, case, first if index == 0 else None)
+            try:
+                await one(index, case, first if index == 0 else None)
+            except Fenced as exc:
+                # The job is another worker's now: nothing more of it may run or be written.
+                fenced.append(exc)
+                halt("kill")
+                for inbox in running:
+                    inbox.put_nowait(CtrlMessage(type="kill"))
+                raise
+            except Exception:
+                progress.broken.add(index)
+                if spec.stop_on_first_failure:
+                    halt("failure")  # an internal_error case is a failure like any other
+                raise
 
     try:
         tasks = [asyncio.create_task(guarded(i, case)) for i, case in enumerate(tests)]
@@ -232,34 +306,61 @@ async def run_batch(
         await asyncio.gather(kills, return_exceptions=True)
         if not first_taken:
             pool.give_back(first)
-    failures = [(i, o) for i, o in enumerate(done) if isinstance(o, BaseException)]
-    for index, failure in failures:
-        log.error("job %s: test case %d failed in the worker: %r", spec.job_id, index, failure)
+    if fenced:
+        raise fenced[0]
+    for index, failure in enumerate(done):
+        if isinstance(failure, BaseException):
+            log.error("job %s: test case %d failed in the worker: %r", spec.job_id, index, failure)
+    return summarize(progress, now=loop.time())
 
-    broken = {index for index, _ in failures}
+
+def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> BatchResult:
+    """The batch as it stands: every case's facts, the ones that did not run skipped (or
+    internal_error, lost to the worker). `stopped`: the worker is stopping, and what had
+    not finished was ended by that (a kill, as a user's would be)."""
+    reason = "kill" if stopped else progress.stop_reason
     cases = [
-        results[index]
+        progress.results[index]
         or (
             _not_run(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
-            if index in broken
-            else _not_run(index, case, Outcome.KILLED if killed else Outcome.COMPLETED, TestVerdict.SKIPPED)
+            if index in progress.broken
+            else _not_run(index, case, Outcome.KILLED if reason == "kill" else Outcome.COMPLETED, TestVerdict.SKIPPED)
         )
-        for index, case in enumerate(tests)
+        for index, case in enumerate(progress.tests)
     ]
+    # Killed only if a kill changed something: a case it ended, or cases it kept from running
+    # (a kill that came as the last case ended leaves every verdict as it was).
+    unrun = any(progress.results[i] is None and i not in progress.broken for i in range(len(cases)))
+    killed = progress.killed_cases > 0 or (reason == "kill" and unrun)
+    return BatchResult(
+        cases=cases,
+        summary=_summary(cases),
+        killed=killed,
+        duration_ms=round((now - progress.started_at) * 1000),
+        cpu_ms=progress.cpu_ms,
+        memory_kb=progress.memory_kb,
+    )
+
+
+def not_run_batch(tests: list[TestCase], outcome: Outcome) -> tuple[list[CaseOutput], TestSummary]:
+    """The cases and summary of a batch that ended before any case ran: each case is
+    compile_error after a failed compile, internal_error after a failure of the platform,
+    and skipped otherwise (killed or expired first)."""
+    verdict = {
+        Outcome.COMPILE_ERROR: TestVerdict.COMPILE_ERROR,
+        Outcome.INTERNAL_ERROR: TestVerdict.INTERNAL_ERROR,
+    }.get(outcome, TestVerdict.SKIPPED)
+    cases = [_not_run(index, case, outcome, verdict) for index, case in enumerate(tests)]
+    return cases, _summary(cases)
+
+
+def _summary(cases: list[CaseOutput]) -> TestSummary:
     verdicts = [TestVerdict(c.verdict) for c in cases]
-    summary = TestSummary(
+    return TestSummary(
         passed=sum(v is TestVerdict.ACCEPTED for v in verdicts),
         failed=sum(v not in (TestVerdict.ACCEPTED, TestVerdict.SKIPPED) for v in verdicts),
         skipped=sum(v is TestVerdict.SKIPPED for v in verdicts),
         verdict=batch_verdict(verdicts).value,
-    )
-    return BatchResult(
-        cases=cases,
-        summary=summary,
-        killed=killed,
-        duration_ms=round((loop.time() - started) * 1000),
-        cpu_ms=totals["cpu"],
-        memory_kb=totals["memory"],
     )
 
 

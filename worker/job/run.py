@@ -50,7 +50,7 @@ from worker.isolation.pool import BUILD_CHECK_S
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
-from worker.job.batch import facts_only, run_batch
+from worker.job.batch import BatchProgress, BatchResult, facts_only, not_run_batch, run_batch, summarize
 from worker.job.events import JobEvents
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_run
@@ -141,6 +141,9 @@ class JobRun:
         # What the run step ended with, once it has (and the compile's verdict): a worker
         # stopping after that still reports the run as it ended, not as killed.
         self._ran: tuple[StepFacts, CompileInfo | None] | None = None
+        # A test batch under way (its cases so far), and the compile's verdict it follows.
+        self._batch: BatchProgress | None = None
+        self._compiled: CompileInfo | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -300,6 +303,14 @@ class JobRun:
         back to the queue instead."""
         if self._ran is not None:
             await self._finish_run(*self._ran)
+        elif self._batch is not None:
+            # The cases that ran keep their verdicts; the rest were ended by the stop.
+            stopped = summarize(self._batch, asyncio.get_running_loop().time(), stopped=True)
+            message = "the worker shut down before the batch finished" if stopped.killed else None
+            try:
+                await self._finish_batch(stopped, self._compiled, message)
+            except Exception:
+                log.exception("job %s: could not record the stopped batch", self.job_id)
         elif self._program_started:
             await self._abort("the worker shut down before the program finished", Outcome.KILLED)
         else:
@@ -699,6 +710,7 @@ class JobRun:
 
     async def _run_batch(self, ctrl: asyncio.Queue[CtrlMessage], plan: Plan, compiled: CompileInfo | None) -> None:
         """A test batch: every case in a fresh sandbox with what the compile left, judged."""
+        self._compiled = compiled
         first = self.sandbox
         assert first is not None
         files, executable = plan.files, frozenset[str]()
@@ -713,6 +725,7 @@ class JobRun:
         # From here the batch gives every sandbox back itself, the first one included; until
         # here (a failure, a cancel, a lost lease) execute's own teardown destroys it.
         self.sandbox, self._destroyed = None, True
+        self._batch = BatchProgress(self.spec.tests or [], asyncio.get_running_loop().time())
         batch = await run_batch(
             spec=self.spec,
             manifest=plan.manifest,
@@ -727,7 +740,11 @@ class JobRun:
             events=self.events,
             ctrl=ctrl,
             keep_output=self.spec.collect_output,
+            progress=self._batch,
         )
+        await self._finish_batch(batch, compiled)
+
+    async def _finish_batch(self, batch: BatchResult, compiled: CompileInfo | None, message: str | None = None) -> None:
         self._batch_cases = batch.cases
         outcome = Outcome.KILLED if batch.killed else Outcome.COMPLETED
         event = ResultEvent(
@@ -743,6 +760,7 @@ class JobRun:
             compile=compiled,
             seq=0,
             killed_by="user" if batch.killed else None,
+            message=message,
             summary=batch.summary,
             tests=facts_only(batch.cases),
         )
@@ -789,6 +807,11 @@ class JobRun:
         if self._finished:
             return
         self._finished = True
+        if self.spec.tests and event.tests is None:
+            # A batch that ended before its cases ran (compile error, killed, expired, a
+            # failure): a grader still finds every case, and the summary, in the result.
+            self._batch_cases, summary = not_run_batch(self.spec.tests, outcome)
+            event = msgspec.structs.replace(event, tests=facts_only(self._batch_cases), summary=summary)
         # The seq is taken inside the shielded write: a cancel while it waits for the events
         # lock (an append retrying through a Redis blip) must not leave the job without a
         # result, ended `lost` by recovery.
@@ -840,6 +863,8 @@ class JobRun:
                 owner=self.spec.owner,
                 kept_bytes=self.events.stored_chunk_bytes
                 + (sum(map(len, output)) if output_json else 0)
+                # (a batch's cases keep their output inside output_json itself)
+                + (len(output_json) if output_json and self._batch_cases else 0)
                 + sum(meta.bytes for meta in self._artifacts),
             )
             try:
