@@ -792,3 +792,25 @@ async def test_a_sweep_that_fails_reads_the_other_batches_and_soon_tries_again(
         sweeping.cancel()
         await asyncio.gather(sweeping, return_exceptions=True)
         await ctx.control.unsubscribe(sub)
+
+
+async def test_an_append_from_a_count_behind_the_log_is_renumbered_not_dropped(redis: Redis, queue: WorkerQueue) -> None:
+    # An append landed although its caller was cancelled before the answer came (the flusher
+    # aborted mid-write): the job's count stayed behind. Its next events must go in after
+    # it, with their state change, not be taken for a re-send of the landed one and dropped,
+    # even when they are as many as the landed ones.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    lane = _Lane()
+    run = _job_run(queue, claim, lane)
+    await run.events.go_live()
+    await queue.advance(job, claim.attempt, [(1, "compile_output", "chunk", b"landed\n")])
+    await run.events.stage("running", state=JobState.RUNNING, started=True)
+    log = [(int(f[b"seq"]), f[b"name"]) for _, f in await redis.xrange(keys.events_key(job))]
+    assert log == [(0, b"stage"), (1, b"compile_output"), (2, b"stage")]
+    status = await redis.hgetall(keys.status_key(job))
+    assert status[b"state"] == b"running" and status[b"started"] == b"1" and status[b"nextSeq"] == b"3"
+    assert [(name, json.loads(data)["seq"]) for name, data in lane.sent] == [("stage", 0), ("stage", 2)]
+    # A retry of an append that did land (its reply lost) is still recognised as itself.
+    assert await queue._advance.again() == 1  # type: ignore[attr-defined]
+    assert await redis.xlen(keys.events_key(job)) == 3

@@ -477,7 +477,7 @@ async def test_a_capped_step_reads_its_cpu_counter_at_the_slower_pace_until_its_
 class _LogOnly:
     """The queue's append, always accepted."""
 
-    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False) -> bool:  # type: ignore[no-untyped-def, type-arg]
+    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False, token="") -> bool:  # type: ignore[no-untyped-def, type-arg]
         return True
 
 

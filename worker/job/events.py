@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from redis.exceptions import RedisError
 
 from shared.messages import ChunkEvent, JobState, StageEvent
 from worker.messaging.publisher import JobLane
-from worker.messaging.queue import WorkerQueue
+from worker.messaging.queue import LogAhead, WorkerQueue
 from worker.tasks import cancel_and_wait
 
 __all__ = ["JobEvents"]
@@ -71,12 +72,13 @@ class JobEvents:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REDIS_OUTAGE_S
         delay = 0.1
+        token = secrets.token_hex(8)  # the same on every retry: a retry that finds it landed stops
         while True:
             try:
                 # The lane's "is anyone following?" rides along when it wants an answer.
                 ask = self._lane.wants_audience()
                 heard = await self._queue.advance(
-                    self.job_id, self.attempt, stored, state=state, started=started, audience=ask
+                    self.job_id, self.attempt, stored, state=state, started=started, audience=ask, token=token
                 )
                 if ask:
                     self._lane.learned_audience(heard)
@@ -158,21 +160,32 @@ class JobEvents:
             Fenced: the job is no longer this worker's.
         """
         async with self._lock:
-            encoded: list[tuple[int, str, bytes]] = []
-            stored: list[tuple[int, str, str, bytes]] = []
-            seq = self.next_seq
-            for name, build in items:
-                event = build(seq)
-                data = _encoder.encode(event)
-                encoded.append((seq, name, data))
-                if isinstance(event, ChunkEvent):
-                    raw = event.chunk.encode()
-                    self.stored_chunk_bytes += len(raw)
-                    stored.append((seq, name, "chunk", raw))
-                else:
-                    stored.append((seq, name, "data", data))
-                seq += 1
-            await self._advance(stored, state, started)
+            while True:
+                encoded: list[tuple[int, str, bytes]] = []
+                stored: list[tuple[int, str, str, bytes]] = []
+                seq = self.next_seq
+                chunk_bytes = 0
+                for name, build in items:
+                    event = build(seq)
+                    data = _encoder.encode(event)
+                    encoded.append((seq, name, data))
+                    if isinstance(event, ChunkEvent):
+                        raw = event.chunk.encode()
+                        chunk_bytes += len(raw)
+                        stored.append((seq, name, "chunk", raw))
+                    else:
+                        stored.append((seq, name, "data", data))
+                    seq += 1
+                try:
+                    await self._advance(stored, state, started)
+                except LogAhead as ahead:
+                    # An append whose caller was cancelled after sending it did land (its
+                    # events are in the log, never published live): number these after it.
+                    log.warning("job %s: the log is at seq %d, not %d; renumbering", self.job_id, ahead.next_seq, self.next_seq)
+                    self.next_seq = ahead.next_seq
+                    continue
+                break
+            self.stored_chunk_bytes += chunk_bytes
             self.next_seq = seq
             if not self.live:
                 self._backlog += encoded

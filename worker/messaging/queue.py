@@ -9,6 +9,7 @@ number first (fencing), so a worker that lost its lease can no longer touch the 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import msgspec
@@ -91,25 +92,33 @@ return 1
 )
 
 # KEYS: status, events, and (optional) the job's audience mark. ARGV: attempt, ttl s, new
-# state or '', now ms, started ('1' or ''), then (seq, name, field, value) quadruples, field
-# 'data' (JSON) or 'chunk' (raw text; see shared/eventlog.py). Returns 0 when fenced off or
-# already finished, else 2 when the audience mark was asked for and is there, else 1.
+# state or '', now ms, started ('1' or ''), the append's token, then (seq, name, field,
+# value) quadruples, field 'data' (JSON) or 'chunk' (raw text; see shared/eventlog.py).
+# Returns 0 when fenced off or already finished, {3, next seq} when the log is already past
+# the first seq (nothing done), else 2 when the audience mark was asked for and is there,
+# else 1.
 _ADVANCE = (
     _TERMINAL_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
 local heard = (KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1) and 2 or 1
--- Append only if the log's next seq is the one being written: a re-run of this script
--- (its reply lost with a connection) finds its events there already and changes nothing.
-if #ARGV >= 6 and tonumber(ARGV[6]) < tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0') then return heard end
+-- Append only if the log's next seq is the one being written. A re-run of this very append
+-- (its reply lost with a connection; the same token) finds it there and changes nothing.
+-- Any other append whose seqs the log has passed comes from a count that fell behind (an
+-- earlier append its caller stopped waiting for did land): it is told where the log is.
+local next_seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
+if #ARGV >= 7 and tonumber(ARGV[7]) < next_seq then
+  if redis.call('HGET', KEYS[1], 'lastAppend') == ARGV[6] then return heard end
+  return {3, next_seq}
+end
 local last = nil
-for i = 6, #ARGV, 4 do
+for i = 7, #ARGV, 4 do
   redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
   last = tonumber(ARGV[i])
 end
 if last then
-  redis.call('HSET', KEYS[1], 'nextSeq', last + 1)
+  redis.call('HSET', KEYS[1], 'nextSeq', last + 1, 'lastAppend', ARGV[6])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4]) end
@@ -405,20 +414,28 @@ class WorkerQueue:
         state: JobState | None = None,
         started: bool = False,
         audience: bool = False,
+        token: str = "",
     ) -> bool:
         """Append events to the durable log and/or move the job's state, fenced by attempt.
         With `audience`, also tell whether the job's audience mark is set (else False).
+        `token` names this append, the same on every retry of it (a new one if not given).
 
         Raises:
             Fenced: the job is no longer this worker's to write.
+            LogAhead: the log is already past the first event's seq (nothing was written).
         """
-        args: list[object] = [attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else ""]
+        token = token or secrets.token_hex(8)
+        args: list[object] = [
+            attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else "", token,
+        ]  # fmt: skip
         for seq, name, field, value in events:
             args.extend((seq, name, field, value))
         script_keys = [keys.status_key(job_id), keys.events_key(job_id)]
         if audience:
             script_keys.append(keys.audience_key(job_id))
         answer = await self._advance(keys=script_keys, args=args)
+        if isinstance(answer, list):
+            raise LogAhead(int(answer[1]))
         if not answer:
             raise Fenced(job_id)
         return answer == 2
