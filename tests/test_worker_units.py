@@ -1486,3 +1486,31 @@ def test_an_optional_cgroup_file_is_not_judged_absent_from_a_missing_folder(tmp_
     kill.touch()
     assert cgroup._has(kill)
     assert cgroup._has(tmp_path / "j2" / "cgroup.kill")  # the host's answer, for every job
+
+
+async def test_a_live_lane_counts_bytes_for_text_that_is_not_ascii(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pacing and shedding count what goes over the wire: bytes. Counting characters for
+    # "é" (two bytes each) let twice the bytes through the burst, and left the count of
+    # pending bytes growing for ever (sends added bytes, drains took away characters).
+    from worker.messaging import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "LANE_BURST_BYTES", 64 * 1024)
+    monkeypatch.setattr(publisher_module, "LANE_RATE_BYTES_S", 10**9)
+    delivered: list[int] = []
+
+    class Publisher:
+        dropped = 0
+        unheard = 0
+
+        async def occupied(self, channel: str) -> bool:
+            return True
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.append(sum(len(event.data.encode()) for event in batch))
+
+    lane = publisher_module.JobLane(Publisher(), "private-run-x")  # type: ignore[arg-type]
+    chunk = json.dumps({"chunk": "é" * 4000, "seq": 1}, ensure_ascii=False).encode()
+    for _ in range(50):
+        lane.send("stdout", chunk)
+    await lane.close(timeout_s=5)
+    assert sum(delivered) == 50 * len(chunk) and lane._pending_bytes == 0

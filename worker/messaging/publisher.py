@@ -342,7 +342,8 @@ class JobLane:
         # looked up again at most every AUDIENCE_RECHECK_S while nobody does.
         self._audience = False
         self._audience_checked_at: float | None = None
-        self._pending: deque[_Event] = deque()
+        # Events waiting, each with its size in bytes (what the pacing and the bounds count).
+        self._pending: deque[tuple[_Event, int]] = deque()
         self._pending_bytes = 0
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -353,7 +354,7 @@ class JobLane:
 
     def send(self, name: str, data: bytes) -> None:
         """Queue an event (payload already JSON-encoded); never waits."""
-        self._pending.append(_Event(self._channel, name, data.decode()))
+        self._pending.append((_Event(self._channel, name, data.decode()), len(data)))
         self._pending_bytes += len(data)
         if self._pending_bytes > LANE_MAX_PENDING_BYTES:
             self._shed(LANE_MAX_PENDING_BYTES // 2)
@@ -361,13 +362,13 @@ class JobLane:
 
     def _shed(self, keep_bytes: int) -> None:
         """Drop the oldest chunk events until at most `keep_bytes` wait (order kept)."""
-        kept: deque[_Event] = deque()
-        for event in self._pending:
+        kept: deque[tuple[_Event, int]] = deque()
+        for event, size in self._pending:
             if self._pending_bytes > keep_bytes and event.name in CHUNK_EVENTS:
-                self._pending_bytes -= len(event.data)
+                self._pending_bytes -= size
                 self._publisher.dropped += 1
                 continue
-            kept.append(event)
+            kept.append((event, size))
         self._pending = kept
 
     async def _pace(self, size: int) -> None:
@@ -388,8 +389,9 @@ class JobLane:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
-            size = sum(len(event.data) for event in batch)
+            taken = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
+            batch = [event for event, _ in taken]
+            size = sum(n for _, n in taken)
             self._pending_bytes -= size
             # Until its delivery begins, a batch is still close()'s to send should time run out.
             self._unsent = batch
@@ -437,7 +439,7 @@ class JobLane:
         except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        left = [*self._unsent, *self._pending]
+        left = [*self._unsent, *(event for event, _ in self._pending)]
         rest = [event for event in left if event.name not in CHUNK_EVENTS]
         self._publisher.dropped += len(left) - len(rest)
         if len(left) > len(rest):
