@@ -814,3 +814,23 @@ async def test_an_append_from_a_count_behind_the_log_is_renumbered_not_dropped(r
     # A retry of an append that did land (its reply lost) is still recognised as itself.
     assert await queue._advance.again() == 1  # type: ignore[attr-defined]
     assert await redis.xlen(keys.events_key(job)) == 3
+
+
+async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: Redis, queue: WorkerQueue) -> None:
+    # Worker W stalled past its lease; a reaper found it dead and recovered its claims. W
+    # came back meanwhile (its heartbeat renewed the lease): the reaper must not drop it from
+    # `workers`, or a job W claims next and dies with is never walked again.
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))  # the lease ran out
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    real = reaper.recover_claims
+
+    async def recover_as_w_returns(worker_id: str, only: set[str] | None = None) -> list[tuple[str, bytes]]:
+        recovered = await real(worker_id, only)
+        await queue.heartbeat(worker.info(), 60_000)  # W is back
+        return recovered
+
+    reaper.recover_claims = recover_as_w_returns  # type: ignore[method-assign]
+    assert await reaper.reap_dead_workers() == []
+    assert await redis.hexists(keys.WORKERS, queue.worker_id)

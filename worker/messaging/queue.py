@@ -72,6 +72,16 @@ if redis.call('LLEN', KEYS[3]) == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) en
 return 1
 """
 
+# KEYS: the worker's liveness key, workers, its claimed list. ARGV: its id. Forgets a dead
+# worker only if it is still dead and holds no claim, in one step: one that came back to life
+# meanwhile (a stall past its lease) keeps its entry, so its next claims are still walked.
+_FORGET_DEAD = """
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('LLEN', KEYS[3]) == 0 then
+  return redis.call('HDEL', KEYS[2], ARGV[1])
+end
+return 0
+"""
+
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 
@@ -306,6 +316,7 @@ class WorkerQueue:
         self._hand_back = redis.register_script(_HAND_BACK)
         self._reap = redis.register_script(_REAP)
         self._unregister = redis.register_script(_UNREGISTER)
+        self._forget_dead = redis.register_script(_FORGET_DEAD)
         # Results of jobs ended while claiming (unreadable specs), for the worker to publish.
         self.orphan_results: list[tuple[str, bytes]] = []
 
@@ -559,8 +570,9 @@ class WorkerQueue:
             if wid == self.worker_id or await self.redis.exists(keys.worker_alive_key(wid)):
                 continue
             lost += await self.recover_claims(wid)
-            if not await self.redis.llen(keys.worker_claimed_key(wid)):
-                await self.redis.hdel(keys.WORKERS, wid)
+            await self._forget_dead(
+                keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
+            )
         return lost
 
     async def claimed_ids(self, worker_id: str) -> list[str]:
