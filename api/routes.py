@@ -521,8 +521,9 @@ async def channel_auth_route(request: Request) -> Response:
         raise ApiError(403, "Not allowed to subscribe to this channel")
     # Before the signature goes out: the worker publishes live events only to jobs whose
     # channel somebody was allowed into, and a client subscribes before it starts the job.
-    await state.store.mark_audience(job_id)
     settings = state.settings
+    ended = status.state in TERMINAL_STATES
+    await state.store.mark_audience(job_id, settings.run_result_ttl_s if ended else None)
     return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
 
 

@@ -281,6 +281,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('EXPIRE', KEYS[3], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[3])
+  redis.call('EXPIRE', KEYS[10], ARGV[3])
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
@@ -634,9 +635,12 @@ class JobStore:
             delivered_at_ms=number(delivered_at),
         )
 
-    async def mark_audience(self, job_id: str) -> None:
-        """Someone may follow the job's channel from now on (see keys.audience_key)."""
-        await self._redis.set(keys.audience_key(job_id), b"1", ex=self._record_ttl_s)
+    async def mark_audience(self, job_id: str, ended_ttl_s: int | None = None) -> None:
+        """Someone may follow the job's channel from now on (see keys.audience_key). For a
+        job that has ended (`ended_ttl_s`: its result's time to live) the mark lives no
+        longer than the result: a client re-subscribing to read it must not renew the mark
+        for the job record's whole day (the scripts that end a job shorten it likewise)."""
+        await self._redis.set(keys.audience_key(job_id), b"1", ex=ended_ttl_s or self._record_ttl_s)
 
     async def start(self, job_id: str, owner: str) -> StartAnswer:
         """Start the job if it is `owner`'s ('' when the caller's job token names it), in one
@@ -727,6 +731,7 @@ class JobStore:
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
                 keys.done_key(job_id),
+                keys.audience_key(job_id),
             ],
             args=[
                 job_id,

@@ -834,3 +834,34 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
     reaper.recover_claims = recover_as_w_returns  # type: ignore[method-assign]
     assert await reaper.reap_dead_workers() == []
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
+
+
+@pytest.mark.parametrize("ending", ["finish", "reap", "kill"])
+async def test_a_jobs_audience_mark_and_stdin_last_no_longer_than_its_result(
+    redis: Redis, queue: WorkerQueue, ending: str
+) -> None:
+    # Set for the record's day when a client subscribed (and stdin sent): once the job ends,
+    # by its worker, by recovery or by a kill in the queue, both go with its result.
+    store = JobStore(redis, RECORD_TTL_S)
+    if ending == "kill":
+        spec = _spec()
+        assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+        job = spec.job_id
+    else:
+        claim = await _claimed(redis, queue)
+        job = claim.spec.job_id
+    await store.mark_audience(job)
+    await redis.xadd(keys.stdin_key(job), {"data": b"unread\n"})
+    await redis.expire(keys.stdin_key(job), RECORD_TTL_S)
+    if ending == "finish":
+        await _job_run(queue, claim)._finish(Outcome.COMPLETED, result_without_run(Outcome.COMPLETED, None))
+    elif ending == "reap":
+        await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+        assert [job for job, _ in await queue.recover_claims(queue.worker_id)] == [job]
+    else:
+        assert (await store.kill(job, RESULT_TTL_S)).result is not None  # ended here, in the queue
+    for key in (keys.audience_key(job), keys.stdin_key(job)):
+        assert 0 < await redis.ttl(key) <= RESULT_TTL_S, key
+    # A client that subscribes after the end (to read the result) does not renew it for a day.
+    await store.mark_audience(job, RESULT_TTL_S)
+    assert 0 < await redis.ttl(keys.audience_key(job)) <= RESULT_TTL_S

@@ -138,7 +138,8 @@ return heard
 )
 
 # KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
-# retained set and sizes, the job's callback record, the callbacks' due set, done. ARGV: attempt,
+# retained set and sizes, the job's callback record, the callbacks' due set, done, the audience
+# mark. ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
 # bytes of output this job keeps.
 _FINISH = (
@@ -173,6 +174,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
 redis.call('EXPIRE', KEYS[7], ARGV[2])
+redis.call('EXPIRE', KEYS[15], ARGV[2])
 redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
@@ -216,7 +218,7 @@ return 1
 )
 
 # KEYS: status, the claimed list holding it, queue, events, spec, start flag, the job's
-# callback record, the callbacks' due set, done.
+# callback record, the callbacks' due set, done, stdin stream, audience mark.
 # ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
 # "requeue" or "end". With "requeue", a job whose program never started goes back to the
 # queue; otherwise (or once started) it ends with the given result.
@@ -239,6 +241,8 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[5], ARGV[3])
+  redis.call('EXPIRE', KEYS[10], ARGV[3])
+  redis.call('EXPIRE', KEYS[11], ARGV[3])
   redis.call('DEL', KEYS[6])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
@@ -489,6 +493,7 @@ class WorkerQueue:
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
                 keys.done_key(job_id),
+                keys.audience_key(job_id),
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
@@ -547,6 +552,8 @@ class WorkerQueue:
                 keys.callback_key(job_id),
                 keys.CALLBACKS_DUE,
                 keys.done_key(job_id),
+                keys.stdin_key(job_id),
+                keys.audience_key(job_id),
             ],
             args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode],
         )
