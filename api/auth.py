@@ -47,6 +47,7 @@ def _bearer(request: Request) -> str | None:
 class Authenticator:
     def __init__(self, settings: Settings) -> None:
         self._api_token = settings.api_token
+        self._metrics_token = settings.metrics_token
         self._owner = hashlib.sha256(b"owner:" + settings.api_token.encode()).hexdigest()[:32]
         self._secret = settings.job_token_secret or hashlib.sha256(b"jobtoken:" + settings.api_token.encode()).hexdigest()
         self._ttl_s = settings.job_token_ttl_s
@@ -83,6 +84,18 @@ class Authenticator:
         if job_id is not None:
             return Principal(job_id=job_id)
         raise ApiError(401, "Invalid or expired token", headers={"WWW-Authenticate": "Bearer"})
+
+    def may_scrape(self, request: Request) -> None:
+        """GET /metrics: open unless METRICS_TOKEN is set, then only with it as a bearer.
+
+        Raises:
+            ApiError: 401 without the metrics token, when one is set.
+        """
+        if not self._metrics_token:
+            return
+        token = _bearer(request)
+        if token is None or not tokens_equal(token, self._metrics_token):
+            raise ApiError(401, "GET /metrics needs the METRICS_TOKEN as a bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     def backend(self, request: Request) -> Principal:
         """Only the API token holder."""

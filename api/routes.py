@@ -22,6 +22,9 @@ from api.artifacts import download_artifact
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
+from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from api.metrics import FleetSnapshot
+from api.metrics import render as render_metrics
 from api.output import stream_run_result, whole_run_result
 from api.state import AppState
 from api.store import EnqueueAnswer, ReceiptCursor, StoredOutputFound, StoredStatus, now_ms
@@ -581,6 +584,21 @@ async def health(request: Request) -> Response:
     return _json({"status": "ok"})
 
 
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    state.auth.may_scrape(request)
+    depth, due, workers, ended = await state.store.fleet()
+    snapshot = FleetSnapshot(
+        queue_depth=depth,
+        callbacks_due=due,
+        workers=workers,
+        ended=ended,
+        event_streams=request.app.state.event_streams.total,
+        output_waits=request.app.state.output_waits.total,
+    )
+    return Response(render_metrics(snapshot), media_type=METRICS_CONTENT_TYPE)
+
+
 routes = [
     Route("/v1/execute", execute, methods=["POST"]),
     Route("/v1/jobs", list_jobs, methods=["GET"]),
@@ -597,4 +615,5 @@ routes = [
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]

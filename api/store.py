@@ -282,6 +282,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[6], ARGV[3])
   redis.call('EXPIRE', KEYS[10], ARGV[3])
+  redis.call('HINCRBY', KEYS[11], 'killed', 1)
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
@@ -732,6 +733,7 @@ class JobStore:
                 keys.CALLBACKS_DUE,
                 keys.done_key(job_id),
                 keys.audience_key(job_id),
+                keys.ENDED_COUNTS,
             ],
             args=[
                 job_id,
@@ -769,6 +771,28 @@ class JobStore:
                 pipe.exists(keys.worker_alive_key(wid))
             alive = await pipe.execute()
         return [decode_stored(WorkerInfo, raw[wid.encode()]) for wid, ok in zip(ids, alive, strict=False) if ok]
+
+    async def fleet(self) -> tuple[int, int, list[tuple[WorkerInfo, int]], dict[str, int]]:
+        """For GET /metrics: the queue's depth, the callbacks due, each live worker with the
+        length of its claimed list, and the jobs ended so far by terminal state."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.llen(keys.QUEUE)
+            pipe.zcard(keys.CALLBACKS_DUE)
+            pipe.hgetall(keys.WORKERS)
+            pipe.hgetall(keys.ENDED_COUNTS)
+            depth, due, workers, ended = await pipe.execute()
+        ids = [wid.decode() for wid in workers]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.exists(keys.worker_alive_key(wid))
+                pipe.llen(keys.worker_claimed_key(wid))
+            answers = await pipe.execute()
+        live = [
+            (decode_stored(WorkerInfo, workers[wid.encode()]), int(claimed))
+            for wid, alive, claimed in zip(ids, answers[::2], answers[1::2], strict=True)
+            if alive
+        ]
+        return int(depth), int(due), live, {k.decode(): int(v) for k, v in ended.items()}
 
     async def known_workers(self) -> list[WorkerInfo]:
         raw = await self._redis.hgetall(keys.WORKERS)

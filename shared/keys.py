@@ -11,6 +11,7 @@ import hashlib
 __all__ = [
     "CALLBACKS_DUE",
     "CHANNEL_PREFIX",
+    "ENDED_COUNTS",
     "QUEUE",
     "WORKERS",
     "artifact_data_key",
@@ -46,6 +47,9 @@ CHANNEL_PREFIX = "private-run-"
 # Sorted set: job id -> when its callback is next due (ms). A sender that takes one moves it
 # a lease ahead, so a sender that dies leaves it due again for another.
 CALLBACKS_DUE = "callbacks:due"
+# Hash: terminal state -> how many jobs ended in it, ever (counted by the scripts that end
+# jobs; served by GET /metrics).
+ENDED_COUNTS = "stats:ended"
 
 
 def spec_key(job_id: str) -> str:

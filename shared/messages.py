@@ -47,6 +47,7 @@ __all__ = [
     "TestResultEvent",
     "TestSummary",
     "WorkerInfo",
+    "WorkerLoad",
     "output_without_run",
     "result_template",
     "result_without_run",
@@ -411,13 +412,25 @@ class RealtimeInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     cluster: str = "mt1"
 
 
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """How busy a worker is, as of its last heartbeat (GET /metrics shows it)."""
+
+    jobs_claimed: int  # parked, starting or running here
+    jobs_waiting_for_sandbox: int  # started, and no sandbox ready for them yet
+    sandboxes_ready: int
+    sandboxes_building: int
+    sandboxes_in_use: int  # running a job, or lent to a parked job's compile or load
+    sandbox_builds_failed: int  # since the worker started
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """What a live worker advertises in Redis (runtimes it can run, its capacity)."""
+    """What a live worker advertises in Redis (runtimes it can run, its capacity, its load)."""
 
     worker_id: str
     slots: int
     runtimes: list[LanguageInfo]
     started_at_ms: int
+    load: WorkerLoad | None = None
 
 
 def result_without_run(outcome: Outcome, message: str | None, compile: CompileInfo | None = None) -> ResultEvent:

@@ -21,6 +21,8 @@ __all__ = ["ENV_NAMES", "Settings", "load_settings"]
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_token: str = ""
+    # When set, GET /metrics wants it as a bearer token (else /metrics is open, like /health).
+    metrics_token: str = ""
     job_token_secret: str = ""
     job_token_ttl_s: int = 3600
 
@@ -165,6 +167,7 @@ def _bool(raw: str) -> bool:
 ENV_NAMES: dict[str, tuple[str, Any]] = {
     "REDIS_URL": ("redis_url", _str),
     "EXECUTOR_API_TOKEN": ("api_token", _str),
+    "METRICS_TOKEN": ("metrics_token", _str),
     "JOB_TOKEN_SECRET": ("job_token_secret", _str),
     "JOB_TOKEN_TTL": ("job_token_ttl_s", _positive_int),
     "API_HOST": ("api_host", _str),

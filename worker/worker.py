@@ -30,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from leanredis import BlockingLeanRedis, LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS, with_overrides
-from shared.messages import WorkerInfo
+from shared.messages import WorkerInfo, WorkerLoad
 from shared.settings import Settings
 from worker.context import WorkerContext
 from worker.isolation.janitor import sweep_orphans
@@ -105,11 +105,20 @@ class Worker:
         self.started_at_ms = now_ms()
 
     def info(self) -> WorkerInfo:
+        pool = self.pool
         return WorkerInfo(
             worker_id=self.worker_id,
             slots=self.settings.worker_max_sandboxes,
             runtimes=[r.info() for r in self.runtimes.values()],
             started_at_ms=self.started_at_ms,
+            load=WorkerLoad(
+                jobs_claimed=len(self._jobs),
+                jobs_waiting_for_sandbox=pool.waiting,
+                sandboxes_ready=pool.ready,
+                sandboxes_building=pool.building,
+                sandboxes_in_use=max(0, pool.slots - pool.ready - pool.building),
+                sandbox_builds_failed=pool.builds_failed,
+            ),
         )
 
     async def run(self) -> None:

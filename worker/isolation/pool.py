@@ -102,6 +102,10 @@ class SandboxPool:
     def ready(self) -> int:
         return len(self._ready)
 
+    @property
+    def building(self) -> int:
+        return self._building
+
     def start(self) -> None:
         for slot in range(self.slots):
             self._arm(slot)

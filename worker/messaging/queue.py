@@ -139,7 +139,7 @@ return heard
 
 # KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
 # retained set and sizes, the job's callback record, the callbacks' due set, done, the audience
-# mark. ARGV: attempt,
+# mark, the ended counts. ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
 # bytes of output this job keeps.
 _FINISH = (
@@ -164,6 +164,7 @@ local next_seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
 if tonumber(ARGV[6]) < next_seq then return {2, next_seq} end
 redis.call('XADD', KEYS[2], '*', 'seq', ARGV[6], 'name', 'result', 'data', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1)
+redis.call('HINCRBY', KEYS[16], ARGV[3], 1)
 redis.call('HDEL', KEYS[1], 'worker')
 if ARGV[7] ~= '' then
   redis.call('SET', KEYS[8], ARGV[9], 'EX', ARGV[2])
@@ -218,7 +219,7 @@ return 1
 )
 
 # KEYS: status, the claimed list holding it, queue, events, spec, start flag, the job's
-# callback record, the callbacks' due set, done, stdin stream, audience mark.
+# callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts.
 # ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
 # "requeue" or "end". With "requeue", a job whose program never started goes back to the
 # queue; otherwise (or once started) it ends with the given result.
@@ -238,6 +239,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   local data = ARGV[4] .. seq .. ARGV[5]
   redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
   redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
+  redis.call('HINCRBY', KEYS[12], ARGV[6], 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('EXPIRE', KEYS[5], ARGV[3])
@@ -494,6 +496,7 @@ class WorkerQueue:
                 keys.CALLBACKS_DUE,
                 keys.done_key(job_id),
                 keys.audience_key(job_id),
+                keys.ENDED_COUNTS,
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
@@ -554,6 +557,7 @@ class WorkerQueue:
                 keys.done_key(job_id),
                 keys.stdin_key(job_id),
                 keys.audience_key(job_id),
+                keys.ENDED_COUNTS,
             ],
             args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode],
         )
