@@ -9,6 +9,12 @@ WORKDIR /build
 COPY scripts/build-nsjail.sh scripts/
 RUN scripts/build-nsjail.sh
 
+# pusher-js for the playground page the API serves (its version pinned by the lock file).
+FROM node:20-bookworm-slim AS clients
+WORKDIR /build/clients/js
+COPY clients/js/package.json clients/js/package-lock.json ./
+RUN npm ci --omit=dev --ignore-scripts
+
 # One image for the API and the worker (the worker needs the toolchains it offers).
 FROM python:3.11-slim-bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends \
@@ -25,5 +31,7 @@ COPY sandbox-profiles sandbox-profiles
 COPY web web
 RUN pip install --no-cache-dir -e .
 COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /usr/local/bin/nsjail
+COPY --from=clients /build/clients/js/node_modules/pusher-js/dist/web/pusher.min.js \
+     clients/js/node_modules/pusher-js/dist/web/pusher.min.js
 ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles NSJAIL_PATH=/usr/local/bin/nsjail
 CMD ["coderunner", "api", "--host", "0.0.0.0"]

@@ -2,7 +2,8 @@
 # `make test`: install what is missing, then run the whole test suite.
 
 PY := .venv/bin/python
-PORT ?= 8000
+# make up PORT=9000, or API_PORT in the environment (as the API itself reads it).
+PORT ?= $(or $(API_PORT),8000)
 WORKERS ?= 1
 
 .PHONY: up deps test-deps test test-fast bench lint clean

@@ -83,3 +83,15 @@ def test_dockerfile_workers_run_the_nsjail_it_builds() -> None:
     copied = re.search(r"COPY --from=nsjail (\S+) (\S+)", text)
     assert copied and copied.group(1) == f"{workdir.group(1)}/.tools/nsjail/bin/nsjail"
     assert re.search(r"ENV .*NSJAIL_PATH=" + re.escape(copied.group(2)) + r"\b", text)
+
+
+def test_the_image_holds_the_playgrounds_pusher_js() -> None:
+    """The API serves the playground's pusher-js from the checkout's clients/js; the image
+    must put it at the same place under its WORKDIR, or the playground breaks in compose."""
+    from api.playground import _PUSHER_JS
+
+    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    wanted = str(_PUSHER_JS.relative_to(REPO_ROOT))
+    copies = [line.split() for line in text.splitlines() if line.startswith("COPY --from=")]
+    assert any(parts[-1] == wanted for parts in copies), f"no COPY puts {wanted} into the image"
+    assert "WORKDIR /app" in text
