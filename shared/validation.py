@@ -151,6 +151,12 @@ def check_tests(tests: list[TestCase], files_bytes: int, max_bytes: int) -> None
         check_args(case.args, f"tests[{index}].args")
         if case.expected_output is not None and _has_lone_surrogate(case.expected_output):
             raise ValidationError([FieldError(f"tests[{index}].expectedOutput", "must be valid UTF-8 text")])
+        if case.name is not None and any(_bad_char(ch) for ch in case.name):
+            # A label shown in every test_result event: control bytes there would cost six
+            # times their size in each (and could push the result past soketi's payload limit).
+            raise ValidationError(
+                [FieldError(f"tests[{index}].name", "must not contain control or invisible formatting characters")]
+            )
         total += len((case.stdin or "").encode()) + len((case.expected_output or "").encode())
     if total > max_bytes:
         raise ValidationError([FieldError("tests", f"inputs, expected outputs and files must total at most {max_bytes} bytes")])

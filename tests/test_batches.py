@@ -348,6 +348,7 @@ async def test_a_kill_reaches_a_case_still_waiting_for_its_sandbox(monkeypatch: 
         ({"tests": [{"stdin": 5}]}, "tests[0].stdin"),
         ({"tests": [{"bogus": 1}]}, "tests"),
         ({"compare": "fuzzy"}, "compare"),
+        ({"tests": [{"stdin": "1 2\n", "name": "case\x01one"}]}, "tests[0].name"),
     ],
 )
 def test_bad_batches_are_refused_naming_the_field(api: Api, change: dict[str, Any], field: str) -> None:
