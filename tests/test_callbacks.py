@@ -450,6 +450,22 @@ async def test_one_domain_that_never_resolves_leaves_the_other_callbacks_lookups
     resolver.close()
 
 
+async def test_the_lookup_bound_is_per_registrable_domain_not_per_suffix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names under one public suffix (co.uk, github.io) belong to many owners: a dead name
+    server under x.co.uk must not hold up a lookup under another.co.uk."""
+    dns = _StuckDns(".dead.co.uk")
+    monkeypatch.setattr(send_module, "getaddrinfo", dns)
+    resolver = send_module.Resolver()
+    try:
+        await asyncio.gather(*(_give_up_after(resolver, f"https://n{n}.dead.co.uk/", 0.1) for n in range(6)))
+        (address,) = await asyncio.wait_for(resolver.resolve(parse_callback_url("https://hooks.shop.co.uk/", False)), 1)
+        assert str(address) == "127.0.0.1"
+        assert dns.asked == ["n0.dead.co.uk", "n1.dead.co.uk", "hooks.shop.co.uk"]
+    finally:
+        dns.release.set()
+        resolver.close()
+
+
 async def test_callbacks_to_one_name_share_its_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     """Five callbacks to one slow name make one lookup, and each gets its answer; a name
     that never answers holds one thread however often it is asked for."""

@@ -10,6 +10,7 @@ kept for another request (a pooled connection is keyed by address, not by host n
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
 import ssl
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from publicsuffixlist import PublicSuffixList
 
 from shared.callbacks import CallbackTarget, IPAddress, address_refusal
 from shared.settings import Settings
@@ -34,8 +36,9 @@ USER_AGENT = "coderunner-callbacks/1"
 # the system resolver's whole timeout (the attempt's timeout cuts the wait, not the lookup);
 # on the loop's shared resolver a few of them would stall the worker's own Redis reconnects.
 LOOKUP_THREADS = 8
-# Lookups at once under one domain (a name's last two labels): names under a domain whose
-# server never answers (any number of them, `*.example.com`) hold at most this many threads.
+# Lookups at once under one registrable domain (example.com, shop.co.uk, you.github.io: the
+# Public Suffix List's): names under a domain whose server never answers (any number of
+# them, `*.example.com`) hold at most this many threads.
 LOOKUPS_PER_DOMAIN = 2
 # The resolver call (a module attribute, so tests can stand in for DNS).
 getaddrinfo = socket.getaddrinfo
@@ -63,6 +66,12 @@ def new_client(settings: Settings, verify: ssl.SSLContext | bool = True) -> http
     )
 
 
+@functools.cache
+def _suffix_list() -> PublicSuffixList:
+    """The list shipped with the package (parsed once, about 0.1 s; never fetched)."""
+    return PublicSuffixList()
+
+
 class _Lookup:
     __slots__ = ("on_thread", "task", "waiters")
 
@@ -82,6 +91,7 @@ class Resolver:
     """
 
     def __init__(self, threads: int = LOOKUP_THREADS, per_domain: int = LOOKUPS_PER_DOMAIN) -> None:
+        self._suffixes = _suffix_list()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="callback-dns")
         self._threads = asyncio.Semaphore(threads)
         self._per_domain = per_domain
@@ -134,7 +144,8 @@ class Resolver:
             del self._running[key]
 
     async def _lookup(self, lookup: _Lookup, host: str, port: int) -> list[Any]:
-        domain = ".".join(host.rstrip(".").lower().rsplit(".", 2)[-2:])
+        name = host.rstrip(".").lower()
+        domain = self._suffixes.privatesuffix(name) or name
         turns, queued = self._domains.get(domain) or (asyncio.Semaphore(self._per_domain), 0)
         self._domains[domain] = (turns, queued + 1)
         try:
