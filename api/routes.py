@@ -31,6 +31,7 @@ from api.store import EnqueueAnswer, ReceiptCursor, StoredOutputFound, StoredSta
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
+from shared.grading import killed_batch_before_start
 from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
 from shared.messages import (
     TERMINAL_STATES,
@@ -314,7 +315,13 @@ async def kill_job(request: Request) -> Response:
     """Ask for the job to be killed. 202 {ok:true} is acceptance; the `result` is the proof."""
     state = _state(request)
     status = await state.visible_job(request)
-    answer = await state.store.kill(status.job_id, state.settings.run_result_ttl_s)
+    result = None
+    if status.test_cases and status.state is JobState.QUEUED:
+        # Should it end here, in the queue, a grader still finds every case and the summary.
+        spec = await state.store.spec(status.job_id)
+        if spec is not None and spec.tests:
+            result = killed_batch_before_start(spec.tests)
+    answer = await state.store.kill(status.job_id, state.settings.run_result_ttl_s, result=result)
     if answer.ended_state is not None:
         raise ApiError(409, f"Job has already ended ({answer.ended_state or 'gone'})")
     if answer.result is not None:
@@ -524,9 +531,8 @@ async def channel_auth_route(request: Request) -> Response:
         raise ApiError(403, "Not allowed to subscribe to this channel")
     # Before the signature goes out: the worker publishes live events only to jobs whose
     # channel somebody was allowed into, and a client subscribes before it starts the job.
+    await state.store.mark_audience(job_id)
     settings = state.settings
-    ended = status.state in TERMINAL_STATES
-    await state.store.mark_audience(job_id, settings.run_result_ttl_s if ended else None)
     return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
 
 

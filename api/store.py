@@ -104,6 +104,10 @@ end
 -- (killed in the queue, lost) still has its verdict to pull, and a wait for the output of
 -- a job that does not collect it ends at once.
 redis.call('HSET', KEYS[3], 'collect', ARGV[15] == '1' and '1' or '0')
+if ARGV[18] ~= '' then
+  -- A test batch of this many cases (a kill in the queue then reads the spec for them).
+  redis.call('HSET', KEYS[3], 'tests', ARGV[18])
+end
 if ARGV[16] == '1' then
   -- EOF comes with the job (closeStdin, the default with up-front stdin) or there is no
   -- job stdin at all (a test batch: each case has its own): a later frame could never
@@ -298,6 +302,14 @@ return {1}
 """
 )
 
+# KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own).
+_MARK_AUDIENCE = """
+local ttl = redis.call('TTL', KEYS[1])
+if ttl <= 0 then ttl = tonumber(ARGV[1]) end
+redis.call('SET', KEYS[2], '1', 'EX', ttl)
+return 1
+"""
+
 _KILLED_BEFORE_START = result_template(result_without_run(Outcome.KILLED, "killed before it started"))
 
 _CALLBACK_FIELDS = (
@@ -305,6 +317,7 @@ _CALLBACK_FIELDS = (
 )  # fmt: skip
 _STATUS_FIELDS = (
     "state", "updatedAtMs", "language", "version", "owner", "result", "started", "kill", "callback", "collect",
+    "tests",
 )  # fmt: skip
 
 
@@ -422,6 +435,8 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
     kill_requested: bool = False
     # The job was submitted with a callbackUrl (its delivery state is read apart).
     has_callback: bool = False
+    # A test batch of this many cases (0: not a batch, or enqueued before this was recorded).
+    test_cases: int = 0
     # The job was submitted with collectOutput (None: enqueued before this was recorded).
     collects_output: bool | None = None
 
@@ -448,6 +463,7 @@ class JobStore:
         self._enqueue = redis.register_script(_ENQUEUE)
         self._stdin = redis.register_script(_STDIN)
         self._kill = redis.register_script(_KILL)
+        self._mark_audience = redis.register_script(_MARK_AUDIENCE)
         self._start = redis.register_script(_START)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
@@ -499,6 +515,7 @@ class JobStore:
             "1" if spec.collect_output else "",
             "1" if spec.tests or spec.close_stdin else "",
             max_retained_bytes,
+            str(len(spec.tests)) if spec.tests else "",
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 
@@ -589,7 +606,7 @@ class JobStore:
 
     async def status(self, job_id: str) -> StoredStatus | None:
         values = await self._redis.hmget(keys.status_key(job_id), _STATUS_FIELDS)
-        state, updated, language, version, owner, result, started, kill, callback, collect = values
+        state, updated, language, version, owner, result, started, kill, callback, collect, tests = values
         if state is None:
             return None
         return StoredStatus(
@@ -604,6 +621,7 @@ class JobStore:
             kill_requested=kill == b"1",
             has_callback=callback == b"1",
             collects_output=None if collect is None else collect == b"1",
+            test_cases=int(tests or 0),
         )
 
     async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:
@@ -636,12 +654,12 @@ class JobStore:
             delivered_at_ms=number(delivered_at),
         )
 
-    async def mark_audience(self, job_id: str, ended_ttl_s: int | None = None) -> None:
-        """Someone may follow the job's channel from now on (see keys.audience_key). For a
-        job that has ended (`ended_ttl_s`: its result's time to live) the mark lives no
-        longer than the result: a client re-subscribing to read it must not renew the mark
-        for the job record's whole day (the scripts that end a job shorten it likewise)."""
-        await self._redis.set(keys.audience_key(job_id), b"1", ex=ended_ttl_s or self._record_ttl_s)
+    async def mark_audience(self, job_id: str) -> None:
+        """Someone may follow the job's channel from now on (see keys.audience_key). The mark
+        lives as long as the job's record: a day while it runs, only what is left of its
+        result's time once it ended (a client re-subscribing to read the result must not
+        renew it for a day; the scripts that end a job shorten it likewise)."""
+        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s])
 
     async def start(self, job_id: str, owner: str) -> StartAnswer:
         """Start the job if it is `owner`'s ('' when the caller's job token names it), in one
@@ -719,7 +737,16 @@ class JobStore:
             return StdinAnswer(refused=reason, pending_bytes=int(detail))
         return StdinAnswer(refused=reason)
 
-    def kill_call(self, job_id: str, result_ttl_s: int, request_id: str | None = None) -> ScriptCall:
+    async def spec(self, job_id: str) -> JobSpec | None:
+        raw = await self._redis.get(keys.spec_key(job_id))
+        return decode_stored(JobSpec, raw) if raw is not None else None
+
+    def kill_call(
+        self, job_id: str, result_ttl_s: int, request_id: str | None = None, result: ResultEvent | None = None
+    ) -> ScriptCall:
+        """`result`: what the job ends with if it is still queued (default: killed before it
+        started, with nothing else)."""
+        template = _KILLED_BEFORE_START if result is None else result_template(result)
         return ScriptCall(
             self._kill,
             [
@@ -739,21 +766,24 @@ class JobStore:
                 job_id,
                 now_ms(),
                 result_ttl_s,
-                _KILLED_BEFORE_START[0],
-                _KILLED_BEFORE_START[1],
+                template[0],
+                template[1],
                 keys.ctrl_channel(job_id),
                 encode(CtrlMessage(type="kill")),
                 request_id or uuid.uuid4().hex,
             ],
         )
 
-    async def kill(self, job_id: str, result_ttl_s: int, request_id: str | None = None) -> KillAnswer:
-        """Ask for the job to be killed; a job no worker holds yet ends at once.
+    async def kill(
+        self, job_id: str, result_ttl_s: int, request_id: str | None = None, result: ResultEvent | None = None
+    ) -> KillAnswer:
+        """Ask for the job to be killed; a job no worker holds yet ends at once (with `result`,
+        see kill_call).
 
         `request_id` (a fresh one when None) names this request, so a re-sent script gives
         its first answer again and writes nothing twice.
         """
-        answer = await self.run(self.kill_call(job_id, result_ttl_s, request_id))
+        answer = await self.run(self.kill_call(job_id, result_ttl_s, request_id, result))
         if answer[0] == 0:
             return KillAnswer(ended_state=answer[1].decode())
         if answer[0] == 2:

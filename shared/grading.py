@@ -26,9 +26,24 @@ Comparison modes, over the bytes the program wrote and the expected text's UTF-8
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["CompareMode", "TestVerdict", "batch_verdict", "case_verdict", "outputs_match"]
+import msgspec
+
+from shared.messages import CaseFacts, CaseOutput, Outcome, ResultEvent, TestCase, TestSummary, result_without_run
+
+__all__ = [
+    "CompareMode",
+    "TestVerdict",
+    "batch_summary",
+    "batch_verdict",
+    "case_verdict",
+    "cases_not_run",
+    "killed_batch_before_start",
+    "not_run_case",
+    "outputs_match",
+]
 
 CompareMode = Literal["exact", "lines", "tokens"]
 
@@ -100,3 +115,55 @@ def batch_verdict(verdicts: list[TestVerdict]) -> TestVerdict:
         if verdict not in (TestVerdict.ACCEPTED, TestVerdict.SKIPPED):
             return verdict
     return TestVerdict.ACCEPTED if all(v is TestVerdict.ACCEPTED for v in verdicts) else TestVerdict.SKIPPED
+
+
+def batch_summary(cases: Sequence[CaseFacts]) -> TestSummary:
+    verdicts = [TestVerdict(c.verdict) for c in cases]
+    return TestSummary(
+        passed=sum(v is TestVerdict.ACCEPTED for v in verdicts),
+        failed=sum(v not in (TestVerdict.ACCEPTED, TestVerdict.SKIPPED) for v in verdicts),
+        skipped=sum(v is TestVerdict.SKIPPED for v in verdicts),
+        verdict=batch_verdict(verdicts).value,
+    )
+
+
+def not_run_case(index: int, case: TestCase, outcome: Outcome, verdict: TestVerdict) -> CaseOutput:
+    """A case with no facts of its own: skipped, or lost to a failure of the platform."""
+    return CaseOutput(
+        index=index,
+        name=case.name,
+        outcome=outcome,
+        verdict=verdict.value,
+        exit_code=None,
+        signal=None,
+        duration_ms=0,
+        cpu_ms=0,
+        memory_kb=0,
+        stdout="",
+        stderr="",
+    )
+
+
+def killed_batch_before_start(tests: Sequence[TestCase]) -> ResultEvent:
+    """The result of a batch killed before any worker took it (seq filled in by the script)."""
+    cases, summary = cases_not_run(tests, Outcome.KILLED)
+    facts = [CaseFacts(**{f: getattr(c, f) for f in CaseFacts.__struct_fields__}) for c in cases]
+    result = result_without_run(Outcome.KILLED, "killed before it started")
+    return msgspec.structs.replace(result, tests=facts, summary=summary)
+
+
+def cases_not_run(
+    tests: Sequence[TestCase], outcome: Outcome, ran: Sequence[CaseOutput | None] = ()
+) -> tuple[list[CaseOutput], TestSummary]:
+    """The cases and summary of a batch that ended as `outcome` before all of its cases ran:
+    those in `ran` keep their own facts; each other is compile_error after a failed compile,
+    internal_error after a failure of the platform, and skipped otherwise (killed, expired)."""
+    verdict = {
+        Outcome.COMPILE_ERROR: TestVerdict.COMPILE_ERROR,
+        Outcome.INTERNAL_ERROR: TestVerdict.INTERNAL_ERROR,
+    }.get(outcome, TestVerdict.SKIPPED)
+    cases = [
+        (ran[index] if index < len(ran) else None) or not_run_case(index, case, outcome, verdict)
+        for index, case in enumerate(tests)
+    ]
+    return cases, batch_summary(cases)

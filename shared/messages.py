@@ -462,7 +462,14 @@ def output_without_run(result: ResultEvent) -> StoredOutput:
     queue, lost with its worker) has to pull: its verdict, empty streams, no artifacts.
     Served like any stored output, so the RunResult has the same shape."""
     verdict = {name: getattr(result, name) for name in Verdict.__struct_fields__}
-    return StoredOutput(**verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False)
+    cases = (
+        [CaseOutput(**{f: getattr(c, f) for f in CaseFacts.__struct_fields__}, stdout="", stderr="") for c in result.tests]
+        if result.tests is not None
+        else None
+    )
+    return StoredOutput(
+        **verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False, tests=cases
+    )
 
 
 def result_template(result: ResultEvent) -> tuple[bytes, bytes]:

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from shared.grading import TestVerdict as Verdict
-from shared.grading import batch_verdict, case_verdict, outputs_match
+from shared.grading import batch_verdict, case_verdict, cases_not_run, not_run_case, outputs_match
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import CtrlMessage, FileSpec, JobSpec, Outcome, TestCase
 from tests.conftest import StackFactory
@@ -531,8 +531,50 @@ async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.M
 
 
 def test_a_batch_that_never_ran_lists_every_case() -> None:
-    cases, summary = batch.not_run_batch([TestCase(), TestCase(name="b")], Outcome.COMPILE_ERROR)
+    cases, summary = cases_not_run([TestCase(), TestCase(name="b")], Outcome.COMPILE_ERROR)
     assert [(c.index, c.name, c.verdict) for c in cases] == [(0, None, "compile_error"), (1, "b", "compile_error")]
     assert (summary.passed, summary.failed, summary.skipped, summary.verdict) == (0, 2, 0, "compile_error")
-    cases, summary = batch.not_run_batch([TestCase()], Outcome.KILLED)
+    cases, summary = cases_not_run([TestCase()], Outcome.KILLED)
     assert cases[0].verdict == "skipped" and summary.verdict == "skipped"
+    # A failure of the worker in mid-batch: the cases that ran keep their verdicts.
+    ran = not_run_case(0, TestCase(), Outcome.COMPLETED, Verdict.ACCEPTED)
+    cases, summary = cases_not_run([TestCase(), TestCase()], Outcome.INTERNAL_ERROR, [ran, None])
+    assert [c.verdict for c in cases] == ["accepted", "internal_error"] and summary.verdict == "internal_error"
+
+
+def test_a_worker_stop_after_a_failure_stopped_the_batch_is_no_kill() -> None:
+    # Under stopOnFirstFailure case 0 failed and decided the rest; the worker stopping then
+    # changes nothing: not `killed`, and the skipped case's outcome stays as the failure left it.
+    progress = batch.BatchProgress([TestCase(), TestCase()], 0.0)
+    progress.results[0] = not_run_case(0, TestCase(), Outcome.COMPLETED, Verdict.WRONG_ANSWER)
+    progress.stop_reason = "failure"
+    result = batch.summarize(progress, 1.0, stopped=True)
+    assert not result.killed and result.cases[1].outcome == Outcome.COMPLETED
+    assert result.summary.verdict == "wrong_answer"
+    progress.stop_reason = None  # nothing had decided them: the stop did
+    assert batch.summarize(progress, 1.0, stopped=True).killed
+
+
+def test_a_cut_copy_never_ends_inside_a_character() -> None:
+    text = "é".encode() * 1000
+    assert batch._prefix(text, 1001) == text[:1000] and batch._text(batch._prefix(text, 1001))[1] == "utf8"
+    assert batch._prefix("a€b".encode(), 3) == b"a" and batch._prefix("a€b".encode(), 4) == "a€".encode()
+    assert batch._prefix(b"\x80" * 5, 4) == b"\x80" * 4  # not UTF-8 at all: cut where asked
+
+
+def test_a_batch_killed_in_the_queue_lists_every_case(make_stack: StackFactory) -> None:
+    stack = make_stack(with_worker=False)  # nobody claims it: the API's kill ends it
+    api = Api(stack)
+    try:
+        job = api.execute(c_batch([{"stdin": "1 1\n", "name": "first"}, {"stdin": "2 2\n"}], collectOutput=True))
+        assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+        result = api.wait_state(job, {"killed"}, timeout_s=10)["result"]
+        assert [(c.get("name"), c["verdict"]) for c in result["tests"]] == [
+            ("first", "skipped"), (None, "skipped")
+        ]
+        assert result["summary"] == {"passed": 0, "failed": 0, "skipped": 2, "verdict": "skipped"}
+        pulled = api.get(f"/v1/jobs/{job['jobId']}/output").json()
+        assert [c["verdict"] for c in pulled["tests"]] == ["skipped", "skipped"] and pulled["summary"]["skipped"] == 2
+    finally:
+        api.close()
+

@@ -863,5 +863,20 @@ async def test_a_jobs_audience_mark_and_stdin_last_no_longer_than_its_result(
     for key in (keys.audience_key(job), keys.stdin_key(job)):
         assert 0 < await redis.ttl(key) <= RESULT_TTL_S, key
     # A client that subscribes after the end (to read the result) does not renew it for a day.
-    await store.mark_audience(job, RESULT_TTL_S)
-    assert 0 < await redis.ttl(keys.audience_key(job)) <= RESULT_TTL_S
+    await store.mark_audience(job)
+    assert 0 < await redis.ttl(keys.audience_key(job)) <= await redis.ttl(keys.status_key(job)) <= RESULT_TTL_S
+
+
+async def test_a_job_renumbered_before_it_went_live_publishes_what_landed_too(redis: Redis, queue: WorkerQueue) -> None:
+    # The append that landed unanswered is in the log, not in the backlog: going live must
+    # read the log, or subscribers see a gap where it sits.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    lane = _Lane()
+    run = _job_run(queue, claim, lane)
+    await queue.advance(job, claim.attempt, [(1, "compile_output", "chunk", b"landed\n")])
+    await run.events.stage("running", state=JobState.RUNNING, started=True)
+    await run.events.go_live()
+    assert [(name, json.loads(data)["seq"]) for name, data in lane.sent] == [
+        ("stage", 0), ("compile_output", 1), ("stage", 2)
+    ]

@@ -407,6 +407,32 @@ async def test_a_kill_that_came_before_the_release_keeps_the_gate_shut() -> None
     assert len(jail.released) == 1 and facts.fired is None
 
 
+async def test_a_step_cancelled_twice_while_its_kill_runs_still_cleans_up() -> None:
+    # The worker's second stop signal lands while the step's finally waits for the kill on an
+    # isolation thread: the pumps and the pending inbox read must still be dealt with (a
+    # leaked read would swallow the next message, a kill meant for the run).
+    stop_kill = threading.Event()
+
+    class SlowKill(_CountingCgroup):
+        def kill(self) -> None:
+            stop_kill.wait(5)
+            super().kill()
+
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    step = asyncio.create_task(_step(SlowKill(), _ExitsLate(30), cpu_ms=5000, inbox=inbox))
+    await asyncio.sleep(0.05)
+    step.cancel()
+    await asyncio.sleep(0.05)
+    step.cancel()
+    asyncio.get_running_loop().call_later(0.1, stop_kill.set)
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    later = CtrlMessage(type="kill")
+    inbox.put_nowait(later)
+    await asyncio.sleep(0.01)
+    assert inbox.get_nowait() is later  # no leftover read took it
+
+
 def test_the_cpu_clock_cannot_fire_before_the_cap_lets_the_budget_be_spent() -> None:
     ahead_s = 0.2 + (os.cpu_count() or 1) * 0.005  # two 100 ms periods' quota, a slice per CPU
     assert cpu_clock_due_at(10.0, 15.0, None) == 10.0  # no cap: any time
@@ -1110,7 +1136,7 @@ async def test_the_nsjail_log_keeps_what_is_read_from_it_and_drops_the_rest() ->
         stdout=None,
         stderr=None,
         pid=5,
-        returncode=0,
+        returncode=None,  # (still running when it logs that the jail executes)
     )
     jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
     ready_at = text.index(b"Executing ") + 4
@@ -1164,6 +1190,27 @@ async def test_nsjail_stays_unreaped_while_it_is_moved_out_of_the_jobs_cgroups()
         os.close(status_write)
         proc.close()
         jail.close()
+
+
+async def test_nsjail_reaped_before_its_ready_line_is_read_is_not_released_by_pid() -> None:
+    # nsjail died just after logging that the jail executes, and its exit was handled first:
+    # its pid may be another process's now, so nothing is written into a cgroup by it.
+    released: list[int] = []
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [8])
+    status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    log, log_write = _log_pipe()
+    proc = SimpleNamespace(
+        on_exit=lambda callback: None, hold_reap=lambda: None, allow_reap=lambda: None,
+        stdout=None, stderr=None, pid=5, returncode=-9, close=lambda: None,
+    )  # fmt: skip
+    jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
+    os.write(log_write, b"[I][t] Executing '/.coderunner/gate' for '[STANDALONE MODE]'\n")
+    os.close(log_write)
+    with pytest.raises(JailError, match="failed to start the jail"):
+        await asyncio.wait_for(jail.wait_ready(2), 3)
+    assert released == []
+    os.close(status_write)
+    jail.close()
 
 
 async def test_a_jail_that_never_executes_fails_with_nsjails_own_errors() -> None:

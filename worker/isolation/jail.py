@@ -201,7 +201,11 @@ class Jail:
             return
         seen = len(self._log)
         self._log += chunk
-        if not self._releasing and self._log.find(_READY, max(0, seen - len(_READY))) >= 0:
+        if (
+            not self._releasing
+            and self.proc.returncode is None  # (reaped already: its pid may be another's now)
+            and self._log.find(_READY, max(0, seen - len(_READY))) >= 0
+        ):
             # The jail exists (nsjail logs this from inside the child, just before exec):
             # take nsjail itself out of the job's cgroups so only jailed code is limited,
             # and see (same trip to the isolation threads) that the jail stayed in them.

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.grading import TestVerdict, batch_verdict, case_verdict
+from shared.grading import TestVerdict, batch_summary, case_verdict, not_run_case
 from shared.limits import Limits
 from shared.manifest import Manifest, expand_argv
 from shared.messages import (
@@ -44,7 +44,7 @@ from worker.job.output import output_encoding
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 from worker.messaging.queue import Fenced
 
-__all__ = ["BatchProgress", "BatchResult", "facts_only", "not_run_batch", "run_batch", "summarize"]
+__all__ = ["BatchProgress", "BatchResult", "facts_only", "run_batch", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,20 @@ def _kept(output: _CaseOutput, share: int) -> tuple[bytes, bytes, bool]:
     """The case's stdout and stderr as the result keeps them (together at most `share`
     bytes, stdout first), and whether that cut any."""
     stdout, stderr = bytes(output.data["stdout"]), bytes(output.data["stderr"])
-    kept_out = stdout[:share]
-    kept_err = stderr[: share - len(kept_out)]
+    kept_out = _prefix(stdout, share)
+    kept_err = _prefix(stderr, share - len(kept_out))
     return kept_out, kept_err, len(kept_out) + len(kept_err) < len(stdout) + len(stderr)
+
+
+def _prefix(data: bytes, size: int) -> bytes:
+    """At most `size` bytes of `data`, not ending inside a UTF-8 character (text that was
+    valid stays valid, and is kept as text)."""
+    if size >= len(data):
+        return data
+    end = size
+    while end > max(0, size - 3) and data[end] & 0xC0 == 0x80:
+        end -= 1  # data[end] continues a character begun before it
+    return data[:size] if data[end] & 0xC0 == 0x80 else data[:end]
 
 
 async def run_batch(
@@ -265,9 +276,9 @@ async def run_batch(
             stderr_encoding=err_enc,  # type: ignore[arg-type]
             output_cut=cut,
         )
-        await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
         if spec.stop_on_first_failure and verdict is not TestVerdict.ACCEPTED:
-            halt("failure")
+            halt("failure")  # (decided now, not once its event is written: that may take a while)
+        await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
 
     width = 1 if spec.stop_on_first_failure else max(1, min(MAX_PARALLEL, pool.ready + 1))
     gate = asyncio.Semaphore(width)
@@ -318,13 +329,13 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
     """The batch as it stands: every case's facts, the ones that did not run skipped (or
     internal_error, lost to the worker). `stopped`: the worker is stopping, and what had
     not finished was ended by that (a kill, as a user's would be)."""
-    reason = "kill" if stopped else progress.stop_reason
+    reason = progress.stop_reason or ("kill" if stopped else None)
     cases = [
         progress.results[index]
         or (
-            _not_run(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
+            not_run_case(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
             if index in progress.broken
-            else _not_run(index, case, Outcome.KILLED if reason == "kill" else Outcome.COMPLETED, TestVerdict.SKIPPED)
+            else not_run_case(index, case, Outcome.KILLED if reason == "kill" else Outcome.COMPLETED, TestVerdict.SKIPPED)
         )
         for index, case in enumerate(progress.tests)
     ]
@@ -334,50 +345,11 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
     killed = progress.killed_cases > 0 or (reason == "kill" and unrun)
     return BatchResult(
         cases=cases,
-        summary=_summary(cases),
+        summary=batch_summary(cases),
         killed=killed,
         duration_ms=round((now - progress.started_at) * 1000),
         cpu_ms=progress.cpu_ms,
         memory_kb=progress.memory_kb,
-    )
-
-
-def not_run_batch(tests: list[TestCase], outcome: Outcome) -> tuple[list[CaseOutput], TestSummary]:
-    """The cases and summary of a batch that ended before any case ran: each case is
-    compile_error after a failed compile, internal_error after a failure of the platform,
-    and skipped otherwise (killed or expired first)."""
-    verdict = {
-        Outcome.COMPILE_ERROR: TestVerdict.COMPILE_ERROR,
-        Outcome.INTERNAL_ERROR: TestVerdict.INTERNAL_ERROR,
-    }.get(outcome, TestVerdict.SKIPPED)
-    cases = [_not_run(index, case, outcome, verdict) for index, case in enumerate(tests)]
-    return cases, _summary(cases)
-
-
-def _summary(cases: list[CaseOutput]) -> TestSummary:
-    verdicts = [TestVerdict(c.verdict) for c in cases]
-    return TestSummary(
-        passed=sum(v is TestVerdict.ACCEPTED for v in verdicts),
-        failed=sum(v not in (TestVerdict.ACCEPTED, TestVerdict.SKIPPED) for v in verdicts),
-        skipped=sum(v is TestVerdict.SKIPPED for v in verdicts),
-        verdict=batch_verdict(verdicts).value,
-    )
-
-
-def _not_run(index: int, case: TestCase, outcome: Outcome, verdict: TestVerdict) -> CaseOutput:
-    """A case with no facts of its own: skipped, or lost to a failure of the worker."""
-    return CaseOutput(
-        index=index,
-        name=case.name,
-        outcome=outcome,
-        verdict=verdict.value,
-        exit_code=None,
-        signal=None,
-        duration_ms=0,
-        cpu_ms=0,
-        memory_kb=0,
-        stdout="",
-        stderr="",
     )
 
 

@@ -183,6 +183,7 @@ class JobEvents:
                     # events are in the log, never published live): number these after it.
                     log.warning("job %s: the log is at seq %d, not %d; renumbering", self.job_id, ahead.next_seq, self.next_seq)
                     self.next_seq = ahead.next_seq
+                    self._log_has_more = True  # (the backlog lacks what landed: go_live reads the log)
                     continue
                 break
             self.stored_chunk_bytes += chunk_bytes

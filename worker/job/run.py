@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
 from shared.errors import ValidationError
+from shared.grading import cases_not_run
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
 from shared.manifest import Manifest, expand_argv, names_compiled_shim
 from shared.messages import (
@@ -50,7 +51,7 @@ from worker.isolation.pool import BUILD_CHECK_S
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
-from worker.job.batch import BatchProgress, BatchResult, facts_only, not_run_batch, run_batch, summarize
+from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, summarize
 from worker.job.events import JobEvents
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_run
@@ -809,8 +810,10 @@ class JobRun:
         self._finished = True
         if self.spec.tests and event.tests is None:
             # A batch that ended before its cases ran (compile error, killed, expired, a
-            # failure): a grader still finds every case, and the summary, in the result.
-            self._batch_cases, summary = not_run_batch(self.spec.tests, outcome)
+            # failure), or before they all did (a failure of the worker in mid-batch: the
+            # cases that ran keep their verdicts): every case, and the summary, are there.
+            ran = self._batch.results if self._batch is not None else ()
+            self._batch_cases, summary = cases_not_run(self.spec.tests, outcome, ran)
             event = msgspec.structs.replace(event, tests=facts_only(self._batch_cases), summary=summary)
         # The seq is taken inside the shielded write: a cancel while it waits for the events
         # lock (an append retrying through a Redis blip) must not leave the job without a

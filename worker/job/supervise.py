@@ -251,17 +251,20 @@ async def supervise(
             await asyncio.wait(readers, timeout=EXIT_GRACE_S)
     finally:
         # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
-        if not killed:
-            await off_loop(cgroup.kill)
-        if inbox_task.done() and not inbox_task.cancelled():
-            # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
-            # kill that came as a compile ended is for the run that follows, so it goes back.
-            inbox.put_nowait(inbox_task.result())
-        else:
-            inbox_task.cancel()
-        # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
-        # hold the job forever; the stdin feeder also stops on a flag of its own.
-        await cancel_and_wait(children, CHILD_EXIT_S)
+        try:
+            if not killed:
+                await off_loop(cgroup.kill)
+        finally:
+            # (Even if cancelled again while the kill finished: the rest must still happen.)
+            if inbox_task.done() and not inbox_task.cancelled():
+                # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
+                # kill that came as a compile ended is for the run that follows, so it goes back.
+                inbox.put_nowait(inbox_task.result())
+            else:
+                inbox_task.cancel()
+            # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
+            # hold the job forever; the stdin feeder also stops on a flag of its own.
+            await cancel_and_wait(children, CHILD_EXIT_S)
         outcomes = [t.exception() if t.done() and not t.cancelled() else None for t in children]
     for outcome in outcomes:
         # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
