@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import select
 import struct
 import sys
 import threading
@@ -1176,8 +1177,12 @@ async def test_nsjail_stays_unreaped_while_it_is_moved_out_of_the_jobs_cgroups()
     try:
         os.write(log_write, b"[I][t] Executing '/.coderunner/gate' for '[STANDALONE MODE]'\n")
         assert await asyncio.to_thread(writing.wait, 5)
+        watch = os.pidfd_open(proc.pid)
         os.kill(proc.pid, 9)
-        await asyncio.sleep(0.2)  # long enough for the exit to be seen, had it been watched
+        assert select.select([watch], [], [], 5)[0]  # it has exited
+        os.close(watch)
+        for _ in range(20):  # turns enough for the loop to have reaped it, had it been watched
+            await asyncio.sleep(0.005)
         state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         assert state == "Z" and proc.returncode is None
         may_finish.set()
