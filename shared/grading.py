@@ -36,6 +36,7 @@ from shared.messages import CaseFacts, CaseOutput, Outcome, ResultEvent, TestCas
 __all__ = [
     "CompareMode",
     "TestVerdict",
+    "batch_ended_early",
     "batch_summary",
     "batch_verdict",
     "case_verdict",
@@ -144,12 +145,28 @@ def not_run_case(index: int, case: TestCase, outcome: Outcome, verdict: TestVerd
     )
 
 
+def batch_ended_early(
+    tests: Sequence[TestCase], outcome: Outcome, message: str, ran: Sequence[CaseFacts | None] = ()
+) -> ResultEvent:
+    """The result of a batch ended by the platform before all of its cases ran (seq filled
+    in by the script that writes it): the cases in `ran` (by index) keep their facts."""
+    kept = [_as_output(facts) if facts is not None else None for facts in ran]
+    cases, summary = cases_not_run(tests, outcome, kept)
+    result = result_without_run(outcome, message)
+    return msgspec.structs.replace(result, tests=[_as_facts(c) for c in cases], summary=summary)
+
+
 def killed_batch_before_start(tests: Sequence[TestCase]) -> ResultEvent:
-    """The result of a batch killed before any worker took it (seq filled in by the script)."""
-    cases, summary = cases_not_run(tests, Outcome.KILLED)
-    facts = [CaseFacts(**{f: getattr(c, f) for f in CaseFacts.__struct_fields__}) for c in cases]
-    result = result_without_run(Outcome.KILLED, "killed before it started")
-    return msgspec.structs.replace(result, tests=facts, summary=summary)
+    """The result of a batch killed before any worker took it."""
+    return batch_ended_early(tests, Outcome.KILLED, "killed before it started")
+
+
+def _as_output(facts: CaseFacts) -> CaseOutput:
+    return CaseOutput(**{f: getattr(facts, f) for f in CaseFacts.__struct_fields__}, stdout="", stderr="")
+
+
+def _as_facts(case: CaseFacts) -> CaseFacts:
+    return CaseFacts(**{f: getattr(case, f) for f in CaseFacts.__struct_fields__})
 
 
 def cases_not_run(

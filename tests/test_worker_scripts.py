@@ -25,6 +25,7 @@ from api.store import JobStore
 from leanredis import LeanRedis
 from shared import keys
 from shared.messages import CtrlMessage, JobState, Outcome, TestCase, result_without_run
+from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test class)
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.isolation.jail import JailExit
@@ -880,3 +881,28 @@ async def test_a_job_renumbered_before_it_went_live_publishes_what_landed_too(re
     assert [(name, json.loads(data)["seq"]) for name, data in lane.sent] == [
         ("stage", 0), ("compile_output", 1), ("stage", 2)
     ]
+
+
+async def test_a_lost_batch_keeps_the_verdicts_its_log_holds_and_skips_the_rest(redis: Redis, queue: WorkerQueue) -> None:
+    # Its worker died after case 0's verdict was logged: the lost result still lists every
+    # case (case 0 as judged) and a summary, as a grader reads any batch's.
+    spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="first"), TestCase()])
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.spec.job_id == spec.job_id
+    verdict = CaseVerdictEvent(
+        index=0, name="first", outcome=Outcome.COMPLETED, verdict="accepted", exit_code=0, signal=None,
+        duration_ms=5, cpu_ms=3, memory_kb=900, seq=2,
+    )  # fmt: skip
+    await queue.advance(
+        spec.job_id, claim.attempt,
+        [(1, "stage", "data", b'{"phase":"running","seq":1}'), (2, "test_result", "data", msgspec.json.encode(verdict))],
+        started=True,
+    )  # fmt: skip
+    ((job, raw),) = await queue.recover_claims(queue.worker_id)
+    result = json.loads(raw)
+    assert job == spec.job_id and result["outcome"] == "lost" and result["seq"] == 3
+    assert [(c["index"], c["verdict"], c["outcome"]) for c in result["tests"]] == [(0, "accepted", "completed"), (1, "skipped", "lost")]
+    assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 1, "verdict": "skipped"}
+    stored = json.loads(await redis.hget(keys.status_key(spec.job_id), "result"))
+    assert stored == result

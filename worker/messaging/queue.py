@@ -19,7 +19,17 @@ from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
 from shared.eventlog import RESULT_LANDED_LUA, entry_json
-from shared.messages import JobSpec, JobState, StageEvent, WorkerInfo
+from shared.grading import batch_ended_early
+from shared.messages import (
+    CaseFacts,
+    JobSpec,
+    JobState,
+    Outcome,
+    StageEvent,
+    TestResultEvent,
+    WorkerInfo,
+    result_template,
+)
 
 __all__ = ["QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "now_ms"]
 
@@ -265,7 +275,8 @@ def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
     return prefix, b',"message":' + msgspec.json.encode(message) + b"}"
 
 
-_LOST = _result_template("lost", "the worker running this job vanished after the program started; it is not re-run")
+LOST_MESSAGE = "the worker running this job vanished after the program started; it is not re-run"
+_LOST = _result_template("lost", LOST_MESSAGE)
 _UNREADABLE = _result_template("internal_error", "the stored job could not be read by this worker")
 
 
@@ -586,6 +597,29 @@ class WorkerQueue:
             )
         return lost
 
+    async def _lost_template(self, job_id: str) -> tuple[bytes, bytes]:
+        """The `lost` result the job would end with. A test batch's lists every case: those
+        whose test_result its log holds keep their verdicts, the rest are skipped (a grader
+        finds its summary as for any batch). A spec or log that cannot be read gives the
+        plain one: recovery must not fail for it."""
+        try:
+            if not await self.redis.hget(keys.status_key(job_id), "tests"):
+                return _LOST
+            raw = await self.redis.get(keys.spec_key(job_id))
+            spec = decode_stored(JobSpec, raw) if raw is not None else None
+            if spec is None or not spec.tests:
+                return _LOST
+            ran: list[CaseFacts | None] = [None] * len(spec.tests)
+            for _seq, name, data in await self.event_log(job_id):
+                if name == "test_result":
+                    event = decode_stored(TestResultEvent, data)
+                    if 0 <= event.index < len(ran):
+                        ran[event.index] = event
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            log.warning("job %s: its batch could not be read for its lost result (%s)", job_id, exc)
+            return _LOST
+        return result_template(batch_ended_early(spec.tests, Outcome.LOST, LOST_MESSAGE, ran))
+
     async def claimed_ids(self, worker_id: str) -> list[str]:
         return [raw.decode() for raw in await self.redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
 
@@ -600,7 +634,7 @@ class WorkerQueue:
         for job_id in await self.claimed_ids(worker_id):
             if only is not None and job_id not in only:
                 continue
-            result = await self._recover(claimed, job_id, "requeue", _LOST, JobState.LOST)
+            result = await self._recover(claimed, job_id, "requeue", await self._lost_template(job_id), JobState.LOST)
             if result is not None:
                 log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
                 ended.append(result)
