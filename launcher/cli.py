@@ -169,6 +169,13 @@ def _up(argv: list[str]) -> int:
         _say(f"coderunner up: logs kept in {log_dir}", sys.stderr)
         return 1
     status = 0
+    if stopping:
+        # Ctrl-C (or a hangup) came while the stack started: stop it, and print no banner
+        # (nor the token) for a stack that is going away.
+        _say("coderunner: interrupted during start-up; stopping...")
+        stack.cleanup()
+        _say(f"coderunner: stopped; logs kept in {log_dir}")
+        return 130
     try:
         _say(
             f"\n  API         {stack.api_url}\n"

@@ -268,3 +268,25 @@ def test_a_killed_up_leaves_nothing_running(tmp_path: Path) -> None:
     while (left := {m for m in _sandbox_mounts() if Path(m).parent not in other_deployments}) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left
+
+
+def test_ctrl_c_during_start_up_stops_without_a_banner(tmp_path: Path) -> None:
+    """Ctrl-C while the stack is still starting: `up` stops it once it is up, prints neither
+    the banner nor the token, and leaves nothing running."""
+    port = free_port()
+    env, mark = _up_env(tmp_path)
+    up = _up_process(port, env, "--no-worker")
+    try:
+        assert up.stdout is not None
+        first = up.stdout.readline()
+        assert "starting" in first, first
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 130, rest
+    assert "interrupted during start-up" in rest and "API token" not in rest and "Ctrl-C stops everything" not in rest
+    time.sleep(0.2)
+    assert _marked(mark) == [], "left behind"
