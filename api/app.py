@@ -93,6 +93,7 @@ def create_app(settings: Settings) -> Starlette:
         )
         app.state.event_streams = StreamSlots.event_streams(settings)
         app.state.output_waits = StreamSlots.output_waits(settings)
+        app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
         try:
             yield
         finally:

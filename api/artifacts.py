@@ -6,6 +6,10 @@ answer is always an attachment with `nosniff` and a sandboxing CSP, so an HTML o
 file a program wrote can never run as a page of the API's origin; the file name goes into
 Content-Disposition only percent-encoded (RFC 6266 `filename*`), with a plain-ASCII
 fallback, whatever characters it holds.
+
+The bytes are read from Redis in slices as the client takes them, and downloads at once
+are bounded per process and per job (MAX_ARTIFACT_DOWNLOADS, MAX_ARTIFACT_DOWNLOADS_PER_JOB):
+one link opened on many connections that never read cannot take the API's memory.
 """
 
 from __future__ import annotations
@@ -13,17 +17,22 @@ from __future__ import annotations
 import re
 import time
 import urllib.parse
+from collections.abc import AsyncIterator
 
 import msgspec
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
+from api.streams import StreamSlots
 from shared.artifacts import ArtifactMeta, verify_artifact
 from shared.keys import is_job_id
 
 __all__ = ["download_artifact"]
 
 _INDEX = re.compile(r"[0-9]{1,6}")
+# What one read from Redis takes of an artifact (and what a stalled client holds).
+SLICE_BYTES = 256 * 1024
 _FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -50,18 +59,44 @@ async def download_artifact(request: Request) -> Response:
     index = int(raw_index)
     if not verify_artifact(state.settings.pusher_secret, job_id, index, expires, sig, int(time.time())):
         return missing
-    found = await state.store.artifact(job_id, index)
+    slots: StreamSlots = request.app.state.artifact_downloads
+    slot = slots.acquire(job_id, job_id)  # (the link is the only credential: per job is per caller)
+    try:
+        found = await state.store.artifact(job_id, index)
+    except BaseException:
+        slot.release()
+        raise
     if found is None:
+        slot.release()
         return missing
     meta = msgspec.json.decode(found[0], type=ArtifactMeta)
-    data = found[1]
-    return Response(
-        data,
+    size = found[1]
+
+    async def body() -> AsyncIterator[bytes]:
+        # Slice by slice, so a client that reads slowly (or not at all) holds one slice of
+        # the API's memory, not the whole file (up to 64 MiB) for as long as it likes.
+        try:
+            offset = 0
+            while offset < size:
+                piece = await state.store.artifact_slice(job_id, index, offset, SLICE_BYTES)
+                if not piece:
+                    # Expired mid-download: end short of Content-Length, so the client sees
+                    # a broken transfer, never a shorter file passed off as whole.
+                    raise ConnectionAbortedError(f"artifact {job_id}/{index} went away mid-download")
+                offset += len(piece)
+                yield piece
+        finally:
+            slot.release()
+
+    return StreamingResponse(
+        body(),
         media_type=meta.mime_type,
         headers={
+            "Content-Length": str(size),
             "Content-Disposition": _disposition(meta.name),
             "X-Content-Type-Options": "nosniff",
             "Content-Security-Policy": "sandbox; default-src 'none'",
             "Cache-Control": "private, max-age=60",
         },
+        background=BackgroundTask(slot.release),  # (also when the body never began)
     )

@@ -624,13 +624,17 @@ class JobStore:
             test_cases=int(tests or 0),
         )
 
-    async def artifact(self, job_id: str, index: int) -> tuple[bytes, bytes] | None:
-        """An artifact's metadata (JSON) and bytes, or None once gone."""
+    async def artifact(self, job_id: str, index: int) -> tuple[bytes, int] | None:
+        """An artifact's metadata (JSON) and size in bytes, or None once gone."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hget(keys.artifacts_key(job_id), str(index))
-            pipe.get(keys.artifact_data_key(job_id, index))
-            meta, data = await pipe.execute()
-        return None if meta is None or data is None else (meta, data)
+            pipe.exists(keys.artifact_data_key(job_id, index))
+            pipe.strlen(keys.artifact_data_key(job_id, index))
+            meta, exists, size = await pipe.execute()
+        return None if meta is None or not exists else (meta, int(size))
+
+    async def artifact_slice(self, job_id: str, index: int, offset: int, size: int) -> bytes:
+        return bytes(await self._redis.getrange(keys.artifact_data_key(job_id, index), offset, offset + size - 1))
 
     async def callback(self, job_id: str) -> CallbackStatus | None:
         """The delivery state of the job's callback, or None (none, or its record expired)."""

@@ -64,6 +64,11 @@ class StreamSlots:
         return cls(settings.max_event_streams, settings.max_event_streams_per_job, settings.max_event_streams_per_principal)
 
     @classmethod
+    def artifact_downloads(cls, settings: Settings) -> StreamSlots:
+        per_job = settings.max_artifact_downloads_per_job
+        return cls(settings.max_artifact_downloads, per_job, per_job, "artifact downloads")
+
+    @classmethod
     def output_waits(cls, settings: Settings) -> StreamSlots:
         return cls(
             settings.max_output_waits,

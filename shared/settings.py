@@ -46,6 +46,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # one job token), counted per API process, so no caller can hold the whole pool.
     max_event_streams_per_job: int = 4
     max_event_streams_per_principal: int = 32
+    # Artifact downloads under way at once per API process, and for one job.
+    max_artifact_downloads: int = 64
+    max_artifact_downloads_per_job: int = 8
     # Waiting GET /v1/jobs/:id/output?waitMs requests per API process (each blocks on a
     # connection of its own pool, apart from the event streams'), and per caller.
     max_output_waits: int = 256
@@ -180,6 +183,8 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
     "MAX_EVENT_STREAMS_PER_JOB": ("max_event_streams_per_job", _positive_int),
     "MAX_EVENT_STREAMS_PER_PRINCIPAL": ("max_event_streams_per_principal", _positive_int),
+    "MAX_ARTIFACT_DOWNLOADS": ("max_artifact_downloads", _positive_int),
+    "MAX_ARTIFACT_DOWNLOADS_PER_JOB": ("max_artifact_downloads_per_job", _positive_int),
     "MAX_OUTPUT_WAITS": ("max_output_waits", _positive_int),
     "MAX_OUTPUT_WAITS_PER_PRINCIPAL": ("max_output_waits_per_principal", _positive_int),
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),

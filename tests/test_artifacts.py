@@ -4,15 +4,19 @@ through signed, expiring links; nothing that is not a regular file is ever read.
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from api.artifacts import _disposition
 from shared.artifacts import guess_mime_type, sign_artifact, verify_artifact
+from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
 from worker.job.artifacts import collect_artifacts, top_level_names
 
@@ -155,3 +159,60 @@ def test_inputs_and_the_compiled_program_are_not_artifacts(api: Api, realtime: R
 def test_max_artifacts_zero_collects_nothing(api: Api, realtime: Realtime) -> None:
     result, announced, out = _run(api, realtime, py_job("open('x.txt','w').write('x')", limits={"maxArtifacts": 0}))
     assert result["outcome"] == "completed" and announced == [] and out["artifacts"] == []
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_one_link_opened_many_times_cannot_take_the_apis_memory(make_stack: StackFactory) -> None:
+    # Ten connections ask for a 4 MiB artifact and then read nothing. The API streams it in
+    # slices (a stalled client holds one, not the file) and serves at most 8 downloads of
+    # one job at once: the last two are told to retry. Each download is still exact.
+    stack = make_stack()
+    api, rt = Api(stack), Realtime(stack)
+    data = bytes(range(256)) * (16 * 1024)  # 4 MiB
+    code = f"open('big.bin', 'wb').write(bytes(range(256)) * {16 * 1024})\n"
+    sockets: list[socket.socket] = []
+    try:
+        _result, (artifact,), _out = _run(api, rt, py_job(code))
+        anonymous = httpx.Client(base_url=stack.api_url)  # no bearer: the link is the credential
+        try:
+            assert anonymous.get(artifact["url"]).content == data
+            url = urllib.parse.urlsplit(artifact["url"])
+            host, port = urllib.parse.urlsplit(stack.api_url).hostname, urllib.parse.urlsplit(stack.api_url).port
+            request = f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+            api_pid = stack.procs["api"].pid
+            before = _rss_kib(api_pid)
+            statuses = []
+            for _ in range(10):
+                conn = socket.socket()
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing
+                conn.connect((host, port))
+                conn.sendall(request)
+                sockets.append(conn)
+                statuses.append(conn.recv(12).split()[1])
+            time.sleep(1.0)
+            grown_mib = (_rss_kib(api_pid) - before) / 1024
+            assert statuses == [b"200"] * 8 + [b"429"] * 2, statuses
+            assert grown_mib < 16, f"the API grew by {grown_mib:.1f} MiB for 8 stalled downloads of 4 MiB"
+            assert api.get("/health").status_code == 200
+            for conn in sockets:
+                conn.close()
+            sockets.clear()
+            deadline = time.monotonic() + 10
+            while (answer := anonymous.get(artifact["url"])).status_code == 429:  # the slots come back
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert answer.content == data
+        finally:
+            anonymous.close()
+    finally:
+        for conn in sockets:
+            conn.close()
+        api.close()
+        rt.close()
