@@ -45,6 +45,7 @@ from shared.messages import (
     output_without_run,
 )
 from shared.pusher import channel_auth, valid_socket_id
+from shared.runresult import OutputGone
 from shared.validation import check_args, check_stdin, check_tests, decode_files
 
 __all__ = ["routes"]
@@ -484,7 +485,10 @@ async def _output_response(state: AppState, job_id: str, found: StoredOutputFoun
         return Response(found.meta, media_type="application/json")
     if found.streams is not None:
         # Small: assembled from what came with the result, no further reads.
-        return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
+        try:
+            return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
+        except OutputGone:
+            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)") from None
     return StreamingResponse(stream_run_result(state.store, job_id, found.meta), media_type="application/json")
 
 

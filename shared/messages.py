@@ -300,6 +300,10 @@ class StoredOutput(Verdict, frozen=True, kw_only=True, rename="camel", omit_defa
     artifacts: list[dict[str, object]]
     artifacts_truncated: bool
     tests: list[CaseOutput] | None = None
+    # How many bytes each stored stream holds (None: stored before this was recorded), so a
+    # reader can tell a stream that expired mid-read from a short one.
+    stdout_bytes: int | None = None
+    stderr_bytes: int | None = None
 
 
 # ---------------------------------------------------------------- control plane (Redis pub/sub)

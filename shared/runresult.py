@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
-__all__ = ["SLICE_BYTES", "ReadSlice", "run_result_pieces"]
+__all__ = ["SLICE_BYTES", "OutputGone", "ReadSlice", "run_result_pieces"]
 
 # Read this much of a stored stream at a time (a multiple of 3, so base64 pieces join up).
 SLICE_BYTES = 3 * 87382  # ~256 KiB
@@ -26,7 +26,12 @@ ReadSlice = Callable[[str, int, int], Awaitable[bytes]]
 _encoder = msgspec.json.Encoder()
 
 
-async def _json_string(read: ReadSlice, stream: str, encoding: str) -> AsyncIterator[bytes]:
+class OutputGone(Exception):
+    """A stored stream ended before the length its result records (it expired, or was
+    evicted, while being read): the body must break off, not pass a short output as whole."""
+
+
+async def _json_string(read: ReadSlice, stream: str, encoding: str, length: int | None) -> AsyncIterator[bytes]:
     yield b'"'
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     offset = 0
@@ -43,6 +48,8 @@ async def _json_string(read: ReadSlice, stream: str, encoding: str) -> AsyncIter
                 yield _encoder.encode(text)[1:-1]
         if last:
             break
+    if length is not None and offset < length:
+        raise OutputGone(f"{stream} ended at byte {offset} of {length}")
     yield b'"'
 
 
@@ -51,10 +58,10 @@ async def run_result_pieces(read: ReadSlice, meta: bytes, head: bytes = b"{") ->
     `head` is `{` or `{` followed by fields of the caller's and a comma."""
     fields = msgspec.json.decode(meta)
     yield head + b'"stdout":'
-    async for part in _json_string(read, "stdout", fields.get("stdoutEncoding", "utf8")):
+    async for part in _json_string(read, "stdout", fields.get("stdoutEncoding", "utf8"), fields.get("stdoutBytes")):
         yield part
     yield b',"stderr":'
-    async for part in _json_string(read, "stderr", fields.get("stderrEncoding", "utf8")):
+    async for part in _json_string(read, "stderr", fields.get("stderrEncoding", "utf8"), fields.get("stderrBytes")):
         yield part
     rest = meta.strip()[1:]
     yield b"}" if rest.strip() == b"}" else b"," + rest

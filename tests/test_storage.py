@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 
 from launcher.stack import Stack
+from shared.messages import Outcome
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
 
@@ -203,6 +205,29 @@ def test_pulled_output_is_the_same_whole_or_streamed(api: Api, size: int) -> Non
     assert out["stderr"] == "err ✓" and out["exitCode"] == 0 and out["outcome"] == "completed"
     # The non-waiting read answers the same body.
     assert api.get(f"/v1/jobs/{job['jobId']}/output").content == response.content
+    assert (out["stdoutBytes"], out["stderrBytes"]) == (size, len("err ✓".encode()))
+
+
+async def test_a_stream_that_goes_away_mid_read_breaks_the_body_off() -> None:
+    # A slow reader of a large output whose stored stream expires (or is evicted) under it:
+    # the body must break off, not end as valid JSON with a shorter stdout.
+    from shared.messages import StoredOutput
+    from shared.runresult import SLICE_BYTES, OutputGone, run_result_pieces
+
+    stored = {"stdout": b"y" * (3 * SLICE_BYTES), "stderr": b""}
+    meta = msgspec.json.encode(StoredOutput(
+        exit_code=0, signal=None, timed_out=False, idle_timed_out=False, truncated=False, duration_ms=1, cpu_ms=1,
+        memory_kb=1, outcome=Outcome.COMPLETED, compile=None, stdout_encoding="utf8", stderr_encoding="utf8",
+        artifacts=[], artifacts_truncated=False, stdout_bytes=3 * SLICE_BYTES, stderr_bytes=0,
+    ))  # fmt: skip
+
+    async def read(stream: str, offset: int, size: int) -> bytes:
+        if stream == "stdout" and offset >= SLICE_BYTES:
+            return b""  # expired after the first slice
+        return stored[stream][offset : offset + size]
+
+    with pytest.raises(OutputGone, match="stdout ended at byte 262146 of 786438"):
+        [piece async for piece in run_result_pieces(read, meta)]
 
 
 def test_a_collected_job_killed_in_the_queue_has_its_verdict_at_output(make_stack: StackFactory) -> None:

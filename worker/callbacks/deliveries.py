@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.codec import decode_stored
 from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback, output_without_run
-from shared.runresult import run_result_pieces
+from shared.runresult import OutputGone, run_result_pieces
 
 __all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
 
@@ -110,8 +110,11 @@ class CallbackBody:
             return bytes(await redis.getrange(keys.output_stream_key(job_id, stream), offset, offset + size - 1))
 
         head = b'{"jobId":' + _encoder.encode(job_id) + b","
-        async for piece in run_result_pieces(read, self._meta, head):
-            yield piece
+        try:
+            async for piece in run_result_pieces(read, self._meta, head):
+                yield piece
+        except OutputGone:
+            raise ResultGone(job_id) from None  # (expired mid-read: nothing whole is left to send)
 
 
 class Deliveries:

@@ -929,6 +929,8 @@ class JobRun:
             **shared,
             stdout_encoding=output_encoding(bytes(self.budget.data["stdout"])),
             stderr_encoding=output_encoding(bytes(self.budget.data["stderr"])),
+            stdout_bytes=len(self.budget.data["stdout"]),
+            stderr_bytes=len(self.budget.data["stderr"]),
             artifacts=[msgspec.to_builtins(meta) for meta in self._artifacts],
             artifacts_truncated=self._artifacts_truncated,
             tests=self._batch_cases,
