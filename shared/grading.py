@@ -31,7 +31,17 @@ from typing import Literal
 
 import msgspec
 
-from shared.messages import CaseFacts, CaseOutput, Outcome, ResultEvent, TestCase, TestSummary, result_without_run
+from shared.messages import (
+    CaseFacts,
+    CaseOutput,
+    Outcome,
+    ResultEvent,
+    TestCase,
+    TestSummary,
+    case_facts,
+    case_without_output,
+    result_without_run,
+)
 
 __all__ = [
     "CompareMode",
@@ -150,23 +160,15 @@ def batch_ended_early(
 ) -> ResultEvent:
     """The result of a batch ended by the platform before all of its cases ran (seq filled
     in by the script that writes it): the cases in `ran` (by index) keep their facts."""
-    kept = [_as_output(facts) if facts is not None else None for facts in ran]
+    kept = [case_without_output(facts) if facts is not None else None for facts in ran]
     cases, summary = cases_not_run(tests, outcome, kept)
     result = result_without_run(outcome, message)
-    return msgspec.structs.replace(result, tests=[_as_facts(c) for c in cases], summary=summary)
+    return msgspec.structs.replace(result, tests=[case_facts(c) for c in cases], summary=summary)
 
 
 def killed_batch_before_start(tests: Sequence[TestCase]) -> ResultEvent:
     """The result of a batch killed before any worker took it."""
     return batch_ended_early(tests, Outcome.KILLED, "killed before it started")
-
-
-def _as_output(facts: CaseFacts) -> CaseOutput:
-    return CaseOutput(**{f: getattr(facts, f) for f in CaseFacts.__struct_fields__}, stdout="", stderr="")
-
-
-def _as_facts(case: CaseFacts) -> CaseFacts:
-    return CaseFacts(**{f: getattr(case, f) for f in CaseFacts.__struct_fields__})
 
 
 def cases_not_run(

@@ -48,6 +48,8 @@ __all__ = [
     "TestSummary",
     "WorkerInfo",
     "WorkerLoad",
+    "case_facts",
+    "case_without_output",
     "output_without_run",
     "result_template",
     "result_without_run",
@@ -228,6 +230,16 @@ class CaseOutput(CaseFacts, frozen=True, kw_only=True, rename="camel", omit_defa
     # The output kept here is the first part only: a batch keeps at most the job's outputKb
     # of its cases' output, split evenly among them.
     output_cut: bool = False
+
+
+def case_facts(case: CaseFacts) -> CaseFacts:
+    """A case's facts alone (a CaseOutput without its output), as events carry them."""
+    return CaseFacts(**{f: getattr(case, f) for f in CaseFacts.__struct_fields__})
+
+
+def case_without_output(facts: CaseFacts) -> CaseOutput:
+    """A case as the pullable result lists it when none of its output is kept."""
+    return CaseOutput(**{f: getattr(facts, f) for f in CaseFacts.__struct_fields__}, stdout="", stderr="")
 
 
 class TestSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -466,11 +478,7 @@ def output_without_run(result: ResultEvent) -> StoredOutput:
     queue, lost with its worker) has to pull: its verdict, empty streams, no artifacts.
     Served like any stored output, so the RunResult has the same shape."""
     verdict = {name: getattr(result, name) for name in Verdict.__struct_fields__}
-    cases = (
-        [CaseOutput(**{f: getattr(c, f) for f in CaseFacts.__struct_fields__}, stdout="", stderr="") for c in result.tests]
-        if result.tests is not None
-        else None
-    )
+    cases = [case_without_output(c) for c in result.tests] if result.tests is not None else None
     return StoredOutput(
         **verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False, tests=cases
     )

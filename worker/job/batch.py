@@ -34,6 +34,7 @@ from shared.messages import (
     TestCase,
     TestResultEvent,
     TestSummary,
+    case_facts,
 )
 from worker.isolation.jail import Program
 from worker.isolation.pool import SandboxPool
@@ -355,5 +356,4 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
 
 def facts_only(cases: list[CaseOutput]) -> list[CaseFacts]:
     """The cases as the result event carries them (without their output)."""
-    fields = CaseFacts.__struct_fields__
-    return [CaseFacts(**{f: getattr(c, f) for f in fields}) for c in cases]
+    return [case_facts(c) for c in cases]
