@@ -157,6 +157,10 @@ async def execute(request: Request) -> Response:
         raise ValidationError([FieldError("args", f"are not supported for {manifest.language}")])
     if req.tests is not None:
         _check_batch(req, sum(len(data) for _, data in files), state.settings.max_files_bytes, manifest.run)
+    else:
+        for field, given in (("compare", req.compare is not None), ("stopOnFirstFailure", req.stop_on_first_failure is not None)):
+            if given:
+                raise ValidationError([FieldError(field, "applies to a test batch only: give `tests` too")])
     defaults = with_overrides(DEFAULT_LIMITS, manifest.limits)
     limits = resolve_limits(req.limits, defaults, state.settings.limit_maxima)
     if req.callback_url is not None:
@@ -177,8 +181,8 @@ async def execute(request: Request) -> Response:
         collect_output=req.collect_output,
         callback_url=req.callback_url,
         tests=req.tests,
-        compare=req.compare,
-        stop_on_first_failure=req.stop_on_first_failure,
+        compare=req.compare or "exact",
+        stop_on_first_failure=bool(req.stop_on_first_failure),
     )
     settings = state.settings
     answer = await state.store.enqueue(

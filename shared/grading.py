@@ -138,7 +138,7 @@ def batch_summary(cases: Sequence[CaseFacts]) -> TestSummary:
     )
 
 
-def not_run_case(index: int, case: TestCase, outcome: Outcome, verdict: TestVerdict) -> CaseOutput:
+def not_run_case(index: int, case: TestCase, outcome: Outcome | None, verdict: TestVerdict) -> CaseOutput:
     """A case with no facts of its own: skipped, or lost to a failure of the platform."""
     return CaseOutput(
         index=index,

@@ -91,8 +91,9 @@ class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", 
     callback_url: str | None = None
     # A test batch: compiled once, each case run in a fresh jail and judged (shared/grading.py).
     tests: list[TestCase] | None = None
-    compare: Literal["exact", "lines", "tokens"] = "exact"
-    stop_on_first_failure: bool = False
+    # Unset means "exact" and false; either given without `tests` is refused (it would judge nothing).
+    compare: Literal["exact", "lines", "tokens"] | None = None
+    stop_on_first_failure: bool | None = None
 
 
 class StdinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -205,7 +206,9 @@ class CaseFacts(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
 
     index: int
     name: str | None
-    outcome: Outcome
+    # null for a case that never ran because an earlier one failed under stopOnFirstFailure
+    # (the job went on to complete; this case did not).
+    outcome: Outcome | None
     verdict: str
     exit_code: int | None
     signal: str | None

@@ -170,6 +170,7 @@ def test_stop_on_first_failure_skips_the_rest(api: Api, realtime: Realtime) -> N
     ]
     result, followed = run(api, realtime, c_batch(tests, stopOnFirstFailure=True))
     assert [case["verdict"] for case in result["tests"]] == ["accepted", "wrong_answer", "skipped"]
+    assert [case["outcome"] for case in result["tests"]] == ["completed", "completed", None]  # case 2 never ran
     assert result["summary"]["skipped"] == 1
     assert len([1 for n, _ in followed.events if n == "test_result"]) == 2
 
@@ -358,6 +359,16 @@ def test_bad_batches_are_refused_naming_the_field(api: Api, change: dict[str, An
     assert field in response.text
 
 
+@pytest.mark.parametrize(("change", "field"), [({"compare": "lines"}, "compare"), ({"stopOnFirstFailure": False}, "stopOnFirstFailure")])
+def test_batch_options_without_tests_are_refused(api: Api, change: dict[str, Any], field: str) -> None:
+    # Judging options on a job that has no cases would silently judge nothing.
+    body = {key: value for key, value in c_batch([{"stdin": "1 1\n"}]).items() if key != "tests"}
+    response = api.post("/v1/execute", json={**body, **change})
+    assert response.status_code == 400, response.text
+    assert response.json()["details"][0]["field"] == field
+    assert "tests" in response.json()["details"][0]["message"]
+
+
 # ---------------------------------------------------------------- run_batch with a stand-in jail
 
 
@@ -544,12 +555,12 @@ def test_a_batch_that_never_ran_lists_every_case() -> None:
 
 def test_a_worker_stop_after_a_failure_stopped_the_batch_is_no_kill() -> None:
     # Under stopOnFirstFailure case 0 failed and decided the rest; the worker stopping then
-    # changes nothing: not `killed`, and the skipped case's outcome stays as the failure left it.
+    # changes nothing: not `killed`, and the skipped case never ran (no outcome of its own).
     progress = batch.BatchProgress([TestCase(), TestCase()], 0.0)
     progress.results[0] = not_run_case(0, TestCase(), Outcome.COMPLETED, Verdict.WRONG_ANSWER)
     progress.stop_reason = "failure"
     result = batch.summarize(progress, 1.0, stopped=True)
-    assert not result.killed and result.cases[1].outcome == Outcome.COMPLETED
+    assert not result.killed and result.cases[1].outcome is None
     assert result.summary.verdict == "wrong_answer"
     progress.stop_reason = None  # nothing had decided them: the stop did
     assert batch.summarize(progress, 1.0, stopped=True).killed

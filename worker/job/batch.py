@@ -336,7 +336,7 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
         or (
             not_run_case(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
             if index in progress.broken
-            else not_run_case(index, case, Outcome.KILLED if reason == "kill" else Outcome.COMPLETED, TestVerdict.SKIPPED)
+            else not_run_case(index, case, Outcome.KILLED if reason == "kill" else None, TestVerdict.SKIPPED)
         )
         for index, case in enumerate(progress.tests)
     ]
