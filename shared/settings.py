@@ -92,6 +92,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # first job, "off" = never).
     worker_prestart: str = "python"
     worker_warmup_ms: int = 30000
+    # A test batch's whole time, from its first case: past it, the cases still running are
+    # stopped and the rest skipped (the job ends timed_out), so one batch of many slow cases
+    # cannot hold a worker's sandboxes for hours.
+    worker_batch_wall_ms: int = 600000
     worker_heartbeat_ms: int = 2000
     worker_lease_ttl_ms: int = 10000
     worker_shutdown_grace_ms: int = 10000
@@ -208,6 +212,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "WORKER_MAX_PARKED": ("worker_max_parked", _positive_int),
     "WORKER_PRESTART": ("worker_prestart", _str),
     "WORKER_WARMUP_MS": ("worker_warmup_ms", _positive_int),
+    "WORKER_BATCH_WALL_MS": ("worker_batch_wall_ms", _positive_int),
     "WORKER_HEARTBEAT_MS": ("worker_heartbeat_ms", _positive_int),
     "WORKER_LEASE_TTL_MS": ("worker_lease_ttl_ms", _positive_int),
     "WORKER_SHUTDOWN_GRACE_MS": ("worker_shutdown_grace_ms", _positive_int),

@@ -235,6 +235,31 @@ def test_a_batchs_kept_output_is_bounded_and_charged_to_its_owner(make_stack: St
 
 
 @pytest.mark.slow
+def test_a_batch_past_its_time_budget_ends_timed_out(make_stack: StackFactory) -> None:
+    # Each case may run 20 s, but the batch as a whole has 2 s: the looping case 1 is stopped
+    # there and case 2 never runs, so the batch holds the worker for its budget, not 40 s.
+    stack = make_stack(WORKER_BATCH_WALL_MS="2000")
+    api, rt = Api(stack), Realtime(stack)
+    tests = [{"stdin": "1 1\n", "expectedOutput": "2\n"}, {"stdin": "0 1\n"}, {"stdin": "2 2\n"}]
+    try:
+        job = api.execute(c_batch(tests, limits={"wallTimeMs": 20000, "cpuMs": 20000}, stopOnFirstFailure=True))
+        followed = rt.follow(job)
+        api.start(job)
+        result = followed.wait_result(timeout_s=20)
+    finally:
+        api.close()
+        rt.close()
+    assert (result["outcome"], result["killedBy"], result["timedOut"]) == ("timed_out", "wall", True)
+    assert "time budget (2000 ms)" in result["message"]
+    assert 1900 <= result["durationMs"] < 6000
+    assert [(c["verdict"], c["outcome"]) for c in result["tests"]] == [
+        ("accepted", "completed"), ("skipped", "timed_out"), ("skipped", "timed_out"),
+    ]  # fmt: skip
+    assert result["tests"][1]["killedBy"] == "wall" and result["summary"]["skipped"] == 2
+    assert [name for name, _ in followed.events].count("test_result") == 2  # case 2 never ran
+
+
+@pytest.mark.slow
 def test_a_worker_stopping_mid_batch_keeps_the_verdicts_of_the_cases_that_ran(make_stack: StackFactory) -> None:
     # SIGTERM with a short grace while case 1 of 3 runs: case 0 keeps its verdict, the rest
     # are skipped, and the job says it was killed by the stop.
@@ -326,7 +351,7 @@ async def test_a_kill_reaches_a_case_still_waiting_for_its_sandbox(monkeypatch: 
         batch.run_batch(
             spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",
             sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(), pool=pool,
-            events=events, ctrl=ctrl, keep_output=False,
+            events=events, ctrl=ctrl, keep_output=False, budget_ms=60000,
         )  # type: ignore[arg-type]
     )  # fmt: skip
     await asyncio.wait_for(pool.waiting.wait(), 5)
@@ -409,12 +434,14 @@ def _completed(**over: Any) -> StepFacts:
                         "memory_kb": 0, "oom_kills": 0, **over})  # fmt: skip
 
 
-async def _run(spec: JobSpec, pool: Any, events: Any = None, ctrl: Any = None, keep_output: bool = False) -> Any:
+async def _run(
+    spec: JobSpec, pool: Any, events: Any = None, ctrl: Any = None, keep_output: bool = False, budget_ms: int = 60000
+) -> Any:
     return await batch.run_batch(
         spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
         sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
         pool=pool, events=events or SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),
-        ctrl=ctrl or asyncio.Queue(), keep_output=keep_output,
+        ctrl=ctrl or asyncio.Queue(), keep_output=keep_output, budget_ms=budget_ms,
     )  # fmt: skip
 
 
@@ -536,9 +563,40 @@ async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.M
         spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
         sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(),  # type: ignore[arg-type]
         pool=_ReadyPool(), events=SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),  # type: ignore[arg-type]
-        ctrl=asyncio.Queue(), keep_output=False,
+        ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000,
     )  # fmt: skip
     assert touches == [batch.STDIN_PIECE, 2 * batch.STDIN_PIECE, 3 * batch.STDIN_PIECE]
+
+
+async def test_a_batch_past_its_time_budget_stops_its_cases_and_skips_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Case 0 is quick, case 1 hangs (a kill ends it), case 2 waits its turn: at the budget,
+    # case 1 is stopped (skipped, by the wall clock) and case 2 never runs.
+    ran: list[str] = []
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> StepFacts:
+        ran.append(jail.name)
+        if jail.name == "first":
+            return _completed()
+        await inbox.get()
+        return _completed(exit=JailExit(None, "SIGKILL", False), fired="user")
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    result = await asyncio.wait_for(_run(_spec(3, stop_on_first_failure=True), _ReadyPool(), budget_ms=200), 5)
+    assert ran == ["first", "s1"]
+    assert [(c.verdict, c.outcome, c.killed_by) for c in result.cases] == [
+        ("accepted", Outcome.COMPLETED, None), ("skipped", Outcome.TIMED_OUT, "wall"), ("skipped", Outcome.TIMED_OUT, None),
+    ]  # fmt: skip
+    assert result.timed_out and not result.killed and result.summary.skipped == 2
+
+
+async def test_a_batch_that_ends_within_its_budget_is_not_timed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def supervise(*_a: Any, **_k: Any) -> StepFacts:
+        return _completed()
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    result = await _run(_spec(2), _ReadyPool(), budget_ms=50)
+    await asyncio.sleep(0.1)  # the budget's timer is gone with the batch
+    assert not result.timed_out and [c.verdict for c in result.cases] == ["accepted", "accepted"]
 
 
 def test_a_batch_that_never_ran_lists_every_case() -> None:

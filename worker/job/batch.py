@@ -61,6 +61,8 @@ class BatchResult:
     cases: list[CaseOutput]
     summary: TestSummary
     killed: bool
+    # The batch's time budget (WORKER_BATCH_WALL_MS) stopped cases or kept them from running.
+    timed_out: bool
     duration_ms: int
     cpu_ms: int
     memory_kb: int
@@ -77,9 +79,11 @@ class BatchProgress:
         self.started_at = started_at
         self.cpu_ms = 0
         self.memory_kb = 0
-        # Why cases not run yet are skipped: "kill" or "failure" (stopOnFirstFailure), the first.
+        # Why cases not run yet are skipped, the first of: "kill", "failure" (under
+        # stopOnFirstFailure), "budget" (the batch's time ran out).
         self.stop_reason: str | None = None
         self.killed_cases = 0  # cases a kill ended while they ran
+        self.budget_cases = 0  # cases the time budget ended while they ran
 
 
 class _CaseOutput:
@@ -153,10 +157,12 @@ async def run_batch(
     events: JobEvents,
     ctrl: asyncio.Queue[CtrlMessage],
     keep_output: bool,
+    budget_ms: int,
     progress: BatchProgress | None = None,
 ) -> BatchResult:
     """Run every case of `spec.tests`; `first` (already loaded) serves case 0 and is
-    destroyed like every other case's sandbox (the caller must not reuse it).
+    destroyed like every other case's sandbox (the caller must not reuse it). `budget_ms`
+    after the batch began, the cases still running are stopped and the rest skipped.
 
     Raises:
         Fenced: the job stopped being this worker's (its running cases are stopped first).
@@ -180,13 +186,16 @@ async def run_batch(
         argv = expand_argv(manifest.run, entry=entry, sources=sources, args=case.args, memory_mb=limits.memory_mb)
         return Program(argv=argv, env=dict(manifest.env), **program_rlimits, adoptable=adoptable)
 
+    def stop_running(reason: str) -> None:
+        halt(reason)
+        for inbox in running:
+            inbox.put_nowait(CtrlMessage(type="kill"))
+
     async def forward_kills() -> None:
         while True:
             message = await ctrl.get()
             if message.type == "kill":
-                halt("kill")
-                for inbox in running:
-                    inbox.put_nowait(message)
+                stop_running("kill")
 
     async def one(index: int, case: TestCase, sandbox: Sandbox | None) -> None:
         prog = program(case)
@@ -235,34 +244,42 @@ async def run_batch(
             pool.give_back(sandbox)
         facts.memory_kb = max(0, facts.memory_kb - sandbox.memory_base_bytes // 1024)
         verdict_of_run = judge_run(facts)
+        outcome, killed_by = verdict_of_run.outcome, verdict_of_run.killed_by
         signal = facts.exit.signal
-        if verdict_of_run.outcome == Outcome.KILLED and signal is None:
+        if outcome == Outcome.KILLED and signal is None:
             signal = "SIGKILL"
-        if verdict_of_run.killed_by == "user":
-            progress.killed_cases += 1
-        verdict = case_verdict(
-            outcome=verdict_of_run.outcome.value,
-            exit_code=facts.exit.exit_code,
-            signal=signal,
-            killed_by=verdict_of_run.killed_by,
-            truncated=output.truncated,
-            stdout=bytes(output.data["stdout"]),
-            expected=case.expected_output,
-            compare=spec.compare,
-        )
+        if killed_by == "user" and progress.stop_reason == "budget":
+            # Stopped by the batch's clock, not by a user, and not for its own time: it is
+            # not judged (skipped), and says which clock it was.
+            outcome, killed_by = Outcome.TIMED_OUT, "wall"
+            progress.budget_cases += 1
+            verdict = TestVerdict.SKIPPED
+        else:
+            if killed_by == "user":
+                progress.killed_cases += 1
+            verdict = case_verdict(
+                outcome=outcome.value,
+                exit_code=facts.exit.exit_code,
+                signal=signal,
+                killed_by=killed_by,
+                truncated=output.truncated,
+                stdout=bytes(output.data["stdout"]),
+                expected=case.expected_output,
+                compare=spec.compare,
+            )
         progress.cpu_ms += facts.cpu_ms
         progress.memory_kb = max(progress.memory_kb, facts.memory_kb)
         base = {
             "index": index,
             "name": case.name,
-            "outcome": verdict_of_run.outcome,
+            "outcome": outcome,
             "verdict": verdict.value,
             "exit_code": facts.exit.exit_code if signal is None else None,
             "signal": signal,
             "duration_ms": facts.duration_ms,
             "cpu_ms": facts.cpu_ms,
             "memory_kb": facts.memory_kb,
-            "killed_by": verdict_of_run.killed_by,
+            "killed_by": killed_by,
             "truncated": output.truncated,
         }
         kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
@@ -284,6 +301,7 @@ async def run_batch(
     width = 1 if spec.stop_on_first_failure else max(1, min(MAX_PARALLEL, pool.ready + 1))
     gate = asyncio.Semaphore(width)
     kills = asyncio.create_task(forward_kills(), name=f"batch-kills:{spec.job_id}")
+    budget = loop.call_at(progress.started_at + budget_ms / 1000, stop_running, "budget")
 
     first_taken = False
     fenced: list[Fenced] = []
@@ -314,6 +332,7 @@ async def run_batch(
         tasks = [asyncio.create_task(guarded(i, case)) for i, case in enumerate(tests)]
         done = await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        budget.cancel()
         kills.cancel()
         await asyncio.gather(kills, return_exceptions=True)
         if not first_taken:
@@ -326,6 +345,11 @@ async def run_batch(
     return summarize(progress, now=loop.time())
 
 
+# A case that never ran: killed or timed out (the batch's budget) with the job; under
+# stopOnFirstFailure it has no outcome at all.
+_NOT_RUN_OUTCOME = {"kill": Outcome.KILLED, "budget": Outcome.TIMED_OUT}
+
+
 def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> BatchResult:
     """The batch as it stands: every case's facts, the ones that did not run skipped (or
     internal_error, lost to the worker). `stopped`: the worker is stopping, and what had
@@ -336,7 +360,7 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
         or (
             not_run_case(index, case, Outcome.INTERNAL_ERROR, TestVerdict.INTERNAL_ERROR)
             if index in progress.broken
-            else not_run_case(index, case, Outcome.KILLED if reason == "kill" else None, TestVerdict.SKIPPED)
+            else not_run_case(index, case, _NOT_RUN_OUTCOME.get(reason), TestVerdict.SKIPPED)
         )
         for index, case in enumerate(progress.tests)
     ]
@@ -348,6 +372,7 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
         cases=cases,
         summary=batch_summary(cases),
         killed=killed,
+        timed_out=not killed and (progress.budget_cases > 0 or (reason == "budget" and unrun)),
         duration_ms=round((now - progress.started_at) * 1000),
         cpu_ms=progress.cpu_ms,
         memory_kb=progress.memory_kb,

@@ -741,17 +741,21 @@ class JobRun:
             events=self.events,
             ctrl=ctrl,
             keep_output=self.spec.collect_output,
+            budget_ms=self.ctx.settings.worker_batch_wall_ms,
             progress=self._batch,
         )
         await self._finish_batch(batch, compiled)
 
     async def _finish_batch(self, batch: BatchResult, compiled: CompileInfo | None, message: str | None = None) -> None:
         self._batch_cases = batch.cases
-        outcome = Outcome.KILLED if batch.killed else Outcome.COMPLETED
+        outcome = Outcome.KILLED if batch.killed else Outcome.TIMED_OUT if batch.timed_out else Outcome.COMPLETED
+        if batch.timed_out and message is None:
+            budget_ms = self.ctx.settings.worker_batch_wall_ms
+            message = f"the batch ran past its time budget ({budget_ms} ms): cases not done by then were skipped"
         event = ResultEvent(
             exit_code=None,
-            signal="SIGKILL" if batch.killed else None,
-            timed_out=False,
+            signal="SIGKILL" if batch.killed or batch.timed_out else None,
+            timed_out=batch.timed_out,
             idle_timed_out=False,
             truncated=any(case.truncated for case in batch.cases),
             duration_ms=batch.duration_ms,
@@ -760,7 +764,7 @@ class JobRun:
             outcome=outcome,
             compile=compiled,
             seq=0,
-            killed_by="user" if batch.killed else None,
+            killed_by="user" if batch.killed else "wall" if batch.timed_out else None,
             message=message,
             summary=batch.summary,
             tests=facts_only(batch.cases),
