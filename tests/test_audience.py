@@ -71,6 +71,25 @@ def test_a_follower_who_comes_late_is_heard(make_stack: StackFactory) -> None:
         api.close()
 
 
+def test_a_follower_who_comes_just_before_the_end_gets_the_result_live(make_stack: StackFactory) -> None:
+    # The lane looks for an audience at most once a second: a client who subscribes within
+    # that second of the job's end (its status said `running`) must still get the result.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        for _ in range(3):
+            job = api.execute(py_job("import time\nprint('x', flush=True)\ntime.sleep(0.6)\n"))
+            api.start(job)
+            api.wait_state(job, {"running"})
+            time.sleep(0.1)  # the lane has looked, and found nobody
+            followed = rt.follow(job)
+            assert api.get(f"/v1/jobs/{job['jobId']}").json()["state"] == "running"
+            assert followed.wait_result(timeout_s=10)["outcome"] == "completed"
+    finally:
+        rt.close()
+        api.close()
+
+
 def test_signing_a_subscription_marks_the_job_as_followed(make_stack: StackFactory) -> None:
     stack = make_stack(WORKER_MAX_SANDBOXES="1")
     api, rt = Api(stack), Realtime(stack)

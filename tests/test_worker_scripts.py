@@ -164,6 +164,9 @@ class _Lane:
     def wants_audience(self) -> bool:
         return False
 
+    def learned_audience(self, present: bool) -> None:
+        pass
+
     async def close(self, timeout_s: float = 0.0) -> None:
         pass
 
@@ -313,6 +316,17 @@ async def test_under_a_hard_stop_a_result_whose_answer_is_late_is_still_publishe
     await run._finish(Outcome.COMPLETED, result_without_run(Outcome.COMPLETED, None))
     assert (await redis.hget(keys.status_key(claim.spec.job_id), "state")) == b"done"
     assert [name for name, _ in lane.sent] == ["stage", "result"]
+
+
+async def test_finish_says_whether_someone_follows_the_job(redis: Redis, queue: WorkerQueue) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await redis.set(keys.audience_key(job), "1", ex=60)  # a subscription was signed
+    written = await queue.finish(job, claim.attempt, JobState.DONE, 1, b'{"seq":1}', None)
+    assert written is not None and written.heard
+    other = await _claimed(redis, queue)  # nobody subscribed to this one
+    written = await queue.finish(other.spec.job_id, other.attempt, JobState.DONE, 1, b'{"seq":1}', None)
+    assert written is not None and not written.heard
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

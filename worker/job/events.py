@@ -231,6 +231,11 @@ class JobEvents:
         self.next_seq = next_seq + 1
         return next_seq
 
-    def publish(self, name: str, data: bytes) -> None:
-        """Publish an event another script logged (the result); the caller went live first."""
+    def publish(self, name: str, data: bytes, heard: bool = False) -> None:
+        """Publish an event another script logged (the result); the caller went live first.
+        `heard`: the script saw that someone follows the job. The lane's own answer may be
+        up to a second old, and a client who subscribed since (its status then said the job
+        was still running) waits for this event."""
+        if heard:
+            self._lane.learned_audience(True)
         self._lane.send(name, data)

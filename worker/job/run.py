@@ -837,18 +837,19 @@ class JobRun:
                 log.error("job %s: the worker stopped before the result could be stored", self.job_id)
                 raise asyncio.CancelledError from None
         if stored is not None:
-            result_json, event = stored
+            result_json, event, heard = stored
             if self.spec.callback_url:
                 self.ctx.callback_due()  # the result write queued its delivery
             await self._go_live_with_result()
-            self._publish_result(outcome, result_json, event)
+            self._publish_result(outcome, result_json, event, heard)
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[bytes, ResultEvent] | None:
+    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[bytes, ResultEvent, bool] | None:
         """Number and write the result (retrying through Redis outages up to FINISH_RETRY_S).
-        Returns its JSON and event (the seq in it) once written, None if it was not (the claim
-        is then left to recovery, or the job is no longer this worker's)."""
+        Returns its JSON, its event (the seq in it) and whether anyone followed the job as it
+        was written, once written; None if it was not (the claim is then left to recovery, or
+        the job is no longer this worker's)."""
         seq = await self.events.take_result_seq()
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
@@ -886,7 +887,7 @@ class JobRun:
                 if self.ctx.hard_stop.is_set() and await self._stored_already(result_json):
                     # The write landed and only its answer was lost or late: no retry comes
                     # under a hard stop to find that out, so look.
-                    return result_json, event
+                    return result_json, event, True  # (unknown: publish, at the cost of a request)
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)
@@ -897,10 +898,10 @@ class JobRun:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            if not written:
+            if written is None:
                 log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
                 return None
-            return result_json, event
+            return result_json, event, written.heard
 
     async def _stored_already(self, result_json: bytes) -> bool:
         """Whether the job's record holds this very result (one quick read, or False)."""
@@ -918,8 +919,8 @@ class JobRun:
         except RedisError as exc:
             log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
 
-    def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent) -> None:
-        self.events.publish("result", result_json)
+    def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent, heard: bool) -> None:
+        self.events.publish("result", result_json, heard)
         log.info(
             "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
             self.job_id, outcome.value, event.exit_code, event.signal, event.duration_ms, event.cpu_ms, event.memory_kb,

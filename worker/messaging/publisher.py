@@ -419,7 +419,9 @@ class JobLane:
     async def _heard(self) -> bool:
         """A job nobody follows (a grader's) costs soketi nothing, and Redis one look. A
         client that subscribes later is noticed within AUDIENCE_RECHECK_S of the next
-        event; what it missed is in the durable log, as for any late joiner."""
+        event; what it missed is in the durable log, as for any late joiner. The result's
+        write reads the mark itself (JobEvents.publish), so the result is never lost to
+        an answer up to a second old."""
         if self._audience:
             return True
         now = time.monotonic()

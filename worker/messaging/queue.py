@@ -31,7 +31,7 @@ from shared.messages import (
     result_template,
 )
 
-__all__ = ["QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "now_ms"]
+__all__ = ["QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "Written", "now_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,13 @@ _FINISH = (
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
+-- Written: 1, or 3 when someone follows the job (its audience mark), read here so that a
+-- client who subscribed a moment ago gets the result live (see JobLane).
+local written = redis.call('EXISTS', KEYS[15]) == 1 and 3 or 1
 if mine and state and terminal[state] and redis.call('HGET', KEYS[1], 'result') == ARGV[5] then
   -- Our own earlier write, whose reply was lost with the connection.
   redis.call('LREM', KEYS[6], 1, ARGV[8])
-  return 1
+  return written
 end
 if (not mine) or (not state) or terminal[state] then
   redis.call('LREM', KEYS[6], 1, ARGV[8])
@@ -199,7 +202,7 @@ if kept > 0 then
   redis.call('EXPIRE', KEYS[10], ARGV[2])
   redis.call('EXPIRE', KEYS[11], ARGV[2])
 end
-return 1
+return written
 """
 )
 
@@ -294,6 +297,12 @@ class LogAhead(Exception):
     def __init__(self, next_seq: int) -> None:
         super().__init__(f"the log's next seq is {next_seq}")
         self.next_seq = next_seq
+
+
+class Written(msgspec.Struct, frozen=True):
+    """A result the job's record now holds; `heard`: someone followed the job as it landed."""
+
+    heard: bool
 
 
 class Claim(msgspec.Struct, frozen=True):
@@ -479,12 +488,12 @@ class WorkerQueue:
         output: tuple[bytes, bytes] = (b"", b""),
         owner: str = "",
         kept_bytes: int = 0,
-    ) -> bool:
+    ) -> Written | None:
         """Write the terminal state, the result event and the pullable output in one step.
 
         `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
         `kept_bytes` (the output in the log and beside the result) goes on `owner`'s ledger
-        of retained output until the job's records expire. False: the job is not this
+        of retained output until the job's records expire. None: the job is not this
         worker's any more (or has ended).
 
         Raises:
@@ -516,7 +525,7 @@ class WorkerQueue:
         )
         if isinstance(answer, list):
             raise LogAhead(int(answer[1]))
-        return bool(answer)
+        return Written(heard=answer == 3) if answer else None
 
     async def stored_result(self, job_id: str) -> bytes | None:
         """The result JSON the job's record holds, if it has ended."""
