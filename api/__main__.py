@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         loop="uvloop",
-        # httptools with header and body read timeouts (api/server.py).
-        http=guarded_protocol(settings.api_header_timeout_ms, settings.api_body_timeout_ms),
+        # httptools with header and body read timeouts and a send timeout (api/server.py).
+        http=guarded_protocol(settings.api_header_timeout_ms, settings.api_body_timeout_ms, settings.api_send_timeout_ms),
         lifespan="on",
     )
     return 0

@@ -11,7 +11,11 @@ for the body, the handler waiting for it) for as long as it likes. This subclass
 - a head size cap (`MAX_HEAD_BYTES`): httptools accepts headers of any size;
 - a body timeout: from the end of the headers, the whole body must arrive within
   `API_BODY_TIMEOUT_MS`; otherwise the client gets a `408` if no response has started,
-  the handler sees the client as gone (`http.disconnect`), and the connection is closed.
+  the handler sees the client as gone (`http.disconnect`), and the connection is closed;
+- a send timeout: a client that takes none of a response the server could not buffer for
+  `API_SEND_TIMEOUT_MS` (the socket and the transport are full) has its connection dropped,
+  and the handler sees it gone. Without it, a reader that stops reading holds its handler,
+  and whatever admission slot that holds (an event stream, an artifact download), for ever.
 
 Connections idle between requests stay under uvicorn's keep-alive timeout.
 """
@@ -47,11 +51,13 @@ def _error_bytes(status: int, reason: str, message: str) -> bytes:
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._request_bytes_seen = False
 
@@ -64,7 +70,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head()
         self._cancel_body()
+        self._cancel_send()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The transport holds more than its high-water mark: the client is not taking it.
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        self._cancel_send()
+        super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
         idle = self.cycle is None or self.cycle.response_complete
@@ -129,6 +146,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
 
+    def _cancel_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        if self.transport.is_closing() and self.transport.get_write_buffer_size() == 0:
+            return
+        log.info("dropped a connection from %s: it took none of its response for %.1f s", self._peer(), self.send_timeout_s)
+        # abort, not close: close() waits to flush a buffer this client will never take.
+        self.transport.abort()
+
     def _head_expired(self) -> None:
         self._head_timer = None
         if self.transport.is_closing():
@@ -164,10 +194,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
 
-def guarded_protocol(header_timeout_ms: int, body_timeout_ms: int) -> type[GuardedHttpToolsProtocol]:
+def guarded_protocol(
+    header_timeout_ms: int, body_timeout_ms: int, send_timeout_ms: int = 30000
+) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to give uvicorn as `http=`, with these timeouts."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
-        {"header_timeout_s": header_timeout_ms / 1000, "body_timeout_s": body_timeout_ms / 1000},
+        {
+            "header_timeout_s": header_timeout_ms / 1000,
+            "body_timeout_s": body_timeout_ms / 1000,
+            "send_timeout_s": send_timeout_ms / 1000,
+        },
     )

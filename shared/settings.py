@@ -58,6 +58,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # end of its headers).
     api_header_timeout_ms: int = 10000
     api_body_timeout_ms: int = 30000
+    # A client that takes none of a response the server cannot buffer for this long is dropped.
+    api_send_timeout_ms: int = 30000
     # Interactive stdin caps per job (the seed product's): frames per second, and bytes
     # accepted but not yet written to the program.
     stdin_max_frames_per_s: int = 30
@@ -193,6 +195,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_OUTPUT_WAITS_PER_PRINCIPAL": ("max_output_waits_per_principal", _positive_int),
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
     "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
+    "API_SEND_TIMEOUT_MS": ("api_send_timeout_ms", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),

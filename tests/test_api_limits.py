@@ -490,3 +490,43 @@ def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_large_head(ma
             answer += chunk
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
     assert statuses == [b"202", b"200"], answer[:400]
+
+
+@pytest.mark.sandbox
+def test_a_reader_that_stops_reading_is_dropped_and_frees_its_stream_slot(make_stack: StackFactory) -> None:
+    # A job with 12 MB in its log; one event stream per job. A client opens the stream and
+    # never reads past the first bytes: once the socket and the transport are full, the API
+    # drops it after API_SEND_TIMEOUT_MS, and the job's stream slot is free again.
+    stack = make_stack(API_SEND_TIMEOUT_MS="2000", MAX_EVENT_STREAMS_PER_JOB="1")
+    api = Api(stack)
+    code = "import sys\nfor i in range(1500):\n    sys.stdout.write('x' * 8000 + '\\n')\n"
+    job = api.execute(py_job(code, limits={"outputKb": 16000}))
+    api.start(job)
+    assert api.wait_state(job, {"done"})["result"]["outcome"] == "completed"
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        stalled.connect((stack.api_host, stack.api_port))
+        stalled.sendall(
+            f"GET /v1/jobs/{job['jobId']}/events HTTP/1.1\r\nHost: t\r\n"
+            f"Authorization: Bearer {stack.api_token}\r\n\r\n".encode()
+        )
+        assert stalled.recv(16).startswith(b"HTTP/1.1 200")
+        time.sleep(0.5)
+        with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+            response = _open_stream(client, job, stack.api_token)
+            _refusal(response, 429)  # the stalled reader holds the job's one slot
+            started = time.monotonic()
+            while True:
+                response = _open_stream(client, job, stack.api_token)
+                if response.status_code == 200:
+                    response.close()
+                    break
+                response.close()
+                assert time.monotonic() - started < 15, "the stalled reader was never dropped"
+                time.sleep(0.25)
+        print(f"measured: the stalled stream's slot was free {time.monotonic() - started + 0.5:.1f} s after it stopped reading")
+        assert "took none of its response for 2.0 s" in stack.log("api")
+    finally:
+        stalled.close()
+        api.close()
