@@ -41,6 +41,29 @@ FILE = {"python": "main.py", "javascript": "main.js", "c": "main.c", "cpp": "mai
 Check = Callable[[dict[str, Any], Followed], None]
 
 
+SIGNAL_BUDGET_C = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <mqueue.h>
+#include <signal.h>
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    sigset_t rt;
+    sigemptyset(&rt);
+    for (int s = SIGRTMIN; s <= SIGRTMAX; s++) sigaddset(&rt, s);
+    sigprocmask(SIG_BLOCK, &rt, NULL);
+    union sigval v = {0};
+    long n = 0;
+    while (n < 200000 && sigqueue(getpid(), SIGRTMIN, v) == 0) n++;
+    printf("queued %ld errno %d\n", n, errno);
+    mqd_t q = mq_open("/coderunner-probe", O_CREAT | O_RDWR, 0600, NULL);
+    printf("mq_open %d errno %d\n", q == (mqd_t)-1 ? -1 : 0, q == (mqd_t)-1 ? errno : 0);
+    return 0;
+}
+"""
+
+
 @dataclass
 class Case:
     id: str
@@ -884,6 +907,13 @@ CASES = [
          "print(libc.inotify_init1(0), ctypes.get_errno())\n",
          # Each instance would count against root's inotify quota on the host.
          both(expect(outcome="completed", exitCode=0, stdout="-1 1\n"))),
+    # Queued signals and message queues count against root's budget on the host (every
+    # jail's user namespace is root's): each jail has a small one of its own.
+    Case("D13-c-signal-and-message-queue-budget", "c", SIGNAL_BUDGET_C,
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: re.search(r"^queued ([0-9]+) errno 11$", o["stdout"], re.M) is not None
+                    and int(re.search(r"^queued ([0-9]+)", o["stdout"], re.M)[1]) <= 256, "at most 256 signals queued"),
+              where(lambda o: "mq_open -1 errno 24\n" in o["stdout"], "no message queue"))),
     # ---- G. supervisor faults
     Case("G2-nsjail-killed-mid-run", "bash", "echo running; sleep 100000 & while :; do :; done\n",
          both(where(lambda o: o["outcome"] in ("internal_error", "killed") and o["durationMs"] < 5000, "ends cleanly, no hang"))),

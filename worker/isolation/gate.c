@@ -108,6 +108,9 @@ static char **read_strings(uint32_t *count) {
     return items;
 }
 
+/* Signals a jail may have queued at once (the host's default is in the tens of thousands). */
+#define JAIL_SIGPENDING 256
+
 static void limit(int resource, uint64_t value) {
     if (value == 0) return;
     struct rlimit rl = {.rlim_cur = value, .rlim_max = value};
@@ -181,6 +184,15 @@ int main(int gate_argc, char **gate_argv) {
         }
         _exit(126);
     }
+
+    /* Queued signals and POSIX message queues are counted per user at every user-namespace
+     * level up to the host's, where every jail's namespace belongs to root: left at root's
+     * limits, one job could take the whole host budget (and timer_create, sigqueue and RT
+     * signals would fail for root and for every other job). Each jail gets a small budget of
+     * its own instead; no program needs a message queue. */
+    struct rlimit sigpending = {.rlim_cur = JAIL_SIGPENDING, .rlim_max = JAIL_SIGPENDING};
+    struct rlimit msgqueue = {.rlim_cur = 0, .rlim_max = 0};
+    if (setrlimit(RLIMIT_SIGPENDING, &sigpending) != 0 || setrlimit(RLIMIT_MSGQUEUE, &msgqueue) != 0) _exit(124);
 
     char magic[4];
     if (read_exact(magic, 4) || memcmp(magic, "CRG1", 4) != 0) return 0;
