@@ -11,10 +11,12 @@ not merely when the program misbehaves.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -258,6 +260,7 @@ for p in ("/proc/sys/kernel/core_pattern", "/etc/hosts", "/usr/bin/env", "/x"):
         print("WRITABLE", p)
     except OSError as e:
         print("ro", p, e.strerror)
+import base64
 import hashlib
 with open("/etc/passwd", "rb") as f:
     print("PASSWD", hashlib.sha256(f.read()).hexdigest())
@@ -914,6 +917,12 @@ CASES = [
               where(lambda o: re.search(r"^queued ([0-9]+) errno 11$", o["stdout"], re.M) is not None
                     and int(re.search(r"^queued ([0-9]+)", o["stdout"], re.M)[1]) <= 256, "at most 256 signals queued"),
               where(lambda o: "mq_open -1 errno 24\n" in o["stdout"], "no message queue"))),
+    # HOME is the workspace: go would read a submitted .config/go/env and take its GOFLAGS
+    # (-toolexec would run the job's own program inside the compile; -ldflags shows it).
+    Case("F3-go-environment-file", "go", 'package main\n\nimport "fmt"\n\nvar injected = "no"\n\nfunc main() { fmt.Println(injected) }\n',
+         both(expect(outcome="completed", exitCode=0, stdout="no\n")),
+         body={"files": [{"name": "main.go", "content": 'package main\n\nimport "fmt"\n\nvar injected = "no"\n\nfunc main() { fmt.Println(injected) }\n'},
+                         {"name": ".config/go/env", "content": "GOFLAGS=-ldflags=-X=main.injected=yes\n"}]}),
     # ---- G. supervisor faults
     Case("G2-nsjail-killed-mid-run", "bash", "echo running; sleep 100000 & while :; do :; done\n",
          both(where(lambda o: o["outcome"] in ("internal_error", "killed") and o["durationMs"] < 5000, "ends cleanly, no hang"))),
@@ -1061,3 +1070,47 @@ def test_jail_filter_stack(hostile_stack: Stack, clients: tuple[Api, Realtime]) 
     # The 32-bit ABI, whatever the number.
     for nr in (0, 1, 20, 26, 102, 310):
         assert action(nr, arch=AUDIT_ARCH_I386) == KILL_PROCESS
+
+
+EVIL_PROCESSOR_JAVA = """
+import java.util.Set;
+import javax.annotation.processing.*;
+import javax.lang.model.SourceVersion;
+import javax.lang.model.element.TypeElement;
+
+@SupportedAnnotationTypes("*")
+public class Evil extends AbstractProcessor {
+    @Override public synchronized void init(ProcessingEnvironment env) {
+        super.init(env);
+        System.err.println("PROCESSOR RAN IN JAVAC");
+    }
+    @Override public boolean process(Set<? extends TypeElement> annotations, RoundEnvironment round) { return false; }
+    @Override public SourceVersion getSupportedSourceVersion() { return SourceVersion.latest(); }
+}
+"""
+
+
+def test_f4_javac_runs_no_submitted_annotation_processor(
+    hostile_stack: Stack, clients: tuple[Api, Realtime], tmp_path: Path
+) -> None:
+    # A class file beside the source, named in META-INF/services: javac on its default class
+    # path (the workspace) would load it and run it inside the compile.
+    (tmp_path / "Evil.java").write_text(EVIL_PROCESSOR_JAVA)
+    subprocess.run(["javac", "-d", str(tmp_path), str(tmp_path / "Evil.java")], check=True, capture_output=True)
+    evil = base64.b64encode((tmp_path / "Evil.class").read_bytes()).decode()
+    api, realtime = clients
+    job = api.execute({
+        "language": "java",
+        "files": [
+            {"name": "Main.java", "content": 'public class Main { public static void main(String[] a) { System.out.println("hi"); } }\n'},
+            {"name": "Evil.class", "content": evil, "encoding": "base64"},
+            {"name": "META-INF/services/javax.annotation.processing.Processor", "content": "Evil\n"},
+        ],
+        "collectOutput": True,
+    })  # fmt: skip
+    followed = realtime.follow(job)
+    api.start(job)
+    result = followed.wait_result(timeout_s=60)
+    assert result["outcome"] == "completed", result
+    assert "PROCESSOR RAN" not in (result.get("compile") or {}).get("output", ""), result["compile"]
+    assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "hi\n"
