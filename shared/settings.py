@@ -108,6 +108,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     sandbox_work_root: str = "/run/coderunner"
     sandbox_cgroup_name: str = "coderunner"
     sandbox_uid_base: int = 61000
+    # The memory all of this deployment's jails may use together (its cgroup's ceiling), so
+    # that jobs at their limits can only OOM one another, never Redis, the API or the
+    # worker. 0: the host's memory less a reserve (1/8 of it, at least 1 GiB).
+    sandbox_memory_total_mb: int = 0
     # Where the worker reads the mount table to find cgroup hierarchies (tests point it at
     # a fabricated table to exercise the refusal path).
     sandbox_mounts_file: str = "/proc/self/mounts"
@@ -157,6 +161,13 @@ def _positive_int(raw: str) -> int:
     value = _int(raw)
     if value <= 0:
         raise ValueError("must be a positive integer")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = _int(raw)
+    if value < 0:
+        raise ValueError("must be 0 or a positive integer")
     return value
 
 
@@ -225,6 +236,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "SANDBOX_WORK_ROOT": ("sandbox_work_root", _str),
     "SANDBOX_CGROUP_NAME": ("sandbox_cgroup_name", _str),
     "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
+    "SANDBOX_MEMORY_TOTAL_MB": ("sandbox_memory_total_mb", _non_negative_int),
     "SANDBOX_MOUNTS_FILE": ("sandbox_mounts_file", _str),
     "NSJAIL_PATH": ("nsjail_path", _str),
     "CALLBACK_SECRET": ("callback_secret", _str),

@@ -21,6 +21,7 @@ import pytest
 
 from launcher.stack import Stack, remove_deployment
 from shared.paths import REPO_ROOT
+from tests.conftest import StackFactory
 from tests.helpers import Api, py_job
 from worker.isolation.cgroups import CgroupError, CgroupLayout, CgroupMode, JobCgroup, detect_layout
 
@@ -35,9 +36,10 @@ def _fake_v2(root: Path) -> str:
 def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     layout = detect_layout("coderunner", _fake_v2(tmp_path))
     assert layout.mode is CgroupMode.V2
-    layout.prepare()
+    layout.prepare(jobs_memory_bytes=3 << 30)
     base = tmp_path / "coderunner"
     assert (base / "jobs").is_dir() and (base / "supervisor").is_dir()
+    assert (base / "jobs" / "memory.max").read_text() == str(3 << 30)  # all jobs together
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
     assert (base / "jobs" / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
 
@@ -330,3 +332,38 @@ def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_
         time.sleep(0.1)
         assert bystander.poll() is None, "a process outside the job was killed"
         assert job.remove_blocking()
+
+
+def test_the_jobs_memory_ceiling_defaults_to_the_host_less_a_reserve() -> None:
+    from shared.settings import Settings
+    from worker.__main__ import jobs_memory_bytes
+
+    meminfo = "MemTotal:       16777216 kB\nMemFree: 1 kB\n"  # 16 GiB: 2 GiB kept back
+    assert jobs_memory_bytes(Settings(), meminfo) == 14 << 30
+    assert jobs_memory_bytes(Settings(), "MemTotal: 2097152 kB\n") == 1 << 30  # at least 1 GiB kept
+    assert jobs_memory_bytes(Settings(), "MemTotal: 524288 kB\n") == 256 << 20
+    assert jobs_memory_bytes(Settings(sandbox_memory_total_mb=300), meminfo) == 300 << 20
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_jobs_together_stay_under_the_deployments_memory_ceiling(make_stack: StackFactory) -> None:
+    # Each job may use 256 MiB, but all of them together only 240: of two jobs that each
+    # take 160 MiB at once, one is ended by the ceiling, and nothing outside the jails is.
+    stack = make_stack(SANDBOX_MEMORY_TOTAL_MB="240", WORKER_MAX_SANDBOXES="2")
+    v1 = Path("/sys/fs/cgroup/memory") / stack.deployment / "memory.limit_in_bytes"
+    ceiling = v1 if v1.exists() else Path("/sys/fs/cgroup") / stack.deployment / "jobs" / "memory.max"
+    assert int(ceiling.read_text()) == 240 << 20
+    api = Api(stack)
+    code = "import time\nblock = bytearray(160 << 20)\nfor i in range(0, len(block), 4096): block[i] = 1\nprint('held', flush=True)\ntime.sleep(3)\n"
+    try:
+        jobs = [api.execute(py_job(code, limits={"memoryMb": 256, "wallTimeMs": 20000})) for _ in range(2)]
+        api.wait_state(jobs[1], {"parked", "queued"})
+        for job in jobs:
+            api.start(job)
+        results = [api.wait_state(job, {"done", "error"})["result"] for job in jobs]
+    finally:
+        api.close()
+    outcomes = sorted(r["outcome"] for r in results)
+    assert outcomes == ["completed", "memory_exceeded"], results
+    assert stack.dead_children() == [], "a process of the stack died"

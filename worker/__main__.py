@@ -87,6 +87,16 @@ async def preflight(
         raise
 
 
+def jobs_memory_bytes(settings: Settings, meminfo: str) -> int:
+    """The memory all jails may use together: SANDBOX_MEMORY_TOTAL_MB, or the host's memory
+    less a reserve for everything else (1/8 of it, at least 1 GiB; never below 256 MiB)."""
+    if settings.sandbox_memory_total_mb:
+        return settings.sandbox_memory_total_mb << 20
+    total_kb = next(int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal:"))
+    total = total_kb << 10
+    return max(256 << 20, total - max(1 << 30, total // 8))
+
+
 async def _prepare(
     settings: Settings, worker_id: str, uids: UidLease | None
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -98,7 +108,8 @@ async def _prepare(
         raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
     try:
         layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
-        layout.prepare()
+        ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text())
+        layout.prepare(ceiling)
     except (CgroupError, OSError) as exc:
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
@@ -141,7 +152,7 @@ async def _prepare(
     )
     # The self-test uses the uid one past the last slot, which no job ever gets.
     await self_test(factory, worker_id, settings.worker_max_sandboxes)
-    log.info("sandbox ready: %s; nsjail %s", layout.describe(), nsjail)
+    log.info("sandbox ready: %s; nsjail %s; jobs together use at most %d MiB", layout.describe(), nsjail, ceiling >> 20)
     return factory, runtimes
 
 

@@ -172,8 +172,9 @@ class CgroupLayout:
     def _v2_base(self) -> Path | None:
         return self.v2 / self.name if self.v2 else None
 
-    def prepare(self) -> None:
-        """Create the parent folders (idempotent). Raises CgroupError with a fix-it hint."""
+    def prepare(self, jobs_memory_bytes: int = 0) -> None:
+        """Create the parent folders (idempotent), and with `jobs_memory_bytes` cap the
+        memory of all jobs together there. Raises CgroupError with a fix-it hint."""
         try:
             enable = self._prepare_v2_controllers() if self.mode is CgroupMode.V2 else ""
             base = self._v2_base()
@@ -184,8 +185,19 @@ class CgroupLayout:
                     _write(base / "jobs" / "cgroup.subtree_control", enable)
             for root in self.v1_roots():
                 (root / self.name / "supervisor").mkdir(parents=True, exist_ok=True)
+            if jobs_memory_bytes > 0:
+                _write(self.jobs_memory_limit_file(), str(jobs_memory_bytes))
         except OSError as exc:
             raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
+
+    def jobs_memory_limit_file(self) -> Path:
+        """The file that caps the memory of every job of this deployment together."""
+        if self.mode is CgroupMode.V2:
+            base = self._v2_base()
+            assert base is not None
+            return base / "jobs" / "memory.max"
+        assert self.v1_memory is not None
+        return self.v1_memory / self.name / "memory.limit_in_bytes"
 
     def _prepare_v2_controllers(self) -> str:
         """Enable the controllers down to the deployment's folder; what it enabled, as
