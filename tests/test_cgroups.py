@@ -367,3 +367,30 @@ def test_jobs_together_stay_under_the_deployments_memory_ceiling(make_stack: Sta
     outcomes = sorted(r["outcome"] for r in results)
     assert outcomes == ["completed", "memory_exceeded"], results
     assert stack.dead_children() == [], "a process of the stack died"
+
+
+def test_a_read_write_mount_beneath_a_bound_folder_is_refused() -> None:
+    from worker.isolation.toolchains import ToolchainError, bind_sources, check_no_writable_submounts
+
+    sources = bind_sources((REPO_ROOT / "sandbox-profiles" / "base.cfg").read_text(), ["/etc/alternatives"])
+    assert "/usr" in sources and "/etc/alternatives" in sources and "/dev/null" not in sources
+    info = "22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
+    check_no_writable_submounts(sources, info + "40 22 0:40 / /usr/share/ro ro,relatime - tmpfs none ro\n")
+    check_no_writable_submounts(sources, info + "41 22 0:41 / /usrlocal rw,relatime - tmpfs none rw\n")  # not beneath
+    with pytest.raises(ToolchainError, match=r"/usr/local/my data is mounted read-write beneath /usr"):
+        check_no_writable_submounts(sources, info + "42 22 0:42 / /usr/local/my\\040data rw,relatime - tmpfs none rw\n")
+
+
+@pytest.mark.sandbox
+def test_worker_refuses_a_host_with_a_writable_mount_under_usr(tmp_path: Path) -> None:
+    """End to end, in a private mount namespace: a tmpfs over /usr/local/games (read-write,
+    beneath /usr, which every jail binds read-only) makes the worker refuse to start."""
+    env = dict(os.environ, PUSHER_SECRET="x", SANDBOX_WORK_ROOT=str(tmp_path / "work"), SANDBOX_CGROUP_NAME="submount-test")
+    script = f"mount -t tmpfs none /usr/local/games && exec {sys.executable} -m worker --check"
+    try:
+        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                              env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        remove_deployment("submount-test")
+    assert proc.returncode == 3, proc.stderr
+    assert "/usr/local/games is mounted read-write beneath /usr" in proc.stderr

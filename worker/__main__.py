@@ -36,7 +36,7 @@ from worker.isolation.sandbox import (
     stage_prestart_shims,
 )
 from worker.isolation.selftest import SandboxUnavailable, self_test
-from worker.isolation.toolchains import ToolchainError, expose_mounts
+from worker.isolation.toolchains import ToolchainError, bind_sources, check_no_writable_submounts, expose_mounts
 from worker.isolation.uids import UidLease, UidsInUse, uids_held
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 
@@ -127,12 +127,12 @@ async def _prepare(
             builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes))
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
+        manifest_mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})
         try:
-            mounts = expose_mounts(
-                sorted({m for r in runtimes.values() for m in r.manifest.mounts}),
-                work_root,
-                Path("/proc/self/mounts").read_text(),
+            check_no_writable_submounts(
+                bind_sources((pdir / "base.cfg").read_text(), manifest_mounts), Path("/proc/self/mountinfo").read_text()
             )
+            mounts = expose_mounts(manifest_mounts, work_root, Path("/proc/self/mounts").read_text())
         except ToolchainError as exc:
             raise SandboxUnavailable(str(exc)) from None
     factory = SandboxFactory(

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 
 from worker.isolation.mounts import MS_BIND, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC, MS_REMOUNT, MountError, mount
 
-__all__ = ["ToolchainError", "expose_mounts"]
+__all__ = ["ToolchainError", "bind_sources", "check_no_writable_submounts", "expose_mounts"]
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +63,42 @@ def expose_mounts(mounts: list[str], work_root: Path, mounts_text: str) -> list[
             log.info("toolchain %s is bound read-only at %s for the jails", source, staging)
         out.append(f"{staging}:{target}")
     return out
+
+
+_BIND = re.compile(r'mount\s*\{\s*src:\s*"([^"]+)"[^}]*\bis_bind:\s*true')
+
+
+def bind_sources(profile_text: str, mounts: list[str]) -> list[str]:
+    """The host folders jails bind: the profile's binds and the manifests' mounts."""
+    found = [m[1] for m in _BIND.finditer(profile_text)] + [entry.partition(":")[0] for entry in mounts]
+    return sorted({path for path in found if os.path.isdir(path)})
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def check_no_writable_submounts(sources: list[str], mountinfo_text: str) -> None:
+    """Refuse a host where something is mounted read-write beneath a folder jails bind.
+
+    nsjail binds a folder with everything mounted beneath it, and makes only the folder's
+    own mount read-only: a read-write mount under /usr (or a toolchain's folder) would be
+    writable from inside every jail, a channel between jobs and a way to change the host.
+
+    Raises:
+        ToolchainError: naming the mount and the folder it is under.
+    """
+    roots = {os.path.realpath(source): source for source in sources}
+    for line in mountinfo_text.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        point, options = _unescape(fields[4]), fields[5].split(",")
+        if "rw" not in options:
+            continue
+        for real, source in roots.items():
+            if point != real and point.startswith(real.rstrip("/") + "/"):
+                raise ToolchainError(
+                    f"{point} is mounted read-write beneath {source}, which every jail binds read-only: "
+                    "it would be writable from inside the jails; mount it read-only, or elsewhere"
+                )
