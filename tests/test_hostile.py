@@ -499,6 +499,11 @@ for path in ("/", "/usr", "/bin", "/lib", "/etc/passwd", "/etc/hosts", "/proc", 
              "/tmp", "/dev/shm", "/workspace", "/dev"):
     print(path, os.statvfs(path).f_flag & 15)
 print("DEV", sorted(os.listdir("/dev")))
+# Every mount at or beneath a read-only bind must be read-only too (a bind carries submounts).
+for line in open("/proc/self/mountinfo"):
+    point, options = line.split()[4], line.split()[5].split(",")
+    if point.split("/")[1] in ("usr", "bin", "lib", "lib64") and "rw" in options:
+        print("WRITABLE", point)
 """
 
 # Every namespace its own, the cgroup view empty of host names, the uid map to one
@@ -881,8 +886,10 @@ CASES = [
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: all(f"{p} {f}\n" in o["stdout"] for p, f in [
                   ("/", 1), *((p, 1 | 2 | 4) for p in ("/usr", "/bin", "/lib")), ("/usr/local/etc", 1 | 2 | 4 | 8),
-                  ("/proc", 1 | 2 | 4 | 8), ("/tmp", 2 | 4 | 8), ("/dev/shm", 2 | 4 | 8), ("/workspace", 2 | 4)]),
-                    "read-only binds, noexec scratch, nosuid+nodev workspace"),
+                  ("/proc", 1 | 2 | 4 | 8), ("/tmp", 2 | 4 | 8), ("/dev/shm", 2 | 4 | 8), ("/workspace", 2 | 4),
+                  ("/dev", 2 | 8)]),
+                    "read-only binds, noexec scratch, nosuid+nodev workspace, nosuid+noexec /dev"),
+              where(lambda o: "WRITABLE" not in o["stdout"], "no writable mount beneath a read-only bind"),
               where(lambda o: re.search(r"^/etc/(passwd|hosts) [1357]$", o["stdout"], re.M) is not None
                     and "/etc/passwd 0\n" not in o["stdout"] and "/etc/hosts 0\n" not in o["stdout"],
                     "the synthetic identity files are read-only"),
