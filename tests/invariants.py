@@ -33,6 +33,7 @@ RESULT_FIELDS = {
 #     batches (when their transports are collected), so the count drifts up and drops.
 #   Worker RSS: -4.1 .. +3.9 MiB.
 SHMEM_SLACK_KB = 12 * 1024
+ROOT_SIGNALS_SLACK = 16
 _COMPILED_SHIMS = set(compiled_shims().values())
 WORKER_FD_SLACK = 8
 WORKER_RSS_SLACK_KB = 16 * 1024
@@ -93,7 +94,7 @@ def _fingerprint(path: Path) -> tuple[str, int, int, int]:
 @dataclass
 class Baseline:
     zombies: int
-    ipc: str
+    root_signals_queued: int
     shmem_kb: int
     worker_fds: int
     worker_rss_kb: int
@@ -147,9 +148,14 @@ class HostWatch:
             if state.startswith("Z") and (ppid in ours or uid in self.uids)
         )
 
-    def ipc(self) -> str:
-        # The host's SysV IPC objects (the jail's namespace would show none of them).
-        return "".join(_read(f"/proc/sysvipc/{kind}") for kind in ("shm", "msg", "sem"))
+    def root_signals_queued(self) -> int:
+        # Signals queued and not yet taken, counted for root (this process's user). Every
+        # jail's user namespace is root's, so what a jail queues counts here too: a jail
+        # holding many (or a leftover holding them) takes root's host-wide budget.
+        for line in _read("/proc/self/status").splitlines():
+            if line.startswith("SigQ:"):
+                return int(line.split()[1].split("/")[0])
+        raise AssertionError("/proc/self/status has no SigQ line")
 
     def shmem_kb(self) -> int:
         for line in _read("/proc/meminfo").splitlines():
@@ -322,7 +328,7 @@ class HostWatch:
     def baseline(self) -> Baseline:
         return Baseline(
             zombies=self.zombies(),
-            ipc=self.ipc(),
+            root_signals_queued=self.root_signals_queued(),
             shmem_kb=self.shmem_kb(),
             worker_fds=self.worker_fds(),
             worker_rss_kb=self.worker_rss_kb(),
@@ -374,9 +380,10 @@ class HostWatch:
         }
         if mounts - warm_mounts:
             found.append(f"I5 workspace mounts left: {sorted(mounts - warm_mounts)}")
-        # I6: no host IPC objects appeared; shared memory back near its baseline.
-        if self.ipc() != base.ipc:
-            found.append("I6 host SysV IPC objects changed")
+        # I6: root's queued signals and the host's shared memory back near their baselines.
+        # (A jail's SysV IPC objects live in its own IPC namespace: none can reach the host's.)
+        if self.root_signals_queued() > base.root_signals_queued + ROOT_SIGNALS_SLACK:
+            found.append(f"I6 root has {self.root_signals_queued()} signals queued vs {base.root_signals_queued}")
         if self.shmem_kb() > base.shmem_kb + SHMEM_SLACK_KB:
             found.append(f"I6 Shmem {self.shmem_kb()} kB vs {base.shmem_kb} kB")
         # I7: the worker leaks neither descriptors nor memory (a dead worker is I3's).

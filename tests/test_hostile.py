@@ -61,6 +61,8 @@ int main(void) {
     printf("queued %ld errno %d\n", n, errno);
     mqd_t q = mq_open("/coderunner-probe", O_CREAT | O_RDWR, 0600, NULL);
     printf("mq_open %d errno %d\n", q == (mqd_t)-1 ? -1 : 0, q == (mqd_t)-1 ? errno : 0);
+    fflush(stdout);
+    sleep(2); /* the signals stay queued while the harness looks at root's count */
     return 0;
 }
 """
@@ -160,6 +162,22 @@ def _kill_nsjail_of(marker: str) -> Callable[[Stack, Followed], None]:
 
 # What harness actions saw while a job ran, by job id, for its check.
 SEEN: dict[str, dict[str, Any]] = {}
+
+
+def _root_signals_while_held(stack: Stack, followed: Followed) -> None:
+    """D13: root's count of queued signals (which every jail's count adds to), read while
+    the program holds every signal it could queue."""
+    deadline = time.monotonic() + 20
+    while "mq_open" not in followed.text("stdout"):
+        assert time.monotonic() < deadline, "the program never reported"
+        time.sleep(0.02)
+    status = Path("/proc/self/status").read_text()
+    SEEN[followed.job["jobId"]] = {"root_sigq": int(status.split("SigQ:")[1].split("/")[0])}
+
+
+def _root_budget_kept(out: dict[str, Any], followed: Followed) -> None:
+    held = SEEN[followed.job["jobId"]]["root_sigq"]
+    assert held <= 256 + 64, f"root had {held} signals queued while one jail held its own; {summary(out)}"
 
 
 def _programs_of(stack: Stack, marker: str) -> dict[int, list[str]]:
@@ -920,10 +938,11 @@ CASES = [
     # Queued signals and message queues count against root's budget on the host (every
     # jail's user namespace is root's): each jail has a small one of its own.
     Case("D13-c-signal-and-message-queue-budget", "c", SIGNAL_BUDGET_C,
-         both(expect(outcome="completed", exitCode=0),
-              where(lambda o: re.search(r"^queued ([0-9]+) errno 11$", o["stdout"], re.M) is not None
-                    and int(re.search(r"^queued ([0-9]+)", o["stdout"], re.M)[1]) <= 256, "at most 256 signals queued"),
-              where(lambda o: "mq_open -1 errno 24\n" in o["stdout"], "no message queue"))),
+         plus(both(expect(outcome="completed", exitCode=0),
+                   where(lambda o: re.search(r"^queued ([0-9]+) errno 11$", o["stdout"], re.M) is not None
+                         and int(re.search(r"^queued ([0-9]+)", o["stdout"], re.M)[1]) <= 256, "at most 256 signals queued"),
+                   where(lambda o: "mq_open -1 errno 24\n" in o["stdout"], "no message queue")),
+              _root_budget_kept)),
     # HOME is the workspace: go would read a submitted .config/go/env and take its GOFLAGS
     # (-toolexec would run the job's own program inside the compile; -ldflags shows it).
     Case("F3-go-environment-file", "go", 'package main\n\nimport "fmt"\n\nvar injected = "no"\n\nfunc main() { fmt.Println(injected) }\n',
@@ -935,6 +954,7 @@ CASES = [
          both(where(lambda o: o["outcome"] in ("internal_error", "killed") and o["durationMs"] < 5000, "ends cleanly, no hang"))),
 ]
 CASES[-1].during = _kill_nsjail_of("/bin/bash\0main.sh")
+next(c for c in CASES if c.id.startswith("D13-")).during = _root_signals_while_held
 
 
 @pytest.fixture(scope="module")
