@@ -211,3 +211,32 @@ async def test_a_kill_waiting_before_the_release_ends_a_real_jail_at_its_gate(fa
         await sandbox.destroy()
     assert facts.fired == "user" and facts.exit.exit_code is None and facts.exit.signal == "SIGKILL"
     assert out == [] and facts.duration_ms < 1000 and inbox.empty()
+
+
+class _StuckCgroup:
+    """A cgroup whose processes take `busy` removal tries to go."""
+
+    def __init__(self, busy: int) -> None:
+        self.job_id = f"stuck-{busy}"
+        self.busy = busy
+        self.tries = 0
+
+    def remove_blocking(self, timeout_s: float = 2.0) -> bool:
+        self.tries += 1
+        return self.tries > self.busy
+
+
+async def test_a_slot_waits_for_lingering_processes_before_it_is_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The destroy of a sandbox whose killed processes linger does not return (so its slot is
+    # not rebuilt on the same uid beside them) until they are gone, or a minute has passed.
+    from worker.isolation import sandbox as sandbox_module
+
+    fake = type("S", (), {"name": "s"})()
+    slow, quick = _StuckCgroup(busy=3), _StuckCgroup(busy=1)
+    started = time.monotonic()
+    await sandbox_module.Sandbox._remove_stragglers(fake, [slow, quick])  # type: ignore[arg-type]
+    assert (slow.tries, quick.tries) == (4, 2) and time.monotonic() - started >= 0.25 + 0.5 + 1.0
+    monkeypatch.setattr(sandbox_module, "STRAGGLER_WAIT_S", 0.5)
+    never = _StuckCgroup(busy=1000)
+    await asyncio.wait_for(sandbox_module.Sandbox._remove_stragglers(fake, [never]), 5)  # gives up, logged
+    assert 2 <= never.tries <= 3

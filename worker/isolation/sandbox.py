@@ -350,17 +350,38 @@ class Sandbox:
                     jail.close()
         finally:
             # One trip to the isolation threads for all of it.
-            await off_loop(self._remove_all, [cgroup for cgroup, _ in pairs])
+            left = await off_loop(self._remove_all, [cgroup for cgroup, _ in pairs])
+            await self._remove_stragglers(left)
 
-    def _remove_all(self, cgroups: list[JobCgroup]) -> None:
+    def _remove_all(self, cgroups: list[JobCgroup]) -> list[JobCgroup]:
+        """Remove the cgroups (2 s each at most) and the workspace; the cgroups left."""
         try:
-            for cgroup in cgroups:
-                cgroup.remove_blocking()
+            return [cgroup for cgroup in cgroups if not cgroup.remove_blocking()]
         finally:
             self.workspace.destroy()
 
+    async def _remove_stragglers(self, left: list[JobCgroup]) -> None:
+        """Processes killed but not gone (stuck in the kernel, say) keep their cgroups: the
+        slot's next sandbox would run beside them on the same outside uid. So the slot waits
+        (its destroy does not return) while they are killed and looked for again, up to
+        STRAGGLER_WAIT_S, off the isolation threads between tries."""
+        delay, waited = 0.25, 0.0
+        while left:
+            if waited >= STRAGGLER_WAIT_S:
+                log.error(
+                    "sandbox %s: cgroups %s still hold processes after %.0f s; the slot goes on",
+                    self.name, [c.job_id for c in left], waited,
+                )  # fmt: skip
+                return
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 5.0)
+            left = [cgroup for cgroup in left if not await off_loop(cgroup.remove_blocking, 0.5)]
+
 
 PRESTART_READY = b"\0coderunner-prestart-ready\n"
+# How long a slot waits for killed processes that linger in its cgroups before it is rebuilt.
+STRAGGLER_WAIT_S = 60.0
 
 
 def _runtime_pid(cgroup: JobCgroup) -> int:
