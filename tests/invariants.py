@@ -114,7 +114,12 @@ class HostWatch:
         canary = canary_dir / "canary.txt"
         canary.write_text("do not touch\n")
         os.chmod(canary, 0o600)
-        self.canary_paths = [canary, Path("/etc/passwd"), Path("/etc/hostname")]
+        # One more beside the workspaces themselves (the janitor clears folders there, never
+        # files): a program that reached the work root would find it first.
+        beside = self.work_root / "canary.txt"
+        beside.write_text("do not touch\n")
+        os.chmod(beside, 0o600)
+        self.canary_paths = [canary, beside, Path("/etc/passwd"), Path("/etc/hostname")]
         if Path("/etc/shadow").exists():
             self.canary_paths.append(Path("/etc/shadow"))
 
