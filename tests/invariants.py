@@ -210,12 +210,24 @@ class HostWatch:
             return int(redis.info("clients")["connected_clients"])
 
     def gate_pids(self) -> set[int]:
-        """Parked gates of this stack: the gate binary, running as one of its job uids."""
+        """Parked gates of this stack: the gate binary, running as one of its job uids, as
+        pid 1 of its own pid namespace. A process can write any command line over its own,
+        so that only picks candidates; what it runs (its executable on the stack's gate
+        tmpfs) and being a namespace's init are what no program can fake."""
+        try:
+            gate_dev = os.stat(self.work_root / ".gate").st_dev
+        except OSError:
+            return set()
         found = set()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and _read_vanishing(entry / "cmdline").startswith("/.coderunner/gate\0"):
-                uid_line = _proc_status(entry.name).get("Uid", "")
-                if uid_line and int(uid_line.split()[0]) in self.uids:
+                status = _proc_status(entry.name)
+                uid_line, nspid = status.get("Uid", ""), status.get("NSpid", "").split()
+                try:
+                    runs_the_gate = os.stat(entry / "exe").st_dev == gate_dev
+                except OSError:
+                    continue
+                if uid_line and int(uid_line.split()[0]) in self.uids and runs_the_gate and nspid[-1:] == ["1"]:
                     found.add(int(entry.name))
         return found
 

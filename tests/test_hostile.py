@@ -976,6 +976,28 @@ def clients(hostile_stack: Stack) -> Iterator[tuple[Api, Realtime]]:
     api.close()
 
 
+def test_a_process_that_only_looks_like_a_gate_is_not_taken_for_one(hostile_stack: Stack, watch: HostWatch) -> None:
+    # A job uid's process whose command line says "/.coderunner/gate" (any process can write
+    # that over its own) is a leftover to the invariants, not a parked gate.
+    deadline = time.monotonic() + 15
+    while not watch.gate_pids():  # (slots are rebuilt after each job)
+        assert time.monotonic() < deadline, "the stack never had a parked gate"
+        time.sleep(0.05)
+    uid = min(watch.uids)
+    fake = subprocess.Popen(["/bin/bash", "-c", "exec -a /.coderunner/gate /bin/sleep 30"], user=uid, group=uid)
+    try:
+        deadline = time.monotonic() + 5
+        while not Path(f"/proc/{fake.pid}/cmdline").read_bytes().startswith(b"/.coderunner/gate\0"):
+            assert time.monotonic() < deadline, "the disguise never took"
+            time.sleep(0.01)
+        seen = watch.gate_pids()
+        assert fake.pid not in seen
+        assert seen, "the real parked gates are no longer recognised"  # (slots rebuilt since have new pids)
+    finally:
+        fake.kill()
+        fake.wait()
+
+
 def test_catalogue_is_large_enough() -> None:
     assert len(CASES) >= 25
     assert len({c.language for c in CASES}) >= 6
