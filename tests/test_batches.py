@@ -17,7 +17,7 @@ from shared.grading import batch_verdict, case_verdict, cases_not_run, not_run_c
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import CtrlMessage, FileSpec, JobSpec, Outcome, TestCase
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, run_job
+from tests.helpers import Api, Followed, Realtime, run_job
 from worker.isolation.jail import JailExit
 from worker.job import batch
 from worker.job.supervise import StepFacts
@@ -234,17 +234,23 @@ def test_a_batchs_kept_output_is_bounded_and_charged_to_its_owner(make_stack: St
         api.close()
 
 
+def _start_looping_batch(api: Api, rt: Realtime) -> Followed:
+    """Three cases one at a time, 20 s each: case 0 passes, case 1 loops, case 2 waits."""
+    tests = [{"stdin": "1 1\n", "expectedOutput": "2\n"}, {"stdin": "0 1\n"}, {"stdin": "2 2\n"}]
+    job = api.execute(c_batch(tests, limits={"wallTimeMs": 20000, "cpuMs": 20000}, stopOnFirstFailure=True))
+    followed = rt.follow(job)
+    api.start(job)
+    return followed
+
+
 @pytest.mark.slow
 def test_a_batch_past_its_time_budget_ends_timed_out(make_stack: StackFactory) -> None:
     # Each case may run 20 s, but the batch as a whole has 2 s: the looping case 1 is stopped
     # there and case 2 never runs, so the batch holds the worker for its budget, not 40 s.
     stack = make_stack(WORKER_BATCH_WALL_MS="2000")
     api, rt = Api(stack), Realtime(stack)
-    tests = [{"stdin": "1 1\n", "expectedOutput": "2\n"}, {"stdin": "0 1\n"}, {"stdin": "2 2\n"}]
     try:
-        job = api.execute(c_batch(tests, limits={"wallTimeMs": 20000, "cpuMs": 20000}, stopOnFirstFailure=True))
-        followed = rt.follow(job)
-        api.start(job)
+        followed = _start_looping_batch(api, rt)
         result = followed.wait_result(timeout_s=20)
     finally:
         api.close()
@@ -265,11 +271,8 @@ def test_a_worker_stopping_mid_batch_keeps_the_verdicts_of_the_cases_that_ran(ma
     # are skipped, and the job says it was killed by the stop.
     stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="300")
     api, rt = Api(stack), Realtime(stack)
-    tests = [{"stdin": "1 1\n", "expectedOutput": "2\n"}, {"stdin": "0 1\n"}, {"stdin": "2 2\n"}]
     try:
-        job = api.execute(c_batch(tests, limits={"wallTimeMs": 20000, "cpuMs": 20000}, stopOnFirstFailure=True))
-        followed = rt.follow(job)
-        api.start(job)
+        followed = _start_looping_batch(api, rt)
         deadline = time.monotonic() + 30
         while not [1 for n, _ in followed.events if n == "test_result"]:
             assert time.monotonic() < deadline, "case 0 never ended"
