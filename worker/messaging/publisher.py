@@ -405,23 +405,23 @@ class JobLane:
             await self._publisher.deliver(batch)
 
     def wants_audience(self) -> bool:
-        """Whether an answer to "is anyone following?" would be used now (see _heard)."""
-        return not self._audience and (
-            self._audience_checked_at is None or time.monotonic() - self._audience_checked_at >= AUDIENCE_RECHECK_S
-        )
+        """Whether an append to the job's log should read the audience mark: as long as
+        nobody is known to follow. The read rides inside the append's own script (no round
+        trip), so every event logged after a subscription was signed is published."""
+        return not self._audience
 
     def learned_audience(self, present: bool) -> None:
         """The answer, read along with an append to the job's log (saves _heard a look)."""
-        self._publisher.audience_checks += 1
         self._audience_checked_at = time.monotonic()
         self._audience = self._audience or present
 
     async def _heard(self) -> bool:
-        """A job nobody follows (a grader's) costs soketi nothing, and Redis one look. A
-        client that subscribes later is noticed within AUDIENCE_RECHECK_S of the next
-        event; what it missed is in the durable log, as for any late joiner. The result's
-        write reads the mark itself (JobEvents.publish), so the result is never lost to
-        an answer up to a second old."""
+        """A job nobody follows (a grader's) costs soketi nothing, and Redis one look. Each
+        append to the log reads the mark too (wants_audience), so a client that subscribes
+        later hears every event logged after its subscription was signed; what came before
+        is in the durable log, as for any late joiner. Events that reach the lane without an
+        append of their own (the backlog at start) use this look, made at most every
+        AUDIENCE_RECHECK_S while nobody follows."""
         if self._audience:
             return True
         now = time.monotonic()
