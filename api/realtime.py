@@ -33,11 +33,16 @@ class RealtimePublisher:
         )
         self._pending: set[asyncio.Task[None]] = set()
 
-    def publish_soon(self, channel: str, name: str, data: bytes) -> None:
-        """Publish in the background: the HTTP answer does not wait for soketi."""
-        task = asyncio.create_task(self.publish(channel, name, data))
+    def publish_soon(self, channel: str, events: list[tuple[str, bytes]]) -> None:
+        """Publish `events` (name, JSON) in order, in the background: the HTTP answer does
+        not wait for soketi."""
+        task = asyncio.create_task(self._publish_in_order(channel, events))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+    async def _publish_in_order(self, channel: str, events: list[tuple[str, bytes]]) -> None:
+        for name, data in events:
+            await self.publish(channel, name, data)
 
     async def publish(self, channel: str, name: str, data: bytes) -> None:
         # Pusher's `data` is a string holding the event's JSON.

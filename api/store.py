@@ -241,7 +241,9 @@ return {1, n}
 # KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
 # callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
 # seq, ctrl channel, ctrl message, request id.
-# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result} (ended here).
+# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished} (ended
+# here; `unpublished`: the log's earlier entries nobody published, each its field/value
+# pairs then '').
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
@@ -267,16 +269,38 @@ _KILL = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + """
+-- The job's log entries from its `liveSeq` up to seq `upto` (exclusive), as field/value pairs,
+-- each entry ended by ''. A claim handed back before it went live logged its stage{queued}
+-- and published nothing: those go out before the result. The log holds one entry per seq,
+-- so they are its last entries.
+local function unpublished(upto)
+  local out = {}
+  local live = tonumber(redis.call('HGET', KEYS[1], 'liveSeq') or '0')
+  local n = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0') - live
+  if upto <= live or n <= 0 then return out end
+  local tail = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', n)
+  for i = #tail, 1, -1 do
+    local fields = tail[i][2]
+    local seq = -1
+    for j = 1, #fields, 2 do if fields[j] == 'seq' then seq = tonumber(fields[j + 1]) end end
+    if seq >= live and seq < upto then
+      for j = 1, #fields do out[#out + 1] = fields[j] end
+      out[#out + 1] = ''
+    end
+  end
+  return out
+end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state then
   local mine = redis.call('HMGET', KEYS[1], 'killEndedBy', 'killRequests', 'nextSeq', 'result')
-  if mine[1] == ARGV[8] then return {2, tonumber(mine[3]) - 1, mine[4]} end
+  if mine[1] == ARGV[8] then return {2, tonumber(mine[3]) - 1, mine[4], unpublished(tonumber(mine[3]) - 1)} end
   if string.find(' ' .. (mine[2] or '') .. ' ', ' ' .. ARGV[8] .. ' ', 1, true) then return {1} end
 end
 if (not state) or terminal[state] then return {0, state or ''} end
 if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
   local data = ARGV[4] .. seq .. ARGV[5]
+  local earlier = unpublished(seq)
   redis.call('XADD', KEYS[3], '*', 'seq', seq, 'name', 'result', 'data', data)
   redis.call('HINCRBY', KEYS[1], 'attempt', 1)
   redis.call('HSET', KEYS[1], 'state', 'killed', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
@@ -290,7 +314,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
-  return {2, seq, data}
+  return {2, seq, data, earlier}
 end
 local recent = {ARGV[8]}
 for rid in string.gmatch(redis.call('HGET', KEYS[1], 'killRequests') or '', '%S+') do
@@ -421,6 +445,8 @@ def _receipt(
 class KillAnswer(msgspec.Struct, frozen=True):
     ended_state: str | None = None  # set when the job had ended already
     result: bytes | None = None  # set when the kill ended a queued job here
+    # With `result`: the job's logged events nobody published yet, (name, JSON) in seq order.
+    unpublished: list[tuple[str, bytes]] = []
 
 
 class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -791,7 +817,7 @@ class JobStore:
         if answer[0] == 0:
             return KillAnswer(ended_state=answer[1].decode())
         if answer[0] == 2:
-            return KillAnswer(result=bytes(answer[2]))
+            return KillAnswer(result=bytes(answer[2]), unpublished=_entries(answer[3] if len(answer) > 3 else []))
         return KillAnswer()
 
     async def live_workers(self) -> list[WorkerInfo]:
@@ -894,6 +920,21 @@ class JobStore:
     async def output_slice(self, job_id: str, stream: str, offset: int, size: int) -> bytes:
         """`size` bytes of a stored output stream from `offset` (fewer at its end)."""
         return bytes(await self._redis.getrange(keys.output_stream_key(job_id, stream), offset, offset + size - 1))
+
+
+def _entries(flat: list[bytes]) -> list[tuple[str, bytes]]:
+    """Log entries returned by a script as field/value pairs, each entry ended by '', as
+    (name, event JSON)."""
+    out: list[tuple[str, bytes]] = []
+    fields: dict[bytes, bytes] = {}
+    items = iter(flat)
+    for item in items:
+        if item == b"":
+            out.append((fields[b"name"].decode(), entry_json(int(fields[b"seq"]), fields)))
+            fields = {}
+        else:
+            fields[bytes(item)] = bytes(next(items))
+    return out
 
 
 def now_ms() -> int:

@@ -284,6 +284,7 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     async with Published(redis, keys.ctrl_channel(spec.job_id)) as published:
         first, second, after_one, after_two = await twice(redis, call)
     assert first[0] == 2 and first == second  # the re-run hands back the same result to publish
+    assert first[3] == []  # never claimed: nothing logged before the result
     assert_same_state(after_one, after_two)
     events = await redis.xrange(keys.events_key(spec.job_id))
     assert [fields[b"name"] for _, fields in events] == [b"result"]
@@ -294,6 +295,28 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     assert published.messages == []
     # Control: another kill request finds the job ended (the old script's answer to a re-run).
     assert await store.run(call._replace(args=[*call.args[:7], "kill-2"])) == [0, b"killed"]
+
+
+@pytest.mark.parametrize("live_seq", [0, 1, 3])
+async def test_kill_of_a_handed_back_job_returns_what_nobody_published(
+    store: JobStore, redis: Redis, live_seq: int
+) -> None:
+    # A claim logged seq 0..2 and handed the job back; `liveSeq` says how far it had
+    # published (a parked job: 0; one handed back while `starting`: all of it).
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    logged = [b'{"phase":"queued","seq":0}', b'{"phase":"compiling","seq":1}']
+    for seq, data in enumerate(logged):
+        await redis.xadd(keys.events_key(spec.job_id), {"seq": seq, "name": "stage", "data": data})
+    await redis.xadd(keys.events_key(spec.job_id), {"seq": 2, "name": "compile_output", "chunk": 'a "b"\n'})
+    await redis.hset(keys.status_key(spec.job_id), mapping={"nextSeq": 3, "liveSeq": live_seq})
+    call = store.kill_call(spec.job_id, RESULT_TTL_S, request_id="kill-1")
+    first, second, _, _ = await twice(redis, call)
+    assert first == second and first[:2] == [2, 3]
+    answer = await store.kill(spec.job_id, RESULT_TTL_S, request_id="kill-1")  # (a re-send: decoded)
+    expected = [("stage", data) for data in logged] + [("compile_output", b'{"chunk":"a \\"b\\"\\n","seq":2}')]
+    assert answer.unpublished == expected[live_seq:]
+    assert answer.result is not None and b'"seq":3' in answer.result
 
 
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:

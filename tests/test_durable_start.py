@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -214,6 +215,76 @@ def test_stdin_stored_before_any_worker_subscribed_reaches_the_program_first(mak
         result = followed.wait_result()
         assert result["outcome"] == "completed", result
         assert followed.text("stdout") == "echo:one\necho:two\necho:three\neof\n"
+    finally:
+        rt.close()
+        api.close()
+
+
+# About 1.5 s of gcc (a million-token initialiser, twice, in ~250 MB): long enough to stop
+# its worker in the middle of the compile.
+_SLOW_COMPILE_C = """#define A(x) x x x x
+#define B(x) A(A(A(A(x))))
+#define C(x) B(B(x))
+int v = 0 C(A(A(+1)));
+int w = 0 C(A(A(+1)));
+#include <stdio.h>
+int main(void) { printf("%d\\n", v + w); return 0; }
+"""
+
+
+def _wait_for(followed, name: str, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not any(n == name or p.get("phase") == name for n, p in list(followed.events)):
+        assert time.monotonic() < deadline, f"no {name}: {followed.summary()}"
+        time.sleep(0.02)
+
+
+def test_a_job_handed_back_while_compiling_is_published_once(make_stack: StackFactory) -> None:
+    # The first worker goes live at start and publishes the log; stopped mid-compile it hands
+    # the job back (the program never ran). The next worker compiles again and must publish
+    # only what it adds: no seq twice, none missing.
+    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="200", WORKER_MAX_SANDBOXES="2")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute({"language": "c", "files": [{"name": "main.c", "content": _SLOW_COMPILE_C}]})
+        followed = rt.follow(job)
+        api.start(job)
+        _wait_for(followed, "compiling")
+        stack.stop_process("worker", signal.SIGTERM)
+        assert api.status(job)["state"] == "queued"
+        stack.start_worker()
+        result = followed.wait_result(timeout_s=60)
+        assert result["outcome"] == "completed", result
+        assert followed.text("stdout") == "2097152\n"
+        seqs = [p["seq"] for _n, p in followed.events]
+        assert sorted(seqs) == list(range(result["seq"] + 1)), seqs
+        # The log says what happened: two compiles, the second one whole.
+        with stack.redis() as redis:
+            log = redis.xrange(f"job:{job['jobId']}:events")
+        phases = [json.loads(f[b"data"])["phase"] for _, f in log if f[b"name"] == b"stage"]
+        assert phases == ["queued", "compiling", "compiling", "running"]
+        assert len(log) == result["seq"] + 1
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_kill_of_a_job_handed_back_unstarted_publishes_what_its_claim_logged(make_stack: StackFactory) -> None:
+    # A claim logs stage{queued} (seq 0) and publishes nothing before start; handed back and
+    # then killed in the queue, the job's stage and result both reach a follower.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("print('never')"))
+        followed = rt.follow(job)
+        _wait_claimed(stack, job["jobId"])
+        stack.stop_process("worker", signal.SIGTERM)  # hands the parked job back
+        assert api.status(job)["state"] == "queued"
+        assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+        result = followed.wait_result(timeout_s=10)
+        assert result["outcome"] == "killed" and result["seq"] == 1
+        time.sleep(0.3)
+        assert sorted((p["seq"], n) for n, p in followed.events) == [(0, "stage"), (1, "result")]
     finally:
         rt.close()
         api.close()

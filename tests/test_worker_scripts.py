@@ -354,6 +354,29 @@ async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue
     assert await redis.hget(keys.status_key(job), "handovers") == b"1"
 
 
+@pytest.mark.parametrize("how", ["hand_back", "reap"])
+async def test_a_job_put_back_after_it_went_live_says_how_far_its_log_was_published(
+    redis: Redis, queue: WorkerQueue, how: str
+) -> None:
+    # Parked: nothing was published, and the next claim publishes the log from seq 0. In
+    # `starting` its worker had gone live: the next claim publishes only what comes after.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    for step in ("parked", "starting"):
+        if step == "starting":
+            claim = await queue.claim(1.0, 0.0)
+            assert claim is not None and claim.live_seq == 0
+            await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"compiling","seq":1}')], state=JobState.STARTING)
+        if how == "hand_back":
+            assert await queue.hand_back(job, claim.attempt)
+        else:
+            assert await queue.recover_claims(queue.worker_id) == []
+        assert await redis.hget(keys.status_key(job), "state") == b"queued"
+    assert await redis.hget(keys.status_key(job), "liveSeq") == b"2"
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.live_seq == 2 and again.next_seq == 2
+
+
 async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

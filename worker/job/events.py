@@ -43,6 +43,7 @@ class JobEvents:
         attempt: int,
         next_seq: int,
         logged: list[tuple[int, str, bytes]] | None = None,
+        published_before: int = 0,
     ) -> None:
         self._queue = queue
         self._lane = lane
@@ -59,6 +60,8 @@ class JobEvents:
         # log is read instead.
         self._backlog: list[tuple[int, str, bytes]] = list(logged or [])
         self._log_has_more = next_seq > len(self._backlog)
+        # An earlier claim that went live published the log up to here (not again).
+        self._published_before = published_before
         # Output text this worker put in the log (what it keeps there, JSON aside).
         self.stored_chunk_bytes = 0
 
@@ -111,8 +114,8 @@ class JobEvents:
         if self.live:
             return
         backlog = await self._read_log() if self._log_has_more else self._backlog
-        for _seq, name, data in backlog:
-            if name != "result":  # its writer publishes it (see go_live)
+        for seq, name, data in backlog:
+            if name != "result" and seq >= self._published_before:  # (the result: see go_live)
                 self._lane.send(name, data)
         self._backlog = []
         self.live = True

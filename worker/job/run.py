@@ -128,7 +128,9 @@ class JobRun:
         self.sandbox: Sandbox | None = None
         self.lane = ctx.publisher.lane(keys.realtime_channel(self.job_id))
         logged = [(0, "stage", QUEUED_STAGE)] if claim.logged_queued else []
-        self.events = JobEvents(ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq, logged)
+        self.events = JobEvents(
+            ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq, logged, published_before=claim.live_seq
+        )
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
         self._destroyed = False

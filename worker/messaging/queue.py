@@ -37,6 +37,18 @@ log = logging.getLogger(__name__)
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
+# Lua for the scripts that put a job back in the queue (KEYS[1]: its status). A job in
+# `starting` has had its log published (its worker went live at start): `liveSeq` keeps where
+# that ended, so whoever ends or runs the job next publishes only what came after, neither
+# doubling what a follower saw nor leaving a gap (a parked job's events were never published).
+_WENT_LIVE_LUA = """
+local function went_live()
+  if redis.call('HGET', KEYS[1], 'state') == 'starting' then
+    redis.call('HSET', KEYS[1], 'liveSeq', redis.call('HGET', KEYS[1], 'nextSeq') or '0')
+  end
+end
+"""
+
 # KEYS: status, spec, claimed, start flag, events. ARGV: worker id, job id, now ms, the
 # `stage{queued}` event's JSON, ttl s. A job's first claim also logs that event (seq 0), so
 # claiming costs one round trip, not two.
@@ -72,7 +84,8 @@ local start = redis.call('EXISTS', KEYS[4])
 local kill = redis.call('HGET', KEYS[1], 'kill') == '1' and 1 or 0
 local handovers = redis.call('HGET', KEYS[1], 'handovers') or '0'
 local frames = redis.call('HGET', KEYS[1], 'stdinFrames') or '0'
-return {attempt, seq, spec, start, kill, handovers, logged, frames}
+local live = redis.call('HGET', KEYS[1], 'liveSeq') or '0'
+return {attempt, seq, spec, start, kill, handovers, logged, frames, live}
 """
 
 # KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id.
@@ -210,6 +223,7 @@ return written
 # head of the queue with its start flag untouched.
 _HAND_BACK = (
     _TERMINAL_LUA
+    + _WENT_LIVE_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state]
@@ -217,6 +231,7 @@ if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[
   return 0
 end
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+went_live()
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('LREM', KEYS[2], 1, ARGV[2])
@@ -239,6 +254,7 @@ return 1
 # Returns 1 (re-queued), {2, seq, data} (ended), or 0 (not ours to touch any more).
 _REAP = (
     _TERMINAL_LUA
+    + _WENT_LIVE_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + """
@@ -263,6 +279,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   result_landed(KEYS[9], ARGV[3])
   return {2, seq, data}
 end
+went_live()
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[1])
 return 1
@@ -317,6 +334,8 @@ class Claim(msgspec.Struct, frozen=True):
     logged_queued: bool = False
     # Stdin frames stored when the claim was made (its flags are read at the same moment).
     stdin_frames: int = 0
+    # The log's events before this seq were published by an earlier claim (see _WENT_LIVE_LUA).
+    live_seq: int = 0
 
 
 class StoredFrame(msgspec.Struct, frozen=True):
@@ -377,7 +396,7 @@ class WorkerQueue:
         if not loaded:
             log.warning("job %s: claimed id had no queued record, or was re-queued meanwhile; dropped", job_id)
             return None
-        attempt, seq, spec_raw, start, kill, handovers, logged, frames = loaded
+        attempt, seq, spec_raw, start, kill, handovers, logged, frames, live = loaded
         try:
             spec = decode_stored(JobSpec, spec_raw)
         except msgspec.MsgspecError as exc:
@@ -396,6 +415,7 @@ class WorkerQueue:
             handovers=int(handovers),
             logged_queued=bool(int(logged)),
             stdin_frames=int(frames),
+            live_seq=int(live),
         )
 
     async def flags(self, job_id: str) -> tuple[bool, bool]:
