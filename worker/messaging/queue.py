@@ -249,8 +249,8 @@ return 1
 # KEYS: status, the claimed list holding it, queue, events, spec, start flag, the job's
 # callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts.
 # ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
-# "requeue" or "end". With "requeue", a job whose program never started goes back to the
-# queue; otherwise (or once started) it ends with the given result.
+# "requeue" or "end", the call's token. With "requeue", a job whose program never started
+# goes back to the queue; otherwise (or once started) it ends with the given result.
 # Returns 1 (re-queued), {2, seq, data} (ended), or 0 (not ours to touch any more).
 _REAP = (
     _TERMINAL_LUA
@@ -258,7 +258,13 @@ _REAP = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + """
-if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
+if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
+  -- This very script run again (its reply lost with a connection) answers as it did, so the
+  -- result it wrote is still published live.
+  local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
+  if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3]} end
+  return 0
+end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return 0 end
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
@@ -267,7 +273,8 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
   local data = ARGV[4] .. seq .. ARGV[5]
   redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
-  redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1)
+  redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
+             'reapedBy', ARGV[8])
   redis.call('HINCRBY', KEYS[12], ARGV[6], 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
@@ -599,7 +606,8 @@ class WorkerQueue:
                 keys.audience_key(job_id),
                 keys.ENDED_COUNTS,
             ],
-            args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode],
+            # The token tells a re-sent run of this call (see _REAP) from another recovery.
+            args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, secrets.token_hex(8)],
         )
         if isinstance(outcome, list):
             return job_id, bytes(outcome[2])
