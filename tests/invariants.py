@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from launcher.stack import Stack
 from tests.helpers import Api, Realtime, compiled_shims, py_job
 
-__all__ = ["Baseline", "HostWatch", "cgroup_mounts", "check_result_shape", "check_trivial_job"]
+__all__ = ["Baseline", "HostWatch", "Neighbour", "cgroup_mounts", "check_result_shape", "check_trivial_job"]
 
 RESULT_FIELDS = {
     "exitCode", "signal", "timedOut", "idleTimedOut", "truncated", "durationMs", "cpuMs", "memoryKb",
@@ -444,3 +445,49 @@ def check_trivial_job(api: Api, realtime: Realtime) -> None:
     took = time.monotonic() - t0
     assert result["outcome"] == "completed" and followed.text("stdout") == "1\n", result
     assert took < 2.0, f"a trivial job took {took:.2f}s after the hostile one"
+
+
+# The neighbour: a job that keeps a canary in its own workspace while the hostile one runs
+# beside it, then reports on it. Its stdin stays open until the harness closes it.
+_NEIGHBOUR_PY = """
+import hashlib, os, sys
+secret = %r
+with open("canary.txt", "w") as f:
+    f.write(secret)
+os.chmod("canary.txt", 0o600)
+before = os.stat("canary.txt")
+print("ready", flush=True)
+sys.stdin.read()
+after = os.stat("canary.txt")
+with open("canary.txt") as f:
+    kept = f.read() == secret
+same = (before.st_mtime_ns, before.st_mode, before.st_ino) == (after.st_mtime_ns, after.st_mode, after.st_ino)
+print("kept" if kept else "CHANGED", "same" if same else "TOUCHED", sorted(os.listdir(".")))
+"""
+_NEIGHBOUR_LIMITS = {"wallTimeMs": 120000, "idleMs": 120000, "cpuMs": 2000, "memoryMb": 64, "pids": 8}
+
+
+class Neighbour:
+    """I4's canary in another job's workspace: started before a hostile program, checked
+    after it (the neighbour's own program reads its canary back and lists its workspace)."""
+
+    def __init__(self, api: Api, realtime: Realtime) -> None:
+        self.api = api
+        self.secret = secrets.token_hex(16)
+        self.job = api.execute(py_job(_NEIGHBOUR_PY % self.secret, limits=_NEIGHBOUR_LIMITS, collectOutput=True))
+        self.followed = realtime.follow(self.job)
+        api.start(self.job)
+        deadline = time.monotonic() + 15
+        while "ready" not in self.followed.text("stdout"):
+            assert not self.followed.results(), f"the neighbour ended early: {self.followed.summary()}"
+            assert time.monotonic() < deadline, f"the neighbour never got ready: {self.followed.summary()}"
+            time.sleep(0.02)
+
+    def check(self) -> None:
+        """Close its stdin and read its report: canary unchanged, nothing added beside it."""
+        response = self.api.post(f"/v1/jobs/{self.job['jobId']}/stdin/close")
+        assert response.status_code == 200, f"the neighbour ended before the check: {self.followed.summary()}"
+        result = self.followed.wait_result(timeout_s=15)
+        assert result["outcome"] == "completed", result
+        report = self.followed.text("stdout")
+        assert report == "ready\nkept same ['canary.txt', 'main.py']\n", f"I4 another job's workspace: {report!r}"

@@ -28,7 +28,7 @@ import pytest
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.helpers import Api, Followed, Realtime
-from tests.invariants import HostWatch, cgroup_mounts, check_result_shape, check_trivial_job
+from tests.invariants import HostWatch, Neighbour, cgroup_mounts, check_result_shape, check_trivial_job
 from tests.seccomp_view import AUDIT_ARCH_I386, ERRNO, KILL_PROCESS, installed_filters, verdict
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
@@ -283,6 +283,27 @@ import hashlib
 with open("/etc/passwd", "rb") as f:
     print("PASSWD", hashlib.sha256(f.read()).hexdigest())
 print("ENV", sorted(os.environ))
+"""
+
+# D14: look for another job's workspace everywhere the jail can list: the file tree (its
+# own workspace aside) and the roots and working folders of every process it can see.
+HUNT_PY = r"""
+import os
+hits, procs = [], 0
+for root, dirs, files in os.walk("/"):
+    if root in ("/proc", "/sys", "/workspace"):
+        dirs[:] = []
+        continue
+    hits += [os.path.join(root, f) for f in files if f == "canary.txt"]
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    procs += 1
+    for where in ("root", "cwd"):
+        try:
+            hits += [f"/proc/{pid}/{where}/{f}" for f in os.listdir(f"/proc/{pid}/{where}") if f == "canary.txt"]
+        except OSError:
+            pass
+print("hits", hits)
+print("procs", procs)
 """
 
 # Only loopback targets: that nothing beyond loopback is reachable follows from the
@@ -949,6 +970,12 @@ CASES = [
          both(expect(outcome="completed", exitCode=0, stdout="no\n")),
          body={"files": [{"name": "main.go", "content": 'package main\n\nimport "fmt"\n\nvar injected = "no"\n\nfunc main() { fmt.Println(injected) }\n'},
                          {"name": ".config/go/env", "content": "GOFLAGS=-ldflags=-X=main.injected=yes\n"}]}),
+    # The neighbour (invariants.Neighbour) keeps canary.txt in its workspace while this runs:
+    # nothing the jail can list leads to it, by the file tree or through another process.
+    Case("D14-python-hunt-other-workspaces", "python", HUNT_PY,
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: o["stdout"].startswith("hits []\nprocs ") and int(o["stdout"].split()[-1]) <= 3,
+                    "no other workspace, and only its own processes"))),
     # ---- G. supervisor faults
     Case("G2-nsjail-killed-mid-run", "bash", "echo running; sleep 100000 & while :; do :; done\n",
          both(where(lambda o: o["outcome"] in ("internal_error", "killed") and o["durationMs"] < 5000, "ends cleanly, no hang"))),
@@ -959,7 +986,9 @@ next(c for c in CASES if c.id.startswith("D13-")).during = _root_signals_while_h
 
 @pytest.fixture(scope="module")
 def hostile_stack() -> Iterator[Stack]:
-    with Stack(extra_env={"WORKER_MAX_SANDBOXES": "2", "LOG_LEVEL": "INFO"}) as stack:
+    # Three slots: the neighbour (I4's canary in another job's workspace) holds one while a
+    # hostile job and its compile use the others.
+    with Stack(extra_env={"WORKER_MAX_SANDBOXES": "3", "LOG_LEVEL": "INFO"}) as stack:
         yield stack
 
 
@@ -1034,6 +1063,7 @@ def check_events(api: Api, followed: Followed, result_at: float) -> None:
 def test_hostile_program(case: Case, hostile_stack: Stack, watch: HostWatch, clients: tuple[Api, Realtime]) -> None:
     api, realtime = clients
     base = watch.baseline()
+    neighbour = Neighbour(api, realtime)
     limits = {**LIMITS, **case.limits}
     body: dict[str, Any] = {
         "language": case.language,
@@ -1057,6 +1087,7 @@ def test_hostile_program(case: Case, hostile_stack: Stack, watch: HostWatch, cli
     assert out["memoryKb"] <= limits["memoryMb"] * 1024 + MEMORY_SLACK_KB, f"peak memory past the limit; {summary(out)}"
     case.check(out, followed)
     check_events(api, followed, result_at)
+    neighbour.check()
     watch.settle(base)
     check_trivial_job(api, realtime)
 
