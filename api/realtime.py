@@ -18,7 +18,10 @@ import msgspec
 from shared.pusher import signed_query
 from shared.settings import Settings
 
-__all__ = ["RealtimePublisher"]
+__all__ = ["MAX_BATCH", "RealtimePublisher"]
+
+# Events in one batch_events request (the Pusher HTTP API's own limit, which soketi keeps).
+MAX_BATCH = 10
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,7 @@ class RealtimePublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._path = f"/apps/{settings.pusher_app_id}/events"
+        self._batch_path = f"/apps/{settings.pusher_app_id}/batch_events"
         self._client = httpx.AsyncClient(
             base_url=f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}",
             timeout=settings.pusher_timeout_ms / 1000,
@@ -36,27 +40,36 @@ class RealtimePublisher:
     def publish_soon(self, channel: str, events: list[tuple[str, bytes]]) -> None:
         """Publish `events` (name, JSON) in order, in the background: the HTTP answer does
         not wait for soketi."""
-        task = asyncio.create_task(self._publish_in_order(channel, events))
+        task = asyncio.create_task(self.publish(channel, events))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _publish_in_order(self, channel: str, events: list[tuple[str, bytes]]) -> None:
-        for name, data in events:
-            await self.publish(channel, name, data)
+    async def publish(self, channel: str, events: list[tuple[str, bytes]]) -> None:
+        """One request per MAX_BATCH events (soketi keeps a batch's order), so a slow soketi
+        costs one timeout, not one per event."""
+        for start in range(0, len(events), MAX_BATCH):
+            if not await self._post(channel, events[start : start + MAX_BATCH]):
+                return
 
-    async def publish(self, channel: str, name: str, data: bytes) -> None:
+    async def _post(self, channel: str, events: list[tuple[str, bytes]]) -> bool:
         # Pusher's `data` is a string holding the event's JSON.
-        body = msgspec.json.encode({"name": name, "channel": channel, "data": data.decode()})
-        query = signed_query("POST", self._path, body, self._settings.pusher_key, self._settings.pusher_secret, int(time.time()))
+        items = [{"name": name, "channel": channel, "data": data.decode()} for name, data in events]
+        path, body = (
+            (self._path, msgspec.json.encode(items[0]))
+            if len(items) == 1
+            else (self._batch_path, msgspec.json.encode({"batch": items}))
+        )
+        query = signed_query("POST", path, body, self._settings.pusher_key, self._settings.pusher_secret, int(time.time()))
+        names = ",".join(name for name, _ in events)
         try:
-            response = await self._client.post(
-                self._path, params=query, content=body, headers={"content-type": "application/json"}
-            )
+            response = await self._client.post(path, params=query, content=body, headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
-            log.warning("soketi unreachable while publishing %s on %s: %s", name, channel, exc)
-            return
+            log.warning("soketi unreachable while publishing %s on %s: %s", names, channel, exc)
+            return False
         if response.status_code >= 400:
-            log.warning("soketi refused %s on %s: %s %s", name, channel, response.status_code, response.text[:200])
+            log.warning("soketi refused %s on %s: %s %s", names, channel, response.status_code, response.text[:200])
+            return False
+        return True
 
     async def aclose(self) -> None:
         if self._pending:

@@ -331,6 +331,7 @@ async def kill_job(request: Request) -> Response:
         raise ApiError(409, f"Job has already ended ({answer.ended_state or 'gone'})")
     if answer.result is not None:
         log.info("job %s killed before any worker held it", status.job_id)
+    if answer.result is not None and answer.heard:
         # No worker holds the job, so nobody else will tell a subscriber it ended (nor
         # publish what a claim that handed it back before start had logged).
         state.realtime.publish_soon(

@@ -241,9 +241,10 @@ return {1, n}
 # KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
 # callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
 # seq, ctrl channel, ctrl message, request id.
-# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished} (ended
-# here; `unpublished`: the log's earlier entries nobody published, each its field/value
-# pairs then '').
+# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished, heard}
+# (ended here; `unpublished`: the log's earlier entries nobody published, each its
+# field/value pairs then ''; `heard`: 1 when someone was allowed to subscribe, see
+# keys.audience_key, else nothing need be published).
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
@@ -293,7 +294,9 @@ end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state then
   local mine = redis.call('HMGET', KEYS[1], 'killEndedBy', 'killRequests', 'nextSeq', 'result')
-  if mine[1] == ARGV[8] then return {2, tonumber(mine[3]) - 1, mine[4], unpublished(tonumber(mine[3]) - 1)} end
+  if mine[1] == ARGV[8] then
+    return {2, tonumber(mine[3]) - 1, mine[4], unpublished(tonumber(mine[3]) - 1), redis.call('EXISTS', KEYS[10])}
+  end
   if string.find(' ' .. (mine[2] or '') .. ' ', ' ' .. ARGV[8] .. ' ', 1, true) then return {1} end
 end
 if (not state) or terminal[state] then return {0, state or ''} end
@@ -314,7 +317,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
-  return {2, seq, data, earlier}
+  return {2, seq, data, earlier, redis.call('EXISTS', KEYS[10])}
 end
 local recent = {ARGV[8]}
 for rid in string.gmatch(redis.call('HGET', KEYS[1], 'killRequests') or '', '%S+') do
@@ -447,6 +450,8 @@ class KillAnswer(msgspec.Struct, frozen=True):
     result: bytes | None = None  # set when the kill ended a queued job here
     # With `result`: the job's logged events nobody published yet, (name, JSON) in seq order.
     unpublished: list[tuple[str, bytes]] = []
+    # With `result`: someone may follow the job (else nothing of it need be published).
+    heard: bool = False
 
 
 class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -817,7 +822,7 @@ class JobStore:
         if answer[0] == 0:
             return KillAnswer(ended_state=answer[1].decode())
         if answer[0] == 2:
-            return KillAnswer(result=bytes(answer[2]), unpublished=_entries(answer[3] if len(answer) > 3 else []))
+            return KillAnswer(result=bytes(answer[2]), unpublished=_entries(answer[3]), heard=answer[4] == 1)
         return KillAnswer()
 
     async def live_workers(self) -> list[WorkerInfo]:

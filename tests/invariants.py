@@ -483,6 +483,12 @@ class Neighbour:
             assert time.monotonic() < deadline, f"the neighbour never got ready: {self.followed.summary()}"
             time.sleep(0.02)
 
+    def end(self) -> None:
+        """Kill it if it still runs (a failed case must not leave it holding a slot)."""
+        if not self.followed.results():
+            self.api.post(f"/v1/jobs/{self.job['jobId']}/kill")
+            self.followed.finished.wait(15)
+
     def check(self) -> None:
         """Close its stdin and read its report: canary unchanged, nothing added beside it."""
         response = self.api.post(f"/v1/jobs/{self.job['jobId']}/stdin/close")

@@ -310,9 +310,11 @@ async def test_kill_of_a_handed_back_job_returns_what_nobody_published(
         await redis.xadd(keys.events_key(spec.job_id), {"seq": seq, "name": "stage", "data": data})
     await redis.xadd(keys.events_key(spec.job_id), {"seq": 2, "name": "compile_output", "chunk": 'a "b"\n'})
     await redis.hset(keys.status_key(spec.job_id), mapping={"nextSeq": 3, "liveSeq": live_seq})
+    if live_seq == 1:
+        await store.mark_audience(spec.job_id)  # someone was allowed to subscribe
     call = store.kill_call(spec.job_id, RESULT_TTL_S, request_id="kill-1")
     first, second, _, _ = await twice(redis, call)
-    assert first == second and first[:2] == [2, 3]
+    assert first == second and first[:2] == [2, 3] and first[4] == (1 if live_seq == 1 else 0)
     answer = await store.kill(spec.job_id, RESULT_TTL_S, request_id="kill-1")  # (a re-send: decoded)
     expected = [("stage", data) for data in logged] + [("compile_output", b'{"chunk":"a \\"b\\"\\n","seq":2}')]
     assert answer.unpublished == expected[live_seq:]

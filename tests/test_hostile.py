@@ -1064,31 +1064,34 @@ def test_hostile_program(case: Case, hostile_stack: Stack, watch: HostWatch, cli
     api, realtime = clients
     base = watch.baseline()
     neighbour = Neighbour(api, realtime)
-    limits = {**LIMITS, **case.limits}
-    body: dict[str, Any] = {
-        "language": case.language,
-        "files": [{"name": FILE[case.language], "content": case.code}],
-        "limits": limits,
-        "collectOutput": True,
-    }
-    body["stdin"] = case.stdin
-    body.update(case.body)
-    job = api.execute(body)
-    followed = realtime.follow(job)
-    api.start(job)
-    if case.during is not None:
-        case.during(hostile_stack, followed)
-    followed.wait_result(timeout_s=60)
-    result_at = time.monotonic()
-    response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"})
-    assert response.status_code == 200, response.text
-    out = response.json()
-    check_result_shape(out, limits["wallTimeMs"])
-    assert out["memoryKb"] <= limits["memoryMb"] * 1024 + MEMORY_SLACK_KB, f"peak memory past the limit; {summary(out)}"
-    case.check(out, followed)
-    check_events(api, followed, result_at)
-    neighbour.check()
-    watch.settle(base)
+    try:
+        limits = {**LIMITS, **case.limits}
+        body: dict[str, Any] = {
+            "language": case.language,
+            "files": [{"name": FILE[case.language], "content": case.code}],
+            "limits": limits,
+            "collectOutput": True,
+        }
+        body["stdin"] = case.stdin
+        body.update(case.body)
+        job = api.execute(body)
+        followed = realtime.follow(job)
+        api.start(job)
+        if case.during is not None:
+            case.during(hostile_stack, followed)
+        followed.wait_result(timeout_s=60)
+        result_at = time.monotonic()
+        response = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "5000"})
+        assert response.status_code == 200, response.text
+        out = response.json()
+        check_result_shape(out, limits["wallTimeMs"])
+        assert out["memoryKb"] <= limits["memoryMb"] * 1024 + MEMORY_SLACK_KB, f"peak memory past the limit; {summary(out)}"
+        case.check(out, followed)
+        check_events(api, followed, result_at)
+        neighbour.check()
+        watch.settle(base)
+    finally:
+        neighbour.end()
     check_trivial_job(api, realtime)
 
 

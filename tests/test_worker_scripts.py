@@ -354,27 +354,27 @@ async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue
     assert await redis.hget(keys.status_key(job), "handovers") == b"1"
 
 
-@pytest.mark.parametrize("how", ["hand_back", "reap"])
-async def test_a_job_put_back_after_it_went_live_says_how_far_its_log_was_published(
-    redis: Redis, queue: WorkerQueue, how: str
-) -> None:
-    # Parked: nothing was published, and the next claim publishes the log from seq 0. In
-    # `starting` its worker had gone live: the next claim publishes only what comes after.
+async def test_a_hand_back_keeps_how_far_the_jobs_log_was_published(redis: Redis, queue: WorkerQueue) -> None:
+    # Its worker says how far it published (it went live at start, or never did); the record
+    # keeps the furthest, and the next claim publishes only what comes after. A reap cannot
+    # know what a dead worker published and leaves it as it was.
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
-    for step in ("parked", "starting"):
-        if step == "starting":
-            claim = await queue.claim(1.0, 0.0)
-            assert claim is not None and claim.live_seq == 0
-            await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"compiling","seq":1}')], state=JobState.STARTING)
-        if how == "hand_back":
-            assert await queue.hand_back(job, claim.attempt)
+    assert await queue.hand_back(job, claim.attempt, published_to=0)  # parked: nothing went out
+    assert await redis.hget(keys.status_key(job), "liveSeq") in (None, b"0")
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.live_seq == 0
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"compiling","seq":1}')], state=JobState.STARTING)
+    assert await queue.hand_back(job, claim.attempt, published_to=2)  # live, stopped mid-compile
+    for _ in range(2):
+        claim = await queue.claim(1.0, 0.0)
+        assert claim is not None and (claim.live_seq, claim.next_seq) == (2, 2)
+        if _ == 0:
+            assert await queue.hand_back(job, claim.attempt, published_to=0)  # parked again: kept
         else:
-            assert await queue.recover_claims(queue.worker_id) == []
+            assert await queue.recover_claims(queue.worker_id) == []  # re-queued by a reap: kept
         assert await redis.hget(keys.status_key(job), "state") == b"queued"
     assert await redis.hget(keys.status_key(job), "liveSeq") == b"2"
-    again = await queue.claim(1.0, 0.0)
-    assert again is not None and again.live_seq == 2 and again.next_seq == 2
 
 
 async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:

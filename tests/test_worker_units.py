@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from shared.messages import CompileInfo, CtrlMessage, StdinFrame
+from shared.messages import CompileInfo, CtrlMessage, JobState, StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
@@ -551,6 +551,28 @@ async def test_a_held_go_live_is_dropped_when_the_job_is_over() -> None:
     await events.drop_hold()
     await asyncio.sleep(0.05)
     assert lane.sent == [] and not events.live
+
+
+async def test_a_hand_back_says_the_log_was_published_only_once_it_was() -> None:
+    # A job stopped while its go_live was still held back (or never started) published
+    # nothing of this claim: the hand-back must not tell the next claim otherwise.
+    lane = _SentLane()
+    events = JobEvents(_LogOnly(), lane, "job", 1, 3, published_before=2)  # type: ignore[arg-type]
+    await events.state(JobState.STARTING)
+    events.go_live_within(10.0)
+    assert events.published_to == 2
+    await events.drop_hold()
+    assert events.published_to == 2 and lane.sent == []
+
+    class _Log(_LogOnly):
+        async def event_log(self, job_id: str) -> list[tuple[int, str, bytes]]:
+            return [(seq, "stage", b'{"seq":%d}' % seq) for seq in range(4)]
+
+    events = JobEvents(_Log(), lane, "job", 1, 3, published_before=2)  # type: ignore[arg-type]
+    await events.stage("compiling")
+    await events.go_live()
+    assert events.published_to == 4
+    assert [data["seq"] for _, data in lane.sent] == [2, 3]  # not what the earlier claim published
 
 
 class _LoggedBefore(_LogOnly):

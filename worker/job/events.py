@@ -113,12 +113,21 @@ class JobEvents:
         self._stop_hold_timer()
         if self.live:
             return
-        backlog = await self._read_log() if self._log_has_more else self._backlog
+        if self._published_before >= self.next_seq:
+            backlog = []  # an earlier claim published all of it (a re-claim after a hand-back)
+        else:
+            backlog = await self._read_log() if self._log_has_more else self._backlog
         for seq, name, data in backlog:
             if name != "result" and seq >= self._published_before:  # (the result: see go_live)
                 self._lane.send(name, data)
         self._backlog = []
         self.live = True
+
+    @property
+    def published_to(self) -> int:
+        """The log's events before this seq have gone to the live lane (or an earlier claim
+        published them), so a hand-back tells the next claim to start there."""
+        return self.next_seq if self.live else self._published_before
 
     def go_live_within(self, hold_s: float) -> None:
         """Go live with the first output logged, or `hold_s` from now, whichever comes first.

@@ -330,7 +330,9 @@ class JobRun:
             return
         self._finished = True
         try:
-            await asyncio.wait_for(self.ctx.queue.hand_back(self.job_id, self.claim.attempt), 2.0)
+            await asyncio.wait_for(
+                self.ctx.queue.hand_back(self.job_id, self.claim.attempt, published_to=self.events.published_to), 2.0
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
 
@@ -339,7 +341,9 @@ class JobRun:
         this worker's list and the stray-claim recovery re-queues it: a job that did not
         run is never ended for it (nor its start flag dropped)."""
         try:
-            return await self.ctx.queue.hand_back(self.job_id, self.claim.attempt, to_back=to_back)
+            return await self.ctx.queue.hand_back(
+                self.job_id, self.claim.attempt, to_back=to_back, published_to=self.events.published_to
+            )
         except (RedisError, OSError) as exc:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
             return False

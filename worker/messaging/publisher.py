@@ -427,7 +427,8 @@ class JobLane:
         now = time.monotonic()
         if self._audience_checked_at is None or now - self._audience_checked_at >= AUDIENCE_RECHECK_S:
             self._audience_checked_at = now
-            self._audience = await self._publisher.occupied(self._channel)
+            if await self._publisher.occupied(self._channel):  # (a "yes" learned meanwhile stays)
+                self._audience = True
         return self._audience
 
     async def close(self, timeout_s: float) -> None:

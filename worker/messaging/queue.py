@@ -37,17 +37,6 @@ log = logging.getLogger(__name__)
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
-# Lua for the scripts that put a job back in the queue (KEYS[1]: its status). A job in
-# `starting` has had its log published (its worker went live at start): `liveSeq` keeps where
-# that ended, so whoever ends or runs the job next publishes only what came after, neither
-# doubling what a follower saw nor leaving a gap (a parked job's events were never published).
-_WENT_LIVE_LUA = """
-local function went_live()
-  if redis.call('HGET', KEYS[1], 'state') == 'starting' then
-    redis.call('HSET', KEYS[1], 'liveSeq', redis.call('HGET', KEYS[1], 'nextSeq') or '0')
-  end
-end
-"""
 
 # KEYS: status, spec, claimed, start flag, events. ARGV: worker id, job id, now ms, the
 # `stage{queued}` event's JSON, ttl s. A job's first claim also logs that event (seq 0), so
@@ -219,11 +208,11 @@ return written
 """
 )
 
-# KEYS: status, claimed, queue. ARGV: attempt, job id, now ms. A parked job goes back to the
-# head of the queue with its start flag untouched.
+# KEYS: status, claimed, queue. ARGV: attempt, job id, now ms, "head" or "back", the seq its
+# log was published up to (liveSeq only grows). A parked job goes back to the queue with its
+# start flag untouched.
 _HAND_BACK = (
     _TERMINAL_LUA
-    + _WENT_LIVE_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state]
@@ -231,7 +220,9 @@ if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[
   return 0
 end
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-went_live()
+if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'liveSeq') or '0') then
+  redis.call('HSET', KEYS[1], 'liveSeq', ARGV[5])
+end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('LREM', KEYS[2], 1, ARGV[2])
@@ -254,7 +245,6 @@ return 1
 # Returns 1 (re-queued), {2, seq, data} (ended), or 0 (not ours to touch any more).
 _REAP = (
     _TERMINAL_LUA
-    + _WENT_LIVE_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + """
@@ -286,7 +276,6 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   result_landed(KEYS[9], ARGV[3])
   return {2, seq, data}
 end
-went_live()
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[1])
 return 1
@@ -341,7 +330,10 @@ class Claim(msgspec.Struct, frozen=True):
     logged_queued: bool = False
     # Stdin frames stored when the claim was made (its flags are read at the same moment).
     stdin_frames: int = 0
-    # The log's events before this seq were published by an earlier claim (see _WENT_LIVE_LUA).
+    # The log's events before this seq were published by an earlier claim, which handed the
+    # job back after it went live (a worker stopped mid-compile): the next publishes only
+    # what comes after, neither doubling what a follower saw nor leaving a gap. (A reaped
+    # job's dead worker cannot say: its next claim may publish some events twice.)
     live_seq: int = 0
 
 
@@ -558,12 +550,14 @@ class WorkerQueue:
         """The result JSON the job's record holds, if it has ended."""
         return await self.redis.hget(keys.status_key(job_id), "result")
 
-    async def hand_back(self, job_id: str, attempt: int, to_back: bool = False) -> bool:
+    async def hand_back(self, job_id: str, attempt: int, to_back: bool = False, published_to: int = 0) -> bool:
         """Return a job that never started to the queue, its start flag kept: to the head
-        (it was next; a stopping worker), or to the back (this worker cannot run it)."""
+        (it was next; a stopping worker), or to the back (this worker cannot run it).
+        `published_to`: the log's events before this seq went to the job's live lane (see
+        Claim.live_seq)."""
         ok = await self._hand_back(
             keys=[keys.status_key(job_id), self._claimed, keys.QUEUE],
-            args=[attempt, job_id, now_ms(), "back" if to_back else "head"],
+            args=[attempt, job_id, now_ms(), "back" if to_back else "head", published_to],
         )
         return bool(ok)
 
