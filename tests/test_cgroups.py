@@ -64,6 +64,10 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\noom_group_kill 1\n")
     counters = job.counters()
     assert (counters.cpu_us, counters.memory_peak_bytes, counters.oom_kills) == (2_500_000, 100 << 20, 1)
+    assert not counters.ceiling_oom  # its own limit was reached
+    # Killed without ever reaching its own limit: the ceiling on all jobs (jobs/memory.max).
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 1\noom_group_kill 1\n")
+    assert job.counters().ceiling_oom
 
     (d / "cgroup.procs").write_text("")
     job.kill()
@@ -366,6 +370,17 @@ def test_jobs_together_stay_under_the_deployments_memory_ceiling(make_stack: Sta
         api.close()
     outcomes = sorted(r["outcome"] for r in results)
     assert outcomes == ["completed", "memory_exceeded"], results
+    # The ended one says it was the ceiling, not its own limit; a job past its own says nothing.
+    ended = next(r for r in results if r["outcome"] == "memory_exceeded")
+    assert ended["killedBy"] == "memory" and "SANDBOX_MEMORY_TOTAL_MB" in ended["message"], ended
+    api = Api(stack)
+    try:
+        own = api.execute(py_job(code, limits={"memoryMb": 64, "wallTimeMs": 20000}))
+        api.start(own)
+        result = api.wait_state(own, {"done", "error"})["result"]
+    finally:
+        api.close()
+    assert result["outcome"] == "memory_exceeded" and "message" not in result, result
     assert stack.dead_children() == [], "a process of the stack died"
 
 

@@ -1086,6 +1086,8 @@ def test_hostile_program(case: Case, hostile_stack: Stack, watch: HostWatch, cli
         out = response.json()
         check_result_shape(out, limits["wallTimeMs"])
         assert out["memoryKb"] <= limits["memoryMb"] * 1024 + MEMORY_SLACK_KB, f"peak memory past the limit; {summary(out)}"
+        if out["outcome"] == "memory_exceeded":  # its own limit, never the deployment's ceiling
+            assert "message" not in out, f"blamed on the ceiling; {summary(out)}"
         case.check(out, followed)
         check_events(api, followed, result_at)
         neighbour.check()

@@ -12,7 +12,7 @@ import pytest
 
 from shared.messages import CompileInfo, Outcome
 from worker.isolation.jail import JailExit
-from worker.job.outcome import RunVerdict, compile_info, compile_succeeded, judge_run
+from worker.job.outcome import CEILING_MESSAGE, RunVerdict, compile_info, compile_succeeded, judge_run
 from worker.job.output import CompileOutput
 from worker.job.supervise import StepFacts
 
@@ -23,8 +23,10 @@ def exited(
     return JailExit(exit_code=code, signal=sig, backstop_fired=backstop, errors=errors or [])
 
 
-def facts(exit_info: JailExit, fired: str | None = None, oom_kills: int = 0) -> StepFacts:
-    return StepFacts(exit=exit_info, fired=fired, duration_ms=1234, cpu_ms=567, memory_kb=8910, oom_kills=oom_kills)
+def facts(exit_info: JailExit, fired: str | None = None, oom_kills: int = 0, ceiling_oom: bool = False) -> StepFacts:
+    return StepFacts(
+        exit=exit_info, fired=fired, duration_ms=1234, cpu_ms=567, memory_kb=8910, oom_kills=oom_kills, ceiling_oom=ceiling_oom
+    )
 
 
 COMPLETED = RunVerdict(Outcome.COMPLETED)
@@ -33,6 +35,7 @@ WALL = RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by="wall")
 CPU = RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by="cpu")
 IDLE = RunVerdict(Outcome.IDLE_TIMED_OUT, idle_timed_out=True, killed_by="idle")
 MEMORY = RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory")
+CEILING = RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory", message=CEILING_MESSAGE)
 
 # ---------------------------------------------------------------- judge_run
 
@@ -67,6 +70,10 @@ RUN_TABLE = [
     # The cgroup's OOM counter: memory only when the program died of SIGKILL.
     ("OOM kill", facts(exited(sig="SIGKILL"), oom_kills=1), MEMORY),
     ("several OOM kills", facts(exited(sig="SIGKILL"), oom_kills=7), MEMORY),
+    # The deployment's ceiling on all jobs: the same verdict, and a message that says so.
+    ("OOM kill under the job's own limit", facts(exited(sig="SIGKILL"), oom_kills=1, ceiling_oom=True), CEILING),
+    ("ceiling OOM of a child, program exited 1", facts(exited(1), oom_kills=1, ceiling_oom=True), COMPLETED),
+    ("wall wins over a ceiling OOM", facts(exited(sig="SIGKILL"), "wall", oom_kills=1, ceiling_oom=True), WALL),
     ("SIGKILL without an OOM kill is the program's own affair", facts(exited(sig="SIGKILL")), COMPLETED),
     ("OOM kill of a child, program exited 1", facts(exited(1), oom_kills=1), COMPLETED),
     ("OOM kill of a child, program aborted", facts(exited(sig="SIGABRT"), oom_kills=1), COMPLETED),

@@ -59,11 +59,20 @@ class CgroupMode(enum.StrEnum):
     HYBRID = "hybrid"
 
 
+# An OOM kill against a job's own v1 limit leaves its peak usage this close to the limit at
+# least (the last charge that failed was at most a charge batch, 64 pages); a peak further
+# below means the deployment's ceiling ran out first.
+OOM_NEAR_LIMIT_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class JobCounters:
     cpu_us: int
     memory_peak_bytes: int
     oom_kills: int
+    # OOM kills came while the job never reached its own memory limit: the kernel ended it
+    # for the deployment's ceiling on all jobs together (SANDBOX_MEMORY_TOTAL_MB).
+    ceiling_oom: bool = False
 
 
 # Plain descriptors, not file objects: a job's set-up and teardown touch a few dozen
@@ -471,7 +480,13 @@ class JobCgroup:
                 raise
 
     def counters(self) -> JobCounters:
-        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=self.memory_peak_bytes(), oom_kills=self.oom_kills())
+        oom_kills = self.oom_kills()
+        return JobCounters(
+            cpu_us=self.cpu_us(),
+            memory_peak_bytes=self.memory_peak_bytes(),
+            oom_kills=oom_kills,
+            ceiling_oom=oom_kills > 0 and not self._own_memory_limit_reached(),
+        )
 
     def cpu_us(self) -> int:
         try:
@@ -525,6 +540,28 @@ class JobCgroup:
             return _keyed(self._read_kept(self.v1_dirs["memory"] / "memory.oom_control")).get("oom_kill", 0)
         except (OSError, ValueError):
             return 0
+
+    def _own_memory_limit_reached(self) -> bool:
+        """Whether the job's usage ever reached its own limit (asked after an OOM kill only).
+
+        A kill counts in the victim's cgroup whichever limit ran out. v2 counts a limit
+        reached where it was: the job's own `max` and `oom` events (its file has its own
+        and its descendants', never its parent's). v1's failcnt cannot tell (with a
+        memory+swap limit, which is checked first, this kernel counts neither), so v1 asks
+        whether the peak came within OOM_NEAR_LIMIT_BYTES of the limit. Unreadable: assume
+        it was (the plain verdict).
+        """
+        try:
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                events = _keyed(_read(self.v2_dir / "memory.events"))
+                return events.get("max", 0) > 0 or events.get("oom", 0) > 0
+            mem = self.v1_dirs["memory"]
+            limit_path = mem / "memory.limit_in_bytes"
+            limit = int(self._written.get(limit_path) or _read(limit_path))
+            return int(_read(mem / "memory.max_usage_in_bytes")) >= limit - OOM_NEAR_LIMIT_BYTES
+        except (OSError, ValueError):
+            return True
 
     def _procs(self, d: Path) -> str:
         # cgroup v1 keeps a cgroup.procs listing per open file and serves it again for a

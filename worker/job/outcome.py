@@ -13,7 +13,12 @@ from shared.messages import CompileInfo, Outcome
 from worker.job.output import CompileOutput
 from worker.job.supervise import StepFacts
 
-__all__ = ["RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
+__all__ = ["CEILING_MESSAGE", "RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
+
+CEILING_MESSAGE = (
+    "the memory this worker allows all running jobs together (SANDBOX_MEMORY_TOTAL_MB) ran out, "
+    "and the kernel ended this job while it was still under its own memoryMb limit"
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ def judge_run(facts: StepFacts) -> RunVerdict:
     if facts.fired == "idle":
         return RunVerdict(Outcome.IDLE_TIMED_OUT, idle_timed_out=True, killed_by="idle")
     if facts.oom_kills > 0 and exit_info.signal == "SIGKILL":
-        return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory")
+        return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory", message=CEILING_MESSAGE if facts.ceiling_oom else None)
     if exit_info.exit_code is None and exit_info.signal is None:
         return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: " + "; ".join(exit_info.errors))
     return RunVerdict(Outcome.COMPLETED)

@@ -96,6 +96,8 @@ class StepFacts:
     cpu_ms: int
     memory_kb: int
     oom_kills: int
+    # The OOM kills were the deployment's ceiling on all jobs, not the job's own limit.
+    ceiling_oom: bool = False
 
 
 async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: Activity) -> None:
@@ -278,4 +280,5 @@ async def supervise(
         cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
         memory_kb=counters.memory_peak_bytes // 1024,
         oom_kills=counters.oom_kills,
+        ceiling_oom=counters.ceiling_oom,
     )
