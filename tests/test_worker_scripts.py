@@ -948,3 +948,24 @@ async def test_a_lost_batch_keeps_the_verdicts_its_log_holds_and_skips_the_rest(
     assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 1, "verdict": "skipped"}
     stored = json.loads(await redis.hget(keys.status_key(spec.job_id), "result"))
     assert stored == result
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_job_whose_spec_cannot_be_read_ends_in_the_shape_its_client_expects(
+    redis: Redis, queue: WorkerQueue, batch: bool
+) -> None:
+    # A spec no worker can decode (a newer API's, a damaged key) ends internal_error at its
+    # claim. A batch's result still lists each case and a summary, as a grader reads any.
+    spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="a"), TestCase(name="b")] if batch else [])
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    await redis.set(keys.spec_key(spec.job_id), b'{"not": "a spec"}', keepttl=True)
+    assert await queue.claim(1.0, 0.0) is None
+    ((job, raw),) = queue.orphan_results
+    result = json.loads(raw)
+    assert job == spec.job_id and result["outcome"] == "internal_error" and "could not be read" in result["message"]
+    assert await redis.hget(keys.status_key(spec.job_id), "state") == b"error"
+    if batch:
+        assert [(c["index"], c["verdict"], c["name"]) for c in result["tests"]] == [(0, "internal_error", None), (1, "internal_error", None)]
+        assert result["summary"]["verdict"] == "internal_error" and result["summary"]["passed"] == 0
+    else:
+        assert "tests" not in result

@@ -26,6 +26,7 @@ from shared.messages import (
     JobState,
     Outcome,
     StageEvent,
+    TestCase,
     TestResultEvent,
     WorkerInfo,
     result_template,
@@ -293,7 +294,8 @@ def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
 
 LOST_MESSAGE = "the worker running this job vanished after the program started; it is not re-run"
 _LOST = _result_template("lost", LOST_MESSAGE)
-_UNREADABLE = _result_template("internal_error", "the stored job could not be read by this worker")
+UNREADABLE_MESSAGE = "the stored job could not be read by this worker"
+_UNREADABLE = _result_template("internal_error", UNREADABLE_MESSAGE)
 
 
 def now_ms() -> int:
@@ -400,7 +402,8 @@ class WorkerQueue:
             spec = decode_stored(JobSpec, spec_raw)
         except msgspec.MsgspecError as exc:
             log.error("job %s: stored spec is unreadable (%s); ending it", job_id, exc)
-            ended = await self._recover(self._claimed, job_id, "end", _UNREADABLE, JobState.ERROR)
+            template = await self._unreadable_template(job_id)
+            ended = await self._recover(self._claimed, job_id, "end", template, JobState.ERROR)
             if ended is not None:
                 self.orphan_results.append(ended)
             return None
@@ -627,6 +630,16 @@ class WorkerQueue:
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
             )
         return lost
+
+    async def _unreadable_template(self, job_id: str) -> tuple[bytes, bytes]:
+        """The result of a job whose spec cannot be read. A test batch's still lists its cases
+        (as many as its record says it has, with no names: those are in the spec), each an
+        internal error, so a grader finds the same shape as for any batch."""
+        count = await self.redis.hget(keys.status_key(job_id), "tests")
+        if not count or not count.isdigit():
+            return _UNREADABLE
+        cases = [TestCase()] * int(count)
+        return result_template(batch_ended_early(cases, Outcome.INTERNAL_ERROR, UNREADABLE_MESSAGE))
 
     async def _lost_template(self, job_id: str) -> tuple[bytes, bytes]:
         """The `lost` result the job would end with. A test batch's lists every case: those
