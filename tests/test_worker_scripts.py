@@ -969,3 +969,17 @@ async def test_a_job_whose_spec_cannot_be_read_ends_in_the_shape_its_client_expe
         assert result["summary"]["verdict"] == "internal_error" and result["summary"]["passed"] == 0
     else:
         assert "tests" not in result
+
+
+async def test_a_lost_batch_whose_spec_cannot_be_read_still_lists_its_cases(redis: Redis, queue: WorkerQueue) -> None:
+    spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="first"), TestCase()])
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None
+    await queue.advance(spec.job_id, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+    await redis.set(keys.spec_key(spec.job_id), b"garbage", keepttl=True)
+    ((_job, raw),) = await queue.recover_claims(queue.worker_id)
+    result = json.loads(raw)
+    assert result["outcome"] == "lost"
+    assert [(c["index"], c["verdict"], c["outcome"]) for c in result["tests"]] == [(0, "skipped", "lost"), (1, "skipped", "lost")]
+    assert result["summary"]["skipped"] == 2

@@ -635,24 +635,29 @@ class WorkerQueue:
         """The result of a job whose spec cannot be read. A test batch's still lists its cases
         (as many as its record says it has, with no names: those are in the spec), each an
         internal error, so a grader finds the same shape as for any batch."""
-        count = await self.redis.hget(keys.status_key(job_id), "tests")
-        if not count or not count.isdigit():
+        count = await self._case_count(job_id)
+        if not count:
             return _UNREADABLE
-        cases = [TestCase()] * int(count)
-        return result_template(batch_ended_early(cases, Outcome.INTERNAL_ERROR, UNREADABLE_MESSAGE))
+        return result_template(batch_ended_early([TestCase()] * count, Outcome.INTERNAL_ERROR, UNREADABLE_MESSAGE))
+
+    async def _case_count(self, job_id: str) -> int:
+        """How many cases the job's record says its batch has (0: not a batch)."""
+        count = await self.redis.hget(keys.status_key(job_id), "tests")
+        return int(count) if count and count.isdigit() else 0
 
     async def _lost_template(self, job_id: str) -> tuple[bytes, bytes]:
         """The `lost` result the job would end with. A test batch's lists every case: those
         whose test_result its log holds keep their verdicts, the rest are skipped (a grader
         finds its summary as for any batch). A spec or log that cannot be read gives the
-        plain one: recovery must not fail for it."""
+        cases the record counts, all skipped: recovery must not fail for it."""
+        count = await self._case_count(job_id)
+        if not count:
+            return _LOST
         try:
-            if not await self.redis.hget(keys.status_key(job_id), "tests"):
-                return _LOST
             raw = await self.redis.get(keys.spec_key(job_id))
             spec = decode_stored(JobSpec, raw) if raw is not None else None
             if spec is None or not spec.tests:
-                return _LOST
+                raise ValueError("no spec with its cases")
             ran: list[CaseFacts | None] = [None] * len(spec.tests)
             for _seq, name, data in await self.event_log(job_id):
                 if name == "test_result":
@@ -661,7 +666,7 @@ class WorkerQueue:
                         ran[event.index] = event
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.warning("job %s: its batch could not be read for its lost result (%s)", job_id, exc)
-            return _LOST
+            return result_template(batch_ended_early([TestCase()] * count, Outcome.LOST, LOST_MESSAGE))
         return result_template(batch_ended_early(spec.tests, Outcome.LOST, LOST_MESSAGE, ran))
 
     async def claimed_ids(self, worker_id: str) -> list[str]:
