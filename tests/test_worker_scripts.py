@@ -983,3 +983,36 @@ async def test_a_lost_batch_whose_spec_cannot_be_read_still_lists_its_cases(redi
     assert result["outcome"] == "lost"
     assert [(c["index"], c["verdict"], c["outcome"]) for c in result["tests"]] == [(0, "skipped", "lost"), (1, "skipped", "lost")]
     assert result["summary"]["skipped"] == 2
+
+
+@pytest.mark.parametrize("live", [False, True])
+async def test_a_job_that_went_live_is_delivered_before_it_goes_back_to_the_queue(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, live: bool
+) -> None:
+    # Once back in the queue the next claim publishes from where this one ended: this
+    # claim's events must be on the wire first, not overtaken by the next worker's.
+    order: list[str] = []
+
+    class SlowLane(_Lane):
+        async def close(self, timeout_s: float = 0.0) -> None:
+            await asyncio.sleep(0.05)  # soketi answering a moment later
+            order.append("delivered")
+
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim, SlowLane())
+    handing_back = queue.hand_back
+
+    async def hand_back(*args: Any, **kwargs: Any) -> bool:
+        order.append(f"handed back, published to {kwargs.get('published_to')}")
+        return await handing_back(*args, **kwargs)
+
+    monkeypatch.setattr(queue, "hand_back", hand_back)
+    if live:
+        await run.events.go_live()
+    else:
+        run.events.go_live_within(10.0)  # held back when the stop came: never published
+    await run._end_unstarted("handback")
+    if live:
+        assert order == ["delivered", "handed back, published to 1"]
+    else:
+        assert order == ["handed back, published to 0"] and not run.events.live

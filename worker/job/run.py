@@ -330,16 +330,27 @@ class JobRun:
             return
         self._finished = True
         try:
+            await self._deliver_before_hand_back()
             await asyncio.wait_for(
                 self.ctx.queue.hand_back(self.job_id, self.claim.attempt, published_to=self.events.published_to), 2.0
             )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
 
+    async def _deliver_before_hand_back(self) -> None:
+        """A job that went live has its events delivered before it goes back to the queue:
+        the next claim (or the API's kill) publishes from where this one ended, and must not
+        overtake it on the wire. A go_live still held back is dropped first, so what the
+        hand-back says was published stays true."""
+        await self.events.drop_hold()
+        if self.events.live:
+            await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+
     async def _hand_back(self, to_back: bool = False) -> bool:
         """Return the never-started job to the queue. Should Redis fail, the claim stays in
         this worker's list and the stray-claim recovery re-queues it: a job that did not
         run is never ended for it (nor its start flag dropped)."""
+        await self._deliver_before_hand_back()
         try:
             return await self.ctx.queue.hand_back(
                 self.job_id, self.claim.attempt, to_back=to_back, published_to=self.events.published_to
