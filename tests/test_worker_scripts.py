@@ -994,9 +994,10 @@ async def test_a_job_that_went_live_is_delivered_before_it_goes_back_to_the_queu
     order: list[str] = []
 
     class SlowLane(_Lane):
-        async def close(self, timeout_s: float = 0.0) -> None:
+        async def flush(self, timeout_s: float) -> bool:
             await asyncio.sleep(0.05)  # soketi answering a moment later
             order.append("delivered")
+            return True
 
     claim = await _claimed(redis, queue)
     run = _job_run(queue, claim, SlowLane())

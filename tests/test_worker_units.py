@@ -1588,3 +1588,29 @@ async def test_a_live_lane_counts_bytes_for_text_that_is_not_ascii(monkeypatch: 
         lane.send("stdout", chunk)
     await lane.close(timeout_s=5)
     assert sum(delivered) == 50 * len(chunk) and lane._pending_bytes == 0
+
+
+async def test_a_lane_flush_waits_for_what_is_queued_and_leaves_the_lane_open() -> None:
+    from worker.messaging.publisher import JobLane
+
+    delivered: list[list[str]] = []
+
+    class Slow:
+        dropped = unheard = audience_checks = 0
+
+        async def occupied(self, channel: str) -> bool:
+            return True
+
+        async def deliver(self, batch: list[Any]) -> None:
+            await asyncio.sleep(0.1)
+            delivered.append([event.name for event in batch])
+
+    lane = JobLane(Slow(), "private-run-x")  # type: ignore[arg-type]
+    assert await lane.flush(0.01)  # nothing queued
+    lane.send("stage", b'{"seq":0}')
+    assert not await lane.flush(0.02)  # still under way: gives up, drops nothing
+    assert await lane.flush(1.0) and delivered == [["stage"]]
+    lane.send("stdout", b'{"seq":1}')
+    assert await lane.flush(1.0) and delivered == [["stage"], ["stdout"]]  # still open
+    await lane.close(1.0)
+    assert await lane.flush(0.01)  # closed: nothing to wait for

@@ -548,8 +548,9 @@ class JobCgroup:
         reached where it was: the job's own `max` and `oom` events (its file has its own
         and its descendants', never its parent's). v1's failcnt cannot tell (with a
         memory+swap limit, which is checked first, this kernel counts neither), so v1 asks
-        whether the peak came within OOM_NEAR_LIMIT_BYTES of the limit. Unreadable: assume
-        it was (the plain verdict).
+        whether the peak of memory, or of memory+swap, came within OOM_NEAR_LIMIT_BYTES of
+        its limit (a memory+swap peak from before start only errs towards the plain
+        verdict). Unreadable: assume it was (the plain verdict).
         """
         try:
             if self.layout.mode is CgroupMode.V2:
@@ -557,9 +558,18 @@ class JobCgroup:
                 events = _keyed(_read(self.v2_dir / "memory.events"))
                 return events.get("max", 0) > 0 or events.get("oom", 0) > 0
             mem = self.v1_dirs["memory"]
-            limit_path = mem / "memory.limit_in_bytes"
-            limit = int(self._written.get(limit_path) or _read(limit_path))
-            return int(_read(mem / "memory.max_usage_in_bytes")) >= limit - OOM_NEAR_LIMIT_BYTES
+            for limit_name, peak_name in (
+                ("memory.limit_in_bytes", "memory.max_usage_in_bytes"),
+                # With swap, memory+swap can reach its (equal) limit with memory below it.
+                ("memory.memsw.limit_in_bytes", "memory.memsw.max_usage_in_bytes"),
+            ):
+                limit_path = mem / limit_name
+                if limit_name != "memory.limit_in_bytes" and not self._has(limit_path):
+                    continue
+                limit = int(self._written.get(limit_path) or _read(limit_path))
+                if int(_read(mem / peak_name)) >= limit - OOM_NEAR_LIMIT_BYTES:
+                    return True
+            return False
         except (OSError, ValueError):
             return True
 

@@ -15,9 +15,11 @@ from worker.job.supervise import StepFacts
 
 __all__ = ["CEILING_MESSAGE", "RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
 
+# Said when the kernel ended a job that never reached its own limit: the ceiling on all jobs
+# together ran out, or (no way to tell from here) the host's memory or a container's limit.
 CEILING_MESSAGE = (
-    "the memory this worker allows all running jobs together (SANDBOX_MEMORY_TOTAL_MB) ran out, "
-    "and the kernel ended this job while it was still under its own memoryMb limit"
+    "the kernel ended this job for lack of memory while it was still under its own memoryMb limit: "
+    "the memory for all running jobs together (SANDBOX_MEMORY_TOTAL_MB) or the host's ran out"
 )
 
 

@@ -90,6 +90,9 @@ MAX_HANDOVERS = 20
 # SandboxPool.failing) is handed to another worker up to this many times, then ends
 # internal_error.
 MAX_BROKEN_HANDOVERS = 3
+# A job handed back after it went live waits at most this long for its events to be
+# delivered first (see JobRun._deliver_before_hand_back).
+HAND_BACK_FLUSH_S = 0.5
 # After handing a job on, this worker claims nothing for this long, so the job reaches a
 # worker that can run it instead of coming straight back.
 HANDOVER_PAUSE_S = 1.0
@@ -328,9 +331,9 @@ class JobRun:
             log.exception("job %s: teardown failed", self.job_id)
         if self._finished:
             return
+        await self._deliver_before_hand_back()
         self._finished = True
         try:
-            await self._deliver_before_hand_back()
             await asyncio.wait_for(
                 self.ctx.queue.hand_back(self.job_id, self.claim.attempt, published_to=self.events.published_to), 2.0
             )
@@ -339,18 +342,20 @@ class JobRun:
 
     async def _deliver_before_hand_back(self) -> None:
         """A job that went live has its events delivered before it goes back to the queue:
-        the next claim (or the API's kill) publishes from where this one ended, and must not
-        overtake it on the wire. A go_live still held back is dropped first, so what the
-        hand-back says was published stays true."""
+        the next claim (or the API's kill) publishes from where this one ended, and should
+        not overtake it on the wire. Bounded (HAND_BACK_FLUSH_S): a slow soketi only loses
+        that order, never the hand-back; what is left is still delivered, the lane stays
+        open. A go_live still held back is dropped first, so what the hand-back says was
+        published stays true. Called before the job is marked finished: cancelled in here,
+        the stop's own path still hands it back."""
         await self.events.drop_hold()
         if self.events.live:
-            await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+            await self.lane.flush(HAND_BACK_FLUSH_S)
 
     async def _hand_back(self, to_back: bool = False) -> bool:
         """Return the never-started job to the queue. Should Redis fail, the claim stays in
         this worker's list and the stray-claim recovery re-queues it: a job that did not
         run is never ended for it (nor its start flag dropped)."""
-        await self._deliver_before_hand_back()
         try:
             return await self.ctx.queue.hand_back(
                 self.job_id, self.claim.attempt, to_back=to_back, published_to=self.events.published_to
@@ -365,6 +370,7 @@ class JobRun:
         error = self.ctx.pool.last_build_error
         log.error("job %s: no sandbox could be built here (%s)", self.job_id, error)
         if self.claim.handovers < MAX_BROKEN_HANDOVERS:
+            await self._deliver_before_hand_back()  # (it had started: its log went live)
             self._finished = True
             # Paused first, so this worker's claimer does not take the job straight back.
             self.ctx.claim_paused_until = asyncio.get_running_loop().time() + HANDOVER_PAUSE_S
@@ -375,6 +381,7 @@ class JobRun:
     async def _end_unstarted(self, signal: str, killed_message: str = "killed before it started") -> None:
         """End a job whose program never ran: handed back, killed or expired."""
         if signal == "handback":
+            await self._deliver_before_hand_back()
             self._finished = True
             if await self._hand_back():
                 log.info("job %s: handed back to the queue (worker stopping)", self.job_id)

@@ -346,6 +346,8 @@ class JobLane:
         self._pending: deque[tuple[_Event, int]] = deque()
         self._pending_bytes = 0
         self._wakeup = asyncio.Event()
+        # Set while the drain waits with nothing queued or under way (see flush).
+        self._idle = asyncio.Event()
         self._closing = False
         self._tokens = float(LANE_BURST_BYTES)
         self._unsent: list[_Event] = []
@@ -387,7 +389,9 @@ class JobLane:
                 if self._closing:
                     return
                 self._wakeup.clear()
+                self._idle.set()
                 await self._wakeup.wait()
+                self._idle.clear()
                 continue
             taken = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
             batch = [event for event, _ in taken]
@@ -430,6 +434,19 @@ class JobLane:
             if await self._publisher.occupied(self._channel):  # (a "yes" learned meanwhile stays)
                 self._audience = True
         return self._audience
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every event queued so far has been delivered (or found unheard), at most
+        `timeout_s`; the lane stays open. Returns whether it got there in time."""
+        if self._task.done():
+            return True
+        if self._pending:
+            self._idle.clear()  # (the drain may not have woken for them yet)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def close(self, timeout_s: float) -> None:
         """Deliver what is queued (up to `timeout_s`), then stop. Past the time, what is

@@ -21,6 +21,7 @@ from shared.codec import decode_stored, encode
 from shared.eventlog import RESULT_LANDED_LUA, entry_json
 from shared.grading import batch_ended_early
 from shared.messages import (
+    MAX_TESTS,
     CaseFacts,
     JobSpec,
     JobState,
@@ -643,7 +644,7 @@ class WorkerQueue:
     async def _case_count(self, job_id: str) -> int:
         """How many cases the job's record says its batch has (0: not a batch)."""
         count = await self.redis.hget(keys.status_key(job_id), "tests")
-        return int(count) if count and count.isdigit() else 0
+        return min(int(count), MAX_TESTS) if count and count.isdigit() else 0
 
     async def _lost_template(self, job_id: str) -> tuple[bytes, bytes]:
         """The `lost` result the job would end with. A test batch's lists every case: those
