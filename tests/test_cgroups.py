@@ -108,6 +108,42 @@ def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_fold
 
 
 @pytest.mark.parametrize(
+    ("memory_peak", "memsw_peak", "memsw", "ceiling"),
+    [
+        (64 << 20, 64 << 20, True, False),  # its own limit, reached
+        ((64 << 20) - (512 << 10), 0, True, False),  # within a charge or two of it: its own
+        (40 << 20, 40 << 20, True, True),  # far below both: the ceiling (or the host)
+        (40 << 20, 64 << 20, True, False),  # swapped out: memory+swap reached its limit
+        (40 << 20, 0, False, True),  # no swap accounting on this host
+    ],
+)
+def test_v1_tells_an_oom_kill_at_the_jobs_own_limit_from_one_below_it(
+    tmp_path: Path, memory_peak: int, memsw_peak: int, memsw: bool, ceiling: bool
+) -> None:
+    roots = {c: tmp_path / c for c in ("memory", "pids", "cpu,cpuacct")}
+    mounts = "".join(f"cgroup {root} cgroup rw,{c} 0 0\n" for c, root in roots.items())
+    for root in roots.values():
+        root.mkdir()
+    layout = detect_layout("coderunner", mounts)
+    layout.prepare()
+    job = layout.job("w.0.1")
+    job.create()
+    mem = roots["memory"] / "coderunner" / "w.0.1"
+    (mem / "memory.limit_in_bytes").write_text(str(1 << 62))
+    if memsw:
+        (mem / "memory.memsw.limit_in_bytes").write_text(str(1 << 62))
+    job.set_limits(memory_bytes=64 << 20, pids=8)
+    (mem / "memory.max_usage_in_bytes").write_text(str(memory_peak))
+    (mem / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    if memsw:
+        (mem / "memory.memsw.max_usage_in_bytes").write_text(str(memsw_peak))
+    counters = job.counters()
+    assert counters.oom_kills == 1 and counters.ceiling_oom is ceiling
+    (mem / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    assert not job.counters().ceiling_oom  # no OOM kill: nothing to tell
+
+
+@pytest.mark.parametrize(
     ("mounts", "reason"),
     [
         ("proc /proc proc rw 0 0\n", "neither cgroup v2"),
