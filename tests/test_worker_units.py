@@ -320,8 +320,14 @@ class _CountingCgroup:
     def may_hold_leftovers(self) -> bool:
         return True
 
-    def counters(self) -> JobCounters:
-        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=0)
+    oom_kills = 0
+    judged_on: list[threading.Thread] = []
+
+    def counters(self, judge_ceiling: bool = True) -> JobCounters:
+        if judge_ceiling and self.oom_kills:
+            self.judged_on = [*self.judged_on, threading.current_thread()]
+        ceiling = judge_ceiling and self.oom_kills > 0
+        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=self.oom_kills, ceiling_oom=ceiling)
 
 
 async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
@@ -365,6 +371,19 @@ async def test_supervision_kills_a_jobs_cgroup_off_the_event_loop() -> None:
         await step
     for cgroup in (ended_by_itself, cancelled):
         assert cgroup.kill_threads and loop_thread not in cgroup.kill_threads
+
+
+async def test_the_ceiling_is_judged_off_the_event_loop_and_only_after_an_oom_kill() -> None:
+    # Telling the memory ceiling from the job's own limit opens cgroup files afresh.
+    loop_thread = threading.current_thread()
+    plain = _CountingCgroup()
+    facts = await _step(plain, _ExitsLate(0.01), cpu_ms=5000)
+    assert not plain.judged_on and not facts.ceiling_oom
+    oom = _CountingCgroup()
+    oom.oom_kills = 1
+    facts = await _step(oom, _ExitsLate(0.01), cpu_ms=5000)
+    assert facts.oom_kills == 1 and facts.ceiling_oom
+    assert oom.judged_on and loop_thread not in oom.judged_on
 
 
 class _EndsAtTheKill(_ExitsLate):

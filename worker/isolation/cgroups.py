@@ -479,13 +479,15 @@ class JobCgroup:
                     return
                 raise
 
-    def counters(self) -> JobCounters:
+    def counters(self, judge_ceiling: bool = True) -> JobCounters:
+        """The counters, through the kept descriptors. After an OOM kill, `judge_ceiling`
+        also decides `ceiling_oom`, which opens files afresh: off the event loop only."""
         oom_kills = self.oom_kills()
         return JobCounters(
             cpu_us=self.cpu_us(),
             memory_peak_bytes=self.memory_peak_bytes(),
             oom_kills=oom_kills,
-            ceiling_oom=oom_kills > 0 and not self._own_memory_limit_reached(),
+            ceiling_oom=judge_ceiling and oom_kills > 0 and not self._own_memory_limit_reached(),
         )
 
     def cpu_us(self) -> int:

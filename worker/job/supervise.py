@@ -272,7 +272,9 @@ async def supervise(
         # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
         if isinstance(outcome, Exception):
             raise outcome
-    counters = cgroup.counters()
+    counters = cgroup.counters(judge_ceiling=False)
+    if counters.oom_kills:
+        counters = await off_loop(cgroup.counters)  # (see JobCgroup.counters)
     return StepFacts(
         exit=exit_info,
         fired=fired,
