@@ -217,6 +217,9 @@ class CaseFacts(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     memory_kb: int
     killed_by: KilledBy | None = None
     truncated: bool = False
+    # Why, when the outcome alone would mislead: a case the memory ceiling ended under its
+    # own memoryMb (the same text as a plain job's result `message`).
+    message: str | None = None
 
 
 class TestResultEvent(CaseFacts, frozen=True, kw_only=True, rename="camel", omit_defaults=True):

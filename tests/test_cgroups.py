@@ -417,6 +417,30 @@ def test_jobs_together_stay_under_the_deployments_memory_ceiling(make_stack: Sta
     finally:
         api.close()
     assert result["outcome"] == "memory_exceeded" and "message" not in result, result
+    # A batch's case says the same. The case holds more than the plain job beside it, so the
+    # kernel picks the case; and a case past its own limit says nothing.
+    def holding(mib: int) -> str:
+        return code.replace("160 << 20", f"{mib} << 20")
+
+    api = Api(stack)
+    try:
+        plain = api.execute(py_job(holding(110), limits={"memoryMb": 256, "wallTimeMs": 20000}))
+        batch = api.execute(py_job(holding(180), limits={"memoryMb": 256, "wallTimeMs": 20000}, tests=[{"name": "big"}]))
+        own = api.execute(py_job(code, limits={"memoryMb": 64, "wallTimeMs": 20000}, tests=[{"name": "own"}]))
+        api.wait_state(batch, {"parked", "queued"})
+        api.start(plain)
+        time.sleep(1.0)  # (it holds its memory well within this, and for 3 s)
+        api.start(batch)
+        plain_result, batch_result = (api.wait_state(job, {"done", "error"})["result"] for job in (plain, batch))
+        api.start(own)
+        own_case = api.wait_state(own, {"done", "error"})["result"]["tests"][0]
+    finally:
+        api.close()
+    assert plain_result["outcome"] == "completed", plain_result
+    case = batch_result["tests"][0]
+    assert case["outcome"] == "memory_exceeded" and case["killedBy"] == "memory", case
+    assert "SANDBOX_MEMORY_TOTAL_MB" in case["message"], case
+    assert own_case["outcome"] == "memory_exceeded" and "message" not in own_case, own_case
     assert stack.dead_children() == [], "a process of the stack died"
 
 

@@ -281,6 +281,7 @@ async def run_batch(
             "memory_kb": facts.memory_kb,
             "killed_by": killed_by,
             "truncated": output.truncated,
+            "message": verdict_of_run.message if outcome is verdict_of_run.outcome else None,
         }
         kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
         del output  # (only the kept share outlives the case)
