@@ -1017,3 +1017,43 @@ async def test_a_job_that_went_live_is_delivered_before_it_goes_back_to_the_queu
         assert order == ["delivered", "handed back, published to 1"]
     else:
         assert order == ["handed back, published to 0"] and not run.events.live
+
+
+async def test_a_hand_back_stops_what_could_still_log_before_it_delivers(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop while a started job waits for its compile from the park: the compile (and the
+    # running stage's write) would go on logging events after the flush, to be delivered
+    # after the next claim's. They stop first; only then is the log delivered and handed back.
+    order: list[str] = []
+
+    class Lane(_Lane):
+        async def flush(self, timeout_s: float) -> bool:
+            order.append("delivered")
+            return True
+
+    class Compiling:
+        async def discard(self) -> None:
+            order.append("compile stopped")
+
+    async def still_logging() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            order.append("stage stopped")
+
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim, Lane())
+    run._precompile = Compiling()  # type: ignore[assignment]
+    run._running_stage = asyncio.create_task(still_logging())
+    handing_back = queue.hand_back
+
+    async def hand_back(*args: Any, **kwargs: Any) -> bool:
+        order.append("handed back")
+        return await handing_back(*args, **kwargs)
+
+    monkeypatch.setattr(queue, "hand_back", hand_back)
+    await run.events.go_live()
+    await asyncio.sleep(0)
+    await run._give_back_unstarted()  # the stop's path for a job whose program never ran
+    assert order == ["compile stopped", "stage stopped", "delivered", "handed back"]

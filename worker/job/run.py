@@ -140,6 +140,8 @@ class JobRun:
         self._compile_streams: CompileInfo | None = None
         self._batch_cases: list[CaseOutput] | None = None
         self._running_stage: asyncio.Task[None] | None = None
+        # The compile (or load) while parked: it logs events of its own until discarded.
+        self._precompile: Precompile | None = None
         self._artifacts: list[ArtifactMeta] = []
         self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
@@ -185,7 +187,7 @@ class JobRun:
                 return
             if self.ctx.pool.slots > 1 and (plan.compile is not None or not self.spec.tests):
                 # Compile, or (interpreted) just load, in a spare sandbox while parked.
-                precompile = Precompile(
+                precompile = self._precompile = Precompile(
                     self.job_id,
                     self.ctx.pool,
                     lambda sandbox: self._load(plan, sandbox),
@@ -345,9 +347,14 @@ class JobRun:
         the next claim (or the API's kill) publishes from where this one ended, and should
         not overtake it on the wire. Bounded (HAND_BACK_FLUSH_S): a slow soketi only loses
         that order, never the hand-back; what is left is still delivered, the lane stays
-        open. A go_live still held back is dropped first, so what the hand-back says was
-        published stays true. Called before the job is marked finished: cancelled in here,
+        open. What could still log events stops first, and a go_live still held back is
+        dropped, so what the hand-back says was published stays true. Called before the job is marked finished: cancelled in here,
         the stop's own path still hands it back."""
+        # Nothing of this claim may log more once the flush is under way: a compile still
+        # running from the park (a stop during its settle), or the running stage's write.
+        if self._precompile is not None:
+            await asyncio.shield(self._precompile.discard())
+        await self._discard(self._running_stage)
         await self.events.drop_hold()
         if self.events.live:
             await self.lane.flush(HAND_BACK_FLUSH_S)
