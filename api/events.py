@@ -39,7 +39,8 @@ def _after(request: Request) -> int:
 
 
 async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator[bytes]:
-    cursor = "0"
+    # A resume starts where the client left off, not at the log's first entry.
+    cursor = await store.seek_events(job_id, after_seq) if after_seq >= 0 else "0"
     backlog = True
     while True:
         entries = await store.events(job_id, cursor, None if backlog else BLOCK_MS)

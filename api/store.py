@@ -337,6 +337,37 @@ redis.call('SET', KEYS[2], '1', 'EX', ttl)
 return 1
 """
 
+# KEYS: the job's log. ARGV: a seq. The id of the log's last entry whose seq is at most that
+# one ('0' when there is none). Ids grow with seq, so a binary search over the ids' times
+# finds it in a few dozen one-entry looks, however long the log: a resume near the end of a
+# long log no longer reads (and ships) every entry before it. Each look is one entry (a few
+# KiB at most); the walk at the end covers only entries of the same millisecond.
+_SEEK = """
+local target = tonumber(ARGV[1])
+local function seq_of(entry)
+  local f = entry[2]
+  for i = 1, #f, 2 do if f[i] == 'seq' then return tonumber(f[i + 1]) end end
+  return -1
+end
+local function ms_of(id) return tonumber(string.match(id, '^(%d+)-')) end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if not first or seq_of(first) > target then return '0' end
+local lo = first[1]
+-- Entries up to lo are at most the target; from millisecond `bound` on, none is.
+local bound = ms_of(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][1]) + 1
+while ms_of(lo) + 1 < bound do
+  local mid = math.floor((ms_of(lo) + bound) / 2)
+  local e = redis.call('XRANGE', KEYS[1], string.format('%.0f', mid), '+', 'COUNT', 1)[1]
+  if e and ms_of(e[1]) < bound and seq_of(e) <= target then lo = e[1] else bound = mid end
+end
+local same_ms = redis.call('XRANGE', KEYS[1], '(' .. lo, string.match(lo, '^(%d+)-') .. '-18446744073709551615')
+for i = 1, #same_ms do
+  if seq_of(same_ms[i]) > target then break end
+  lo = same_ms[i][1]
+end
+return lo
+"""
+
 _KILLED_BEFORE_START = result_template(result_without_run(Outcome.KILLED, "killed before it started"))
 
 _CALLBACK_FIELDS = (
@@ -498,6 +529,7 @@ class JobStore:
         self._start = redis.register_script(_START)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
+        self._seek = redis.register_script(_SEEK)
 
     @staticmethod
     async def run(call: ScriptCall) -> Any:
@@ -862,6 +894,12 @@ class JobStore:
     async def known_workers(self) -> list[WorkerInfo]:
         raw = await self._redis.hgetall(keys.WORKERS)
         return [decode_stored(WorkerInfo, value) for value in raw.values()]
+
+    async def seek_events(self, job_id: str, after_seq: int) -> str:
+        """The stream id of the job's last log entry with a seq of at most `after_seq` ("0"
+        when none): `events(job_id, <it>, ...)` then starts right after `after_seq`."""
+        found = await self._seek(keys=[keys.events_key(job_id)], args=[after_seq])
+        return found.decode() if isinstance(found, bytes) else str(found)
 
     async def events(self, job_id: str, after_stream_id: str, block_ms: int | None) -> list[tuple[str, int, str, bytes]]:
         """Entries of the job's durable log after a stream id: (stream id, seq, name, data).

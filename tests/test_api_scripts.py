@@ -10,6 +10,7 @@ catch a script that is not idempotent.
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -410,3 +411,52 @@ async def test_start_checks_the_owner_and_stores_the_flag_once(store: JobStore, 
     await redis.hset(keys.status_key(job), mapping={"state": "done", "started": "1"})
     answer = await store.start(job, "owner-a")
     assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.DONE, True)
+
+
+async def test_a_resume_finds_its_place_in_the_log_by_seq(redis: Redis, store: JobStore) -> None:
+    # Ids grow with seq, in bursts that share a millisecond and across gaps of any length.
+    job_id = uuid.uuid4().hex
+    key = keys.events_key(job_id)
+    assert await store.seek_events(job_id, 5) == "0"  # no log (yet)
+    rng = random.Random(7)
+    ms, ids = 1_700_000_000_000, []
+    for seq in range(400):
+        ms += rng.choice([0, 0, 0, 1, 2, 17, 1000, 86_400_000])
+        ids.append((await redis.xadd(key, {"seq": seq, "name": "stdout", "data": b"x" * 64}, id=f"{ms}-{seq}")).decode())
+    assert await store.seek_events(job_id, -1) == "0"
+    for after in [*range(400), 400, 10_000]:
+        found = await store.seek_events(job_id, after)
+        assert found == ids[min(after, 399)], after
+        entries = await store.events(job_id, found, None)
+        assert [seq for _, seq, _, _ in entries][:1] == ([after + 1] if after < 399 else [])
+    # A log that starts past the seq (its first entries gone): everything follows.
+    await redis.xdel(key, *ids[:10])
+    assert await store.seek_events(job_id, 3) == "0"
+    assert await store.seek_events(job_id, 10) == ids[10]
+
+
+async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
+    redis: Redis, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from api.events import _stream
+
+    job_id = uuid.uuid4().hex
+    key = keys.events_key(job_id)
+    for seq in range(300):
+        await redis.xadd(key, {"seq": seq, "name": "stdout", "data": b'{"chunk":"x"}'})
+    await redis.xadd(key, {"seq": 300, "name": "result", "data": b'{"outcome":"completed"}'})
+    read: list[int] = []
+    events = store.events
+
+    async def counted(job: str, after: str, block_ms: int | None) -> list[tuple[str, int, str, bytes]]:
+        found = await events(job, after, block_ms)
+        read.extend(seq for _, seq, _, _ in found)
+        return found
+
+    monkeypatch.setattr(store, "events", counted)
+    sent = [frame async for frame in _stream(store, job_id, 297)]
+    assert [frame.split(b"\n", 1)[0] for frame in sent] == [b"id: 298", b"id: 299", b"id: 300"]
+    assert read == [298, 299, 300]  # not the 298 entries before them
+    read.clear()
+    assert len([frame async for frame in _stream(store, job_id, -1)]) == 301
+    assert read == list(range(301))
