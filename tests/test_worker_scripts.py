@@ -1057,3 +1057,65 @@ async def test_a_hand_back_stops_what_could_still_log_before_it_delivers(
     await asyncio.sleep(0)
     await run._give_back_unstarted()  # the stop's path for a job whose program never ran
     assert order == ["compile stopped", "stage stopped", "delivered", "handed back"]
+
+
+async def test_results_recovered_in_a_round_that_failed_half_way_are_still_published(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A dead worker held two started jobs. The reaper ends the first; the second's script runs
+    # but its reply is lost and the retry fails too (Redis went away a moment). Both results
+    # must still reach the live channel, once each: the first's had been dropped with the
+    # failed round, the second's only ever sat in the log (its claim is gone, so no later
+    # round would look at it again).
+    jobs = []
+    for _ in range(2):
+        claim = await _claimed(redis, queue)
+        await queue.advance(claim.spec.job_id, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+        jobs.append(claim.spec.job_id)
+    settings = load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "50", "WORKER_LEASE_TTL_MS": "200"})
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    real = reaper._reap
+    calls: list[str] = []
+
+    async def reply_lost_once(keys: list[Any], args: list[Any]) -> Any:
+        answer = await real(keys=keys, args=args)
+        calls.append(args[0])
+        if args[0] == jobs[1] and calls.count(jobs[1]) == 1:
+            raise RedisConnectionError("the connection dropped before the reply")
+        return answer
+
+    reaper._reap = reply_lost_once  # type: ignore[assignment]
+    published: list[tuple[str, str, int]] = []
+
+    class Lane:
+        def __init__(self, channel: str) -> None:
+            self.channel = channel
+
+        def send(self, name: str, data: bytes) -> None:
+            published.append((self.channel, name, json.loads(data)["seq"]))
+
+        async def close(self, timeout_s: float) -> None:
+            pass
+
+    ctx = SimpleNamespace(queue=reaper, publisher=SimpleNamespace(lane=Lane), callback_due=lambda: None)
+
+    async def no_sweep(*args: Any, **kwargs: Any) -> None:
+        pass
+
+    monkeypatch.setattr("worker.worker.sweep_orphans", no_sweep)
+    worker = Worker(settings, "w-reaper", SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker._redis_since = asyncio.get_running_loop().time() - 60  # may judge the dead
+    await queue.heartbeat(worker.info(), 60_000)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))  # its lease ran out
+    upkeep = asyncio.create_task(worker._upkeep(ctx))  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 5
+        while len(published) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # a few more rounds: nothing is published twice
+    finally:
+        upkeep.cancel()
+    expected = sorted((keys.realtime_channel(job), "result", 2) for job in jobs)
+    assert sorted(published) == expected, published
+    for job in jobs:
+        assert await redis.hget(keys.status_key(job), "state") == b"lost"

@@ -170,7 +170,10 @@ class Worker:
         try:
             # A previous incarnation with the same id (WORKER_ID) that was killed: nobody
             # else reaps its claims or sweeps its sandboxes, because they carry our id.
-            self._publish_results(ctx, await queue.recover_claims(self.worker_id))
+            try:
+                await queue.recover_claims(self.worker_id)
+            finally:
+                self._publish_results(ctx, queue.take_recovered())
             # Only this id's own leftovers now: whether other workers are dead can be judged
             # only once this worker has had Redis for a whole lease (see _upkeep).
             await sweep_orphans(
@@ -236,9 +239,10 @@ class Worker:
         return set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values()) - {self._claiming}
 
     async def _recover(self, ctx: WorkerContext, strays: set[str]) -> None:
-        """Recover these claims of ours (re-queued, or lost if started) and publish any result."""
+        """Recover these claims of ours (re-queued, or lost if started); the caller publishes
+        the results (take_recovered)."""
         if strays:
-            self._publish_results(ctx, await ctx.queue.recover_claims(self.worker_id, only=strays))
+            await ctx.queue.recover_claims(self.worker_id, only=strays)
 
     def _install_signal_handlers(self, ctx: WorkerContext) -> None:
         loop = asyncio.get_running_loop()
@@ -415,12 +419,13 @@ class Worker:
             await asyncio.sleep(interval_s)
             raise_if_cancelled()
             try:
+                await ctx.queue.retry_unanswered()
                 strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
                 await self._recover(ctx, confirmed)
                 if not self._may_judge():
                     continue
-                self._publish_results(ctx, await ctx.queue.reap_dead_workers())
+                await ctx.queue.reap_dead_workers()
                 await sweep_orphans(
                     ctx.queue.redis,
                     self.sandboxes.cgroups,
@@ -430,6 +435,12 @@ class Worker:
                 )
             except Exception:
                 log.exception("upkeep failed; trying again at the next interval")
+            finally:
+                # Also what a round that failed half-way had ended already.
+                try:
+                    self._publish_results(ctx, ctx.queue.take_recovered())
+                except Exception:
+                    log.exception("publishing recovered results failed")
 
     def _publish_results(self, ctx: WorkerContext, ended: list[tuple[str, bytes]]) -> None:
         """Publish results recovery wrote, without waiting for soketi."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from typing import NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
@@ -284,6 +287,20 @@ return 1
 """
 )
 
+class _PendingRecovery(NamedTuple):
+    claimed: str
+    mode: str
+    template: tuple[bytes, bytes]
+    state: JobState
+    token: str
+
+
+# How many upkeep rounds a recovery whose reply never came is run again before it is given
+# up (with an error in the log): Redis away for longer than this loses only the live copy of
+# its result, which stays in the job's record and log.
+MAX_RECOVERY_RETRIES = 100
+
+
 def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
     """A result event's JSON split around its seq, for scripts that pick the seq themselves."""
     prefix = (
@@ -366,6 +383,13 @@ class WorkerQueue:
         self._forget_dead = redis.register_script(_FORGET_DEAD)
         # Results of jobs ended while claiming (unreadable specs), for the worker to publish.
         self.orphan_results: list[tuple[str, bytes]] = []
+        # Results recovery wrote, for the worker to publish (take_recovered): kept here, not
+        # only returned, so a later claim's failure in the same round cannot drop them.
+        self._recovered: list[tuple[str, bytes]] = []
+        # Recoveries whose call raised: it may have run with its reply lost. Run again with
+        # the same token (retry_unanswered), one that ran answers with the result it wrote.
+        self._unanswered: dict[str, _PendingRecovery] = {}
+        self._retries: dict[str, int] = {}
 
     # -- claiming --------------------------------------------------------------------
 
@@ -588,30 +612,67 @@ class WorkerQueue:
     async def _recover(
         self, claimed: str, job_id: str, mode: str, template: tuple[bytes, bytes], state: JobState
     ) -> tuple[str, bytes] | None:
-        """Run the recovery script on one claim; returns (job id, result json) when it ended the job."""
-        outcome = await self._reap(
-            keys=[
-                keys.status_key(job_id),
-                claimed,
-                keys.QUEUE,
-                keys.events_key(job_id),
-                keys.spec_key(job_id),
-                keys.start_flag_key(job_id),
-                keys.callback_key(job_id),
-                keys.CALLBACKS_DUE,
-                keys.done_key(job_id),
-                keys.stdin_key(job_id),
-                keys.audience_key(job_id),
-                keys.ENDED_COUNTS,
-            ],
-            # The token tells a re-sent run of this call (see _REAP) from another recovery.
-            args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, secrets.token_hex(8)],
-        )
+        """Run the recovery script on one claim; returns (job id, result json) when it ended the
+        job, and keeps that for take_recovered. Should the call fail, it is remembered, with
+        its token, for retry_unanswered."""
+        pending = self._unanswered.get(job_id)
+        if pending is None:
+            pending = self._unanswered[job_id] = _PendingRecovery(claimed, mode, template, state, secrets.token_hex(8))
+        claimed, mode, template, state, token = pending
+        try:
+            outcome = await self._reap(
+                keys=[
+                    keys.status_key(job_id),
+                    claimed,
+                    keys.QUEUE,
+                    keys.events_key(job_id),
+                    keys.spec_key(job_id),
+                    keys.start_flag_key(job_id),
+                    keys.callback_key(job_id),
+                    keys.CALLBACKS_DUE,
+                    keys.done_key(job_id),
+                    keys.stdin_key(job_id),
+                    keys.audience_key(job_id),
+                    keys.ENDED_COUNTS,
+                ],
+                # The token tells a re-sent run of this call (see _REAP) from another recovery.
+                args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token],
+            )
+        except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
+            raise  # the script may have run: kept for retry_unanswered
+        except BaseException:
+            self._forget_recovery(job_id)  # refused by the script, or the worker stopping
+            raise
+        self._forget_recovery(job_id)
         if isinstance(outcome, list):
+            self._recovered.append((job_id, bytes(outcome[2])))
             return job_id, bytes(outcome[2])
         if outcome == 1:
             log.warning("job %s: its program had not started; re-queued", job_id)
         return None
+
+    async def retry_unanswered(self) -> list[tuple[str, bytes]]:
+        """Run again each recovery whose call failed (see _recover); the results it ended."""
+        ended = []
+        for job_id, pending in list(self._unanswered.items()):
+            tries = self._retries[job_id] = self._retries.get(job_id, 0) + 1
+            if tries > MAX_RECOVERY_RETRIES:
+                log.error("job %s: its recovery never answered; its result is not published live", job_id)
+                self._forget_recovery(job_id)
+                continue
+            result = await self._recover(pending.claimed, job_id, pending.mode, pending.template, pending.state)
+            if result is not None:
+                ended.append(result)
+        return ended
+
+    def _forget_recovery(self, job_id: str) -> None:
+        self._unanswered.pop(job_id, None)
+        self._retries.pop(job_id, None)
+
+    def take_recovered(self) -> list[tuple[str, bytes]]:
+        """The results recovery wrote since the last call, to publish live."""
+        taken, self._recovered = self._recovered, []
+        return taken
 
     async def reap_dead_workers(self) -> list[tuple[str, bytes]]:
         """Recover the claims of workers whose lease expired.
