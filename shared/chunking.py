@@ -66,6 +66,11 @@ class Utf8Chunker:
             return []
         return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes)
 
+    def drop_pending(self) -> int:
+        """Forget the unfinished character held back (its rest will never come); its length."""
+        dropped, self._pending = len(self._pending), b""
+        return dropped
+
     def flush(self) -> list[str]:
         """Decode whatever is held back (an unfinished character becomes U+FFFD)."""
         buf, self._pending = self._pending, b""

@@ -266,3 +266,30 @@ def test_a_run_whose_output_is_gone_is_not_answered_as_empty_output(stack: Stack
     with stack.redis() as redis:
         redis.delete(f"job:{job['jobId']}:output")
     assert api.get(path).status_code == 404
+
+
+def test_the_output_limit_never_cuts_a_character_in_half(make_stack: StackFactory) -> None:
+    # 1 KiB of three-byte characters ends one byte into the 342nd: that byte is left out,
+    # so the live text, the log and the kept bytes all stay the same valid UTF-8 (before,
+    # the events ended in U+FFFD and the pullable stdout turned to base64).
+    stack = make_stack(WORKER_MAX_SANDBOXES="2")
+    api = Api(stack)
+    code = "print('\\u2603' * 2000)\n"
+    expected = "\u2603" * 341
+    try:
+        plain = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 1}))
+        batch = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 1}, tests=[{"name": "snowmen"}]))
+        for job in (plain, batch):
+            api.start(job)
+        result = api.wait_state(plain, {"done"})["result"]
+        assert result["truncated"] is True, result
+        out = api.get(f"/v1/jobs/{plain['jobId']}/output").json()
+        assert out["stdoutEncoding"] == "utf8" and out["stdout"] == expected, out
+        live = "".join(p["chunk"] for n, p in api.replay(plain) if n == "stdout")
+        assert live == expected
+        api.wait_state(batch, {"done"})
+        case = api.get(f"/v1/jobs/{batch['jobId']}/output").json()["tests"][0]
+        assert case["truncated"] is True and case["stdout"] == expected, case
+        assert case.get("stdoutEncoding", "utf8") == "utf8", case
+    finally:
+        api.close()

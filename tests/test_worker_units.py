@@ -1633,3 +1633,46 @@ async def test_a_lane_flush_waits_for_what_is_queued_and_leaves_the_lane_open() 
     assert await lane.flush(1.0) and delivered == [["stage"], ["stdout"]]  # still open
     await lane.close(1.0)
     assert await lane.flush(0.01)  # closed: nothing to wait for
+
+
+def test_the_output_budget_never_keeps_half_a_character() -> None:
+    from worker.job.output import CompileOutput, OutputBudget
+
+    snow = "\u2603".encode()  # three bytes
+    # Cut inside a character that one read holds whole.
+    budget = OutputBudget(7, keep_bytes=True)
+    chunks = budget.feed("stdout", snow * 3) + budget.flush("stdout")
+    assert "".join(chunks) == "\u2603\u2603" and bytes(budget.data["stdout"]) == snow * 2 and budget.truncated
+    # A character begun in one read and cut in the next.
+    budget = OutputBudget(4, keep_bytes=True)
+    chunks = budget.feed("stdout", snow + snow[:1]) + budget.feed("stdout", snow[1:] + snow) + budget.flush("stdout")
+    assert "".join(chunks) == "\u2603" and bytes(budget.data["stdout"]) == snow
+    # Its rest dropped because the other stream spent the budget meanwhile.
+    budget = OutputBudget(8, keep_bytes=True)
+    chunks = budget.feed("stdout", snow[:2])
+    assert budget.feed("stderr", b"x" * 10) == ["x" * 6]
+    chunks += budget.feed("stdout", snow[2:]) + budget.flush("stdout")
+    assert chunks == [] and bytes(budget.data["stdout"]) == b""
+    assert bytes(budget.data["stderr"]) == b"x" * 6
+    # A stream nothing was cut from keeps what the program wrote, invalid ending and all.
+    budget = OutputBudget(100, keep_bytes=True)
+    assert budget.feed("stdout", snow[:2]) + budget.flush("stdout") == ["\ufffd"]
+    assert bytes(budget.data["stdout"]) == snow[:2]
+    # Compiler output: the marker follows whole characters.
+    compile_output = CompileOutput(1024)
+    compile_output.feed(snow * 400)
+    assert compile_output.text == "\u2603" * 341 + compile_output.marker
+
+
+async def test_a_cases_output_cut_never_keeps_half_a_character() -> None:
+    from worker.job.batch import _CaseOutput
+
+    snow = "\u2603".encode()
+    output = _CaseOutput(4)
+    await output.sink("stdout")(snow + snow[:1])
+    await output.sink("stdout")(snow[1:] + b"more")
+    await output.sink("stdout")(b"after the cut")
+    assert bytes(output.data["stdout"]) == snow and output.truncated
+    output = _CaseOutput(1024)
+    await output.sink("stdout")(snow * 400)
+    assert bytes(output.data["stdout"]) == snow * 341

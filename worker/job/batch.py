@@ -97,7 +97,15 @@ class _CaseOutput:
     def sink(self, stream: str) -> Callable[[bytes], object]:
         async def feed(data: bytes) -> None:
             if len(data) > self.left:
-                data, self.truncated = data[: self.left], True
+                # Cut where the budget ends, but not inside a character (one begun in an
+                # earlier read included): valid text stays valid, and is kept as text.
+                held = self.data[stream]
+                tail = bytes(held[-3:])
+                keep = len(_prefix(tail + data, len(tail) + self.left)) - len(tail)
+                if keep < 0:
+                    del held[keep:]
+                data = data[: max(0, keep)]
+                self.truncated, self.left = True, len(data)  # (and nothing after the cut)
             self.left -= len(data)
             self.data[stream] += data
 

@@ -20,12 +20,15 @@ class OutputBudget:
         self._keep = keep_bytes
         self.data: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._chunkers = {"stdout": Utf8Chunker(), "stderr": Utf8Chunker()}
+        # Streams some of whose bytes the budget dropped.
+        self._cut: set[str] = set()
 
     def feed(self, stream: str, data: bytes) -> list[str]:
         """Account for bytes read from `stream`; returns the text chunks to publish."""
         if len(data) > self.left:
             data = data[: self.left]
             self.truncated = True
+            self._cut.add(stream)
         if not data:
             return []
         self.left -= len(data)
@@ -34,7 +37,16 @@ class OutputBudget:
         return self._chunkers[stream].feed(data)
 
     def flush(self, stream: str) -> list[str]:
-        return self._chunkers[stream].flush()
+        """The text held back at the stream's end. On a stream the budget cut, an unfinished
+        character is the budget's doing (its rest was dropped), not the program's: it is
+        left out of both the events and the kept bytes, which then stay valid UTF-8 where
+        the program wrote it, instead of ending in U+FFFD (and turning the result to base64)."""
+        chunker = self._chunkers[stream]
+        if stream in self._cut:
+            dropped = chunker.drop_pending()
+            if dropped and self._keep:
+                del self.data[stream][-dropped:]
+        return chunker.flush()
 
 
 def output_encoding(data: bytes) -> str:
