@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.artifacts import download_artifact
+from api.body import read_body
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -28,6 +29,7 @@ from api.metrics import render as render_metrics
 from api.output import stream_run_result, whole_run_result
 from api.state import AppState
 from api.store import EnqueueAnswer, ReceiptCursor, StoredOutputFound, StoredStatus, now_ms
+from api.webhooks import realtime_webhooks
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
@@ -60,20 +62,6 @@ def _json(body: Any, status: int = 200) -> Response:
 
 def _state(request: Request) -> AppState:
     return request.app.state.coderunner  # type: ignore[no-any-return]
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"Request body must be at most {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"Request body must be at most {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -140,7 +128,7 @@ async def execute(request: Request) -> Response:
     principal = state.auth.backend(request)
     owner = principal.owner or ""
     idempotency_key = _idempotency_key(request)
-    body = await _body(request, state.settings.max_request_bytes)
+    body = await read_body(request, state.settings.max_request_bytes)
     body_sha256 = hashlib.sha256(body).hexdigest() if idempotency_key is not None else ""
     if idempotency_key is not None:
         # A retry of an accepted request is answered before validation: the job exists,
@@ -306,7 +294,7 @@ async def send_stdin(request: Request) -> Response:
     """Bytes for the program's stdin, kept durably. 200 {ok:true}; 429 past the caps; 409 once ended."""
     state = _state(request)
     status = await state.visible_job(request)
-    data = _stdin_bytes(await _body(request, MAX_STDIN_BODY))
+    data = _stdin_bytes(await read_body(request, MAX_STDIN_BODY))
     return await _write_stdin(state, status, data, close=False)
 
 
@@ -522,10 +510,10 @@ async def channel_auth_route(request: Request) -> Response:
     state = _state(request)
     if state.auth.has_bearer(request):
         principal = state.auth.principal(request)
-        fields = _form_or_json(request, await _body(request, MAX_CHANNEL_AUTH_BODY))
+        fields = _form_or_json(request, await read_body(request, MAX_CHANNEL_AUTH_BODY))
     else:
         try:
-            fields = _form_or_json(request, await _body(request, MAX_CHANNEL_AUTH_BODY))
+            fields = _form_or_json(request, await read_body(request, MAX_CHANNEL_AUTH_BODY))
         except (ValidationError, ApiError):
             fields = {}
         principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
@@ -632,6 +620,7 @@ routes = [
     Route("/v1/languages", languages, methods=["GET"]),
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),
+    Route("/v1/realtime/webhooks", realtime_webhooks, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -329,8 +329,10 @@ return {1}
 """
 )
 
-# KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own).
+# KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own),
+# "known" to mark only a job that has a record.
 _MARK_AUDIENCE = """
+if ARGV[2] == 'known' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local ttl = redis.call('TTL', KEYS[1])
 if ttl <= 0 then ttl = tonumber(ARGV[1]) end
 redis.call('SET', KEYS[2], '1', 'EX', ttl)
@@ -726,7 +728,14 @@ class JobStore:
         lives as long as the job's record: a day while it runs, only what is left of its
         result's time once it ended (a client re-subscribing to read the result must not
         renew it for a day; the scripts that end a job shorten it likewise)."""
-        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s])
+        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, ""])
+
+    async def mark_audience_if_known(self, job_id: str) -> bool:
+        """mark_audience, for a job that has a record (a webhook may name any channel)."""
+        marked = await self._mark_audience(
+            keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, "known"]
+        )
+        return bool(marked)
 
     async def start(self, job_id: str, owner: str) -> StartAnswer:
         """Start the job if it is `owner`'s ('' when the caller's job token names it), in one

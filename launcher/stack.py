@@ -20,6 +20,7 @@ goes away without stopping them itself.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -50,6 +51,11 @@ __all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_depl
 # the uid past the last slot). A stack's range is 1000 uids: at most 10 workers.
 WORKER_UID_STRIDE = 100
 MAX_WORKERS = 10
+
+
+def realtime_webhook(url: str) -> dict[str, object]:
+    """soketi's webhook entry for the API: `channel_occupied` of job channels only."""
+    return {"url": url, "event_types": ["channel_occupied"], "filter": {"channel_name_starts_with": "private-run-"}}
 
 
 class StackError(Exception):
@@ -237,6 +243,14 @@ class Stack:
         return f"http://{self.api_host}:{self.api_port}"
 
     @property
+    def webhook_url(self) -> str:
+        """Where soketi, on this host, reaches the API's webhook route."""
+        host = "127.0.0.1" if self.api_host in ("", "0.0.0.0") else "[::1]" if self.api_host == "::" else self.api_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.api_port}/v1/realtime/webhooks"
+
+    @property
     def redis_url(self) -> str:
         return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
@@ -394,6 +408,9 @@ class Stack:
                 # The workers keep every event under PUSHER_MAX_PAYLOAD_KB: say the same here.
                 "SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB": self.env().get("PUSHER_MAX_PAYLOAD_KB", "100"),
                 "SOKETI_SHUTDOWN_GRACE_PERIOD": "200",
+                # A job channel's first subscriber tells the API (api/webhooks.py), so jobs whose
+                # subscriptions are signed elsewhere with the app secret are heard live too.
+                "SOKETI_DEFAULT_APP_WEBHOOKS": json.dumps([realtime_webhook(self.webhook_url)]),
                 # Workers PUBLISH live events where soketi's Redis adapter listens (one hop
                 # less than its HTTP API); several soketi nodes would share them the same way.
                 "SOKETI_ADAPTER_DRIVER": "redis",

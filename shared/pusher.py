@@ -1,7 +1,8 @@
 """Pusher protocol signing: pure HMAC helpers, no network.
 
-Two signatures exist in the protocol: the HTTP API request signature (server -> soketi)
-and the private-channel subscription signature (handed to a browser by channel-auth).
+Three signatures exist in the protocol: the HTTP API request signature (server -> soketi),
+the private-channel subscription signature (handed to a browser by channel-auth), and the
+webhook signature (soketi -> the API, on a channel's first subscriber).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import hashlib
 import hmac
 import re
 
-__all__ = ["channel_auth", "signed_query", "valid_socket_id"]
+import msgspec
+
+__all__ = ["Webhook", "WebhookEvent", "channel_auth", "signed_query", "valid_socket_id", "webhook_signature"]
 
 _SOCKET_ID = re.compile(r"^\d{1,20}\.\d{1,20}$")
 
@@ -39,3 +42,19 @@ def signed_query(method: str, path: str, body: bytes, key: str, secret: str, tim
     to_sign = f"{method.upper()}\n{path}\n{query}"
     params["auth_signature"] = hmac.new(secret.encode(), to_sign.encode(), hashlib.sha256).hexdigest()
     return params
+
+
+class WebhookEvent(msgspec.Struct, frozen=True):
+    name: str
+    channel: str = ""
+
+
+class Webhook(msgspec.Struct, frozen=True):
+    """What soketi POSTs to a webhook URL (only the fields read here)."""
+
+    events: list[WebhookEvent]
+
+
+def webhook_signature(secret: str, body: bytes) -> str:
+    """`X-Pusher-Signature` of a webhook: the HMAC-SHA256 of its raw body, in hex."""
+    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()

@@ -34,6 +34,7 @@ def test_seed_npm_clients_work_unchanged(stack: Stack) -> None:
         {
             "CODERUNNER_API_URL": stack.api_url,
             "CODERUNNER_API_TOKEN": stack.api_token,
+            "CODERUNNER_PUSHER_SECRET": stack.pusher_secret,
             "NODE_NO_WARNINGS": "1",
         }
     )

@@ -1676,3 +1676,46 @@ async def test_a_cases_output_cut_never_keeps_half_a_character() -> None:
     output = _CaseOutput(1024)
     await output.sink("stdout")(snow * 400)
     assert bytes(output.data["stdout"]) == snow * 341
+
+
+async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A subscription signed outside the API is marked by soketi's webhook a moment after it
+    # was made: the job's first events may find "nobody" by then. Once the lane learns of
+    # the follower, those go out first, in order, then the rest.
+    from worker.messaging import publisher as publisher_module
+
+    delivered: list[int] = []
+
+    class Publisher:
+        dropped = unheard = audience_checks = 0
+
+        async def occupied(self, channel: str) -> bool:
+            return False
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+    publisher = Publisher()
+    lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
+    for seq in range(3):
+        lane.send("stdout", json.dumps({"chunk": "x", "seq": seq}).encode())
+    assert await lane.flush(1.0) and delivered == [] and publisher.unheard == 3
+    lane.learned_audience(True)  # the mark, read by the next append
+    for seq in range(3, 5):
+        lane.send("stdout", json.dumps({"chunk": "x", "seq": seq}).encode())
+    await lane.close(timeout_s=2)
+    assert delivered == [0, 1, 2, 3, 4] and publisher.unheard == 0
+
+    # What is kept is bounded; past the bound nothing more is (a gap, then what is live).
+    monkeypatch.setattr(publisher_module, "LANE_UNHEARD_KEEP_BYTES", 50)
+    delivered.clear()
+    lane = publisher_module.JobLane(Publisher(), "private-run-y")  # type: ignore[arg-type]
+    for seq, size in enumerate([20, 20, 40, 5]):
+        lane.send("stdout", json.dumps({"chunk": "x" * size, "seq": seq}).encode())
+        await lane.flush(1.0)
+    lane.learned_audience(True)
+    lane.send("result", b'{"seq":4}')
+    await lane.close(timeout_s=2)
+    assert delivered == [0, 4]  # 43 bytes of JSON fit, the next 43 do not, nor the 5 after

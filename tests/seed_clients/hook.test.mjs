@@ -2,8 +2,10 @@
 // mounted with react-dom in jsdom, against a real coderunner stack; the seed SDK
 // (@teovilla/code-runner-sdk-node 0.4.0) drives the jobs. Neither package is changed.
 import assert from "node:assert/strict";
+import http from "node:http";
 import { afterEach, test } from "node:test";
-import { ENDED, endJobs, eventLog, execute, mountJob, py, rawListener, sdk, sleep, unmountAll, waitFor, waitState, withTimeout } from "./lib.mjs";
+import { createChannelAuthorizer } from "@teovilla/code-runner-sdk-node";
+import { ENDED, endJobs, eventLog, execute, mountJob, py, rawListener, realtime, sdk, sleep, unmountAll, waitFor, waitState, withTimeout } from "./lib.mjs";
 
 afterEach(async () => {
   unmountAll();
@@ -141,4 +143,43 @@ test("late subscriber: onResolveStatus reconciles a job that ended before the ho
   await view.waitFor((s) => s.status === "done", 10000, "status never reconciled to done");
   assert.equal(view.text("status"), "done");
   view.unmount();
+});
+
+test("a backend that signs subscriptions itself (createChannelAuthorizer): the hook hears every run whole", { timeout: 60000 }, async () => {
+  // The SDK README's "channel auth" route: the app's own backend signs private-run-*
+  // subscriptions with the soketi app key and secret; the API is never asked.
+  const secret = process.env.CODERUNNER_PUSHER_SECRET;
+  assert.ok(secret, "CODERUNNER_PUSHER_SECRET must be the stack's soketi app secret");
+  const info = await realtime();
+  const authorize = createChannelAuthorizer({ appKey: info.key, appSecret: secret });
+  const backend = http.createServer((req, res) => {
+    let body = "";
+    req.on("data", (chunk) => (body += chunk));
+    req.on("end", () => {
+      const form = new URLSearchParams(body);
+      res.setHeader("content-type", "application/json");
+      res.end(JSON.stringify(authorize(form.get("socket_id"), form.get("channel_name"))));
+    });
+  });
+  await new Promise((resolve) => backend.listen(0, "127.0.0.1", resolve));
+  const auth = { authEndpoint: `http://127.0.0.1:${backend.address().port}/channel-auth` };
+  try {
+    // Quick ones first (they end within milliseconds of the start), then a longer one.
+    const programs = [
+      ['print("one")\n', "one\n"],
+      ['print("two")\n', "two\n"],
+      ['import time\nfor i in range(5):\n    print(i, flush=True)\n    time.sleep(0.05)\n', "0\n1\n2\n3\n4\n"],
+    ];
+    for (const [source, expected] of programs) {
+      const job = await execute(client, py(source));
+      const view = await mountJob(job, { jobId: job.jobId, onSubscribed: () => client.start(job.jobId) }, auth);
+      await view.waitFor((s) => s.status === "done", 15000, `no live result for ${JSON.stringify(source)}`);
+      assert.equal(view.state.stdout, expected);
+      assert.equal(view.state.result.outcome, "completed");
+      assert.equal(view.state.stage, "running");
+      view.unmount();
+    }
+  } finally {
+    backend.close();
+  }
 });

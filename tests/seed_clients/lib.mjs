@@ -113,7 +113,9 @@ const mounted = new Set();
  * Probe calling `useCodeRunnerJob(hookArgs)`. One provider per job, authorised with that
  * job's jobToken. Returns the latest hook state, a waiter, and unmount.
  */
-export async function mountJob(job, hookArgs) {
+/** `auth`, when given, replaces the provider's authorisation (its `authEndpoint` and
+ * `authHeaders`): a backend of the app's own that signs subscriptions, say. */
+export async function mountJob(job, hookArgs, auth = null) {
   const info = await realtime();
   const container = document.createElement("div");
   document.body.appendChild(container);
@@ -144,8 +146,10 @@ export async function mountJob(job, hookArgs) {
         host: info.wsHost,
         port: info.wsPort,
         useTLS: info.forceTLS,
-        authEndpoint: `${API_URL}/v1/channel-auth`,
-        authHeaders: { Authorization: `Bearer ${job.jobToken}` },
+        ...(auth ?? {
+          authEndpoint: `${API_URL}/v1/channel-auth`,
+          authHeaders: { Authorization: `Bearer ${job.jobToken}` },
+        }),
       },
       createElement(Probe),
     ),

@@ -54,6 +54,9 @@ LANE_BURST_BYTES = 512 * 1024
 LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 AUDIENCE_RECHECK_S = 1.0
+# What a lane keeps of the events it found nobody following, for a follower it learns of
+# late (see JobLane._keep_unheard).
+LANE_UNHEARD_KEEP_BYTES = 256 * 1024
 MAX_IDLE_CONNECTIONS = 16
 # An open connection older than this is not used: the server may have timed it out (uWS,
 # under soketi, closes an idle HTTP connection after 10 s).
@@ -351,6 +354,8 @@ class JobLane:
         self._closing = False
         self._tokens = float(LANE_BURST_BYTES)
         self._unsent: list[_Event] = []
+        self._unheard: list[tuple[_Event, int]] = []
+        self._unheard_bytes = 0
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -402,11 +407,32 @@ class JobLane:
             if not await self._heard():
                 self._unsent = []
                 self._publisher.unheard += len(batch)
+                self._keep_unheard(taken)
+                continue
+            if self._unheard:
+                # Followed after all: what went by unheard goes out first, in order.
+                self._unsent = []
+                self._pending.extendleft(reversed([*self._unheard, *taken]))
+                self._pending_bytes += self._unheard_bytes + size
+                self._publisher.unheard -= len(self._unheard)
+                self._unheard, self._unheard_bytes = [], 0
                 continue
             await self._pace(size)
             # Once a request may have reached soketi, sending it again could double a result.
             self._unsent = []
             await self._publisher.deliver(batch)
+
+    def _keep_unheard(self, taken: list[tuple[_Event, int]]) -> None:
+        """Keep events that found nobody following, up to LANE_UNHEARD_KEEP_BYTES (then the
+        first ones only: a follower sees the gap in `seq` and reads the log). A subscription
+        signed outside the API is marked by soketi's webhook (api/webhooks.py) a moment after
+        it was made, which may be after the job's first events went by here."""
+        for event, size in taken:
+            if self._unheard_bytes + size > LANE_UNHEARD_KEEP_BYTES:
+                self._unheard_bytes = LANE_UNHEARD_KEEP_BYTES + 1  # (nothing after a gap either)
+                return
+            self._unheard.append((event, size))
+            self._unheard_bytes += size
 
     def wants_audience(self) -> bool:
         """Whether an append to the job's log should read the audience mark: as long as

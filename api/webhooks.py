@@ -1,0 +1,62 @@
+"""`POST /v1/realtime/webhooks`: soketi says a job's channel has its first subscriber.
+
+The workers publish a job's live events only once somebody may follow its channel (the
+audience mark: a grader's job then costs soketi nothing). `POST /v1/channel-auth` sets the
+mark as it signs a subscription, but a deployment may sign subscriptions in its own backend
+with the app secret, as the seed product's SDK shows (`createChannelAuthorizer`). For those,
+soketi's `channel_occupied` webhook sets the mark: soketi sends it as it admits the first
+subscriber, before it tells that client the subscription succeeded, so before the client
+starts the job. A worker that logged events unheard meanwhile sends them once it learns of
+the mark (see worker/messaging/publisher.py).
+
+Authenticated as soketi signs every webhook: `X-Pusher-Key` is the app key and
+`X-Pusher-Signature` the HMAC-SHA256 of the raw body with the app secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.body import read_body
+from api.errors import ApiError
+from api.state import AppState
+from shared import keys
+from shared.errors import FieldError, ValidationError
+from shared.pusher import Webhook, webhook_signature
+
+__all__ = ["realtime_webhooks"]
+
+log = logging.getLogger(__name__)
+
+# soketi sends one event per webhook unless batching is on; a batch stays far below this.
+MAX_WEBHOOK_BODY = 64 * 1024
+OCCUPIED = "channel_occupied"
+
+_decoder = msgspec.json.Decoder(Webhook)
+
+
+async def realtime_webhooks(request: Request) -> Response:
+    state: AppState = request.app.state.coderunner
+    settings = state.settings
+    body = await read_body(request, MAX_WEBHOOK_BODY)
+    key = request.headers.get("x-pusher-key", "")
+    signature = request.headers.get("x-pusher-signature", "")
+    expected = webhook_signature(settings.pusher_secret, body)
+    if not hmac.compare_digest(key.encode(), settings.pusher_key.encode()) or not hmac.compare_digest(
+        signature.encode(), expected.encode()
+    ):
+        raise ApiError(401, "Webhooks must carry the app key and the body's signature (X-Pusher-Key, X-Pusher-Signature)")
+    try:
+        webhook = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValidationError([FieldError("events", f"is not a webhook's event list ({exc})")]) from None
+    for event in webhook.events:
+        job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
+        if job_id is not None:
+            await state.store.mark_audience_if_known(job_id)
+    return Response(b'{"ok":true}', media_type="application/json")
