@@ -12,6 +12,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from api.auth import Authenticator
 from api.catalog import Catalog, load_manifests
@@ -106,4 +108,23 @@ def create_app(settings: Settings) -> Starlette:
         routes=[*routes, *playground_routes()],
         exception_handlers=exception_handlers,
         lifespan=lifespan,
+        middleware=_cors(settings),
     )
+
+
+def _cors(settings: Settings) -> list[Middleware]:
+    """Browsers on CORS_ALLOW_ORIGINS may call the API (a page holding a job token). Bearer
+    tokens, never cookies: no credentials mode, so "*" gives a page nothing it does not
+    already hold."""
+    if not settings.cors_allow_origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_allow_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            expose_headers=["Idempotent-Replayed", "Retry-After"],
+            max_age=600,
+        )
+    ]

@@ -7,6 +7,7 @@ Names follow the seed product where it has one (``REDIS_URL``, ``EXECUTOR_API_TO
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # Web origins whose pages may call the API from a browser (CORS), or ("*",) for any:
+    # an IDE served from its own origin, holding a job token. Empty: same-origin pages only.
+    cors_allow_origins: tuple[str, ...] = ()
     max_queue_depth: int = 256
     # Jobs one API principal may have submitted but not started (queued or parked), so one
     # client cannot take every claim of the fleet.
@@ -175,6 +179,22 @@ def _str(raw: str) -> str:
     return raw
 
 
+_ORIGIN = re.compile(r"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def _origins(raw: str) -> tuple[str, ...]:
+    """Comma-separated web origins (`https://ide.example.com`, no path), or `*` alone."""
+    origins = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if origins == ("*",):
+        return origins
+    for origin in origins:
+        if origin == "*":
+            raise ValueError("'*' stands alone (any origin), not in a list")
+        if not _ORIGIN.fullmatch(origin):
+            raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path or trailing slash)")
+    return origins
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -192,6 +212,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "JOB_TOKEN_TTL": ("job_token_ttl_s", _positive_int),
     "API_HOST": ("api_host", _str),
     "API_PORT": ("api_port", _positive_int),
+    "CORS_ALLOW_ORIGINS": ("cors_allow_origins", _origins),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
     "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),

@@ -361,3 +361,80 @@ def test_narrow_window_stacks_the_panels_without_overlap(page: Any, stack: Stack
     for sel, box in boxes.items():
         assert box["x"] >= 0 and box["x"] + box["width"] <= 390 + 1, (sel, box)
     shot(page, "11-narrow-window")
+
+
+# A page of another origin that holds a job token (its backend made the job): it starts the
+# job, feeds its stdin and follows its event log, all straight against the API.
+_CROSS_ORIGIN_PAGE = b"""<!doctype html><meta charset="utf-8"><pre id="out"></pre><p id="end"></p><script>
+const params = new URLSearchParams(location.hash.slice(1));
+const api = params.get("api"), job = params.get("job"), token = params.get("token");
+const auth = {Authorization: "Bearer " + token};
+(async () => {
+  try {
+    const started = await fetch(`${api}/v1/jobs/${job}/start`, {method: "POST", headers: auth});
+    await fetch(`${api}/v1/jobs/${job}/stdin`, {method: "POST", headers: {...auth, "Content-Type": "application/json"},
+                                               body: JSON.stringify({chunk: "Ada\\n"})});
+    const log = new EventSource(`${api}/v1/jobs/${job}/events?token=${encodeURIComponent(token)}`);
+    log.addEventListener("stdout", (e) => { document.getElementById("out").textContent += JSON.parse(e.data).chunk; });
+    log.addEventListener("result", (e) => {
+      log.close();
+      document.getElementById("end").textContent = started.status + " " + JSON.parse(e.data).outcome;
+    });
+    log.onerror = () => { if (log.readyState === EventSource.CLOSED) document.getElementById("end").textContent = "refused"; };
+  } catch (exc) {
+    document.getElementById("end").textContent = "refused";
+  }
+})();
+</script>"""
+
+
+def _serve_page(body: bytes) -> tuple[Any, str]:
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_page_of_an_allowed_origin_runs_a_job_with_its_token(browser: Any, make_stack: Any) -> None:
+    from tests.helpers import Api, py_job
+
+    allowed, allowed_origin = _serve_page(_CROSS_ORIGIN_PAGE)
+    other, other_origin = _serve_page(_CROSS_ORIGIN_PAGE)
+    try:
+        stack = make_stack(CORS_ALLOW_ORIGINS=allowed_origin, WORKER_MAX_SANDBOXES="2")
+        api = Api(stack)
+        try:
+            outcomes = {}
+            for origin in (allowed_origin, other_origin):
+                job = api.execute(py_job('print(f"Hello, {input()}!")\n'))
+                context = browser.new_context()
+                try:
+                    page = context.new_page()
+                    page.goto(f"{origin}/#api={stack.api_url}&job={job['jobId']}&token={job['jobToken']}")
+                    expect()(page.locator("#end")).not_to_have_text("", timeout=20000)
+                    outcomes[origin] = (page.inner_text("#end"), page.inner_text("#out"))
+                finally:
+                    context.close()
+                if origin == other_origin:
+                    # Refused by the browser: the job never started.
+                    assert api.status(job)["state"] in ("queued", "parked"), api.status(job)
+                    api.post(f"/v1/jobs/{job['jobId']}/kill")
+        finally:
+            api.close()
+    finally:
+        allowed.shutdown()
+        other.shutdown()
+    assert outcomes[allowed_origin] == ("202 completed", "Hello, Ada!\n"), outcomes
+    assert outcomes[other_origin][0] == "refused", outcomes

@@ -184,6 +184,16 @@ def test_settings_errors_name_the_variable() -> None:
             load_settings(env)
 
 
+def test_cors_origins_are_origins() -> None:
+    assert load_settings({}).cors_allow_origins == ()
+    parsed = load_settings({"CORS_ALLOW_ORIGINS": " https://ide.example.com, http://127.0.0.1:5173,http://[::1]:8080 "})
+    assert parsed.cors_allow_origins == ("https://ide.example.com", "http://127.0.0.1:5173", "http://[::1]:8080")
+    assert load_settings({"CORS_ALLOW_ORIGINS": "*"}).cors_allow_origins == ("*",)
+    for bad in ("https://ide.example.com/", "ide.example.com", "https://ide.example.com/app", "*,https://a.example", "ftp://x"):
+        with pytest.raises(ConfigError, match="CORS_ALLOW_ORIGINS"):
+            load_settings({"CORS_ALLOW_ORIGINS": bad})
+
+
 # ------------------------------------------------------------------ manifests
 
 
