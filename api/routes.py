@@ -238,7 +238,8 @@ async def get_job(request: Request) -> Response:
 MAX_STDIN_BODY = 512 * 1024
 
 
-def _stdin_bytes(body: bytes) -> bytes:
+def _stdin_bytes(body: bytes) -> tuple[bytes, str]:
+    """The frame's bytes, and the field that carried them."""
     req = decode_request(StdinRequest, body or b"{}")
     if (req.chunk is None) == (req.data is None):
         raise ValidationError([FieldError("chunk", "or data (with encoding \"base64\") is required, not both")])
@@ -260,7 +261,7 @@ def _stdin_bytes(body: bytes) -> bytes:
         field = "data"
     if not data:
         raise ValidationError([FieldError(field, "must not be empty")])
-    return data
+    return data, field
 
 
 async def _write_stdin(state: AppState, status: StoredStatus, data: bytes, close: bool) -> Response:
@@ -294,7 +295,16 @@ async def send_stdin(request: Request) -> Response:
     """Bytes for the program's stdin, kept durably. 200 {ok:true}; 429 past the caps; 409 once ended."""
     state = _state(request)
     status = await state.visible_job(request)
-    data = _stdin_bytes(await read_body(request, MAX_STDIN_BODY))
+    data, field = _stdin_bytes(await read_body(request, MAX_STDIN_BODY))
+    cap = state.settings.stdin_max_pending_bytes
+    if len(data) > cap:
+        # More than may ever wait at once: no retry could take it (unlike the 429 below).
+        raise ApiError(
+            413,
+            f"A stdin frame may carry at most {cap} bytes (this one has {len(data)}): send it in smaller frames",
+            details=[FieldError(field, f"must be at most {cap} bytes")],
+            capBytes=cap,
+        )
     return await _write_stdin(state, status, data, close=False)
 
 

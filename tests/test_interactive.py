@@ -167,6 +167,11 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
     over = stdin(api, job, "b")
     assert over.status_code == 429, over.text
     assert over.json()["capBytes"] == 65536
+    # One frame larger than may ever wait is no case for a retry: a 413 naming its field.
+    for frame in ({"data": block * 2 + b"c"}, {"chunk": "c" * 65537}):
+        whole = stdin(api, job, **frame)  # type: ignore[arg-type]
+        assert whole.status_code == 413, whole.text
+        assert whole.json()["details"][0]["field"] == next(iter(frame)) and whole.json()["capBytes"] == 65536
     # Once the program reads, the bytes are written and the cap frees up.
     api.start(job)
     deadline = time.monotonic() + 10
