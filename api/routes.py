@@ -403,6 +403,9 @@ async def list_jobs(request: Request) -> Response:
 MAX_WAIT_MS = 60000
 
 
+NO_OUTPUT = "No output for this job (unknown, not collected, not finished, or expired)"
+
+
 async def job_output(request: Request) -> Response:
     """The pullable RunResult of a `collectOutput` job; `?waitMs=` long-polls for it.
 
@@ -410,7 +413,12 @@ async def job_output(request: Request) -> Response:
     expired one, so job ids cannot be probed.
     """
     state = _state(request)
-    status = await state.visible_job(request)
+    try:
+        status = await state.visible_job(request)
+    except ApiError as exc:
+        if exc.status == 404:
+            raise ApiError(404, NO_OUTPUT) from None
+        raise
     raw_wait = request.query_params.get("waitMs", "0")
     if not re.fullmatch(r"[0-9]{1,9}", raw_wait):
         raise ValidationError([FieldError("waitMs", "must be a non-negative integer")])
@@ -418,7 +426,7 @@ async def job_output(request: Request) -> Response:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_ms / 1000
     store = state.store
-    missing = "No output for this job (unknown, not collected, not finished, or expired)"
+    missing = NO_OUTPUT
     if not wait_ms or status.state in TERMINAL_STATES:
         found = await store.output(status.job_id)
         if found is None:
@@ -494,7 +502,7 @@ async def _output_response(state: AppState, job_id: str, found: StoredOutputFoun
         try:
             return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
         except OutputGone:
-            raise ApiError(404, "No output for this job (unknown, not collected, not finished, or expired)") from None
+            raise ApiError(404, NO_OUTPUT) from None
     return StreamingResponse(stream_run_result(state.store, job_id, found.meta), media_type="application/json")
 
 

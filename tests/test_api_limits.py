@@ -470,6 +470,22 @@ def test_a_wait_for_output_whose_client_left_gives_its_slot_back(make_stack: Sta
         api.close()
 
 
+def test_output_has_one_uniform_404(make_stack: StackFactory) -> None:
+    # The same bytes whether the job collects nothing, is unknown, or is another caller's:
+    # job ids cannot be probed through /output.
+    stack = make_stack(with_worker=False)
+    api = Api(stack)
+    try:
+        plain = api.execute(py_job("print(1)"))
+        not_collected = api.get(f"/v1/jobs/{plain['jobId']}/output")
+        unknown = api.get(f"/v1/jobs/{'0' * 32}/output")
+        other = api.get(f"/v1/jobs/{plain['jobId']}/output", token=api.execute(py_job("print(2)"))["jobToken"])
+        assert not_collected.status_code == unknown.status_code == other.status_code == 404
+        assert unknown.content == other.content == not_collected.content
+    finally:
+        api.close()
+
+
 def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_large_head(make_stack: StackFactory) -> None:
     # One write holds a POST with a 400 KB body and the next request: the head guard
     # counted the whole read, body included, against the second request's head (431, and
