@@ -52,7 +52,7 @@ async def download_artifact(request: Request) -> Response:
     expires = request.query_params.get("expires", "")
     sig = request.query_params.get("sig", "")
     missing = Response(
-        b'{"error":"No such artifact (unknown, expired, or the link is not valid)"}', 404, media_type="application/json"
+        b'{"error":"No such artifact (unknown, expired, or the link is not valid)","details":[]}', 404, media_type="application/json"
     )
     if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index):
         return missing

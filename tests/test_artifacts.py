@@ -133,6 +133,7 @@ def test_a_program_leaves_a_png_and_a_csv(api: Api, realtime: Realtime) -> None:
         assert anonymous.get(url[:-1] + ("0" if url[-1] != "0" else "1")).status_code == 404
         assert anonymous.get(url.replace("/artifacts/0?", "/artifacts/1?")).status_code == 404
         assert anonymous.get(url.split("?")[0]).status_code == 404
+        assert set(anonymous.get(url.split("?")[0]).json()) == {"error", "details"}  # the one envelope
     finally:
         anonymous.close()
 
