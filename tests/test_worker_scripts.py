@@ -155,6 +155,8 @@ async def test_finish_refuses_a_seq_the_log_already_holds(redis: Redis, queue: W
 class _Lane:
     """What a job publishes live, recorded (no soketi)."""
 
+    followed = True
+
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes]] = []
 
@@ -445,6 +447,26 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     await worker._leave(ctx)  # type: ignore[arg-type]
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
     assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
+
+
+async def test_a_stopping_worker_publishes_the_lost_results_it_recovers(redis: Redis, queue: WorkerQueue) -> None:
+    # A started job whose result write failed under a hard stop: leaving ends it lost, and
+    # its follower must still hear that result live.
+    settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    started = await _claimed(redis, queue)
+    job = started.spec.job_id
+    await queue.advance(job, started.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+    lanes: dict[str, _Lane] = {}
+    ctx = SimpleNamespace(
+        queue=queue, publisher=SimpleNamespace(lane=lambda channel: lanes.setdefault(channel, _Lane())), callback_due=lambda: None
+    )
+    await worker._leave(ctx)  # type: ignore[arg-type]
+    await asyncio.gather(*worker._background)
+    assert await redis.hget(keys.status_key(job), "state") == b"lost"
+    sent = lanes[keys.realtime_channel(job)].sent
+    assert [(name, json.loads(data)["outcome"]) for name, data in sent] == [("result", "lost")]
 
 
 async def test_one_worker_id_is_taken_by_one_of_two_workers_started_together(redis: Redis) -> None:
@@ -1119,3 +1141,29 @@ async def test_results_recovered_in_a_round_that_failed_half_way_are_still_publi
     assert sorted(published) == expected, published
     for job in jobs:
         assert await redis.hget(keys.status_key(job), "state") == b"lost"
+
+
+async def test_a_lost_reply_is_only_looked_up_never_run_again(redis: Redis, queue: WorkerQueue) -> None:
+    # A stray re-queued by recovery whose reply was lost; the job is then claimed again into
+    # the same list and started. Looking up the lost reply must not touch it: running the
+    # recovery again would find the id in the list and end a healthy run `lost`.
+    first = await _claimed(redis, queue)
+    job = first.spec.job_id
+    real = queue._reap
+
+    async def reply_lost(keys: list[Any], args: list[Any]) -> Any:
+        await real(keys=keys, args=args)
+        raise RedisConnectionError("the connection dropped before the reply")
+
+    queue._reap = reply_lost  # type: ignore[assignment]
+    with pytest.raises(RedisConnectionError):
+        await queue.recover_claims(queue.worker_id, only={job})
+    queue._reap = real  # type: ignore[assignment]
+    assert await redis.hget(keys.status_key(job), "state") == b"queued"
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job
+    await queue.advance(job, again.attempt, [(again.next_seq, "stage", "data", b'{"phase":"running"}')], started=True)
+    assert await queue.check_unanswered() == [] and queue.take_recovered() == []
+    status = await redis.hgetall(keys.status_key(job))
+    assert status[b"state"] != b"lost" and int(status[b"attempt"]) == again.attempt
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]

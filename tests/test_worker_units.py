@@ -528,6 +528,8 @@ class _LogOnly:
 
 
 class _SentLane:
+    followed = True
+
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict[str, object]]] = []
 
@@ -1719,3 +1721,47 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
     lane.send("result", b'{"seq":4}')
     await lane.close(timeout_s=2)
     assert delivered == [0, 4]  # 43 bytes of JSON fit, the next 43 do not, nor the 5 after
+
+
+async def test_an_idle_lane_holding_unheard_events_looks_again_for_a_follower(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prompt printed before the webhook's mark landed, then the program waits on stdin:
+    # nothing more is sent, yet the prompt must reach the follower once the mark is there.
+    from worker.messaging import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "AUDIENCE_RECHECK_S", 0.05)
+    delivered: list[int] = []
+
+    class Publisher:
+        dropped = unheard = audience_checks = 0
+        marked = False
+
+        async def occupied(self, channel: str) -> bool:
+            return self.marked
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+    publisher = Publisher()
+    lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
+    lane.send("stdout", b'{"chunk":"name? ","seq":0}')
+    await lane.flush(1.0)
+    await asyncio.sleep(0.15)
+    assert delivered == [] and not lane.followed
+    publisher.marked = True  # the webhook landed
+    for _ in range(40):
+        if delivered:
+            break
+        await asyncio.sleep(0.05)
+    assert delivered == [0] and lane.followed and publisher.unheard == 0
+    await lane.close(timeout_s=1)
+
+
+async def test_a_hand_back_counts_events_no_follower_heard_as_unpublished() -> None:
+    lane = _SentLane()
+    lane.followed = False
+    events = JobEvents(_LogOnly(), lane, "job", 1, 1, [(0, "stage", b'{"phase":"queued","seq":0}')])  # type: ignore[arg-type]
+    await events.go_live()
+    await events.chunk_runs([("stdout", "1\n")])
+    assert events.live and events.published_to == 0  # the next claim publishes them again
+    lane.followed = True
+    assert events.published_to == 2

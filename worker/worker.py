@@ -239,10 +239,13 @@ class Worker:
         return set(await ctx.queue.claimed_ids(self.worker_id)) - set(self._jobs.values()) - {self._claiming}
 
     async def _recover(self, ctx: WorkerContext, strays: set[str]) -> None:
-        """Recover these claims of ours (re-queued, or lost if started); the caller publishes
-        the results (take_recovered)."""
+        """Recover these claims of ours (re-queued, or lost if started) and publish any result
+        (also those of a recovery that failed half-way)."""
         if strays:
-            await ctx.queue.recover_claims(self.worker_id, only=strays)
+            try:
+                await ctx.queue.recover_claims(self.worker_id, only=strays)
+            finally:
+                self._publish_results(ctx, ctx.queue.take_recovered())
 
     def _install_signal_handlers(self, ctx: WorkerContext) -> None:
         loop = asyncio.get_running_loop()
@@ -419,7 +422,7 @@ class Worker:
             await asyncio.sleep(interval_s)
             raise_if_cancelled()
             try:
-                await ctx.queue.retry_unanswered()
+                await ctx.queue.check_unanswered()
                 strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
                 await self._recover(ctx, confirmed)

@@ -126,8 +126,10 @@ class JobEvents:
     @property
     def published_to(self) -> int:
         """The log's events before this seq have gone to the live lane (or an earlier claim
-        published them), so a hand-back tells the next claim to start there."""
-        return self.next_seq if self.live else self._published_before
+        published them), so a hand-back tells the next claim to start there. A lane that
+        never knew of a follower published nothing (it may still hold events for one that
+        is on the way): the next claim starts where this one did."""
+        return self.next_seq if self.live and self._lane.followed else self._published_before
 
     def go_live_within(self, hold_s: float) -> None:
         """Go live with the first output logged, or `hold_s` from now, whichever comes first.

@@ -355,7 +355,8 @@ class JobLane:
         self._tokens = float(LANE_BURST_BYTES)
         self._unsent: list[_Event] = []
         self._unheard: list[tuple[_Event, int]] = []
-        self._unheard_bytes = 0
+        self._unheard_bytes = 0  # (all that was ever kept: the bound is for the lane's life)
+        self._unheard_cut = False
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -395,7 +396,17 @@ class JobLane:
                     return
                 self._wakeup.clear()
                 self._idle.set()
-                await self._wakeup.wait()
+                if self._unheard and not self._audience:
+                    # Events kept for a follower who may be on the way (a webhook's mark):
+                    # look again now and then, so a program waiting on its stdin after a
+                    # prompt gets the prompt shown before it writes anything more.
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), AUDIENCE_RECHECK_S)
+                    except TimeoutError:
+                        if await self._heard():
+                            self._replay_unheard()
+                else:
+                    await self._wakeup.wait()
                 self._idle.clear()
                 continue
             taken = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
@@ -410,17 +421,28 @@ class JobLane:
                 self._keep_unheard(taken)
                 continue
             if self._unheard:
-                # Followed after all: what went by unheard goes out first, in order.
                 self._unsent = []
-                self._pending.extendleft(reversed([*self._unheard, *taken]))
-                self._pending_bytes += self._unheard_bytes + size
-                self._publisher.unheard -= len(self._unheard)
-                self._unheard, self._unheard_bytes = [], 0
+                self._pending.extendleft(reversed(taken))
+                self._pending_bytes += size
+                self._replay_unheard()
                 continue
             await self._pace(size)
             # Once a request may have reached soketi, sending it again could double a result.
             self._unsent = []
             await self._publisher.deliver(batch)
+
+    def _replay_unheard(self) -> None:
+        """Followed after all: what went by unheard goes out first, in order (before all
+        that waits: the lane has delivered nothing while nobody was known to follow)."""
+        self._pending.extendleft(reversed(self._unheard))
+        self._pending_bytes += sum(size for _, size in self._unheard)
+        self._publisher.unheard -= len(self._unheard)
+        self._unheard = []
+
+    @property
+    def followed(self) -> bool:
+        """Whether the lane has known of a follower (and so delivered what it was given)."""
+        return self._audience
 
     def _keep_unheard(self, taken: list[tuple[_Event, int]]) -> None:
         """Keep events that found nobody following, up to LANE_UNHEARD_KEEP_BYTES (then the
@@ -428,8 +450,8 @@ class JobLane:
         signed outside the API is marked by soketi's webhook (api/webhooks.py) a moment after
         it was made, which may be after the job's first events went by here."""
         for event, size in taken:
-            if self._unheard_bytes + size > LANE_UNHEARD_KEEP_BYTES:
-                self._unheard_bytes = LANE_UNHEARD_KEEP_BYTES + 1  # (nothing after a gap either)
+            if self._unheard_cut or self._unheard_bytes + size > LANE_UNHEARD_KEEP_BYTES:
+                self._unheard_cut = True  # (and nothing after the gap either)
                 return
             self._unheard.append((event, size))
             self._unheard_bytes += size
@@ -485,7 +507,10 @@ class JobLane:
         except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        left = [*self._unsent, *(event for event, _ in self._pending)]
+        kept = [event for event, _ in self._unheard] if self._audience else []
+        self._publisher.unheard -= len(kept)
+        self._unheard = []
+        left = [*kept, *self._unsent, *(event for event, _ in self._pending)]
         rest = [event for event in left if event.name not in CHUNK_EVENTS]
         self._publisher.dropped += len(left) - len(rest)
         if len(left) > len(rest):

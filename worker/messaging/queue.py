@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import NamedTuple
 
 import msgspec
 from redis.asyncio import Redis
@@ -287,17 +286,9 @@ return 1
 """
 )
 
-class _PendingRecovery(NamedTuple):
-    claimed: str
-    mode: str
-    template: tuple[bytes, bytes]
-    state: JobState
-    token: str
-
-
-# How many upkeep rounds a recovery whose reply never came is run again before it is given
-# up (with an error in the log): Redis away for longer than this loses only the live copy of
-# its result, which stays in the job's record and log.
+# How many upkeep rounds a recovery whose reply never came is looked up again before it is
+# given up (with an error in the log): Redis away for longer than this loses only the live
+# copy of its result, which stays in the job's record and log.
 MAX_RECOVERY_RETRIES = 100
 
 
@@ -386,9 +377,9 @@ class WorkerQueue:
         # Results recovery wrote, for the worker to publish (take_recovered): kept here, not
         # only returned, so a later claim's failure in the same round cannot drop them.
         self._recovered: list[tuple[str, bytes]] = []
-        # Recoveries whose call raised: it may have run with its reply lost. Run again with
-        # the same token (retry_unanswered), one that ran answers with the result it wrote.
-        self._unanswered: dict[str, _PendingRecovery] = {}
+        # Recoveries whose call raised on the connection, by job, with their tokens: the
+        # script may have run with its reply lost (check_unanswered reads what it did).
+        self._unanswered: dict[str, str] = {}
         self._retries: dict[str, int] = {}
 
     # -- claiming --------------------------------------------------------------------
@@ -613,12 +604,9 @@ class WorkerQueue:
         self, claimed: str, job_id: str, mode: str, template: tuple[bytes, bytes], state: JobState
     ) -> tuple[str, bytes] | None:
         """Run the recovery script on one claim; returns (job id, result json) when it ended the
-        job, and keeps that for take_recovered. Should the call fail, it is remembered, with
-        its token, for retry_unanswered."""
-        pending = self._unanswered.get(job_id)
-        if pending is None:
-            pending = self._unanswered[job_id] = _PendingRecovery(claimed, mode, template, state, secrets.token_hex(8))
-        claimed, mode, template, state, token = pending
+        job, and keeps that for take_recovered. Should the reply be lost, check_unanswered
+        later reads whether this run ended the job."""
+        token = secrets.token_hex(8)
         try:
             outcome = await self._reap(
                 keys=[
@@ -639,11 +627,8 @@ class WorkerQueue:
                 args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token],
             )
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
-            raise  # the script may have run: kept for retry_unanswered
-        except BaseException:
-            self._forget_recovery(job_id)  # refused by the script, or the worker stopping
+            self._unanswered[job_id] = token  # it may have run: see check_unanswered
             raise
-        self._forget_recovery(job_id)
         if isinstance(outcome, list):
             self._recovered.append((job_id, bytes(outcome[2])))
             return job_id, bytes(outcome[2])
@@ -651,18 +636,23 @@ class WorkerQueue:
             log.warning("job %s: its program had not started; re-queued", job_id)
         return None
 
-    async def retry_unanswered(self) -> list[tuple[str, bytes]]:
-        """Run again each recovery whose call failed (see _recover); the results it ended."""
+    async def check_unanswered(self) -> list[tuple[str, bytes]]:
+        """For each recovery whose reply was lost: if that very run ended the job (its token
+        is the record's `reapedBy`), its result, kept for take_recovered too. Only read, never
+        run again: a run that did not happen, or re-queued the job, leaves the claim to the
+        next rounds, which judge it afresh (it may have been claimed again meanwhile)."""
         ended = []
-        for job_id, pending in list(self._unanswered.items()):
+        for job_id, token in list(self._unanswered.items()):
             tries = self._retries[job_id] = self._retries.get(job_id, 0) + 1
             if tries > MAX_RECOVERY_RETRIES:
                 log.error("job %s: its recovery never answered; its result is not published live", job_id)
                 self._forget_recovery(job_id)
                 continue
-            result = await self._recover(pending.claimed, job_id, pending.mode, pending.template, pending.state)
-            if result is not None:
-                ended.append(result)
+            reaped_by, result = await self.redis.hmget(keys.status_key(job_id), ["reapedBy", "result"])
+            self._forget_recovery(job_id)
+            if reaped_by is not None and reaped_by.decode() == token and result:
+                self._recovered.append((job_id, bytes(result)))
+                ended.append((job_id, bytes(result)))
         return ended
 
     def _forget_recovery(self, job_id: str) -> None:
