@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import Authenticator
 from api.catalog import Catalog, load_manifests
@@ -112,6 +113,22 @@ def create_app(settings: Settings) -> Starlette:
     )
 
 
+class _CorsForJobs:
+    """CORS on the job API (`/v1/...`) only: /health and /metrics (open unless METRICS_TOKEN
+    is set) stay unreadable to other origins' pages, even with `*`, as does soketi's webhook."""
+
+    def __init__(self, app: ASGIApp, **options: Any) -> None:
+        self._app = app
+        self._cors = CORSMiddleware(app, **options)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1/") and not path.startswith("/v1/realtime/webhooks"):
+            await self._cors(scope, receive, send)
+        else:
+            await self._app(scope, receive, send)
+
+
 def _cors(settings: Settings) -> list[Middleware]:
     """Browsers on CORS_ALLOW_ORIGINS may call the API (a page holding a job token). Bearer
     tokens, never cookies: no credentials mode, so "*" gives a page nothing it does not
@@ -120,7 +137,7 @@ def _cors(settings: Settings) -> list[Middleware]:
         return []
     return [
         Middleware(
-            CORSMiddleware,
+            _CorsForJobs,
             allow_origins=list(settings.cors_allow_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],

@@ -10,6 +10,7 @@ import base64
 import re
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -343,7 +344,7 @@ return 1
 # one ('0' when there is none). Ids grow with seq, so a binary search over the ids' times
 # finds it in a few dozen one-entry looks, however long the log: a resume near the end of a
 # long log no longer reads (and ships) every entry before it. Each look is one entry (a few
-# KiB at most); the walk at the end covers only entries of the same millisecond.
+# KiB at most), and a few dozen looks cover any log.
 _SEEK = """
 local target = tonumber(ARGV[1])
 local function seq_of(entry)
@@ -362,10 +363,17 @@ while ms_of(lo) + 1 < bound do
   local e = redis.call('XRANGE', KEYS[1], string.format('%.0f', mid), '+', 'COUNT', 1)[1]
   if e and ms_of(e[1]) < bound and seq_of(e) <= target then lo = e[1] else bound = mid end
 end
-local same_ms = redis.call('XRANGE', KEYS[1], '(' .. lo, string.match(lo, '^(%d+)-') .. '-18446744073709551615')
-for i = 1, #same_ms do
-  if seq_of(same_ms[i]) > target then break end
-  lo = same_ms[i][1]
+-- Then the same search over the id's second part, within lo's millisecond (one append
+-- writes a whole batch of entries in one millisecond).
+local ms = string.match(lo, '^(%d+)-')
+local top = ms .. '-18446744073709551615'
+local function n_of(id) return tonumber(string.match(id, '-(%d+)$')) end
+local last = redis.call('XREVRANGE', KEYS[1], top, ms .. '-0', 'COUNT', 1)[1]
+local nbound = n_of(last[1]) + 1
+while n_of(lo) + 1 < nbound do
+  local mid = math.floor((n_of(lo) + nbound) / 2)
+  local e = redis.call('XRANGE', KEYS[1], ms .. '-' .. string.format('%.0f', mid), top, 'COUNT', 1)[1]
+  if e and n_of(e[1]) < nbound and seq_of(e) <= target then lo = e[1] else nbound = mid end
 end
 return lo
 """
@@ -518,6 +526,12 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+# How many recent marks, and for how long, spare a webhook its write (far longer than a
+# subscription takes to reach soketi, far shorter than any mark lives).
+RECENT_MARKS = 4096
+RECENT_MARK_S = 60.0
+
+
 class JobStore:
     def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None, waits: Redis | None = None) -> None:
         self._redis = redis
@@ -532,6 +546,8 @@ class JobStore:
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
         self._seek = redis.register_script(_SEEK)
+        # Jobs whose audience this process marked lately (see mark_audience_if_known).
+        self._recent_marks: OrderedDict[str, float] = OrderedDict()
 
     @staticmethod
     async def run(call: ScriptCall) -> Any:
@@ -729,9 +745,19 @@ class JobStore:
         result's time once it ended (a client re-subscribing to read the result must not
         renew it for a day; the scripts that end a job shorten it likewise)."""
         await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, ""])
+        self._recent_marks[job_id] = time.monotonic()
+        self._recent_marks.move_to_end(job_id)
+        while len(self._recent_marks) > RECENT_MARKS:
+            self._recent_marks.popitem(last=False)
 
     async def mark_audience_if_known(self, job_id: str) -> bool:
-        """mark_audience, for a job that has a record (a webhook may name any channel)."""
+        """mark_audience, for a job that has a record (a webhook may name any channel). A job
+        this process marked moments ago (its channel-auth, then soketi's webhook for the
+        same subscription) is not written again: that webhook comes as the job starts, and
+        a Redis write there costs the start."""
+        marked_at = self._recent_marks.get(job_id)
+        if marked_at is not None and time.monotonic() - marked_at < RECENT_MARK_S:
+            return True
         marked = await self._mark_audience(
             keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, "known"]
         )

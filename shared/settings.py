@@ -179,7 +179,7 @@ def _str(raw: str) -> str:
     return raw
 
 
-_ORIGIN = re.compile(r"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?", re.I)
 
 
 def _origins(raw: str) -> tuple[str, ...]:
@@ -187,12 +187,19 @@ def _origins(raw: str) -> tuple[str, ...]:
     origins = tuple(part.strip() for part in raw.split(",") if part.strip())
     if origins == ("*",):
         return origins
+    normal = []
     for origin in origins:
         if origin == "*":
             raise ValueError("'*' stands alone (any origin), not in a list")
         if not _ORIGIN.fullmatch(origin):
             raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path or trailing slash)")
-    return origins
+        # As browsers send it: lower case, without the scheme's default port.
+        origin = origin.lower()
+        for default in ("http://", ":80"), ("https://", ":443"):
+            if origin.startswith(default[0]) and origin.endswith(default[1]):
+                origin = origin[: -len(default[1])]
+        normal.append(origin)
+    return tuple(normal)
 
 
 def _bool(raw: str) -> bool:

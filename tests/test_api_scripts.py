@@ -429,6 +429,14 @@ async def test_a_resume_finds_its_place_in_the_log_by_seq(redis: Redis, store: J
         assert found == ids[min(after, 399)], after
         entries = await store.events(job_id, found, None)
         assert [seq for _, seq, _, _ in entries][:1] == ([after + 1] if after < 399 else [])
+    # Thousands of entries in one millisecond (one append's batch): found by halving too.
+    burst = uuid.uuid4().hex
+    burst_ids = [
+        (await redis.xadd(keys.events_key(burst), {"seq": seq, "name": "stdout", "data": b"x"}, id=f"{ms + 5}-{seq}")).decode()
+        for seq in range(3000)
+    ]
+    for after in (0, 1, 1499, 2998, 2999, 5000):
+        assert await store.seek_events(burst, after) == burst_ids[min(after, 2999)], after
     # A log that starts past the seq (its first entries gone): everything follows.
     await redis.xdel(key, *ids[:10])
     assert await store.seek_events(job_id, 3) == "0"

@@ -416,6 +416,11 @@ def test_a_page_of_an_allowed_origin_runs_a_job_with_its_token(browser: Any, mak
         stack = make_stack(CORS_ALLOW_ORIGINS=allowed_origin, WORKER_MAX_SANDBOXES="2")
         api = Api(stack)
         try:
+            # Only the job API answers other origins: not /metrics or /health.
+            origin = {"Origin": allowed_origin}
+            assert api.client.get("/v1/realtime", headers=origin).headers["access-control-allow-origin"] == allowed_origin
+            for path in ("/metrics", "/health"):
+                assert "access-control-allow-origin" not in api.client.get(path, headers=origin).headers, path
             outcomes = {}
             for origin in (allowed_origin, other_origin):
                 job = api.execute(py_job('print(f"Hello, {input()}!")\n'))

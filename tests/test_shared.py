@@ -189,6 +189,11 @@ def test_cors_origins_are_origins() -> None:
     parsed = load_settings({"CORS_ALLOW_ORIGINS": " https://ide.example.com, http://127.0.0.1:5173,http://[::1]:8080 "})
     assert parsed.cors_allow_origins == ("https://ide.example.com", "http://127.0.0.1:5173", "http://[::1]:8080")
     assert load_settings({"CORS_ALLOW_ORIGINS": "*"}).cors_allow_origins == ("*",)
+    # Compared as browsers send them: lower case, no default port.
+    written = "HTTPS://IDE.Example.com:443,http://ide.example.com:80,http://ide.example.com:8080"
+    assert load_settings({"CORS_ALLOW_ORIGINS": written}).cors_allow_origins == (
+        "https://ide.example.com", "http://ide.example.com", "http://ide.example.com:8080"
+    )  # fmt: skip
     for bad in ("https://ide.example.com/", "ide.example.com", "https://ide.example.com/app", "*,https://a.example", "ftp://x"):
         with pytest.raises(ConfigError, match="CORS_ALLOW_ORIGINS"):
             load_settings({"CORS_ALLOW_ORIGINS": bad})

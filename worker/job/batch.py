@@ -22,6 +22,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from shared.grading import TestVerdict, batch_summary, case_verdict, not_run_case
 from shared.limits import Limits
 from shared.manifest import Manifest, expand_argv
@@ -289,7 +291,7 @@ async def run_batch(
             "memory_kb": facts.memory_kb,
             "killed_by": killed_by,
             "truncated": output.truncated,
-            "message": verdict_of_run.message if outcome is verdict_of_run.outcome else None,
+            "message": verdict_of_run.message if outcome is Outcome.MEMORY_EXCEEDED else None,
         }
         kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
         del output  # (only the kept share outlives the case)
@@ -389,5 +391,7 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
 
 
 def facts_only(cases: list[CaseOutput]) -> list[CaseFacts]:
-    """The cases as the result event carries them (without their output)."""
-    return [case_facts(c) for c in cases]
+    """The cases as the result event carries them: without their output, nor their message
+    (each test_result event and /output have it), so the result still fits soketi's payload
+    limit by construction (see worker/job/payload.py)."""
+    return [msgspec.structs.replace(case_facts(c), message=None) if c.message else case_facts(c) for c in cases]
