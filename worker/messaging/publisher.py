@@ -399,12 +399,14 @@ class JobLane:
                 if self._unheard and not self._audience:
                     # Events kept for a follower who may be on the way (a webhook's mark):
                     # look again now and then, so a program waiting on its stdin after a
-                    # prompt gets the prompt shown before it writes anything more.
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), AUDIENCE_RECHECK_S)
-                    except TimeoutError:
-                        if await self._heard():
-                            self._replay_unheard()
+                    # prompt gets the prompt shown before it writes anything more. (A timer
+                    # that sets the wakeup: cheaper than wait_for's task, every idle spell
+                    # of every job nobody follows.)
+                    timer = asyncio.get_running_loop().call_later(AUDIENCE_RECHECK_S, self._wakeup.set)
+                    await self._wakeup.wait()
+                    timer.cancel()
+                    if not self._pending and not self._closing and await self._heard():
+                        self._replay_unheard()
                 else:
                     await self._wakeup.wait()
                 self._idle.clear()
