@@ -982,7 +982,7 @@ async def test_a_job_whose_spec_cannot_be_read_ends_in_the_shape_its_client_expe
     assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
     await redis.set(keys.spec_key(spec.job_id), b'{"not": "a spec"}', keepttl=True)
     assert await queue.claim(1.0, 0.0) is None
-    ((job, raw),) = queue.orphan_results
+    ((job, raw),) = queue.take_recovered()
     result = json.loads(raw)
     assert job == spec.job_id and result["outcome"] == "internal_error" and "could not be read" in result["message"]
     assert await redis.hget(keys.status_key(spec.job_id), "state") == b"error"

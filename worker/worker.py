@@ -317,8 +317,7 @@ class Worker:
                     await asyncio.sleep(0.5)
                     continue
                 finally:
-                    self._publish_results(ctx, claim_queue.orphan_results)
-                    claim_queue.orphan_results = []
+                    self._publish_results(ctx, claim_queue.take_recovered())
                 if claimed is None:
                     continue
                 run = JobRun(ctx, *claimed)

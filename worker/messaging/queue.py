@@ -372,10 +372,9 @@ class WorkerQueue:
         self._reap = redis.register_script(_REAP)
         self._unregister = redis.register_script(_UNREGISTER)
         self._forget_dead = redis.register_script(_FORGET_DEAD)
-        # Results of jobs ended while claiming (unreadable specs), for the worker to publish.
-        self.orphan_results: list[tuple[str, bytes]] = []
-        # Results recovery wrote, for the worker to publish (take_recovered): kept here, not
-        # only returned, so a later claim's failure in the same round cannot drop them.
+        # Results this queue wrote outside a job's run (recovery, or a claim that ended an
+        # unreadable job), for the worker to publish (take_recovered): kept here, not only
+        # returned, so a later claim's failure in the same round cannot drop them.
         self._recovered: list[tuple[str, bytes]] = []
         # Recoveries whose call raised on the connection, by job, with their tokens: the
         # script may have run with its reply lost (check_unanswered reads what it did).
@@ -419,9 +418,7 @@ class WorkerQueue:
         except msgspec.MsgspecError as exc:
             log.error("job %s: stored spec is unreadable (%s); ending it", job_id, exc)
             template = await self._unreadable_template(job_id)
-            ended = await self._recover(self._claimed, job_id, "end", template, JobState.ERROR)
-            if ended is not None:
-                self.orphan_results.append(ended)
+            await self._recover(self._claimed, job_id, "end", template, JobState.ERROR)  # (kept for take_recovered)
             return None
         return Claim(
             spec=spec,
@@ -660,7 +657,7 @@ class WorkerQueue:
         self._retries.pop(job_id, None)
 
     def take_recovered(self) -> list[tuple[str, bytes]]:
-        """The results recovery wrote since the last call, to publish live."""
+        """The results written outside a run since the last call, to publish live."""
         taken, self._recovered = self._recovered, []
         return taken
 
