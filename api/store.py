@@ -355,26 +355,30 @@ end
 local function ms_of(id) return tonumber(string.match(id, '^(%d+)-')) end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
 if not first or seq_of(first) > target then return '0' end
-local lo = first[1]
--- Entries up to lo are at most the target; from millisecond `bound` on, none is.
-local bound = ms_of(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][1]) + 1
-while ms_of(lo) + 1 < bound do
-  local mid = math.floor((ms_of(lo) + bound) / 2)
-  local e = redis.call('XRANGE', KEYS[1], string.format('%.0f', mid), '+', 'COUNT', 1)[1]
-  if e and ms_of(e[1]) < bound and seq_of(e) <= target then lo = e[1] else bound = mid end
+-- One binary search over a part of the entry ids (`part` of an id), from `lo` (at most the
+-- target) to `bound` (from which on no entry is): `at(x)` is the first entry whose part is
+-- x or more, within the range searched.
+local function search(lo, bound, part, at)
+  while part(lo) + 1 < bound do
+    local mid = math.floor((part(lo) + bound) / 2)
+    local e = at(mid)
+    if e and part(e[1]) < bound and seq_of(e) <= target then lo = e[1] else bound = mid end
+  end
+  return lo
 end
--- Then the same search over the id's second part, within lo's millisecond (one append
--- writes a whole batch of entries in one millisecond).
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+local lo = search(first[1], ms_of(last[1]) + 1, ms_of, function(mid)
+  return redis.call('XRANGE', KEYS[1], string.format('%.0f', mid), '+', 'COUNT', 1)[1]
+end)
+-- Then over the id's second part, within lo's millisecond (one append writes a whole batch
+-- of entries in one millisecond).
 local ms = string.match(lo, '^(%d+)-')
 local top = ms .. '-18446744073709551615'
 local function n_of(id) return tonumber(string.match(id, '-(%d+)$')) end
-local last = redis.call('XREVRANGE', KEYS[1], top, ms .. '-0', 'COUNT', 1)[1]
-local nbound = n_of(last[1]) + 1
-while n_of(lo) + 1 < nbound do
-  local mid = math.floor((n_of(lo) + nbound) / 2)
-  local e = redis.call('XRANGE', KEYS[1], ms .. '-' .. string.format('%.0f', mid), top, 'COUNT', 1)[1]
-  if e and n_of(e[1]) < nbound and seq_of(e) <= target then lo = e[1] else nbound = mid end
-end
+last = redis.call('XREVRANGE', KEYS[1], top, ms .. '-0', 'COUNT', 1)[1]
+lo = search(lo, n_of(last[1]) + 1, n_of, function(mid)
+  return redis.call('XRANGE', KEYS[1], ms .. '-' .. string.format('%.0f', mid), top, 'COUNT', 1)[1]
+end)
 return lo
 """
 
