@@ -7,12 +7,12 @@ remaining bytes arrive.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_MAX_BYTES", "Utf8Chunker", "split_utf8"]
+__all__ = ["CHUNK_MAX_BYTES", "Utf8Chunker", "split_utf8", "utf8_prefix"]
 
 CHUNK_MAX_BYTES = 8192
 
 
-def _incomplete_tail(buf: bytes) -> int:
+def _incomplete_tail(buf: bytes | bytearray) -> int:
     """How many trailing bytes of `buf` start a UTF-8 sequence that is not finished yet."""
     n = len(buf)
     for back in range(1, min(4, n) + 1):
@@ -29,6 +29,15 @@ def _incomplete_tail(buf: bytes) -> int:
             return 0
         return back if back < need else 0
     return 0
+
+
+def utf8_prefix(data: bytes, size: int) -> bytes:
+    """At most `size` bytes of `data`, not ending inside a character the cut would split
+    (text that was valid stays valid). All of `data` when it fits, unfinished or not."""
+    if size >= len(data):
+        return data
+    cut = data[: max(0, size)]
+    return cut[: len(cut) - _incomplete_tail(cut)]
 
 
 def split_utf8(text: str, max_bytes: int = CHUNK_MAX_BYTES) -> list[str]:

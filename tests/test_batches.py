@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from shared.chunking import utf8_prefix
 from shared.grading import TestVerdict as Verdict
 from shared.grading import batch_verdict, case_verdict, cases_not_run, not_run_case, outputs_match
 from shared.limits import DEFAULT_LIMITS
@@ -629,9 +630,10 @@ def test_a_worker_stop_after_a_failure_stopped_the_batch_is_no_kill() -> None:
 
 def test_a_cut_copy_never_ends_inside_a_character() -> None:
     text = "é".encode() * 1000
-    assert batch._prefix(text, 1001) == text[:1000] and batch._text(batch._prefix(text, 1001))[1] == "utf8"
-    assert batch._prefix("a€b".encode(), 3) == b"a" and batch._prefix("a€b".encode(), 4) == "a€".encode()
-    assert batch._prefix(b"\x80" * 5, 4) == b"\x80" * 4  # not UTF-8 at all: cut where asked
+    assert utf8_prefix(text, 1001) == text[:1000] and batch._text(utf8_prefix(text, 1001))[1] == "utf8"
+    assert utf8_prefix("a€b".encode(), 3) == b"a" and utf8_prefix("a€b".encode(), 4) == "a€".encode()
+    assert utf8_prefix(b"\x80" * 5, 4) == b"\x80" * 4  # not UTF-8 at all: cut where asked
+    assert utf8_prefix("a€".encode(), 9) == "a€".encode() and utf8_prefix("a€".encode()[:2], 9) == b"a\xe2"  # fits
 
 
 def test_a_batch_killed_in_the_queue_lists_every_case(make_stack: StackFactory) -> None:

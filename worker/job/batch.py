@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from shared.chunking import utf8_prefix
 from shared.grading import TestVerdict, batch_summary, case_verdict, not_run_case
 from shared.limits import Limits
 from shared.manifest import Manifest, expand_argv
@@ -102,12 +103,9 @@ class _CaseOutput:
                 # Cut where the budget ends, but not inside a character (one begun in an
                 # earlier read included): valid text stays valid, and is kept as text.
                 held = self.data[stream]
-                tail = bytes(held[-3:])
-                keep = len(_prefix(tail + data, len(tail) + self.left)) - len(tail)
-                if keep < 0:
-                    del held[keep:]
-                data = data[: max(0, keep)]
-                self.truncated, self.left = True, len(data)  # (and nothing after the cut)
+                self.data[stream] = bytearray(utf8_prefix(bytes(held) + data, len(held) + self.left))
+                self.truncated, self.left = True, 0  # (and nothing after the cut)
+                return
             self.left -= len(data)
             self.data[stream] += data
 
@@ -136,20 +134,9 @@ def _kept(output: _CaseOutput, share: int) -> tuple[bytes, bytes, bool]:
     """The case's stdout and stderr as the result keeps them (together at most `share`
     bytes, stdout first), and whether that cut any."""
     stdout, stderr = bytes(output.data["stdout"]), bytes(output.data["stderr"])
-    kept_out = _prefix(stdout, share)
-    kept_err = _prefix(stderr, share - len(kept_out))
+    kept_out = utf8_prefix(stdout, share)
+    kept_err = utf8_prefix(stderr, share - len(kept_out))
     return kept_out, kept_err, len(kept_out) + len(kept_err) < len(stdout) + len(stderr)
-
-
-def _prefix(data: bytes, size: int) -> bytes:
-    """At most `size` bytes of `data`, not ending inside a UTF-8 character (text that was
-    valid stays valid, and is kept as text)."""
-    if size >= len(data):
-        return data
-    end = size
-    while end > max(0, size - 3) and data[end] & 0xC0 == 0x80:
-        end -= 1  # data[end] continues a character begun before it
-    return data[:size] if data[end] & 0xC0 == 0x80 else data[:end]
 
 
 async def run_batch(
