@@ -556,8 +556,9 @@ print("UIDMAP", " ".join(open("/proc/self/uid_map").read().split()))
 print("GIDMAP", " ".join(open("/proc/self/gid_map").read().split()))
 """
 
-# The worker reads how a jail ended from nsjail's log, never from the program's output:
-# the log's own phrases, written by the program, change nothing.
+# The worker reads how a jail ended from the gate's status pipe and nsjail's own exit and
+# log, never from the program's output: nsjail's log phrases, written by the program,
+# change nothing.
 FORGED_SUPERVISOR_SH = (
     "for s in 'exited with status: 137' 'terminated with signal: SIGKILL (9)' 'run time >= time limit'; do\n"
     "  echo \"[I][2026-01-01T00:00:00+0000] pid=1 ($s)\"; echo \"$s\" >&2\n"

@@ -116,6 +116,7 @@ async def test_a_step_ends_at_the_gates_report_without_waiting_for_nsjail(factor
         reported()
 
     jail._on_status = on_status  # type: ignore[method-assign]
+    asyncio.get_running_loop().add_reader(jail._status_fd, on_status)  # (watched since launch)
     os.kill(jail.proc.pid, signal.SIGSTOP)
     try:
         step = asyncio.create_task(
@@ -240,3 +241,36 @@ async def test_a_slot_waits_for_lingering_processes_before_it_is_rebuilt(monkeyp
     never = _StuckCgroup(busy=1000)
     await asyncio.wait_for(sandbox_module.Sandbox._remove_stragglers(fake, [never]), 5)  # gives up, logged
     assert 2 <= never.tries <= 3
+
+
+async def test_nsjails_own_time_limit_is_told_apart_from_a_kill(
+    factory: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nsjail runs quiet, so no log line says its time limit (the backstop behind our clocks)
+    # fired: its SIGKILL, after the jail has lived that long, does. A jail killed sooner by
+    # the same signal is not a backstop.
+    from worker.isolation import sandbox as sandbox_module
+
+    # The backstop is MAX_IDLE_S + 120 s + the longest wall time + 60 s: made 2 s here.
+    monkeypatch.setattr(sandbox_module, "MAX_IDLE_S", 2 - 180 - factory.max_limits.wall_time_ms / 1000)
+    sandbox = await factory.prepare("backstop", 0)
+    jail = sandbox.jail
+    try:
+        assert jail._backstop_s == 2
+        step = supervise(
+            jail,
+            sandbox.cgroup,
+            Program(argv=["/bin/sleep", "30"], env={}),
+            Clocks(wall_ms=30000, cpu_ms=30000, idle_ms=None),
+            [(jail.stdout, _discard), (jail.stderr, _discard)],
+            asyncio.Queue(),
+        )
+        facts = await asyncio.wait_for(step, 15)
+    finally:
+        await sandbox.destroy()
+    assert (facts.exit.exit_code, facts.exit.signal, facts.exit.backstop_fired, facts.fired) == (None, "SIGKILL", True, None)
+    assert 1000 <= facts.duration_ms < 10000
+
+
+async def _discard(data: bytes) -> None:
+    pass

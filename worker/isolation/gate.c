@@ -19,10 +19,11 @@
  * abort() into SIGSEGV and make kill(getpid(), SIGTERM) a no-op. As init, the gate reaps
  * orphans, and when the program ends it kills and reaps every process left in the
  * namespace, then reports and exits. The program's wait status goes to the worker over the
- * status pipe whose descriptor number is argv[1]: "exit N" or "signal N". The program
- * never holds that descriptor (close-on-exec) and cannot reach it through /proc/1/fd (the
- * gate is not dumpable), so what the worker reads there is the truth about how the program
- * ended, and when it reads it, no process of the job is left.
+ * status pipe whose descriptor number is argv[1]: "exit N" or "signal N", after the line
+ * "ready" the gate writes as it starts. The program never holds that descriptor
+ * (close-on-exec) and cannot reach it through /proc/1/fd (the gate is not dumpable), so
+ * what the worker reads there is the truth about how the program ended, and when it reads
+ * it, no process of the job is left.
  *
  * Before anything else the gate adds a second seccomp filter of its own, which the program
  * inherits (see seal_syscalls): nsjail's kafel policy is a deny-list keyed on x86-64 call
@@ -174,6 +175,14 @@ int main(int gate_argc, char **gate_argv) {
     int status_fd = gate_argc > 1 ? atoi(gate_argv[1]) : -1;
     if (status_fd >= 0) fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* The jail is built and this process is in it, cgroups included: said first, so the
+     * worker can move nsjail out of the job's cgroups (nsjail runs quiet, so its log no
+     * longer says when it executes the gate). */
+    if (status_fd >= 0) {
+        static const char ready[] = "ready\n";
+        ssize_t ignored = write(status_fd, ready, sizeof ready - 1);
+        (void)ignored;
+    }
     if (seal_syscalls() != 0) {
         /* Said on the status pipe, so a job that took this jail is an internal error, not
          * a program that "exited 126". */

@@ -6,27 +6,30 @@ Launch path (all argv, never a shell string built from user data):
 
 `enter` (worker/isolation/enter.c) asks to be killed with the worker, writes its own pid
 into the sandbox's cgroups and execs nsjail, so the jail is born inside them and dies with
-the worker even if the worker is SIGKILLed. When nsjail logs that the jail is executing, the
-worker moves nsjail itself out, leaving only jailed processes in those cgroups. The gate
-(worker/gate.c), already inside the jail, blocks on stdin until `go()` sends it the
-program's argv, environment and rlimits as one binary frame; it then execs the program in
-its place. All the costly
-work (namespaces, mounts, cgroups, uid maps) therefore happens before a job even exists,
-and start costs one pipe write.
+the worker even if the worker is SIGKILLed. The gate (worker/isolation/gate.c) says
+"ready" on its status pipe as it starts, inside the finished jail; the worker then moves
+nsjail itself out, leaving only jailed processes in those cgroups. The gate blocks on stdin
+until `go()` sends it the program's argv, environment and rlimits as one binary frame; it
+then execs the program in its place. All the costly work (namespaces, mounts, cgroups, uid
+maps) therefore happens before a job even exists, and start costs one pipe write.
 
-The gate stays pid 1 and reports the program's wait status on a status pipe the program
-cannot reach; nsjail's log goes to another pipe only the worker holds (never mixed with the
-program's stderr). Exit status and signal come from those two channels only (defence R12).
+The gate stays pid 1 and reports the program's wait status on that status pipe, which the
+program cannot reach. nsjail runs quiet (warnings and errors only: its info lines, some 45
+a jail, cost it half a millisecond and the worker a dozen wake-ups) and logs to another pipe
+only the worker holds, never mixed with the program's stderr; without a report from the
+gate, nsjail's own exit status says how the gate ended. Exit status and signal come from
+those channels only (defence R12).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
-import re
 import signal
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +44,10 @@ log = logging.getLogger(__name__)
 
 GATE_IN_JAIL = "/.coderunner/gate"
 
-_EXITED = re.compile(rb"exited with status: (\d+)")
-_SIGNALLED = re.compile(rb"terminated with signal: (SIG[A-Z0-9]+) \((\d+)\)")
-_TIME_LIMIT = re.compile(rb"run time >= time limit")
-_READY = b"Executing "
-# nsjail logs some 45 lines per jail, most of them one per mount: of its info lines only
-# these are ever looked at (warnings and errors are all kept).
-_KEPT_INFO = re.compile(rb"Executing |exited with status: |terminated with signal: |run time >= time limit")
+# The gate's first line on the status pipe: it runs, inside the finished jail.
+_GATE_READY = b"ready\n"
+# What nsjail exits with when it fails itself (the gate never exits so without a report).
+_NSJAIL_FAILED = 255
 _LOG_READ = 65536
 
 
@@ -107,6 +107,7 @@ def build_argv(
 ) -> list[str]:
     flags = [
         "--config", str(profile),
+        "--quiet",
         "--log_fd", str(log_fd),
         "--pass_fd", str(status_fd),
         "--user", f"65534:{spec.uid}:1",
@@ -136,16 +137,18 @@ def _signal_name(number: int) -> str:
 class Jail:
     """A launched jail. Use `wait_ready()`, then `go()`, then read `stdout`/`stderr` and `wait()`."""
 
-    def __init__(self, proc: Child, log_fd: int, status_fd: int, cgroup: JobCgroup) -> None:
+    def __init__(self, proc: Child, log_fd: int, status_fd: int, cgroup: JobCgroup, backstop_s: float = math.inf) -> None:
         self.proc = proc
+        # nsjail's own time limit, counted from its start (see _backstop_fired).
+        self._backstop_s = backstop_s
+        self._launched_at = time.monotonic()
         self._status_fd = status_fd
         self.stdout = proc.stdout
         self.stderr = proc.stderr
         self._cgroup = cgroup
         self._ready = asyncio.Event()
         self._exit: JailExit | None = None
-        # nsjail's log, read as it comes by a plain reader callback (a StreamReader and a
-        # task cost a loop round and several futures per read, a dozen reads a jail).
+        # nsjail's log (warnings and errors), read as it comes by a plain reader callback.
         self._log_fd = log_fd
         self._log = bytearray()
         self._log_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -158,7 +161,9 @@ class Jail:
         # Set once the program's end is known: the gate's report came, or nsjail exited.
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._reported: JailExit | None = None
-        self._watching_status = False
+        self._gate_started = False
+        # Watched from the start: the gate's "ready" comes first, its report at the end.
+        asyncio.get_running_loop().add_reader(status_fd, self._on_status)
         proc.on_exit(self._mark_ended)
 
     @classmethod
@@ -186,7 +191,7 @@ class Jail:
         finally:
             os.close(write_fd)
             os.close(status_write)
-        return cls(proc, read_fd, status_read, cgroup)
+        return cls(proc, read_fd, status_read, cgroup, spec.backstop_s)
 
     def _on_log(self) -> None:
         """nsjail's log pipe is readable: keep what came; at EOF, nsjail has exited."""
@@ -197,21 +202,22 @@ class Jail:
         except OSError:
             chunk = b""
         if not chunk:
+            if not self._gate_started and self._status_fd >= 0:
+                self._on_status()  # a "ready" the gate wrote before nsjail exited counts first
             self._close_log()
             return
-        seen = len(self._log)
         self._log += chunk
-        if (
-            not self._releasing
-            and self.proc.returncode is None  # (reaped already: its pid may be another's now)
-            and self._log.find(_READY, max(0, seen - len(_READY))) >= 0
-        ):
-            # The jail exists (nsjail logs this from inside the child, just before exec):
-            # take nsjail itself out of the job's cgroups so only jailed code is limited,
-            # and see (same trip to the isolation threads) that the jail stayed in them.
-            self._releasing = True
-            self.proc.hold_reap()  # (the release names nsjail by its pid)
-            off_loop_soon(self._release).add_done_callback(self._released)
+
+    def _gate_runs(self) -> None:
+        """The gate said it runs: the jail exists, with the gate in the job's cgroups. Take
+        nsjail itself out of them so only jailed code is limited, and see (same trip to the
+        isolation threads) that the jail stayed in them."""
+        self._gate_started = True
+        if self._releasing or self.proc.returncode is not None:
+            return  # (reaped already: its pid may be another's now)
+        self._releasing = True
+        self.proc.hold_reap()  # (the release names nsjail by its pid)
+        off_loop_soon(self._release).add_done_callback(self._released)
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)
@@ -245,13 +251,9 @@ class Jail:
 
     @property
     def _log_lines(self) -> list[bytes]:
-        """The log's lines that matter (see _KEPT_INFO), split out when asked (on the rare
-        paths that look: a failed jail, an end the gate did not report)."""
-        return [
-            line
-            for line in bytes(self._log).split(b"\n")
-            if line and not (line.startswith((b"[I]", b"[D]")) and not _KEPT_INFO.search(line))
-        ]
+        """The log's lines, split out when asked (on the rare paths that look: a failed
+        jail, an end the gate did not report)."""
+        return [line for line in bytes(self._log).split(b"\n") if line]
 
     @property
     def exited(self) -> bool:
@@ -287,28 +289,28 @@ class Jail:
         """Release the gate: the program starts now."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(program.frame())
-        if self._status_fd >= 0 and not self._watching_status:
-            # (A prestarted runtime was let go once already; its job's frame comes second.)
-            self._watching_status = True
-            asyncio.get_running_loop().add_reader(self._status_fd, self._on_status)
 
     def _mark_ended(self) -> None:
         if not self.ended.done():
             self.ended.set_result(None)
 
     def _on_status(self) -> None:
-        """The status pipe is readable: keep what came; a whole line is the gate's report.
+        """The status pipe is readable: keep what came. Its first line is the gate's
+        "ready"; a whole line after it is the gate's report.
 
-        The gate writes it once the program and everything it left are dead (gate.c), while
-        nsjail still has the jail to tear down, a few milliseconds more on this machine.
+        The gate writes the report once the program and everything it left are dead
+        (gate.c), while nsjail still has the jail to tear down, a few milliseconds more.
         """
         try:
             chunk = os.read(self._status_fd, 256)
         except BlockingIOError:
             return
         self._status += chunk
+        if not self._gate_started and self._status.startswith(_GATE_READY):
+            self._status = self._status[len(_GATE_READY) :]
+            self._gate_runs()
         if chunk and not self._status.endswith(b"\n"):
-            return
+            return  # no report yet, or not a whole one
         asyncio.get_running_loop().remove_reader(self._status_fd)
         if chunk:
             self._reported = self._parse_report(self._status)
@@ -373,39 +375,40 @@ class Jail:
             self._status_fd = -1
             self._status = b"".join(chunks)
 
-    def _parse_report(self, status: bytes) -> JailExit | None:
-        """The gate's report, or None when there is none (or it is not one)."""
-        backstop = _TIME_LIMIT.search(self._log) is not None
-        kind, _, value = status.strip().partition(b" ")
+    @staticmethod
+    def _parse_report(status: bytes) -> JailExit | None:
+        """The gate's report, or None when there is none (or it is not one). The gate's
+        program ended on its own: nsjail's time limit cannot have fired (it kills the gate
+        too, which then reports nothing)."""
+        kind, _, value = status.removeprefix(_GATE_READY).strip().partition(b" ")
         if kind == b"exit" and value.isdigit():
-            return JailExit(int(value), None, backstop)
+            return JailExit(int(value), None, False)
         if kind == b"signal" and value.isdigit():
-            return JailExit(None, _signal_name(int(value)), backstop)
+            return JailExit(None, _signal_name(int(value)), False)
         if kind == b"fault":
             # The gate could not set the jail up (its seccomp filter) and ran nothing.
-            return JailExit(None, None, backstop, [f"the jail's gate failed: {value.decode(errors='replace')}"])
+            return JailExit(None, None, False, [f"the jail's gate failed: {value.decode(errors='replace')}"])
         return None
 
     def _parse_exit(self, status: bytes) -> JailExit:
         reported = self._parse_report(status)
         if reported is not None:
             return reported
-        backstop = _TIME_LIMIT.search(self._log) is not None
         # No report: the gate itself was killed (a clock fired, the memory limit, a kill
-        # request) or never ran the program; nsjail's log says how the jail ended.
-        exit_code: int | None = None
-        sig: str | None = None
-        for line in self._log_lines:
-            match = _EXITED.search(line)
-            if match:
-                exit_code = int(match.group(1))
-                continue
-            match = _SIGNALLED.search(line)
-            if match:
-                sig = match.group(1).decode()
-        if exit_code is None and sig is None:
-            return JailExit(None, None, backstop, self.error_lines() or [f"nsjail exited with {self.proc.returncode}"])
-        return JailExit(exit_code, sig, backstop)
+        # request, nsjail's time limit) or never ran the program. nsjail, in its one-jail
+        # mode, exits as the gate did: its exit status, or 128 plus the signal that ended it.
+        code = self.proc.returncode
+        if not self._gate_started or code is None or code < 0 or code == _NSJAIL_FAILED:
+            return JailExit(None, None, False, self.error_lines() or [f"nsjail exited with {code}"])
+        if code > 128:
+            return JailExit(None, _signal_name(code - 128), self._backstop_fired(code - 128))
+        return JailExit(code, None, False)
+
+    def _backstop_fired(self, signal_number: int) -> bool:
+        """Whether nsjail's own time limit ended the jail: it kills with SIGKILL once the
+        jail has run that long (its quiet log no longer says so); no clock of ours lets a
+        jail live that long (see SandboxFactory)."""
+        return signal_number == signal.SIGKILL and time.monotonic() - self._launched_at >= self._backstop_s - 1
 
     def terminate_supervisor(self) -> None:
         """Last resort: SIGKILL nsjail itself (the jail dies with its pid namespace)."""
