@@ -31,6 +31,7 @@ test-fast: test-deps
 # (`PISTON_URL=http://127.0.0.1:2000 make bench`), else next to bare nsjail; HOTPATH_ARGS
 # passes it options (`make bench HOTPATH_ARGS="--reps 1"`). See bench/README.md.
 bench: test-deps
+	@$(PY) bench/floor.py
 	@$(PY) bench/hotpath.py $(HOTPATH_ARGS)
 	@$(PY) bench/grading.py
 	@$(PY) bench/parked.py
