@@ -269,7 +269,8 @@ async def test_nsjails_own_time_limit_is_told_apart_from_a_kill(
     finally:
         await sandbox.destroy()
     assert (facts.exit.exit_code, facts.exit.signal, facts.exit.backstop_fired, facts.fired) == (None, "SIGKILL", True, None)
-    assert 1000 <= facts.duration_ms < 10000
+    # nsjail counts whole seconds from its own start, which comes before go().
+    assert 500 <= facts.duration_ms < 10000
 
 
 async def _discard(data: bytes) -> None:

@@ -46,7 +46,7 @@ RUN_TABLE = [
     ("user, program had exited by itself, OOM counted earlier", facts(exited(1), "user", oom_kills=1), COMPLETED),
     ("user, killed by the kill", facts(exited(sig="SIGKILL"), "user"), KILLED),
     ("user, gate killed, nothing reported", facts(exited(), "user"), KILLED),
-    ("user, nsjail logged both an exit code and a signal", facts(exited(0, "SIGKILL"), "user"), KILLED),
+    ("user, both an exit code and a signal", facts(exited(0, "SIGKILL"), "user"), KILLED),
     ("user wins over an OOM kill", facts(exited(sig="SIGKILL"), "user", oom_kills=2), KILLED),
     ("user wins over the backstop", facts(exited(sig="SIGKILL", backstop=True), "user"), KILLED),
     # The worker's wall and CPU clocks.

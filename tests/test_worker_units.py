@@ -1193,10 +1193,13 @@ async def test_a_jail_is_ready_at_the_gates_first_line_and_ends_as_nsjail_says()
 @pytest.mark.parametrize(
     ("returncode", "ran_s", "want"),
     [
-        (3, 0, (3, None, False)),  # the gate's own early exit (it reports nothing then)
         (128 + 9, 0, (None, "SIGKILL", False)),  # a clock of ours, a kill, the memory limit
-        (128 + 9, 60, (None, "SIGKILL", True)),  # nsjail's time limit (the backstop)
-        (128 + 15, 60, (None, "SIGTERM", False)),  # nsjail's time limit kills with SIGKILL only
+        (128 + 9, 16, (None, "SIGKILL", True)),  # nsjail's time limit (the backstop), 30 s
+        (128 + 9, 14, (None, "SIGKILL", False)),  # short of it by more than the margin
+        (128 + 31, 60, (None, "SIGSYS", False)),  # the kernel's (seccomp); only SIGKILL is a backstop
+        (128 + 15, 60, (None, None, False)),  # nsjail itself stopped by SIGTERM: not the gate's
+        (124, 0, (None, None, False)),  # the gate's own early exit: the program never ran
+        (0, 0, (None, None, False)),  # (the frame never came)
         (255, 0, (None, None, False)),  # nsjail failed itself
         (-9, 0, (None, None, False)),  # nsjail itself was killed
     ],

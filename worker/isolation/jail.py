@@ -48,6 +48,12 @@ GATE_IN_JAIL = "/.coderunner/gate"
 _GATE_READY = b"ready\n"
 # What nsjail exits with when it fails itself (the gate never exits so without a report).
 _NSJAIL_FAILED = 255
+# The signals the gate can die of: it is its pid namespace's init with no handlers, so from
+# outside only SIGKILL reaches it, and the kernel forces the rest (seccomp, faults).
+_GATE_DEATHS = frozenset({signal.SIGKILL, signal.SIGSYS, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
+# How far short of nsjail's time limit a jail killed by SIGKILL may fall and still count as
+# the backstop: nsjail counts whole seconds of wall time from its own start.
+_BACKSTOP_MARGIN_S = 30.0
 _LOG_READ = 65536
 
 
@@ -137,11 +143,19 @@ def _signal_name(number: int) -> str:
 class Jail:
     """A launched jail. Use `wait_ready()`, then `go()`, then read `stdout`/`stderr` and `wait()`."""
 
-    def __init__(self, proc: Child, log_fd: int, status_fd: int, cgroup: JobCgroup, backstop_s: float = math.inf) -> None:
+    def __init__(
+        self,
+        proc: Child,
+        log_fd: int,
+        status_fd: int,
+        cgroup: JobCgroup,
+        backstop_s: float = math.inf,
+        launched_at: float | None = None,
+    ) -> None:
         self.proc = proc
         # nsjail's own time limit, counted from its start (see _backstop_fired).
         self._backstop_s = backstop_s
-        self._launched_at = time.monotonic()
+        self._launched_at = time.monotonic() if launched_at is None else launched_at
         self._status_fd = status_fd
         self.stdout = proc.stdout
         self.stderr = proc.stderr
@@ -178,6 +192,7 @@ class Jail:
     ) -> Jail:
         """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers).
         `before` (e.g. making the cgroups) runs just before the spawn, on the same thread."""
+        launched_at = time.monotonic()  # (before nsjail can start its time limit's count)
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)  # (our end only: nsjail writes its log blocking)
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -191,7 +206,7 @@ class Jail:
         finally:
             os.close(write_fd)
             os.close(status_write)
-        return cls(proc, read_fd, status_read, cgroup, spec.backstop_s)
+        return cls(proc, read_fd, status_read, cgroup, spec.backstop_s, launched_at)
 
     def _on_log(self) -> None:
         """nsjail's log pipe is readable: keep what came; at EOF, nsjail has exited."""
@@ -400,15 +415,23 @@ class Jail:
         code = self.proc.returncode
         if not self._gate_started or code is None or code < 0 or code == _NSJAIL_FAILED:
             return JailExit(None, None, False, self.error_lines() or [f"nsjail exited with {code}"])
-        if code > 128:
+        if code > 128 and code - 128 in _GATE_DEATHS:
             return JailExit(None, _signal_name(code - 128), self._backstop_fired(code - 128))
-        return JailExit(code, None, False)
+        if code > 128:
+            # nsjail itself was stopped (an operator's or a service manager's signal): it
+            # killed the jail on its way out, whatever the program was doing.
+            return JailExit(None, None, False, [f"nsjail was stopped by {_signal_name(code - 128)}"])
+        # The gate exits without a report only when it could not start the program (its
+        # limits, the frame, a fork that failed): the program never ran.
+        return JailExit(None, None, False, self.error_lines() or [f"the jail's gate exited with {code} before the program ran"])
 
     def _backstop_fired(self, signal_number: int) -> bool:
         """Whether nsjail's own time limit ended the jail: it kills with SIGKILL once the
-        jail has run that long (its quiet log no longer says so); no clock of ours lets a
-        jail live that long (see SandboxFactory)."""
-        return signal_number == signal.SIGKILL and time.monotonic() - self._launched_at >= self._backstop_s - 1
+        jail has run that long by its wall clock, in whole seconds (its quiet log no longer
+        says so). No clock of ours lets a jail live within a minute of it (see
+        SandboxFactory), so the age may fall short of the limit by a margin and still say so."""
+        margin = min(_BACKSTOP_MARGIN_S, self._backstop_s / 2)
+        return signal_number == signal.SIGKILL and time.monotonic() - self._launched_at >= self._backstop_s - margin
 
     def terminate_supervisor(self) -> None:
         """Last resort: SIGKILL nsjail itself (the jail dies with its pid namespace)."""
