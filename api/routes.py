@@ -282,7 +282,7 @@ async def _write_stdin(state: AppState, status: StoredStatus, data: bytes, close
         cap = settings.stdin_max_pending_bytes
         raise ApiError(
             429,
-            f"Too much stdin waiting: {answer.pending_bytes} bytes are not yet read by the program and "
+            f"Too much stdin waiting: {answer.pending_bytes} bytes are not yet written to the program and "
             f"at most {cap} may wait (send smaller frames, or wait for the program to read)",
             capBytes=cap,
         )

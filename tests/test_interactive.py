@@ -184,6 +184,27 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
     assert followed.text("stdout") == "65537\n"
 
 
+def test_stdin_a_program_does_not_read_stops_near_the_cap(api: Api, realtime: Realtime) -> None:
+    # The cap counts what the worker has not written; what it has written sits in the
+    # program's stdin pipe, which holds 16 KiB: about 80 KiB in all gets in, not 192.
+    job = api.execute(py_job("import sys, time\ntime.sleep(20)\nprint(len(sys.stdin.buffer.read()))\n"))
+    followed = realtime.follow(job)
+    api.start(job)
+    accepted, refused = 0, 0
+    while refused < 3 and accepted < 64 * 8192:
+        r = stdin(api, job, data=b"q" * 8192)
+        if r.status_code == 200:
+            accepted, refused = accepted + 8192, 0
+        else:
+            assert r.status_code == 429, r.text
+            refused += 1
+            time.sleep(0.3)  # (time for the worker to write what it can)
+        time.sleep(0.04)  # (under the frame rate)
+    assert 65536 <= accepted <= 65536 + 16384, accepted
+    kill(api, job)
+    followed.wait_result()
+
+
 def test_input_the_program_has_read_does_not_pile_up_in_redis(api: Api, realtime: Realtime, stack: Stack) -> None:
     # A program that reads as fast as a client types: what it read is not kept, so a long
     # session cannot grow the job's stdin stream by its whole input.

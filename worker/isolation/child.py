@@ -10,6 +10,7 @@ blocks the loop. The surface is the part of `asyncio.subprocess.Process` the jai
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 from collections.abc import Callable, Sequence
@@ -20,6 +21,11 @@ from worker.isolation.offload import off_loop
 __all__ = ["Child", "PipeReader"]
 
 PIPE_LIMIT = 1 << 20
+# What a program's stdin pipe holds (the kernel's default is 64 KiB). The API's cap on
+# stdin waiting for the program (64 KiB) counts what the worker has not written yet; with
+# the writer holding nothing back either (write_pipe), at most this much more sits written
+# but unread, where the default pipe and buffer let 128 KiB more through.
+STDIN_PIPE_BYTES = 16 * 1024
 
 
 class _WriteProtocol(asyncio.streams.FlowControlMixin):
@@ -146,9 +152,12 @@ async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTranspor
 
 
 async def write_pipe(fd: int) -> asyncio.StreamWriter:
-    """A StreamWriter over `fd` (the transport owns and closes it)."""
+    """A StreamWriter over `fd` (the transport owns and closes it) whose `drain()` returns
+    only once everything written is in the pipe: what the worker counts as written to a
+    program is there for it to read, not in a buffer of ours."""
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.connect_write_pipe(_WriteProtocol, _pipe_object(fd, "wb"))
+    transport.set_write_buffer_limits(high=0)
     return asyncio.StreamWriter(transport, protocol, None, loop)
 
 
@@ -184,6 +193,10 @@ class Child:
         # Raw descriptors, not subprocess.PIPE: Popen's file objects would close them again.
         pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(2 if merge_stderr else 3)]
         stdin_r, stdin_w = pipes[0]
+        try:
+            fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, STDIN_PIPE_BYTES)
+        except OSError:
+            pass  # (the kernel's default size: the cap is then looser, nothing breaks)
         stdout_r, stdout_w = pipes[1]
         stderr_r, stderr_w = pipes[2] if not merge_stderr else (-1, stdout_w)
         try:
