@@ -15,7 +15,7 @@ maps) therefore happens before a job even exists, and start costs one pipe write
 
 The gate stays pid 1 and reports the program's wait status on that status pipe, which the
 program cannot reach. nsjail runs quiet (warnings and errors only: its info lines, some 45
-a jail, cost it half a millisecond and the worker a dozen wake-ups) and logs to another pipe
+a jail, one per mount, woke the worker a dozen times a job) and logs to another pipe
 only the worker holds, never mixed with the program's stderr; without a report from the
 gate, nsjail's own exit status says how the gate ended. Exit status and signal come from
 those channels only (defence R12).
