@@ -437,7 +437,7 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
     assert await redis.hexists(keys.WORKERS, queue.worker_id)  # still listed: the others reap it
     other = WorkerQueue(redis, "w-other", RECORD_TTL_S, RESULT_TTL_S)
-    assert await other.reap_dead_workers() == []  # never started: re-queued, not lost
+    assert await other.reap_dead_workers(await other.unleased()) == []  # never started: re-queued, not lost
     assert await redis.hget(keys.status_key(held.spec.job_id), "state") == b"queued"
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
 
@@ -897,7 +897,7 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
         return recovered
 
     reaper.recover_claims = recover_as_w_returns  # type: ignore[method-assign]
-    assert await reaper.reap_dead_workers() == []
+    assert await reaper.reap_dead_workers(await reaper.unleased()) == []
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
 
 
@@ -1124,11 +1124,16 @@ async def test_results_recovered_in_a_round_that_failed_half_way_are_still_publi
     async def no_sweep(*args: Any, **kwargs: Any) -> None:
         pass
 
+    async def no_sandboxes(*args: Any, **kwargs: Any) -> set[str]:
+        return set()
+
     monkeypatch.setattr("worker.worker.sweep_orphans", no_sweep)
-    worker = Worker(settings, "w-reaper", SimpleNamespace(), {})  # type: ignore[arg-type]
-    worker._redis_since = asyncio.get_running_loop().time() - 60  # may judge the dead
+    monkeypatch.setattr("worker.worker.sandbox_owners", no_sandboxes)
+    worker = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     await redis.delete(keys.worker_alive_key(queue.worker_id))  # its lease ran out
+    # The reaper's own heartbeats are what let it judge others dead.
+    beats = asyncio.create_task(worker._heartbeat(ctx))  # type: ignore[arg-type]
     upkeep = asyncio.create_task(worker._upkeep(ctx))  # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 5
@@ -1137,6 +1142,7 @@ async def test_results_recovered_in_a_round_that_failed_half_way_are_still_publi
         await asyncio.sleep(0.2)  # a few more rounds: nothing is published twice
     finally:
         upkeep.cancel()
+        beats.cancel()
     expected = sorted((keys.realtime_channel(job), "result", 2) for job in jobs)
     assert sorted(published) == expected, published
     for job in jobs:

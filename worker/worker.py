@@ -33,10 +33,11 @@ from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo, WorkerLoad
 from shared.settings import Settings
 from worker.context import WorkerContext
-from worker.isolation.janitor import sweep_orphans
+from worker.isolation.janitor import sandbox_owners, sweep_orphans
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
+from worker.messaging.continuity import RedisContinuity
 from worker.messaging.control import ControlBus, Subscription
 from worker.messaging.flagsweep import FlagSweep
 from worker.messaging.publisher import Publisher
@@ -98,8 +99,7 @@ class Worker:
         # The janitor leaves sandboxes younger than this alone (a neighbour's self-test).
         self._young_s = 2 * settings.worker_lease_ttl_ms / 1000
         self._signals = 0
-        # loop.time() since which Redis has answered every heartbeat (None: it just failed).
-        self._redis_since: float | None = None
+        self.continuity = RedisContinuity(settings.worker_heartbeat_ms / 1000, settings.worker_lease_ttl_ms / 1000)
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self.started_at_ms = now_ms()
@@ -176,9 +176,7 @@ class Worker:
                 self._publish_results(ctx, queue.take_recovered())
             # Only this id's own leftovers now: whether other workers are dead can be judged
             # only once this worker has had Redis for a whole lease (see _upkeep).
-            await sweep_orphans(
-                redis, self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True, others=False
-            )
+            await sweep_orphans(self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True)
             await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
             self.pool.start()
             await control.start()
@@ -383,36 +381,24 @@ class Worker:
     async def _heartbeat(self, ctx: WorkerContext) -> None:
         """Keep the lease alive; nothing else shares this loop, so nothing can delay it.
 
-        It also keeps the time since which this worker has reached Redis without a break,
-        which is what judging other workers dead depends on (see `_may_judge`).
+        Each beat's answer or failure also tells `self.continuity` whether Redis has answered
+        without a break, which judging other workers dead depends on (see `_upkeep`).
         """
         loop = asyncio.get_running_loop()
         interval_s = self.settings.worker_heartbeat_ms / 1000
         while True:
             raise_if_cancelled()
+            sent_at = loop.time()
             try:
                 # A beat that hangs (a half-open connection) is abandoned for the next one.
                 await asyncio.wait_for(
                     ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms), max(interval_s, 1.0)
                 )
-                if self._redis_since is None:
-                    self._redis_since = loop.time()
+                self.continuity.answered(sent_at)
             except Exception as exc:  # a failed beat is retried at the next interval
-                self._redis_since = None
+                self.continuity.failed(sent_at)
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
-
-    def _may_judge(self) -> bool:
-        """Whether an expired lease may be taken to mean a dead worker.
-
-        A lease also expires while Redis itself is down or unreachable, for every worker at
-        once; after such an outage every live worker renews its lease within a heartbeat.
-        So a lease missing counts only once this worker has reached Redis without a break
-        for a whole lease period: a live worker has renewed by then.
-        """
-        since = self._redis_since
-        lease_s = self.settings.worker_lease_ttl_ms / 1000
-        return since is not None and asyncio.get_running_loop().time() - since >= lease_s
 
     async def _upkeep(self, ctx: WorkerContext) -> None:
         """Reap dead workers' claims, recover our own strays, remove dead workers' sandboxes."""
@@ -425,16 +411,7 @@ class Worker:
                 strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
                 await self._recover(ctx, confirmed)
-                if not self._may_judge():
-                    continue
-                await ctx.queue.reap_dead_workers()
-                await sweep_orphans(
-                    ctx.queue.redis,
-                    self.sandboxes.cgroups,
-                    self.sandboxes.work_root,
-                    me=self.worker_id,
-                    min_age_s=self._young_s,
-                )
+                await self._judge_others(ctx)
             except Exception:
                 log.exception("upkeep failed; trying again at the next interval")
             finally:
@@ -443,6 +420,23 @@ class Worker:
                     self._publish_results(ctx, ctx.queue.take_recovered())
                 except Exception:
                     log.exception("publishing recovered results failed")
+
+    async def _judge_others(self, ctx: WorkerContext) -> None:
+        """Reap the claims and remove the sandboxes of workers whose lease lapsed while Redis
+        answered us without a break (a lease lapsed in an outage says nothing)."""
+        token = self.continuity.judging()
+        if token is None:
+            return
+        owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root)
+        dead = await ctx.queue.unleased(owners)
+        # The reads may have waited out a stall that lapsed every lease: act on them only
+        # once a beat sent after them shows there was none.
+        if not dead or not await self.continuity.held(token, after=asyncio.get_running_loop().time()):
+            return
+        await ctx.queue.reap_dead_workers(dead)
+        await sweep_orphans(
+            self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s
+        )
 
     def _publish_results(self, ctx: WorkerContext, ended: list[tuple[str, bytes]]) -> None:
         """Publish results recovery wrote, without waiting for soketi."""

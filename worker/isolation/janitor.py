@@ -2,26 +2,25 @@
 
 A worker killed with SIGKILL takes its jails' processes with it (enter.c), but leaves their
 cgroups and workspace mounts; a worker frozen past its lease leaves everything. Sandbox
-names start with the owning worker's id, so any worker on the host can find them: a
-sandbox whose owner no longer holds its liveness key is killed and removed. Live workers'
-sandboxes (this one's included) are never touched, so several workers can share a host.
+names start with the owning worker's id, so any worker on the host can find them: the
+sandboxes of a worker judged dead (its lease lapsed while Redis was answering, which the
+caller decides) are killed and removed. Live workers' sandboxes (this one's included) are
+never touched, so several workers can share a host.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from pathlib import Path
 
-from redis.asyncio import Redis
-
-from shared import keys
 from worker.isolation.cgroups import CgroupLayout
 from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import owner_of
 from worker.isolation.workspace import detach_workspace
 
-__all__ = ["sweep_orphans"]
+__all__ = ["sandbox_owners", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -64,34 +63,30 @@ def _remove(
     return orphans
 
 
+async def sandbox_owners(layout: CgroupLayout, work_root: Path) -> set[str]:
+    """The ids of the workers that own a sandbox on this host."""
+    cgroups, workspaces = await off_loop(_scan, layout, work_root)
+    return {owner for name in cgroups | workspaces if (owner := owner_of(name)) is not None}
+
+
 async def sweep_orphans(
-    redis: Redis,
     layout: CgroupLayout,
     work_root: Path,
     me: str,
+    dead: Collection[str] = (),
     min_age_s: float = 0.0,
     starting: bool = False,
-    others: bool = True,
 ) -> int:
-    """Kill and remove sandboxes whose worker is gone; returns how many.
+    """Kill and remove the sandboxes of the `dead` workers; returns how many.
 
     Sandboxes of `me` (this worker) are left alone, except when `starting`: before the first
     job, every sandbox carrying this id belongs to a killed previous incarnation with the
     same WORKER_ID. Others' sandboxes younger than `min_age_s` are left alone too: a worker
-    that is starting builds its self-test sandbox before it first heartbeats. Without
-    `others`, only this worker's own leftovers are considered.
+    that is starting builds its self-test sandbox before it first heartbeats.
     """
     cgroups, workspaces = await off_loop(_scan, layout, work_root)
-    owners = {name: owner_of(name) for name in cgroups | workspaces}
-    dead: dict[str, bool] = {}
-    for owner in set(owners.values()):
-        if others and owner is not None and owner != me:
-            dead[owner] = not await redis.exists(keys.worker_alive_key(owner))
-    candidates = {
-        name
-        for name, owner in owners.items()
-        if (starting and owner == me) or (owner is not None and dead.get(owner, False))
-    }
+    owners = set(dead) - {me} | ({me} if starting else set())
+    candidates = {name for name in cgroups | workspaces if owner_of(name) in owners}
     orphans = await off_loop(_remove, layout, work_root, candidates & cgroups, candidates & workspaces, min_age_s, me)
     if orphans:
         log.warning("removed %d sandbox(es) of dead workers: %s", len(orphans), ", ".join(sorted(orphans)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Iterable
 
 import msgspec
 from redis.asyncio import Redis
@@ -661,19 +662,27 @@ class WorkerQueue:
         taken, self._recovered = self._recovered, []
         return taken
 
-    async def reap_dead_workers(self) -> list[tuple[str, bytes]]:
-        """Recover the claims of workers whose lease expired.
+    async def unleased(self, also: Iterable[str] = ()) -> set[str]:
+        """The ids, among the listed workers and `also`, whose lease has lapsed (this
+        worker's own excepted). Whether that means dead is the caller's judgement."""
+        ids = sorted({raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}.union(also) - {self.worker_id})
+        if not ids:
+            return set()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.exists(keys.worker_alive_key(wid))
+            alive = await pipe.execute()
+        return {wid for wid, held in zip(ids, alive, strict=True) if not held}
+
+    async def reap_dead_workers(self, dead: Iterable[str]) -> list[tuple[str, bytes]]:
+        """Recover the claims of the `dead` workers (see `unleased`) and forget them.
 
         Jobs that never started go back to the queue; jobs whose program had started end as
         `lost`. Returns the `(job id, result json)` of every job it declared lost, so the
         caller can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
-        workers = await self.redis.hkeys(keys.WORKERS)
-        for raw in workers:
-            wid = raw.decode()
-            if wid == self.worker_id or await self.redis.exists(keys.worker_alive_key(wid)):
-                continue
+        for wid in sorted(dead):
             lost += await self.recover_claims(wid)
             await self._forget_dead(
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]

@@ -1,0 +1,205 @@
+"""Judging other workers dead: only on leases that lapsed while Redis answered.
+
+A lease also lapses for every live worker when Redis stalls (frozen, swapped out, cut off).
+The unit tests drive `RedisContinuity` by hand; the last test freezes a real redis-server
+while a reaper's liveness read is in flight, which is how a live worker's running job was
+once declared lost and its jail killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.settings import load_settings
+from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
+from tests.test_worker_scripts import _claimed, queue, redis
+from worker.messaging.continuity import RedisContinuity
+from worker.messaging.queue import WorkerQueue
+from worker.worker import Worker
+
+__all__ = ["queue", "redis", "redis_stack"]  # fixtures shared with the script tests
+
+INTERVAL_S = 0.1
+LEASE_S = 1.0
+
+
+async def _answers(continuity: RedisContinuity, seconds: float) -> None:
+    """Heartbeats answered at once, every interval, for `seconds`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        continuity.answered(loop.time())
+        await asyncio.sleep(INTERVAL_S)
+
+
+async def test_nobody_is_judged_before_redis_has_answered_for_a_lease() -> None:
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    assert continuity.judging() is None
+    await _answers(continuity, LEASE_S / 2)
+    assert continuity.judging() is None
+    await _answers(continuity, LEASE_S / 2 + INTERVAL_S)
+    assert continuity.judging() == 0
+
+
+@pytest.mark.parametrize("broken_by", ["a failed beat", "a gap between answers"])
+async def test_a_break_starts_the_lease_of_answers_again(broken_by: str) -> None:
+    loop = asyncio.get_running_loop()
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    token = continuity.judging()
+    assert token is not None
+    sent_at = loop.time()
+    if broken_by == "a failed beat":
+        continuity.failed(sent_at)
+    else:
+        await asyncio.sleep(continuity.max_gap_s + INTERVAL_S)  # Redis answered nothing
+        continuity.answered(sent_at)
+    assert continuity.judging() is None
+    assert continuity.breaks == token + 1
+    assert not await continuity.held(token, after=sent_at - 1)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    assert continuity.judging() == token + 1
+
+
+async def test_a_read_counts_once_a_beat_sent_after_it_came_back_without_a_break() -> None:
+    loop = asyncio.get_running_loop()
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    token = continuity.judging()
+    assert token is not None
+    read_at = loop.time()
+    held = asyncio.create_task(continuity.held(token, after=read_at))
+    continuity.answered(read_at - 0.01)  # a beat sent before the read: not enough
+    await asyncio.sleep(INTERVAL_S)
+    assert not held.done()
+    continuity.answered(loop.time())
+    assert await asyncio.wait_for(held, 1)
+
+
+async def test_a_read_answered_after_a_stall_does_not_count() -> None:
+    # The read was sent, Redis froze, and its answer came back first after the stall; the
+    # beat that was in flight meanwhile comes back after it, with the gap that is the break.
+    loop = asyncio.get_running_loop()
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    token = continuity.judging()
+    assert token is not None
+    stalled_beat = loop.time()
+    await asyncio.sleep(LEASE_S + INTERVAL_S)  # the stall
+    held = asyncio.create_task(continuity.held(token, after=loop.time()))
+    continuity.answered(stalled_beat)
+    await asyncio.sleep(0)
+    continuity.answered(loop.time())
+    assert not await asyncio.wait_for(held, 1)
+
+
+async def test_a_read_without_a_beat_after_it_never_counts() -> None:
+    loop = asyncio.get_running_loop()
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    token = continuity.judging()
+    assert token is not None
+    started = loop.time()
+    assert not await continuity.held(token, after=started)
+    assert loop.time() - started >= LEASE_S * 0.9  # gave up after a lease
+
+
+def test_the_break_gap_leaves_room_for_a_live_workers_renewal() -> None:
+    # A live worker renews about every interval: a stall of a lease less an interval may
+    # lapse its lease, so a shorter gap must already be a break; an ordinary late beat not.
+    assert RedisContinuity(2.0, 10.0).max_gap_s == 7.0
+    assert RedisContinuity(0.3, 1.0).max_gap_s == pytest.approx(0.55)
+    assert RedisContinuity(1.0, 1.5).max_gap_s == 1.5
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
+    redis: Redis, queue: WorkerQueue, redis_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `queue` is a live worker with a started job and a sandbox on this host. A reaper's upkeep
+    # sends its liveness read just as Redis freezes for longer than a lease; the read is
+    # answered first after the stall, when the live worker's lease has lapsed (its renewal
+    # comes after the read). The reaper must neither end the job lost nor sweep the sandbox.
+    settings = load_settings(
+        {"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": str(int(INTERVAL_S * 1000)), "WORKER_LEASE_TTL_MS": "1000", "WORKER_PRESTART": "off"}
+    )
+    live = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+    before = await redis.hgetall(keys.status_key(job))
+    renewal = asyncio.Lock()
+
+    async def renew() -> None:
+        while True:
+            async with renewal:
+                await queue.heartbeat(live.info(), settings.worker_lease_ttl_ms)
+            await asyncio.sleep(INTERVAL_S)
+
+    reaper_redis = Redis.from_url(redis_stack.redis_url)
+    reaper = WorkerQueue(reaper_redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    real_unleased = reaper.unleased
+    reads: list[set[str]] = []
+
+    async def unleased_across_a_stall(also: Iterable[str] = ()) -> set[str]:
+        if reads:
+            dead = await real_unleased(also)
+        else:
+            redis_pid = redis_stack.procs["redis"].pid
+            async with renewal:  # the live worker's next renewal waits behind the read
+                os.kill(redis_pid, signal.SIGSTOP)
+                try:
+                    read = asyncio.create_task(real_unleased(also))
+                    await asyncio.sleep(LEASE_S * 1.5)
+                finally:
+                    os.kill(redis_pid, signal.SIGCONT)
+                dead = await read
+        reads.append(dead)
+        return dead
+
+    reaper.unleased = unleased_across_a_stall  # type: ignore[method-assign]
+    swept: list[set[str]] = []
+
+    async def sweep(*args: Any, dead: Iterable[str] = (), **kwargs: Any) -> int:
+        swept.append(set(dead))
+        return 0
+
+    async def owners(*args: Any) -> set[str]:
+        return {queue.worker_id}
+
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    reaping = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    ctx = SimpleNamespace(queue=reaper, publisher=SimpleNamespace(lane=None), callback_due=lambda: None)
+    tasks = [
+        asyncio.create_task(renew()),
+        asyncio.create_task(reaping._heartbeat(ctx)),  # type: ignore[arg-type]
+        asyncio.create_task(reaping._upkeep(ctx)),  # type: ignore[arg-type]
+    ]
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        # The stalled read, then a few rounds once the reaper may judge again (a lease on).
+        while len(reads) < 5 and loop.time() < deadline:
+            await asyncio.sleep(INTERVAL_S)
+        assert reads[0] == {queue.worker_id}, "the read did not see the lapse: the stall was not staged"
+        assert all(not dead for dead in reads[1:])
+        assert swept == []
+        assert await redis.hgetall(keys.status_key(job)) == before  # not ended lost
+        assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
+        assert await redis.hexists(keys.WORKERS, queue.worker_id)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await reaper_redis.aclose()

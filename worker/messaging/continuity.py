@@ -1,0 +1,80 @@
+"""Whether Redis has answered this worker without a break: what judging others dead needs.
+
+A lease lapses when its worker dies, and also when Redis stops answering everyone for a
+while (frozen, swapped out, cut off): after such a stall every live worker's lease has run
+out at once, and they all renew within a heartbeat. So a missing liveness key means a dead
+worker only when Redis answered this worker's heartbeats without a gap long enough to lapse
+a live lease over the whole span that matters: from a lease before the key was read until a
+heartbeat sent after the read came back. The last part is what makes a read that was sent
+before a stall and answered after it harmless: the stall shows as a gap between this
+worker's own heartbeats, and the beat in flight during it ends before the confirming one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["RedisContinuity"]
+
+
+class RedisContinuity:
+    """Kept by the heartbeat (`answered`, `failed`), asked by the upkeep (`judging`, `held`)."""
+
+    def __init__(self, interval_s: float, lease_s: float) -> None:
+        self._lease_s = lease_s
+        # A live worker renews about every interval, so only a stall of about a lease less
+        # one interval lapses its lease: a gap between answers longer than that, with a
+        # margin for its own beat's delay, is a break. Never below one and a half intervals,
+        # or an ordinary late beat would count as one.
+        self.max_gap_s = max(lease_s - 1.5 * interval_s, 1.5 * interval_s)
+        self._since: float | None = None  # loop time of the first answer since the last break
+        self._last_answer: float | None = None
+        self.breaks = 0
+        # loop.time() at which the last beat to end was sent, and a wake-up for each end.
+        self._last_sent = float("-inf")
+        self._ended = asyncio.Event()
+
+    def answered(self, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` came back now."""
+        now = asyncio.get_running_loop().time()
+        if self._last_answer is None or now - self._last_answer > self.max_gap_s:
+            if self._since is not None:
+                self.breaks += 1
+            self._since = now
+        self._last_answer = now
+        self._beat_ended(sent_at)
+
+    def failed(self, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` failed or was abandoned."""
+        if self._since is not None:
+            self.breaks += 1
+        self._since = self._last_answer = None
+        self._beat_ended(sent_at)
+
+    def _beat_ended(self, sent_at: float) -> None:
+        self._last_sent = sent_at
+        ended, self._ended = self._ended, asyncio.Event()
+        ended.set()
+
+    def judging(self) -> int | None:
+        """A token for `held` when Redis has answered without a break for a whole lease (a
+        live worker has renewed by then), else None: nobody may be judged dead yet."""
+        since = self._since
+        if since is None or asyncio.get_running_loop().time() - since < self._lease_s:
+            return None
+        return self.breaks
+
+    async def held(self, token: int, after: float) -> bool:
+        """Wait for a heartbeat sent after loop time `after` to end; whether Redis has had no
+        break since `judging` gave `token`. Gives up (False) after a lease."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._lease_s
+        while self._last_sent <= after:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._ended.wait(), left)
+            except TimeoutError:
+                return False
+        return self.breaks == token and self._since is not None
