@@ -332,8 +332,14 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError("PUSHER_MAX_PAYLOAD_KB must be at least 64 (soketi's default is 100)")
     if not settings.pusher_app_id.isdigit():
         raise ConfigError("PUSHER_APP_ID must be numeric (Pusher clients require it)")
-    if settings.worker_lease_ttl_ms <= settings.worker_heartbeat_ms:
-        raise ConfigError("WORKER_LEASE_TTL_MS must be larger than WORKER_HEARTBEAT_MS")
+    if settings.worker_lease_ttl_ms < 3 * settings.worker_heartbeat_ms:
+        # A live worker renews about once an interval; a shorter lease lapses on one late beat,
+        # and a Redis stall that lapses leases could then hide between two beats (worker/
+        # messaging/continuity.py).
+        raise ConfigError(
+            f"WORKER_LEASE_TTL_MS ({settings.worker_lease_ttl_ms}) must be at least three times "
+            f"WORKER_HEARTBEAT_MS ({settings.worker_heartbeat_ms})"
+        )
     if settings.max_event_streams_per_principal >= settings.max_event_streams:
         raise ConfigError(
             f"MAX_EVENT_STREAMS_PER_PRINCIPAL ({settings.max_event_streams_per_principal}) must be smaller than "

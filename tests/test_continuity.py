@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,12 +20,13 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.errors import ConfigError
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
-from worker.worker import Worker
+from worker.worker import Worker, command_redis
 
 __all__ = ["queue", "redis", "redis_stack"]  # fixtures shared with the script tests
 
@@ -113,26 +115,45 @@ async def test_a_read_without_a_beat_after_it_never_counts() -> None:
     assert loop.time() - started >= LEASE_S * 0.9  # gave up after a lease
 
 
-def test_the_break_gap_leaves_room_for_a_live_workers_renewal() -> None:
-    # A live worker renews about every interval: a stall of a lease less an interval may
-    # lapse its lease, so a shorter gap must already be a break; an ordinary late beat not.
-    assert RedisContinuity(2.0, 10.0).max_gap_s == 7.0
-    assert RedisContinuity(0.3, 1.0).max_gap_s == pytest.approx(0.55)
-    assert RedisContinuity(1.0, 1.5).max_gap_s == 1.5
+def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:
+    # A live worker renews about once an interval: with a shorter lease one late beat lapses
+    # it, and a stall that lapses leases could hide between two beats.
+    with pytest.raises(ConfigError, match="WORKER_LEASE_TTL_MS \\(2999\\) must be at least three times WORKER_HEARTBEAT_MS"):
+        load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "2999"})
+    assert load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "3000"})
+
+
+@dataclass(frozen=True)
+class Staging:
+    interval_s: float
+    lease_s: float
+    stall_s: float
+
+
+# The reaper's beat in flight during the stall is abandoned after its 1 s timeout (a failed
+# beat), or, in a stall shorter than that, answered with a gap longer than max_gap_s.
+STAGINGS = {
+    "beat-abandoned": Staging(interval_s=0.1, lease_s=1.0, stall_s=1.5),
+    "gap-between-answers": Staging(interval_s=0.05, lease_s=0.8, stall_s=0.9),
+}
 
 
 @pytest.mark.stack
 @pytest.mark.slow
+@pytest.mark.parametrize("staging", STAGINGS.values(), ids=STAGINGS.keys())
 async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
-    redis: Redis, queue: WorkerQueue, redis_stack: Any, monkeypatch: pytest.MonkeyPatch
+    redis: Redis, queue: WorkerQueue, redis_stack: Any, monkeypatch: pytest.MonkeyPatch, staging: Staging
 ) -> None:
     # `queue` is a live worker with a started job and a sandbox on this host. A reaper's upkeep
     # sends its liveness read just as Redis freezes for longer than a lease; the read is
     # answered first after the stall, when the live worker's lease has lapsed (its renewal
     # comes after the read). The reaper must neither end the job lost nor sweep the sandbox.
+    interval_ms, lease_ms = int(staging.interval_s * 1000), int(staging.lease_s * 1000)
     settings = load_settings(
-        {"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": str(int(INTERVAL_S * 1000)), "WORKER_LEASE_TTL_MS": "1000", "WORKER_PRESTART": "off"}
-    )
+        {"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": str(interval_ms), "WORKER_LEASE_TTL_MS": str(lease_ms),
+         "WORKER_PRESTART": "off"}
+    )  # fmt: skip
+    assert staging.stall_s > staging.lease_s  # it lapses every lease
     live = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
@@ -143,10 +164,10 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
     async def renew() -> None:
         while True:
             async with renewal:
-                await queue.heartbeat(live.info(), settings.worker_lease_ttl_ms)
-            await asyncio.sleep(INTERVAL_S)
+                await queue.heartbeat(live.info(), lease_ms)
+            await asyncio.sleep(staging.interval_s)
 
-    reaper_redis = Redis.from_url(redis_stack.redis_url)
+    reaper_redis = command_redis(redis_stack.redis_url)  # the worker's own client, retries and all
     reaper = WorkerQueue(reaper_redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
     real_unleased = reaper.unleased
     reads: list[set[str]] = []
@@ -160,7 +181,7 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
                 os.kill(redis_pid, signal.SIGSTOP)
                 try:
                     read = asyncio.create_task(real_unleased(also))
-                    await asyncio.sleep(LEASE_S * 1.5)
+                    await asyncio.sleep(staging.stall_s)
                 finally:
                     os.kill(redis_pid, signal.SIGCONT)
                 dead = await read
@@ -191,7 +212,7 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
         deadline = loop.time() + 15
         # The stalled read, then a few rounds once the reaper may judge again (a lease on).
         while len(reads) < 5 and loop.time() < deadline:
-            await asyncio.sleep(INTERVAL_S)
+            await asyncio.sleep(staging.interval_s)
         assert reads[0] == {queue.worker_id}, "the read did not see the lapse: the stall was not staged"
         assert all(not dead for dead in reads[1:])
         assert swept == []

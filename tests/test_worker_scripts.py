@@ -901,6 +901,30 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
 
 
+async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(redis: Redis, queue: WorkerQueue) -> None:
+    # The reaper acts on a read some time after it (a heartbeat confirms Redis did not stall
+    # meanwhile): a worker that thawed and renewed its lease by then keeps its claims. So does
+    # a sandbox owner never listed among the workers (one still starting).
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    claim = await _claimed(redis, queue)
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))
+    judged = await reaper.unleased({"w-starting"})
+    assert judged == {queue.worker_id, "w-starting"}
+    await queue.heartbeat(worker.info(), 60_000)  # back
+    await redis.rpush(keys.worker_claimed_key("w-starting"), b"some-job")
+    assert await reaper.reap_dead_workers(judged) == []
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+    assert await redis.hexists(keys.WORKERS, queue.worker_id)
+    assert await redis.lrange(keys.worker_claimed_key("w-starting"), 0, -1) == [b"some-job"]
+    # Still gone at the reaping: reaped.
+    await redis.delete(keys.worker_alive_key(queue.worker_id))
+    assert await reaper.reap_dead_workers(judged) == []  # never started: re-queued
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
+    assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+
+
 @pytest.mark.parametrize("ending", ["finish", "reap", "kill"])
 async def test_a_jobs_audience_mark_and_stdin_last_no_longer_than_its_result(
     redis: Redis, queue: WorkerQueue, ending: str

@@ -883,7 +883,7 @@ async def test_upkeep_stops_though_redis_swallowed_the_cancel() -> None:
     # (The heartbeat checks too, but on Python 3.11 its wait_for already turns a swallowed
     # cancel into a CancelledError, so a test of it here could not fail.)
     settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off",
-                              "WORKER_HEARTBEAT_MS": "10"})  # fmt: skip
+                              "WORKER_HEARTBEAT_MS": "10", "WORKER_LEASE_TTL_MS": "30"})  # fmt: skip
     worker = Worker(settings, "w", SimpleNamespace(), {})  # type: ignore[arg-type]
 
     async def swallow(*_args: Any, **_kwargs: Any) -> list[str]:

@@ -61,6 +61,18 @@ _RECONNECTING: dict[str, Any] = {
 }
 
 
+def command_redis(url: str) -> LeanRedis:
+    """The client of every command but the blocking claim: the heartbeat's, the upkeep's and
+    the jobs', all on one connection."""
+    return LeanRedis.from_url(
+        url,
+        health_check_interval=30,
+        socket_timeout=COMMAND_TIMEOUT_S,
+        socket_connect_timeout=COMMAND_TIMEOUT_S,
+        **_RECONNECTING,
+    )
+
+
 class WorkerIdInUse(Exception):
     """Another live worker holds this worker's id."""
 
@@ -125,13 +137,7 @@ class Worker:
         settings = self.settings
         # Every command has a deadline, so a half-open connection cannot hang a heartbeat,
         # an event or a result; the blocking claim gets its poll time on top.
-        redis = LeanRedis.from_url(
-            settings.redis_url,
-            health_check_interval=30,
-            socket_timeout=COMMAND_TIMEOUT_S,
-            socket_connect_timeout=COMMAND_TIMEOUT_S,
-            **_RECONNECTING,
-        )
+        redis = command_redis(settings.redis_url)
         # Blocking claims get their own connection so they never delay other commands; a
         # claim cut short (a stop) closes it, so Redis drops the pending BLMOVE instead of
         # moving a job into our claimed list after we have left.
@@ -427,10 +433,11 @@ class Worker:
         token = self.continuity.judging()
         if token is None:
             return
-        owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root)
+        owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root, self.worker_id, self._young_s)
         dead = await ctx.queue.unleased(owners)
         # The reads may have waited out a stall that lapsed every lease: act on them only
-        # once a beat sent after them shows there was none.
+        # once a beat sent after them shows there was none (a wait of about one interval,
+        # only in a round that finds someone to reap or sweep).
         if not dead or not await self.continuity.held(token, after=asyncio.get_running_loop().time()):
             return
         await ctx.queue.reap_dead_workers(dead)

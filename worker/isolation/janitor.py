@@ -63,10 +63,20 @@ def _remove(
     return orphans
 
 
-async def sandbox_owners(layout: CgroupLayout, work_root: Path) -> set[str]:
-    """The ids of the workers that own a sandbox on this host."""
-    cgroups, workspaces = await off_loop(_scan, layout, work_root)
-    return {owner for name in cgroups | workspaces if (owner := owner_of(name)) is not None}
+def _owners(layout: CgroupLayout, work_root: Path, me: str, min_age_s: float) -> set[str]:
+    cgroups, workspaces = _scan(layout, work_root)
+    now = time.time()
+    return {
+        owner
+        for name in cgroups | workspaces
+        if (owner := owner_of(name)) not in (None, me) and now - _created(layout, work_root, name) >= min_age_s
+    }
+
+
+async def sandbox_owners(layout: CgroupLayout, work_root: Path, me: str, min_age_s: float = 0.0) -> set[str]:
+    """The ids of the other workers with a sandbox on this host at least `min_age_s` old:
+    those whose sandboxes `sweep_orphans` would remove, were they dead."""
+    return await off_loop(_owners, layout, work_root, me, min_age_s)
 
 
 async def sweep_orphans(

@@ -23,10 +23,11 @@ class RedisContinuity:
     def __init__(self, interval_s: float, lease_s: float) -> None:
         self._lease_s = lease_s
         # A live worker renews about every interval, so only a stall of about a lease less
-        # one interval lapses its lease: a gap between answers longer than that, with a
-        # margin for its own beat's delay, is a break. Never below one and a half intervals,
-        # or an ordinary late beat would count as one.
-        self.max_gap_s = max(lease_s - 1.5 * interval_s, 1.5 * interval_s)
+        # one interval lapses its lease: a gap between answers longer than that, with half an
+        # interval's margin for its own beat's delay, is a break. The settings keep the lease
+        # at three intervals or more, so an ordinary late beat is not one. (Every worker
+        # computes this from its own settings: all of them must share these two.)
+        self.max_gap_s = lease_s - 1.5 * interval_s
         self._since: float | None = None  # loop time of the first answer since the last break
         self._last_answer: float | None = None
         self.breaks = 0

@@ -675,14 +675,18 @@ class WorkerQueue:
         return {wid for wid, held in zip(ids, alive, strict=True) if not held}
 
     async def reap_dead_workers(self, dead: Iterable[str]) -> list[tuple[str, bytes]]:
-        """Recover the claims of the `dead` workers (see `unleased`) and forget them.
+        """Recover the claims of the listed workers among `dead` (see `unleased`), and forget
+        them. A worker whose lease is back by now (it thawed since it was judged) is left be.
 
         Jobs that never started go back to the queue; jobs whose program had started end as
         `lost`. Returns the `(job id, result json)` of every job it declared lost, so the
         caller can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
-        for wid in sorted(dead):
+        listed = {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
+        for wid in sorted(listed.intersection(dead) - {self.worker_id}):
+            if await self.redis.exists(keys.worker_alive_key(wid)):
+                continue
             lost += await self.recover_claims(wid)
             await self._forget_dead(
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
