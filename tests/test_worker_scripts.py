@@ -437,7 +437,7 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
     assert await redis.hexists(keys.WORKERS, queue.worker_id)  # still listed: the others reap it
     other = WorkerQueue(redis, "w-other", RECORD_TTL_S, RESULT_TTL_S)
-    assert await other.reap_dead_workers(await other.unleased()) == []  # never started: re-queued, not lost
+    assert await other.reap_dead_workers(await other.unleased(await other.listed_workers())) == []  # never started: re-queued, not lost
     assert await redis.hget(keys.status_key(held.spec.job_id), "state") == b"queued"
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
 
@@ -897,7 +897,7 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
         return recovered
 
     reaper.recover_claims = recover_as_w_returns  # type: ignore[method-assign]
-    assert await reaper.reap_dead_workers(await reaper.unleased()) == []
+    assert await reaper.reap_dead_workers(await reaper.unleased(await reaper.listed_workers())) == []
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
 
 
@@ -910,7 +910,7 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(redis: Redi
     claim = await _claimed(redis, queue)
     reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
     await redis.delete(keys.worker_alive_key(queue.worker_id))
-    judged = await reaper.unleased({"w-starting"})
+    judged = await reaper.unleased(await reaper.listed_workers() | {"w-starting"})
     assert judged == {queue.worker_id, "w-starting"}
     await queue.heartbeat(worker.info(), 60_000)  # back
     await redis.rpush(keys.worker_claimed_key("w-starting"), b"some-job")
@@ -923,6 +923,44 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(redis: Redi
     assert await reaper.reap_dead_workers(judged) == []  # never started: re-queued
     assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+
+
+async def test_a_sandbox_owner_that_renews_before_the_sweep_keeps_its_sandboxes(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sweep kills jails: it takes a last look at the owner's lease after the confirming
+    # beat, and an owner that thawed and renewed meanwhile keeps its sandboxes.
+    owner = "w-thawing"
+    swept: list[set[str]] = []
+
+    async def owners(*_args: Any) -> set[str]:
+        return {owner}
+
+    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
+        swept.append(set(dead))
+        return 0
+
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
+
+    async def held_as_it_thaws(_token: int, after: float) -> bool:
+        await redis.set(keys.worker_alive_key(owner), b"1", px=60_000)
+        return True
+
+    monkeypatch.setattr(worker.continuity, "judging", lambda: 0)
+    monkeypatch.setattr(worker.continuity, "held", held_as_it_thaws)
+    await worker._judge_others(ctx)  # type: ignore[arg-type]
+    assert swept == []
+
+    async def held(_token: int, after: float) -> bool:
+        return True
+
+    await redis.delete(keys.worker_alive_key(owner))
+    monkeypatch.setattr(worker.continuity, "held", held)
+    await worker._judge_others(ctx)  # type: ignore[arg-type]
+    assert swept == [{owner}]
 
 
 @pytest.mark.parametrize("ending", ["finish", "reap", "kill"])

@@ -662,10 +662,15 @@ class WorkerQueue:
         taken, self._recovered = self._recovered, []
         return taken
 
-    async def unleased(self, also: Iterable[str] = ()) -> set[str]:
-        """The ids, among the listed workers and `also`, whose lease has lapsed (this
-        worker's own excepted). Whether that means dead is the caller's judgement."""
-        ids = sorted({raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}.union(also) - {self.worker_id})
+    async def listed_workers(self) -> set[str]:
+        """The ids in the workers list: every worker that has heartbeaten and not yet left
+        or been reaped."""
+        return {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
+
+    async def unleased(self, worker_ids: Iterable[str]) -> set[str]:
+        """Those of `worker_ids` whose lease has lapsed (this worker's own excepted), in one
+        round trip. Whether that means dead is the caller's judgement."""
+        ids = sorted(set(worker_ids) - {self.worker_id})
         if not ids:
             return set()
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -683,7 +688,7 @@ class WorkerQueue:
         caller can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
-        listed = {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
+        listed = await self.listed_workers()
         for wid in sorted(listed.intersection(dead) - {self.worker_id}):
             if await self.redis.exists(keys.worker_alive_key(wid)):
                 continue
