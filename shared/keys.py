@@ -11,6 +11,7 @@ import hashlib
 __all__ = [
     "CALLBACKS_DUE",
     "CHANNEL_PREFIX",
+    "DATASET",
     "ENDED_COUNTS",
     "QUEUE",
     "WORKERS",
@@ -50,6 +51,10 @@ CALLBACKS_DUE = "callbacks:due"
 # Hash: terminal state -> how many jobs ended in it, ever (counted by the scripts that end
 # jobs; served by GET /metrics).
 ENDED_COUNTS = "stats:ended"
+# String: a random token the first heartbeat after the data was lost sets (a Redis restarted
+# without persistence, or flushed). A token that changes between two heartbeats is a break
+# in Redis's answers, as a stall is (worker/messaging/continuity.py): every lease is gone.
+DATASET = "dataset"
 
 
 def spec_key(job_id: str) -> str:

@@ -32,14 +32,15 @@ __all__ = ["queue", "redis", "redis_stack"]  # fixtures shared with the script t
 
 INTERVAL_S = 0.1
 LEASE_S = 1.0
+DATASET = b"dataset-1"
 
 
-async def _answers(continuity: RedisContinuity, seconds: float) -> None:
+async def _answers(continuity: RedisContinuity, seconds: float, dataset: bytes = DATASET) -> None:
     """Heartbeats answered at once, every interval, for `seconds`."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     while loop.time() < end:
-        continuity.answered(loop.time())
+        continuity.answered(loop.time(), dataset)
         await asyncio.sleep(INTERVAL_S)
 
 
@@ -52,7 +53,7 @@ async def test_nobody_is_judged_before_redis_has_answered_for_a_lease() -> None:
     assert continuity.judging() == 0
 
 
-@pytest.mark.parametrize("broken_by", ["a failed beat", "a gap between answers"])
+@pytest.mark.parametrize("broken_by", ["a failed beat", "a gap between answers", "a new dataset"])
 async def test_a_break_starts_the_lease_of_answers_again(broken_by: str) -> None:
     loop = asyncio.get_running_loop()
     continuity = RedisContinuity(INTERVAL_S, LEASE_S)
@@ -62,13 +63,15 @@ async def test_a_break_starts_the_lease_of_answers_again(broken_by: str) -> None
     sent_at = loop.time()
     if broken_by == "a failed beat":
         continuity.failed(sent_at)
-    else:
+    elif broken_by == "a gap between answers":
         await asyncio.sleep(continuity.max_gap_s + INTERVAL_S)  # Redis answered nothing
-        continuity.answered(sent_at)
+        continuity.answered(sent_at, DATASET)
+    else:  # Redis restarted without its data, and answered again at once
+        continuity.answered(sent_at, b"dataset-2")
     assert continuity.judging() is None
     assert continuity.breaks == token + 1
     assert not await continuity.held(token, after=sent_at - 1)
-    await _answers(continuity, LEASE_S + INTERVAL_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S, b"dataset-2" if broken_by == "a new dataset" else DATASET)
     assert continuity.judging() == token + 1
 
 
@@ -80,10 +83,10 @@ async def test_a_read_counts_once_a_beat_sent_after_it_came_back_without_a_break
     assert token is not None
     read_at = loop.time()
     held = asyncio.create_task(continuity.held(token, after=read_at))
-    continuity.answered(read_at - 0.01)  # a beat sent before the read: not enough
+    continuity.answered(read_at - 0.01, DATASET)  # a beat sent before the read: not enough
     await asyncio.sleep(INTERVAL_S)
     assert not held.done()
-    continuity.answered(loop.time())
+    continuity.answered(loop.time(), DATASET)
     assert await asyncio.wait_for(held, 1)
 
 
@@ -98,9 +101,9 @@ async def test_a_read_answered_after_a_stall_does_not_count() -> None:
     stalled_beat = loop.time()
     await asyncio.sleep(LEASE_S + INTERVAL_S)  # the stall
     held = asyncio.create_task(continuity.held(token, after=loop.time()))
-    continuity.answered(stalled_beat)
+    continuity.answered(stalled_beat, DATASET)
     await asyncio.sleep(0)
-    continuity.answered(loop.time())
+    continuity.answered(loop.time(), DATASET)
     assert not await asyncio.wait_for(held, 1)
 
 

@@ -901,6 +901,20 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
 
 
+async def test_a_heartbeat_reads_a_dataset_token_that_changes_only_when_redis_lost_its_data(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    other = WorkerQueue(redis, "w-other", RECORD_TTL_S, RESULT_TTL_S)
+    first = await queue.heartbeat(worker.info(), 60_000)
+    assert len(first) == 16
+    assert await other.heartbeat(worker.info(), 60_000) == first  # one token for every worker
+    assert await queue.heartbeat(worker.info(), 60_000) == first
+    await redis.flushdb()  # a Redis restarted without persistence
+    second = await queue.heartbeat(worker.info(), 60_000)
+    assert second != first and await other.heartbeat(worker.info(), 60_000) == second
+
+
 async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(redis: Redis, queue: WorkerQueue) -> None:
     # The reaper acts on a read some time after it (a heartbeat confirms Redis did not stall
     # meanwhile): a worker that thawed and renewed its lease by then keeps its claims. So does

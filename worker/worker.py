@@ -397,10 +397,10 @@ class Worker:
             sent_at = loop.time()
             try:
                 # A beat that hangs (a half-open connection) is abandoned for the next one.
-                await asyncio.wait_for(
+                dataset = await asyncio.wait_for(
                     ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms), max(interval_s, 1.0)
                 )
-                self.continuity.answered(sent_at)
+                self.continuity.answered(sent_at, dataset)
             except Exception as exc:  # a failed beat is retried at the next interval
                 self.continuity.failed(sent_at)
                 log.warning("heartbeat failed: %s", exc)

@@ -8,6 +8,9 @@ a live lease over the whole span that matters: from a lease before the key was r
 heartbeat sent after the read came back. The last part is what makes a read that was sent
 before a stall and answered after it harmless: the stall shows as a gap between this
 worker's own heartbeats, and the beat in flight during it ends before the confirming one.
+A Redis that restarted without its data (every lease gone at once) may answer again within
+a beat: each heartbeat also reads the dataset token (shared.keys.DATASET), and a new one is
+a break too.
 """
 
 from __future__ import annotations
@@ -30,19 +33,23 @@ class RedisContinuity:
         self.max_gap_s = lease_s - 1.5 * interval_s
         self._since: float | None = None  # loop time of the first answer since the last break
         self._last_answer: float | None = None
+        self._dataset: bytes | None = None
         self.breaks = 0
         # loop.time() at which the last beat to end was sent, and a wake-up for each end.
         self._last_sent = float("-inf")
         self._ended = asyncio.Event()
 
-    def answered(self, sent_at: float) -> None:
-        """A heartbeat sent at `sent_at` came back now."""
+    def answered(self, sent_at: float, dataset: bytes) -> None:
+        """A heartbeat sent at `sent_at` came back now, with Redis's dataset token."""
         now = asyncio.get_running_loop().time()
-        if self._last_answer is None or now - self._last_answer > self.max_gap_s:
+        gap = self._last_answer is None or now - self._last_answer > self.max_gap_s
+        # A new token: Redis lost its data (every lease with it) and answers again.
+        if gap or dataset != self._dataset:
             if self._since is not None:
                 self.breaks += 1
             self._since = now
         self._last_answer = now
+        self._dataset = dataset
         self._beat_ended(sent_at)
 
     def failed(self, sent_at: float) -> None:

@@ -585,11 +585,16 @@ class WorkerQueue:
         SET NX: two workers started together with one WORKER_ID cannot both pass)."""
         return bool(await self.redis.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms, nx=True))
 
-    async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> None:
+    async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> bytes:
+        """Renew the lease; returns the dataset token (keys.DATASET), which changes when Redis
+        lost its data."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms)
             pipe.hset(keys.WORKERS, self.worker_id, encode(info))
-            await pipe.execute()
+            pipe.set(keys.DATASET, secrets.token_hex(8), nx=True)
+            pipe.get(keys.DATASET)
+            *_, dataset = await pipe.execute()
+        return bytes(dataset)
 
     async def unregister(self) -> None:
         """Drop the liveness key; leave the workers list only with no claim left, so any
