@@ -54,7 +54,7 @@ ENDED_COUNTS = "stats:ended"
 # String: a random token the first heartbeat after the data was lost sets (a Redis restarted
 # without persistence, or flushed). A token that changes between two heartbeats is a break
 # in Redis's answers, as a stall is (worker/messaging/continuity.py): every lease is gone.
-DATASET = "dataset"
+DATASET = "workers:dataset"
 
 
 def spec_key(job_id: str) -> str:

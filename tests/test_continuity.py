@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +26,9 @@ from shared.errors import ConfigError
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
+from worker.isolation.cgroups import CgroupLayout, CgroupMode
+from worker.isolation.janitor import _owners, _remove
+from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
 from worker.worker import Worker, command_redis
@@ -124,6 +129,34 @@ def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:
     with pytest.raises(ConfigError, match="WORKER_LEASE_TTL_MS \\(2999\\) must be at least three times WORKER_HEARTBEAT_MS"):
         load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "2999"})
     assert load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "3000"})
+
+
+def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_candidate(tmp_path: Path) -> None:
+    # What sandbox_owners reports is what sweep_orphans would remove, were the owner dead: a
+    # round waits for its confirming beat only when there is something to do.
+    layout = CgroupLayout(mode=CgroupMode.V2, name="deployment", v2=tmp_path / "cgroup")
+    work_root = tmp_path / "work"
+    now = time.time()
+    made = {
+        "w-old.0.1": now - 60,  # another worker's, old enough
+        "w-young.0.1": now - 1,  # another worker's, just built (a neighbour's self-test)
+        "w-me.0.1": now - 60,  # this worker's own
+        "not-a-sandbox": now - 60,
+    }
+    for name, stamp in made.items():
+        for folder in (work_root / name, tmp_path / "cgroup" / "deployment" / "jobs" / name):
+            folder.mkdir(parents=True)
+            os.utime(folder, (stamp, stamp))
+    # A workspace alone (its cgroup already gone) still counts, by its own age.
+    (work_root / "w-leftover.1.2").mkdir()
+    os.utime(work_root / "w-leftover.1.2", (now - 60, now - 60))
+    assert _owners(layout, work_root, "w-me", min_age_s=10) == {"w-old", "w-leftover"}
+    assert _owners(layout, work_root, "w-me", min_age_s=0) == {"w-old", "w-young", "w-leftover"}
+    # And the sweep, given them all as dead, removes exactly the sandboxes of those owners.
+    others = {"w-old.0.1", "w-young.0.1", "w-leftover.1.2"}
+    removed = _remove(layout, work_root, set(), others, 10, "w-me")
+    assert {owner_of(name) for name in removed} == {"w-old", "w-leftover"}
+    assert not (work_root / "w-old.0.1").exists() and (work_root / "w-young.0.1").exists()
 
 
 @dataclass(frozen=True)
