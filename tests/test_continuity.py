@@ -49,6 +49,15 @@ async def _answers(continuity: RedisContinuity, seconds: float, dataset: bytes =
         await asyncio.sleep(INTERVAL_S)
 
 
+async def _judging() -> tuple[RedisContinuity, int]:
+    """A record whose heartbeats were answered for a lease: it may judge, with this token."""
+    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    token = continuity.judging()
+    assert token is not None
+    return continuity, token
+
+
 async def test_nobody_is_judged_before_redis_has_answered_for_a_lease() -> None:
     continuity = RedisContinuity(INTERVAL_S, LEASE_S)
     assert continuity.judging() is None
@@ -61,10 +70,7 @@ async def test_nobody_is_judged_before_redis_has_answered_for_a_lease() -> None:
 @pytest.mark.parametrize("broken_by", ["a failed beat", "a gap between answers", "a new dataset"])
 async def test_a_break_starts_the_lease_of_answers_again(broken_by: str) -> None:
     loop = asyncio.get_running_loop()
-    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
-    await _answers(continuity, LEASE_S + INTERVAL_S)
-    token = continuity.judging()
-    assert token is not None
+    continuity, token = await _judging()
     sent_at = loop.time()
     if broken_by == "a failed beat":
         continuity.failed(sent_at)
@@ -82,10 +88,7 @@ async def test_a_break_starts_the_lease_of_answers_again(broken_by: str) -> None
 
 async def test_a_read_counts_once_a_beat_sent_after_it_came_back_without_a_break() -> None:
     loop = asyncio.get_running_loop()
-    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
-    await _answers(continuity, LEASE_S + INTERVAL_S)
-    token = continuity.judging()
-    assert token is not None
+    continuity, token = await _judging()
     read_at = loop.time()
     held = asyncio.create_task(continuity.held(token, after=read_at))
     continuity.answered(read_at - 0.01, DATASET)  # a beat sent before the read: not enough
@@ -99,10 +102,7 @@ async def test_a_read_answered_after_a_stall_does_not_count() -> None:
     # The read was sent, Redis froze, and its answer came back first after the stall; the
     # beat that was in flight meanwhile comes back after it, with the gap that is the break.
     loop = asyncio.get_running_loop()
-    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
-    await _answers(continuity, LEASE_S + INTERVAL_S)
-    token = continuity.judging()
-    assert token is not None
+    continuity, token = await _judging()
     stalled_beat = loop.time()
     await asyncio.sleep(LEASE_S + INTERVAL_S)  # the stall
     held = asyncio.create_task(continuity.held(token, after=loop.time()))
@@ -114,10 +114,7 @@ async def test_a_read_answered_after_a_stall_does_not_count() -> None:
 
 async def test_a_read_without_a_beat_after_it_never_counts() -> None:
     loop = asyncio.get_running_loop()
-    continuity = RedisContinuity(INTERVAL_S, LEASE_S)
-    await _answers(continuity, LEASE_S + INTERVAL_S)
-    token = continuity.judging()
-    assert token is not None
+    continuity, token = await _judging()
     started = loop.time()
     assert not await continuity.held(token, after=started)
     assert loop.time() - started >= LEASE_S * 0.9  # gave up after a lease
