@@ -915,28 +915,59 @@ async def test_a_heartbeat_reads_a_dataset_token_that_changes_only_when_redis_lo
     assert second != first and await other.heartbeat(worker.info(), 60_000) == second
 
 
-async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(redis: Redis, queue: WorkerQueue) -> None:
+async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The reaper acts on a read some time after it (a heartbeat confirms Redis did not stall
     # meanwhile): a worker that thawed and renewed its lease by then keeps its claims. So does
     # a sandbox owner never listed among the workers (one still starting).
     worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     claim = await _claimed(redis, queue)
-    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
-    await redis.delete(keys.worker_alive_key(queue.worker_id))
-    judged = await reaper.unleased(await reaper.listed_workers() | {"w-starting"})
-    assert judged == {queue.worker_id, "w-starting"}
-    await queue.heartbeat(worker.info(), 60_000)  # back
     await redis.rpush(keys.worker_claimed_key("w-starting"), b"some-job")
-    assert await reaper.reap_dead_workers(judged) == []
+    await redis.delete(keys.worker_alive_key(queue.worker_id))
+
+    async def owners(*_args: Any) -> set[str]:
+        return {"w-starting"}
+
+    async def sweep(*_args: Any, **_kwargs: Any) -> int:
+        return 0
+
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    reaping = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
+    judged: list[set[str]] = []
+    real_unleased = ctx.queue.unleased
+
+    async def unleased(worker_ids: Any) -> set[str]:
+        found = await real_unleased(worker_ids)
+        judged.append(found)
+        return found
+
+    async def held_as_it_thaws(_token: int, after: float) -> bool:
+        await queue.heartbeat(worker.info(), 60_000)  # back
+        return True
+
+    monkeypatch.setattr(ctx.queue, "unleased", unleased)
+    monkeypatch.setattr(reaping.continuity, "judging", lambda: 0)
+    monkeypatch.setattr(reaping.continuity, "held", held_as_it_thaws)
+    await reaping._judge_others(ctx)  # type: ignore[arg-type]
+    assert judged[0] == {queue.worker_id, "w-starting"}
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
     assert await redis.lrange(keys.worker_claimed_key("w-starting"), 0, -1) == [b"some-job"]
-    # Still gone at the reaping: reaped.
+
+    # Still gone at the last look: reaped.
+    async def held(_token: int, after: float) -> bool:
+        return True
+
     await redis.delete(keys.worker_alive_key(queue.worker_id))
-    assert await reaper.reap_dead_workers(judged) == []  # never started: re-queued
-    assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
+    monkeypatch.setattr(reaping.continuity, "held", held)
+    await reaping._judge_others(ctx)  # type: ignore[arg-type]
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]  # never started: re-queued
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+    assert await redis.lrange(keys.worker_claimed_key("w-starting"), 0, -1) == [b"some-job"]
 
 
 async def test_a_sandbox_owner_that_renews_before_the_sweep_keeps_its_sandboxes(

@@ -433,17 +433,18 @@ class Worker:
         token = self.continuity.judging()
         if token is None:
             return
+        listed = await ctx.queue.listed_workers()
         owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root, self.worker_id, self._young_s)
-        dead = await ctx.queue.unleased(await ctx.queue.listed_workers() | owners)
+        dead = await ctx.queue.unleased(listed | owners)
         # The reads may have waited out a stall that lapsed every lease: act on them only
         # once a beat sent after them shows there was none (a wait of about one interval,
         # only in a round that finds someone to reap or sweep).
         if not dead or not await self.continuity.held(token, after=asyncio.get_running_loop().time()):
             return
-        await ctx.queue.reap_dead_workers(dead)  # (which looks at each lease once more)
-        # A last look before killing sandboxes too: an owner that renewed its lease since it
-        # was judged (a worker that thawed) is alive after all.
+        # A last look just before acting: a worker that renewed its lease since it was judged
+        # (one that thawed) is alive after all.
         dead = await ctx.queue.unleased(dead)
+        await ctx.queue.reap_dead_workers(dead & listed)  # (a sandbox owner still starting has no claims)
         if dead:
             await sweep_orphans(
                 self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s

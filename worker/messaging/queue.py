@@ -684,19 +684,16 @@ class WorkerQueue:
             alive = await pipe.execute()
         return {wid for wid, held in zip(ids, alive, strict=True) if not held}
 
-    async def reap_dead_workers(self, dead: Iterable[str]) -> list[tuple[str, bytes]]:
-        """Recover the claims of the listed workers among `dead` (see `unleased`), and forget
-        them. A worker whose lease is back by now (it thawed since it was judged) is left be.
+    async def reap_dead_workers(self, worker_ids: Iterable[str]) -> list[tuple[str, bytes]]:
+        """Recover the claims of `worker_ids`, listed workers judged dead (see `unleased`),
+        and forget them.
 
         Jobs that never started go back to the queue; jobs whose program had started end as
         `lost`. Returns the `(job id, result json)` of every job it declared lost, so the
         caller can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
-        listed = await self.listed_workers()
-        for wid in sorted(listed.intersection(dead) - {self.worker_id}):
-            if await self.redis.exists(keys.worker_alive_key(wid)):
-                continue
+        for wid in sorted(worker_ids):
             lost += await self.recover_claims(wid)
             await self._forget_dead(
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
