@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import Authenticator
+from api.blobs import BlobStore
 from api.catalog import Catalog, load_manifests
 from api.errors import exception_handlers
 from api.events import BLOCK_MS
@@ -93,6 +94,7 @@ def create_app(settings: Settings) -> Starlette:
             catalog=Catalog(manifests, store),
             auth=Authenticator(settings),
             realtime=realtime,
+            blobs=BlobStore(redis, settings),
         )
         app.state.event_streams = StreamSlots.event_streams(settings)
         app.state.output_waits = StreamSlots.output_waits(settings)

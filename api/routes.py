@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.artifacts import download_artifact
+from api.blobs import check_blobs, finalize_blobs, upload_blob
 from api.body import read_body
 from api.callbacks import check_callback_url
 from api.errors import ApiError
@@ -48,7 +49,7 @@ from shared.messages import (
 )
 from shared.pusher import channel_auth, valid_socket_id
 from shared.runresult import OutputGone
-from shared.validation import check_args, check_stdin, check_tests, decode_files
+from shared.validation import check_args, check_stdin, check_tests, decode_files, file_refs, inline_files
 
 __all__ = ["routes"]
 
@@ -138,7 +139,12 @@ async def execute(request: Request) -> Response:
             return await _replayed(state, earlier, idempotency_key)
     req = decode_request(ExecuteRequest, body)
     manifest, version = await state.catalog.resolve(req.language, req.version)
-    files = decode_files(req.files, state.settings.max_files_bytes)
+    # Files named by `ref` take their bytes from the caller's uploaded blobs, copied into the
+    # spec: the job never depends on a blob that may expire before it runs.
+    digests = file_refs(req.files)
+    blobs = await state.blobs.take(owner, digests, state.settings.max_files_bytes) if digests else {}
+    file_specs = inline_files(req.files, blobs)
+    files = decode_files(file_specs, state.settings.max_files_bytes)
     check_args(req.args)
     check_stdin(req.stdin)
     if req.args and "{args}" not in manifest.run:
@@ -159,7 +165,7 @@ async def execute(request: Request) -> Response:
         job_id=job_id,
         language=manifest.language,
         version=version,
-        files=req.files,
+        files=file_specs,
         limits=limits,
         created_at_ms=now_ms(),
         owner=owner,
@@ -635,6 +641,9 @@ routes = [
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
     Route("/v1/jobs/{job_id}/output", job_output, methods=["GET"]),
     Route("/v1/jobs/{job_id}/artifacts/{index}", download_artifact, methods=["GET"]),
+    Route("/v1/blobs/check", check_blobs, methods=["POST"]),
+    Route("/v1/blobs/finalize", finalize_blobs, methods=["POST"]),
+    Route("/v1/blobs/uploads/{digest}", upload_blob, methods=["PUT"]),
     Route("/v1/languages", languages, methods=["GET"]),
     Route("/v1/channel-auth", channel_auth_route, methods=["POST"]),
     Route("/v1/realtime", realtime, methods=["GET"]),

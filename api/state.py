@@ -8,6 +8,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 
 from api.auth import Authenticator
+from api.blobs import BlobStore
 from api.catalog import Catalog
 from api.errors import ApiError
 from api.realtime import RealtimePublisher
@@ -26,6 +27,7 @@ class AppState:
     catalog: Catalog
     auth: Authenticator
     realtime: RealtimePublisher
+    blobs: BlobStore
 
     def job_and_owner(self, request: Request) -> tuple[str, str]:
         """The job named in the path and the owner it must have for this caller ('' when the

@@ -17,6 +17,9 @@ __all__ = [
     "WORKERS",
     "artifact_data_key",
     "artifacts_key",
+    "blob_index_key",
+    "blob_key",
+    "blob_prefix",
     "callback_key",
     "ctrl_channel",
     "done_key",
@@ -111,6 +114,22 @@ def retained_key(owner: str) -> str:
 def retained_sizes_key(owner: str) -> str:
     """Hash: job id -> output bytes it keeps, plus `_total` (the sum)."""
     return f"owner:{owner}:retained:bytes"
+
+
+def blob_key(owner: str, digest: str) -> str:
+    """String: the bytes of a blob a principal uploaded (`digest` is its sha256, hex), with a TTL."""
+    return f"{blob_prefix(owner)}{digest}"
+
+
+def blob_prefix(owner: str) -> str:
+    """What every blob key of `owner` starts with (the index's scripts add the digest)."""
+    return f"blob:{owner}:"
+
+
+def blob_index_key(owner: str) -> str:
+    """Hash: digest -> size of each blob the principal keeps (entries outlive expired blobs
+    until the next upload prunes them)."""
+    return f"owner:{owner}:blobs"
 
 
 def unstarted_key(owner: str) -> str:

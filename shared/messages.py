@@ -14,9 +14,14 @@ import msgspec
 from shared.limits import Limits, RequestedLimits
 
 __all__ = [
+    "MAX_BLOB_HASHES",
     "MAX_TESTS",
     "OUTCOME_STATE",
     "TERMINAL_STATES",
+    "BlobCheckAnswer",
+    "BlobFinalized",
+    "BlobHashes",
+    "BlobUpload",
     "CallbackState",
     "CallbackStatus",
     "CaseFacts",
@@ -26,6 +31,7 @@ __all__ = [
     "CtrlMessage",
     "ExecuteAccepted",
     "ExecuteRequest",
+    "FileInput",
     "FileSpec",
     "JobPage",
     "JobReceipt",
@@ -59,12 +65,26 @@ __all__ = [
 
 
 class FileSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A file as a job's spec holds it: its bytes inline, always."""
+
     name: str
     content: str
     encoding: Literal["utf8", "utf-8", "base64"] = "utf8"
 
 
+class FileInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A file as `POST /v1/execute` takes it: `content` inline, or `ref`, the `sha256:<hex>`
+    of a blob uploaded beforehand (shared/blobs.py). Exactly one of the two."""
+
+    name: str
+    content: str | msgspec.UnsetType = msgspec.UNSET
+    encoding: Literal["utf8", "utf-8", "base64"] = "utf8"
+    ref: str | msgspec.UnsetType = msgspec.UNSET
+
+
 MAX_TESTS = 100
+# Hashes one blob check or finalize may name (as many as a job may have files).
+MAX_BLOB_HASHES = 100
 
 
 class TestCase(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
@@ -78,7 +98,7 @@ class TestCase(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid
 
 class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
     language: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    files: list[FileSpec]
+    files: list[FileInput]
     version: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     stdin: str | None = None
     # EOF after the up-front stdin. Unset: yes when `stdin` is given (a grader's input),
@@ -348,6 +368,28 @@ class StdinFrame(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # ---------------------------------------------------------------- HTTP responses
+
+
+class BlobHashes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/blobs/check` and `/v1/blobs/finalize`: blobs by `sha256:<hex>`."""
+
+    hashes: Annotated[list[str], msgspec.Meta(max_length=MAX_BLOB_HASHES)]
+
+
+class BlobUpload(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    hash: str
+    upload_url: str
+
+
+class BlobCheckAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """Which blobs still need their bytes (with where to PUT them) and which are kept."""
+
+    missing: list[BlobUpload]
+    present: list[str]
+
+
+class BlobFinalized(msgspec.Struct, frozen=True, kw_only=True):
+    finalized: list[str]
 
 
 class ExecuteAccepted(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -41,6 +41,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_retained_output_mb: int = 1024
     max_request_bytes: int = 16 * 1024 * 1024
     max_files_bytes: int = 8 * 1024 * 1024
+    # Uploaded blobs (`files[].ref`, the seed SDK's executeFiles for big binaries): how long
+    # one lives in Redis after its upload or last use, and how many bytes and blobs one
+    # principal may keep there at once.
+    blob_ttl_s: int = 24 * 3600
+    # The API's address as clients reach it (https://runner.example.com), for the upload
+    # links it hands out; unset, the scheme and host of the request asking for one.
+    public_api_url: str = ""
+    max_blob_storage_mb: int = 256
+    max_blobs_per_principal: int = 1000
     # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
     limit_maxima: Limits = DEFAULT_MAXIMA
     queue_retry_after_ms: int = 1000
@@ -225,6 +234,10 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
+    "BLOB_TTL_S": ("blob_ttl_s", _positive_int),
+    "PUBLIC_API_URL": ("public_api_url", _str),
+    "MAX_BLOB_STORAGE_MB": ("max_blob_storage_mb", _positive_int),
+    "MAX_BLOBS_PER_PRINCIPAL": ("max_blobs_per_principal", _positive_int),
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
     "MAX_EVENT_STREAMS_PER_JOB": ("max_event_streams_per_job", _positive_int),
     "MAX_EVENT_STREAMS_PER_PRINCIPAL": ("max_event_streams_per_principal", _positive_int),

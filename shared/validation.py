@@ -9,9 +9,13 @@ from __future__ import annotations
 import base64
 import binascii
 import unicodedata
+from collections.abc import Mapping
 
+from msgspec import UNSET
+
+from shared.blobs import parse_ref
 from shared.errors import FieldError, ValidationError
-from shared.messages import MAX_TESTS, FileSpec, TestCase
+from shared.messages import MAX_TESTS, FileInput, FileSpec, TestCase
 
 __all__ = [
     "MAX_FILES",
@@ -21,6 +25,8 @@ __all__ = [
     "check_stdin",
     "check_tests",
     "decode_files",
+    "file_refs",
+    "inline_files",
 ]
 
 MAX_FILES = 100
@@ -67,6 +73,49 @@ def check_file_name(name: str) -> str | None:
         if part.startswith("-"):
             return "must not start a component with '-' (it would read as an option)"
     return None
+
+
+def file_refs(files: list[FileInput]) -> list[str]:
+    """The blob digests the files name by `ref`, in order (each once), after checking that
+    every file has exactly one of `content` and `ref`, and that each ref is well formed.
+
+    Raises:
+        ValidationError: naming the first offending file.
+    """
+    if len(files) > MAX_FILES:
+        raise ValidationError([FieldError("files", f"must contain at most {MAX_FILES} files")])
+    digests: dict[str, None] = {}
+    for index, file in enumerate(files):
+        if file.content is UNSET and file.ref is UNSET:
+            raise ValidationError([FieldError(f"files[{index}].content", "is required (or `ref`, naming an uploaded blob)")])
+        if file.content is not UNSET and file.ref is not UNSET:
+            raise ValidationError([FieldError(f"files[{index}]", "must have only one of `content` and `ref`")])
+        if file.ref is not UNSET:
+            digest = parse_ref(file.ref)
+            if digest is None:
+                raise ValidationError([FieldError(f"files[{index}].ref", "must be sha256:<64 lowercase hex digits>")])
+            digests[digest] = None
+    return list(digests)
+
+
+def inline_files(files: list[FileInput], blobs: Mapping[str, bytes]) -> list[FileSpec]:
+    """The files as a job spec holds them: each `ref` replaced by its blob's bytes (base64).
+
+    Call `file_refs` first. Raises:
+        ValidationError: naming a file whose blob is not in `blobs` (never uploaded, or expired).
+    """
+    out: list[FileSpec] = []
+    for index, file in enumerate(files):
+        if file.ref is UNSET:
+            content = file.content if file.content is not UNSET else ""
+            out.append(FileSpec(name=file.name, content=content, encoding=file.encoding))
+            continue
+        data = blobs.get(parse_ref(file.ref) or "")
+        if data is None:
+            why = "names no blob of yours: upload it first (POST /v1/blobs/check, then PUT to its uploadUrl), or it has expired"
+            raise ValidationError([FieldError(f"files[{index}].ref", why)])
+        out.append(FileSpec(name=file.name, content=base64.b64encode(data).decode("ascii"), encoding="base64"))
+    return out
 
 
 def decode_files(files: list[FileSpec], max_total_bytes: int) -> list[tuple[str, bytes]]:

@@ -21,7 +21,7 @@ from shared.paths import REPO_ROOT
 from shared.pusher import channel_auth, signed_query, valid_socket_id
 from shared.settings import load_settings
 from shared.tokens import mint_job_token, verify_job_token
-from shared.validation import check_file_name, decode_files
+from shared.validation import check_file_name, decode_files, file_refs
 
 # ------------------------------------------------------------------ chunking
 
@@ -164,8 +164,12 @@ def test_old_job_payload_decodes_in_new_code() -> None:
 
 def test_request_decoding_names_fields() -> None:
     with pytest.raises(ValidationError) as info:
-        decode_request(ExecuteRequest, b'{"language":"python","files":[{"name":"a"}]}')
-    assert info.value.sentence == "files[0].content is required"
+        decode_request(ExecuteRequest, b'{"language":"python","files":[{"name":"a","content":5}]}')
+    assert info.value.sentence == "files[0].content is invalid: Expected `str`, got `int`"
+    # A file needs its content or a blob's ref, which only a check after decoding can tell.
+    with pytest.raises(ValidationError) as info:
+        file_refs(decode_request(ExecuteRequest, b'{"language":"python","files":[{"name":"a"}]}').files)
+    assert info.value.sentence == "files[0].content is required (or `ref`, naming an uploaded blob)"
 
 
 def test_settings_errors_name_the_variable() -> None:

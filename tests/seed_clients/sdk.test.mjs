@@ -253,3 +253,56 @@ test("RateLimitError: more than 64 KiB of stdin waiting for the program is a 429
   assert.equal(output.stdout, "65536 8\n");
   assert.equal(output.exitCode, 0);
 });
+
+test("executeFiles: a binary over 256 KiB goes through the blob store, byte for byte", { timeout: 30000 }, async () => {
+  const { createHash, randomBytes } = await import("node:crypto");
+  const big = randomBytes(300 * 1024 + 7); // over DEFAULT_INLINE_THRESHOLD_BYTES: uploaded, sent as a ref
+  const small = randomBytes(1000); // under it: inline base64
+  const sha = (buf) => createHash("sha256").update(buf).digest("hex");
+  const main = [
+    "import hashlib",
+    'for name in ("data/big.bin", "small.bin"):',
+    '    raw = open(name, "rb").read()',
+    "    print(name, len(raw), hashlib.sha256(raw).hexdigest())",
+    "",
+  ].join("\n");
+  const files = [
+    { name: "main.py", content: main },
+    { name: "data/big.bin", data: big },
+    { name: "small.bin", data: small },
+  ];
+  const expected = `data/big.bin ${big.length} ${sha(big)}\nsmall.bin ${small.length} ${sha(small)}\n`;
+  const ref = `sha256:${sha(big)}`;
+  const first = await client.blobs.check([ref]);
+  assert.deepEqual(first.present, []);
+  assert.equal(first.missing.length, 1);
+  assert.equal(first.missing[0].hash, ref);
+  assert.ok(first.missing[0].uploadUrl.startsWith(`${API_URL}/v1/blobs/uploads/${sha(big)}?`), first.missing[0].uploadUrl);
+
+  const job = await client.executeFiles({ language: "python", files, collectOutput: true });
+  await client.start(job.jobId);
+  const output = await pollOutput(job.jobId);
+  assert.equal(output.stdout, expected, output.stderr);
+  assert.equal(output.exitCode, 0);
+
+  // Uploaded once, it is present now: a second executeFiles skips the PUT, and a raw
+  // `{name, ref}` file works with execute itself.
+  assert.deepEqual(await client.blobs.check([ref]), { missing: [], present: [ref] });
+  assert.deepEqual(await client.blobs.upload(big), { ref });
+  const again = await client.execute({
+    language: "python",
+    files: [{ name: "main.py", content: main }, { name: "data/big.bin", ref }, { name: "small.bin", content: small.toString("base64"), encoding: "base64" }],
+    collectOutput: true,
+  });
+  await client.start(again.jobId);
+  assert.equal((await pollOutput(again.jobId)).stdout, expected);
+
+  // A ref to bytes never uploaded is a ValidationError naming the file.
+  const unknown = `sha256:${"0".repeat(64)}`;
+  const err = await rejectsWith(
+    client.execute({ language: "python", files: [{ name: "main.py", content: main }, { name: "x.bin", ref: unknown }] }),
+    ValidationError,
+    "a ref to nothing",
+  );
+  assert.equal(err.body.details[0].field, "files[1].ref");
+});

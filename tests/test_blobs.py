@@ -1,0 +1,246 @@
+"""Uploaded blobs (`files[].ref`): check, upload, finalize, execute, and everything refused.
+
+The seed SDK's own flow is in tests/seed_clients/sdk.test.mjs; here are the parts it never
+exercises: forged, expired and re-aimed links, bytes that do not match their name, the
+per-principal storage bounds, expiry, and a job that keeps its bytes after its blob is gone.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import time
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import pytest
+
+from launcher.stack import Stack
+from shared.blobs import parse_ref, sign_upload, verify_upload
+from shared.errors import ValidationError
+from shared.messages import FileInput
+from shared.validation import file_refs, inline_files
+from tests.conftest import StackFactory
+from tests.helpers import Api
+
+SECRET = "pusher-secret"
+OWNER = "ab" * 16
+DIGEST = "cd" * 32
+
+# Prints each file's size and sha256, so a job shows exactly which bytes it was given.
+HASHER = (
+    "import hashlib, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    raw = open(name, 'rb').read()\n"
+    "    print(name, len(raw), hashlib.sha256(raw).hexdigest())\n"
+)
+
+
+# ---------------------------------------------------------------- the contract, no Redis
+
+
+def test_refs_are_sha256_and_lowercase_hex() -> None:
+    assert parse_ref(f"sha256:{DIGEST}") == DIGEST
+    for bad in (DIGEST, f"sha256:{DIGEST.upper()}", f"sha256:{DIGEST[:-1]}", f"sha1:{DIGEST}", f"sha256:{DIGEST}\n", ""):
+        assert parse_ref(bad) is None, bad
+
+
+def test_upload_links_verify_only_as_signed_and_until_they_expire() -> None:
+    link = sign_upload(SECRET, OWNER, DIGEST, 2000)
+    query = {k: v[0] for k, v in parse_qs(urlsplit(link).query).items()}
+    assert urlsplit(link).path == f"/v1/blobs/uploads/{DIGEST}"
+    assert query["owner"] == OWNER and query["expires"] == "2000"
+    assert verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 1999)
+    assert verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 2000)
+    assert not verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 2001), "expired"
+    assert not verify_upload("other secret", DIGEST, OWNER, "2000", query["sig"], 1999)
+    assert not verify_upload(SECRET, "ef" * 32, OWNER, "2000", query["sig"], 1999), "another digest"
+    assert not verify_upload(SECRET, DIGEST, "ef" * 16, "2000", query["sig"], 1999), "another owner"
+    assert not verify_upload(SECRET, DIGEST, OWNER, "2001", query["sig"], 1999), "a later expiry"
+    assert not verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"][:-1] + "\udcff", 1999)
+
+
+def test_file_refs_and_inline_files() -> None:
+    files = [
+        FileInput(name="a.py", content="print(1)"),
+        FileInput(name="b.bin", ref=f"sha256:{DIGEST}"),
+        FileInput(name="c.bin", ref=f"sha256:{DIGEST}"),
+    ]
+    assert file_refs(files) == [DIGEST], "each digest once"
+    specs = inline_files(files, {DIGEST: b"\x00\xffdata"})
+    assert [(s.name, s.content, s.encoding) for s in specs] == [
+        ("a.py", "print(1)", "utf8"),
+        ("b.bin", base64.b64encode(b"\x00\xffdata").decode(), "base64"),
+        ("c.bin", base64.b64encode(b"\x00\xffdata").decode(), "base64"),
+    ]
+    with pytest.raises(ValidationError) as missing:
+        inline_files(files, {})
+    assert missing.value.details[0].field == "files[1].ref"
+    for bad, field in (
+        ([FileInput(name="a")], "files[0].content"),
+        ([FileInput(name="a", content="x", ref=f"sha256:{DIGEST}")], "files[0]"),
+        ([FileInput(name="a", content="x"), FileInput(name="b", ref="sha256:xyz")], "files[1].ref"),
+    ):
+        with pytest.raises(ValidationError) as refused:
+            file_refs(bad)
+        assert refused.value.details[0].field == field
+
+
+# ---------------------------------------------------------------- against a stack
+
+
+def _check(api: Api, *data: bytes) -> dict[str, Any]:
+    response = api.post("/v1/blobs/check", json={"hashes": [_ref(d) for d in data]})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _ref(data: bytes) -> str:
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
+
+
+def _upload(api: Api, data: bytes) -> httpx.Response:
+    """Check `data`, then PUT it to the link given (no bearer), as the SDK does."""
+    answer = _check(api, data)
+    assert answer["present"] == [] and [m["hash"] for m in answer["missing"]] == [_ref(data)], answer
+    return httpx.put(answer["missing"][0]["uploadUrl"], content=data, timeout=10)
+
+
+def _error(response: httpx.Response, status: int, field: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"] and isinstance(body["details"], list)
+    if field is not None:
+        assert body["details"][0]["field"] == field, body
+    return body  # type: ignore[no-any-return]
+
+
+def _hashed(api: Api, files: list[dict[str, Any]], names: list[str]) -> str:
+    """Run HASHER over `names` with `files` beside it; its stdout."""
+    job = api.execute(
+        {"language": "python", "files": [{"name": "main.py", "content": HASHER}, *files], "args": names, "collectOutput": True}
+    )
+    assert api.start(job).status_code == 202
+    output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}, timeout=30)
+    assert output.status_code == 200, output.text
+    body = output.json()
+    assert body["outcome"] == "completed" and body["exitCode"] == 0, body
+    return body["stdout"]  # type: ignore[no-any-return]
+
+
+def _line(name: str, data: bytes) -> str:
+    return f"{name} {len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_upload_then_execute_by_ref_gives_the_exact_bytes(api: Api) -> None:
+    data = bytes(range(256)) * 2048 + b"\x00tail"  # 512 KiB of every byte value
+    put = _upload(api, data)
+    assert put.status_code == 200, put.text
+    assert put.json() == {"ok": True}
+    assert _check(api, data) == {"missing": [], "present": [_ref(data)]}
+    finalized = api.post("/v1/blobs/finalize", json={"hashes": [_ref(data)]})
+    assert finalized.status_code == 200 and finalized.json() == {"finalized": [_ref(data)]}, finalized.text
+    # One blob, two files: each gets its own copy; inline files work beside them.
+    stdout = _hashed(
+        api,
+        [{"name": "d/one.bin", "ref": _ref(data)}, {"name": "two.bin", "ref": _ref(data)}, {"name": "three.txt", "content": "3"}],
+        ["d/one.bin", "two.bin", "three.txt"],
+    )
+    assert stdout == _line("d/one.bin", data) + _line("two.bin", data) + _line("three.txt", b"3")
+
+
+@pytest.mark.stack
+def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack: Stack) -> None:
+    data = b"some bytes " + str(time.time()).encode()
+    ref = _ref(data)
+    digest = ref.removeprefix("sha256:")
+    # check / finalize bodies
+    _error(api.post("/v1/blobs/check", json={"hashes": ["sha256:nothex"]}), 400, "hashes[0]")
+    _error(api.post("/v1/blobs/check", json={"hashes": [ref, digest]}), 400, "hashes[1]")
+    _error(api.post("/v1/blobs/check", json={"hashes": [ref] * 101}), 400, "hashes")
+    _error(api.post("/v1/blobs/check", json={"hash": ref}), 400)
+    _error(api.post("/v1/blobs/check", content=b"{"), 400)
+    _error(api.post("/v1/blobs/finalize", json={"hashes": [ref]}), 400, "hashes[0]")
+    # no token, or a job token: never
+    _error(httpx.post(f"{stack.api_url}/v1/blobs/check", json={"hashes": [ref]}), 401)
+    job = api.execute({"language": "python", "files": [{"name": "main.py", "content": "print(1)"}]})
+    _error(api.post("/v1/blobs/check", token=job["jobToken"], json={"hashes": [ref]}), 403)
+    api.post(f"/v1/jobs/{job['jobId']}/kill")
+
+    link = _check(api, data)["missing"][0]["uploadUrl"]
+    parts = urlsplit(link)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    base = f"{parts.scheme}://{parts.netloc}{parts.path}"
+    # forged, re-aimed and expired links: 403 before the body is read
+    for params in (
+        {**query, "sig": "0" * 48},
+        {**query, "owner": "0" * 32},
+        {**query, "expires": str(int(query["expires"]) + 1)},
+        {k: v for k, v in query.items() if k != "sig"},
+    ):
+        _error(httpx.put(base, params=params, content=data), 403)
+    other = _ref(b"other").removeprefix("sha256:")
+    _error(httpx.put(base.replace(digest, other), params=query, content=b"other"), 403)
+    expired = sign_upload(stack.pusher_secret, query["owner"], digest, int(time.time()) - 1)
+    _error(httpx.put(f"{stack.api_url}{expired}", content=data), 403)
+    # bytes that are not what the link names
+    _error(httpx.put(link, content=data + b"!"), 400, "body")
+    _error(httpx.put(link, content=b"x" * (8 * 1024 * 1024 + 1)), 413)
+    # nothing was stored by any of them
+    assert _check(api, data)["present"] == []
+    # execute: a ref to nothing, both content and ref, neither, a malformed ref
+    main = {"name": "main.py", "content": "print(1)"}
+    for files, field in (
+        ([main, {"name": "a.bin", "ref": ref}], "files[1].ref"),
+        ([main, {"name": "a.bin", "ref": ref, "content": "x"}], "files[1]"),
+        ([main, {"name": "a.bin"}], "files[1].content"),
+        ([main, {"name": "a.bin", "ref": digest}], "files[1].ref"),
+    ):
+        _error(api.post("/v1/execute", json={"language": "python", "files": files}), 400, field)
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
+    stack = make_stack(MAX_BLOBS_PER_PRINCIPAL=2, MAX_BLOB_STORAGE_MB=1, BLOB_TTL_S=4)
+    with Api(stack) as api:
+        first, second = b"a" * (600 * 1024), b"b" * 1000
+        assert _upload(api, first).status_code == 200
+        # Past the bytes one principal may keep: 429, saying when room frees up.
+        too_big = _upload(api, b"c" * (500 * 1024))
+        body = _error(too_big, 429)
+        assert "MAX_BLOB_STORAGE_MB" in body["error"] and 0 < body["retryAfterMs"] <= 4000, body
+        assert too_big.headers["retry-after"] in ("1", "2", "3", "4")
+        assert _upload(api, second).status_code == 200
+        # Past the count: 429 as well; the same bytes again are no new blob.
+        body = _error(_upload(api, b"d"), 429)
+        assert "MAX_BLOBS_PER_PRINCIPAL" in body["error"], body
+        assert _check(api, first) == {"missing": [], "present": [_ref(first)]}
+
+        # A job copies its blob's bytes when it is accepted: it runs after the blob expired.
+        job = api.execute(
+            {
+                "language": "python",
+                "files": [{"name": "main.py", "content": HASHER}, {"name": "f.bin", "ref": _ref(first)}],
+                "args": ["f.bin"],
+                "collectOutput": True,
+            }
+        )
+        used_at = time.monotonic()  # `first` lives BLOB_TTL_S from here
+        time.sleep(2)
+        assert _check(api, second)["present"] == [_ref(second)]  # `second` (and the index) live on
+        time.sleep(max(0.0, used_at + 4.6 - time.monotonic()))
+        assert _check(api, first)["present"] == [], "expired"
+        _error(
+            api.post("/v1/execute", json={"language": "python", "files": [{"name": "f.bin", "ref": _ref(first)}]}),
+            400,
+            "files[0].ref",
+        )
+        # An expired blob no longer counts: 900 KiB fit beside `second`.
+        assert _upload(api, b"e" * (900 * 1024)).status_code == 200
+        assert api.start(job).status_code == 202
+        output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
+        assert output["stdout"] == _line("f.bin", first), output
