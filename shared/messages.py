@@ -495,6 +495,10 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     runtimes: list[LanguageInfo]
     started_at_ms: int
     load: WorkerLoad | None = None
+    # Its WORKER_LEASE_TTL_MS and WORKER_HEARTBEAT_MS: which Redis stalls can lapse its lease,
+    # which another worker must be able to tell before judging it dead (None: an older worker).
+    lease_ttl_ms: int | None = None
+    heartbeat_ms: int | None = None
 
 
 def result_without_run(outcome: Outcome, message: str | None, compile: CompileInfo | None = None) -> ResultEvent:

@@ -970,6 +970,50 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(
     assert await redis.lrange(keys.worker_claimed_key("w-starting"), 0, -1) == [b"some-job"]
 
 
+async def test_a_worker_whose_lease_lapses_on_stalls_the_reaper_does_not_count_is_left_alone(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mid-way through a settings change a fleet mixes leases: a reaper with a 10 s lease (a
+    # break is a gap over 7 s) cannot tell a 4 s stall, which lapses a 5 s lease renewed
+    # every second. It leaves such a worker, claims and sandboxes, to one whose record can.
+    short = load_settings({"PUSHER_SECRET": "x", "WORKER_LEASE_TTL_MS": "5000", "WORKER_HEARTBEAT_MS": "1000"})
+    worker = Worker(short, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    claim = await _claimed(redis, queue)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))
+    swept: list[set[str]] = []
+
+    async def owners(*_args: Any) -> set[str]:
+        return {queue.worker_id}
+
+    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
+        swept.append(set(dead))
+        return 0
+
+    async def held(_token: int, after: float) -> bool:
+        return True
+
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
+    monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
+    monkeypatch.setattr(reaper.continuity, "held", held)
+    await reaper._judge_others(ctx)  # type: ignore[arg-type]
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+    assert await redis.hexists(keys.WORKERS, queue.worker_id)
+    assert swept == []
+
+    # The same worker advertising settings the reaper's record covers is reaped and swept.
+    like_reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    await queue.heartbeat(like_reaper.info(), 60_000)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))
+    await reaper._judge_others(ctx)  # type: ignore[arg-type]
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
+    assert not await redis.hexists(keys.WORKERS, queue.worker_id)
+    assert swept == [{queue.worker_id}]
+
+
 async def test_a_sandbox_owner_that_renews_before_the_sweep_keeps_its_sandboxes(
     redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

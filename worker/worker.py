@@ -112,6 +112,7 @@ class Worker:
         self._young_s = 2 * settings.worker_lease_ttl_ms / 1000
         self._signals = 0
         self.continuity = RedisContinuity(settings.worker_heartbeat_ms / 1000, settings.worker_lease_ttl_ms / 1000)
+        self._uncovered_warned: set[str] = set()
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self.started_at_ms = now_ms()
@@ -123,6 +124,8 @@ class Worker:
             slots=self.settings.worker_max_sandboxes,
             runtimes=[r.info() for r in self.runtimes.values()],
             started_at_ms=self.started_at_ms,
+            lease_ttl_ms=self.settings.worker_lease_ttl_ms,
+            heartbeat_ms=self.settings.worker_heartbeat_ms,
             load=WorkerLoad(
                 jobs_claimed=len(self._jobs),
                 jobs_waiting_for_sandbox=pool.waiting,
@@ -444,11 +447,30 @@ class Worker:
         # A last look just before acting: a worker that renewed its lease since it was judged
         # (one that thawed) is alive after all.
         dead = await ctx.queue.unleased(dead)
+        dead -= await self._uncovered(ctx, dead & listed)
         await ctx.queue.reap_dead_workers(dead & listed)  # (a sandbox owner still starting has no claims)
         if dead:
             await sweep_orphans(
                 self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s
             )
+
+    async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str]) -> set[str]:
+        """Those of `worker_ids` whose lease settings let a Redis stall lapse their lease
+        without this worker's record counting it as a break (a fleet whose settings differ,
+        say mid-way through changing them): they are left to a worker whose record does."""
+        uncovered: set[str] = set()
+        for wid, timing in (await ctx.queue.worker_timings(worker_ids)).items():
+            if timing is None or self.continuity.covers(timing[0] / 1000, timing[1] / 1000):
+                continue
+            uncovered.add(wid)
+            if wid not in self._uncovered_warned:
+                self._uncovered_warned.add(wid)
+                log.warning(
+                    "worker %s looks dead, but its WORKER_LEASE_TTL_MS=%d / WORKER_HEARTBEAT_MS=%d lapse on "
+                    "Redis stalls that ours (%d / %d) do not count: it is left to a worker with settings like its own",
+                    wid, timing[0], timing[1], self.settings.worker_lease_ttl_ms, self.settings.worker_heartbeat_ms,
+                )  # fmt: skip
+        return uncovered
 
     def _publish_results(self, ctx: WorkerContext, ended: list[tuple[str, bytes]]) -> None:
         """Publish results recovery wrote, without waiting for soketi."""

@@ -25,11 +25,12 @@ class RedisContinuity:
 
     def __init__(self, interval_s: float, lease_s: float) -> None:
         self._lease_s = lease_s
+        self._interval_s = interval_s
         # A live worker renews about every interval, so only a stall of about a lease less
         # one interval lapses its lease: a gap between answers longer than that, with half an
         # interval's margin for its own beat's delay, is a break. The settings keep the lease
         # at three intervals or more, so an ordinary late beat is not one. (Every worker
-        # computes this from its own settings: all of them must share these two.)
+        # computes this from its own settings; `covers` tells whether it serves another's.)
         self.max_gap_s = lease_s - 1.5 * interval_s
         self._since: float | None = None  # loop time of the first answer since the last break
         self._last_answer: float | None = None
@@ -63,6 +64,15 @@ class RedisContinuity:
         self._last_sent = sent_at
         ended, self._ended = self._ended, asyncio.Event()
         ended.set()
+
+    def covers(self, lease_s: float, interval_s: float) -> bool:
+        """Whether this record may judge a worker that renews a lease of `lease_s` every
+        `interval_s`: every stall that can lapse that lease is a break here (its lapse needs
+        a stall of its lease less its interval, ours counts one of our lease less our
+        interval, each less half our interval), and after a break, judging waits (a lease of
+        ours) long enough for that worker to have renewed, a beat of ours to spare."""
+        ours = self._lease_s - self._interval_s
+        return ours <= lease_s - interval_s and interval_s <= ours
 
     def judging(self) -> int | None:
         """A token for `held` when Redis has answered without a break for a whole lease (a

@@ -672,6 +672,22 @@ class WorkerQueue:
         or been reaped."""
         return {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
 
+    async def worker_timings(self, worker_ids: Iterable[str]) -> dict[str, tuple[int, int] | None]:
+        """The (lease ms, heartbeat ms) each of `worker_ids` advertises in the workers list;
+        None for one that is not listed, did not say (an older worker) or cannot be read."""
+        ids = sorted(set(worker_ids))
+        if not ids:
+            return {}
+        found: dict[str, tuple[int, int] | None] = {}
+        for wid, raw in zip(ids, await self.redis.hmget(keys.WORKERS, ids), strict=True):
+            try:
+                info = decode_stored(WorkerInfo, raw) if raw is not None else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                info = None
+            has = info is not None and info.lease_ttl_ms is not None and info.heartbeat_ms is not None
+            found[wid] = (info.lease_ttl_ms, info.heartbeat_ms) if has else None  # type: ignore[union-attr]
+        return found
+
     async def unleased(self, worker_ids: Iterable[str]) -> set[str]:
         """Those of `worker_ids` whose lease has lapsed (this worker's own excepted), in one
         round trip. Whether that means dead is the caller's judgement."""
