@@ -99,6 +99,7 @@ def create_app(settings: Settings) -> Starlette:
         app.state.event_streams = StreamSlots.event_streams(settings)
         app.state.output_waits = StreamSlots.output_waits(settings)
         app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
+        app.state.blob_uploads = StreamSlots.blob_uploads(settings)
         try:
             yield
         finally:

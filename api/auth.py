@@ -52,6 +52,11 @@ class Authenticator:
         self._secret = settings.job_token_secret or hashlib.sha256(b"jobtoken:" + settings.api_token.encode()).hexdigest()
         self._ttl_s = settings.job_token_ttl_s
 
+    @property
+    def owner(self) -> str:
+        """The owner id of the API token: whose blobs an upload link stores."""
+        return self._owner
+
     @staticmethod
     def has_bearer(request: Request) -> bool:
         """Whether the request carries a bearer token (valid or not) in its header."""

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from api.body import read_body
 from api.errors import ApiError
+from api.streams import StreamSlots
 from shared import keys
 from shared.blobs import UPLOAD_LINK_TTL_S, parse_ref, sign_upload, verify_upload
 from shared.codec import decode_request
@@ -88,23 +89,22 @@ end
 return out
 """
 
-# KEYS: the owner's blob index. ARGV: ttl s, most bytes, the owner's blob key prefix,
-# digests. Returns {-1, their total bytes} when they hold more than the most, else {1, the
-# bytes of each (false where missing)}, each found blob renewed. Sizes are read first, so a
-# request naming many big blobs never makes Redis send them all.
-_TAKE = """
-local total = 0
-for i = 4, #ARGV do total = total + redis.call('STRLEN', ARGV[3] .. ARGV[i]) end
-if total > tonumber(ARGV[2]) then return {-1, total} end
-local out = {1}
-for i = 4, #ARGV do
-  local key = ARGV[3] .. ARGV[i]
-  local data = redis.call('GET', key)
-  if data then
-    redis.call('EXPIRE', key, ARGV[1])
-    redis.call('EXPIRE', KEYS[1], ARGV[1])
+# KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Each blob
+# that exists lives at least `ttl` from now (a longer life it has is kept) and is put back on
+# the index if it fell off; returns each one's size, -1 where missing.
+_HOLD = """
+local out = {}
+for i = 3, #ARGV do
+  local key = ARGV[2] .. ARGV[i]
+  local size = redis.call('STRLEN', key)
+  if size > 0 or redis.call('EXISTS', key) == 1 then
+    if redis.call('TTL', key) < tonumber(ARGV[1]) then redis.call('EXPIRE', key, ARGV[1]) end
+    redis.call('HSET', KEYS[1], ARGV[i], size)
+    if redis.call('TTL', KEYS[1]) < tonumber(ARGV[1]) then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+    out[#out + 1] = size
+  else
+    out[#out + 1] = -1
   end
-  out[#out + 1] = data
 end
 return out
 """
@@ -125,7 +125,7 @@ class BlobStore:
         self._max_blobs = settings.max_blobs_per_principal
         self._put = redis.register_script(_PUT)
         self._touch = redis.register_script(_TOUCH)
-        self._take = redis.register_script(_TAKE)
+        self._hold = redis.register_script(_HOLD)
 
     async def put(self, owner: str, digest: str, data: bytes) -> TooMuch | None:
         """Keep `data` (whose sha256 is `digest`) for `owner`; what stood in the way, if anything."""
@@ -143,20 +143,17 @@ class BlobStore:
         reply = await self._touch(keys=[keys.blob_index_key(owner)], args=[self._ttl_s, keys.blob_prefix(owner), *digests])
         return {digest for digest, found in zip(digests, reply, strict=True) if int(found) == 1}
 
-    async def take(self, owner: str, digests: list[str], max_total_bytes: int) -> dict[str, bytes]:
-        """The bytes of each of `digests` the owner keeps (renewed).
+    async def exists(self, owner: str, digest: str) -> bool:
+        """Whether the owner keeps this blob (renewed if so): an upload of it is then done."""
+        return digest in await self.touch(owner, [digest])
 
-        Raises:
-            ValidationError: when together they hold more than `max_total_bytes`.
-        """
+    async def hold(self, owner: str, digests: list[str], hold_s: int) -> dict[str, int]:
+        """The size of each of `digests` the owner keeps, each kept at least `hold_s` more
+        (a job naming them can then fetch them for as long as it can run)."""
         if not digests:
             return {}
-        reply = await self._take(
-            keys=[keys.blob_index_key(owner)], args=[self._ttl_s, max_total_bytes, keys.blob_prefix(owner), *digests]
-        )
-        if int(reply[0]) == -1:
-            raise ValidationError([FieldError("files", f"must total at most {max_total_bytes} bytes")])
-        return {digest: data for digest, data in zip(digests, reply[1:], strict=True) if data is not None}
+        reply = await self._hold(keys=[keys.blob_index_key(owner)], args=[max(hold_s, self._ttl_s), keys.blob_prefix(owner), *digests])
+        return {digest: int(size) for digest, size in zip(digests, reply, strict=True) if int(size) >= 0}
 
 
 def _json(body: object, status: int = 200) -> Response:
@@ -214,23 +211,34 @@ async def finalize_blobs(request: Request) -> Response:
 
 
 async def upload_blob(request: Request) -> Response:
-    """`PUT /v1/blobs/uploads/:hex?owner=&expires=&sig=` with the raw bytes: 200 {ok: true}.
+    """`PUT /v1/blobs/uploads/:hex?expires=&sig=` with the raw bytes: 200 {ok: true}.
 
-    No bearer: the link is the credential (403 when it is not valid or has expired). A body
-    that does not hash to the link's digest is a 400; past MAX_FILES_BYTES a 413; past the
-    principal's storage a 429 that says when room frees up.
+    No bearer: the link is the credential (403 when it is not valid or has expired), checked
+    before a byte of the body is read. Uploads at once are bounded per API process
+    (MAX_BLOB_UPLOADS; two for one digest), since each holds its body in memory. Bytes the
+    owner keeps already are not sent to Redis again. A body that does not hash to the link's
+    digest is a 400; past MAX_FILES_BYTES or the whole MAX_BLOB_STORAGE_MB a 413; past what
+    the principal may keep now a 429 that says when room frees up.
     """
     state = request.app.state.coderunner
     settings: Settings = state.settings
     digest = request.path_params["digest"]
     query = request.query_params
-    owner = query.get("owner", "")
+    owner = state.auth.owner
     if not verify_upload(settings.pusher_secret, digest, owner, query.get("expires", ""), query.get("sig", ""), int(time.time())):
         raise ApiError(403, "This upload link is not valid or has expired; POST /v1/blobs/check gives a fresh one")
-    data = await read_body(request, settings.max_files_bytes)
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise ValidationError([FieldError("body", f"does not hash to the link's sha256:{digest}")])
-    refused = await state.blobs.put(owner, digest, data)
+    slots: StreamSlots = request.app.state.blob_uploads
+    slot = slots.acquire(digest, owner)
+    try:
+        limit = min(settings.max_files_bytes, settings.max_blob_storage_mb * 1024 * 1024)
+        data = await read_body(request, limit)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValidationError([FieldError("body", f"does not hash to the link's sha256:{digest}")])
+        if await state.blobs.exists(owner, digest):
+            return _json({"ok": True})
+        refused = await state.blobs.put(owner, digest, data)
+    finally:
+        slot.release()
     if refused is not None:
         retry_ms = max(1000, refused.frees_in_ms)
         if refused.what == "blobs":

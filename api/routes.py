@@ -49,7 +49,7 @@ from shared.messages import (
 )
 from shared.pusher import channel_auth, valid_socket_id
 from shared.runresult import OutputGone
-from shared.validation import check_args, check_stdin, check_tests, decode_files, file_refs, inline_files
+from shared.validation import check_args, check_files, check_stdin, check_tests, file_refs, spec_files
 
 __all__ = ["routes"]
 
@@ -139,19 +139,13 @@ async def execute(request: Request) -> Response:
             return await _replayed(state, earlier, idempotency_key)
     req = decode_request(ExecuteRequest, body)
     manifest, version = await state.catalog.resolve(req.language, req.version)
-    # Files named by `ref` take their bytes from the caller's uploaded blobs, copied into the
-    # spec: the job never depends on a blob that may expire before it runs.
     digests = file_refs(req.files)
-    blobs = await state.blobs.take(owner, digests, state.settings.max_files_bytes) if digests else {}
-    file_specs = inline_files(req.files, blobs)
-    files = decode_files(file_specs, state.settings.max_files_bytes)
+    file_specs = spec_files(req.files)
     check_args(req.args)
     check_stdin(req.stdin)
     if req.args and "{args}" not in manifest.run:
         raise ValidationError([FieldError("args", f"are not supported for {manifest.language}")])
-    if req.tests is not None:
-        _check_batch(req, sum(len(data) for _, data in files), state.settings.max_files_bytes, manifest.run)
-    else:
+    if req.tests is None:
         for field, given in (("compare", req.compare is not None), ("stopOnFirstFailure", req.stop_on_first_failure is not None)):
             if given:
                 raise ValidationError([FieldError(field, "applies to a test batch only: give `tests` too")])
@@ -159,6 +153,13 @@ async def execute(request: Request) -> Response:
     limits = resolve_limits(req.limits, defaults, state.settings.limit_maxima)
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, state.settings)
+    # A file named by `ref` stays a ref in the spec (one copy of a blob however many jobs
+    # name it); its blob is kept at least as long as the job's record, and the worker fetches
+    # and checks its bytes when it claims the job.
+    sizes = await state.blobs.hold(owner, digests, state.settings.job_record_ttl_s) if digests else {}
+    files_bytes = check_files(file_specs, state.settings.max_files_bytes, sizes)
+    if req.tests is not None:
+        _check_batch(req, files_bytes, state.settings.max_files_bytes, manifest.run)
 
     job_id = uuid.uuid4().hex
     spec = JobSpec(

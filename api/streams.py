@@ -69,6 +69,11 @@ class StreamSlots:
         return cls(settings.max_artifact_downloads, per_job, per_job, "artifact downloads")
 
     @classmethod
+    def blob_uploads(cls, settings: Settings) -> StreamSlots:
+        # Keyed by digest: one upload link replayed at once takes at most two.
+        return cls(settings.max_blob_uploads, 2, settings.max_blob_uploads, "blob uploads")
+
+    @classmethod
     def output_waits(cls, settings: Settings) -> StreamSlots:
         return cls(
             settings.max_output_waits,

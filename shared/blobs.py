@@ -6,9 +6,10 @@ an upload link; the SDK PUTs the raw bytes to that link, calls `POST /v1/blobs/f
 then executes with `{name, ref}`. This module holds the contract only (no I/O): how a
 reference is spelled and how an upload link is signed and checked.
 
-An upload link is `/v1/blobs/uploads/<hex>?owner=<owner>&expires=<unix s>&sig=<hmac>`. Like
-a presigned URL it carries no bearer token: the signature is the credential, and it names
-the one digest and the one principal the bytes may be stored for. The API checks that the
+An upload link is `/v1/blobs/uploads/<hex>?expires=<unix s>&sig=<hmac>`. Like a presigned
+URL it carries no bearer token: the signature is the credential, and it covers the one
+digest and the one principal (the API token's owner id, which the link does not show) the
+bytes may be stored for. The API checks that the
 bytes hash to that digest before storing them, so a blob's name always says what it holds.
 The link key is derived from the Pusher secret with a label of its own (as artifact links
 are, with another label), so API replicas need no extra secret and it signs nothing else.
@@ -53,11 +54,11 @@ def upload_path(digest: str) -> str:
 def sign_upload(pusher_secret: str, owner: str, digest: str, expires_at_s: int) -> str:
     """The upload link (path and query) for `digest`, stored for `owner`, valid until `expires_at_s`."""
     sig = _signature(pusher_secret, owner, digest, expires_at_s)
-    return f"{upload_path(digest)}?owner={owner}&expires={expires_at_s}&sig={sig}"
+    return f"{upload_path(digest)}?expires={expires_at_s}&sig={sig}"
 
 
 def verify_upload(pusher_secret: str, digest: str, owner: str, expires: str, sig: str, now_s: int) -> bool:
-    """Whether an upload link's parts are well formed, signed by us and not expired."""
+    """Whether an upload link's parts are well formed, signed by us for `owner`, and not expired."""
     if not (_DIGEST.fullmatch(digest) and _OWNER.fullmatch(owner) and _EXPIRY.fullmatch(expires)):
         return False
     if int(expires) < now_s:

@@ -8,6 +8,7 @@ Names follow the seed product where it has one (``REDIS_URL``, ``EXECUTOR_API_TO
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # links it hands out; unset, the scheme and host of the request asking for one.
     public_api_url: str = ""
     max_blob_storage_mb: int = 256
+    # Blob uploads under way at once per API process (each holds its body in memory).
+    max_blob_uploads: int = 4
     max_blobs_per_principal: int = 1000
     # Server maxima for every request limit (env MAX_WALL_TIME_MS, MAX_MEMORY_MB, ...).
     limit_maxima: Limits = DEFAULT_MAXIMA
@@ -211,6 +214,17 @@ def _origins(raw: str) -> tuple[str, ...]:
     return tuple(normal)
 
 
+def _public_url(raw: str) -> str:
+    """An http(s) URL where clients reach the API (a path prefix allowed; no query)."""
+    url = raw.strip().rstrip("/")
+    if not url:
+        return ""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment or "@" in parts.netloc:
+        raise ValueError(f"{raw!r} is not an http(s) URL such as https://runner.example.com (no query or credentials)")
+    return url
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -235,7 +249,8 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "BLOB_TTL_S": ("blob_ttl_s", _positive_int),
-    "PUBLIC_API_URL": ("public_api_url", _str),
+    "PUBLIC_API_URL": ("public_api_url", _public_url),
+    "MAX_BLOB_UPLOADS": ("max_blob_uploads", _positive_int),
     "MAX_BLOB_STORAGE_MB": ("max_blob_storage_mb", _positive_int),
     "MAX_BLOBS_PER_PRINCIPAL": ("max_blobs_per_principal", _positive_int),
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),

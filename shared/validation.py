@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from msgspec import UNSET
 
@@ -22,11 +22,12 @@ __all__ = [
     "MAX_NAME_BYTES",
     "check_args",
     "check_file_name",
+    "check_files",
     "check_stdin",
     "check_tests",
     "decode_files",
     "file_refs",
-    "inline_files",
+    "spec_files",
 ]
 
 MAX_FILES = 100
@@ -98,37 +99,51 @@ def file_refs(files: list[FileInput]) -> list[str]:
     return list(digests)
 
 
-def inline_files(files: list[FileInput], blobs: Mapping[str, bytes]) -> list[FileSpec]:
-    """The files as a job spec holds them: each `ref` replaced by its blob's bytes (base64).
-
-    Call `file_refs` first. Raises:
-        ValidationError: naming a file whose blob is not in `blobs` (never uploaded, or expired).
-    """
+def spec_files(files: list[FileInput]) -> list[FileSpec]:
+    """The files as a job's spec holds them (call `file_refs` first): inline ones as given,
+    the others by their `ref`, which the worker resolves when it claims the job."""
     out: list[FileSpec] = []
-    for index, file in enumerate(files):
-        if file.ref is UNSET:
+    for file in files:
+        if file.ref is not UNSET:
+            out.append(FileSpec(name=file.name, ref=file.ref))
+        else:
             content = file.content if file.content is not UNSET else ""
             out.append(FileSpec(name=file.name, content=content, encoding=file.encoding))
-            continue
-        data = blobs.get(parse_ref(file.ref) or "")
-        if data is None:
-            why = "names no blob of yours: upload it first (POST /v1/blobs/check, then PUT to its uploadUrl), or it has expired"
-            raise ValidationError([FieldError(f"files[{index}].ref", why)])
-        out.append(FileSpec(name=file.name, content=base64.b64encode(data).decode("ascii"), encoding="base64"))
     return out
 
 
-def decode_files(files: list[FileSpec], max_total_bytes: int) -> list[tuple[str, bytes]]:
-    """Validate and decode submitted files to `(relative path, exact bytes)`.
+_NO_BLOB = "names no blob of yours: upload it first (POST /v1/blobs/check, then PUT to its uploadUrl), or it has expired"
+
+
+def check_files(files: list[FileSpec], max_total_bytes: int, blob_sizes: Mapping[str, int]) -> int:
+    """Validate the files as `decode_files` does, a blob counting by its size (its bytes stay
+    in Redis); their total size.
+
+    Raises:
+        ValidationError: naming the first offending field (e.g. `files[2].ref`).
+    """
+    return sum(len(data) if isinstance(data, bytes) else data for _, data in _files(files, max_total_bytes, blob_sizes.get))
+
+
+def decode_files(files: list[FileSpec], max_total_bytes: int, blobs: Mapping[str, bytes] | None = None) -> list[tuple[str, bytes]]:
+    """Validate and decode files to `(relative path, exact bytes)`; a file given by `ref`
+    takes the bytes of that digest in `blobs`.
 
     Raises:
         ValidationError: naming the first offending field (e.g. `files[2].name`).
     """
+    found = blobs or {}
+    return [(name, data) for name, data in _files(files, max_total_bytes, found.get) if isinstance(data, bytes)]
+
+
+def _files(
+    files: list[FileSpec], max_total_bytes: int, blob: Callable[[str], bytes | int | None]
+) -> list[tuple[str, bytes | int]]:
     if not files:
         raise ValidationError([FieldError("files", "must contain at least one file")])
     if len(files) > MAX_FILES:
         raise ValidationError([FieldError("files", f"must contain at most {MAX_FILES} files")])
-    out: list[tuple[str, bytes]] = []
+    out: list[tuple[str, bytes | int]] = []
     seen: set[str] = set()
     directories: set[str] = set()
     total = 0
@@ -144,7 +159,16 @@ def decode_files(files: list[FileSpec], max_total_bytes: int) -> list[tuple[str,
             raise ValidationError([FieldError(f"files[{index}].name", "clashes with a directory of another file")])
         seen.add(spec.name)
         directories |= prefixes
-        if spec.encoding == "base64":
+        data: bytes | int
+        if spec.ref is not None:
+            digest = parse_ref(spec.ref)
+            if digest is None:
+                raise ValidationError([FieldError(f"files[{index}].ref", "must be sha256:<64 lowercase hex digits>")])
+            held = blob(digest)
+            if held is None:
+                raise ValidationError([FieldError(f"files[{index}].ref", _NO_BLOB)])
+            data = held
+        elif spec.encoding == "base64":
             try:
                 data = base64.b64decode(spec.content, validate=True)
             except (binascii.Error, ValueError):
@@ -153,7 +177,7 @@ def decode_files(files: list[FileSpec], max_total_bytes: int) -> list[tuple[str,
             data = spec.content.encode("utf-8", "surrogatepass")
             if _has_lone_surrogate(spec.content):
                 raise ValidationError([FieldError(f"files[{index}].content", "is not valid UTF-8 text")])
-        total += len(data)
+        total += len(data) if isinstance(data, bytes) else data
         if total > max_total_bytes:
             raise ValidationError([FieldError("files", f"must total at most {max_total_bytes} bytes")])
         out.append((spec.name, data))

@@ -7,20 +7,23 @@ per-principal storage bounds, expiry, and a job that keeps its bytes after its b
 
 from __future__ import annotations
 
-import base64
 import hashlib
+import socket
 import time
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
 
+from api.blobs import _public_base
 from launcher.stack import Stack
 from shared.blobs import parse_ref, sign_upload, verify_upload
-from shared.errors import ValidationError
+from shared.errors import ConfigError, ValidationError
 from shared.messages import FileInput
-from shared.validation import file_refs, inline_files
+from shared.settings import load_settings
+from shared.validation import check_files, decode_files, file_refs, spec_files
 from tests.conftest import StackFactory
 from tests.helpers import Api
 
@@ -50,7 +53,7 @@ def test_upload_links_verify_only_as_signed_and_until_they_expire() -> None:
     link = sign_upload(SECRET, OWNER, DIGEST, 2000)
     query = {k: v[0] for k, v in parse_qs(urlsplit(link).query).items()}
     assert urlsplit(link).path == f"/v1/blobs/uploads/{DIGEST}"
-    assert query["owner"] == OWNER and query["expires"] == "2000"
+    assert set(query) == {"expires", "sig"} and query["expires"] == "2000"  # the owner id is not shown
     assert verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 1999)
     assert verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 2000)
     assert not verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"], 2001), "expired"
@@ -61,22 +64,28 @@ def test_upload_links_verify_only_as_signed_and_until_they_expire() -> None:
     assert not verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"][:-1] + "\udcff", 1999)
 
 
-def test_file_refs_and_inline_files() -> None:
+def test_files_by_ref_stay_refs_in_the_spec_and_count_by_their_blobs_size() -> None:
     files = [
         FileInput(name="a.py", content="print(1)"),
         FileInput(name="b.bin", ref=f"sha256:{DIGEST}"),
         FileInput(name="c.bin", ref=f"sha256:{DIGEST}"),
     ]
     assert file_refs(files) == [DIGEST], "each digest once"
-    specs = inline_files(files, {DIGEST: b"\x00\xffdata"})
-    assert [(s.name, s.content, s.encoding) for s in specs] == [
-        ("a.py", "print(1)", "utf8"),
-        ("b.bin", base64.b64encode(b"\x00\xffdata").decode(), "base64"),
-        ("c.bin", base64.b64encode(b"\x00\xffdata").decode(), "base64"),
+    specs = spec_files(files)
+    assert [(s.name, s.content, s.ref) for s in specs] == [
+        ("a.py", "print(1)", None),
+        ("b.bin", "", f"sha256:{DIGEST}"),
+        ("c.bin", "", f"sha256:{DIGEST}"),
     ]
-    with pytest.raises(ValidationError) as missing:
-        inline_files(files, {})
-    assert missing.value.details[0].field == "files[1].ref"
+    assert check_files(specs, 100, {DIGEST: 40}) == 88  # each file counts: 8 + 40 + 40
+    with pytest.raises(ValidationError) as too_big:
+        check_files(specs, 87, {DIGEST: 40})
+    assert too_big.value.details[0].field == "files"
+    assert decode_files(specs, 100, {DIGEST: b"\x00\xff"}) == [("a.py", b"print(1)"), ("b.bin", b"\x00\xff"), ("c.bin", b"\x00\xff")]
+    for missing in (lambda: check_files(specs, 100, {}), lambda: decode_files(specs, 100)):
+        with pytest.raises(ValidationError) as gone:
+            missing()
+        assert gone.value.details[0].field == "files[1].ref"
     for bad, field in (
         ([FileInput(name="a")], "files[0].content"),
         ([FileInput(name="a", content="x", ref=f"sha256:{DIGEST}")], "files[0]"),
@@ -85,6 +94,17 @@ def test_file_refs_and_inline_files() -> None:
         with pytest.raises(ValidationError) as refused:
             file_refs(bad)
         assert refused.value.details[0].field == field
+
+
+def test_public_api_url_must_be_an_http_url_and_moves_the_links() -> None:
+    assert load_settings({"PUBLIC_API_URL": "https://runner.example.com/"}).public_api_url == "https://runner.example.com"
+    for bad in ("runner.example.com", "ftp://runner.example.com", "https://runner.example.com/?x=1", "https://u:p@host"):
+        with pytest.raises(ConfigError, match="PUBLIC_API_URL"):
+            load_settings({"PUBLIC_API_URL": bad})
+    request = SimpleNamespace(url=urlsplit("http://127.0.0.1:8000/v1/blobs/check"))
+    assert _public_base(request, load_settings({})) == "http://127.0.0.1:8000"  # type: ignore[arg-type]
+    moved = load_settings({"PUBLIC_API_URL": "https://runner.example.com/api"})
+    assert _public_base(request, moved) == "https://runner.example.com/api"  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- against a stack
@@ -100,11 +120,16 @@ def _ref(data: bytes) -> str:
     return f"sha256:{hashlib.sha256(data).hexdigest()}"
 
 
-def _upload(api: Api, data: bytes) -> httpx.Response:
-    """Check `data`, then PUT it to the link given (no bearer), as the SDK does."""
+def _link(api: Api, data: bytes) -> str:
+    """The upload link a check gives for `data` (which must not be kept yet)."""
     answer = _check(api, data)
     assert answer["present"] == [] and [m["hash"] for m in answer["missing"]] == [_ref(data)], answer
-    return httpx.put(answer["missing"][0]["uploadUrl"], content=data, timeout=10)
+    return answer["missing"][0]["uploadUrl"]  # type: ignore[no-any-return]
+
+
+def _upload(api: Api, data: bytes) -> httpx.Response:
+    """Check `data`, then PUT it to the link given (no bearer), as the SDK does."""
+    return httpx.put(_link(api, data), content=data, timeout=10)
 
 
 def _error(response: httpx.Response, status: int, field: str | None = None) -> dict[str, Any]:
@@ -174,18 +199,21 @@ def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack:
     parts = urlsplit(link)
     query = {k: v[0] for k, v in parse_qs(parts.query).items()}
     base = f"{parts.scheme}://{parts.netloc}{parts.path}"
-    # forged, re-aimed and expired links: 403 before the body is read
+    # forged, re-aimed and expired links: 403, before the body is read (an oversized body
+    # sent with a forged link is refused as forged, not as too big)
     for params in (
         {**query, "sig": "0" * 48},
-        {**query, "owner": "0" * 32},
         {**query, "expires": str(int(query["expires"]) + 1)},
         {k: v for k, v in query.items() if k != "sig"},
     ):
         _error(httpx.put(base, params=params, content=data), 403)
+    _error(httpx.put(base, params={**query, "sig": "0" * 48}, content=b"x" * (8 * 1024 * 1024 + 1)), 403)
     other = _ref(b"other").removeprefix("sha256:")
     _error(httpx.put(base.replace(digest, other), params=query, content=b"other"), 403)
-    expired = sign_upload(stack.pusher_secret, query["owner"], digest, int(time.time()) - 1)
+    owner = hashlib.sha256(b"owner:" + stack.api_token.encode()).hexdigest()[:32]
+    expired = sign_upload(stack.pusher_secret, owner, digest, int(time.time()) - 1)
     _error(httpx.put(f"{stack.api_url}{expired}", content=data), 403)
+    assert httpx.put(f"{stack.api_url}{sign_upload(stack.pusher_secret, owner, digest, int(time.time()) + 60)}", content=b"x").status_code == 400
     # bytes that are not what the link names
     _error(httpx.put(link, content=data + b"!"), 400, "body")
     _error(httpx.put(link, content=b"x" * (8 * 1024 * 1024 + 1)), 413)
@@ -205,42 +233,108 @@ def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack:
 @pytest.mark.stack
 @pytest.mark.sandbox
 def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
-    stack = make_stack(MAX_BLOBS_PER_PRINCIPAL=2, MAX_BLOB_STORAGE_MB=1, BLOB_TTL_S=4)
+    stack = make_stack(
+        MAX_BLOBS_PER_PRINCIPAL=2, MAX_BLOB_STORAGE_MB=1, BLOB_TTL_S=4, MAX_FILES_BYTES=1_000_000
+    )
     with Api(stack) as api:
-        first, second = b"a" * (600 * 1024), b"b" * 1000
-        assert _upload(api, first).status_code == 200
+        first, second, third = b"a" * (600 * 1024), b"b" * 1000, b"e" * (900 * 1024)
+        first_link = _link(api, first)
+        assert httpx.put(first_link, content=first).status_code == 200
         # Past the bytes one principal may keep: 429, saying when room frees up.
         too_big = _upload(api, b"c" * (500 * 1024))
         body = _error(too_big, 429)
         assert "MAX_BLOB_STORAGE_MB" in body["error"] and 0 < body["retryAfterMs"] <= 4000, body
         assert too_big.headers["retry-after"] in ("1", "2", "3", "4")
         assert _upload(api, second).status_code == 200
-        # Past the count: 429 as well; the same bytes again are no new blob.
+        # Past the count: 429 as well. The same bytes again are no new blob (a replayed link).
         body = _error(_upload(api, b"d"), 429)
         assert "MAX_BLOBS_PER_PRINCIPAL" in body["error"], body
-        assert _check(api, first) == {"missing": [], "present": [_ref(first)]}
+        assert httpx.put(first_link, content=first).status_code == 200
+        first_touched = time.monotonic()  # `first` lives BLOB_TTL_S from here
+        # A blob that could never fit is a 413, not a 429 to retry forever.
+        _error(_upload(api, b"f" * (1024 * 1024 + 1)), 413)
 
-        # A job copies its blob's bytes when it is accepted: it runs after the blob expired.
+        # A job keeps the blobs it names alive as long as its record (JOB_RECORD_TTL).
         job = api.execute(
             {
                 "language": "python",
-                "files": [{"name": "main.py", "content": HASHER}, {"name": "f.bin", "ref": _ref(first)}],
-                "args": ["f.bin"],
+                "files": [{"name": "main.py", "content": HASHER}, {"name": "s.bin", "ref": _ref(second)}],
+                "args": ["s.bin"],
                 "collectOutput": True,
             }
         )
-        used_at = time.monotonic()  # `first` lives BLOB_TTL_S from here
-        time.sleep(2)
-        assert _check(api, second)["present"] == [_ref(second)]  # `second` (and the index) live on
-        time.sleep(max(0.0, used_at + 4.6 - time.monotonic()))
-        assert _check(api, first)["present"] == [], "expired"
+        time.sleep(max(0.0, first_touched + 4.6 - time.monotonic()))
+        both = _check(api, first, second)
+        assert [m["hash"] for m in both["missing"]] == [_ref(first)] and both["present"] == [_ref(second)], both
         _error(
             api.post("/v1/execute", json={"language": "python", "files": [{"name": "f.bin", "ref": _ref(first)}]}),
             400,
             "files[0].ref",
         )
         # An expired blob no longer counts: 900 KiB fit beside `second`.
-        assert _upload(api, b"e" * (900 * 1024)).status_code == 200
+        assert _upload(api, third).status_code == 200
+        # Files named by ref count toward MAX_FILES_BYTES by their blobs' sizes, each file.
+        _error(
+            api.post(
+                "/v1/execute",
+                json={"language": "python", "files": [{"name": "x", "ref": _ref(third)}, {"name": "y", "ref": _ref(third)}]},
+            ),
+            400,
+            "files",
+        )
         assert api.start(job).status_code == 202
         output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
-        assert output["stdout"] == _line("f.bin", first), output
+        assert output["stdout"] == _line("s.bin", second), output
+
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_a_worker_runs_a_blob_only_if_its_bytes_match_its_name(make_stack: StackFactory) -> None:
+    # Redis is no trust boundary: the worker hashes what it fetched before it writes a file.
+    stack = make_stack(with_worker=False)
+    with Api(stack) as api:
+        data = b"the real bytes"
+        assert _upload(api, data).status_code == 200
+        body = {"language": "python", "files": [{"name": "main.py", "content": HASHER}, {"name": "d.bin", "ref": _ref(data)}],
+                "args": ["d.bin"], "collectOutput": True}  # fmt: skip
+        tampered = api.execute(body)
+        owner = hashlib.sha256(b"owner:" + stack.api_token.encode()).hexdigest()[:32]
+        redis = stack.redis()
+        key = f"blob:{owner}:{_ref(data).removeprefix('sha256:')}"
+        assert redis.get(key) == data
+        redis.set(key, b"other bytes", keepttl=True)
+        stack.start_worker()
+        assert api.start(tampered).status_code == 202
+        output = api.get(f"/v1/jobs/{tampered['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
+        assert output["outcome"] != "completed" and "files[1].ref" in (output.get("message") or ""), output
+        assert output["stdout"] == ""
+        redis.set(key, data, keepttl=True)
+        intact = api.execute(body)
+        assert api.start(intact).status_code == 202
+        output = api.get(f"/v1/jobs/{intact['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
+        assert output["stdout"] == _line("d.bin", data), output
+
+
+@pytest.mark.stack
+def test_uploads_at_once_are_bounded(make_stack: StackFactory) -> None:
+    # Each upload holds its body in memory: one that trickles in holds the only slot, and
+    # another is refused until it is done.
+    stack = make_stack(with_worker=False, MAX_BLOB_UPLOADS=1)
+    with Api(stack) as api:
+        slow, quick = b"g" * 1000, b"h"
+        link = urlsplit(_link(api, slow))
+        with socket.create_connection((link.hostname, link.port)) as trickle:
+            head = f"PUT {link.path}?{link.query} HTTP/1.1\r\nHost: {link.netloc}\r\nContent-Length: {len(slow)}\r\n\r\n"
+            trickle.sendall(head.encode() + slow[:10])
+            refused = _upload(api, quick)
+            for _ in range(20):
+                if refused.status_code == 429:
+                    break
+                time.sleep(0.1)  # (the trickling request may not have been read yet)
+                refused = httpx.put(_link(api, quick), content=quick)
+            body = _error(refused, 429)
+            assert "blob uploads" in body["error"] and body["retryAfterMs"] > 0, body
+            trickle.sendall(slow[10:])
+            assert trickle.recv(100).startswith(b"HTTP/1.1 200")
+        assert _upload(api, quick).status_code == 200

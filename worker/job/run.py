@@ -16,6 +16,7 @@ worker (Fenced), where writing anything would be wrong.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
+from shared.blobs import parse_ref
 from shared.errors import ValidationError
 from shared.grading import cases_not_run
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
@@ -168,7 +170,7 @@ class JobRun:
                 await self._finish_without_run(Outcome.KILLED, "killed before it started")
                 return
             try:
-                plan = self._plan()
+                plan = self._plan(await self._blobs())
             except NotOfferedHere as exc:
                 # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
                 # worker that has it take the job, unless it has gone round too often.
@@ -465,7 +467,17 @@ class JobRun:
 
     # ------------------------------------------------------------------ load
 
-    def _plan(self) -> Plan:
+    async def _blobs(self) -> dict[str, bytes]:
+        """The uploaded blobs the spec's files name by `ref`, each only if its bytes hash to
+        its name (Redis is no trust boundary); `decode_files` refuses a file whose blob is
+        missing. The API kept them alive for as long as the job's record lives."""
+        digests = [digest for f in self.spec.files if f.ref is not None and (digest := parse_ref(f.ref)) is not None]
+        if not digests:
+            return {}
+        found = await self.ctx.queue.blobs(self.spec.owner, digests)
+        return await off_loop(_matching, found)  # (hashing megabytes would hold the loop)
+
+    def _plan(self, blobs: dict[str, bytes]) -> Plan:
         """What to exec for this job (no sandbox needed yet); refuses what this worker lacks."""
         spec = self.spec
         runtime = self.ctx.runtimes.get(spec.language)
@@ -473,7 +485,7 @@ class JobRun:
             raise NotOfferedHere(f"language {spec.language} is not offered by this worker")
         if spec.version and spec.version != runtime.version:
             raise NotOfferedHere(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
-        files = decode_files(spec.files, self.ctx.settings.max_files_bytes)
+        files = decode_files(spec.files, self.ctx.settings.max_files_bytes, blobs)
         manifest = runtime.manifest
         names = [name for name, _ in files]
         entry = names[0]
@@ -982,3 +994,7 @@ class JobRun:
                 await self._finish_without_run(outcome, message)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
+
+
+def _matching(blobs: dict[str, bytes]) -> dict[str, bytes]:
+    return {digest: data for digest, data in blobs.items() if hashlib.sha256(data).hexdigest() == digest}

@@ -672,6 +672,11 @@ class WorkerQueue:
         or been reaped."""
         return {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
 
+    async def blobs(self, owner: str, digests: list[str]) -> dict[str, bytes]:
+        """The bytes of each of `digests` that `owner` keeps (uploaded blobs, `files[].ref`)."""
+        values = await self.redis.mget([keys.blob_key(owner, digest) for digest in digests])
+        return {digest: bytes(data) for digest, data in zip(digests, values, strict=True) if data is not None}
+
     async def worker_timings(self, worker_ids: Iterable[str]) -> dict[str, tuple[int, int] | None]:
         """The (lease ms, heartbeat ms) each of `worker_ids` advertises in the workers list;
         None for one that is not listed, did not say (an older worker) or cannot be read."""
