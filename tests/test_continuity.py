@@ -120,18 +120,24 @@ async def test_a_read_without_a_beat_after_it_never_counts() -> None:
     assert loop.time() - started >= LEASE_S * 0.9  # gave up after a lease
 
 
-async def test_a_record_judges_only_workers_whose_lapsing_stalls_it_counts_as_breaks() -> None:
-    continuity, token = await _judging()  # a lease of 1 s renewed every 0.1 s
-    assert continuity.covers(LEASE_S, INTERVAL_S)  # its own settings
-    assert continuity.covers(2 * LEASE_S, INTERVAL_S)  # a longer lease lapses on longer stalls only
-    assert not continuity.covers(LEASE_S / 2, INTERVAL_S)  # lapses on stalls of 0.4 s
-    assert not continuity.covers(LEASE_S, 3 * INTERVAL_S)  # renewed late: lapses on stalls of 0.7 s
-    assert not continuity.covers(3 * LEASE_S, LEASE_S)  # may not renew within our wait after a break
-    # Why: a stall of 0.45 s lapses a 0.5 s lease renewed every 0.1 s, and is no break here.
+async def test_a_worker_with_other_settings_is_judged_by_the_gaps_the_record_saw() -> None:
+    continuity, token = await _judging()  # answers every 0.1 s for a lease (1 s)
+    assert continuity.may_judge(LEASE_S, INTERVAL_S)  # its own settings
+    assert continuity.may_judge(LEASE_S / 2, INTERVAL_S)  # lapses on stalls of 0.4 s: none seen
+    assert continuity.may_judge(10 * LEASE_S, INTERVAL_S)
+    assert not continuity.may_judge(0.2, INTERVAL_S)  # lapses on stalls of 0.1 s: every gap is one
+    assert not continuity.may_judge(6.0, 2.0)  # may not have renewed since the record began
+    # A gap of 0.45 s is no break for a 1 s lease, but it could have lapsed a 0.5 s one.
     loop = asyncio.get_running_loop()
     await asyncio.sleep(0.45)
     continuity.answered(loop.time(), DATASET)
     assert continuity.judging() == token
+    assert continuity.may_judge(LEASE_S, INTERVAL_S)
+    assert not continuity.may_judge(LEASE_S / 2, INTERVAL_S)
+    # A break starts the count again: after a lease of steady answers the short lease is fine.
+    continuity.failed(loop.time())
+    await _answers(continuity, LEASE_S + INTERVAL_S)
+    assert continuity.may_judge(LEASE_S / 2, INTERVAL_S)
 
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:

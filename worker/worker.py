@@ -455,19 +455,21 @@ class Worker:
             )
 
     async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str]) -> set[str]:
-        """Those of `worker_ids` whose lease settings let a Redis stall lapse their lease
-        without this worker's record counting it as a break (a fleet whose settings differ,
-        say mid-way through changing them): they are left to a worker whose record does."""
+        """Those of `worker_ids` whose lease settings differ from ours (a fleet changing them)
+        in a way our record cannot vouch for yet: a Redis stall that lapses their lease might
+        not have been a break for us, or they may not have renewed since the last one. They
+        are judged again next round."""
         uncovered: set[str] = set()
         for wid, timing in (await ctx.queue.worker_timings(worker_ids)).items():
-            if timing is None or self.continuity.covers(timing[0] / 1000, timing[1] / 1000):
+            own = (self.settings.worker_lease_ttl_ms, self.settings.worker_heartbeat_ms)
+            if timing is None or timing == own or self.continuity.may_judge(timing[0] / 1000, timing[1] / 1000):
                 continue
             uncovered.add(wid)
             if wid not in self._uncovered_warned:
                 self._uncovered_warned.add(wid)
                 log.warning(
-                    "worker %s looks dead, but its WORKER_LEASE_TTL_MS=%d / WORKER_HEARTBEAT_MS=%d lapse on "
-                    "Redis stalls that ours (%d / %d) do not count: it is left to a worker with settings like its own",
+                    "worker %s looks dead; its WORKER_LEASE_TTL_MS=%d / WORKER_HEARTBEAT_MS=%d differ from ours (%d / %d) "
+                    "and Redis has not answered us steadily enough to judge it yet",
                     wid, timing[0], timing[1], self.settings.worker_lease_ttl_ms, self.settings.worker_heartbeat_ms,
                 )  # fmt: skip
         return uncovered

@@ -30,9 +30,10 @@ class RedisContinuity:
         # one interval lapses its lease: a gap between answers longer than that, with half an
         # interval's margin for its own beat's delay, is a break. The settings keep the lease
         # at three intervals or more, so an ordinary late beat is not one. (Every worker
-        # computes this from its own settings; `covers` tells whether it serves another's.)
+        # computes this from its own settings; `may_judge` tells whether it serves another's.)
         self.max_gap_s = lease_s - 1.5 * interval_s
         self._since: float | None = None  # loop time of the first answer since the last break
+        self._longest_gap_s = 0.0  # the longest gap between answers since then
         self._last_answer: float | None = None
         self._dataset: bytes | None = None
         self.breaks = 0
@@ -49,6 +50,9 @@ class RedisContinuity:
             if self._since is not None:
                 self.breaks += 1
             self._since = now
+            self._longest_gap_s = 0.0
+        elif self._last_answer is not None:
+            self._longest_gap_s = max(self._longest_gap_s, now - self._last_answer)
         self._last_answer = now
         self._dataset = dataset
         self._beat_ended(sent_at)
@@ -65,14 +69,18 @@ class RedisContinuity:
         ended, self._ended = self._ended, asyncio.Event()
         ended.set()
 
-    def covers(self, lease_s: float, interval_s: float) -> bool:
-        """Whether this record may judge a worker that renews a lease of `lease_s` every
-        `interval_s`: every stall that can lapse that lease is a break here (its lapse needs
-        a stall of its lease less its interval, ours counts one of our lease less our
-        interval, each less half our interval), and after a break, judging waits (a lease of
-        ours) long enough for that worker to have renewed, a beat of ours to spare."""
-        ours = self._lease_s - self._interval_s
-        return ours <= lease_s - interval_s and interval_s <= ours
+    def may_judge(self, lease_s: float, interval_s: float) -> bool:
+        """Whether a worker that renews a lease of `lease_s` every `interval_s` may be judged
+        now, after `held` said yes: when its settings differ from ours (a fleet changing
+        them), our break rule may not fit it. It may, if no gap between our answers since the
+        last break was long enough to lapse its lease (its lease less its interval, half an
+        interval of ours to spare, as for our own), and the last break is long enough ago for
+        it to have renewed since (its interval and one of ours)."""
+        since = self._since
+        if since is None:
+            return False
+        quiet_s = asyncio.get_running_loop().time() - since
+        return self._longest_gap_s <= lease_s - interval_s - self._interval_s / 2 and quiet_s >= interval_s + self._interval_s
 
     def judging(self) -> int | None:
         """A token for `held` when Redis has answered without a break for a whole lease (a

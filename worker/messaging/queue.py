@@ -679,7 +679,8 @@ class WorkerQueue:
 
     async def worker_timings(self, worker_ids: Iterable[str]) -> dict[str, tuple[int, int] | None]:
         """The (lease ms, heartbeat ms) each of `worker_ids` advertises in the workers list;
-        None for one that is not listed, did not say (an older worker) or cannot be read."""
+        None for one that is not listed, did not say (an older worker) or cannot be read, or
+        whose figures make no sense."""
         ids = sorted(set(worker_ids))
         if not ids:
             return {}
@@ -689,8 +690,9 @@ class WorkerQueue:
                 info = decode_stored(WorkerInfo, raw) if raw is not None else None
             except (msgspec.DecodeError, msgspec.ValidationError):
                 info = None
-            has = info is not None and info.lease_ttl_ms is not None and info.heartbeat_ms is not None
-            found[wid] = (info.lease_ttl_ms, info.heartbeat_ms) if has else None  # type: ignore[union-attr]
+            lease_ms, heartbeat_ms = (info.lease_ttl_ms, info.heartbeat_ms) if info is not None else (None, None)
+            sane = lease_ms is not None and heartbeat_ms is not None and 0 < heartbeat_ms < lease_ms
+            found[wid] = (lease_ms, heartbeat_ms) if sane else None  # type: ignore[assignment]
         return found
 
     async def unleased(self, worker_ids: Iterable[str]) -> set[str]:
