@@ -39,17 +39,25 @@ _encoder = msgspec.json.Encoder()
 # A check or finalize body: at most 100 references of 71 characters, with JSON around them.
 _HASHES_BODY_BYTES = 64 * 1024
 
+# A blob a job holds may live longer than BLOB_TTL_S (see BlobStore.hold): every script only
+# ever lengthens a life, and the index lives as long as its longest-lived blob.
+_LENGTHEN = """
+local function lengthen(key, ttl)
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
+end
+"""
+
 # KEYS: the blob, the owner's blob index. ARGV: digest, bytes, ttl s, most bytes the owner may
 # keep, most blobs, the owner's blob key prefix. Returns {1} (stored, or already there: its
 # TTL renewed), {0, blobs kept, ms until the soonest expires} (too many blobs) or {-1, bytes
 # kept, ms until the soonest expires} (too many bytes). Index entries whose blob has
 # expired are dropped on the way, so the sums count only live blobs.
-_PUT = """
+_PUT = _LENGTHEN + """
 local size = string.len(ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  lengthen(KEYS[1], ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[1], size)
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  lengthen(KEYS[2], ARGV[3])
   return {1}
 end
 local total, count, soonest = 0, 0, -1
@@ -68,19 +76,20 @@ if count + 1 > tonumber(ARGV[5]) then return {0, count, soonest} end
 if total + size > tonumber(ARGV[4]) then return {-1, total, soonest} end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[1], size)
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+lengthen(KEYS[2], ARGV[3])
 return {1}
 """
 
-# KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Renews
-# each blob that exists and returns 1 or 0 per digest.
-_TOUCH = """
+# KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Gives
+# each blob that exists at least `ttl` more and returns 1 or 0 per digest.
+_TOUCH = _LENGTHEN + """
 local out = {}
 for i = 3, #ARGV do
   local key = ARGV[2] .. ARGV[i]
-  if redis.call('EXPIRE', key, ARGV[1]) == 1 then
+  if redis.call('EXISTS', key) == 1 then
+    lengthen(key, ARGV[1])
     redis.call('HSET', KEYS[1], ARGV[i], redis.call('STRLEN', key))
-    redis.call('EXPIRE', KEYS[1], ARGV[1])
+    lengthen(KEYS[1], ARGV[1])
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
@@ -92,15 +101,15 @@ return out
 # KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Each blob
 # that exists lives at least `ttl` from now (a longer life it has is kept) and is put back on
 # the index if it fell off; returns each one's size, -1 where missing.
-_HOLD = """
+_HOLD = _LENGTHEN + """
 local out = {}
 for i = 3, #ARGV do
   local key = ARGV[2] .. ARGV[i]
   local size = redis.call('STRLEN', key)
   if size > 0 or redis.call('EXISTS', key) == 1 then
-    if redis.call('TTL', key) < tonumber(ARGV[1]) then redis.call('EXPIRE', key, ARGV[1]) end
+    lengthen(key, ARGV[1])
     redis.call('HSET', KEYS[1], ARGV[i], size)
-    if redis.call('TTL', KEYS[1]) < tonumber(ARGV[1]) then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+    lengthen(KEYS[1], ARGV[1])
     out[#out + 1] = size
   else
     out[#out + 1] = -1
@@ -152,7 +161,9 @@ class BlobStore:
         (a job naming them can then fetch them for as long as it can run)."""
         if not digests:
             return {}
-        reply = await self._hold(keys=[keys.blob_index_key(owner)], args=[max(hold_s, self._ttl_s), keys.blob_prefix(owner), *digests])
+        # (A minute more than asked: the job's record is written just after this.)
+        ttl_s = max(hold_s + 60, self._ttl_s)
+        reply = await self._hold(keys=[keys.blob_index_key(owner)], args=[ttl_s, keys.blob_prefix(owner), *digests])
         return {digest: int(size) for digest, size in zip(digests, reply, strict=True) if int(size) >= 0}
 
 
@@ -171,6 +182,31 @@ async def _hashes(request: Request) -> list[str]:
             raise ValidationError([FieldError(f"hashes[{index}]", "must be sha256:<64 lowercase hex digits>")])
         digests[digest] = None
     return list(digests)
+
+
+async def _hashed_body(request: Request, limit: int, digest: str) -> bytes:
+    """The body, hashed as it arrives (no pause of the loop to hash megabytes at the end).
+
+    Raises:
+        ApiError: 413 past `limit` bytes (declared or streamed).
+        ValidationError: naming `body` when it does not hash to `digest`.
+    """
+    too_big = f"A blob must be at most {limit} bytes (MAX_FILES_BYTES, and no more than MAX_BLOB_STORAGE_MB)"
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, too_big)
+    sha = hashlib.sha256()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, too_big)
+        sha.update(chunk)
+        chunks.append(chunk)
+    if sha.hexdigest() != digest:
+        raise ValidationError([FieldError("body", f"does not hash to the link's sha256:{digest}")])
+    return b"".join(chunks)
 
 
 def _public_base(request: Request, settings: Settings) -> str:
@@ -227,15 +263,13 @@ async def upload_blob(request: Request) -> Response:
     owner = state.auth.owner
     if not verify_upload(settings.pusher_secret, digest, owner, query.get("expires", ""), query.get("sig", ""), int(time.time())):
         raise ApiError(403, "This upload link is not valid or has expired; POST /v1/blobs/check gives a fresh one")
+    if await state.blobs.exists(owner, digest):
+        return _json({"ok": True})  # (a replayed link: the bytes are kept already, unread)
     slots: StreamSlots = request.app.state.blob_uploads
     slot = slots.acquire(digest, owner)
     try:
         limit = min(settings.max_files_bytes, settings.max_blob_storage_mb * 1024 * 1024)
-        data = await read_body(request, limit)
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ValidationError([FieldError("body", f"does not hash to the link's sha256:{digest}")])
-        if await state.blobs.exists(owner, digest):
-            return _json({"ok": True})
+        data = await _hashed_body(request, limit, digest)
         refused = await state.blobs.put(owner, digest, data)
     finally:
         slot.release()

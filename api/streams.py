@@ -50,8 +50,11 @@ class StreamSlot:
 
 
 class StreamSlots:
-    def __init__(self, max_total: int, max_per_job: int, max_per_principal: int, what: str = "event streams") -> None:
+    def __init__(
+        self, max_total: int, max_per_job: int, max_per_principal: int, what: str = "event streams", per: str = "job"
+    ) -> None:
         self.max_total = max_total
+        self.per = per
         self.max_per_job = max_per_job
         self.max_per_principal = max_per_principal
         self.what = what
@@ -71,7 +74,7 @@ class StreamSlots:
     @classmethod
     def blob_uploads(cls, settings: Settings) -> StreamSlots:
         # Keyed by digest: one upload link replayed at once takes at most two.
-        return cls(settings.max_blob_uploads, 2, settings.max_blob_uploads, "blob uploads")
+        return cls(settings.max_blob_uploads, 2, settings.max_blob_uploads, "blob uploads", per="blob")
 
     @classmethod
     def output_waits(cls, settings: Settings) -> StreamSlots:
@@ -91,7 +94,7 @@ class StreamSlots:
         what = self.what
         if self._jobs[job_id] >= self.max_per_job:
             raise _refused(
-                429, f"Too many {what} open for this job (at most {self.max_per_job}); close one or retry later"
+                429, f"Too many {what} open for this {self.per} (at most {self.max_per_job}); close one or retry later"
             )
         if self._principals[principal] >= self.max_per_principal:
             raise _refused(

@@ -67,12 +67,13 @@ __all__ = [
 class FileSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A file as a job's spec holds it: its bytes inline, or `ref`, the `sha256:<hex>` of a
     blob of the job's owner, which the worker fetches and checks when it claims the job (a
-    worker older than `ref` refuses such a spec rather than run without the file)."""
+    worker older than `ref` refuses a spec that has one rather than run without the file)."""
 
     name: str
     content: str = ""
     encoding: Literal["utf8", "utf-8", "base64"] = "utf8"
-    ref: str | None = None
+    # Unset, it is not written at all: a spec without refs reads as before to older workers.
+    ref: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FileInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -160,7 +160,7 @@ def _files(
         seen.add(spec.name)
         directories |= prefixes
         data: bytes | int
-        if spec.ref is not None:
+        if spec.ref is not UNSET:
             digest = parse_ref(spec.ref)
             if digest is None:
                 raise ValidationError([FieldError(f"files[{index}].ref", "must be sha256:<64 lowercase hex digits>")])

@@ -15,13 +15,16 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
+import msgspec
 import pytest
 
 from api.blobs import _public_base
 from launcher.stack import Stack
 from shared.blobs import parse_ref, sign_upload, verify_upload
+from shared.codec import encode
 from shared.errors import ConfigError, ValidationError
-from shared.messages import FileInput
+from shared.limits import DEFAULT_LIMITS
+from shared.messages import FileInput, JobSpec
 from shared.settings import load_settings
 from shared.validation import check_files, decode_files, file_refs, spec_files
 from tests.conftest import StackFactory
@@ -73,7 +76,7 @@ def test_files_by_ref_stay_refs_in_the_spec_and_count_by_their_blobs_size() -> N
     assert file_refs(files) == [DIGEST], "each digest once"
     specs = spec_files(files)
     assert [(s.name, s.content, s.ref) for s in specs] == [
-        ("a.py", "print(1)", None),
+        ("a.py", "print(1)", msgspec.UNSET),
         ("b.bin", "", f"sha256:{DIGEST}"),
         ("c.bin", "", f"sha256:{DIGEST}"),
     ]
@@ -94,6 +97,29 @@ def test_files_by_ref_stay_refs_in_the_spec_and_count_by_their_blobs_size() -> N
         with pytest.raises(ValidationError) as refused:
             file_refs(bad)
         assert refused.value.details[0].field == field
+
+
+class _OldFileSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """FileSpec as workers from before `ref` decode it."""
+
+    name: str
+    content: str
+    encoding: str = "utf8"
+
+
+class _OldSpec(msgspec.Struct, kw_only=True, rename="camel"):
+    files: list[_OldFileSpec]
+
+
+def test_a_spec_without_refs_reads_as_before_to_an_older_worker() -> None:
+    # A rolling upgrade runs workers from before `ref` (_OldSpec) beside new APIs.
+    files = spec_files([FileInput(name="main.py", content="print(1)"), FileInput(name="empty.txt", content="")])
+    spec = JobSpec(job_id="j", language="python", version="3", files=files, limits=DEFAULT_LIMITS, created_at_ms=0)
+    old = msgspec.json.decode(encode(spec), type=_OldSpec)
+    assert [(f.name, f.content) for f in old.files] == [("main.py", "print(1)"), ("empty.txt", "")]
+    with_ref = spec_files([FileInput(name="main.py", content="x"), FileInput(name="d.bin", ref=f"sha256:{DIGEST}")])
+    with pytest.raises(msgspec.ValidationError, match="ref"):  # refused, never run without the file
+        msgspec.json.decode(encode(msgspec.structs.replace(spec, files=with_ref)), type=_OldSpec)
 
 
 def test_public_api_url_must_be_an_http_url_and_moves_the_links() -> None:
@@ -169,12 +195,19 @@ def test_upload_then_execute_by_ref_gives_the_exact_bytes(api: Api) -> None:
     finalized = api.post("/v1/blobs/finalize", json={"hashes": [_ref(data)]})
     assert finalized.status_code == 200 and finalized.json() == {"finalized": [_ref(data)]}, finalized.text
     # One blob, two files: each gets its own copy; inline files work beside them.
+    if not _check(api, b"")["present"]:
+        assert _upload(api, b"").status_code == 200  # an empty file is a blob too
     stdout = _hashed(
         api,
-        [{"name": "d/one.bin", "ref": _ref(data)}, {"name": "two.bin", "ref": _ref(data)}, {"name": "three.txt", "content": "3"}],
-        ["d/one.bin", "two.bin", "three.txt"],
+        [
+            {"name": "d/one.bin", "ref": _ref(data)},
+            {"name": "two.bin", "ref": _ref(data)},
+            {"name": "three.txt", "content": "3"},
+            {"name": "empty", "ref": _ref(b"")},
+        ],
+        ["d/one.bin", "two.bin", "three.txt", "empty"],
     )
-    assert stdout == _line("d/one.bin", data) + _line("two.bin", data) + _line("three.txt", b"3")
+    assert stdout == _line("d/one.bin", data) + _line("two.bin", data) + _line("three.txt", b"3") + _line("empty", b"")
 
 
 @pytest.mark.stack
@@ -233,9 +266,8 @@ def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack:
 @pytest.mark.stack
 @pytest.mark.sandbox
 def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
-    stack = make_stack(
-        MAX_BLOBS_PER_PRINCIPAL=2, MAX_BLOB_STORAGE_MB=1, BLOB_TTL_S=4, MAX_FILES_BYTES=1_000_000
-    )
+    # No worker at first: the job below is claimed only after its blob's BLOB_TTL_S is over.
+    stack = make_stack(with_worker=False, MAX_BLOBS_PER_PRINCIPAL=2, MAX_BLOB_STORAGE_MB=1, BLOB_TTL_S=4)
     with Api(stack) as api:
         first, second, third = b"a" * (600 * 1024), b"b" * 1000, b"e" * (900 * 1024)
         first_link = _link(api, first)
@@ -251,8 +283,9 @@ def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
         assert "MAX_BLOBS_PER_PRINCIPAL" in body["error"], body
         assert httpx.put(first_link, content=first).status_code == 200
         first_touched = time.monotonic()  # `first` lives BLOB_TTL_S from here
-        # A blob that could never fit is a 413, not a 429 to retry forever.
-        _error(_upload(api, b"f" * (1024 * 1024 + 1)), 413)
+        # A blob that could never fit (over MAX_BLOB_STORAGE_MB, under MAX_FILES_BYTES) is a
+        # 413, not a 429 to retry forever.
+        assert "MAX_BLOB_STORAGE_MB" in _error(_upload(api, b"f" * (1024 * 1024 + 1)), 413)["error"]
 
         # A job keeps the blobs it names alive as long as its record (JOB_RECORD_TTL).
         job = api.execute(
@@ -266,6 +299,9 @@ def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
         time.sleep(max(0.0, first_touched + 4.6 - time.monotonic()))
         both = _check(api, first, second)
         assert [m["hash"] for m in both["missing"]] == [_ref(first)] and both["present"] == [_ref(second)], both
+        # That check renewed `second` without cutting the job's hold short.
+        owner = hashlib.sha256(b"owner:" + stack.api_token.encode()).hexdigest()[:32]
+        assert stack.redis().ttl(f"blob:{owner}:{_ref(second).removeprefix('sha256:')}") > 3600
         _error(
             api.post("/v1/execute", json={"language": "python", "files": [{"name": "f.bin", "ref": _ref(first)}]}),
             400,
@@ -273,15 +309,10 @@ def test_storage_bounds_and_expiry(make_stack: StackFactory) -> None:
         )
         # An expired blob no longer counts: 900 KiB fit beside `second`.
         assert _upload(api, third).status_code == 200
-        # Files named by ref count toward MAX_FILES_BYTES by their blobs' sizes, each file.
-        _error(
-            api.post(
-                "/v1/execute",
-                json={"language": "python", "files": [{"name": "x", "ref": _ref(third)}, {"name": "y", "ref": _ref(third)}]},
-            ),
-            400,
-            "files",
-        )
+        # Files named by ref count toward MAX_FILES_BYTES (8 MiB) by their blobs' sizes, each file.
+        ten = [{"name": f"f{i}", "ref": _ref(third)} for i in range(10)]
+        _error(api.post("/v1/execute", json={"language": "python", "files": ten}), 400, "files")
+        stack.start_worker()
         assert api.start(job).status_code == 202
         output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
         assert output["stdout"] == _line("s.bin", second), output
@@ -305,9 +336,10 @@ def test_a_worker_runs_a_blob_only_if_its_bytes_match_its_name(make_stack: Stack
         assert redis.get(key) == data
         redis.set(key, b"other bytes", keepttl=True)
         stack.start_worker()
-        assert api.start(tampered).status_code == 202
+        api.start(tampered)  # (202, or 409 if the worker already ended it when it claimed it)
         output = api.get(f"/v1/jobs/{tampered['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
-        assert output["outcome"] != "completed" and "files[1].ref" in (output.get("message") or ""), output
+        message = output.get("message") or ""
+        assert output["outcome"] != "completed" and "files[1].ref" in message and "do not match" in message, output
         assert output["stdout"] == ""
         redis.set(key, data, keepttl=True)
         intact = api.execute(body)
@@ -324,7 +356,7 @@ def test_uploads_at_once_are_bounded(make_stack: StackFactory) -> None:
     with Api(stack) as api:
         slow, quick = b"g" * 1000, b"h"
         link = urlsplit(_link(api, slow))
-        with socket.create_connection((link.hostname, link.port)) as trickle:
+        with socket.create_connection((link.hostname, link.port), timeout=10) as trickle:
             head = f"PUT {link.path}?{link.query} HTTP/1.1\r\nHost: {link.netloc}\r\nContent-Length: {len(slow)}\r\n\r\n"
             trickle.sendall(head.encode() + slow[:10])
             refused = _upload(api, quick)

@@ -22,12 +22,13 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+from msgspec import UNSET
 from redis.exceptions import RedisError
 
 from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
 from shared.blobs import parse_ref
-from shared.errors import ValidationError
+from shared.errors import FieldError, ValidationError
 from shared.grading import cases_not_run
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
 from shared.manifest import Manifest, expand_argv, names_compiled_shim
@@ -170,7 +171,8 @@ class JobRun:
                 await self._finish_without_run(Outcome.KILLED, "killed before it started")
                 return
             try:
-                plan = self._plan(await self._blobs())
+                manifest = self._manifest()
+                plan = self._plan(manifest, await self._blobs())
             except NotOfferedHere as exc:
                 # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
                 # worker that has it take the job, unless it has gone round too often.
@@ -183,7 +185,17 @@ class JobRun:
                 else:
                     await self._finish_without_run(Outcome.INTERNAL_ERROR, f"no worker could run it: {exc}")
                 return
-            except (PlatformError, ValidationError) as exc:
+            except RedisError as exc:
+                # Its uploaded files could not be read: another claim, here or elsewhere, may.
+                log.warning("job %s: reading its uploaded files failed (%s); handing it back", self.job_id, exc)
+                self._finished = True
+                await self._hand_back(to_back=True)
+                return
+            except ValidationError as exc:
+                log.error("job %s: its files cannot be prepared: %s", self.job_id, exc)
+                await self._finish_without_run(Outcome.INTERNAL_ERROR, f"the job's files could not be prepared: {exc}")
+                return
+            except PlatformError as exc:
                 log.error("job %s: cannot plan the job: %s", self.job_id, exc)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
@@ -468,25 +480,44 @@ class JobRun:
     # ------------------------------------------------------------------ load
 
     async def _blobs(self) -> dict[str, bytes]:
-        """The uploaded blobs the spec's files name by `ref`, each only if its bytes hash to
-        its name (Redis is no trust boundary); `decode_files` refuses a file whose blob is
-        missing. The API kept them alive for as long as the job's record lives."""
-        digests = [digest for f in self.spec.files if f.ref is not None and (digest := parse_ref(f.ref)) is not None]
+        """The bytes of the uploaded blobs the spec's files name by `ref`. The API kept each
+        alive for as long as the job's record lives.
+
+        Raises:
+            ValidationError: naming a file whose blob is gone, or whose stored bytes do not
+                hash to its name (Redis is no trust boundary).
+            RedisError: the blobs could not be read.
+        """
+        wanted = [(index, f.ref) for index, f in enumerate(self.spec.files) if f.ref is not UNSET]
+        digests = list(dict.fromkeys(digest for _, ref in wanted if (digest := parse_ref(ref)) is not None))
         if not digests:
             return {}
         found = await self.ctx.queue.blobs(self.spec.owner, digests)
-        return await off_loop(_matching, found)  # (hashing megabytes would hold the loop)
+        matching = await off_loop(_matching, found)  # (hashing megabytes would hold the loop)
+        for index, ref in wanted:
+            digest = parse_ref(ref) or ""
+            if digest not in found:
+                why = "names a blob that is no longer stored (it expired, or Redis lost it): upload it again"
+                raise ValidationError([FieldError(f"files[{index}].ref", why)])
+            if digest not in matching:
+                raise ValidationError([FieldError(f"files[{index}].ref", "names a stored blob whose bytes do not match it")])
+        return matching
 
-    def _plan(self, blobs: dict[str, bytes]) -> Plan:
-        """What to exec for this job (no sandbox needed yet); refuses what this worker lacks."""
+    def _manifest(self) -> Manifest:
+        """The manifest of this job's runtime on this worker; refuses a language or version
+        it lacks."""
         spec = self.spec
         runtime = self.ctx.runtimes.get(spec.language)
         if runtime is None:
             raise NotOfferedHere(f"language {spec.language} is not offered by this worker")
         if spec.version and spec.version != runtime.version:
             raise NotOfferedHere(f"{spec.language} {spec.version} is not available here (this worker has {runtime.version})")
+        return runtime.manifest
+
+    def _plan(self, manifest: Manifest, blobs: dict[str, bytes]) -> Plan:
+        """What to exec for this job (no sandbox needed yet)."""
+        spec = self.spec
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes, blobs)
-        manifest = runtime.manifest
         names = [name for name, _ in files]
         entry = names[0]
         sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
