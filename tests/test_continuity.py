@@ -27,7 +27,7 @@ from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.isolation.cgroups import CgroupLayout, CgroupMode
-from worker.isolation.janitor import _owners, _remove
+from worker.isolation.janitor import _declare, _declared, _forget, _owners, _remove
 from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
@@ -146,6 +146,22 @@ def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:
     with pytest.raises(ConfigError, match="WORKER_LEASE_TTL_MS \\(2999\\) must be at least three times WORKER_HEARTBEAT_MS"):
         load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "2999"})
     assert load_settings({"PUSHER_SECRET": "x", "WORKER_HEARTBEAT_MS": "1000", "WORKER_LEASE_TTL_MS": "3000"})
+
+
+def test_workers_declare_their_lease_settings_on_the_host(tmp_path: Path) -> None:
+    _declare(tmp_path, "w-a", 10_000, 2_000)
+    _declare(tmp_path, "w-b", 45_000, 15_000)
+    _declare(tmp_path, "w-b", 45_000, 14_000)  # a restart with other settings replaces them
+    (tmp_path / ".timings" / "w-junk").write_text("lots\n")
+    (tmp_path / ".timings" / "w-absurd").write_text("1000 5000\n")  # a heartbeat past the lease
+    _declare(tmp_path, "../escape", 1, 1)  # never a path outside the folder
+    _declare(tmp_path, ".hidden", 1, 1)
+    assert sorted(p.name for p in (tmp_path / ".timings").iterdir()) == ["w-a", "w-absurd", "w-b", "w-junk"]
+    wanted = ["w-a", "w-b", "w-junk", "w-absurd", "w-never", "../escape"]
+    assert _declared(tmp_path, wanted) == {"w-a": (10_000, 2_000), "w-b": (45_000, 14_000)}
+    _forget(tmp_path, ["w-b", "w-never"])
+    assert _declared(tmp_path, wanted) == {"w-a": (10_000, 2_000)}
+    assert owner_of(".timings") is None  # the folder is no sandbox of anyone
 
 
 def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_candidate(tmp_path: Path) -> None:

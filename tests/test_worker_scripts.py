@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +30,7 @@ from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test c
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.isolation.jail import JailExit
+from worker.isolation.janitor import _declare
 from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
@@ -1014,6 +1016,42 @@ async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_l
     assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
     assert swept == [{queue.worker_id}]
+
+
+async def test_an_unlisted_sandbox_owner_is_judged_by_the_settings_it_declared_on_the_host(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Redis lost its data: the workers list is empty, and a live worker on 45 s / 15 s may not
+    # renew for 15 s after it answers again. The reaper (10 s / 2 s) may judge after 10 s of
+    # answers, but its sandboxes are swept only once it could have renewed (15 s and 2 s).
+    owner = "w-slow"
+    _declare(tmp_path, owner, 45_000, 15_000)
+    swept: list[set[str]] = []
+
+    async def owners(*_args: Any) -> set[str]:
+        return {owner}
+
+    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
+        swept.append(set(dead))
+        return 0
+
+    async def held(_token: int, after: float) -> bool:
+        return True
+
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=tmp_path), {})  # type: ignore[arg-type]
+    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
+    monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
+    monkeypatch.setattr(reaper.continuity, "held", held)
+    record = reaper.continuity
+    record._longest_gap_s = 2.0
+    record._since = asyncio.get_running_loop().time() - 11  # a lease of answers, and a little
+    await reaper._judge_others(ctx)  # type: ignore[arg-type]
+    assert swept == []
+    record._since = asyncio.get_running_loop().time() - 18
+    await reaper._judge_others(ctx)  # type: ignore[arg-type]
+    assert swept == [{owner}]
 
 
 async def test_a_sandbox_owner_that_renews_before_the_sweep_keeps_its_sandboxes(

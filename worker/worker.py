@@ -33,7 +33,7 @@ from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo, WorkerLoad
 from shared.settings import Settings
 from worker.context import WorkerContext
-from worker.isolation.janitor import sandbox_owners, sweep_orphans
+from worker.isolation.janitor import declare_timing, declared_timings, forget_timing, sandbox_owners, sweep_orphans
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
@@ -186,6 +186,9 @@ class Worker:
             # Only this id's own leftovers now: whether other workers are dead can be judged
             # only once this worker has had Redis for a whole lease (see _upkeep).
             await sweep_orphans(self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True)
+            await declare_timing(
+                self.sandboxes.work_root, self.worker_id, settings.worker_lease_ttl_ms, settings.worker_heartbeat_ms
+            )
             await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
             self.pool.start()
             await control.start()
@@ -209,6 +212,7 @@ class Worker:
             # Bounded: a worker told twice to stop must stop even while Redis is away (its
             # lease then simply expires, and others recover its claims).
             await self._leave(ctx, timeout_s=2.0)
+            await forget_timing(self.sandboxes.work_root, [self.worker_id])
             # Results the recovery wrote go out live before the publisher closes.
             await asyncio.gather(*self._background, return_exceptions=True)
             try:
@@ -447,7 +451,7 @@ class Worker:
         # A last look just before acting: a worker that renewed its lease since it was judged
         # (one that thawed) is alive after all.
         dead = await ctx.queue.unleased(dead)
-        dead -= await self._uncovered(ctx, dead & listed)
+        dead -= await self._uncovered(ctx, dead)
         await ctx.queue.reap_dead_workers(dead & listed)  # (a sandbox owner still starting has no claims)
         if dead:
             await sweep_orphans(
@@ -455,12 +459,17 @@ class Worker:
             )
 
     async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str]) -> set[str]:
-        """Those of `worker_ids` whose lease settings differ from ours (a fleet changing them)
-        in a way our record cannot vouch for yet: a Redis stall that lapses their lease might
-        not have been a break for us, or they may not have renewed since the last one. They
-        are judged again next round."""
+        """Those of `worker_ids` whose lease settings (from the workers list, else as declared
+        on this host) differ from ours (a fleet changing them) in a way our record cannot vouch
+        for yet: a Redis stall that lapses their lease might not have been a break for us, or
+        they may not have renewed since the last one. They are judged again next round."""
         uncovered: set[str] = set()
-        for wid, timing in (await ctx.queue.worker_timings(worker_ids)).items():
+        timings = await ctx.queue.worker_timings(worker_ids)
+        # A sandbox owner that is not listed (Redis lost its data, or it has not heartbeaten
+        # yet) may have declared its settings on this host.
+        unknown = [wid for wid, timing in timings.items() if timing is None]
+        timings.update(await declared_timings(self.sandboxes.work_root, unknown))
+        for wid, timing in timings.items():
             own = (self.settings.worker_lease_ttl_ms, self.settings.worker_heartbeat_ms)
             if timing is None or timing == own or self.continuity.may_judge(timing[0] / 1000, timing[1] / 1000):
                 continue

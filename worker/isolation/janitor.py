@@ -20,9 +20,14 @@ from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import owner_of
 from worker.isolation.workspace import detach_workspace
 
-__all__ = ["sandbox_owners", "sweep_orphans"]
+__all__ = ["declare_timing", "declared_timings", "forget_timing", "sandbox_owners", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
+
+# Where each worker on the host declares its lease settings (`<work root>/.timings/<id>`,
+# "<lease ms> <heartbeat ms>"): after Redis lost its data, the workers list no longer says
+# how long another worker on this host may go between renewals, but this folder still does.
+_TIMINGS = ".timings"
 
 
 def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
@@ -100,4 +105,63 @@ async def sweep_orphans(
     orphans = await off_loop(_remove, layout, work_root, candidates & cgroups, candidates & workspaces, min_age_s, me)
     if orphans:
         log.warning("removed %d sandbox(es) of dead workers: %s", len(orphans), ", ".join(sorted(orphans)))
+    # A dead worker's declared settings go with its last sandbox (not its own: it lives on).
+    cleared = owners - {me} - {owner_of(name) for name in candidates - orphans}
+    if cleared:
+        await forget_timing(work_root, cleared)
     return len(orphans)
+
+
+def _timing_path(work_root: Path | None, worker_id: str) -> Path | None:
+    if work_root is None or not worker_id or "/" in worker_id or worker_id.startswith("."):
+        return None
+    return work_root / _TIMINGS / worker_id
+
+
+def _declare(work_root: Path | None, worker_id: str, lease_ms: int, heartbeat_ms: int) -> None:
+    path = _timing_path(work_root, worker_id)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{worker_id}.partial")
+    partial.write_text(f"{lease_ms} {heartbeat_ms}\n")
+    partial.replace(path)
+
+
+def _declared(work_root: Path, worker_ids: Collection[str]) -> dict[str, tuple[int, int]]:
+    found: dict[str, tuple[int, int]] = {}
+    for worker_id in worker_ids:
+        path = _timing_path(work_root, worker_id)
+        try:
+            lease_ms, heartbeat_ms = (int(v) for v in path.read_text().split()) if path is not None else (0, 0)
+        except (OSError, ValueError):
+            continue
+        if 0 < heartbeat_ms < lease_ms:
+            found[worker_id] = (lease_ms, heartbeat_ms)
+    return found
+
+
+def _forget(work_root: Path | None, worker_ids: Collection[str]) -> None:
+    for worker_id in worker_ids:
+        path = _timing_path(work_root, worker_id)
+        try:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        except OSError as exc:  # (a leftover file only makes a later judge wait longer)
+            log.warning("could not remove %s: %s", path, exc)
+
+
+async def declare_timing(work_root: Path | None, worker_id: str, lease_ms: int, heartbeat_ms: int) -> None:
+    """Declare this worker's lease settings to the other workers on this host."""
+    await off_loop(_declare, work_root, worker_id, lease_ms, heartbeat_ms)
+
+
+async def declared_timings(work_root: Path | None, worker_ids: Collection[str]) -> dict[str, tuple[int, int]]:
+    """The (lease ms, heartbeat ms) that those of `worker_ids` on this host declared."""
+    if work_root is None or not worker_ids:
+        return {}
+    return await off_loop(_declared, work_root, worker_ids)
+
+
+async def forget_timing(work_root: Path | None, worker_ids: Collection[str]) -> None:
+    await off_loop(_forget, work_root, worker_ids)
