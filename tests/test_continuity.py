@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.errors import ConfigError
 from shared.settings import load_settings
+from tests.conftest import StackFactory
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.isolation.cgroups import CgroupLayout, CgroupMode
@@ -122,22 +123,58 @@ async def test_a_read_without_a_beat_after_it_never_counts() -> None:
 
 async def test_a_worker_with_other_settings_is_judged_by_the_gaps_the_record_saw() -> None:
     continuity, token = await _judging()  # answers every 0.1 s for a lease (1 s)
-    assert continuity.may_judge(LEASE_S, INTERVAL_S)  # its own settings
-    assert continuity.may_judge(LEASE_S / 2, INTERVAL_S)  # lapses on stalls of 0.4 s: none seen
-    assert continuity.may_judge(10 * LEASE_S, INTERVAL_S)
-    assert not continuity.may_judge(0.2, INTERVAL_S)  # lapses on stalls of 0.1 s: every gap is one
-    assert not continuity.may_judge(6.0, 2.0)  # may not have renewed since the record began
-    # A gap of 0.45 s is no break for a 1 s lease, but it could have lapsed a 0.5 s one.
     loop = asyncio.get_running_loop()
+    now = loop.time()
+    assert continuity.may_judge(LEASE_S, INTERVAL_S, now)  # its own settings
+    assert continuity.may_judge(0.8, INTERVAL_S, now)  # its peers call a gap of 0.65 s a break: none seen
+    assert continuity.may_judge(10 * LEASE_S, INTERVAL_S, now)
+    assert not continuity.may_judge(0.2, INTERVAL_S, now)  # 0.05 s: every gap is one
+    assert not continuity.may_judge(6.0, 2.0, now)  # may not have renewed since the record began
+    assert not continuity.may_judge(LEASE_S, INTERVAL_S, now - 2)  # a look from before it began
+    # A gap of 0.45 s is no break for a 1 s lease, but one for a 0.5 s lease's peers (0.35 s).
     await asyncio.sleep(0.45)
     continuity.answered(loop.time(), DATASET)
     assert continuity.judging() == token
-    assert continuity.may_judge(LEASE_S, INTERVAL_S)
-    assert not continuity.may_judge(LEASE_S / 2, INTERVAL_S)
-    # A break starts the count again: after a lease of steady answers the short lease is fine.
+    assert continuity.may_judge(LEASE_S, INTERVAL_S, loop.time())
+    assert not continuity.may_judge(0.5, INTERVAL_S, loop.time())
+    # Once it lies more than that lease before the look, it no longer counts.
+    await _answers(continuity, 0.7)
+    assert continuity.may_judge(0.5, INTERVAL_S, loop.time())
+    # A break starts the count again.
     continuity.failed(loop.time())
+    assert not continuity.may_judge(LEASE_S, INTERVAL_S, loop.time())
     await _answers(continuity, LEASE_S + INTERVAL_S)
-    assert continuity.may_judge(LEASE_S / 2, INTERVAL_S)
+    assert continuity.may_judge(0.5, INTERVAL_S, loop.time())
+
+
+async def test_gaps_older_than_the_history_count_as_the_longest_since_the_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    for history_s, judged in ((600.0, True), (0.3, False)):
+        monkeypatch.setattr("worker.messaging.continuity.GAP_HISTORY_S", history_s)
+        continuity = RedisContinuity(INTERVAL_S, LEASE_S)
+        await _answers(continuity, 0.5)
+        await asyncio.sleep(0.45)  # no break (0.85 s is one), but past a 0.58 s lease's peers' 0.43 s
+        continuity.answered(loop.time(), DATASET)
+        await _answers(continuity, 0.75)
+        # The gap ended over 0.58 s before this look: it counts only if the record cannot tell.
+        assert continuity.may_judge(0.58, INTERVAL_S, loop.time()) is judged, history_s
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_a_worker_declares_its_lease_settings_on_its_host_while_it_runs(make_stack: StackFactory) -> None:
+    stack = make_stack(with_worker=False, WORKER_LEASE_TTL_MS="6000", WORKER_HEARTBEAT_MS="500")
+    stack.start_worker()
+    name = stack.worker_names()[0]
+    declared = Path(f"/run/{stack.deployment}/.timings/{stack.worker_ids[name]}")
+    assert declared.read_text() == "6000 500\n"
+    declared.unlink()  # as a sweep would, had this worker just restarted under a judged id
+    deadline = time.monotonic() + 5
+    while not declared.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert declared.read_text() == "6000 500\n", "declared again within an upkeep round"
+    stack.stop_process(name)
+    assert not declared.exists()
 
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:

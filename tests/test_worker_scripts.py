@@ -976,9 +976,10 @@ async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_l
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Mid-way through a settings change a fleet mixes leases. A reaper on 10 s / 2 s counts
-    # only a gap over 7 s as a break; a gap of 3.5 s between its answers says nothing to
-    # itself, but may be a stall that lapsed a 5 s lease renewed every second. Until its
-    # answers come steadily enough, it leaves such a worker, claims and sandboxes, alone.
+    # only a gap over 7 s as a break; a gap of 4 s between its answers says nothing to
+    # itself, but may be a stall that lapsed a 5 s lease renewed every second (whose peers
+    # call 3.5 s a break). While such a gap lies within that lease before the look, it
+    # leaves such a worker, claims and sandboxes, alone.
     short = load_settings({"PUSHER_SECRET": "x", "WORKER_LEASE_TTL_MS": "5000", "WORKER_HEARTBEAT_MS": "1000"})
     worker = Worker(short, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
@@ -1003,15 +1004,17 @@ async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_l
     monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
     monkeypatch.setattr(reaper.continuity, "held", held)
     record = reaper.continuity
-    record._since = asyncio.get_running_loop().time() - 30  # answered for 30 s without a break
-    record._longest_gap_s = 3.5
+    now = asyncio.get_running_loop().time()
+    record._since = now - 30  # answered for 30 s without a break
+    record._gaps.append((now - 1, 4.0))
     await reaper._judge_others(ctx)  # type: ignore[arg-type]
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
     assert swept == []
 
     # Answers no more than 2 s apart: no stall could have lapsed its lease. Reaped and swept.
-    record._longest_gap_s = 2.0
+    record._gaps.clear()
+    record._gaps.append((now - 1, 2.0))
     await reaper._judge_others(ctx)  # type: ignore[arg-type]
     assert await redis.lrange(keys.QUEUE, 0, -1) == [claim.spec.job_id.encode()]
     assert not await redis.hexists(keys.WORKERS, queue.worker_id)
@@ -1022,8 +1025,8 @@ async def test_an_unlisted_sandbox_owner_is_judged_by_the_settings_it_declared_o
     redis: Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # Redis lost its data: the workers list is empty, and a live worker on 45 s / 15 s may not
-    # renew for 15 s after it answers again. The reaper (10 s / 2 s) may judge after 10 s of
-    # answers, but its sandboxes are swept only once it could have renewed (15 s and 2 s).
+    # renew for 15 s after it answers again (22.5 s, late). The reaper (10 s / 2 s) may judge
+    # after 10 s of answers, but sweeps its sandboxes only once it could have renewed.
     owner = "w-slow"
     _declare(tmp_path, owner, 45_000, 15_000)
     swept: list[set[str]] = []
@@ -1045,11 +1048,11 @@ async def test_an_unlisted_sandbox_owner_is_judged_by_the_settings_it_declared_o
     monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
     monkeypatch.setattr(reaper.continuity, "held", held)
     record = reaper.continuity
-    record._longest_gap_s = 2.0
-    record._since = asyncio.get_running_loop().time() - 11  # a lease of answers, and a little
+    record._gaps.append((asyncio.get_running_loop().time() - 1, 2.0))
+    record._since = asyncio.get_running_loop().time() - 20  # a lease of answers, and more
     await reaper._judge_others(ctx)  # type: ignore[arg-type]
     assert swept == []
-    record._since = asyncio.get_running_loop().time() - 18
+    record._since = asyncio.get_running_loop().time() - 25
     await reaper._judge_others(ctx)  # type: ignore[arg-type]
     assert swept == [{owner}]
 

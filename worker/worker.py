@@ -113,6 +113,7 @@ class Worker:
         self._signals = 0
         self.continuity = RedisContinuity(settings.worker_heartbeat_ms / 1000, settings.worker_lease_ttl_ms / 1000)
         self._uncovered_warned: set[str] = set()
+        self._timing = (settings.worker_lease_ttl_ms, settings.worker_heartbeat_ms)
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self.started_at_ms = now_ms()
@@ -186,9 +187,7 @@ class Worker:
             # Only this id's own leftovers now: whether other workers are dead can be judged
             # only once this worker has had Redis for a whole lease (see _upkeep).
             await sweep_orphans(self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True)
-            await declare_timing(
-                self.sandboxes.work_root, self.worker_id, settings.worker_lease_ttl_ms, settings.worker_heartbeat_ms
-            )
+            await declare_timing(self.sandboxes.work_root, self.worker_id, *self._timing)
             await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
             self.pool.start()
             await control.start()
@@ -420,6 +419,9 @@ class Worker:
             await asyncio.sleep(interval_s)
             raise_if_cancelled()
             try:
+                # Again each round: a sweep may have taken it while this worker restarted
+                # under the id of one judged dead.
+                await declare_timing(self.sandboxes.work_root, self.worker_id, *self._timing)
                 await ctx.queue.check_unanswered()
                 strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
@@ -450,15 +452,16 @@ class Worker:
             return
         # A last look just before acting: a worker that renewed its lease since it was judged
         # (one that thawed) is alive after all.
+        looked_at = asyncio.get_running_loop().time()
         dead = await ctx.queue.unleased(dead)
-        dead -= await self._uncovered(ctx, dead)
+        dead -= await self._uncovered(ctx, dead, looked_at)
         await ctx.queue.reap_dead_workers(dead & listed)  # (a sandbox owner still starting has no claims)
         if dead:
             await sweep_orphans(
                 self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s
             )
 
-    async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str]) -> set[str]:
+    async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str], looked_at: float) -> set[str]:
         """Those of `worker_ids` whose lease settings (from the workers list, else as declared
         on this host) differ from ours (a fleet changing them) in a way our record cannot vouch
         for yet: a Redis stall that lapses their lease might not have been a break for us, or
@@ -471,7 +474,7 @@ class Worker:
         timings.update(await declared_timings(self.sandboxes.work_root, unknown))
         for wid, timing in timings.items():
             own = (self.settings.worker_lease_ttl_ms, self.settings.worker_heartbeat_ms)
-            if timing is None or timing == own or self.continuity.may_judge(timing[0] / 1000, timing[1] / 1000):
+            if timing is None or timing == own or self.continuity.may_judge(timing[0] / 1000, timing[1] / 1000, looked_at):
                 continue
             uncovered.add(wid)
             if wid not in self._uncovered_warned:

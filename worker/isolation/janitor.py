@@ -152,8 +152,12 @@ def _forget(work_root: Path | None, worker_ids: Collection[str]) -> None:
 
 
 async def declare_timing(work_root: Path | None, worker_id: str, lease_ms: int, heartbeat_ms: int) -> None:
-    """Declare this worker's lease settings to the other workers on this host."""
-    await off_loop(_declare, work_root, worker_id, lease_ms, heartbeat_ms)
+    """Declare this worker's lease settings to the other workers on this host (if that
+    fails, they judge it by their own settings, as before such files existed)."""
+    try:
+        await off_loop(_declare, work_root, worker_id, lease_ms, heartbeat_ms)
+    except OSError as exc:
+        log.warning("could not declare this worker's lease settings on the host: %s", exc)
 
 
 async def declared_timings(work_root: Path | None, worker_ids: Collection[str]) -> dict[str, tuple[int, int]]:

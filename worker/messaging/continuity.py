@@ -16,8 +16,13 @@ a break too.
 from __future__ import annotations
 
 import asyncio
+import collections
 
-__all__ = ["RedisContinuity"]
+__all__ = ["GAP_HISTORY_S", "RedisContinuity"]
+
+# How far back the record keeps each gap between answers (longer leases fall back to the
+# longest gap since the last break).
+GAP_HISTORY_S = 600.0
 
 
 class RedisContinuity:
@@ -33,7 +38,11 @@ class RedisContinuity:
         # computes this from its own settings; `may_judge` tells whether it serves another's.)
         self.max_gap_s = lease_s - 1.5 * interval_s
         self._since: float | None = None  # loop time of the first answer since the last break
-        self._longest_gap_s = 0.0  # the longest gap between answers since then
+        # Gaps between answers since then, as (loop time the gap ended, its length), for the
+        # last GAP_HISTORY_S; the longest of all since the break stands in for older ones.
+        self._gaps: collections.deque[tuple[float, float]] = collections.deque()
+        self._trimmed_until = float("-inf")
+        self._longest_gap_s = 0.0
         self._last_answer: float | None = None
         self._dataset: bytes | None = None
         self.breaks = 0
@@ -50,9 +59,12 @@ class RedisContinuity:
             if self._since is not None:
                 self.breaks += 1
             self._since = now
-            self._longest_gap_s = 0.0
+            self._forget_gaps()
         elif self._last_answer is not None:
+            self._gaps.append((now, now - self._last_answer))
             self._longest_gap_s = max(self._longest_gap_s, now - self._last_answer)
+            while self._gaps[0][0] < now - GAP_HISTORY_S:
+                self._trimmed_until = self._gaps.popleft()[0]
         self._last_answer = now
         self._dataset = dataset
         self._beat_ended(sent_at)
@@ -62,25 +74,37 @@ class RedisContinuity:
         if self._since is not None:
             self.breaks += 1
         self._since = self._last_answer = None
+        self._forget_gaps()
         self._beat_ended(sent_at)
+
+    def _forget_gaps(self) -> None:
+        self._gaps.clear()
+        self._trimmed_until = float("-inf")
+        self._longest_gap_s = 0.0
+
+    def _longest_gap_since(self, start: float) -> float:
+        """The longest gap between answers that ended after loop time `start`."""
+        if start < self._trimmed_until:
+            return self._longest_gap_s  # (older than the history kept: the longest of all)
+        return max((length for ended, length in self._gaps if ended > start), default=0.0)
 
     def _beat_ended(self, sent_at: float) -> None:
         self._last_sent = sent_at
         ended, self._ended = self._ended, asyncio.Event()
         ended.set()
 
-    def may_judge(self, lease_s: float, interval_s: float) -> bool:
-        """Whether a worker that renews a lease of `lease_s` every `interval_s` may be judged
-        now, after `held` said yes: when its settings differ from ours (a fleet changing
-        them), our break rule may not fit it. It may, if no gap between our answers since the
-        last break was long enough to lapse its lease (its lease less its interval, half an
-        interval of ours to spare, as for our own), and the last break is long enough ago for
-        it to have renewed since (its interval and one of ours)."""
+    def may_judge(self, lease_s: float, interval_s: float, looked_at: float) -> bool:
+        """Whether a worker that renews a lease of `lease_s` every `interval_s`, seen without
+        its lease at loop time `looked_at` (after `held` said yes), may be judged dead. When
+        its settings differ from ours (a fleet changing them), our break rule may not fit it.
+        It may, if no gap between our answers over its lease before the look (and since) was
+        one its own peers would call a break, and the last break lies far enough before the
+        look for it to have renewed since (its interval and a half, and half of ours)."""
         since = self._since
-        if since is None:
+        if since is None or since > looked_at:
             return False
-        quiet_s = asyncio.get_running_loop().time() - since
-        return self._longest_gap_s <= lease_s - interval_s - self._interval_s / 2 and quiet_s >= interval_s + self._interval_s
+        longest = self._longest_gap_since(looked_at - lease_s)
+        return longest <= lease_s - 1.5 * interval_s and looked_at - since >= 1.5 * interval_s + self._interval_s / 2
 
     def judging(self) -> int | None:
         """A token for `held` when Redis has answered without a break for a whole lease (a
