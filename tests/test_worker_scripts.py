@@ -972,6 +972,32 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(
     assert await redis.lrange(keys.worker_claimed_key("w-starting"), 0, -1) == [b"some-job"]
 
 
+def _confirmed_reaper(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch, owner: str, work_root: Path | None
+) -> tuple[Worker, SimpleNamespace, list[set[str]]]:
+    """A reaper on the default settings whose record may judge and whose every read is
+    confirmed, with `owner` as the host's one other sandbox owner: the reaper, its context,
+    and the list each sweep appends the workers it was given to."""
+    swept: list[set[str]] = []
+
+    async def owners(*_args: Any) -> set[str]:
+        return {owner}
+
+    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
+        swept.append(set(dead))
+        return 0
+
+    async def held(_token: int, after: float) -> bool:
+        return True
+
+    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
+    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
+    reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=work_root), {})  # type: ignore[arg-type]
+    monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
+    monkeypatch.setattr(reaper.continuity, "held", held)
+    return reaper, SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)), swept
+
+
 async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_left_alone(
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -985,24 +1011,7 @@ async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_l
     await queue.heartbeat(worker.info(), 60_000)
     claim = await _claimed(redis, queue)
     await redis.delete(keys.worker_alive_key(queue.worker_id))
-    swept: list[set[str]] = []
-
-    async def owners(*_args: Any) -> set[str]:
-        return {queue.worker_id}
-
-    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
-        swept.append(set(dead))
-        return 0
-
-    async def held(_token: int, after: float) -> bool:
-        return True
-
-    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
-    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
-    reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
-    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
-    monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
-    monkeypatch.setattr(reaper.continuity, "held", held)
+    reaper, ctx, swept = _confirmed_reaper(redis, monkeypatch, queue.worker_id, work_root=None)
     record = reaper.continuity
     now = asyncio.get_running_loop().time()
     record._since = now - 30  # answered for 30 s without a break
@@ -1029,24 +1038,7 @@ async def test_an_unlisted_sandbox_owner_is_judged_by_the_settings_it_declared_o
     # after 10 s of answers, but sweeps its sandboxes only once it could have renewed.
     owner = "w-slow"
     _declare(tmp_path, owner, 45_000, 15_000)
-    swept: list[set[str]] = []
-
-    async def owners(*_args: Any) -> set[str]:
-        return {owner}
-
-    async def sweep(*_args: Any, dead: Any = (), **_kwargs: Any) -> int:
-        swept.append(set(dead))
-        return 0
-
-    async def held(_token: int, after: float) -> bool:
-        return True
-
-    monkeypatch.setattr("worker.worker.sandbox_owners", owners)
-    monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
-    reaper = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=tmp_path), {})  # type: ignore[arg-type]
-    ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
-    monkeypatch.setattr(reaper.continuity, "judging", lambda: 0)
-    monkeypatch.setattr(reaper.continuity, "held", held)
+    reaper, ctx, swept = _confirmed_reaper(redis, monkeypatch, owner, work_root=tmp_path)
     record = reaper.continuity
     record._gaps.append((asyncio.get_running_loop().time() - 1, 2.0))
     record._since = asyncio.get_running_loop().time() - 20  # a lease of answers, and more
