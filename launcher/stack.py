@@ -62,10 +62,46 @@ class StackError(Exception):
     """A part of the stack could not start; the message names it."""
 
 
+_handed_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, never the same twice in this process.
+
+    Drawn below the kernel's ephemeral range: a port from `bind(0)` is closed again before the
+    child that will listen on it starts, and in that gap any outgoing connection on the host
+    (a test's Redis client, say) may take it as its local port, which fails the child's bind
+    (an API that exits with status 3 at start-up). Ports outside that range are only ever taken
+    by a listener that asks for them.
+    """
+    low, _high = _ephemeral_range()
+    first = 20000 if low > 22000 else 1024
+    if low - first < 1000:  # a host whose ephemeral range starts very low: the old way
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    with _ports_lock:
+        for _ in range(500):
+            port = first + secrets.randbelow(max(low - first, 1))
+            if port in _handed_ports:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_ports.add(port)
+            return port
+    raise StackError("no free loopback port below the ephemeral range")
 
 
 def _reserve_uid_block() -> tuple[int, int | None]:
@@ -103,19 +139,32 @@ def soketi_entry() -> Path:
     return REPO_ROOT / "realtime" / "node_modules" / "@soketi" / "soketi" / "bin" / "server.js"
 
 
-def _wait_for(check, what: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:  # type: ignore[no-untyped-def]
+def _wait_for(check, what: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise StackError(f"{what} exited with status {proc.returncode} during start-up")
+            raise StackError(f"{what} exited with status {proc.returncode} during start-up{_log_tail(log)}")
         try:
             if check():
                 return
         except Exception as exc:
             last = exc
         time.sleep(0.05)
-    raise StackError(f"{what} did not become ready within {timeout_s:.0f}s ({last})")
+    raise StackError(f"{what} did not become ready within {timeout_s:.0f}s ({last}){_log_tail(log)}")
+
+
+def _log_tail(log: Path | None, lines: int = 12) -> str:
+    """The end of a child's log, for a start-up error that would otherwise say only a status."""
+    if log is None:
+        return ""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "; its log ends:\n" + "\n".join(tail) if tail else ""
 
 
 def _http_ok(url: str) -> bool:
@@ -283,6 +332,9 @@ class Stack:
 
     # -------------------------------------------------------------- lifecycle
 
+    def _log(self, name: str) -> Path | None:
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
         with self._lock:
@@ -384,7 +436,7 @@ class Stack:
             "--daemonize", "no",
         ]  # fmt: skip
         self.procs["redis"] = proc = self._spawn("redis", argv)
-        _wait_for(lambda: self._redis_call("ping"), "redis-server", timeout_s, proc)
+        _wait_for(lambda: self._redis_call("ping"), "redis-server", timeout_s, proc, self._log("redis"))
 
     def _start_soketi(self, timeout_s: float) -> None:
         entry = soketi_entry()
@@ -422,12 +474,12 @@ class Stack:
             }
         )
         self.procs["soketi"] = proc = self._spawn("soketi", [node, str(entry), "start"], env)
-        _wait_for(lambda: _http_ok(f"http://127.0.0.1:{self.soketi_port}/ready"), "soketi", timeout_s, proc)
+        _wait_for(lambda: _http_ok(f"http://127.0.0.1:{self.soketi_port}/ready"), "soketi", timeout_s, proc, self._log("soketi"))
 
     def _start_api(self, timeout_s: float) -> None:
         argv = [sys.executable, "-m", "api", "--host", self.api_host, "--port", str(self.api_port)]
         self.procs["api"] = proc = self._spawn("api", argv)
-        _wait_for(lambda: _http_ok(f"{self.api_url}/health"), "API", timeout_s, proc)
+        _wait_for(lambda: _http_ok(f"{self.api_url}/health"), "API", timeout_s, proc, self._log("api"))
 
     def restart(self, name: str, down_s: float = 0.0, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> float:
         """Take Redis, soketi or the API down (with `sig`, whole group) and start it again on
@@ -484,7 +536,7 @@ class Stack:
 
     def _wait_worker_ready(self, name: str, timeout_s: float) -> None:
         worker_id, proc = self.worker_ids[name], self.procs[name]
-        _wait_for(lambda: self._redis_call("exists", f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc)
+        _wait_for(lambda: self._redis_call("exists", f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc, self._log(name))
 
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send `sig` to worker `name`'s process group (SIGKILL, SIGSTOP, SIGCONT...); returns

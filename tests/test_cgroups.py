@@ -266,8 +266,26 @@ def test_kept_counter_descriptors_read_afresh_on_this_host() -> None:
         _check_kept_descriptors(job, children)
 
 
+def _fds_into(job: JobCgroup) -> set[str]:
+    """What this process's descriptors open on files of `job`'s cgroups point at. Found by
+    target, not by count: the count moves with whatever else the test process opens or its
+    garbage collection closes."""
+    return _fds_under(tuple(f"{d}/" for d in job.paths()))
+
+
+def _fds_under(dirs: tuple[str, ...]) -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor, for one)
+        if target.startswith(dirs):
+            found.add(target)
+    return found
+
+
 def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[bytes]]) -> None:
-    fds_before = len(os.listdir("/proc/self/fd"))
 
     def listed_everywhere(pid: int) -> bool:
         return all(str(pid) in (d / "cgroup.procs").read_text().split() for d in job.paths())
@@ -281,7 +299,7 @@ def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[byte
     job.create()
     job.set_limits(memory_bytes=256 << 20, pids=16)
     job.open_counters()
-    assert len(os.listdir("/proc/self/fd")) > fds_before  # the counters stay open
+    assert _fds_into(job)  # the counters stay open
     peak_before = job.memory_peak_bytes()
     program = "data = b'x' * (8 << 20)\nwhile time.process_time() < 0.5: pass\ntime.sleep(30)"
     burner = _spawn_into(job.procs_files(), program)
@@ -315,7 +333,7 @@ def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[byte
     job.kill()
     spike.wait(5)
     assert job.remove_blocking()
-    assert len(os.listdir("/proc/self/fd")) == fds_before  # closed with the cgroups
+    assert not _fds_into(job)  # closed with the cgroups
 
 
 @pytest.mark.sandbox
@@ -324,15 +342,15 @@ def test_a_dropped_cgroup_closes_its_descriptors() -> None:
     name = f"coderunner-dropped-{os.getpid()}"
     layout = detect_layout(name)
     layout.prepare()
-    fds_before = len(os.listdir("/proc/self/fd"))
     job = layout.job("w.0.1")
     try:
         job.create()
         job.open_counters()
-        assert len(os.listdir("/proc/self/fd")) > fds_before
+        dirs = tuple(f"{d}/" for d in job.paths())
+        assert _fds_under(dirs)
         del job
         gc.collect()
-        assert len(os.listdir("/proc/self/fd")) == fds_before
+        assert not _fds_under(dirs)
     finally:
         remove_deployment(name)
 

@@ -118,6 +118,33 @@ def test_port_in_use_is_detected(tmp_path: Path) -> None:
     assert port_in_use("no-such-host.invalid", 8000) is not None
 
 
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
+    """A port handed to a child is closed until the child binds it; an outgoing connection
+    can take a port from the ephemeral range in that gap (once an API failed to start so)."""
+    from launcher.stack import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 <= p < low for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free indeed
+
+
+def test_a_child_that_dies_at_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
+    from launcher.stack import StackError, _wait_for
+
+    log = tmp_path / "api.log"
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + "ERROR: [Errno 98] address already in use\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(StackError) as caught:
+        _wait_for(lambda: False, "API", 5, proc, log)
+    message = str(caught.value)
+    assert message.startswith("API exited with status 3 during start-up; its log ends:")
+    assert message.endswith("address already in use") and "line 29" in message and "line 28" not in message  # 12 lines
+
+
 def test_stack_runs_soketi_with_the_chosen_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stack starts soketi with find_node()'s choice, here the local fallback."""
     from launcher.stack import Stack
