@@ -188,6 +188,7 @@ async def execute(request: Request) -> Response:
         idempotency_key,
         body_sha256,
         max_retained_bytes=settings.max_retained_output_mb * 1024 * 1024,
+        max_unstarted_bytes=settings.max_unstarted_input_mb * 1024 * 1024,
     )
     if idempotency_key is not None and answer.outcome in ("existing", "conflict"):
         return await _replayed(state, answer, idempotency_key)
@@ -202,12 +203,19 @@ async def execute(request: Request) -> Response:
         )
     if answer.outcome != "queued":
         retry = settings.queue_retry_after_ms
-        why = (
-            f"The queue is full ({settings.max_queue_depth} jobs waiting); retry later"
-            if answer.outcome == "full"
-            else f"You have {settings.max_parked_per_principal} jobs waiting for start (the most one client may "
-            "have); start or kill some, or retry later"
-        )
+        if answer.outcome == "full":
+            why = f"The queue is full ({settings.max_queue_depth} jobs waiting); retry later"
+        elif answer.outcome == "input":
+            why = (
+                f"Your jobs waiting for start hold {answer.kept_bytes / (1024 * 1024):.1f} MiB of input in storage, and "
+                f"this one would take them past the most one client may ({settings.max_unstarted_input_mb} MiB, "
+                "MAX_UNSTARTED_INPUT_MB); start or kill some, or retry later"
+            )
+        else:
+            why = (
+                f"You have {settings.max_parked_per_principal} jobs waiting for start (the most one client may "
+                "have); start or kill some, or retry later"
+            )
         raise ApiError(429, why, headers={"Retry-After": str(max(1, retry // 1000))}, retryAfterMs=retry)
     log.info("job %s queued language=%s version=%s", job_id, spec.language, spec.version)
     accepted = ExecuteAccepted(

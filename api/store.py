@@ -43,15 +43,18 @@ __all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCa
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
 # KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, the job's
-# callback record, the owner's retained-output ledger and its sizes (api/quota.py), and (only
-# with an Idempotency-Key) the key's record. ARGV: max depth, spec
-# json, now ms, ttl s, job id, language, version, owner, max unstarted jobs per owner, index
-# ttl s, index cutoff ms (older entries are certainly expired), the Idempotency-Key, sha256 of
-# the request body, the callback URL ('' for none), '1' when the callback carries the output,
-# '1' for a test batch (its stdin is per case: the job's own is closed from the start), the
-# most output bytes the owner's finished jobs may keep (0: no bound).
+# callback record, the owner's retained-output ledger and its sizes (api/quota.py), the sizes
+# of the owner's unstarted specs, and (only with an Idempotency-Key) the key's record. ARGV:
+# max depth, spec json, now ms, ttl s, job id, language, version, owner, max unstarted jobs
+# per owner, index ttl s, index cutoff ms (older entries are certainly expired), the
+# Idempotency-Key, sha256 of the request body, the callback URL ('' for none), '1' when the
+# callback carries the output, '1' for a test batch (its stdin is per case: the job's own is
+# closed from the start), the most output bytes the owner's finished jobs may keep (0: no
+# bound), a test batch's number of cases ('' for none), the spec's bytes, the most bytes the
+# owner's unstarted specs may hold (0: no bound).
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
 # {4, bytes kept, earliest expiry ms} (the owner's finished jobs keep too much output),
+# {5, bytes held} (the owner's unstarted jobs hold too much input),
 # {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
 # A job id is new for every request, so a record that exists already (or a key record naming
 # this very id) is this script's own earlier run whose reply was lost: it must not be queued
@@ -60,8 +63,8 @@ _ENQUEUE = (
     _TERMINAL_LUA
     + RETAINED_OUTPUT_LUA
     + """
-if KEYS[9] then
-  local rec = redis.call('HMGET', KEYS[9], 'jobId', 'bodySha256')
+if KEYS[10] then
+  local rec = redis.call('HMGET', KEYS[10], 'jobId', 'bodySha256')
   if rec[1] == ARGV[5] then return 1 end
   if rec[1] and redis.call('EXISTS', 'job:' .. rec[1] .. ':status') == 1 then
     if rec[2] == ARGV[13] then return {2, rec[1]} end
@@ -74,25 +77,45 @@ if tonumber(ARGV[17]) > 0 then
   if kept >= tonumber(ARGV[17]) then return {4, kept, first} end
 end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-local cap = tonumber(ARGV[9])
-if redis.call('ZCARD', KEYS[4]) >= cap then
-  -- Forget the owner's jobs that started or ended since; only then judge.
+-- The owner's unstarted jobs, by count and by the bytes of their specs (a job alone is
+-- always let in, however big: the request's own bound covers it).
+local cap, size, max_bytes = tonumber(ARGV[9]), tonumber(ARGV[19]), tonumber(ARGV[20])
+local function too_much(held)
+  return max_bytes > 0 and held > 0 and held + size > max_bytes
+end
+local held = tonumber(redis.call('HGET', KEYS[9], '_total') or '0')
+if redis.call('ZCARD', KEYS[4]) >= cap or too_much(held) then
+  -- Forget the owner's jobs that started or ended since, and count again what the rest
+  -- hold (which also heals what an older API, keeping no sizes, left); only then judge.
+  held = 0
+  local kept = {}
   for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
     local st = redis.call('HMGET', 'job:' .. id .. ':status', 'state', 'started')
     if (not st[1]) or terminal[st[1]] or st[1] == 'starting' or st[1] == 'running' or st[2] == '1' then
       redis.call('ZREM', KEYS[4], id)
+    else
+      local bytes = tonumber(redis.call('HGET', KEYS[9], id) or '0')
+      kept[#kept + 1] = id
+      kept[#kept + 1] = bytes
+      held = held + bytes
     end
   end
+  redis.call('DEL', KEYS[9])
+  if #kept > 0 then
+    redis.call('HSET', KEYS[9], '_total', held, unpack(kept))
+    redis.call('EXPIRE', KEYS[9], ARGV[4])
+  end
   if redis.call('ZCARD', KEYS[4]) >= cap then return -1 end
+  if too_much(held) then return {5, held} end
 end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
            'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8], 'createdAtMs', ARGV[3])
-if KEYS[9] then
+if KEYS[10] then
   redis.call('HSET', KEYS[3], 'idempotencyKey', ARGV[12])
-  redis.call('DEL', KEYS[9])
-  redis.call('HSET', KEYS[9], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
-  redis.call('EXPIRE', KEYS[9], ARGV[4])
+  redis.call('DEL', KEYS[10])
+  redis.call('HSET', KEYS[10], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
+  redis.call('EXPIRE', KEYS[10], ARGV[4])
 end
 if ARGV[14] ~= '' then
   redis.call('HSET', KEYS[3], 'callback', '1')
@@ -118,6 +141,9 @@ end
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[4])
+redis.call('HSET', KEYS[9], ARGV[5], size)
+redis.call('HINCRBY', KEYS[9], '_total', size)
+redis.call('EXPIRE', KEYS[9], ARGV[4])
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. ARGV[11])
 redis.call('EXPIRE', KEYS[5], ARGV[10])
@@ -311,7 +337,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
              'killEndedBy', ARGV[8])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
-  redis.call('EXPIRE', KEYS[4], ARGV[3])
+  redis.call('DEL', KEYS[4])  -- its spec: an ended job's input is read no more
   redis.call('EXPIRE', KEYS[6], ARGV[3])
   redis.call('EXPIRE', KEYS[10], ARGV[3])
   redis.call('HINCRBY', KEYS[11], 'killed', 1)
@@ -432,13 +458,13 @@ class StdinAnswer(msgspec.Struct, frozen=True):
 
 
 class EnqueueAnswer(msgspec.Struct, frozen=True):
-    """What became of an execute: `queued` (this job), `full` / `unstarted` / `retained`
-    (nothing written: the queue, the owner's jobs waiting for start, or the output the owner's
-    finished jobs keep, are at their cap), `existing` (the
+    """What became of an execute: `queued` (this job), `full` / `unstarted` / `input` /
+    `retained` (nothing written: the queue, the owner's jobs waiting for start, the input
+    they hold, or the output the owner's finished jobs keep, are at their cap), `existing` (the
     Idempotency-Key names a live job made from the same body: `job_id`) or `conflict` (made
     from another body: `job_id`)."""
 
-    outcome: Literal["queued", "full", "unstarted", "retained", "existing", "conflict"]
+    outcome: Literal["queued", "full", "unstarted", "input", "retained", "existing", "conflict"]
     job_id: str
     kept_bytes: int = 0
     frees_in_ms: int = 0
@@ -566,10 +592,12 @@ class JobStore:
         idempotency_key: str | None = None,
         body_sha256: str = "",
         max_retained_bytes: int = 0,
+        max_unstarted_bytes: int = 0,
     ) -> ScriptCall:
         # The owner's index outlives every job in it: a job's record lasts at most the record
         # TTL, then the result TTL once it ends.
         index_ttl_s = self._record_ttl_s + result_ttl_s
+        stored = encode(spec)
         script_keys = [
             keys.QUEUE,
             keys.spec_key(spec.job_id),
@@ -579,12 +607,13 @@ class JobStore:
             keys.callback_key(spec.job_id),
             keys.retained_key(spec.owner),
             keys.retained_sizes_key(spec.owner),
+            keys.unstarted_sizes_key(spec.owner),
         ]
         if idempotency_key is not None:
             script_keys.append(keys.idempotency_key(spec.owner, idempotency_key))
         args = [
             max_depth,
-            encode(spec),
+            stored,
             spec.created_at_ms,
             self._record_ttl_s,
             spec.job_id,
@@ -601,6 +630,8 @@ class JobStore:
             "1" if spec.tests or spec.close_stdin else "",
             max_retained_bytes,
             str(len(spec.tests)) if spec.tests else "",
+            len(stored),
+            max_unstarted_bytes,
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 
@@ -613,19 +644,32 @@ class JobStore:
         idempotency_key: str | None = None,
         body_sha256: str = "",
         max_retained_bytes: int = 0,
+        max_unstarted_bytes: int = 0,
     ) -> EnqueueAnswer:
         """Store the job, index it under its owner and queue it, in one script.
 
         With an Idempotency-Key, a live job the key made already is answered instead
         (`existing` for the same body, `conflict` for another), and nothing is written. With
         `max_retained_bytes`, an owner whose finished jobs keep that much output is refused
-        (`retained`, with what it keeps and when the first of it expires).
+        (`retained`, with what it keeps and when the first of it expires). With
+        `max_unstarted_bytes`, an owner whose jobs not yet started would hold more stored
+        spec bytes than that with this one is refused (`input`, with what they hold), unless
+        it has none: a job alone is always let in.
         """
         call = self.enqueue_call(
-            spec, max_depth, max_unstarted, result_ttl_s, idempotency_key, body_sha256, max_retained_bytes
+            spec,
+            max_depth,
+            max_unstarted,
+            result_ttl_s,
+            idempotency_key,
+            body_sha256,
+            max_retained_bytes,
+            max_unstarted_bytes,
         )
         answer = await self.run(call)
         if isinstance(answer, list):
+            if answer[0] == 5:
+                return EnqueueAnswer("input", spec.job_id, kept_bytes=int(answer[1]))
             if answer[0] == 4:
                 first_ms = int(float(answer[2]))
                 frees_in_ms = max(0, first_ms - spec.created_at_ms) if first_ms else 0

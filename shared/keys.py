@@ -40,6 +40,7 @@ __all__ = [
     "stdin_rate_key",
     "stdin_requests_key",
     "unstarted_key",
+    "unstarted_sizes_key",
     "worker_alive_key",
     "worker_claimed_key",
 ]
@@ -135,6 +136,12 @@ def blob_index_key(owner: str) -> str:
 def unstarted_key(owner: str) -> str:
     """Sorted set of an API principal's jobs that have not started yet (queued or parked)."""
     return f"owner:{owner}:unstarted"
+
+
+def unstarted_sizes_key(owner: str) -> str:
+    """Hash: job id -> bytes of its stored spec, for each job in `unstarted_key`, and `_total`:
+    what the principal's jobs not yet started hold in Redis (bounded by MAX_UNSTARTED_INPUT_MB)."""
+    return f"owner:{owner}:unstarted:sizes"
 
 
 def owner_jobs_key(owner: str) -> str:

@@ -37,6 +37,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Jobs one API principal may have submitted but not started (queued or parked), so one
     # client cannot take every claim of the fleet.
     max_parked_per_principal: int = 500
+    # What those jobs' stored specs (their inline files and stdin) may hold in Redis together;
+    # a job alone is always let in.
+    max_unstarted_input_mb: int = 256
     # Output (logs and pullable copies) one principal's finished jobs may keep in Redis
     # before its next job is refused (a 429 until some expire).
     max_retained_output_mb: int = 1024
@@ -245,6 +248,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "CORS_ALLOW_ORIGINS": ("cors_allow_origins", _origins),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
+    "MAX_UNSTARTED_INPUT_MB": ("max_unstarted_input_mb", _positive_int),
     "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),

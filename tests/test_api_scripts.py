@@ -220,6 +220,38 @@ async def test_enqueue_refuses_an_owner_over_its_retained_output(store: JobStore
     assert (await store.enqueue(other, 100, 100, RESULT_TTL_S)).outcome == "queued"  # 0: no bound
 
 
+async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: JobStore, redis: Redis) -> None:
+    def big(owner: str = "owner-a") -> JobSpec:
+        return msgspec.structs.replace(_spec(owner), files=[FileSpec(name="main.py", content="#" * 10_000)])
+
+    size = len(msgspec.json.encode(big()))
+    sizes = keys.unstarted_sizes_key("owner-a")
+    first, second, third = big(), big(), big()
+    for spec in (first, second):
+        assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))).outcome == "queued"
+    assert await redis.hget(sizes, "_total") == str(2 * size).encode()
+    assert await redis.hget(sizes, first.job_id) == str(size).encode()
+    assert 0 < await redis.ttl(sizes) <= RECORD_TTL_S
+
+    answer = await store.enqueue(third, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))
+    assert (answer.outcome, answer.kept_bytes) == ("input", 2 * size)
+    assert not await redis.exists(keys.status_key(third.job_id), keys.spec_key(third.job_id))
+    assert await redis.llen(keys.QUEUE) == 2
+    # Other owners hold their own; and a job alone is let in however big it is.
+    alone = await store.enqueue(big("owner-b"), 100, 100, RESULT_TTL_S, max_unstarted_bytes=size // 2)
+    assert alone.outcome == "queued"
+
+    # A job that started no longer counts: it is forgotten, and the rest counted again.
+    await redis.hset(keys.status_key(first.job_id), "started", "1")
+    await redis.hset(sizes, "_total", 10 * size)  # (drifted: recounted all the same)
+    assert (await store.enqueue(third, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))).outcome == "queued"
+    assert await redis.hget(sizes, "_total") == str(2 * size).encode()
+    assert await redis.hget(sizes, first.job_id) is None
+    assert set(await redis.zrange(keys.unstarted_key("owner-a"), 0, -1)) == {second.job_id.encode(), third.job_id.encode()}
+    # 0: no bound.
+    assert (await store.enqueue(big(), 100, 100, RESULT_TTL_S)).outcome == "queued"
+
+
 # ---------------------------------------------------------------- stdin
 
 
@@ -293,6 +325,7 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     assert 0 < await redis.ttl(keys.done_key(spec.job_id)) <= RESULT_TTL_S
     assert await redis.lrange(keys.QUEUE, 0, -1) == []
     assert await redis.hget(keys.status_key(spec.job_id), "state") == b"killed"
+    assert not await redis.exists(keys.spec_key(spec.job_id))  # an ended job's input goes
     assert published.messages == []
     # Control: another kill request finds the job ended (the old script's answer to a re-run).
     assert await store.run(call._replace(args=[*call.args[:7], "kill-2"])) == [0, b"killed"]

@@ -100,6 +100,43 @@ def test_one_client_cannot_hold_more_unstarted_jobs_than_its_cap(make_stack: Sta
         api.close()
 
 
+def test_one_clients_unstarted_jobs_hold_bounded_input_and_ended_jobs_none(make_stack: StackFactory) -> None:
+    """MAX_UNSTARTED_INPUT_MB bounds the stored specs of one client's jobs not yet started
+    (Redis holds every byte of their inline files); a job's spec goes when it ends."""
+    stack = make_stack(MAX_UNSTARTED_INPUT_MB="1")
+    api = Api(stack)
+    data = "x" * 400_000
+    body = py_job("print(len(open('data.txt').read()))", files=[
+        {"name": "main.py", "content": "print(len(open('data.txt').read()))"},
+        {"name": "data.txt", "content": data},
+    ])  # fmt: skip
+    try:
+        jobs = [api.execute(body) for _ in range(2)]
+        refused = api.post("/v1/execute", json=body)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()
+        assert "MAX_UNSTARTED_INPUT_MB" in error["error"] and error["retryAfterMs"] > 0, error
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202  # a small one still fits
+        with stack.redis() as redis:
+            assert redis.strlen(f"job:{jobs[0]['jobId']}:spec") > 400_000
+        # A started job no longer counts, and once it has ended its spec is gone from Redis.
+        api.start(jobs[0])
+        assert api.wait_state(jobs[0], {"done"})["result"]["outcome"] == "completed"
+        third = api.execute(body)
+        # A parked job killed: the same.
+        api.wait_state(jobs[1], {"parked"})
+        assert api.post(f"/v1/jobs/{jobs[1]['jobId']}/kill").status_code == 202
+        api.wait_state(jobs[1], {"killed"})
+        with stack.redis() as redis:
+            for job in jobs:
+                assert not redis.exists(f"job:{job['jobId']}:spec"), job
+                assert redis.exists(f"job:{job['jobId']}:status")  # the record stays for its TTL
+            assert redis.exists(f"job:{third['jobId']}:spec")
+        assert api.post("/v1/execute", json=body).status_code == 202
+    finally:
+        api.close()
+
+
 def test_a_start_lost_with_the_pubsub_connection_is_still_honoured_quickly(make_stack: StackFactory) -> None:
     stack = make_stack(WORKER_MAX_SANDBOXES="1")
     api, rt = Api(stack), Realtime(stack)

@@ -467,6 +467,7 @@ async def test_a_stopping_worker_publishes_the_lost_results_it_recovers(redis: R
     await worker._leave(ctx)  # type: ignore[arg-type]
     await asyncio.gather(*worker._background)
     assert await redis.hget(keys.status_key(job), "state") == b"lost"
+    assert not await redis.exists(keys.spec_key(job))  # an ended job's input goes
     sent = lanes[keys.realtime_channel(job)].sent
     assert [(name, json.loads(data)["outcome"]) for name, data in sent] == [("result", "lost")]
 

@@ -193,7 +193,9 @@ if ARGV[7] ~= '' then
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('EXPIRE', KEYS[4], ARGV[2])
+-- The spec goes now: nothing reads an ended job's input, which may be megabytes of files
+-- (README, "What Redis keeps per job").
+redis.call('DEL', KEYS[4])
 redis.call('EXPIRE', KEYS[7], ARGV[2])
 redis.call('EXPIRE', KEYS[15], ARGV[2])
 redis.call('DEL', KEYS[5])
@@ -273,7 +275,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('HINCRBY', KEYS[12], ARGV[6], 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
-  redis.call('EXPIRE', KEYS[5], ARGV[3])
+  redis.call('DEL', KEYS[5])  -- its spec: an ended job's input is read no more
   redis.call('EXPIRE', KEYS[10], ARGV[3])
   redis.call('EXPIRE', KEYS[11], ARGV[3])
   redis.call('DEL', KEYS[6])
