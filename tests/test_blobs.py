@@ -7,6 +7,8 @@ per-principal storage bounds, expiry, and a job that keeps its bytes after its b
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import hashlib
 import socket
 import time
@@ -29,6 +31,7 @@ from shared.settings import load_settings
 from shared.validation import check_files, decode_files, file_refs, spec_files
 from tests.conftest import StackFactory
 from tests.helpers import Api
+from worker.job.blobs import SharedBlobs
 
 SECRET = "pusher-secret"
 OWNER = "ab" * 16
@@ -134,6 +137,76 @@ def test_public_api_url_must_be_an_http_url_and_moves_the_links() -> None:
 
 
 # ---------------------------------------------------------------- against a stack
+
+
+class _FakeQueue:
+    """WorkerQueue.blobs over a dict, counting fetches; `gate` holds each fetch until set."""
+
+    def __init__(self, stored: dict[tuple[str, str], bytes]) -> None:
+        self.stored = stored
+        self.fetches: list[list[str]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail: Exception | None = None
+
+    async def blobs(self, owner: str, digests: list[str]) -> dict[str, bytes]:
+        self.fetches.append(list(digests))
+        await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        return {d: self.stored[(owner, d)] for d in digests if (owner, d) in self.stored}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def test_shared_blobs_fetch_once_for_jobs_together_and_let_go_with_the_last() -> None:
+    one, two = b"one" * 1000, b"two" * 1000
+    queue = _FakeQueue({("a", _digest(one)): one, ("a", _digest(two)): two, ("b", _digest(one)): one})
+    blobs = SharedBlobs()
+    queue.gate.clear()
+    together = [asyncio.create_task(blobs.get(queue, "a", [_digest(one), _digest(two)])) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    queue.gate.set()
+    fetched = await asyncio.gather(*together)
+    assert queue.fetches == [[_digest(one), _digest(two)]]  # one fetch for all five
+    assert all(f.found[_digest(one)] is fetched[0].found[_digest(one)] for f in fetched)  # one copy
+    assert fetched[0].found[_digest(one)].data == one and len(blobs) == 2
+    # Per principal: "b" has its own entry, fetched for it.
+    assert (await blobs.get(queue, "b", [_digest(one)])).found[_digest(one)].data == one
+    assert len(queue.fetches) == 2
+    # Held while any job holds it; gone with the last.
+    del together, fetched
+    gc.collect()
+    assert len(blobs) == 0
+    await blobs.get(queue, "a", [_digest(one)])
+    assert queue.fetches[-1] == [_digest(one)]
+
+
+async def test_shared_blobs_keep_nothing_missing_altered_or_failed() -> None:
+    good, altered = b"good", b"altered"
+    queue = _FakeQueue({("a", _digest(good)): good, ("a", _digest(b"claimed")): altered})
+    blobs = SharedBlobs()
+    fetch = await blobs.get(queue, "a", [_digest(good), _digest(b"claimed"), _digest(b"absent")])
+    assert set(fetch.found) == {_digest(good)}
+    assert fetch.mismatched == {_digest(b"claimed")} and fetch.missing == {_digest(b"absent")}
+    again = await blobs.get(queue, "a", [_digest(b"claimed"), _digest(b"absent")])
+    assert queue.fetches[-1] == [_digest(b"claimed"), _digest(b"absent")]  # asked Redis again
+    assert again.mismatched == {_digest(b"claimed")} and again.missing == {_digest(b"absent")}
+    # A failed fetch raises to its job; a job that waited on it fetches for itself.
+    queue.gate.clear()
+    queue.fail = ConnectionError("redis gone")
+    first = asyncio.create_task(blobs.get(queue, "a", [_digest(b"x")]))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(blobs.get(queue, "a", [_digest(b"x")]))
+    await asyncio.sleep(0.01)
+    queue.gate.set()
+    with pytest.raises(ConnectionError):
+        await first
+    queue.fail = None
+    assert (await second).missing == {_digest(b"x")}
+    assert queue.fetches[-2:] == [[_digest(b"x")], [_digest(b"x")]]
 
 
 def _check(api: Api, *data: bytes) -> dict[str, Any]:
@@ -370,3 +443,41 @@ def test_uploads_at_once_are_bounded(make_stack: StackFactory) -> None:
             trickle.sendall(slow[10:])
             assert trickle.recv(100).startswith(b"HTTP/1.1 200")
         assert _upload(api, quick).status_code == 200
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_parked_jobs_naming_one_blob_share_one_fetch_of_it(make_stack: StackFactory) -> None:
+    """A worker fetches a blob once for all its jobs that name it (worker/job/blobs.py):
+    otherwise 500 parked jobs naming one 8 MiB blob would hold 4 GB of the worker."""
+    stack = make_stack()
+    with Api(stack) as api:
+        data = secrets_bytes(2 << 20)
+        assert _upload(api, data).status_code == 200
+        body = {"language": "python", "files": [{"name": "main.py", "content": HASHER}, {"name": "d.bin", "ref": _ref(data)}],
+                "args": ["d.bin"], "collectOutput": True}  # fmt: skip
+        redis = stack.redis()
+        sent_before = int(redis.info("stats")["total_net_output_bytes"])
+        jobs = [api.execute(body) for _ in range(6)]
+        for job in jobs:
+            api.wait_state(job, {"parked"})
+        sent = int(redis.info("stats")["total_net_output_bytes"]) - sent_before
+        assert len(data) <= sent < 2 * len(data), sent  # one fetch, not six
+        for job in jobs:
+            assert api.start(job).status_code == 202
+        for job in jobs:
+            output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}, timeout=30).json()
+            assert output["stdout"] == _line("d.bin", data), output
+        # Once they have ended the worker holds no copy: the next job fetches it again. (A job
+        # lets go as it ends, a moment after its result: a few tries.)
+        for _ in range(10):
+            sent_before = int(redis.info("stats")["total_net_output_bytes"])
+            assert _hashed(api, [{"name": "d.bin", "ref": _ref(data)}], ["d.bin"]) == _line("d.bin", data)
+            if int(redis.info("stats")["total_net_output_bytes"]) - sent_before >= len(data):
+                break
+        else:
+            raise AssertionError("the worker kept its copy of the blob after every job naming it ended")
+
+
+def secrets_bytes(size: int) -> bytes:
+    return hashlib.shake_256(str(time.time()).encode()).digest(size)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from shared.settings import Settings
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import SandboxFactory
+from worker.job.blobs import SharedBlobs
 from worker.messaging.control import ControlBus
 from worker.messaging.flagsweep import FlagSweep
 from worker.messaging.publisher import Publisher
@@ -38,3 +39,5 @@ class WorkerContext:
     claim_paused_until: float = 0.0
     # Tells this process's callback sender that a delivery was queued (no-op without one).
     callback_due: Callable[[], None] = lambda: None
+    # Uploaded blobs' bytes, one copy for all the jobs that name each (worker.job.blobs).
+    blobs: SharedBlobs = field(default_factory=SharedBlobs)

@@ -16,7 +16,6 @@ worker (Fenced), where writing anything would be wrong.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, summarize
+from worker.job.blobs import Blob
 from worker.job.events import JobEvents
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_run
@@ -146,6 +146,7 @@ class JobRun:
         # The compile (or load) while parked: it logs events of its own until discarded.
         self._precompile: Precompile | None = None
         self._artifacts: list[ArtifactMeta] = []
+        self._held_blobs: list[Blob] = []
         self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
@@ -312,6 +313,10 @@ class JobRun:
                 if not self._destroyed:
                     await asyncio.shield(self._destroy())
             finally:
+                # Its files' bytes go now, not when a collection finds the cycle the
+                # precompile's callbacks make; a blob's shared copy with its last job.
+                self._held_blobs.clear()
+                self._precompile = None
                 if sub is not None:
                     await self.ctx.control.unsubscribe(sub)
                 await self.events.drop_hold()
@@ -480,8 +485,9 @@ class JobRun:
     # ------------------------------------------------------------------ load
 
     async def _blobs(self) -> dict[str, bytes]:
-        """The bytes of the uploaded blobs the spec's files name by `ref`. The API kept each
-        alive for as long as the job's record lives.
+        """The bytes of the uploaded blobs the spec's files name by `ref`, shared with the
+        worker's other jobs that name them (worker/job/blobs.py). The API kept each alive for
+        as long as the job's record lives.
 
         Raises:
             ValidationError: naming a file whose blob is gone, or whose stored bytes do not
@@ -489,19 +495,20 @@ class JobRun:
             RedisError: the blobs could not be read.
         """
         wanted = [(index, f.ref) for index, f in enumerate(self.spec.files) if f.ref is not UNSET]
-        digests = list(dict.fromkeys(digest for _, ref in wanted if (digest := parse_ref(ref)) is not None))
+        digests = [digest for _, ref in wanted if (digest := parse_ref(ref)) is not None]
         if not digests:
             return {}
-        found = await self.ctx.queue.blobs(self.spec.owner, digests)
-        matching = await off_loop(_matching, found)  # (hashing megabytes would hold the loop)
+        fetch = await self.ctx.blobs.get(self.ctx.queue, self.spec.owner, digests)
         for index, ref in wanted:
             digest = parse_ref(ref) or ""
-            if digest not in found:
+            if digest in fetch.missing:
                 why = "names a blob that is no longer stored (it expired, or Redis lost it): upload it again"
                 raise ValidationError([FieldError(f"files[{index}].ref", why)])
-            if digest not in matching:
+            if digest in fetch.mismatched:
                 raise ValidationError([FieldError(f"files[{index}].ref", "names a stored blob whose bytes do not match it")])
-        return matching
+        # Held for as long as this job is: the shared copy lives while some job holds it.
+        self._held_blobs = list(fetch.found.values())
+        return {digest: blob.data for digest, blob in fetch.found.items()}
 
     def _manifest(self) -> Manifest:
         """The manifest of this job's runtime on this worker; refuses a language or version
@@ -1027,5 +1034,3 @@ class JobRun:
                 log.exception("job %s: could not record the failure", self.job_id)
 
 
-def _matching(blobs: dict[str, bytes]) -> dict[str, bytes]:
-    return {digest: data for digest, data in blobs.items() if hashlib.sha256(data).hexdigest() == digest}
