@@ -95,14 +95,16 @@ if redis.call('ZCARD', KEYS[4]) >= cap or too_much(held) then
       redis.call('ZREM', KEYS[4], id)
     else
       local bytes = tonumber(redis.call('HGET', KEYS[9], id) or '0')
-      kept[#kept + 1] = id
-      kept[#kept + 1] = bytes
+      kept[#kept + 1] = {id, bytes}
       held = held + bytes
     end
   end
   redis.call('DEL', KEYS[9])
+  -- One HSET a job: unpacking them all at once would pass Lua's stack limit (8000 values)
+  -- for a MAX_PARKED_PER_PRINCIPAL in the thousands.
+  for _, entry in ipairs(kept) do redis.call('HSET', KEYS[9], entry[1], entry[2]) end
   if #kept > 0 then
-    redis.call('HSET', KEYS[9], '_total', held, unpack(kept))
+    redis.call('HSET', KEYS[9], '_total', held)
     redis.call('EXPIRE', KEYS[9], ARGV[4])
   end
   if redis.call('ZCARD', KEYS[4]) >= cap then return -1 end

@@ -74,34 +74,58 @@ def _ephemeral_range() -> tuple[int, int]:
     return low, high
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on, never the same twice in this process.
+def free_port(hold: list[int] | None = None) -> int:
+    """A loopback port nothing listens on, never the same twice in this process, nor one
+    that another process's stack holds.
 
     Drawn below the kernel's ephemeral range: a port from `bind(0)` is closed again before the
     child that will listen on it starts, and in that gap any outgoing connection on the host
     (a test's Redis client, say) may take it as its local port, which fails the child's bind
     (an API that exits with status 3 at start-up). Ports outside that range are only ever taken
-    by a listener that asks for them.
+    by a listener that asks for them. With `hold`, the port's lock (a file beside the job uid
+    locks) is kept, its descriptor appended there, so stacks in other processes pass it over
+    until that descriptor is closed; a stack holds its ports so for its whole life (a soketi
+    sharing a port through SO_REUSEPORT would silently take half the events).
     """
     low, _high = _ephemeral_range()
     first = 20000 if low > 22000 else 1024
-    if low - first < 1000:  # a host whose ephemeral range starts very low: the old way
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
     with _ports_lock:
         for _ in range(500):
-            port = first + secrets.randbelow(max(low - first, 1))
+            if low - first < 1000:  # a host whose ephemeral range starts very low: the kernel's pick
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = int(s.getsockname()[1])
+            else:
+                port = first + secrets.randbelow(low - first)
             if port in _handed_ports:
                 continue
+            lock = _lock_port(port)
+            if lock is None:
+                continue  # another process's stack holds it
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
+                    if lock >= 0:
+                        os.close(lock)
                     continue
             _handed_ports.add(port)
+            if hold is not None and lock >= 0:
+                hold.append(lock)
+            elif lock >= 0:
+                os.close(lock)
             return port
     raise StackError("no free loopback port below the ephemeral range")
+
+
+def _lock_port(port: int) -> int | None:
+    """The port's lock descriptor; None while another process holds it; -1 when this process
+    cannot take locks at all (not root: the port is judged by its bind alone)."""
+    try:
+        UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return try_lock(UID_LOCK_DIR / f"port-{port}")
+    except OSError:
+        return -1
 
 
 def _reserve_uid_block() -> tuple[int, int | None]:
@@ -244,12 +268,14 @@ class Stack:
     on_event: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
-        self.api_port = self.api_port or free_port()
+        # Locks of the ports this stack chose, held until it stops (see free_port).
+        self._port_fds: list[int] = []
+        self.api_port = self.api_port or free_port(self._port_fds)
         self.api_token = self.api_token or os.environ.get("EXECUTOR_API_TOKEN") or _dev_token()
-        self.redis_port = free_port()
+        self.redis_port = free_port(self._port_fds)
         self.redis_password = secrets.token_hex(16)
-        self.soketi_port = free_port()
-        self.soketi_metrics_port = free_port()
+        self.soketi_port = free_port(self._port_fds)
+        self.soketi_metrics_port = free_port(self._port_fds)
         self.pusher_key = "coderunner-" + secrets.token_hex(6)
         self.pusher_secret = secrets.token_hex(24)
         self.pusher_app_id = str(100000 + secrets.randbelow(900000))
@@ -690,6 +716,9 @@ class Stack:
         if self._uid_block_fd is not None:
             os.close(self._uid_block_fd)  # the block is free for another stack
             self._uid_block_fd = None
+        for fd in self._port_fds:
+            os.close(fd)  # the ports are free for another stack
+        self._port_fds.clear()
 
     def __enter__(self) -> Stack:
         """`with Stack(...) as stack:` starts it, and cleans up after it however the block

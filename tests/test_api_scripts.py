@@ -252,6 +252,22 @@ async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: Job
     assert (await store.enqueue(big(), 100, 100, RESULT_TTL_S)).outcome == "queued"
 
 
+async def test_the_input_recount_copes_with_thousands_of_unstarted_jobs(store: JobStore, redis: Redis) -> None:
+    # A MAX_PARKED_PER_PRINCIPAL in the thousands: the recount must not hit Lua's stack limit.
+    spec = _spec()
+    ids = [f"parked-{i}" for i in range(5000)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for i, job_id in enumerate(ids):
+            pipe.hset(keys.status_key(job_id), "state", "parked")
+            pipe.zadd(keys.unstarted_key(spec.owner), {job_id: i})
+            pipe.hset(keys.unstarted_sizes_key(spec.owner), job_id, 100)
+        pipe.hset(keys.unstarted_sizes_key(spec.owner), "_total", 500_000)
+        await pipe.execute()
+    answer = await store.enqueue(spec, 100, 10_000, RESULT_TTL_S, max_unstarted_bytes=500_000)
+    assert (answer.outcome, answer.kept_bytes) == ("input", 500_000)
+    assert await redis.hlen(keys.unstarted_sizes_key(spec.owner)) == 5001
+
+
 # ---------------------------------------------------------------- stdin
 
 

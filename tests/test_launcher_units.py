@@ -131,6 +131,26 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
         s.bind(("127.0.0.1", ports[-1]))  # free indeed
 
 
+def test_a_port_another_stack_holds_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    import secrets as secrets_mod
+
+    from launcher import stack as stack_mod
+
+    held: list[int] = []
+    port = stack_mod.free_port(held)
+    assert len(held) == 1  # (root: the lock is taken and kept)
+    stack_mod._handed_ports.discard(port)  # as if chosen by another process's stack
+    first = 20000
+    real = secrets_mod.randbelow
+    draws = iter([port - first, port - first])
+    monkeypatch.setattr(stack_mod.secrets, "randbelow", lambda n: next(draws, None) or real(n))
+    assert stack_mod.free_port() != port  # its lock is held: passed over
+    os.close(held.pop())
+    draws = iter([port - first])
+    stack_mod._handed_ports.discard(port)
+    assert stack_mod.free_port() == port  # free again once let go
+
+
 def test_a_child_that_dies_at_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
     from launcher.stack import StackError, _wait_for
 
