@@ -2,9 +2,9 @@
 
 What the fleet shares is read from Redis at each scrape, so any API process gives the same
 figures for it: the queue, every live worker's load as of its last heartbeat (every
-WORKER_HEARTBEAT_MS), the callbacks waiting to be sent, and how many jobs ever ended in
-each terminal state. The two figures that belong to the answering process alone (its open
-event streams and output waits) are labelled as such by their names.
+WORKER_HEARTBEAT_MS), the callbacks waiting to be sent, how many jobs ever ended in each
+terminal state, and Redis's memory. The two figures that belong to the answering process
+alone (its open event streams and output waits) are labelled as such by their names.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class FleetSnapshot:
     callbacks_due: int
     workers: list[tuple[WorkerInfo, int]]  # each live worker, with the length of its claimed list
     ended: dict[str, int] = field(default_factory=dict)  # terminal state -> jobs ever
+    # Redis's INFO memory: what it holds (jobs' specs, logs and output, blobs) against its
+    # maxmemory (0: none set), so an operator sees input or output swelling it.
+    redis_used_memory_bytes: int = 0
+    redis_maxmemory_bytes: int = 0
     event_streams: int = 0  # this API process's
     output_waits: int = 0  # this API process's
 
@@ -114,6 +118,18 @@ def render(snapshot: FleetSnapshot) -> str:
     )
     out.metric(
         "coderunner_callbacks_due", "gauge", "Result callbacks waiting to be sent or retried.", [({}, snapshot.callbacks_due)]
+    )
+    out.metric(
+        "coderunner_redis_used_memory_bytes",
+        "gauge",
+        "Memory Redis uses (its INFO used_memory): job specs, logs, output and blobs among it.",
+        [({}, snapshot.redis_used_memory_bytes)],
+    )
+    out.metric(
+        "coderunner_redis_maxmemory_bytes",
+        "gauge",
+        "Redis's maxmemory setting; 0 when it has none.",
+        [({}, snapshot.redis_maxmemory_bytes)],
     )
     out.metric(
         "coderunner_api_event_streams",

@@ -954,15 +954,17 @@ class JobStore:
             alive = await pipe.execute()
         return [decode_stored(WorkerInfo, raw[wid.encode()]) for wid, ok in zip(ids, alive, strict=False) if ok]
 
-    async def fleet(self) -> tuple[int, int, list[tuple[WorkerInfo, int]], dict[str, int]]:
+    async def fleet(self) -> tuple[int, int, list[tuple[WorkerInfo, int]], dict[str, int], tuple[int, int]]:
         """For GET /metrics: the queue's depth, the callbacks due, each live worker with the
-        length of its claimed list, and the jobs ended so far by terminal state."""
+        length of its claimed list, the jobs ended so far by terminal state, and Redis's
+        memory (bytes used, and its maxmemory: 0 for none)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.llen(keys.QUEUE)
             pipe.zcard(keys.CALLBACKS_DUE)
             pipe.hgetall(keys.WORKERS)
             pipe.hgetall(keys.ENDED_COUNTS)
-            depth, due, workers, ended = await pipe.execute()
+            pipe.info("memory")
+            depth, due, workers, ended, memory = await pipe.execute()
         ids = [wid.decode() for wid in workers]
         async with self._redis.pipeline(transaction=False) as pipe:
             for wid in ids:
@@ -974,7 +976,8 @@ class JobStore:
             for wid, alive, claimed in zip(ids, answers[::2], answers[1::2], strict=True)
             if alive
         ]
-        return int(depth), int(due), live, {k.decode(): int(v) for k, v in ended.items()}
+        used = (int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)))
+        return int(depth), int(due), live, {k.decode(): int(v) for k, v in ended.items()}, used
 
     async def known_workers(self) -> list[WorkerInfo]:
         raw = await self._redis.hgetall(keys.WORKERS)

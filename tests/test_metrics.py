@@ -78,6 +78,11 @@ def test_metrics_show_the_queue_the_slots_and_the_jobs_that_ended(make_stack: St
         assert samples[("coderunner_jobs_ended_total", frozenset({("state", "done")}))] == 1
         ended_killed = samples[("coderunner_jobs_ended_total", frozenset({("state", "killed")}))]
         assert ended_killed == 1
+        with stack.redis() as redis:
+            memory = redis.info("memory")
+        used = samples[("coderunner_redis_used_memory_bytes", frozenset())]
+        assert 0.5 * memory["used_memory"] < used < 2 * memory["used_memory"], (used, memory["used_memory"])
+        assert samples[("coderunner_redis_maxmemory_bytes", frozenset())] == memory["maxmemory"]
     finally:
         api.close()
 
