@@ -7,6 +7,7 @@ One client's unstarted jobs are capped so it cannot take every claim of the flee
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,6 +134,39 @@ def test_one_clients_unstarted_jobs_hold_bounded_input_and_ended_jobs_none(make_
                 assert redis.exists(f"job:{job['jobId']}:status")  # the record stays for its TTL
             assert redis.exists(f"job:{third['jobId']}:spec")
         assert api.post("/v1/execute", json=body).status_code == 202
+    finally:
+        api.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_parked_job_holds_its_inline_files_once(make_stack: StackFactory) -> None:
+    """A parked job keeps its files' bytes for its start, and lets go of the spec's text of
+    them: 20 parked jobs with a 4 MiB file each grow the worker by about 80 MiB, not 160."""
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")  # (one slot: nothing is loaded while parked)
+    api = Api(stack)
+    pid = stack.procs["worker"].pid
+    size, count = 4 << 20, 20
+    try:
+        warm = api.execute(py_job("print(1)"))  # the worker's own first-job allocations
+        api.start(warm)
+        api.wait_state(warm, {"done"})
+        before = _rss_bytes(pid)
+        jobs = []
+        for i in range(count):
+            files = [{"name": "main.py", "content": "print(1)"}, {"name": "big.txt", "content": str(i % 10) * size}]
+            jobs.append(api.execute(py_job("", files=files)))
+        for job in jobs:
+            api.wait_state(job, {"parked"})
+        grown = _rss_bytes(pid) - before
+        assert count * size * 0.9 < grown < count * size * 1.4, grown / (1 << 20)
+        for job in jobs:
+            api.post(f"/v1/jobs/{job['jobId']}/kill")
     finally:
         api.close()
 

@@ -174,6 +174,7 @@ class JobRun:
             try:
                 manifest = self._manifest()
                 plan = self._plan(manifest, await self._blobs())
+                self._drop_spec_contents()
             except NotOfferedHere as exc:
                 # A mixed fleet (a rolling upgrade, workers without some toolchain): let a
                 # worker that has it take the job, unless it has gone round too often.
@@ -509,6 +510,16 @@ class JobRun:
         # Held for as long as this job is: the shared copy lives while some job holds it.
         self._held_blobs = list(fetch.found.values())
         return {digest: blob.data for digest, blob in fetch.found.items()}
+
+    def _drop_spec_contents(self) -> None:
+        """Let go of the spec's copy of the files' contents once the plan holds their bytes:
+        a parked job would otherwise hold each inline file twice (its JSON text, or base64,
+        and its bytes) for as long as it waits. Nothing reads them again; a job handed back
+        goes with the spec Redis keeps."""
+        if any(f.content for f in self.spec.files):
+            files = [msgspec.structs.replace(f, content="") for f in self.spec.files]
+            self.spec = msgspec.structs.replace(self.spec, files=files)
+            self.claim = msgspec.structs.replace(self.claim, spec=self.spec)
 
     def _manifest(self) -> Manifest:
         """The manifest of this job's runtime on this worker; refuses a language or version
