@@ -28,7 +28,7 @@ from tests.conftest import StackFactory
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.isolation.cgroups import CgroupLayout, CgroupMode
-from worker.isolation.janitor import _declare, _declared, _forget, _owners, _remove
+from worker.isolation.janitor import STALE_TIMING_S, _declare, _declared, _forget, _owners, _prune_timings, _remove
 from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
@@ -164,10 +164,19 @@ async def test_gaps_older_than_the_history_count_as_the_longest_since_the_break(
 @pytest.mark.sandbox
 def test_a_worker_declares_its_lease_settings_on_its_host_while_it_runs(make_stack: StackFactory) -> None:
     stack = make_stack(with_worker=False, WORKER_LEASE_TTL_MS="6000", WORKER_HEARTBEAT_MS="500")
+    # A worker killed long ago with no sandbox left declared its settings here too.
+    ghost = Path(f"/run/{stack.deployment}/.timings/w-ghost")
+    ghost.parent.mkdir(parents=True)
+    ghost.write_text("6000 500\n")
+    os.utime(ghost, (time.time() - STALE_TIMING_S - 60,) * 2)
     stack.start_worker()
     name = stack.worker_names()[0]
     declared = Path(f"/run/{stack.deployment}/.timings/{stack.worker_ids[name]}")
     assert declared.read_text() == "6000 500\n"
+    deadline = time.monotonic() + 10
+    while ghost.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ghost.exists(), "the stale declaration was not pruned"
     declared.unlink()  # as a sweep would, had this worker just restarted under a judged id
     deadline = time.monotonic() + 5
     while not declared.exists() and time.monotonic() < deadline:
@@ -337,3 +346,20 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await reaper_redis.aclose()
+
+
+def test_stale_declarations_of_workers_gone_are_pruned(tmp_path: Path) -> None:
+    # A worker killed with no sandbox left has nobody to sweep its declaration: one not
+    # rewritten for an hour goes, unless its worker still owns a sandbox here.
+    now = time.time()
+    for worker_id in ("w-live", "w-gone", "w-owner", "w-me"):
+        _declare(tmp_path, worker_id, 10_000, 2_000)
+    folder = tmp_path / ".timings"
+    (folder / ".w-crashed.partial").write_text("10000 2")
+    for name in ("w-gone", "w-owner", "w-me", ".w-crashed.partial"):
+        os.utime(folder / name, (now - STALE_TIMING_S - 5, now - STALE_TIMING_S - 5))
+    os.utime(folder / "w-live", (now - STALE_TIMING_S + 60, now - STALE_TIMING_S + 60))  # rewritten lately
+    removed = _prune_timings(tmp_path, {"w-owner", "w-me"}, now)
+    assert sorted(removed) == [".w-crashed.partial", "w-gone"]
+    assert sorted(p.name for p in folder.iterdir()) == ["w-live", "w-me", "w-owner"]
+    assert _prune_timings(tmp_path / "nowhere", set(), now) == [] and _prune_timings(None, set(), now) == []

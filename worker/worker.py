@@ -33,7 +33,14 @@ from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo, WorkerLoad
 from shared.settings import Settings
 from worker.context import WorkerContext
-from worker.isolation.janitor import declare_timing, declared_timings, forget_timing, sandbox_owners, sweep_orphans
+from worker.isolation.janitor import (
+    declare_timing,
+    declared_timings,
+    forget_timing,
+    prune_timings,
+    sandbox_owners,
+    sweep_orphans,
+)
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
@@ -52,6 +59,8 @@ log = logging.getLogger(__name__)
 CLAIM_POLL_S = 1.0
 COMMAND_TIMEOUT_S = 5.0
 JOB_CANCEL_WAIT_S = 10.0
+# How often upkeep looks for dead workers' stale lease declarations (janitor.prune_timings).
+PRUNE_TIMINGS_EVERY_S = 300.0
 
 # A dropped connection is re-dialled and the command retried before anything fails; a job's
 # events and result must survive a Redis blip, not end the job.
@@ -113,6 +122,8 @@ class Worker:
         self._signals = 0
         self.continuity = RedisContinuity(settings.worker_heartbeat_ms / 1000, settings.worker_lease_ttl_ms / 1000)
         self._uncovered_warned: set[str] = set()
+        # loop.time() of the last look for stale lease declarations (-inf: look in the first round).
+        self._timings_pruned_at = float("-inf")
         self._timing = (settings.worker_lease_ttl_ms, settings.worker_heartbeat_ms)
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
@@ -444,6 +455,9 @@ class Worker:
             return
         listed = await ctx.queue.listed_workers()
         owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root, self.worker_id, self._young_s)
+        if (now := asyncio.get_running_loop().time()) >= self._timings_pruned_at + PRUNE_TIMINGS_EVERY_S:
+            self._timings_pruned_at = now
+            await prune_timings(self.sandboxes.work_root, owners | {self.worker_id})
         dead = await ctx.queue.unleased(listed | owners)
         # The reads may have waited out a stall that lapsed every lease: act on them only
         # once a beat sent after them shows there was none (a wait of about one interval,

@@ -11,6 +11,7 @@ never touched, so several workers can share a host.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -20,7 +21,7 @@ from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import owner_of
 from worker.isolation.workspace import detach_workspace
 
-__all__ = ["declare_timing", "declared_timings", "forget_timing", "sandbox_owners", "sweep_orphans"]
+__all__ = ["declare_timing", "declared_timings", "forget_timing", "prune_timings", "sandbox_owners", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,43 @@ def _forget(work_root: Path | None, worker_ids: Collection[str]) -> None:
                 path.unlink(missing_ok=True)
         except OSError as exc:  # (a leftover file only makes a later judge wait longer)
             log.warning("could not remove %s: %s", path, exc)
+
+
+# A declaration not rewritten for this long is a dead worker's (a live one rewrites its own
+# every upkeep round); it goes unless its worker still owns a sandbox here (the sweep of its
+# last one takes it then). So does a write a crash left half-done.
+STALE_TIMING_S = 3600.0
+
+
+def _prune_timings(work_root: Path | None, keep: Collection[str], now: float) -> list[str]:
+    if work_root is None:
+        return []
+    folder = work_root / _TIMINGS
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name in keep:
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime < STALE_TIMING_S:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue  # (gone meanwhile, or kept: a later round tries again)
+        removed.append(entry.name)
+    return removed
+
+
+async def prune_timings(work_root: Path | None, keep: Collection[str]) -> None:
+    """Remove the lease declarations of workers gone from this host long ago (one killed
+    with no sandbox left has nobody to sweep its declaration away), but never those of
+    `keep` (this worker, and every owner of a sandbox here)."""
+    removed = await off_loop(_prune_timings, work_root, keep, time.time())
+    if removed:
+        log.info("removed %d stale lease declaration(s) of workers gone from this host: %s", len(removed), ", ".join(sorted(removed)))
 
 
 async def declare_timing(work_root: Path | None, worker_id: str, lease_ms: int, heartbeat_ms: int) -> None:
