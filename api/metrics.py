@@ -25,10 +25,10 @@ class FleetSnapshot:
     callbacks_due: int
     workers: list[tuple[WorkerInfo, int]]  # each live worker, with the length of its claimed list
     ended: dict[str, int] = field(default_factory=dict)  # terminal state -> jobs ever
-    # Redis's INFO memory: what it holds (jobs' specs, logs and output, blobs) against its
-    # maxmemory (0: none set), so an operator sees input or output swelling it.
-    redis_used_memory_bytes: int = 0
-    redis_maxmemory_bytes: int = 0
+    # Redis's INFO memory: the bytes it uses (jobs' specs, logs and output, blobs) and its
+    # maxmemory (0: none set), so an operator sees input or output swelling it. None: Redis
+    # refused INFO (an ACL without @dangerous), and the two gauges are left out.
+    redis_memory: tuple[int, int] | None = None
     event_streams: int = 0  # this API process's
     output_waits: int = 0  # this API process's
 
@@ -119,18 +119,17 @@ def render(snapshot: FleetSnapshot) -> str:
     out.metric(
         "coderunner_callbacks_due", "gauge", "Result callbacks waiting to be sent or retried.", [({}, snapshot.callbacks_due)]
     )
-    out.metric(
-        "coderunner_redis_used_memory_bytes",
-        "gauge",
-        "Memory Redis uses (its INFO used_memory): job specs, logs, output and blobs among it.",
-        [({}, snapshot.redis_used_memory_bytes)],
-    )
-    out.metric(
-        "coderunner_redis_maxmemory_bytes",
-        "gauge",
-        "Redis's maxmemory setting; 0 when it has none.",
-        [({}, snapshot.redis_maxmemory_bytes)],
-    )
+    if snapshot.redis_memory is not None:
+        used, limit = snapshot.redis_memory
+        out.metric(
+            "coderunner_redis_used_memory_bytes",
+            "gauge",
+            "Memory Redis uses (its INFO used_memory): job specs, logs, output and blobs among it.",
+            [({}, used)],
+        )
+        out.metric(
+            "coderunner_redis_maxmemory_bytes", "gauge", "Redis's maxmemory setting; 0 when it has none.", [({}, limit)]
+        )
     out.metric(
         "coderunner_api_event_streams",
         "gauge",

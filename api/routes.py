@@ -626,14 +626,13 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     state.auth.may_scrape(request)
-    depth, due, workers, ended, (redis_used, redis_max) = await state.store.fleet()
+    depth, due, workers, ended, redis_memory = await state.store.fleet()
     snapshot = FleetSnapshot(
         queue_depth=depth,
         callbacks_due=due,
         workers=workers,
         ended=ended,
-        redis_used_memory_bytes=redis_used,
-        redis_maxmemory_bytes=redis_max,
+        redis_memory=redis_memory,
         event_streams=request.app.state.event_streams.total,
         output_waits=request.app.state.output_waits.total,
     )

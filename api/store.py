@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
 
 from api.quota import RETAINED_OUTPUT_LUA
 from shared import keys
@@ -954,17 +955,16 @@ class JobStore:
             alive = await pipe.execute()
         return [decode_stored(WorkerInfo, raw[wid.encode()]) for wid, ok in zip(ids, alive, strict=False) if ok]
 
-    async def fleet(self) -> tuple[int, int, list[tuple[WorkerInfo, int]], dict[str, int], tuple[int, int]]:
+    async def fleet(self) -> tuple[int, int, list[tuple[WorkerInfo, int]], dict[str, int], tuple[int, int] | None]:
         """For GET /metrics: the queue's depth, the callbacks due, each live worker with the
         length of its claimed list, the jobs ended so far by terminal state, and Redis's
-        memory (bytes used, and its maxmemory: 0 for none)."""
+        memory (bytes used, and its maxmemory: 0 for none; None when Redis refuses INFO)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.llen(keys.QUEUE)
             pipe.zcard(keys.CALLBACKS_DUE)
             pipe.hgetall(keys.WORKERS)
             pipe.hgetall(keys.ENDED_COUNTS)
-            pipe.info("memory")
-            depth, due, workers, ended, memory = await pipe.execute()
+            depth, due, workers, ended = await pipe.execute()
         ids = [wid.decode() for wid in workers]
         async with self._redis.pipeline(transaction=False) as pipe:
             for wid in ids:
@@ -976,7 +976,11 @@ class JobStore:
             for wid, alive, claimed in zip(ids, answers[::2], answers[1::2], strict=True)
             if alive
         ]
-        used = (int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)))
+        try:
+            memory = await self._redis.info("memory")
+            used: tuple[int, int] | None = (int(memory["used_memory"]), int(memory.get("maxmemory", 0)))
+        except (ResponseError, KeyError, ValueError):
+            used = None  # INFO refused (an ACL without @dangerous, or renamed away): not shown
         return int(depth), int(due), live, {k.decode(): int(v) for k, v in ended.items()}, used
 
     async def known_workers(self) -> list[WorkerInfo]:

@@ -354,12 +354,14 @@ def test_stale_declarations_of_workers_gone_are_pruned(tmp_path: Path) -> None:
     now = time.time()
     for worker_id in ("w-live", "w-gone", "w-owner", "w-me"):
         _declare(tmp_path, worker_id, 10_000, 2_000)
+    _declare(tmp_path, "w-slow", 10_000_000, 2_000_000)  # beats every 2,000 s: three of them
     folder = tmp_path / ".timings"
     (folder / ".w-crashed.partial").write_text("10000 2")
-    for name in ("w-gone", "w-owner", "w-me", ".w-crashed.partial"):
+    (folder / "w-junk").write_text("junk")
+    for name in ("w-gone", "w-owner", "w-me", "w-slow", "w-junk", ".w-crashed.partial"):
         os.utime(folder / name, (now - STALE_TIMING_S - 5, now - STALE_TIMING_S - 5))
     os.utime(folder / "w-live", (now - STALE_TIMING_S + 60, now - STALE_TIMING_S + 60))  # rewritten lately
     removed = _prune_timings(tmp_path, {"w-owner", "w-me"}, now)
-    assert sorted(removed) == [".w-crashed.partial", "w-gone"]
-    assert sorted(p.name for p in folder.iterdir()) == ["w-live", "w-me", "w-owner"]
+    assert sorted(removed) == [".w-crashed.partial", "w-gone", "w-junk"]
+    assert sorted(p.name for p in folder.iterdir()) == ["w-live", "w-me", "w-owner", "w-slow"]
     assert _prune_timings(tmp_path / "nowhere", set(), now) == [] and _prune_timings(None, set(), now) == []

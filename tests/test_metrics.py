@@ -49,6 +49,11 @@ def test_the_text_is_prometheus_exposition_with_escaped_labels() -> None:
     assert not [k for k in samples if k[0] == "coderunner_worker_sandboxes" and ("worker", "w2") in k[1]]
     for name in {k[0] for k in samples}:
         assert f"# TYPE {name} " in text and f"# HELP {name} " in text
+    # Redis's memory: shown when Redis answered INFO, left out when it refused.
+    assert not [k for k in samples if k[0].startswith("coderunner_redis_")]
+    memory = parse(render(FleetSnapshot(queue_depth=0, callbacks_due=0, workers=[], redis_memory=(5 << 20, 0))))
+    assert memory[("coderunner_redis_used_memory_bytes", frozenset())] == 5 << 20
+    assert memory[("coderunner_redis_maxmemory_bytes", frozenset())] == 0
 
 
 @pytest.mark.stack
@@ -83,6 +88,18 @@ def test_metrics_show_the_queue_the_slots_and_the_jobs_that_ended(make_stack: St
         used = samples[("coderunner_redis_used_memory_bytes", frozenset())]
         assert 0.5 * memory["used_memory"] < used < 2 * memory["used_memory"], (used, memory["used_memory"])
         assert samples[("coderunner_redis_maxmemory_bytes", frozenset())] == memory["maxmemory"]
+        # A Redis user without INFO (an ACL keeping @dangerous out): the rest still shows.
+        with stack.redis() as redis:
+            redis.execute_command("ACL", "SETUSER", "default", "-info")
+        try:
+            answer = httpx.get(f"{stack.api_url}/metrics")
+            assert answer.status_code == 200, answer.text
+            samples = parse(answer.text)
+            assert samples[("coderunner_workers", frozenset())] == 1
+            assert not [k for k in samples if k[0].startswith("coderunner_redis_")]
+        finally:
+            with stack.redis() as redis:
+                redis.execute_command("ACL", "SETUSER", "default", "+info")
     finally:
         api.close()
 

@@ -345,6 +345,9 @@ class Worker:
                 task = asyncio.create_task(run.execute(), name=f"job:{run.job_id}")
                 self._jobs[task] = run.job_id
                 task.add_done_callback(self._job_done)
+                # Not kept while the loop waits (at the parked cap, say): the claim's spec holds
+                # the job's inline files, which the job drops once it has planned them.
+                del claimed, run, task
         finally:
             stopping.cancel()
 
@@ -438,6 +441,7 @@ class Worker:
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
                 await self._recover(ctx, confirmed)
                 await self._judge_others(ctx)
+                await self._prune_declarations()
             except Exception:
                 log.exception("upkeep failed; trying again at the next interval")
             finally:
@@ -455,9 +459,6 @@ class Worker:
             return
         listed = await ctx.queue.listed_workers()
         owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root, self.worker_id, self._young_s)
-        if (now := asyncio.get_running_loop().time()) >= self._timings_pruned_at + PRUNE_TIMINGS_EVERY_S:
-            self._timings_pruned_at = now
-            await prune_timings(self.sandboxes.work_root, owners | {self.worker_id})
         dead = await ctx.queue.unleased(listed | owners)
         # The reads may have waited out a stall that lapsed every lease: act on them only
         # once a beat sent after them shows there was none (a wait of about one interval,
@@ -474,6 +475,17 @@ class Worker:
             await sweep_orphans(
                 self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s
             )
+
+    async def _prune_declarations(self) -> None:
+        """Now and then, remove the lease declarations of workers long gone from this host
+        (janitor.prune_timings), keeping those of every worker with a sandbox here, however
+        new."""
+        now = asyncio.get_running_loop().time()
+        if now < self._timings_pruned_at + PRUNE_TIMINGS_EVERY_S:
+            return
+        self._timings_pruned_at = now
+        owners = await sandbox_owners(self.sandboxes.cgroups, self.sandboxes.work_root, self.worker_id)
+        await prune_timings(self.sandboxes.work_root, owners | {self.worker_id})
 
     async def _uncovered(self, ctx: WorkerContext, worker_ids: set[str], looked_at: float) -> set[str]:
         """Those of `worker_ids` whose lease settings (from the workers list, else as declared

@@ -152,10 +152,25 @@ def _forget(work_root: Path | None, worker_ids: Collection[str]) -> None:
             log.warning("could not remove %s: %s", path, exc)
 
 
-# A declaration not rewritten for this long is a dead worker's (a live one rewrites its own
-# every upkeep round); it goes unless its worker still owns a sandbox here (the sweep of its
-# last one takes it then). So does a write a crash left half-done.
+# A declaration not rewritten for this long (or for three of the heartbeats it declares, if
+# that is longer) is a dead worker's: a live one rewrites its own every upkeep round. It goes
+# unless its worker still owns a sandbox here (the sweep of its last one takes it then). So
+# does a write a crash left half-done.
 STALE_TIMING_S = 3600.0
+
+
+def _stale(path: str, now: float) -> bool:
+    try:
+        age = now - os.stat(path, follow_symlinks=False).st_mtime
+        if age < STALE_TIMING_S:
+            return False
+        with open(path, "rb") as f:
+            heartbeat_ms = int(f.read(64).split()[1])
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, IndexError):
+        return True  # junk, or a partial write: nobody reads it
+    return age >= 3 * heartbeat_ms / 1000
 
 
 def _prune_timings(work_root: Path | None, keep: Collection[str], now: float) -> list[str]:
@@ -168,11 +183,12 @@ def _prune_timings(work_root: Path | None, keep: Collection[str], now: float) ->
     except OSError:
         return []
     for entry in entries:
-        if entry.name in keep:
+        # Judged twice, the second time just before the removal: a worker that restarted
+        # under the id meanwhile has rewritten it (a removal it races still comes back with
+        # its next round).
+        if entry.name in keep or not _stale(entry.path, now) or not _stale(entry.path, time.time()):
             continue
         try:
-            if now - entry.stat(follow_symlinks=False).st_mtime < STALE_TIMING_S:
-                continue
             os.unlink(entry.path)
         except OSError:
             continue  # (gone meanwhile, or kept: a later round tries again)
