@@ -6,7 +6,7 @@ import logging
 from typing import Any, cast
 
 import msgspec
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -63,6 +63,11 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 async def _redis_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, OutOfMemoryError):
+        # At its maxmemory (with noeviction, the setting the README asks for) Redis refuses
+        # every write until results and records expire: not a blip, and not the client's fault.
+        log.error("redis is full (maxmemory) during %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "The service's storage is full; retry later", retryAfterMs=5000)
     log.warning("redis unavailable during %s %s: %s", request.method, request.url.path, exc)
     return error_response(503, "Redis is unavailable; retry shortly", retryAfterMs=1000)
 

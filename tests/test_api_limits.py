@@ -546,3 +546,19 @@ def test_a_reader_that_stops_reading_is_dropped_and_frees_its_stream_slot(make_s
     finally:
         stalled.close()
         api.close()
+
+
+def test_a_full_redis_is_a_503_that_says_so(make_stack: StackFactory) -> None:
+    """At its maxmemory Redis refuses writes until results expire: the execute says the
+    service's storage is full (not a blip), and works again once there is room."""
+    stack = make_stack(with_worker=False)
+    with Api(stack) as api, stack.redis() as redis:
+        redis.config_set("maxmemory", "1")
+        try:
+            refused = api.post("/v1/execute", json=py_job("print(1)"))
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"] == "The service's storage is full; retry later"
+            assert refused.json()["retryAfterMs"] == 5000
+        finally:
+            redis.config_set("maxmemory", "0")
+        assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202

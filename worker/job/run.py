@@ -1043,5 +1043,3 @@ class JobRun:
                 await self._finish_without_run(outcome, message)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
-
-
