@@ -123,6 +123,31 @@ def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFac
         api.close()
 
 
+def test_a_flood_of_big_jobs_holds_bounded_input_and_none_once_they_end(make_stack: StackFactory) -> None:
+    """Input swells Redis no more than output: 30 jobs of 1 MiB from one client with an 8 MiB
+    bound on what its unstarted jobs hold (MAX_UNSTARTED_INPUT_MB) leave Redis about 8 MiB
+    bigger, not 30; and once they have ended their specs are gone (only records stay)."""
+    stack = make_stack(MAX_UNSTARTED_INPUT_MB="8", WORKER_MAX_SANDBOXES="2")
+    api = Api(stack)
+    files = [{"name": "main.py", "content": "print(len(open('d.txt').read()))"}, {"name": "d.txt", "content": "z" * MIB}]
+    try:
+        before = _used(stack)
+        answers = [api.post("/v1/execute", json=py_job("", files=files)) for _ in range(30)]
+        accepted = [a.json() for a in answers if a.status_code == 202]
+        refused = [a for a in answers if a.status_code != 202]
+        assert 6 <= len(accepted) <= 8 and all(r.status_code == 429 for r in refused), [a.status_code for a in answers]
+        grown = _used(stack) - before
+        # (jemalloc keeps a string of just over 1 MiB in a 1.25 MiB size class)
+        assert grown < 1.25 * MIB * len(accepted) + 2 * MIB, grown / MIB
+        for job in accepted:
+            api.start(job)
+        for job in accepted:
+            assert api.wait_state(job, {"done"}, timeout_s=30)["result"]["outcome"] == "completed"
+        assert _used(stack) - before < 2 * MIB, (_used(stack) - before) / MIB
+    finally:
+        api.close()
+
+
 @contextlib.contextmanager
 def watched_commands(stack: Stack) -> Iterator[list[str]]:
     """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
