@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import Authenticator
 from api.blobs import BlobStore
+from api.body import BodyBudget
 from api.catalog import Catalog, load_manifests
 from api.errors import exception_handlers
 from api.events import BLOCK_MS
@@ -100,6 +101,7 @@ def create_app(settings: Settings) -> Starlette:
         app.state.output_waits = StreamSlots.output_waits(settings)
         app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
         app.state.blob_uploads = StreamSlots.blob_uploads(settings)
+        app.state.request_bodies = BodyBudget(settings.max_bodies_in_flight_mb * 1024 * 1024)
         try:
             yield
         finally:

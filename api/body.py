@@ -1,24 +1,75 @@
-"""Reading a request body with a bound on its size."""
+"""Reading a request body with a bound on its size, and on what all big bodies in flight
+hold together."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
 from api.errors import ApiError
 
-__all__ = ["read_body"]
+__all__ = ["BodyBudget", "read_body"]
+
+# Bodies up to this size are never counted: an IDE's job or a stdin frame always gets in.
+SMALL_BODY_BYTES = 256 * 1024
+RETRY_AFTER_MS = 1000
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body; 413 past `limit` bytes (declared or streamed), before more is read."""
+class BodyBudget:
+    """The bytes of big request bodies (past SMALL_BODY_BYTES) this API process holds at
+    once, from their first byte until their handler returns: without a bound, a client
+    sending many large executes at once (up to MAX_REQUEST_BYTES each) could hold the
+    process's memory many times over, and every client would lose the API with it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    @contextlib.asynccontextmanager
+    async def body(self, request: Request, limit: int) -> AsyncIterator[bytes]:
+        """The whole body (read_body's checks), counted against the budget until the block
+        ends; a 503 with `retryAfterMs` when it would pass the budget, read no further."""
+        taken = [0]
+        try:
+            yield await read_body(request, limit, self, taken)
+        finally:
+            self.held -= taken[0]
+
+    def _take(self, taken: list[int], size: int) -> None:
+        """Count `size` bytes of one body in all (past the small ones), or refuse it."""
+        wanted = size - taken[0] if size > SMALL_BODY_BYTES else 0
+        if wanted <= 0:
+            return
+        if self.held + wanted > self.max_bytes:
+            raise ApiError(
+                503,
+                "Too many large requests are being received at once; retry shortly",
+                headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))},
+                retryAfterMs=RETRY_AFTER_MS,
+            )
+        self.held += wanted
+        taken[0] += wanted
+
+
+async def read_body(request: Request, limit: int, budget: BodyBudget | None = None, taken: list[int] | None = None) -> bytes:
+    """The whole body; 413 past `limit` bytes (declared or streamed), before more is read.
+    With `budget`, what the body declares (else what has arrived) is counted as it comes,
+    in `taken`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"Request body must be at most {limit} bytes")
+    counted = [0] if taken is None else taken
+    if budget is not None and declared and declared.isdigit():
+        budget._take(counted, int(declared))
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"Request body must be at most {limit} bytes")
+        if budget is not None and size > counted[0]:
+            budget._take(counted, size)
         chunks.append(chunk)
     return b"".join(chunks)

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from api.artifacts import download_artifact
 from api.blobs import check_blobs, finalize_blobs, upload_blob
-from api.body import read_body
+from api.body import BodyBudget, read_body
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -129,7 +129,12 @@ async def execute(request: Request) -> Response:
     principal = state.auth.backend(request)
     owner = principal.owner or ""
     idempotency_key = _idempotency_key(request)
-    body = await read_body(request, state.settings.max_request_bytes)
+    budget: BodyBudget = request.app.state.request_bodies
+    async with budget.body(request, state.settings.max_request_bytes) as body:
+        return await _execute(request, state, owner, idempotency_key, body)
+
+
+async def _execute(request: Request, state: AppState, owner: str, idempotency_key: str | None, body: bytes) -> Response:
     body_sha256 = hashlib.sha256(body).hexdigest() if idempotency_key is not None else ""
     if idempotency_key is not None:
         # A retry of an accepted request is answered before validation: the job exists,

@@ -44,6 +44,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # before its next job is refused (a 429 until some expire).
     max_retained_output_mb: int = 1024
     max_request_bytes: int = 16 * 1024 * 1024
+    # What the big execute bodies (over 256 KiB) one API process is receiving or handling
+    # may hold at once; past it the next is a 503 with retryAfterMs.
+    max_bodies_in_flight_mb: int = 256
     max_files_bytes: int = 8 * 1024 * 1024
     # Uploaded blobs (`files[].ref`, the seed SDK's executeFiles for big binaries): how long
     # one lives in Redis after its upload or last use, and how many bytes and blobs one
@@ -251,6 +254,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_UNSTARTED_INPUT_MB": ("max_unstarted_input_mb", _positive_int),
     "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
+    "MAX_BODIES_IN_FLIGHT_MB": ("max_bodies_in_flight_mb", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "BLOB_TTL_S": ("blob_ttl_s", _positive_int),
     "PUBLIC_API_URL": ("public_api_url", _public_url),
@@ -371,6 +375,12 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError(
             f"WORKER_LEASE_TTL_MS ({settings.worker_lease_ttl_ms}) must be at least three times "
             f"WORKER_HEARTBEAT_MS ({settings.worker_heartbeat_ms})"
+        )
+    if settings.max_bodies_in_flight_mb * 1024 * 1024 < settings.max_request_bytes:
+        # Else the biggest request allowed could never be received.
+        raise ConfigError(
+            f"MAX_BODIES_IN_FLIGHT_MB ({settings.max_bodies_in_flight_mb}) must hold at least one request of "
+            f"MAX_REQUEST_BYTES ({settings.max_request_bytes})"
         )
     if settings.max_event_streams_per_principal >= settings.max_event_streams:
         raise ConfigError(

@@ -562,3 +562,56 @@ def test_a_full_redis_is_a_503_that_says_so(make_stack: StackFactory) -> None:
         finally:
             redis.config_set("maxmemory", "0")
         assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+
+
+def _big_execute_head(stack: Stack, length: int) -> bytes:
+    return (
+        f"POST /v1/execute HTTP/1.1\r\nHost: {stack.api_host}\r\nAuthorization: Bearer {stack.api_token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def _reply(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP response on `sock`: its status and body (by its Content-Length)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer and (chunk := sock.recv(65536)):
+        answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length and (chunk := sock.recv(65536)):
+        body += chunk
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: StackFactory) -> None:
+    """MAX_BODIES_IN_FLIGHT_MB: a client trickling many big executes at once cannot make the
+    API hold their bodies without bound; the next big one is a 503, small ones still pass."""
+    stack = make_stack(with_worker=False, MAX_REQUEST_BYTES=str(1 << 20), MAX_BODIES_IN_FLIGHT_MB="2")
+    body = json.dumps(py_job("print(1)", files=[
+        {"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 900_000},
+    ])).encode()  # fmt: skip
+    held = [socket.create_connection((stack.api_host, stack.api_port), timeout=30) for _ in range(2)]
+    try:
+        for sock in held:  # two bodies of 0.9 MB under way: the 2 MiB budget is (nearly) spent
+            sock.sendall(_big_execute_head(stack, len(body)) + body[:1000])
+        time.sleep(0.3)
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as third:
+            third.sendall(_big_execute_head(stack, len(body)))
+            status, answer = _reply(third)
+        assert status == 503, answer
+        refused = json.loads(answer)
+        assert refused["error"] == "Too many large requests are being received at once; retry shortly"
+        assert refused["retryAfterMs"] == 1000
+        with Api(stack) as api:
+            assert api.post("/v1/execute", json=py_job("print('small')")).status_code == 202
+            for sock in held:  # the two finish, and are queued
+                sock.sendall(body[1000:])
+                status, answer = _reply(sock)
+                assert status == 202, answer
+            # Their bytes are let go with their answers: a big one gets in again.
+            assert api.post("/v1/execute", content=body, headers={"Content-Type": "application/json"}).status_code == 202
+    finally:
+        for sock in held:
+            sock.close()
+    with pytest.raises(ConfigError, match="MAX_BODIES_IN_FLIGHT_MB"):
+        load_settings({"PUSHER_SECRET": "x", "MAX_BODIES_IN_FLIGHT_MB": "8"})  # under one MAX_REQUEST_BYTES
