@@ -11,7 +11,10 @@ for the body, the handler waiting for it) for as long as it likes. This subclass
 - a head size cap (`MAX_HEAD_BYTES`): httptools accepts headers of any size;
 - a body timeout: from the end of the headers, the whole body must arrive within
   `API_BODY_TIMEOUT_MS`; otherwise the client gets a `408` if no response has started,
-  the handler sees the client as gone (`http.disconnect`), and the connection is closed;
+  the handler sees the client as gone (`http.disconnect`), and the connection is closed.
+  A request answered before its body is in (a `413` or `503` on its head) keeps that one
+  answer: the rest of its body is read and dropped under the same timeout, as uvicorn
+  does, and never taken for the next request's head;
 - a send timeout: a client that takes none of a response the server could not buffer for
   `API_SEND_TIMEOUT_MS` (the socket and the transport are full) has its connection dropped,
   and the handler sees it gone. Without it, a reader that stops reading holds its handler,
@@ -60,6 +63,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._request_bytes_seen = False
+        # Between a message's first byte and its last: a response may complete before the
+        # request does (a 413 or 503 on its head alone), and the rest of the body that still
+        # arrives is that request's, not the head of the next one.
+        self._in_message = False
 
     # ------------------------------------------------------------ connection
 
@@ -84,7 +91,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
-        idle = self.cycle is None or self.cycle.response_complete
+        idle = (self.cycle is None or self.cycle.response_complete) and not self._in_message
         if idle and self._head_timer is None:
             # Bytes between requests (even lone CRLFs, which start no message) start the clock.
             self._arm_head()
@@ -110,6 +117,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
+        self._in_message = True
         super().on_message_begin()
         if self._head_timer is None:
             self._arm_head()
@@ -125,6 +133,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_expired)
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         self._cancel_body()
         super().on_message_complete()
 
@@ -183,7 +192,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head()
         self._cancel_body()
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        # A request answered before its body ended (the body still arriving) has had its one
+        # response: this one would be a second.
+        answered_early = cycle is not None and cycle.response_complete and self._in_message
+        if not answered_early and (cycle is None or cycle.response_complete or not cycle.response_started):
             self.transport.write(_error_bytes(status, reason, message))
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True

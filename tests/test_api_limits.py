@@ -602,6 +602,17 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
         refused = json.loads(answer)
         assert refused["error"] == "Too many large requests are being received at once; retry shortly"
         assert refused["retryAfterMs"] == 1000
+        # A client that sends its whole body before it reads (most do) gets that same 503,
+        # and only it: the rest of the body is dropped, not taken for the next request's
+        # head (which once got it a stray 431 and a closed connection), and the connection
+        # serves its next request.
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as eager:
+            eager.sendall(_big_execute_head(stack, len(body)) + body)
+            status, answer = _reply(eager)
+            assert status == 503 and json.loads(answer)["retryAfterMs"] == 1000, answer
+            eager.sendall(f"GET /health HTTP/1.1\r\nHost: {stack.api_host}\r\n\r\n".encode())
+            status, answer = _reply(eager)
+            assert status == 200, answer
         with Api(stack) as api:
             assert api.post("/v1/execute", json=py_job("print('small')")).status_code == 202
             for sock in held:  # the two finish, and are queued

@@ -137,8 +137,9 @@ def test_a_flood_of_big_jobs_holds_bounded_input_and_none_once_they_end(make_sta
         refused = [a for a in answers if a.status_code != 202]
         assert 6 <= len(accepted) <= 8 and all(r.status_code == 429 for r in refused), [a.status_code for a in answers]
         grown = _used(stack) - before
-        # (jemalloc keeps a string of just over 1 MiB in a 1.25 MiB size class)
-        assert grown < 1.25 * MIB * len(accepted) + 2 * MIB, grown / MIB
+        # (jemalloc keeps a string of just over 1 MiB in a 1.25 MiB size class, and Redis may
+        # still hold a 1 MiB query buffer for the API's connection after a big command)
+        assert grown < 1.25 * MIB * len(accepted) + 3 * MIB, grown / MIB
         for job in accepted:
             api.start(job)
         for job in accepted:
