@@ -4,7 +4,7 @@ hold together."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -30,46 +30,48 @@ class BodyBudget:
     @contextlib.asynccontextmanager
     async def body(self, request: Request, limit: int) -> AsyncIterator[bytes]:
         """The whole body (read_body's checks), counted against the budget until the block
-        ends; a 503 with `retryAfterMs` when it would pass the budget, read no further."""
-        taken = [0]
+        ends, by what it declares or else by what has arrived; a 503 with `retryAfterMs`
+        when it would pass the budget, read no further."""
+        taken = 0
+
+        def count(size: int) -> None:
+            nonlocal taken
+            wanted = size - taken if size > SMALL_BODY_BYTES else 0
+            if wanted <= 0:
+                return
+            if self.held + wanted > self.max_bytes:
+                raise ApiError(
+                    503,
+                    "Too many large requests are being received at once; retry shortly",
+                    headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))},
+                    retryAfterMs=RETRY_AFTER_MS,
+                )
+            self.held += wanted
+            taken += wanted
+
         try:
-            yield await read_body(request, limit, self, taken)
+            yield await read_body(request, limit, count)
         finally:
-            self.held -= taken[0]
-
-    def _take(self, taken: list[int], size: int) -> None:
-        """Count `size` bytes of one body in all (past the small ones), or refuse it."""
-        wanted = size - taken[0] if size > SMALL_BODY_BYTES else 0
-        if wanted <= 0:
-            return
-        if self.held + wanted > self.max_bytes:
-            raise ApiError(
-                503,
-                "Too many large requests are being received at once; retry shortly",
-                headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))},
-                retryAfterMs=RETRY_AFTER_MS,
-            )
-        self.held += wanted
-        taken[0] += wanted
+            self.held -= taken
 
 
-async def read_body(request: Request, limit: int, budget: BodyBudget | None = None, taken: list[int] | None = None) -> bytes:
+async def read_body(request: Request, limit: int, count: Callable[[int], None] | None = None) -> bytes:
     """The whole body; 413 past `limit` bytes (declared or streamed), before more is read.
-    With `budget`, what the body declares (else what has arrived) is counted as it comes,
-    in `taken`."""
+    `count` is told the declared size, then the size so far as the body arrives (it may
+    raise to refuse the body)."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"Request body must be at most {limit} bytes")
-    counted = [0] if taken is None else taken
-    if budget is not None and declared and declared.isdigit():
-        budget._take(counted, int(declared))
+    if declared and declared.isdigit():
+        if int(declared) > limit:
+            raise ApiError(413, f"Request body must be at most {limit} bytes")
+        if count is not None:
+            count(int(declared))
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"Request body must be at most {limit} bytes")
-        if budget is not None and size > counted[0]:
-            budget._take(counted, size)
+        if count is not None:
+            count(size)
         chunks.append(chunk)
     return b"".join(chunks)

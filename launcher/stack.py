@@ -99,7 +99,7 @@ def free_port(hold: list[int] | None = None) -> int:
                 port = first + secrets.randbelow(low - first)
             if port in _handed_ports:
                 continue
-            lock = _lock_port(port)
+            lock = _host_lock(f"port-{port}")  # (-1: judged by its bind alone)
             if lock is None:
                 continue  # another process's stack holds it
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -118,12 +118,12 @@ def free_port(hold: list[int] | None = None) -> int:
     raise StackError("no free loopback port below the ephemeral range")
 
 
-def _lock_port(port: int) -> int | None:
-    """The port's lock descriptor; None while another process holds it; -1 when this process
-    cannot take locks at all (not root: the port is judged by its bind alone)."""
+def _host_lock(name: str) -> int | None:
+    """The descriptor holding the host-wide lock `name` (beside the job uid locks); None while
+    another process holds it; -1 when this process cannot take locks at all (not root)."""
     try:
         UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return try_lock(UID_LOCK_DIR / f"port-{port}")
+        return try_lock(UID_LOCK_DIR / name)
     except OSError:
         return -1
 
@@ -137,10 +137,8 @@ def _reserve_uid_block() -> tuple[int, int | None]:
     """
     for _ in range(200):
         block = secrets.randbelow(800)
-        try:
-            UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = try_lock(UID_LOCK_DIR / f"stack-block-{block}")
-        except OSError:
+        fd = _host_lock(f"stack-block-{block}")
+        if fd == -1:
             return 100000 + 1000 * block, None
         if fd is None:
             continue

@@ -47,7 +47,6 @@ class SharedBlobs:
         self._held: weakref.WeakValueDictionary[tuple[str, str], Blob] = weakref.WeakValueDictionary()
         # Fetches under way, so jobs claimed together naming one blob fetch it once.
         self._fetching: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self.fetched_bytes = 0  # (for tests and the curious: what came from Redis)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -86,7 +85,6 @@ class SharedBlobs:
             self._fetching[(owner, digest)] = done
         try:
             stored = await queue.blobs(owner, digests)
-            self.fetched_bytes += sum(map(len, stored.values()))
             matching = await off_loop(_matching, stored)  # (hashing megabytes would hold the loop)
         finally:
             for digest in digests:
