@@ -40,6 +40,7 @@ from pathlib import Path
 from launcher.lifeline import MARK_ENV, start_time
 from launcher.node import NodeNotFound, find_node
 from launcher.supervisor import Backoff, Restart, describe_exit
+from shared import keys
 from shared.paths import REPO_ROOT
 from worker.isolation.uids import LOCK_DIR as UID_LOCK_DIR
 from worker.isolation.uids import try_lock, uids_held
@@ -299,6 +300,7 @@ class Stack:
         self._worker_index: dict[str, int] = {}
         self._worker_env: dict[str, dict[str, str]] = {}
         self._started_at: dict[str, float] = {}
+        self._launched_at_ms: dict[str, int] = {}
         self._backoff: dict[str, Backoff] = {}
         self._pending: dict[str, Restart] = {}
         self._retired: set[str] = set()
@@ -524,7 +526,7 @@ class Stack:
             return sorted(self._worker_index, key=self._worker_index.__getitem__)
 
     def start_worker(self, timeout_s: float = 30.0, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start one more worker and wait until it holds its liveness key in Redis."""
+        """Start one more worker and wait until it has listed itself in Redis (its first heartbeat)."""
         name = self._add_worker(extra_env)
         self._wait_worker_ready(name, timeout_s)
         return self.procs[name]
@@ -556,11 +558,26 @@ class Stack:
             self.worker_ids[name] = worker_id
             self.worker_history.setdefault(name, []).append(worker_id)
             self._started_at[name] = time.monotonic()
+            self._launched_at_ms[name] = int(time.time() * 1000)
             return proc
 
     def _wait_worker_ready(self, name: str, timeout_s: float) -> None:
-        worker_id, proc = self.worker_ids[name], self.procs[name]
-        _wait_for(lambda: self._redis_call("exists", f"worker:{worker_id}:alive"), f"worker ({name})", timeout_s, proc, self._log(name))
+        proc = self.procs[name]
+        _wait_for(lambda: self._is_ready(name), f"worker ({name})", timeout_s, proc, self._log(name))
+
+    def _is_ready(self, name: str) -> bool:
+        """Whether this incarnation of worker `name` has listed itself in Redis (its first
+        heartbeat). Its liveness key alone comes earlier, before it has swept its leftovers and
+        declared its lease settings on the host; and with a fixed WORKER_ID a killed
+        incarnation's listing stays behind, so the listing must be newer than the launch."""
+        with self.redis() as redis:
+            listed = redis.hget(keys.WORKERS, self.worker_ids[name])
+        if not listed:
+            return False
+        try:
+            return int(json.loads(listed)["startedAtMs"]) >= self._launched_at_ms[name]
+        except (ValueError, KeyError, TypeError):
+            return False
 
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send `sig` to worker `name`'s process group (SIGKILL, SIGSTOP, SIGCONT...); returns
@@ -641,8 +658,7 @@ class Stack:
             awaiting = dict(self._awaiting_ready)
         for name, (worker_id, since) in awaiting.items():
             try:
-                with self.redis() as redis:
-                    ready = bool(redis.exists(f"worker:{worker_id}:alive"))
+                ready = self._is_ready(name)
             except Exception:
                 continue  # Redis down: ask again at the next round
             if ready:

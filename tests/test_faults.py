@@ -777,7 +777,7 @@ def test_a_worker_restarted_under_its_id_after_dying_in_its_self_test_starts(mak
 
     def start_fixed() -> str:
         name = stack._add_worker({"WORKER_ID": "fixed-1"})
-        stack.worker_ids[name] = "fixed-1"  # what the stack waits for: the fixed id's key
+        stack.worker_ids[name] = "fixed-1"  # what the stack waits for: the fixed id's listing
         stack._wait_worker_ready(name, 30)
         return name
 
