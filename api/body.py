@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from api.errors import ApiError
 
-__all__ = ["BodyBudget", "read_body"]
+__all__ = ["SMALL_BODY_BYTES", "BodyBudget", "read_body"]
 
 # Bodies up to this size are never counted: an IDE's job or a stdin frame always gets in.
 SMALL_BODY_BYTES = 256 * 1024

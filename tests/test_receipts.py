@@ -138,6 +138,19 @@ def test_same_key_other_body_is_409(qapi: Api, quiet: Stack) -> None:
     assert _statuses_with_key(quiet, "k-409") == [job["jobId"]]
 
 
+def test_a_big_body_is_hashed_as_exactly_as_a_small_one(qapi: Api, quiet: Stack) -> None:
+    # Past 256 KiB the body is hashed off the event loop: the same answers.
+    filler = "#" * (400 * 1024)
+    body = py_job(f"print('big')\n{filler}")
+    first = qapi.post("/v1/execute", json=body, headers={KEY: "k-big"})
+    assert first.status_code == 202, first.text
+    again = qapi.post("/v1/execute", json=body, headers={KEY: "k-big"})
+    assert again.status_code == 200 and again.json()["jobId"] == first.json()["jobId"]
+    other = py_job(f"print('big')\n{filler}#")
+    _error(qapi.post("/v1/execute", json=other, headers={KEY: "k-big"}), 409, KEY)
+    assert _statuses_with_key(quiet, "k-big") == [first.json()["jobId"]]
+
+
 @pytest.mark.parametrize(
     "value",
     [b"", b"x" * 256, b"two words", b"tab\there", "caf\u00e9".encode()],
