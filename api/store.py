@@ -19,6 +19,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
 from api.quota import RETAINED_OUTPUT_LUA
+from leanredis.scripts import OomTolerantScript
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
@@ -283,6 +284,20 @@ return {1, n}
 # Returns {0} (unknown, or not the caller's), {1} (start stored and published), or {2, state,
 # started} (the job has ended: nothing written). Stores the flag first (a worker checks it on
 # claim), then publishes the live message.
+# KEYS: the stored output (its result), the stdout and stderr streams, the status. ARGV: how many
+# bytes of each stream to bring along (most outputs are small: their bytes come in the same trip
+# as the result), 1 to bring the job's state too.
+_OUTPUT_LOOK = """
+local found = {
+  redis.call('GET', KEYS[1]),
+  redis.call('EXISTS', KEYS[2]),
+  redis.call('GETRANGE', KEYS[2], 0, ARGV[1]),
+  redis.call('GETRANGE', KEYS[3], 0, ARGV[1]),
+}
+if ARGV[2] == '1' then found[5] = redis.call('HGET', KEYS[4], 'state') end
+return found
+"""
+
 _START = (
     _TERMINAL_LUA
     + """
@@ -477,7 +492,7 @@ class ScriptCall(NamedTuple):
     """One run of a registered Lua script: running it again with the same keys and args is
     what redis-py does when a reply is lost with its connection (tests do it on purpose)."""
 
-    script: AsyncScript
+    script: AsyncScript | OomTolerantScript
     keys: list[str]
     args: list[Any]
 
@@ -573,12 +588,15 @@ class JobStore:
         self._record_ttl_s = record_ttl_s
         self._enqueue = redis.register_script(_ENQUEUE)
         self._stdin = redis.register_script(_STDIN)
-        self._kill = redis.register_script(_KILL)
-        self._mark_audience = redis.register_script(_MARK_AUDIENCE)
-        self._start = redis.register_script(_START)
+        # A start, a kill and an audience mark act on a job already admitted: they run even
+        # while Redis is at its maxmemory, where an execute or stdin is refused (a 503).
+        self._kill = OomTolerantScript(redis, _KILL)
+        self._mark_audience = OomTolerantScript(redis, _MARK_AUDIENCE)
+        self._start = OomTolerantScript(redis, _START)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
         self._seek = redis.register_script(_SEEK)
+        self._output_look = redis.register_script(_OUTPUT_LOOK)
         # Jobs whose audience this process marked lately (see mark_audience_if_known).
         self._recent_marks: OrderedDict[str, float] = OrderedDict()
 
@@ -1013,10 +1031,7 @@ class JobStore:
     async def output_snapshot(self, job_id: str) -> OutputSnapshot:
         """One atomic look for a waiting `/output`: the stored output if any, and whether the
         job has ended."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            self._output_commands(pipe, job_id)
-            pipe.hget(keys.status_key(job_id), "state")
-            *found, state = await pipe.execute()
+        *found, state = await self._look_at_output(job_id, with_state=True)
         return OutputSnapshot(
             output=self._stored_output(*found),
             ended=state is None or JobState(state.decode()) in TERMINAL_STATES,
@@ -1032,18 +1047,22 @@ class JobStore:
 
     async def output(self, job_id: str) -> StoredOutputFound | None:
         """The stored result of a collectOutput job, or None (see StoredOutputFound)."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            self._output_commands(pipe, job_id)
-            found = await pipe.execute()
-        return self._stored_output(*found)
+        return self._stored_output(*await self._look_at_output(job_id, with_state=False))
 
-    @staticmethod
-    def _output_commands(pipe: Any, job_id: str) -> None:
-        pipe.get(keys.output_key(job_id))
-        pipe.exists(keys.output_stream_key(job_id, "stdout"))
-        # Most outputs are small: their bytes come in the same trip as the result.
-        pipe.getrange(keys.output_stream_key(job_id, "stdout"), 0, SMALL_OUTPUT_BYTES)
-        pipe.getrange(keys.output_stream_key(job_id, "stderr"), 0, SMALL_OUTPUT_BYTES)
+    async def _look_at_output(self, job_id: str, with_state: bool) -> list[Any]:
+        # A script, not MULTI/EXEC: a Redis at its maxmemory refuses every command queued in
+        # a transaction, reads too, while a script that only reads always runs.
+        return list(
+            await self._output_look(
+                keys=[
+                    keys.output_key(job_id),
+                    keys.output_stream_key(job_id, "stdout"),
+                    keys.output_stream_key(job_id, "stderr"),
+                    keys.status_key(job_id),
+                ],
+                args=[SMALL_OUTPUT_BYTES, 1 if with_state else 0],
+            )
+        )
 
     @staticmethod
     def _stored_output(raw: bytes | None, apart: int, stdout: bytes, stderr: bytes) -> StoredOutputFound | None:

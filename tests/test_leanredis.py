@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from launcher.stack import free_port
 from leanredis import BlockingLeanRedis, LeanRedis
+from leanredis.scripts import OomTolerantScript
 from leanredis.subscriber import Subscriber
 from tests.helpers import self_signed_certificate
 
@@ -127,6 +128,33 @@ async def test_scripts_are_loaded_again_after_a_flush(lean: LeanRedis) -> None:
     with pytest.raises(NoScriptError):
         await lean.evalsha(script.sha, 0, "b")
     assert await script(args=["b"]) == b"b!"  # NOSCRIPT: loaded again, sent again
+
+
+async def test_an_oom_tolerant_script_writes_at_maxmemory(lean: LeanRedis, plain: Redis) -> None:
+    await plain.config_set("maxmemory", 1)  # below what the server holds: growing writes are refused
+    try:
+        text = "redis.call('SET', KEYS[1], ARGV[1]) return redis.call('GET', KEYS[1])"
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await lean.register_script(text)(keys=["k"], args=["plain"])
+        assert await OomTolerantScript(lean, text)(keys=["k"], args=["flagged"]) == b"flagged"
+    finally:
+        await plain.config_set("maxmemory", 0)
+
+
+async def test_without_script_flags_the_script_runs_plain(lean: LeanRedis) -> None:
+    script = OomTolerantScript(lean, "return ARGV[1]")
+    tried = []
+
+    async def old_server(keys: object = None, args: object = None) -> None:
+        tried.append(args)  # what a Redis before 7 answers the flag line with
+        raise ResponseError("Error compiling script (new function): user_script:1: unexpected symbol near '#'")
+
+    script._flagged = old_server  # type: ignore[assignment]
+    assert await script(args=["a"]) == b"a" and await script(args=["b"]) == b"b"
+    assert tried == [["a"]]  # found out once
+    # A script that does not compile at all says so, flags or none.
+    with pytest.raises(ResponseError, match="compiling"):
+        await OomTolerantScript(lean, "return (")()
 
 
 async def test_pipelines_with_and_without_a_transaction(lean: LeanRedis) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import pytest
+from redis.exceptions import OutOfMemoryError
 
 from launcher.stack import Stack
 from shared.messages import Outcome
@@ -145,6 +146,55 @@ def test_a_flood_of_big_jobs_holds_bounded_input_and_none_once_they_end(make_sta
         for job in accepted:
             assert api.wait_state(job, {"done"}, timeout_s=30)["result"]["outcome"] == "completed"
         assert _used(stack) - before < 2 * MIB, (_used(stack) - before) / MIB
+    finally:
+        api.close()
+
+
+def test_a_full_redis_refuses_new_work_and_ends_what_it_admitted(make_stack: StackFactory) -> None:
+    """At its maxmemory (noeviction) Redis refuses every write that may grow it. New work
+    waits (an execute is a 503, stdin too), but a running job still logs its output and
+    writes its result, a parked job can be started, a kill ends a job, and heartbeats keep
+    the worker's lease: none of it waits for room."""
+    lease_ms, heartbeat_ms = 3000, 500
+    stack = make_stack(WORKER_MAX_SANDBOXES="3", WORKER_LEASE_TTL_MS=str(lease_ms), WORKER_HEARTBEAT_MS=str(heartbeat_ms))
+    api = Api(stack)
+    running = api.execute(py_job("import sys, time\nprint('a', flush=True)\nsys.stdin.readline()\nprint('b')", collectOutput=True))
+    parked = api.execute(py_job("print('parked')", collectOutput=True))
+    endless = api.execute(py_job("import time\ntime.sleep(60)"))
+    alive = f"worker:{stack.worker_ids['worker']}:alive"
+    try:
+        for job in (running, endless):
+            assert api.start(job).status_code == 202
+        for job, state in ((running, "running"), (endless, "running"), (parked, "parked")):
+            api.wait_state(job, {state})
+        with stack.redis() as redis:
+            redis.config_set("maxmemory", 1)  # far below what it holds: every growing write is refused
+            try:
+                with pytest.raises(OutOfMemoryError):
+                    redis.set("probe", "x")
+                refused = api.post("/v1/execute", json=py_job("print(1)"))
+                assert refused.status_code == 503 and "storage is full" in refused.json()["error"], refused.text
+                typed = api.post(f"/v1/jobs/{running['jobId']}/stdin", token=running["jobToken"], json={"chunk": "go\n"})
+                assert typed.status_code == 503, typed.text
+                assert api.start(parked).status_code == 202
+                assert api.wait_state(parked, {"done"}, timeout_s=15)["result"]["outcome"] == "completed"
+                pulled = api.get(f"/v1/jobs/{parked['jobId']}/output")
+                assert pulled.status_code == 200 and pulled.json()["stdout"] == "parked\n", pulled.text
+                assert api.post(f"/v1/jobs/{endless['jobId']}/kill").status_code == 202
+                assert api.wait_state(endless, {"killed"}, timeout_s=15)["result"]["outcome"] == "killed"
+                # Several leases' worth of heartbeats went through: the lease is fresh.
+                time.sleep(2 * lease_ms / 1000)
+                assert redis.pttl(alive) > lease_ms - 3 * heartbeat_ms, redis.pttl(alive)
+                assert api.status(running)["state"] == "running"
+                assert api.post(f"/v1/jobs/{running['jobId']}/kill").status_code == 202
+                assert api.wait_state(running, {"killed"}, timeout_s=15)["result"]["outcome"] == "killed"
+                assert "".join(p["chunk"] for n, p in api.replay(running) if n == "stdout") == "a\n"
+            finally:
+                redis.config_set("maxmemory", 0)
+        # With room again, new work runs.
+        job = api.execute(py_job("print('after')", collectOutput=True))
+        api.start(job)
+        assert api.wait_state(job, {"done"}, timeout_s=15)["result"]["outcome"] == "completed"
     finally:
         api.close()
 

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from leanredis.scripts import OomTolerantScript
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
@@ -215,6 +216,15 @@ return written
 """
 )
 
+# KEYS: the worker's liveness key, the workers list, the dataset token. ARGV: lease ms, worker
+# id, its WorkerInfo, a token for a Redis that has none (it lost its data).
+_HEARTBEAT = """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[4], 'NX')
+return redis.call('GET', KEYS[3])
+"""
+
 # KEYS: status, claimed, queue. ARGV: attempt, job id, now ms, "head" or "back", the seq its
 # log was published up to (liveSeq only grows). A parked job goes back to the queue with its
 # start flag untouched.
@@ -367,14 +377,18 @@ class WorkerQueue:
         self._claimed = keys.worker_claimed_key(worker_id)
         self._record_ttl_s = record_ttl_s
         self._result_ttl_s = result_ttl_s
-        self._claim = redis.register_script(_CLAIM)
-        self._stdin_written = redis.register_script(_STDIN_WRITTEN)
-        self._advance = redis.register_script(_ADVANCE)
-        self._finish = redis.register_script(_FINISH)
-        self._hand_back = redis.register_script(_HAND_BACK)
-        self._reap = redis.register_script(_REAP)
-        self._unregister = redis.register_script(_UNREGISTER)
-        self._forget_dead = redis.register_script(_FORGET_DEAD)
+        # Each of these carries on work already admitted (or only deletes), so each runs even
+        # while Redis is at its maxmemory: a full Redis stops new jobs at the API and leaves
+        # the queued ones queued (the claim's BLMOVE waits for room), and the running ones end.
+        self._claim = OomTolerantScript(redis, _CLAIM)
+        self._stdin_written = OomTolerantScript(redis, _STDIN_WRITTEN)
+        self._advance = OomTolerantScript(redis, _ADVANCE)
+        self._finish = OomTolerantScript(redis, _FINISH)
+        self._hand_back = OomTolerantScript(redis, _HAND_BACK)
+        self._reap = OomTolerantScript(redis, _REAP)
+        self._unregister = OomTolerantScript(redis, _UNREGISTER)
+        self._forget_dead = OomTolerantScript(redis, _FORGET_DEAD)
+        self._heartbeat = OomTolerantScript(redis, _HEARTBEAT)
         # Results this queue wrote outside a job's run (recovery, or a claim that ended an
         # unreadable job), for the worker to publish (take_recovered): kept here, not only
         # returned, so a later claim's failure in the same round cannot drop them.
@@ -590,12 +604,10 @@ class WorkerQueue:
     async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> bytes:
         """Renew the lease; returns the dataset token (keys.DATASET), which changes when Redis
         lost its data."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms)
-            pipe.hset(keys.WORKERS, self.worker_id, encode(info))
-            pipe.set(keys.DATASET, secrets.token_hex(8), nx=True)
-            pipe.get(keys.DATASET)
-            *_, dataset = await pipe.execute()
+        dataset = await self._heartbeat(
+            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, keys.DATASET],
+            args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8)],
+        )
         return bytes(dataset)
 
     async def unregister(self) -> None:

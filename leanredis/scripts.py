@@ -1,0 +1,49 @@
+"""Lua scripts that Redis runs even at its `maxmemory`.
+
+With `maxmemory-policy noeviction` (the setting the README asks for), a Redis at its limit
+refuses every command that may grow it, scripts included. Some writes must not wait for
+room: a heartbeat that keeps a live worker's lease, the event log and the result of a job
+already running, a start or a kill. A script whose first line is `#!lua flags=allow-oom`
+is run regardless (Redis 7 and later). Older servers cannot compile that line: there the
+script runs without it, refused at the limit as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+__all__ = ["ALLOW_OOM", "OomTolerantScript"]
+
+log = logging.getLogger(__name__)
+
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
+
+class OomTolerantScript:
+    """`client.register_script(script)`, run with the allow-oom flag where the server has
+    script flags."""
+
+    def __init__(self, client: Redis, script: str) -> None:
+        self._flagged = client.register_script(ALLOW_OOM + script)
+        self._plain = client.register_script(script)
+        self._flags = True
+
+    async def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None) -> Any:
+        if not self._flags:
+            return await self._plain(keys, args)
+        try:
+            return await self._flagged(keys, args)
+        except ResponseError as exc:
+            if "compiling" not in str(exc):
+                raise
+        # A server without script flags (before Redis 7) reads the first line as Lua. Should
+        # the script itself not compile, the plain text fails the same way and says so.
+        answer = await self._plain(keys, args)
+        self._flags = False
+        log.warning("this Redis has no script flags (Redis 7 and later): at its maxmemory, running jobs' writes wait for room")
+        return answer
