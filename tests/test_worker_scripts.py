@@ -347,6 +347,21 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     assert int(await redis.hget(keys.retained_sizes_key("owner-a"), "_total")) == 10
 
 
+async def test_a_stale_finish_leaves_the_newer_claim_listed(redis: Redis, queue: WorkerQueue) -> None:
+    # This worker stalled past its lease: its parked job went back to the queue and it
+    # claimed the job again. The old run's finish (its warm-up ran out) writes nothing, and
+    # must not take the new claim out of the list, or nobody would reap the job should this
+    # worker die now.
+    old = await _claimed(redis, queue)
+    job = old.spec.job_id
+    assert await queue.hand_back(job, old.attempt, to_back=True)
+    new = await queue.claim(1.0, 0.0)
+    assert new is not None and new.spec.job_id == job and new.attempt > old.attempt
+    assert not await queue.finish(job, old.attempt, JobState.EXPIRED, 1, b'{"seq":1}', None)
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
+    assert await redis.hget(keys.status_key(job), "state") == b"parked"
+
+
 async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

@@ -176,7 +176,9 @@ if mine and state and terminal[state] and redis.call('HGET', KEYS[1], 'result') 
   return written
 end
 if (not mine) or (not state) or terminal[state] then
-  redis.call('LREM', KEYS[6], 1, ARGV[8])
+  -- Our claim's entry goes, but never a newer attempt's: a job reaped from this worker while
+  -- it stalled may have been claimed again by it since.
+  if mine or not state then redis.call('LREM', KEYS[6], 1, ARGV[8]) end
   return 0
 end
 -- The log is ahead of the worker's count (an append it gave up waiting for did land):
