@@ -316,7 +316,9 @@ async def _write_stdin(state: AppState, status: StoredStatus, data: bytes, close
         )
     if answer.refused == "closed":
         raise ApiError(409, "stdin of this job is closed")
-    raise ApiError(409, f"Job has already ended ({answer.state or 'gone'}); it takes no more input")
+    if not answer.state:
+        raise ApiError(404, "Job not found")  # its record went away since it was looked up
+    raise ApiError(409, f"Job has already ended ({answer.state}); it takes no more input")
 
 
 async def send_stdin(request: Request) -> Response:
@@ -347,14 +349,17 @@ async def kill_job(request: Request) -> Response:
     state = _state(request)
     status = await state.visible_job(request)
     result = None
-    if status.test_cases and status.state is JobState.QUEUED:
+    if status.test_cases and status.state in (JobState.QUEUED, JobState.PARKED):
         # Should it end here, in the queue, a grader still finds every case and the summary.
+        # (A parked job too: its worker may hand it back to the queue before the kill lands.)
         spec = await state.store.spec(status.job_id)
         if spec is not None and spec.tests:
             result = killed_batch_before_start(spec.tests)
     answer = await state.store.kill(status.job_id, state.settings.run_result_ttl_s, result=result)
+    if answer.ended_state == "":
+        raise ApiError(404, "Job not found")  # its record went away since it was looked up
     if answer.ended_state is not None:
-        raise ApiError(409, f"Job has already ended ({answer.ended_state or 'gone'})")
+        raise ApiError(409, f"Job has already ended ({answer.ended_state})")
     if answer.result is not None:
         log.info("job %s killed before any worker held it", status.job_id)
     if answer.result is not None and answer.heard:
