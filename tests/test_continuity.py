@@ -226,9 +226,11 @@ def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_can
         for folder in (work_root / name, tmp_path / "cgroup" / "deployment" / "jobs" / name):
             folder.mkdir(parents=True)
             os.utime(folder, (stamp, stamp))
-    # A workspace alone (its cgroup already gone) still counts, by its own age.
+    # A workspace alone (its cgroup already gone) still counts, by the time in its name.
     (work_root / "w-leftover.1.2").mkdir()
-    os.utime(work_root / "w-leftover.1.2", (now - 60, now - 60))
+    # A job owns its workspace's root and may date it in the future: that never counts.
+    for name in ("w-leftover.1.2", "w-old.0.1"):
+        os.utime(work_root / name, (now + 1e9, now + 1e9))
     assert _owners(layout, work_root, "w-me", min_age_s=10) == {"w-old", "w-leftover"}
     assert _owners(layout, work_root, "w-me", min_age_s=0) == {"w-old", "w-young", "w-leftover"}
     # And the sweep, given them all as dead, removes exactly the sandboxes of those owners.

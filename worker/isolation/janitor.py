@@ -32,9 +32,15 @@ _TIMINGS = ".timings"
 
 
 def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
-    """When a sandbox was made: the newest timestamp of its workspace folder or cgroup."""
-    stamps = [0.0]
-    for path in (work_root / name, *layout.job(name).paths()):
+    """When a sandbox was made: the newest timestamp of its cgroups, or at least the time in
+    its name (`<worker>.<slot>.<n>`, n counting on from the factory's start in ms).
+
+    Never its workspace's timestamp: the job owns the tmpfs root (a `touch -d 2100-01-01
+    /workspace` would make the sandbox look forever young, and no sweep would remove it).
+    """
+    counter = name.rsplit(".", 1)[-1]
+    stamps = [int(counter) / 1000 if counter.isdigit() else 0.0]
+    for path in layout.job(name).paths():
         try:
             stamps.append(path.stat().st_mtime)
         except OSError:
