@@ -865,7 +865,9 @@ CASES = [
     Case("D4-python-rlimits", "python", D4_PY,
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: "RAISED" not in o["stdout"] and o["stdout"].count("refused") == 4, "finite limits cannot be raised"),
-              where(lambda o: o["stdout"].startswith("MEMLOCK 0 0\n"), "no memory can be locked"))),
+              where(lambda o: o["stdout"].startswith("MEMLOCK 0 0\n"), "no memory can be locked"),
+              # Exactly 1 byte: no core file, and no core_pattern pipe helper either.
+              where(lambda o: "RLIMIT_CORE 1 1 refused\n" in o["stdout"], "no core dump of any kind"))),
     Case("D5-c-kernel-surfaces", "c", D5_C,
          both(expect(outcome="completed", exitCode=0, signal=None), d5_every_kill_listed_call_killed)),
     Case("D5-c-killed-call-in-a-thread", "c", D5_THREAD_C,

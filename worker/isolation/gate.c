@@ -201,7 +201,14 @@ int main(int gate_argc, char **gate_argv) {
      * its own instead; no program needs a message queue. */
     struct rlimit sigpending = {.rlim_cur = JAIL_SIGPENDING, .rlim_max = JAIL_SIGPENDING};
     struct rlimit msgqueue = {.rlim_cur = 0, .rlim_max = 0};
-    if (setrlimit(RLIMIT_SIGPENDING, &sigpending) != 0 || setrlimit(RLIMIT_MSGQUEUE, &msgqueue) != 0) _exit(124);
+    /* No core dump of any kind. A limit of 0 stops core files, but the kernel ignores it for
+     * a core_pattern that pipes to a helper (systemd-coredump, apport): every crash would
+     * start a root process outside the jail's cgroups, fed with the job's memory. Exactly 1
+     * is the one value that stops those too, and is below any core file's size. */
+    struct rlimit core = {.rlim_cur = 1, .rlim_max = 1};
+    if (setrlimit(RLIMIT_SIGPENDING, &sigpending) != 0 || setrlimit(RLIMIT_MSGQUEUE, &msgqueue) != 0 ||
+        setrlimit(RLIMIT_CORE, &core) != 0)
+        _exit(124);
 
     char magic[4];
     if (read_exact(magic, 4) || memcmp(magic, "CRG1", 4) != 0) return 0;
