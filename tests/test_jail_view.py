@@ -5,6 +5,7 @@ activity or boot id; and none of the host's configuration under /usr/local/etc."
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ MASKED = ["/proc/interrupts", "/proc/softirqs", "/proc/diskstats", "/proc/vmstat
           "/proc/cgroups", "/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr", "/proc/partitions", "/proc/config.gz"]  # fmt: skip
 HOST_VIEW = f"""
 import os
+import time
 for path in {MASKED!r}:
     print(path, len(open(path, "rb").read()))
 for folder in ("/proc/pressure", "/usr/local/etc"):
@@ -58,3 +60,20 @@ def test_proc_shows_no_kernel_command_line_and_no_worker_paths(api: Api, realtim
     deployment = api.stack.deployment
     assert deployment not in mountinfo and "/run/" not in mountinfo, mountinfo
     assert " /.coderunner/gate " in mountinfo  # the gate is there, bound from its own tmpfs
+
+
+def test_no_other_host_user_can_read_a_jobs_workspace(api: Api) -> None:
+    # The work root is traversable (0711) and sandbox names are guessable: the workspace
+    # itself must be its jail user's alone.
+    root = Path(f"/run/{api.stack.deployment}")
+    deadline = time.monotonic() + 30
+    while True:
+        mounted = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines() if line.startswith("coderunner-ws ")]
+        workspaces = [Path(p) for p in mounted if Path(p).parent == root]
+        if workspaces or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert workspaces, "no warm workspace to look at"
+    for workspace in workspaces:
+        info = workspace.stat()
+        assert info.st_uid != 0 and info.st_mode & 0o777 == 0o700, (workspace, oct(info.st_mode))

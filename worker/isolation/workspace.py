@@ -44,7 +44,7 @@ class Workspace:
             raise WorkspaceError(f"workspace {self.path} already exists") from None
         try:
             mount("coderunner-ws", str(self.path), "tmpfs", MS_NOSUID | MS_NODEV,
-                  f"size={size_bytes},nr_inodes={inodes},mode=0755,uid={self.uid},gid={self.gid}")  # fmt: skip
+                  f"size={size_bytes},nr_inodes={inodes},mode=0700,uid={self.uid},gid={self.gid}")  # fmt: skip
         except MountError as exc:
             raise WorkspaceError(str(exc)) from None
         self._mounted = True
