@@ -69,6 +69,12 @@ def render(snapshot: FleetSnapshot) -> str:
         [({}, sum(load.jobs_waiting_for_sandbox for _, load, _ in loads if load))],
     )
     out.metric(
+        "coderunner_steps_waiting_for_memory",
+        "gauge",
+        "Compiles, runs and test cases waiting until their memory limits fit the hosts' ceilings, fleet-wide.",
+        [({}, sum(load.steps_waiting_for_memory for _, load, _ in loads if load))],
+    )
+    out.metric(
         "coderunner_jobs_claimed",
         "gauge",
         "Jobs claimed by live workers (parked, starting or running), fleet-wide.",

@@ -489,6 +489,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     sandboxes_building: int
     sandboxes_in_use: int  # running a job, or lent to a parked job's compile or load
     sandbox_builds_failed: int  # since the worker started
+    # Compiles, runs and test cases held at the gate until their memory limits fit the
+    # ceiling all jobs share (0 from workers older than the field).
+    steps_waiting_for_memory: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -29,6 +29,7 @@ from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.isolation.cgroups import CgroupLayout, CgroupMode
 from worker.isolation.janitor import STALE_TIMING_S, _declare, _declared, _forget, _owners, _prune_timings, _remove
+from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
@@ -271,7 +272,7 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
          "WORKER_PRESTART": "off"}
     )  # fmt: skip
     assert staging.stall_s > staging.lease_s  # it lapses every lease
-    live = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    live = Worker(settings, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
     await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
@@ -324,7 +325,7 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
 
     monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
     monkeypatch.setattr("worker.worker.sandbox_owners", owners)
-    reaping = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    reaping = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     ctx = SimpleNamespace(queue=reaper, publisher=SimpleNamespace(lane=None), callback_due=lambda: None)
     tasks = [
         asyncio.create_task(renew()),

@@ -32,7 +32,7 @@ def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], int]:
 def test_the_text_is_prometheus_exposition_with_escaped_labels() -> None:
     load = WorkerLoad(
         jobs_claimed=5, jobs_waiting_for_sandbox=1, sandboxes_ready=2, sandboxes_building=1, sandboxes_in_use=5,
-        sandbox_builds_failed=3,
+        sandbox_builds_failed=3, steps_waiting_for_memory=2,
     )  # fmt: skip
     odd = WorkerInfo(worker_id='w"1\\\n', slots=8, runtimes=[], started_at_ms=0, load=load)
     old = WorkerInfo(worker_id="w2", slots=4, runtimes=[], started_at_ms=0)  # no load reported yet
@@ -42,6 +42,7 @@ def test_the_text_is_prometheus_exposition_with_escaped_labels() -> None:
     assert samples[("coderunner_slots", frozenset())] == 12
     assert samples[("coderunner_slots_in_use", frozenset())] == 5
     assert samples[("coderunner_jobs_claimed", frozenset())] == 6
+    assert samples[("coderunner_steps_waiting_for_memory", frozenset())] == 2
     assert samples[("coderunner_jobs_ended_total", frozenset({("state", "done")}))] == 9
     escaped = 'w\\"1\\\\\\n'
     assert samples[("coderunner_worker_sandboxes", frozenset({("worker", escaped), ("state", "building")}))] == 1

@@ -31,6 +31,7 @@ from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
 from worker.isolation.jail import JailExit
 from worker.isolation.janitor import _declare
+from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
@@ -437,7 +438,7 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     # Redis refused). Upkeep has stopped by then, and unregistering used to drop the worker
     # from the list the others reap from: such a job stayed parked until its record expired.
     settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
-    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     orphan = await _claimed(redis, queue)  # claimed, and no task holds it
     held = await _claimed(redis, queue)  # its task would not end in time
@@ -470,7 +471,7 @@ async def test_a_stopping_worker_publishes_the_lost_results_it_recovers(redis: R
     # A started job whose result write failed under a hard stop: leaving ends it lost, and
     # its follower must still hear that result live.
     settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
-    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     started = await _claimed(redis, queue)
     job = started.spec.job_id
@@ -506,7 +507,7 @@ async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(
 
     monkeypatch.setattr("worker.worker.sweep_orphans", sweep_fails)
     settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
-    worker = Worker(settings, "w-restarted", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    worker = Worker(settings, "w-restarted", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="the sweep failed"):
         await asyncio.wait_for(worker.run(), 10)
     assert not await redis.exists(keys.worker_alive_key("w-restarted"))
@@ -550,7 +551,7 @@ async def _claimed_run(redis: Redis, worker: Worker, ctx: Any, queue: WorkerQueu
 async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator[tuple[Worker, Any]]:
     """A Worker (no sandboxes) and the context its claims use: the queue, a real ControlBus."""
     settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
-    worker = Worker(settings, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     bus_redis = LeanRedis.from_url(redis_stack.redis_url)
     control = ControlBus(bus_redis)
     await control.start()
@@ -903,7 +904,7 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
     # Worker W stalled past its lease; a reaper found it dead and recovered its claims. W
     # came back meanwhile (its heartbeat renewed the lease): the reaper must not drop it from
     # `workers`, or a job W claims next and dies with is never walked again.
-    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     await redis.delete(keys.worker_alive_key(queue.worker_id))  # the lease ran out
     reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
@@ -922,7 +923,7 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
 async def test_a_heartbeat_reads_a_dataset_token_that_changes_only_when_redis_lost_its_data(
     redis: Redis, queue: WorkerQueue
 ) -> None:
-    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     other = WorkerQueue(redis, "w-other", RECORD_TTL_S, RESULT_TTL_S)
     first = await queue.heartbeat(worker.info(), 60_000)
     assert len(first) == 16
@@ -939,7 +940,7 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(
     # The reaper acts on a read some time after it (a heartbeat confirms Redis did not stall
     # meanwhile): a worker that thawed and renewed its lease by then keeps its claims. So does
     # a sandbox owner never listed among the workers (one still starting).
-    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     claim = await _claimed(redis, queue)
     await redis.rpush(keys.worker_claimed_key("w-starting"), b"some-job")
@@ -953,7 +954,7 @@ async def test_a_worker_judged_dead_that_renewed_since_is_not_reaped(
 
     monkeypatch.setattr("worker.worker.sandbox_owners", owners)
     monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
-    reaping = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    reaping = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
     judged: list[set[str]] = []
     real_unleased = ctx.queue.unleased
@@ -1023,7 +1024,7 @@ async def test_a_worker_whose_lease_may_have_lapsed_in_a_gap_the_reaper_saw_is_l
     # call 3.5 s a break). While such a gap lies within that lease before the look, it
     # leaves such a worker, claims and sandboxes, alone.
     short = load_settings({"PUSHER_SECRET": "x", "WORKER_LEASE_TTL_MS": "5000", "WORKER_HEARTBEAT_MS": "1000"})
-    worker = Worker(short, queue.worker_id, SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(short, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     claim = await _claimed(redis, queue)
     await redis.delete(keys.worker_alive_key(queue.worker_id))
@@ -1082,7 +1083,7 @@ async def test_a_sandbox_owner_that_renews_before_the_sweep_keeps_its_sandboxes(
 
     monkeypatch.setattr("worker.worker.sandbox_owners", owners)
     monkeypatch.setattr("worker.worker.sweep_orphans", sweep)
-    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), "w-reaper", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     ctx = SimpleNamespace(queue=WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S))
 
     async def held_as_it_thaws(_token: int, after: float) -> bool:
@@ -1331,7 +1332,7 @@ async def test_results_recovered_in_a_round_that_failed_half_way_are_still_publi
 
     monkeypatch.setattr("worker.worker.sweep_orphans", no_sweep)
     monkeypatch.setattr("worker.worker.sandbox_owners", no_sandboxes)
-    worker = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None), {})  # type: ignore[arg-type]
+    worker = Worker(settings, "w-reaper", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
     await queue.heartbeat(worker.info(), 60_000)
     await redis.delete(keys.worker_alive_key(queue.worker_id))  # its lease ran out
     # The reaper's own heartbeats are what let it judge others dead.

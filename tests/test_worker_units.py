@@ -24,6 +24,7 @@ from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
 from worker.isolation.child import Child, PipeReader, _pipe_object, read_pipe
 from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, build_argv
+from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
@@ -884,7 +885,7 @@ async def test_upkeep_stops_though_redis_swallowed_the_cancel() -> None:
     # cancel into a CancelledError, so a test of it here could not fail.)
     settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off",
                               "WORKER_HEARTBEAT_MS": "10", "WORKER_LEASE_TTL_MS": "30"})  # fmt: skip
-    worker = Worker(settings, "w", SimpleNamespace(), {})  # type: ignore[arg-type]
+    worker = Worker(settings, "w", SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
 
     async def swallow(*_args: Any, **_kwargs: Any) -> list[str]:
         await _swallows_a_cancel()

@@ -26,6 +26,7 @@ from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
+from worker.isolation.memory import MemoryAdmission
 from worker.isolation.sandbox import (
     GateBuildError,
     SandboxFactory,
@@ -97,6 +98,16 @@ def jobs_memory_bytes(settings: Settings, meminfo: str) -> int:
     return max(256 << 20, total - max(1 << 30, total // 8))
 
 
+# What a slot holds of the ceiling outside any step: a warm jail's waiting runtime, and
+# what a finished step's program left charged in its workspace tmpfs until the sandbox goes.
+SLOT_RESERVE_BYTES = 64 << 20
+
+
+def steps_memory_bytes(ceiling: int, slots: int) -> int:
+    """What the memory limits of the steps running at once may add up to on this host."""
+    return max(ceiling // 2, ceiling - slots * SLOT_RESERVE_BYTES)
+
+
 async def _prepare(
     settings: Settings, worker_id: str, uids: UidLease | None
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -149,6 +160,7 @@ async def _prepare(
         uid_lease=uids,
         max_limits=settings.limit_maxima,
         extra_mounts=mounts,
+        memory=MemoryAdmission(steps_memory_bytes(ceiling, settings.worker_max_sandboxes)),
     )
     # The self-test uses the uid one past the last slot, which no job ever gets.
     await self_test(factory, worker_id, settings.worker_max_sandboxes)

@@ -37,6 +37,7 @@ from worker.isolation.janitor import (
     declare_timing,
     declared_timings,
     forget_timing,
+    live_workers_here,
     prune_timings,
     sandbox_owners,
     sweep_orphans,
@@ -145,6 +146,7 @@ class Worker:
                 sandboxes_building=pool.building,
                 sandboxes_in_use=max(0, pool.slots - pool.ready - pool.building),
                 sandbox_builds_failed=pool.builds_failed,
+                steps_waiting_for_memory=self.sandboxes.memory.waiting,
             ),
         )
 
@@ -199,6 +201,7 @@ class Worker:
             # only once this worker has had Redis for a whole lease (see _upkeep).
             await sweep_orphans(self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True)
             await declare_timing(self.sandboxes.work_root, self.worker_id, *self._timing)
+            await self._share_memory()
             await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
             self.pool.start()
             await control.start()
@@ -436,6 +439,7 @@ class Worker:
                 # Again each round: a sweep may have taken it while this worker restarted
                 # under the id of one judged dead.
                 await declare_timing(self.sandboxes.work_root, self.worker_id, *self._timing)
+                await self._share_memory()
                 await ctx.queue.check_unanswered()
                 strays = await self._strays(ctx)
                 confirmed, self._suspects = strays & self._suspects, strays - self._suspects
@@ -475,6 +479,16 @@ class Worker:
             await sweep_orphans(
                 self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, dead=dead, min_age_s=self._young_s
             )
+
+    async def _share_memory(self) -> None:
+        """Admit steps against this worker's part of the host's memory ceiling: the workers
+        on a host all write the same one (worker/isolation/memory.py)."""
+        memory = self.sandboxes.memory
+        workers = await live_workers_here(self.sandboxes.work_root)
+        before = memory.capacity_bytes
+        memory.share_with(workers)
+        if memory.capacity_bytes != before:
+            log.info("%d worker(s) on this host: this one runs steps of up to %d MiB of memory limits at once", workers, memory.capacity_bytes >> 20)
 
     async def _prune_declarations(self) -> None:
         """Now and then, remove the lease declarations of workers long gone from this host

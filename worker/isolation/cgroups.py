@@ -320,6 +320,9 @@ class JobCgroup:
         self._written: dict[Path, str] = {}
         # The CPU bandwidth cap last written, in cores (None: no cpu controller here).
         self.cpu_cap_cores: float | None = None
+        # The memory limit last written (what a step in these cgroups may take of the
+        # ceiling all jobs share: worker/isolation/memory.py).
+        self.memory_limit_bytes = 0
         # Open descriptors of the files a running job's clocks and kill use (see the module
         # docstring), by path; "w:" before the path for one opened to write. The lock keeps
         # close_files from racing a read: a closed descriptor's number can be reused at once,
@@ -415,6 +418,7 @@ class JobCgroup:
         `background`, a low CPU weight (see BACKGROUND_CPU_SHARE), else the normal one."""
         quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
         share = BACKGROUND_CPU_SHARE if background else 1.0
+        self.memory_limit_bytes = memory_bytes
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
             self._limit(self.v2_dir / "memory.max", str(memory_bytes))

@@ -21,7 +21,15 @@ from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import owner_of
 from worker.isolation.workspace import detach_workspace
 
-__all__ = ["declare_timing", "declared_timings", "forget_timing", "prune_timings", "sandbox_owners", "sweep_orphans"]
+__all__ = [
+    "declare_timing",
+    "declared_timings",
+    "forget_timing",
+    "live_workers_here",
+    "prune_timings",
+    "sandbox_owners",
+    "sweep_orphans",
+]
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +233,41 @@ async def declared_timings(work_root: Path | None, worker_ids: Collection[str]) 
     if work_root is None or not worker_ids:
         return {}
     return await off_loop(_declared, work_root, worker_ids)
+
+
+# A declaration rewritten this recently (or within three of the heartbeats it declares, if
+# longer) is a live worker's: each rewrites its own every upkeep round.
+LIVE_TIMING_S = 60.0
+
+
+def _live_workers(work_root: Path, now: float) -> int:
+    try:
+        entries = list(os.scandir(work_root / _TIMINGS))
+    except OSError:
+        return 1
+    live = 0
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue  # a write under way
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+            if age < LIVE_TIMING_S:
+                live += 1
+                continue
+            with open(entry.path, "rb") as f:
+                heartbeat_ms = int(f.read(64).split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        live += age < 3 * heartbeat_ms / 1000
+    return max(1, live)
+
+
+async def live_workers_here(work_root: Path | None) -> int:
+    """How many workers run on this host (at least this one), by their lease declarations:
+    they all put their jobs under one memory ceiling (see worker/isolation/memory.py)."""
+    if work_root is None:
+        return 1
+    return await off_loop(_live_workers, work_root, time.time())
 
 
 async def forget_timing(work_root: Path | None, worker_ids: Collection[str]) -> None:

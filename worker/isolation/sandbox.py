@@ -28,6 +28,7 @@ from shared.limits import Limits
 from shared.manifest import CompilerArchive, expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailError, JailSpec, Program
+from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
 from worker.isolation.offload import off_loop
 from worker.isolation.uids import UidLease
@@ -465,6 +466,9 @@ class SandboxFactory:
     rlimit_fsize_mb: int = 16
     rlimit_nofile: int = 64
     ready_timeout_s: float = 10.0
+    # What the steps running at once may hold of the jobs' memory ceiling (unbounded unless
+    # the worker sets it from the ceiling: worker/isolation/memory.py).
+    memory: MemoryAdmission = field(default_factory=lambda: MemoryAdmission(UNBOUNDED_BYTES))
     # Numbers the sandboxes' names (`<owner>.<slot>.<n>`). It starts from the clock, so a
     # worker restarted under the same WORKER_ID never meets a name its last incarnation left
     # behind (killed in its start-up self-test, say, which comes before its sweep).

@@ -40,6 +40,7 @@ from shared.messages import (
     case_facts,
 )
 from worker.isolation.jail import Program
+from worker.isolation.memory import MemoryAdmission
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
 from worker.job.events import JobEvents
@@ -156,6 +157,7 @@ async def run_batch(
     keep_output: bool,
     budget_ms: int,
     progress: BatchProgress | None = None,
+    memory: MemoryAdmission | None = None,
 ) -> BatchResult:
     """Run every case of `spec.tests`; `first` (already loaded) serves case 0 and is
     destroyed like every other case's sandbox (the caller must not reuse it). `budget_ms`
@@ -235,6 +237,7 @@ async def run_batch(
                 [(sandbox.jail.stdout, output.sink("stdout")), (sandbox.jail.stderr, output.sink("stderr"))],
                 inbox,
                 feed_stdin=feed,
+                memory=memory,
             )
         finally:
             running.remove(inbox)

@@ -679,6 +679,7 @@ class JobRun:
                 inbox,
                 feed_stdin=close_stdin,
                 sink=flusher.task,
+                memory=self.ctx.sandboxes.memory,
             )
             flusher.add("compile_output", output.flush())
             await flusher.close()
@@ -749,6 +750,7 @@ class JobRun:
                 inbox,
                 feed_stdin=feed_stdin,
                 sink=flusher.task,
+                memory=self.ctx.sandboxes.memory,
             )
             # A prestarted runtime's own memory was there before start: not the job's.
             facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
@@ -835,6 +837,7 @@ class JobRun:
             keep_output=self.spec.collect_output,
             budget_ms=self.ctx.settings.worker_batch_wall_ms,
             progress=self._batch,
+            memory=self.ctx.sandboxes.memory,
         )
         await self._finish_batch(batch, compiled)
 

@@ -22,6 +22,7 @@ from shared.messages import CtrlMessage
 from worker.isolation.cgroups import CPU_PERIOD_US, JobCgroup
 from worker.isolation.child import PipeReader
 from worker.isolation.jail import Jail, JailExit, Program
+from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
 from worker.tasks import cancel_and_wait
 
@@ -142,6 +143,10 @@ async def _gather_pause(reader: asyncio.StreamReader) -> None:
     await reader.pause(COALESCE_S)
 
 
+# How often a step waiting for memory looks for a kill (only while it waits).
+KILL_LOOK_S = 0.05
+
+
 def _take_kill(inbox: asyncio.Queue[object]) -> bool:
     """Take the first kill waiting in `inbox`, if there is one; the rest stay, in order."""
     waiting = [inbox.get_nowait() for _ in range(inbox.qsize())]
@@ -161,12 +166,68 @@ async def supervise(
     inbox: asyncio.Queue[object],
     feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
     sink: asyncio.Task[None] | None = None,
+    memory: MemoryAdmission | None = None,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
+    With `memory`, the gate opens only once the jail's memory limit fits what the running
+    jobs leave of the ceiling (worker/isolation/memory.py), and the limit is held until the
+    step's last process is gone; the clocks start after that wait.
+
     A kill already in the inbox (it came while the stage was announced or the sandbox was
-    loaded) ends the step with the gate still shut: the program never runs at all.
+    loaded), or one that comes during that wait, ends the step with the gate still shut:
+    the program never runs at all.
     """
+    if memory is None:
+        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+    size = cgroup.memory_limit_bytes
+    if not await _admitted(memory, size, inbox):
+        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+    try:
+        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+    finally:
+        memory.release(size)
+
+
+async def _admitted(memory: MemoryAdmission, size: int, inbox: asyncio.Queue[object]) -> bool:
+    """Wait for the memory; False (nothing held) if a kill came first (it stays in `inbox`)."""
+    if memory.try_admit(size):
+        return True
+    admission = asyncio.ensure_future(memory.admit(size))
+    try:
+        while True:
+            done, _ = await asyncio.wait({admission}, timeout=KILL_LOOK_S)
+            if done:
+                admission.result()
+                return True
+            if _has_kill(inbox):
+                admission.cancel()
+                await asyncio.gather(admission, return_exceptions=True)
+                return False
+    except BaseException:
+        admission.cancel()
+        await asyncio.gather(admission, return_exceptions=True)
+        raise
+
+
+def _has_kill(inbox: asyncio.Queue[object]) -> bool:
+    """Whether a kill waits in `inbox` (which is left as it was)."""
+    waiting = [inbox.get_nowait() for _ in range(inbox.qsize())]
+    for item in waiting:
+        inbox.put_nowait(item)
+    return any(isinstance(item, CtrlMessage) and item.type == "kill" for item in waiting)
+
+
+async def _supervise(
+    jail: Jail,
+    cgroup: JobCgroup,
+    program: Program,
+    clocks: Clocks,
+    pumps: list[tuple[asyncio.StreamReader | None, OnData]],
+    inbox: asyncio.Queue[object],
+    feed_stdin: Callable[[Activity], Awaitable[None]] | None,
+    sink: asyncio.Task[None] | None,
+) -> StepFacts:
     loop = asyncio.get_running_loop()
     cpu_base = cgroup.cpu_us()
     fired: str | None = "user" if _take_kill(inbox) else None

@@ -1,0 +1,105 @@
+"""Jobs' memory limits are admitted against the ceiling all jails share, so no job can have
+the kernel's OOM killer pick another job under that ceiling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared.messages import CtrlMessage
+from tests.conftest import StackFactory
+from tests.helpers import Api, py_job
+from worker.isolation.memory import MemoryAdmission
+from worker.job.supervise import _admitted
+
+MIB = 1 << 20
+
+
+async def test_steps_are_admitted_in_order_while_their_limits_fit() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(60 * MIB)
+    order: list[str] = []
+
+    async def step(name: str, size: int) -> None:
+        async with memory.hold(size):
+            order.append(name)
+            await asyncio.sleep(0.01)
+
+    # 50 does not fit beside 60; 10 would, but comes after it and waits its turn.
+    waiting = [asyncio.create_task(step("fifty", 50 * MIB)), asyncio.create_task(step("ten", 10 * MIB))]
+    await asyncio.sleep(0.02)
+    assert order == [] and memory.waiting == 2
+    memory.release(60 * MIB)
+    await asyncio.gather(*waiting)
+    assert order == ["fifty", "ten"] and memory.held_bytes == 0
+
+
+async def test_a_step_bigger_than_the_room_runs_alone() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(10 * MIB)
+    big = asyncio.create_task(memory.admit(300 * MIB))
+    await asyncio.sleep(0.01)
+    assert not big.done()
+    memory.release(10 * MIB)
+    await asyncio.wait_for(big, 1)
+    assert not memory.try_admit(1)  # nothing beside it
+    memory.release(300 * MIB)
+    assert memory.try_admit(100 * MIB)
+
+
+async def test_a_waiter_that_gives_up_holds_nothing_and_blocks_nobody() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(90 * MIB)
+    first = asyncio.create_task(memory.admit(50 * MIB))
+    second = asyncio.create_task(memory.admit(5 * MIB))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.wait_for(second, 1)  # first in line now, and it fits
+    assert memory.held_bytes == 95 * MIB
+
+
+async def test_sharing_the_room_with_another_worker_halves_it() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    memory.share_with(2)
+    assert memory.capacity_bytes == 50 * MIB and memory.try_admit(50 * MIB) and not memory.try_admit(1)
+    waiting = asyncio.create_task(memory.admit(40 * MIB))
+    await asyncio.sleep(0.01)
+    memory.share_with(1)  # the other worker left: room at once
+    await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_kill_while_waiting_for_memory_takes_nothing_and_stays_for_the_step() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(100 * MIB)
+    inbox: asyncio.Queue[object] = asyncio.Queue()
+    waiting = asyncio.create_task(_admitted(memory, 10 * MIB, inbox))
+    await asyncio.sleep(0.1)
+    kill = CtrlMessage(type="kill")
+    inbox.put_nowait(kill)
+    assert await asyncio.wait_for(waiting, 1) is False
+    assert inbox.get_nowait() is kill and memory.held_bytes == 100 * MIB and memory.waiting == 0
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_two_jobs_whose_limits_pass_the_ceiling_run_one_after_the_other(make_stack: StackFactory) -> None:
+    # 700 MiB for all jobs: two of 400 MiB that each fill 360 MiB cannot both run. Together
+    # they would pass the ceiling, and its OOM killer would end one as if it had passed its
+    # own limit; one at a time, both complete.
+    stack = make_stack(SANDBOX_MEMORY_TOTAL_MB="700", WORKER_MAX_SANDBOXES="2")
+    code = "import time\nheld = b'x' * (360 << 20)\ntime.sleep(1.5)\nprint('kept', len(held) >> 20)"
+    with Api(stack) as api:
+        jobs = [api.execute(py_job(code, collectOutput=True, limits={"memoryMb": 400})) for _ in range(2)]
+        began = time.monotonic()
+        for job in jobs:
+            assert api.start(job).status_code == 202
+        results = [api.wait_state(job, {"done"}, timeout_s=30)["result"] for job in jobs]
+        took = time.monotonic() - began
+        assert [r["outcome"] for r in results] == ["completed", "completed"], results
+        for job in jobs:
+            assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "kept 360\n"
+        # One waited for the other; neither's clocks counted the wait.
+        assert took >= 3.0 and all(r["durationMs"] < 2900 for r in results), (took, results)
