@@ -551,7 +551,7 @@ async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.M
 
     writer = Writer()
 
-    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, feed_stdin: Any) -> StepFacts:
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, feed_stdin: Any, **_: Any) -> StepFacts:
         activity = SimpleNamespace(touch=lambda: touches.append(writer.written))
         await feed_stdin(activity)
         return _completed()
