@@ -301,9 +301,12 @@ return found
 _START = (
     _TERMINAL_LUA
     + """
-local st = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started')
+local st = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started', 'attempt', 'expiringAttempt')
 if (not st[1]) or (ARGV[1] ~= '' and st[2] ~= ARGV[1]) then return {0} end
 if terminal[st[1]] then return {2, st[1], st[3] or ''} end
+-- Its worker's warm-up ran out and it took its last look at the start flag: it ends the
+-- job expired now, so a start from here on is refused as that, not accepted and dropped.
+if st[5] and st[5] == st[4] then return {2, 'expired', ''} end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1}

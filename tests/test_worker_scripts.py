@@ -363,6 +363,28 @@ async def test_a_stale_finish_leaves_the_newer_claim_listed(redis: Redis, queue:
     assert await redis.hget(keys.status_key(job), "state") == b"parked"
 
 
+async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dropped(redis: Redis, queue: WorkerQueue) -> None:
+    store = JobStore(redis, RECORD_TTL_S)
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    # The warm-up ran out and no start came: from the last look on, a start is `expired`
+    # (a 409), not a 202 for a job the worker is ending.
+    assert not await queue.close_park(job, claim.attempt)
+    answer = await store.start(job, "")
+    assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.EXPIRED, False)
+    assert not await redis.exists(keys.start_flag_key(job))
+    # Put back in the queue (say its worker died before ending it), the next claim is
+    # another attempt, which the mark does not hold for.
+    assert await queue.hand_back(job, claim.attempt)
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job
+    assert (await store.start(job, "")).outcome == "started"
+    # A start that came before the last look is seen there: the job runs.
+    other = await _claimed(redis, queue)
+    assert (await store.start(other.spec.job_id, "")).outcome == "started"
+    assert await queue.close_park(other.spec.job_id, other.attempt)
+
+
 async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id

@@ -108,6 +108,18 @@ QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 # Frames before that one are dropped: a started job never runs again, so nothing reads them,
 # and a program that reads as fast as a client sends would otherwise let the stream grow by
 # its whole input, however long the job runs.
+# KEYS: status, start flag. ARGV: attempt. The last look of a parked job whose warm-up ran
+# out: 1 if its start came after all; else, for our own claim, the record says it is
+# expiring (the API's start script then refuses a start as `expired`; a later claim has
+# another attempt, which the mark does not hold for), and 0.
+_CLOSE_PARK = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
+if redis.call('HGET', KEYS[1], 'attempt') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'expiringAttempt', ARGV[1])
+end
+return 0
+"""
+
 _STDIN_WRITTEN = (
     _TERMINAL_LUA
     + """
@@ -391,6 +403,7 @@ class WorkerQueue:
         self._unregister = OomTolerantScript(redis, _UNREGISTER)
         self._forget_dead = OomTolerantScript(redis, _FORGET_DEAD)
         self._heartbeat = OomTolerantScript(redis, _HEARTBEAT)
+        self._close_park = OomTolerantScript(redis, _CLOSE_PARK)
         # Results this queue wrote outside a job's run (recovery, or a claim that ended an
         # unreadable job), for the worker to publish (take_recovered): kept here, not only
         # returned, so a later claim's failure in the same round cannot drop them.
@@ -455,6 +468,12 @@ class WorkerQueue:
     async def flags(self, job_id: str) -> tuple[bool, bool]:
         """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
         return (await self.flags_of([job_id]))[0]
+
+    async def close_park(self, job_id: str, attempt: int) -> bool:
+        """The warm-up of a parked job ran out: True if its start came after all, else no
+        start is accepted from now on (see _CLOSE_PARK) and the job is to end expired."""
+        started = await self._close_park(keys=[keys.status_key(job_id), keys.start_flag_key(job_id)], args=[attempt])
+        return bool(started)
 
     async def flags_of(self, job_ids: list[str]) -> list[tuple[bool, bool]]:
         """flags() of each of `job_ids`, in one pipelined round trip."""
