@@ -1695,6 +1695,12 @@ def test_the_output_budget_never_keeps_half_a_character() -> None:
     compile_output = CompileOutput(1024)
     compile_output.feed(snow * 400)
     assert compile_output.text == "\u2603" * 341 + compile_output.marker
+    # A character split across two reads of one pipe, the other's output read in between.
+    compile_output = CompileOutput(1024)
+    chunks = compile_output.feed(b"\xc3", "stdout") + compile_output.feed(b"warning\n", "stderr")
+    chunks += compile_output.feed(b"\xa9\n", "stdout") + compile_output.flush()
+    assert "".join(chunks) == compile_output.text == "warning\n\u00e9\n"
+    assert compile_output.stream_text("stdout") == "\u00e9\n"
 
 
 async def test_a_cases_output_cut_never_keeps_half_a_character() -> None:

@@ -69,21 +69,32 @@ class CompileOutput:
     """
 
     def __init__(self, limit_bytes: int) -> None:
-        self._budget = OutputBudget(limit_bytes, keep_bytes=True)
+        # Each stream is decoded on its own (a character split across two reads of one pipe,
+        # with the other pipe's output read in between, stays whole); the log interleaves
+        # the decoded text.
+        self._budget = OutputBudget(limit_bytes, keep_bytes=False)
         self._streams = OutputBudget(2 * limit_bytes, keep_bytes=True)
+        self._log: list[str] = []
         self._limit_kb = limit_bytes // 1024
         self._marked = False
 
     def feed(self, data: bytes, stream: str = "stdout") -> list[str]:
         self._streams.feed(stream, data)
-        chunks = self._budget.feed("stdout", data)
-        if self._budget.truncated and not self._marked:
+        if self._marked:
+            return []
+        chunks = self._budget.feed(stream, data)
+        if self._budget.truncated:
             self._marked = True
-            chunks = [*chunks, *self._budget.flush("stdout"), self.marker]
+            chunks = [*chunks, *self._budget.flush("stdout"), *self._budget.flush("stderr"), self.marker]
+        self._log += chunks
         return chunks
 
     def flush(self) -> list[str]:
-        return [] if self._marked else self._budget.flush("stdout")
+        if self._marked:
+            return []
+        chunks = [*self._budget.flush("stdout"), *self._budget.flush("stderr")]
+        self._log += chunks
+        return chunks
 
     @property
     def marker(self) -> str:
@@ -91,8 +102,7 @@ class CompileOutput:
 
     @property
     def text(self) -> str:
-        text = bytes(self._budget.data["stdout"]).decode("utf-8", "replace")
-        return text + self.marker if self._marked else text
+        return "".join(self._log)
 
     def stream_text(self, stream: str) -> str:
         return bytes(self._streams.data[stream]).decode("utf-8", "replace")
