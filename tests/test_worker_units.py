@@ -1802,3 +1802,24 @@ async def test_a_hand_back_counts_events_no_follower_heard_as_unpublished() -> N
     assert events.live and events.published_to == 0  # the next claim publishes them again
     lane.followed = True
     assert events.published_to == 2
+
+
+def test_the_jail_backstop_covers_a_long_warm_up_and_the_longest_compile(tmp_path: Path) -> None:
+    # A sandbox lent to a parked job waits out the warm-up and a compile before its run:
+    # nsjail's own clock must not end the run early when WORKER_WARMUP_MS is long.
+    from shared.limits import DEFAULT_LIMITS, RequestedLimits
+    from worker.__main__ import start_wait_s
+    from worker.isolation.sandbox import MAX_IDLE_S, SandboxFactory
+
+    def runtime(compile_limits: RequestedLimits | None) -> Any:
+        return SimpleNamespace(manifest=SimpleNamespace(compile=SimpleNamespace(limits=compile_limits) if compile_limits else None))
+
+    rust = runtime(RequestedLimits(wall_time_ms=30000))
+    settings = load_settings({"PUSHER_SECRET": "x", "WORKER_WARMUP_MS": "300000"})
+    assert start_wait_s(settings, {"python": runtime(None), "rust": rust}) == 330.0
+    assert start_wait_s(load_settings({"PUSHER_SECRET": "x"}), {"python": runtime(None)}) == 120.0  # never less
+    factory = SandboxFactory(
+        nsjail="nsjail", profiles_dir=tmp_path, work_root=tmp_path, gate=tmp_path, enter=tmp_path, cgroups=None,  # type: ignore[arg-type]
+        uid_base=60000, max_limits=DEFAULT_LIMITS, start_wait_s=330.0,
+    )  # fmt: skip
+    assert factory.backstop_s(DEFAULT_LIMITS) == int(MAX_IDLE_S + 330 + DEFAULT_LIMITS.wall_time_ms / 1000 + 60)

@@ -108,6 +108,13 @@ def steps_memory_bytes(ceiling: int, slots: int) -> int:
     return max(ceiling // 2, ceiling - slots * SLOT_RESERVE_BYTES)
 
 
+def start_wait_s(settings: Settings, runtimes: dict[str, Runtime]) -> float:
+    """The longest between lending a sandbox to a parked job and its run: the warm-up, then
+    the longest compile of the languages offered (at least the two minutes it always was)."""
+    compiles = [with_overrides(COMPILE_DEFAULTS, r.manifest.compile.limits).wall_time_ms for r in runtimes.values() if r.manifest.compile]
+    return max(120.0, (settings.worker_warmup_ms + max(compiles, default=0)) / 1000)
+
+
 async def _prepare(
     settings: Settings, worker_id: str, uids: UidLease | None
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -161,6 +168,7 @@ async def _prepare(
         max_limits=settings.limit_maxima,
         extra_mounts=mounts,
         memory=MemoryAdmission(steps_memory_bytes(ceiling, settings.worker_max_sandboxes)),
+        start_wait_s=start_wait_s(settings, runtimes),
     )
     # The self-test uses the uid one past the last slot, which no job ever gets.
     await self_test(factory, worker_id, settings.worker_max_sandboxes)

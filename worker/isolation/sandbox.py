@@ -466,6 +466,9 @@ class SandboxFactory:
     rlimit_fsize_mb: int = 16
     rlimit_nofile: int = 64
     ready_timeout_s: float = 10.0
+    # The longest a sandbox lent to a parked job may wait between the loan and the run: the
+    # warm-up (WORKER_WARMUP_MS) and then the longest compile (see backstop_s).
+    start_wait_s: float = 120.0
     # What the steps running at once may hold of the jobs' memory ceiling (unbounded unless
     # the worker sets it from the ceiling: worker/isolation/memory.py).
     memory: MemoryAdmission = field(default_factory=lambda: MemoryAdmission(UNBOUNDED_BYTES))
@@ -473,6 +476,12 @@ class SandboxFactory:
     # worker restarted under the same WORKER_ID never meets a name its last incarnation left
     # behind (killed in its start-up self-test, say, which comes before its sweep).
     _counter: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
+
+    def backstop_s(self, limits: Limits) -> int:
+        """nsjail's own time limit, only a backstop behind the worker's clocks: it covers the
+        longest a sandbox may wait for a job, then for a start (a parked job's warm-up and
+        its compile), then run, plus a minute."""
+        return int(MAX_IDLE_S + self.start_wait_s + limits.wall_time_ms / 1000 + 60)
 
     def profile(self, name: str = "base") -> Path:
         return self.profiles_dir / f"{name}.cfg"
@@ -514,9 +523,7 @@ class SandboxFactory:
                 uid=uid,
                 gid=uid,
                 extra_mounts=[*self.extra_mounts, *(mounts or [])],
-                # nsjail's own clock is only a backstop behind the worker's clocks: it covers the
-                # longest a sandbox may wait for a job, then for a start, then run.
-                backstop_s=int(MAX_IDLE_S + 120 + limits.wall_time_ms / 1000 + 60),
+                backstop_s=self.backstop_s(limits),
                 rlimit_cpu_s=math.ceil(limits.cpu_ms / 1000) + 1,
                 rlimit_fsize_mb=max(self.rlimit_fsize_mb, self.workspace_bytes >> 20),
                 rlimit_nofile=max(self.rlimit_nofile, 256),
