@@ -67,6 +67,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # request does (a 413 or 503 on its head alone), and the rest of the body that still
         # arrives is that request's, not the head of the next one.
         self._in_message = False
+        # The requests of this connection still being answered: with pipelining, one that is
+        # streaming (SSE) while the next waits its turn. uvicorn itself knows only the newest.
+        self._cycles: list[Any] = []
 
     # ------------------------------------------------------------ connection
 
@@ -78,7 +81,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head()
         self._cancel_body()
         self._cancel_send()
+        # uvicorn tells only the newest request: an earlier one still streaming would go on
+        # writing to nobody, holding its stream slot, until its job ended.
+        self._disconnect_all()
         super().connection_lost(exc)
+
+    def _disconnect_all(self) -> None:
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
 
     def pause_writing(self) -> None:
         # The transport holds more than its high-water mark: the client is not taking it.
@@ -128,6 +140,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._request_bytes_seen = False
         super().on_headers_complete()
+        if self.cycle is not None and (not self._cycles or self._cycles[-1] is not self.cycle):
+            self._cycles = [c for c in self._cycles if not c.response_complete]
+            self._cycles.append(self.cycle)
         if not (self.parser.should_upgrade() and self._should_upgrade()):
             self._cancel_body()
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_expired)
@@ -195,11 +210,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # A request answered before its body ended (the body still arriving) has had its one
         # response: this one would be a second.
         answered_early = cycle is not None and cycle.response_complete and self._in_message
-        if not answered_early and (cycle is None or cycle.response_complete or not cycle.response_started):
+        # A pipelined request behind one still answering (an event stream): its error would
+        # land inside that response's body.
+        behind = any(c is not cycle and not c.response_complete for c in self._cycles)
+        if not answered_early and not behind and (cycle is None or cycle.response_complete or not cycle.response_started):
             self.transport.write(_error_bytes(status, reason, message))
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.message_event.set()
+        self._disconnect_all()
         self.transport.close()
 
     def _peer(self) -> str:

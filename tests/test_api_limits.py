@@ -626,3 +626,38 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
             sock.close()
     with pytest.raises(ConfigError, match="MAX_BODIES_IN_FLIGHT_MB"):
         load_settings({"PUSHER_SECRET": "x", "MAX_BODIES_IN_FLIGHT_MB": "8"})  # under one MAX_REQUEST_BYTES
+
+
+def test_a_request_pipelined_behind_an_event_stream_ends_both_cleanly(slow_stack: Stack) -> None:
+    # An event stream, then on the same connection a request whose body never comes. Its
+    # body timeout closes the connection: the stream's handler must hear of it (and give its
+    # slot back), and no 408 may land inside the stream's body.
+    stack = slow_stack
+    api = Api(stack)
+    job = api.execute(py_job("print(1)"))  # no worker: it stays queued, its stream stays open
+    sock = socket.create_connection((stack.api_host, stack.api_port), timeout=BODY_S + 10)
+    try:
+        sock.sendall(
+            f"GET /v1/jobs/{job['jobId']}/events HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_token}\r\n\r\n"
+            f"POST /v1/jobs/{job['jobId']}/stdin HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_token}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode()
+        )
+        said = b""
+        while chunk := sock.recv(65536):
+            said += chunk
+        assert said.startswith(b"HTTP/1.1 200") and said.count(b"HTTP/1.1 ") == 1, said
+        with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+            deadline = time.monotonic() + 5
+            while (open_now := _gauge(client, "coderunner_api_event_streams")) != 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert open_now == 0, "the stream's handler never heard its client was gone"
+    finally:
+        sock.close()
+        api.close()
+
+
+def _gauge(client: httpx.Client, name: str) -> int:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"no {name} in /metrics")
