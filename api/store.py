@@ -220,7 +220,7 @@ return out
 """
 
 # Store one accepted stdin frame (or the EOF frame) and notify the job's worker.
-# KEYS: status, stdin stream, rate list, recent request ids. ARGV: now ms, bytes, kind
+# KEYS: status, stdin stream, rate list, recent request ids. ARGV: '' (unused), bytes, kind
 # ('data'|'close'), max frames per window, window ms, max pending bytes, ttl s, notification
 # JSON before n, its JSON between n and the stream id, channel, request id, how many request
 # ids to remember, how long (s).
@@ -236,7 +236,10 @@ if earlier then return {1, tonumber(earlier)} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return {0, 'ended', state or ''} end
 if redis.call('HGET', KEYS[1], 'stdinClosed') == '1' then return {0, 'closed', ''} end
-local now = tonumber(ARGV[1])
+-- Redis's clock, not the API's: the rate list is shared by every API process, whose clocks
+-- may disagree.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local max_frames = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
 -- EOF is never rate limited: it comes once and must not be lost behind a burst.
@@ -868,7 +871,7 @@ class JobStore:
                 keys.stdin_requests_key(job_id),
             ],
             [
-                now_ms(),
+                "",
                 data,
                 "close" if close else "data",
                 max_frames_per_s,

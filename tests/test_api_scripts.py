@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 
+import api.store as store_module
 from api.store import JobStore, ScriptCall
 from launcher.stack import Stack
 from leanredis import LeanRedis
@@ -308,6 +309,21 @@ async def test_stdin_rerun_answers_the_same_after_the_job_ended(store: JobStore,
     assert_same_state(before, await snapshot(redis))
     fresh = await store.stdin(job_id, b"x", False, 30, 65536)
     assert fresh.refused == "ended"
+
+
+async def test_stdin_rate_is_kept_on_redis_clock_whatever_the_api_processes_clocks(
+    store: JobStore, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two API processes, one of them ten seconds ahead: their frames share one rate list,
+    # and the one behind must not be told to wait eleven seconds for a one-second window.
+    job_id = await _running_job(store, redis)
+    real = store_module.now_ms
+    monkeypatch.setattr(store_module, "now_ms", lambda: real() + 10_000)
+    for _ in range(2):
+        assert (await store.stdin(job_id, b"x", False, 2, 65536)).frame is not None
+    monkeypatch.setattr(store_module, "now_ms", real)
+    answer = await store.stdin(job_id, b"x", False, 2, 65536)
+    assert answer.refused == "rate" and 0 < answer.retry_after_ms <= 1000, answer
 
 
 async def test_stdin_request_ids_are_bounded(store: JobStore, redis: Redis) -> None:
