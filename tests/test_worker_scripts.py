@@ -32,6 +32,7 @@ from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_sam
 from worker.isolation.jail import JailExit
 from worker.isolation.janitor import _declare
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
+from worker.job.artifacts import RedisArtifactStore
 from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
@@ -383,6 +384,20 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     other = await _claimed(redis, queue)
     assert (await store.start(other.spec.job_id, "")).outcome == "started"
     assert await queue.close_park(other.spec.job_id, other.attempt)
+
+
+async def test_an_artifact_is_kept_only_for_the_claim_that_holds_the_job(redis: Redis, queue: WorkerQueue) -> None:
+    store = RedisArtifactStore(redis)
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], state=JobState.RUNNING, started=True)
+    assert await store.put(job, claim.attempt, 0, b'{"name":"a.png"}', b"png", 60)
+    assert await redis.get(keys.artifact_data_key(job, 0)) == b"png"
+    # Another claim holds it now (this worker stalled past its lease): nothing is attached.
+    await redis.hincrby(keys.status_key(job), "attempt", 1)
+    assert not await store.put(job, claim.attempt, 1, b'{"name":"b.png"}', b"png", 60)
+    assert await redis.get(keys.artifact_data_key(job, 1)) is None
+    assert await redis.hkeys(keys.artifacts_key(job)) == [b"0"]
 
 
 async def test_hand_back_sent_twice_queues_once(redis: Redis, queue: WorkerQueue) -> None:

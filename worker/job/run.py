@@ -803,7 +803,8 @@ class JobRun:
                     bytes=len(data),
                     url=sign_artifact(settings.pusher_secret, self.job_id, index, expires),
                 )
-                await store.put(self.job_id, index, _encoder.encode(meta), data, settings.run_result_ttl_s + 60)
+                if not await store.put(self.job_id, self.claim.attempt, index, _encoder.encode(meta), data, settings.run_result_ttl_s + 60):
+                    raise Fenced(self.job_id)
                 kept.append(meta)
         except RedisError as exc:
             log.warning("job %s: storing its artifacts failed: %s", self.job_id, exc)
