@@ -11,7 +11,7 @@ import pytest
 from shared.messages import CtrlMessage
 from tests.conftest import StackFactory
 from tests.helpers import Api, py_job
-from worker.isolation.memory import MemoryAdmission
+from worker.isolation.memory import SLOT_RESERVE_BYTES, MemoryAdmission
 from worker.job.supervise import _admitted
 
 MIB = 1 << 20
@@ -62,6 +62,11 @@ async def test_a_waiter_that_gives_up_holds_nothing_and_blocks_nobody() -> None:
 
 
 async def test_sharing_the_room_with_another_worker_halves_it() -> None:
+    # Each worker keeps its own slots' reserve out of its part.
+    assert MemoryAdmission(1024 * MIB, slots=2).capacity_bytes == 1024 * MIB - 2 * SLOT_RESERVE_BYTES
+    shared = MemoryAdmission(1024 * MIB, slots=2)
+    shared.share_with(2)
+    assert shared.capacity_bytes == 512 * MIB - 2 * SLOT_RESERVE_BYTES
     memory = MemoryAdmission(100 * MIB)
     memory.share_with(2)
     assert memory.capacity_bytes == 50 * MIB and memory.try_admit(50 * MIB) and not memory.try_admit(1)
@@ -71,11 +76,50 @@ async def test_sharing_the_room_with_another_worker_halves_it() -> None:
     await asyncio.wait_for(waiting, 1)
 
 
+async def test_started_jobs_steps_go_before_parked_jobs_compiles() -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(100 * MIB)
+    order: list[str] = []
+
+    async def step(name: str, speculative: bool) -> None:
+        await memory.admit(60 * MIB, speculative)
+        order.append(name)
+
+    waiting = [asyncio.create_task(step("parked compile", True))]
+    await asyncio.sleep(0.01)
+    waiting.append(asyncio.create_task(step("started run", False)))
+    await asyncio.sleep(0.01)
+    assert not memory.try_admit(1, speculative=True)  # nor does a new compile overtake
+    memory.release(100 * MIB)
+    await asyncio.sleep(0.01)
+    assert order == ["started run"]
+    memory.release(60 * MIB)
+    await asyncio.gather(*waiting)
+    assert order == ["started run", "parked compile"]
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2])
+async def test_a_step_cancelled_as_its_memory_is_granted_gives_it_back(turns: int) -> None:
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(90 * MIB)
+    step = asyncio.create_task(_admitted(memory, 60 * MIB, asyncio.Queue(), False))
+    await asyncio.sleep(0.01)
+    memory.release(90 * MIB)  # granted now...
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    step.cancel()  # ...as the step is cancelled
+    await asyncio.gather(step, return_exceptions=True)
+    if step.cancelled():
+        assert memory.held_bytes == 0 and memory.try_admit(100 * MIB)
+    else:
+        assert step.result() is True and memory.held_bytes == 60 * MIB
+
+
 async def test_a_kill_while_waiting_for_memory_takes_nothing_and_stays_for_the_step() -> None:
     memory = MemoryAdmission(100 * MIB)
     assert memory.try_admit(100 * MIB)
     inbox: asyncio.Queue[object] = asyncio.Queue()
-    waiting = asyncio.create_task(_admitted(memory, 10 * MIB, inbox))
+    waiting = asyncio.create_task(_admitted(memory, 10 * MIB, inbox, False))
     await asyncio.sleep(0.1)
     kill = CtrlMessage(type="kill")
     inbox.put_nowait(kill)

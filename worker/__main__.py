@@ -98,16 +98,6 @@ def jobs_memory_bytes(settings: Settings, meminfo: str) -> int:
     return max(256 << 20, total - max(1 << 30, total // 8))
 
 
-# What a slot holds of the ceiling outside any step: a warm jail's waiting runtime, and
-# what a finished step's program left charged in its workspace tmpfs until the sandbox goes.
-SLOT_RESERVE_BYTES = 64 << 20
-
-
-def steps_memory_bytes(ceiling: int, slots: int) -> int:
-    """What the memory limits of the steps running at once may add up to on this host."""
-    return max(ceiling // 2, ceiling - slots * SLOT_RESERVE_BYTES)
-
-
 def start_wait_s(settings: Settings, runtimes: dict[str, Runtime]) -> float:
     """The longest between lending a sandbox to a parked job and its run: the warm-up, then
     the longest compile of the languages offered (at least the two minutes it always was)."""
@@ -167,7 +157,7 @@ async def _prepare(
         uid_lease=uids,
         max_limits=settings.limit_maxima,
         extra_mounts=mounts,
-        memory=MemoryAdmission(steps_memory_bytes(ceiling, settings.worker_max_sandboxes)),
+        memory=MemoryAdmission(ceiling, settings.worker_max_sandboxes),
         start_wait_s=start_wait_s(settings, runtimes),
     )
     # The self-test uses the uid one past the last slot, which no job ever gets.

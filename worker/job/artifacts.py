@@ -89,16 +89,15 @@ class ArtifactStore(Protocol):
         unless the job is no longer this claim's (`attempt`): then False, nothing kept."""
 
 
-# KEYS: status, the artifact's bytes, the artifacts' hash. ARGV: attempt, index, metadata,
-# bytes, ttl s. Fenced like every other write of a running job: a worker that lost the job
-# (a stall past its lease) must not attach files to a result another worker wrote.
+# KEYS: status, the artifacts' hash. ARGV: attempt, index, metadata, ttl s. Fenced like every
+# other write of a running job: a worker that lost the job (a stall past its lease) must not
+# attach files to a result another worker wrote.
 _PUT = """
 local terminal = {done=true, killed=true, error=true, expired=true, lost=true}
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
-redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
-redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 
@@ -107,11 +106,16 @@ class RedisArtifactStore:
     """Artifacts in Redis beside the job's result: metadata in one hash, bytes in a key each."""
 
     def __init__(self, redis: Redis) -> None:
+        self._redis = redis
         self._put = redis.register_script(_PUT)
 
     async def put(self, job_id: str, attempt: int, index: int, meta_json: bytes, data: bytes, ttl_s: int) -> bool:
+        # The bytes (megabytes, maybe) go in with a plain SET, not through the script's
+        # arguments, which Redis would copy into Lua and again into the key. Unlisted (the
+        # claim was fenced) they are never read, and expire.
+        await self._redis.set(keys.artifact_data_key(job_id, index), data, ex=ttl_s)
         kept = await self._put(
-            keys=[keys.status_key(job_id), keys.artifact_data_key(job_id, index), keys.artifacts_key(job_id)],
-            args=[attempt, index, meta_json, data, ttl_s],
+            keys=[keys.status_key(job_id), keys.artifacts_key(job_id)],
+            args=[attempt, index, meta_json, ttl_s],
         )
         return bool(kept)

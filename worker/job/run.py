@@ -690,6 +690,8 @@ class JobRun:
                 feed_stdin=close_stdin,
                 sink=flusher.task,
                 memory=self.ctx.sandboxes.memory,
+                # Compiling while parked: the job may never start, so started jobs go first.
+                speculative=isinstance(events, RecordedEvents),
             )
             flusher.add("compile_output", output.flush())
             await flusher.close()

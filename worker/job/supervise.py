@@ -167,12 +167,14 @@ async def supervise(
     feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
     sink: asyncio.Task[None] | None = None,
     memory: MemoryAdmission | None = None,
+    speculative: bool = False,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
     With `memory`, the gate opens only once the jail's memory limit fits what the running
     jobs leave of the ceiling (worker/isolation/memory.py), and the limit is held until the
-    step's last process is gone; the clocks start after that wait.
+    step's last process is gone; the clocks start after that wait. A `speculative` step (a
+    parked job's compile) lets every started job's steps go first.
 
     A kill already in the inbox (it came while the stage was announced or the sandbox was
     loaded), or one that comes during that wait, ends the step with the gate still shut:
@@ -181,7 +183,7 @@ async def supervise(
     if memory is None:
         return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
     size = cgroup.memory_limit_bytes
-    if not await _admitted(memory, size, inbox):
+    if not await _admitted(memory, size, inbox, speculative):
         return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
     try:
         return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
@@ -189,11 +191,11 @@ async def supervise(
         memory.release(size)
 
 
-async def _admitted(memory: MemoryAdmission, size: int, inbox: asyncio.Queue[object]) -> bool:
+async def _admitted(memory: MemoryAdmission, size: int, inbox: asyncio.Queue[object], speculative: bool) -> bool:
     """Wait for the memory; False (nothing held) if a kill came first (it stays in `inbox`)."""
-    if memory.try_admit(size):
+    if memory.try_admit(size, speculative):
         return True
-    admission = asyncio.ensure_future(memory.admit(size))
+    admission = asyncio.ensure_future(memory.admit(size, speculative))
     try:
         while True:
             done, _ = await asyncio.wait({admission}, timeout=KILL_LOOK_S)
@@ -201,13 +203,20 @@ async def _admitted(memory: MemoryAdmission, size: int, inbox: asyncio.Queue[obj
                 admission.result()
                 return True
             if _has_kill(inbox):
-                admission.cancel()
-                await asyncio.gather(admission, return_exceptions=True)
+                await _give_up(memory, size, admission)
                 return False
     except BaseException:
-        admission.cancel()
-        await asyncio.gather(admission, return_exceptions=True)
+        await _give_up(memory, size, admission)
         raise
+
+
+async def _give_up(memory: MemoryAdmission, size: int, admission: asyncio.Future[None]) -> None:
+    """Stop waiting; memory already granted (the wait ended just as this step was cancelled)
+    goes back, or no step after it would ever find that room again."""
+    admission.cancel()
+    await asyncio.gather(admission, return_exceptions=True)
+    if not admission.cancelled() and admission.exception() is None:
+        memory.release(size)
 
 
 def _has_kill(inbox: asyncio.Queue[object]) -> bool:
