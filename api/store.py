@@ -269,24 +269,6 @@ return {1, n}
 """
 )
 
-# A kill request. A job still in the queue (no worker holds it) ends here and now; any other
-# live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
-# and a live message on its control channel.
-# KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
-# callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
-# seq, ctrl channel, ctrl message, request id.
-# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished, heard}
-# (ended here; `unpublished`: the log's earlier entries nobody published, each its
-# field/value pairs then ''; `heard`: 1 when someone was allowed to subscribe, see
-# keys.audience_key, else nothing need be published).
-# The status remembers the request that ended the job (`killEndedBy`) and the last few that
-# flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
-# answer again and neither writes nor publishes anything twice.
-# KEYS: status, start flag. ARGV: the owner the caller must match ('' when a job token
-# already names this job), ttl s, ctrl channel, the start message.
-# Returns {0} (unknown, or not the caller's), {1} (start stored and published), or {2, state,
-# started} (the job has ended: nothing written). Stores the flag first (a worker checks it on
-# claim), then publishes the live message.
 # KEYS: the stored output (its result), the stdout and stderr streams, the status. ARGV: how many
 # bytes of each stream to bring along (most outputs are small: their bytes come in the same trip
 # as the result), 1 to bring the job's state too.
@@ -301,6 +283,11 @@ if ARGV[2] == '1' then found[5] = redis.call('HGET', KEYS[4], 'state') end
 return found
 """
 
+# KEYS: status, start flag. ARGV: the owner the caller must match ('' when a job token
+# already names this job), ttl s, ctrl channel, the start message.
+# Returns {0} (unknown, or not the caller's), {1} (start stored and published), or {2, state,
+# started} (the job has ended: nothing written). Stores the flag first (a worker checks it on
+# claim), then publishes the live message.
 _START = (
     _TERMINAL_LUA
     + """
@@ -316,6 +303,19 @@ return {1}
 """
 )
 
+# A kill request. A job still in the queue (no worker holds it) ends here and now; any other
+# live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
+# and a live message on its control channel.
+# KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
+# callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
+# seq, ctrl channel, ctrl message, request id.
+# Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished, heard}
+# (ended here; `unpublished`: the log's earlier entries nobody published, each its
+# field/value pairs then ''; `heard`: 1 when someone was allowed to subscribe, see
+# keys.audience_key, else nothing need be published).
+# The status remembers the request that ended the job (`killEndedBy`) and the last few that
+# flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
+# answer again and neither writes nor publishes anything twice.
 _KILL = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA

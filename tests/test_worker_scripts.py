@@ -370,7 +370,7 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     job = claim.spec.job_id
     # The warm-up ran out and no start came: from the last look on, a start is `expired`
     # (a 409), not a 202 for a job the worker is ending.
-    assert not await queue.close_park(job, claim.attempt)
+    assert await queue.close_park(job, claim.attempt) == "expired"
     answer = await store.start(job, "")
     assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.EXPIRED, False)
     assert not await redis.exists(keys.start_flag_key(job))
@@ -383,7 +383,10 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     # A start that came before the last look is seen there: the job runs.
     other = await _claimed(redis, queue)
     assert (await store.start(other.spec.job_id, "")).outcome == "started"
-    assert await queue.close_park(other.spec.job_id, other.attempt)
+    assert await queue.close_park(other.spec.job_id, other.attempt) == "start"
+    # A kill that came too wins, as at every look at the flags.
+    await redis.hset(keys.status_key(other.spec.job_id), "kill", "1")
+    assert await queue.close_park(other.spec.job_id, other.attempt) == "kill"
 
 
 async def test_an_artifact_is_kept_only_for_the_claim_that_holds_the_job(redis: Redis, queue: WorkerQueue) -> None:

@@ -588,11 +588,11 @@ class JobRun:
         return "kill" if kill else "start" if start else None
 
     async def _close_park(self) -> str:
-        """"start" if the start came after all, else "expired", with no start accepted any
-        more: one that landed after the last look would otherwise be answered 202 and
-        dropped."""
+        """The last look at the durable signals: "kill" or "start" if either came after
+        all, else "expired", with no start accepted any more (one that landed after the look
+        would otherwise be answered 202 and dropped)."""
         try:
-            return "start" if await self.ctx.queue.close_park(self.job_id, self.claim.attempt) else "expired"
+            return await self.ctx.queue.close_park(self.job_id, self.claim.attempt)
         except (RedisError, OSError) as exc:
             log.warning("job %s: closing its warm-up failed: %s", self.job_id, exc)
             return "expired"
@@ -627,7 +627,7 @@ class JobRun:
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
-                    return await self._durable_signal() or await self._close_park()
+                    return await self._close_park()
                 if getter is None:
                     getter = asyncio.ensure_future(inbox.get())
                 done, _ = await asyncio.wait({getter, stopping}, timeout=left, return_when=asyncio.FIRST_COMPLETED)

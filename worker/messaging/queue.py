@@ -103,16 +103,13 @@ return 0
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 
-# KEYS: status, stdin stream. ARGV: attempt, bytes of stdin written to the program so far
-# (absolute, so a retried write changes nothing), the stream id of the last frame written.
-# Frames before that one are dropped: a started job never runs again, so nothing reads them,
-# and a program that reads as fast as a client sends would otherwise let the stream grow by
-# its whole input, however long the job runs.
 # KEYS: status, start flag. ARGV: attempt. The last look of a parked job whose warm-up ran
-# out: 1 if its start came after all; else, for our own claim, the record says it is
-# expiring (the API's start script then refuses a start as `expired`; a later claim has
-# another attempt, which the mark does not hold for), and 0.
+# out, at both durable signals: 2 if a kill came (it wins, as in every look at the flags), 1
+# if its start came after all; else, for our own claim, the record says it is expiring (the
+# API's start script then refuses a start as `expired`; a later claim has another attempt,
+# which the mark does not hold for), and 0.
 _CLOSE_PARK = """
+if redis.call('HGET', KEYS[1], 'kill') == '1' then return 2 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
 if redis.call('HGET', KEYS[1], 'attempt') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'expiringAttempt', ARGV[1])
@@ -120,6 +117,11 @@ end
 return 0
 """
 
+# KEYS: status, stdin stream. ARGV: attempt, bytes of stdin written to the program so far
+# (absolute, so a retried write changes nothing), the stream id of the last frame written.
+# Frames before that one are dropped: a started job never runs again, so nothing reads them,
+# and a program that reads as fast as a client sends would otherwise let the stream grow by
+# its whole input, however long the job runs.
 _STDIN_WRITTEN = (
     _TERMINAL_LUA
     + """
@@ -469,11 +471,11 @@ class WorkerQueue:
         """(start flag set, kill requested): the durable signals, for when pub/sub missed one."""
         return (await self.flags_of([job_id]))[0]
 
-    async def close_park(self, job_id: str, attempt: int) -> bool:
-        """The warm-up of a parked job ran out: True if its start came after all, else no
-        start is accepted from now on (see _CLOSE_PARK) and the job is to end expired."""
-        started = await self._close_park(keys=[keys.status_key(job_id), keys.start_flag_key(job_id)], args=[attempt])
-        return bool(started)
+    async def close_park(self, job_id: str, attempt: int) -> str:
+        """The warm-up of a parked job ran out: "kill" or "start" if either came after all,
+        else "expired", and no start is accepted from now on (see _CLOSE_PARK)."""
+        signal = await self._close_park(keys=[keys.status_key(job_id), keys.start_flag_key(job_id)], args=[attempt])
+        return ("expired", "start", "kill")[int(signal)]
 
     async def flags_of(self, job_ids: list[str]) -> list[tuple[bool, bool]]:
         """flags() of each of `job_ids`, in one pipelined round trip."""
