@@ -23,9 +23,10 @@ async def test_steps_are_admitted_in_order_while_their_limits_fit() -> None:
     order: list[str] = []
 
     async def step(name: str, size: int) -> None:
-        async with memory.hold(size):
-            order.append(name)
-            await asyncio.sleep(0.01)
+        await memory.admit(size)
+        order.append(name)
+        await asyncio.sleep(0.01)
+        memory.release(size)
 
     # 50 does not fit beside 60; 10 would, but comes after it and waits its turn.
     waiting = [asyncio.create_task(step("fifty", 50 * MIB)), asyncio.create_task(step("ten", 10 * MIB))]

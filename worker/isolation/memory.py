@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-from collections.abc import AsyncIterator
 
 __all__ = ["SLOT_RESERVE_BYTES", "UNBOUNDED_BYTES", "MemoryAdmission", "steps_memory_bytes"]
 
@@ -120,11 +118,3 @@ class MemoryAdmission:
         self.held_bytes -= size
         self._holders -= 1
         self._admit()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, size: int) -> AsyncIterator[None]:
-        await self.admit(size)
-        try:
-            yield
-        finally:
-            self.release(size)

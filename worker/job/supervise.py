@@ -13,9 +13,10 @@ until EOF so nothing the program wrote before dying is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from shared.messages import CtrlMessage
@@ -180,13 +181,140 @@ async def supervise(
     loaded), or one that comes during that wait, ends the step with the gate still shut:
     the program never runs at all.
     """
+    async with _memory_for(memory, cgroup, inbox, speculative):
+        loop = asyncio.get_running_loop()
+        cpu_base = cgroup.cpu_us()
+        fired: str | None = "user" if _take_kill(inbox) else None
+        if fired is None:
+            jail.go(program)
+        go_at = loop.time()
+        activity = Activity(go_at)
+        readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
+        stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
+        inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
+        children = [*readers, *([stdin_task] if stdin_task else [])]
+        ended_at = go_at
+        wall_s = clocks.wall_ms / 1000
+        idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
+        cpu_due_at = cpu_clock_due_at(go_at, clocks.cpu_ms / 1000, cgroup.cpu_cap_cores)
+        cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
+        killed = False
+        try:
+            while fired is None:
+                now = loop.time()
+                if now - go_at >= wall_s:
+                    fired = "wall"
+                elif now >= cpu_read_at and cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
+                    fired = "cpu"
+                elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
+                    fired = "idle"
+                if fired:
+                    ended_at = now
+                    break
+                if now >= cpu_read_at:
+                    cpu_read_at = min(now + CPU_CHECK_S, max(cpu_due_at, now + CPU_POLL_S))
+                timeout = min(go_at + wall_s - now, cpu_read_at - now)
+                if idle_s is not None and not activity.handing_over:
+                    # (While output is being handed over the idle clock waits; it is looked at
+                    # again within CPU_CHECK_S of the hand-over's end.)
+                    timeout = min(timeout, activity.last + idle_s - now)
+                # Only what is still pending: a pump that reached EOF stays done, and watching it
+                # would turn this wait into a spin until nsjail is reaped (its teardown comes after
+                # the pipes close), reading cpu.stat on every turn.
+                pending = [t for t in (*readers, *([sink] if sink is not None else [])) if not t.done()]
+                watched = {jail.ended, inbox_task, *pending}
+                done, _ = await asyncio.wait(watched, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
+                if jail.ended in done:
+                    ended_at = loop.time()
+                    break
+                # `sink` is what takes the output away (the flusher): if it failed, nothing will.
+                takers = [*readers, *([sink] if sink is not None else [])]
+                failed = [t for t in takers if t.done() and not t.cancelled() and t.exception() is not None]
+                if failed:
+                    # Nothing drains that pipe any more (e.g. the job was fenced off while
+                    # publishing): stop the program now rather than let it block on a full pipe.
+                    ended_at = loop.time()
+                    break
+                if inbox_task in done:
+                    item = inbox_task.result()
+                    inbox_task = asyncio.ensure_future(inbox.get())
+                    if isinstance(item, CtrlMessage) and item.type == "kill":
+                        fired = "user"
+                        ended_at = loop.time()
+                        break
+
+            # Whatever ended the step, nothing of it may outlive it. A gate that reported has
+            # killed and reaped the rest of its namespace first; a jail that ended by itself
+            # took its pid namespace with it, and a read of its cgroup's process list usually
+            # shows that here, cheaper than a trip to the isolation threads.
+            if not jail.ended.done() or (not jail.reported and cgroup.may_hold_leftovers()):
+                await off_loop(cgroup.kill)
+            killed = True
+            try:
+                exit_info = await asyncio.wait_for(jail.wait_program(), EXIT_GRACE_S)
+            except TimeoutError:
+                log.error("nsjail did not exit after the kill; killing it")
+                jail.terminate_supervisor()
+                exit_info = await jail.wait_program()
+            # The pipes hold all there is: nothing that could write to them runs any more.
+            jail.end_output()
+            handed = activity.handed_over
+            await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+            while not all(t.done() for t in readers) and (activity.handing_over or activity.handed_over != handed):
+                # What the program wrote is still being handed over, and moving (Redis slow or
+                # away: the flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not
+                # stuck in a pipe nobody can read: wait for it rather than lose it.
+                handed = activity.handed_over
+                await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+        finally:
+            # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
+            try:
+                if not killed:
+                    await off_loop(cgroup.kill)
+            finally:
+                # (Even if cancelled again while the kill finished: the rest must still happen.)
+                if inbox_task.done() and not inbox_task.cancelled():
+                    # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
+                    # kill that came as a compile ended is for the run that follows, so it goes back.
+                    inbox.put_nowait(inbox_task.result())
+                else:
+                    inbox_task.cancel()
+                # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
+                # hold the job forever; the stdin feeder also stops on a flag of its own.
+                await cancel_and_wait(children, CHILD_EXIT_S)
+            outcomes = [t.exception() if t.done() and not t.cancelled() else None for t in children]
+        for outcome in outcomes:
+            # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
+            if isinstance(outcome, Exception):
+                raise outcome
+        counters = cgroup.counters(judge_ceiling=False)
+        if counters.oom_kills:
+            counters = await off_loop(cgroup.counters)  # (see JobCgroup.counters)
+        return StepFacts(
+            exit=exit_info,
+            fired=fired,
+            duration_ms=max(0, round((ended_at - go_at) * 1000)),
+            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
+            memory_kb=counters.memory_peak_bytes // 1024,
+            oom_kills=counters.oom_kills,
+            ceiling_oom=counters.ceiling_oom,
+        )
+
+@contextlib.asynccontextmanager
+async def _memory_for(
+    memory: MemoryAdmission | None, cgroup: JobCgroup, inbox: asyncio.Queue[object], speculative: bool
+) -> AsyncIterator[None]:
+    """Hold the step's memory limit of `memory` for the step (nothing without `memory`, nor
+    when a kill came first: the step then ends with the gate shut)."""
     if memory is None:
-        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+        yield
+        return
     size = cgroup.memory_limit_bytes
     if not await _admitted(memory, size, inbox, speculative):
-        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+        yield
+        return
     try:
-        return await _supervise(jail, cgroup, program, clocks, pumps, inbox, feed_stdin, sink)
+        yield
     finally:
         memory.release(size)
 
@@ -225,132 +353,3 @@ def _has_kill(inbox: asyncio.Queue[object]) -> bool:
     for item in waiting:
         inbox.put_nowait(item)
     return any(isinstance(item, CtrlMessage) and item.type == "kill" for item in waiting)
-
-
-async def _supervise(
-    jail: Jail,
-    cgroup: JobCgroup,
-    program: Program,
-    clocks: Clocks,
-    pumps: list[tuple[asyncio.StreamReader | None, OnData]],
-    inbox: asyncio.Queue[object],
-    feed_stdin: Callable[[Activity], Awaitable[None]] | None,
-    sink: asyncio.Task[None] | None,
-) -> StepFacts:
-    loop = asyncio.get_running_loop()
-    cpu_base = cgroup.cpu_us()
-    fired: str | None = "user" if _take_kill(inbox) else None
-    if fired is None:
-        jail.go(program)
-    go_at = loop.time()
-    activity = Activity(go_at)
-    readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
-    stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
-    inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
-    children = [*readers, *([stdin_task] if stdin_task else [])]
-    ended_at = go_at
-    wall_s = clocks.wall_ms / 1000
-    idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
-    cpu_due_at = cpu_clock_due_at(go_at, clocks.cpu_ms / 1000, cgroup.cpu_cap_cores)
-    cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
-    killed = False
-    try:
-        while fired is None:
-            now = loop.time()
-            if now - go_at >= wall_s:
-                fired = "wall"
-            elif now >= cpu_read_at and cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
-                fired = "cpu"
-            elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
-                fired = "idle"
-            if fired:
-                ended_at = now
-                break
-            if now >= cpu_read_at:
-                cpu_read_at = min(now + CPU_CHECK_S, max(cpu_due_at, now + CPU_POLL_S))
-            timeout = min(go_at + wall_s - now, cpu_read_at - now)
-            if idle_s is not None and not activity.handing_over:
-                # (While output is being handed over the idle clock waits; it is looked at
-                # again within CPU_CHECK_S of the hand-over's end.)
-                timeout = min(timeout, activity.last + idle_s - now)
-            # Only what is still pending: a pump that reached EOF stays done, and watching it
-            # would turn this wait into a spin until nsjail is reaped (its teardown comes after
-            # the pipes close), reading cpu.stat on every turn.
-            pending = [t for t in (*readers, *([sink] if sink is not None else [])) if not t.done()]
-            watched = {jail.ended, inbox_task, *pending}
-            done, _ = await asyncio.wait(watched, timeout=max(timeout, 0.001), return_when=asyncio.FIRST_COMPLETED)
-            if jail.ended in done:
-                ended_at = loop.time()
-                break
-            # `sink` is what takes the output away (the flusher): if it failed, nothing will.
-            takers = [*readers, *([sink] if sink is not None else [])]
-            failed = [t for t in takers if t.done() and not t.cancelled() and t.exception() is not None]
-            if failed:
-                # Nothing drains that pipe any more (e.g. the job was fenced off while
-                # publishing): stop the program now rather than let it block on a full pipe.
-                ended_at = loop.time()
-                break
-            if inbox_task in done:
-                item = inbox_task.result()
-                inbox_task = asyncio.ensure_future(inbox.get())
-                if isinstance(item, CtrlMessage) and item.type == "kill":
-                    fired = "user"
-                    ended_at = loop.time()
-                    break
-
-        # Whatever ended the step, nothing of it may outlive it. A gate that reported has
-        # killed and reaped the rest of its namespace first; a jail that ended by itself
-        # took its pid namespace with it, and a read of its cgroup's process list usually
-        # shows that here, cheaper than a trip to the isolation threads.
-        if not jail.ended.done() or (not jail.reported and cgroup.may_hold_leftovers()):
-            await off_loop(cgroup.kill)
-        killed = True
-        try:
-            exit_info = await asyncio.wait_for(jail.wait_program(), EXIT_GRACE_S)
-        except TimeoutError:
-            log.error("nsjail did not exit after the kill; killing it")
-            jail.terminate_supervisor()
-            exit_info = await jail.wait_program()
-        # The pipes hold all there is: nothing that could write to them runs any more.
-        jail.end_output()
-        handed = activity.handed_over
-        await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-        while not all(t.done() for t in readers) and (activity.handing_over or activity.handed_over != handed):
-            # What the program wrote is still being handed over, and moving (Redis slow or
-            # away: the flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not
-            # stuck in a pipe nobody can read: wait for it rather than lose it.
-            handed = activity.handed_over
-            await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-    finally:
-        # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
-        try:
-            if not killed:
-                await off_loop(cgroup.kill)
-        finally:
-            # (Even if cancelled again while the kill finished: the rest must still happen.)
-            if inbox_task.done() and not inbox_task.cancelled():
-                # Taken from the inbox but not acted on (the step ended by itself meanwhile): a
-                # kill that came as a compile ended is for the run that follows, so it goes back.
-                inbox.put_nowait(inbox_task.result())
-            else:
-                inbox_task.cancel()
-            # Bounded (see worker/tasks.py): a helper that swallowed its cancellation must not
-            # hold the job forever; the stdin feeder also stops on a flag of its own.
-            await cancel_and_wait(children, CHILD_EXIT_S)
-        outcomes = [t.exception() if t.done() and not t.cancelled() else None for t in children]
-    for outcome in outcomes:
-        # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
-        if isinstance(outcome, Exception):
-            raise outcome
-    counters = cgroup.counters(judge_ceiling=False)
-    if counters.oom_kills:
-        counters = await off_loop(cgroup.counters)  # (see JobCgroup.counters)
-    return StepFacts(
-        exit=exit_info,
-        fired=fired,
-        duration_ms=max(0, round((ended_at - go_at) * 1000)),
-        cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
-        memory_kb=counters.memory_peak_bytes // 1024,
-        oom_kills=counters.oom_kills,
-        ceiling_oom=counters.ceiling_oom,
-    )
