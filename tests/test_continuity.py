@@ -28,7 +28,17 @@ from tests.conftest import StackFactory
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, redis_stack
 from tests.test_worker_scripts import _claimed, queue, redis
 from worker.isolation.cgroups import CgroupLayout, CgroupMode
-from worker.isolation.janitor import STALE_TIMING_S, _declare, _declared, _forget, _owners, _prune_timings, _remove
+from worker.isolation.janitor import (
+    LIVE_TIMING_S,
+    STALE_TIMING_S,
+    _declare,
+    _declared,
+    _forget,
+    _live_workers,
+    _owners,
+    _prune_timings,
+    _remove,
+)
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
@@ -368,3 +378,21 @@ def test_stale_declarations_of_workers_gone_are_pruned(tmp_path: Path) -> None:
     assert sorted(removed) == [".w-crashed.partial", "w-gone", "w-junk"]
     assert sorted(p.name for p in folder.iterdir()) == ["w-live", "w-me", "w-owner", "w-slow"]
     assert _prune_timings(tmp_path / "nowhere", set(), now) == [] and _prune_timings(None, set(), now) == []
+
+
+def test_the_workers_on_a_host_are_counted_by_their_fresh_declarations(tmp_path: Path) -> None:
+    # They share the host's memory ceiling between them (worker/isolation/memory.py).
+    folder = tmp_path / ".timings"
+    assert _live_workers(tmp_path, time.time()) == 1  # none declared yet: this one
+    now = time.time()
+    for name, text, age in (
+        ("w-fresh", "10000 2000\n", 1),
+        ("w-slow-beats", "600000 100000\n", LIVE_TIMING_S + 60),  # three of its beats not yet over
+        ("w-gone", "10000 2000\n", LIVE_TIMING_S + 60),
+        ("w-junk", "lots\n", LIVE_TIMING_S + 60),
+        (".w-new.partial", "10000 2000\n", 1),  # a write under way
+    ):
+        folder.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+        os.utime(folder / name, (now - age, now - age))
+    assert _live_workers(tmp_path, now) == 2

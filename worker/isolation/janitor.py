@@ -173,18 +173,25 @@ def _forget(work_root: Path | None, worker_ids: Collection[str]) -> None:
 STALE_TIMING_S = 3600.0
 
 
+def _unwritten_for(path: str, now: float, at_least_s: float) -> bool:
+    """Whether the declaration at `path` has not been rewritten for `at_least_s`, nor for
+    three of the heartbeats it declares. Raises FileNotFoundError when it is gone, and
+    OSError, ValueError or IndexError when it cannot be read as one."""
+    age = now - os.stat(path, follow_symlinks=False).st_mtime
+    if age < at_least_s:
+        return False
+    with open(path, "rb") as f:
+        heartbeat_ms = int(f.read(64).split()[1])
+    return age >= 3 * heartbeat_ms / 1000
+
+
 def _stale(path: str, now: float) -> bool:
     try:
-        age = now - os.stat(path, follow_symlinks=False).st_mtime
-        if age < STALE_TIMING_S:
-            return False
-        with open(path, "rb") as f:
-            heartbeat_ms = int(f.read(64).split()[1])
+        return _unwritten_for(path, now, STALE_TIMING_S)
     except FileNotFoundError:
         return False
     except (OSError, ValueError, IndexError):
         return True  # junk, or a partial write: nobody reads it
-    return age >= 3 * heartbeat_ms / 1000
 
 
 def _prune_timings(work_root: Path | None, keep: Collection[str], now: float) -> list[str]:
@@ -250,15 +257,9 @@ def _live_workers(work_root: Path, now: float) -> int:
         if entry.name.startswith("."):
             continue  # a write under way
         try:
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-            if age < LIVE_TIMING_S:
-                live += 1
-                continue
-            with open(entry.path, "rb") as f:
-                heartbeat_ms = int(f.read(64).split()[1])
+            live += not _unwritten_for(entry.path, now, LIVE_TIMING_S)
         except (OSError, ValueError, IndexError):
             continue
-        live += age < 3 * heartbeat_ms / 1000
     return max(1, live)
 
 
