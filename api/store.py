@@ -220,7 +220,7 @@ return out
 """
 
 # Store one accepted stdin frame (or the EOF frame) and notify the job's worker.
-# KEYS: status, stdin stream, rate list, recent request ids. ARGV: '' (unused), bytes, kind
+# KEYS: status, stdin stream, rate list, recent request ids. ARGV: bytes, kind
 # ('data'|'close'), max frames per window, window ms, max pending bytes, ttl s, notification
 # JSON before n, its JSON between n and the stream id, channel, request id, how many request
 # ids to remember, how long (s).
@@ -231,7 +231,7 @@ return out
 _STDIN = (
     _TERMINAL_LUA
     + """
-local earlier = redis.call('ZSCORE', KEYS[4], ARGV[11])
+local earlier = redis.call('ZSCORE', KEYS[4], ARGV[10])
 if earlier then return {1, tonumber(earlier)} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return {0, 'ended', state or ''} end
@@ -240,31 +240,31 @@ if redis.call('HGET', KEYS[1], 'stdinClosed') == '1' then return {0, 'closed', '
 -- may disagree.
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local max_frames = tonumber(ARGV[4])
-local window = tonumber(ARGV[5])
+local max_frames = tonumber(ARGV[3])
+local window = tonumber(ARGV[4])
 -- EOF is never rate limited: it comes once and must not be lost behind a burst.
-if ARGV[3] ~= 'close' and redis.call('LLEN', KEYS[3]) >= max_frames then
+if ARGV[2] ~= 'close' and redis.call('LLEN', KEYS[3]) >= max_frames then
   local oldest = tonumber(redis.call('LINDEX', KEYS[3], max_frames - 1))
   if now - oldest < window then return {0, 'rate', window - (now - oldest)} end
 end
 local accepted = tonumber(redis.call('HGET', KEYS[1], 'stdinAccepted') or '0')
 local written = tonumber(redis.call('HGET', KEYS[1], 'stdinWritten') or '0')
 local pending = accepted - written
-if pending + #ARGV[2] > tonumber(ARGV[6]) then return {0, 'cap', pending} end
-if ARGV[3] ~= 'close' then
+if pending + #ARGV[1] > tonumber(ARGV[5]) then return {0, 'cap', pending} end
+if ARGV[2] ~= 'close' then
   redis.call('LPUSH', KEYS[3], now)
   redis.call('LTRIM', KEYS[3], 0, max_frames - 1)
   redis.call('PEXPIRE', KEYS[3], window)
 end
 local n = redis.call('HINCRBY', KEYS[1], 'stdinFrames', 1) - 1
-redis.call('HINCRBY', KEYS[1], 'stdinAccepted', #ARGV[2])
-if ARGV[3] == 'close' then redis.call('HSET', KEYS[1], 'stdinClosed', '1') end
-local id = redis.call('XADD', KEYS[2], '*', 'n', n, 'kind', ARGV[3], 'data', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
-redis.call('ZADD', KEYS[4], n, ARGV[11])
-redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -(tonumber(ARGV[12]) + 1))
-redis.call('EXPIRE', KEYS[4], ARGV[13])
-redis.call('PUBLISH', ARGV[10], ARGV[8] .. n .. ARGV[9] .. id .. '"}')
+redis.call('HINCRBY', KEYS[1], 'stdinAccepted', #ARGV[1])
+if ARGV[2] == 'close' then redis.call('HSET', KEYS[1], 'stdinClosed', '1') end
+local id = redis.call('XADD', KEYS[2], '*', 'n', n, 'kind', ARGV[2], 'data', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('ZADD', KEYS[4], n, ARGV[10])
+redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -(tonumber(ARGV[11]) + 1))
+redis.call('EXPIRE', KEYS[4], ARGV[12])
+redis.call('PUBLISH', ARGV[9], ARGV[7] .. n .. ARGV[8] .. id .. '"}')
 return {1, n}
 """
 )
@@ -871,7 +871,6 @@ class JobStore:
                 keys.stdin_requests_key(job_id),
             ],
             [
-                "",
                 data,
                 "close" if close else "data",
                 max_frames_per_s,

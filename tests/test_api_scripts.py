@@ -294,7 +294,7 @@ async def test_stdin_twice_stores_one_frame(store: JobStore, redis: Redis, close
     assert len(published.messages) == 1
     # Control: the same bytes under another request id are another frame (and, after EOF,
     # refused): the snapshot comparison above would see a second run that wrote again.
-    again = await store.run(call._replace(args=[*call.args[:10], "req-2", *call.args[11:]]))
+    again = await store.run(call._replace(args=[*call.args[:9], "req-2", *call.args[10:]]))
     assert again == ([0, b"closed", b""] if close else [1, 1])
 
 
