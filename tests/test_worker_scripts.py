@@ -209,6 +209,36 @@ async def test_a_result_whose_numbering_waits_on_an_append_survives_a_cancel(red
     assert status[b"state"] == b"done" and json.loads(status[b"result"])["outcome"] == "completed", status
 
 
+@pytest.mark.parametrize("go_live_ends", [True, False], ids=["go-live-lands", "go-live-hangs"])
+async def test_a_result_stored_before_a_cancel_still_goes_out_live(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, go_live_ends: bool
+) -> None:
+    # The worker's second signal cancels a job whose result is stored while its parked
+    # events are going live (a read of its log). The result used to stay unpublished: the
+    # log and SSE had it, a live follower waited for ever.
+    monkeypatch.setattr("worker.job.run.FINISH_ON_CANCEL_S", 0.3)
+    claim = await _claimed(redis, queue)
+    lane = _Lane()
+    run = _job_run(queue, claim, lane)
+    reading, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_go_live() -> None:
+        reading.set()
+        await release.wait()
+        lane.send("stage", b"{}")  # what the log held before the result
+
+    run.events.go_live = slow_go_live  # type: ignore[method-assign]
+    finishing = asyncio.create_task(run._finish(Outcome.EXPIRED, result_without_run(Outcome.EXPIRED, None)))
+    await asyncio.wait_for(reading.wait(), 5)
+    finishing.cancel()
+    if go_live_ends:
+        asyncio.get_running_loop().call_later(0.05, release.set)
+    with pytest.raises(asyncio.CancelledError):
+        await finishing
+    assert [name for name, _ in lane.sent] == (["stage", "result"] if go_live_ends else ["result"])
+    assert await redis.hget(keys.status_key(claim.spec.job_id), "state") == b"expired"
+
+
 async def test_a_worker_stopping_after_the_program_ended_reports_the_run_as_it_ended(
     redis: Redis, queue: WorkerQueue
 ) -> None:

@@ -948,8 +948,20 @@ class JobRun:
             result_json, event, heard = stored
             if self.spec.callback_url:
                 self.ctx.callback_due()  # the result write queued its delivery
-            await self._go_live_with_result()
-            self._publish_result(outcome, result_json, event, heard)
+            # The result is stored: a cancel now (the worker told twice to stop) must not
+            # keep it from its live followers. The log's earlier events get a moment to go
+            # out first; the result goes out whatever happens to them.
+            live = asyncio.ensure_future(self._go_live_with_result())
+            try:
+                await asyncio.shield(live)
+            except asyncio.CancelledError:
+                cancelled = True
+                try:
+                    await asyncio.wait_for(live, FINISH_ON_CANCEL_S)
+                except (TimeoutError, asyncio.CancelledError):
+                    log.warning("job %s: its earlier events did not go live before the stop", self.job_id)
+            finally:
+                self._publish_result(outcome, result_json, event, heard)
         if cancelled:
             raise asyncio.CancelledError
 
