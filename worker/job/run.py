@@ -150,6 +150,7 @@ class JobRun:
         self._artifacts_truncated = False
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
+        self._program_started_at: float | None = None
         # What the run step ended with, once it has (and the compile's verdict): a worker
         # stopping after that still reports the run as it ended, not as killed.
         self._ran: tuple[StepFacts, CompileInfo | None] | None = None
@@ -274,7 +275,7 @@ class JobRun:
                     facts, self._compile_streams = await self._compile(sub.ctrl, plan)
                 # The result event carries the interleaved log only (it is published, and
                 # published payloads have a size limit); the pullable result has both streams.
-                compiled = msgspec.structs.replace(self._compile_streams, stdout=None, stderr=None)
+                compiled = self._compiled = msgspec.structs.replace(self._compile_streams, stdout=None, stderr=None)
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
@@ -709,6 +710,7 @@ class JobRun:
     async def _mark_running(self) -> None:
         """The running stage, and the record's `started` (never re-run from here on)."""
         self._program_started = True  # from here on, never hand it back (it may have run)
+        self._program_started_at = asyncio.get_running_loop().time()
         await self.events.stage("running", state=JobState.RUNNING, started=True)
 
     async def _run(
@@ -829,6 +831,7 @@ class JobRun:
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"could not copy the compiled program: {exc}")
                 return
         self._program_started = True
+        self._program_started_at = asyncio.get_running_loop().time()
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         # From here the batch gives every sandbox back itself, the first one included; until
         # here (a failure, a cancel, a lost lease) execute's own teardown destroys it.
@@ -914,7 +917,7 @@ class JobRun:
         await self._finish(verdict.outcome, event)
 
     async def _finish_without_run(self, outcome: Outcome, message: str | None) -> None:
-        await self._finish(outcome, result_without_run(outcome, message))
+        await self._finish(outcome, self._result_so_far(outcome, message))
 
     async def _finish(self, outcome: Outcome, event: ResultEvent) -> None:
         if self._finished:
@@ -1071,3 +1074,14 @@ class JobRun:
                 await self._finish_without_run(outcome, message)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
+
+    def _result_so_far(self, outcome: Outcome, message: str | None) -> ResultEvent:
+        """The result of a job that ended (failed, killed, stopped) without a verdict of its
+        run: what is known. A compile that ran is reported; a program that started ran for a
+        while and may have had its output cut. Its CPU and memory went with its sandbox's
+        counters (0)."""
+        event = result_without_run(outcome, message, self._compiled)
+        if self._program_started_at is None:
+            return event
+        ran_ms = round((asyncio.get_running_loop().time() - self._program_started_at) * 1000)
+        return msgspec.structs.replace(event, duration_ms=max(0, ran_ms), truncated=self.budget.truncated)
