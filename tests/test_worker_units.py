@@ -1434,6 +1434,53 @@ class _LoggedEvents:
         pass
 
 
+@pytest.mark.parametrize("breaks", ["while-parked", "after-start"])
+async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_went_out(breaks: str) -> None:
+    # A compile that breaks while parked (a jail error, say) left nothing a client saw: the
+    # job compiles after start. One that breaks after start had its stage and output sent on
+    # already: compiling again would show the client the compile twice, so settle raises
+    # what broke it and the job ends as any compile that breaks after start.
+    compiling, fail = asyncio.Event(), asyncio.Event()
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        await events.stage("compiling")
+        await events.chunk_runs([("compile_output", "cc: working\n")])
+        compiling.set()
+        await fail.wait()
+        raise OSError("the jail broke")
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    pool = _LendingPool()
+    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await compiling.wait()
+    sent = _SentEvents()
+    if breaks == "while-parked":
+        fail.set()
+        await asyncio.sleep(0.01)
+        assert await precompile.settle(asyncio.Queue(), sent) == "gone"
+        assert sent.calls == []
+    else:
+        asyncio.get_running_loop().call_later(0.02, fail.set)
+        with pytest.raises(OSError, match="the jail broke"):
+            await precompile.settle(asyncio.Queue(), sent)
+        assert sent.calls == [("stage", "compiling"), ("chunks", [("compile_output", "cc: working\n")])]
+    assert pool.given_back == ["sandbox"] and precompile.sandbox is None
+    await precompile.discard()
+
+
+class _SentEvents:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    async def stage(self, phase: str) -> None:
+        self.calls.append(("stage", phase))
+
+    async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
+        self.calls.append(("chunks", runs))
+
+
 async def test_a_cancelled_settle_leaves_no_reader_on_the_jobs_control_queue() -> None:
     # The worker stopping cancels a job waiting for its parked compile: no read of the job's
     # control queue may outlive that wait and take a message meant for whoever reads next.

@@ -111,6 +111,7 @@ class Precompile:
         self.state = PrecompileState.WAITING
         self.sandbox: Sandbox | None = None
         self.facts: tuple[StepFacts, CompileInfo] | None = None
+        self._failure: Exception | None = None
         # The compile's own control queue: a kill after start reaches it here.
         self._inbox: asyncio.Queue[CtrlMessage] = asyncio.Queue()
         self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
@@ -149,8 +150,9 @@ class Precompile:
             self.state = PrecompileState.GONE
             self._release()
             raise
-        except Exception:
-            log.exception("job %s: compiling while parked failed; compiling after start instead", self.job_id)
+        except Exception as exc:
+            log.exception("job %s: compiling while parked failed", self.job_id)
+            self._failure = exc
             self.state = PrecompileState.GONE
             self._release()
             return
@@ -170,7 +172,9 @@ class Precompile:
     async def settle(self, ctrl: asyncio.Queue[CtrlMessage], events) -> str:  # type: ignore[no-untyped-def]
         """At start: the compile's events go to `events` (live from now on) and a compile
         under way is waited for, a kill reaching it as it would after start. Returns the
-        final state's value: "compiled", "loaded", "failed" (a kill included) or "gone"."""
+        final state's value: "compiled", "loaded", "failed" (a kill included) or "gone"
+        (nothing was sent on: the job compiles after start). A compile that breaks once its
+        events were sent on raises what broke it."""
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
@@ -199,6 +203,10 @@ class Precompile:
             kept.append(self._inbox.get_nowait())
         for message in kept:
             ctrl.put_nowait(message)  # keep a kill for the run to see
+        if self._failure is not None:
+            # Its events went out at start: compiling again would show the compile twice.
+            # The job ends as a compile that fails after start does.
+            raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
             return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
