@@ -337,6 +337,32 @@ def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[byte
 
 
 @pytest.mark.sandbox
+def test_resident_memory_leaves_out_the_file_cache_charged_to_the_job(tmp_path: Path) -> None:
+    """A prestarted runtime's memory base (what its job's limit is raised by) is its
+    resident memory, not the file cache charged to its cgroup: that cache is reclaimable,
+    and charged to whichever cgroup read a file first. Taken with the cache, a job that
+    evicted shared toolchain pages made the next warm runtime's job a bigger limit."""
+    data = tmp_path / "toolchain.bin"  # on disk: tmpfs pages are not file cache
+    with open(data, "wb") as f:
+        f.write(os.urandom(48 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # next read is the job's
+    with _host_cgroup("resident") as (_layout, job, children):
+        job.create()
+        job.set_limits(memory_bytes=256 << 20, pids=16)
+        reader = f"data = b'x' * (8 << 20)\nopen({str(data)!r}, 'rb').read()\nprint('ok', flush=True)\ntime.sleep(30)"
+        children.append(_spawn_into(job.procs_files(), reader))
+        deadline = time.monotonic() + 10
+        while job.memory_current_bytes() < 56 << 20:
+            assert time.monotonic() < deadline, f"the read was not charged here ({job.memory_current_bytes()} bytes)"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the read's buffer is freed (the process sleeps)
+        resident = job.memory_resident_bytes()
+        assert 8 << 20 <= resident < 32 << 20, (resident, job.memory_current_bytes())
+
+
+@pytest.mark.sandbox
 def test_a_dropped_cgroup_closes_its_descriptors() -> None:
     """A JobCgroup dropped without its removal (a cancelled set-up) leaks no descriptor."""
     name = f"coderunner-dropped-{os.getpid()}"

@@ -523,6 +523,22 @@ class JobCgroup:
         except (OSError, ValueError):
             return 0
 
+    def memory_resident_bytes(self) -> int:
+        """The usage less the file cache charged here (reclaimable, and charged to whoever
+        read a file first, so it differs with what other jobs left in the cache)."""
+        current = self.memory_current_bytes()
+        try:
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                stat, names = _read(self.v2_dir / "memory.stat"), ("active_file", "inactive_file")
+            else:
+                stat, names = _read(self.v1_dirs["memory"] / "memory.stat"), ("total_active_file", "total_inactive_file")
+            fields = dict(line.split(" ", 1) for line in stat.splitlines())
+            cache = sum(int(fields[name]) for name in names)
+        except (OSError, ValueError, KeyError):
+            return current
+        return max(0, current - cache)
+
     def reset_memory_peak(self) -> None:
         """Restart the peak from the current usage: v1 always; v2 on kernels ≥ 6.12, where a
         reset holds for the descriptor it was written through, which is the one the peak

@@ -314,7 +314,8 @@ class Sandbox:
             if not self.cgroup.holds(self.runtime_pid):
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
-            self.memory_base_bytes = self.cgroup.memory_current_bytes()
+            # Not its file cache: a fresh run's limit covers the runtime's file pages too.
+            self.memory_base_bytes = self.cgroup.memory_resident_bytes()
             _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory + self.memory_base_bytes, pids=limits.pids + 1)
