@@ -13,7 +13,7 @@ import pytest
 
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from worker.isolation.uids import UidLease, UidsInUse
+from worker.isolation.uids import UidLease, UidsInUse, accounts_in
 
 
 def test_overlapping_ranges_are_refused_and_freed_on_close(tmp_path: Path) -> None:
@@ -72,3 +72,23 @@ def test_a_second_worker_with_the_same_uids_is_refused(make_stack: StackFactory)
     )
     assert check.returncode == 0, check.stderr
     assert f"note: job uids {stack.uid_base}-" in check.stdout and "held by a running worker" in check.stdout
+
+
+def test_accounts_in_a_range_are_named() -> None:
+    assert accounts_in(0, 1) == ["user root (0)", "group root (0)"]
+    assert accounts_in(65530, 10) == ["user nobody (65534)", "group nogroup (65534)"]
+    assert accounts_in(190000, 9) == []
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "worker"])
+def test_a_range_holding_a_real_account_is_refused_at_start(check: bool) -> None:
+    # 65530 + 8 slots + the self-test's uid reaches nobody (65534): jobs would own its files.
+    env = {**os.environ, "PUSHER_SECRET": "x", "SANDBOX_UID_BASE": "65530", "WORKER_MAX_SANDBOXES": "8",
+           "REDIS_URL": "redis://127.0.0.1:9/0"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", *(["--check"] if check else [])],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "job ids 65530-65538" in proc.stderr and "user nobody (65534), group nogroup (65534)" in proc.stderr
+    assert "SANDBOX_UID_BASE" in proc.stderr

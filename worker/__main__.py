@@ -38,7 +38,7 @@ from worker.isolation.sandbox import (
 )
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, bind_sources, check_no_writable_submounts, expose_mounts
-from worker.isolation.uids import UidLease, UidsInUse, uids_held
+from worker.isolation.uids import UidLease, UidsInUse, accounts_in, uids_held
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 
 __all__ = ["main", "preflight"]
@@ -72,11 +72,18 @@ async def preflight(
         raise SandboxUnavailable(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
         )
+    count = settings.worker_max_sandboxes + 1  # the slots, and the self-test's uid past them
+    if taken := await asyncio.to_thread(accounts_in, settings.sandbox_uid_base, count):
+        last = settings.sandbox_uid_base + count - 1
+        raise SandboxUnavailable(
+            f"job ids {settings.sandbox_uid_base}-{last} (SANDBOX_UID_BASE plus one per slot and one for the "
+            f"self-test) include {', '.join(taken)}: jobs would own that account's files; choose a "
+            "SANDBOX_UID_BASE whose range no user or group uses"
+        )
     if not hold_uids:
         return await _prepare(settings, worker_id, None)
     try:
-        # Slots plus the self-test's uid past them, held for the worker's life.
-        uids = UidLease(settings.sandbox_uid_base, settings.worker_max_sandboxes + 1)
+        uids = UidLease(settings.sandbox_uid_base, count)  # held for the worker's life
     except UidsInUse as exc:
         raise SandboxUnavailable(str(exc)) from None
     except OSError as exc:

@@ -6,16 +6,22 @@ a uid is what host-side tools see. Two workers started with overlapping ranges w
 their jobs share those silently, so each worker holds a lock per uid of its range for its
 whole life (an flock on `/run/coderunner-uids/<uid>`, released by the kernel when the
 worker exits however it dies) and refuses to start while another process holds one.
+
+Nor may a job uid be a real account's: the job would own that account's files wherever a
+jail can reach them, and share its per-uid quotas. A range that names an account or a
+group is refused at start.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import os
+import pwd
 from pathlib import Path
 
-__all__ = ["LOCK_DIR", "UidLease", "UidsInUse", "try_lock", "uids_held"]
+__all__ = ["LOCK_DIR", "UidLease", "UidsInUse", "accounts_in", "try_lock", "uids_held"]
 
 # Host-wide, not under a work root: two workers with different work roots and the same
 # uids must still see each other.
@@ -38,6 +44,23 @@ def try_lock(path: Path) -> int | None:
             return None
         raise
     return fd
+
+
+def accounts_in(first: int, count: int) -> list[str]:
+    """The host's users and groups whose id falls in `first` .. `first + count - 1`
+    (`user NAME (UID)`, `group NAME (GID)`). Looked up one id at a time, through NSS like
+    any lookup, so a directory service is asked only about these ids (may block: a thread)."""
+    found = []
+    for uid in range(first, first + count):
+        try:
+            found.append(f"user {pwd.getpwuid(uid).pw_name} ({uid})")
+        except KeyError:
+            pass
+        try:
+            found.append(f"group {grp.getgrgid(uid).gr_name} ({uid})")
+        except KeyError:
+            pass
+    return found
 
 
 def uids_held(first: int, count: int, lock_dir: Path = LOCK_DIR) -> dict[int, str]:
