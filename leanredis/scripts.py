@@ -5,12 +5,14 @@ refuses every command that may grow it, scripts included. Some writes must not w
 room: a heartbeat that keeps a live worker's lease, the event log and the result of a job
 already running, a start or a kill. A script whose first line is `#!lua flags=allow-oom`
 is run regardless (Redis 7 and later). Older servers cannot compile that line: there the
-script runs without it, refused at the limit as before.
+script runs without it, refused at the limit as before, and the flag is tried again every
+FLAGS_RECHECK_S (a server upgraded in place gets flagged scripts without a restart of ours).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = ["ALLOW_OOM", "OomTolerantScript"]
 log = logging.getLogger(__name__)
 
 ALLOW_OOM = "#!lua flags=allow-oom\n"
+FLAGS_RECHECK_S = 60.0
 
 
 class OomTolerantScript:
@@ -31,10 +34,11 @@ class OomTolerantScript:
     def __init__(self, client: Redis, script: str) -> None:
         self._flagged = client.register_script(ALLOW_OOM + script)
         self._plain = client.register_script(script)
-        self._flags = True
+        self._plain_until = 0.0  # (monotonic) no flags tried before then
+        self._warned = False
 
     async def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None) -> Any:
-        if not self._flags:
+        if self._plain_until and time.monotonic() < self._plain_until:
             return await self._plain(keys, args)
         try:
             return await self._flagged(keys, args)
@@ -44,6 +48,8 @@ class OomTolerantScript:
         # A server without script flags (before Redis 7) reads the first line as Lua. Should
         # the script itself not compile, the plain text fails the same way and says so.
         answer = await self._plain(keys, args)
-        self._flags = False
-        log.warning("this Redis has no script flags (Redis 7 and later): at its maxmemory, running jobs' writes wait for room")
+        self._plain_until = time.monotonic() + FLAGS_RECHECK_S
+        if not self._warned:
+            self._warned = True
+            log.warning("this Redis has no script flags (Redis 7 and later): at its maxmemory, running jobs' writes wait for room")
         return answer

@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from launcher.stack import free_port
 from leanredis import BlockingLeanRedis, LeanRedis
-from leanredis.scripts import OomTolerantScript
+from leanredis.scripts import FLAGS_RECHECK_S, OomTolerantScript
 from leanredis.subscriber import Subscriber
 from tests.helpers import self_signed_certificate
 
@@ -141,7 +141,7 @@ async def test_an_oom_tolerant_script_writes_at_maxmemory(lean: LeanRedis, plain
         await plain.config_set("maxmemory", 0)
 
 
-async def test_without_script_flags_the_script_runs_plain(lean: LeanRedis) -> None:
+async def test_without_script_flags_the_script_runs_plain(lean: LeanRedis, monkeypatch: pytest.MonkeyPatch) -> None:
     script = OomTolerantScript(lean, "return ARGV[1]")
     tried = []
 
@@ -149,9 +149,22 @@ async def test_without_script_flags_the_script_runs_plain(lean: LeanRedis) -> No
         tried.append(args)  # what a Redis before 7 answers the flag line with
         raise ResponseError("Error compiling script (new function): user_script:1: unexpected symbol near '#'")
 
-    script._flagged = old_server  # type: ignore[assignment]
+    flagged, script._flagged = script._flagged, old_server  # type: ignore[assignment]
     assert await script(args=["a"]) == b"a" and await script(args=["b"]) == b"b"
     assert tried == [["a"]]  # found out once
+    # Upgraded in place: once FLAGS_RECHECK_S has passed, the flag is tried again and kept.
+    upgraded = []
+
+    async def new_server(keys: object = None, args: object = None) -> object:
+        upgraded.append(args)
+        return await flagged(keys, args)
+
+    script._flagged = new_server  # type: ignore[assignment]
+    assert await script(args=["c"]) == b"c" and upgraded == []  # not before the recheck
+    later = time.monotonic() + FLAGS_RECHECK_S + 1
+    monkeypatch.setattr("leanredis.scripts.time.monotonic", lambda: later)
+    assert await script(args=["d"]) == b"d" and await script(args=["e"]) == b"e"
+    assert upgraded == [["d"], ["e"]]
     # A script that does not compile at all says so, flags or none.
     with pytest.raises(ResponseError, match="compiling"):
         await OomTolerantScript(lean, "return (")()
