@@ -174,9 +174,10 @@ def _files(
             except (binascii.Error, ValueError):
                 raise ValidationError([FieldError(f"files[{index}].content", "is not valid base64")]) from None
         else:
-            data = spec.content.encode("utf-8", "surrogatepass")
-            if _has_lone_surrogate(spec.content):
-                raise ValidationError([FieldError(f"files[{index}].content", "is not valid UTF-8 text")])
+            try:
+                data = spec.content.encode("utf-8")  # (once: a big file's encoding is its cost)
+            except UnicodeEncodeError:  # a lone surrogate (JSON's \ud800 escape)
+                raise ValidationError([FieldError(f"files[{index}].content", "is not valid UTF-8 text")]) from None
         total += len(data) if isinstance(data, bytes) else data
         if total > max_total_bytes:
             raise ValidationError([FieldError("files", f"must total at most {max_total_bytes} bytes")])

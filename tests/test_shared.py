@@ -84,13 +84,15 @@ def test_ordinary_names_pass(name: str) -> None:
 
 
 def test_decode_files_checks_everything() -> None:
-    ok = decode_files([FileSpec(name="a.py", content="x"), FileSpec(name="d/b.bin", content="AAE=", encoding="base64")], 100)
-    assert ok == [("a.py", b"x"), ("d/b.bin", b"\x00\x01")]
+    ok = decode_files([FileSpec(name="a.py", content="é"), FileSpec(name="d/b.bin", content="AAE=", encoding="base64")], 100)
+    assert ok == [("a.py", "é".encode()), ("d/b.bin", b"\x00\x01")]
     for files, field in [
         ([FileSpec(name="a", content="x"), FileSpec(name="a", content="y")], "files[1].name"),
         ([FileSpec(name="a", content="x"), FileSpec(name="a/b", content="y")], "files[1].name"),
         ([FileSpec(name="a/b", content="x"), FileSpec(name="a", content="y")], "files[1].name"),
         ([FileSpec(name="a", content="x" * 101)], "files"),
+        ([FileSpec(name="a", content="é"), FileSpec(name="b", content="x\ud800")], "files[1].content"),
+        ([FileSpec(name="a", content="QQ=", encoding="base64")], "files[0].content"),
     ]:
         with pytest.raises(ValidationError) as info:
             decode_files(files, 100)
