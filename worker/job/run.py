@@ -710,7 +710,6 @@ class JobRun:
     async def _mark_running(self) -> None:
         """The running stage, and the record's `started` (never re-run from here on)."""
         self._program_started = True  # from here on, never hand it back (it may have run)
-        self._program_started_at = asyncio.get_running_loop().time()
         await self.events.stage("running", state=JobState.RUNNING, started=True)
 
     async def _run(
@@ -754,6 +753,7 @@ class JobRun:
             assert jail.proc.stdin is not None
             await feed.run(jail.proc.stdin, activity)
 
+        self._program_started_at = asyncio.get_running_loop().time()
         try:
             facts = await supervise(
                 jail,
@@ -831,7 +831,6 @@ class JobRun:
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"could not copy the compiled program: {exc}")
                 return
         self._program_started = True
-        self._program_started_at = asyncio.get_running_loop().time()
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         # From here the batch gives every sandbox back itself, the first one included; until
         # here (a failure, a cancel, a lost lease) execute's own teardown destroys it.
@@ -959,9 +958,11 @@ class JobRun:
                 await asyncio.shield(live)
             except asyncio.CancelledError:
                 cancelled = True
-                try:
-                    await asyncio.wait_for(live, FINISH_ON_CANCEL_S)
-                except (TimeoutError, asyncio.CancelledError):
+                # Not wait_for: it waits out the cancel it sends, which a read retrying
+                # through an outage may take long to honour.
+                await asyncio.wait({live}, timeout=FINISH_ON_CANCEL_S)
+                if not live.done():
+                    live.cancel()
                     log.warning("job %s: its earlier events did not go live before the stop", self.job_id)
             finally:
                 self._publish_result(outcome, result_json, event, heard)
@@ -1039,7 +1040,7 @@ class JobRun:
         published by _publish_result, once)."""
         try:
             await self.events.go_live()
-        except RedisError as exc:
+        except (RedisError, OSError) as exc:
             log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
 
     def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent, heard: bool) -> None:
@@ -1065,23 +1066,34 @@ class JobRun:
         )
 
     async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:
+        result = self._result_so_far(outcome, message)  # (its time: not the teardown's)
         try:
             await self._destroy()
         except Exception:
             log.exception("job %s: teardown failed", self.job_id)
         if not self._finished:
             try:
-                await self._finish_without_run(outcome, message)
+                await self._finish(outcome, result)
             except Exception:
                 log.exception("job %s: could not record the failure", self.job_id)
 
     def _result_so_far(self, outcome: Outcome, message: str | None) -> ResultEvent:
         """The result of a job that ended (failed, killed, stopped) without a verdict of its
-        run: what is known. A compile that ran is reported; a program that started ran for a
-        while and may have had its output cut. Its CPU and memory went with its sandbox's
-        counters (0)."""
+        run: what is known. A compile that ran is reported; a program that was launched ran
+        for a while and may have had its output cut (its CPU and memory went with its
+        sandbox's counters: 0); a batch has its finished cases' figures."""
         event = result_without_run(outcome, message, self._compiled)
+        now = asyncio.get_running_loop().time()
+        if self._batch is not None:
+            ran = [case for case in self._batch.results if case is not None]
+            return msgspec.structs.replace(
+                event,
+                duration_ms=max(0, round((now - self._batch.started_at) * 1000)),
+                cpu_ms=self._batch.cpu_ms,
+                memory_kb=self._batch.memory_kb,
+                truncated=any(case.truncated for case in ran),
+            )
         if self._program_started_at is None:
             return event
-        ran_ms = round((asyncio.get_running_loop().time() - self._program_started_at) * 1000)
+        ran_ms = round((now - self._program_started_at) * 1000)
         return msgspec.structs.replace(event, duration_ms=max(0, ran_ms), truncated=self.budget.truncated)
