@@ -1434,7 +1434,7 @@ class _LoggedEvents:
         pass
 
 
-@pytest.mark.parametrize("breaks", ["while-parked", "after-start"])
+@pytest.mark.parametrize("breaks", ["while-parked", "after-start", "after-start-before-any-event"])
 async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_went_out(breaks: str) -> None:
     # A compile that breaks while parked (a jail error, say) left nothing a client saw: the
     # job compiles after start. One that breaks after start had its stage and output sent on
@@ -1443,8 +1443,9 @@ async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_we
     compiling, fail = asyncio.Event(), asyncio.Event()
 
     async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
-        await events.stage("compiling")
-        await events.chunk_runs([("compile_output", "cc: working\n")])
+        if breaks != "after-start-before-any-event":
+            await events.stage("compiling")
+            await events.chunk_runs([("compile_output", "cc: working\n")])
         compiling.set()
         await fail.wait()
         raise OSError("the jail broke")
@@ -1461,11 +1462,15 @@ async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_we
         await asyncio.sleep(0.01)
         assert await precompile.settle(asyncio.Queue(), sent) == "gone"
         assert sent.calls == []
-    else:
+    elif breaks == "after-start":
         asyncio.get_running_loop().call_later(0.02, fail.set)
         with pytest.raises(OSError, match="the jail broke"):
             await precompile.settle(asyncio.Queue(), sent)
         assert sent.calls == [("stage", "compiling"), ("chunks", [("compile_output", "cc: working\n")])]
+    else:  # (a load that fails, say: nothing for a client to have seen)
+        asyncio.get_running_loop().call_later(0.02, fail.set)
+        assert await precompile.settle(asyncio.Queue(), sent) == "gone"
+        assert sent.calls == []
     assert pool.given_back == ["sandbox"] and precompile.sandbox is None
     await precompile.discard()
 

@@ -53,10 +53,12 @@ class RecordedEvents:
         self._calls: list[tuple[str, object]] = []
         self._target = None
         self._lock = asyncio.Lock()
+        self.sent = False  # anything went on to the job's events (a client may have seen it)
 
     async def stage(self, phase: str) -> None:
         async with self._lock:
             if self._target is not None:
+                self.sent = True
                 await self._target.stage(phase)
             else:
                 self._calls.append(("stage", phase))
@@ -66,6 +68,7 @@ class RecordedEvents:
             return
         async with self._lock:
             if self._target is not None:
+                self.sent = True
                 await self._target.chunk_runs(runs)
             else:
                 self._calls.append(("chunks", list(runs)))
@@ -74,6 +77,7 @@ class RecordedEvents:
         """Log (and, once live, publish) what was recorded, in order; then pass all on."""
         async with self._lock:
             calls, self._calls = self._calls, []
+            self.sent = self.sent or bool(calls)
             for kind, arg in calls:
                 if kind == "stage":
                     await events.stage(arg)
@@ -173,8 +177,9 @@ class Precompile:
         """At start: the compile's events go to `events` (live from now on) and a compile
         under way is waited for, a kill reaching it as it would after start. Returns the
         final state's value: "compiled", "loaded", "failed" (a kill included) or "gone"
-        (nothing was sent on: the job compiles after start). A compile that breaks once its
-        events were sent on raises what broke it."""
+        (nothing was sent on: the job compiles after start, as after a break before any of
+        its events went on). A compile that breaks once some of its events went on raises
+        what broke it."""
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
@@ -203,9 +208,9 @@ class Precompile:
             kept.append(self._inbox.get_nowait())
         for message in kept:
             ctrl.put_nowait(message)  # keep a kill for the run to see
-        if self._failure is not None:
-            # Its events went out at start: compiling again would show the compile twice.
-            # The job ends as a compile that fails after start does.
+        if self._failure is not None and self.events.sent:
+            # Its events went out: compiling again would show the client the compile twice.
+            # The job ends as a compile that breaks after start does.
             raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
             return self.state.value
