@@ -278,7 +278,7 @@ class Sandbox:
     jail: Jail
     created_at: float = field(default_factory=time.monotonic)
     # The runtime waiting in the jail, if it was primed; and what it had used by the time
-    # the job was loaded (not charged to the job's limits or figures).
+    # the job was loaded (not in the job's figures; its resident part not in its limits).
     prime: Prime | None = None
     runtime_pid: int = 0
     memory_base_bytes: int = 0
@@ -314,11 +314,14 @@ class Sandbox:
             if not self.cgroup.holds(self.runtime_pid):
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
-            # Not its file cache: a fresh run's limit covers the runtime's file pages too.
-            self.memory_base_bytes = self.cgroup.memory_resident_bytes()
+            # The figure counts from what is there now; the limit is raised by the runtime's
+            # resident memory only: a fresh run's limit covers the runtime's file pages too,
+            # and which cgroup they are charged to depends on who read them first.
+            self.memory_base_bytes = self.cgroup.memory_current_bytes()
+            memory += self.cgroup.memory_resident_bytes()
             _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
-        self.cgroup.set_limits(memory_bytes=memory + self.memory_base_bytes, pids=limits.pids + 1)
+        self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
 
     def start(self, program: Program) -> None:
