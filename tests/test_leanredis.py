@@ -162,7 +162,7 @@ async def test_without_script_flags_the_script_runs_plain(lean: LeanRedis, monke
     script._flagged = new_server  # type: ignore[assignment]
     assert await script(args=["c"]) == b"c" and upgraded == []  # not before the recheck
     later = time.monotonic() + FLAGS_RECHECK_S + 1
-    monkeypatch.setattr("leanredis.scripts.time.monotonic", lambda: later)
+    monkeypatch.setattr("leanredis.scripts._clock", lambda: later)
     assert await script(args=["d"]) == b"d" and await script(args=["e"]) == b"e"
     assert upgraded == [["d"], ["e"]]
     # A script that does not compile at all says so, flags or none.
