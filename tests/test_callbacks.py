@@ -16,6 +16,7 @@ import http.server
 import ipaddress
 import itertools
 import json
+import logging
 import re
 import shutil
 import socket
@@ -26,8 +27,10 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from api import callbacks as api_callbacks
 from api.callbacks import check_callback_url
@@ -743,6 +746,84 @@ async def test_a_full_sender_takes_the_next_delivery_as_soon_as_an_attempt_ends(
         await asyncio.gather(running, return_exceptions=True)
         await sender.stop()
         await redis.zrem(keys.CALLBACKS_DUE, first, second)
+
+
+@pytest.mark.stack
+async def test_a_receiver_that_cannot_be_reached_keeps_its_addresses_out_of_the_record(
+    bare_stack: Stack, redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`lastError` is read by a job token's holder (a browser): it says the receiver could not
+    be reached, not which (internal) addresses its name resolved to. The log has them."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    job_id = await _killed_in_queue(redis, f"http://hooks.test:{port}/hook")
+
+    def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.3", port))]
+
+    monkeypatch.setattr(send_module, "getaddrinfo", fake_getaddrinfo)
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
+    caplog.set_level(logging.INFO, logger="worker.callbacks.sender")
+    async with new_client(settings) as client:
+        await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"lastError"].startswith(b"could not connect"), record
+    assert b"127.0.0.3" not in record[b"lastError"], record
+    assert "127.0.0.3" in caplog.text
+    await redis.zrem(keys.CALLBACKS_DUE, job_id)
+
+
+@pytest.mark.stack
+async def test_a_claim_answered_too_late_to_send_within_its_lease_sends_nothing(
+    bare_stack: Stack, redis: Redis, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim whose answer came late (a slow Redis) leaves less of its lease than an attempt
+    may take: sending then could still be under way when another sender takes the delivery,
+    and the receiver would get it twice at once. The attempt is spent without a send."""
+    path = receiver.path()
+    job_id = await _killed_in_queue(redis, f"http://127.0.0.1:{receiver.port}{path}")
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
+    take = Deliveries.take
+
+    async def slow_take(self: Deliveries, job_id: str, now_ms: int, lease_ms: int, token: str) -> Any:
+        delivery = await take(self, job_id, now_ms, lease_ms, token)
+        # (as if its answer came a whole attempt's time after the lease began)
+        return msgspec.structs.replace(delivery, leased_at_ms=now_ms - settings.callback_timeout_ms)
+
+    monkeypatch.setattr(Deliveries, "take", slow_take)
+    async with new_client(settings) as client:
+        await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    assert receiver.received(path) == []
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"pending" and record[b"attempts"] == b"1", record
+    assert record[b"lastError"].startswith(b"no answer within"), record
+    await redis.zrem(keys.CALLBACKS_DUE, job_id)
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("collect", [False, True], ids=["event", "run-result"])
+async def test_callbacks_go_out_while_redis_is_at_its_maxmemory(
+    bare_stack: Stack, redis: Redis, receiver: Receiver, collect: bool
+) -> None:
+    """Results stored while Redis is full (their scripts allow it) queue their deliveries;
+    taking, reading and reporting them must work then too, or each gets one late try."""
+    path = receiver.path()
+    job_id = await _killed_in_queue(redis, f"http://127.0.0.1:{receiver.port}{path}", collect=collect)
+    settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
+    await redis.config_set("maxmemory", 1)  # below what it holds: growing writes are refused
+    try:
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await redis.set("probe", "x")
+        async with new_client(settings) as client:
+            await _one_round(CallbackSender(settings, redis, client, "test"), job_id)
+    finally:
+        await redis.config_set("maxmemory", 0)
+    (request,) = receiver.received(path)
+    assert verified(bare_stack.callback_secret, request)["jobId"] == job_id
+    record = await redis.hgetall(keys.callback_key(job_id))
+    assert record[b"state"] == b"delivered" and record[b"lastStatus"] == b"200", record
 
 
 @pytest.mark.stack

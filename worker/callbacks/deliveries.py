@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 from redis.asyncio import Redis
 
+from leanredis.scripts import OomTolerantScript
 from shared import keys
 from shared.codec import decode_stored
 from shared.messages import ResultCallback, ResultEvent, RunResult, RunResultCallback, output_without_run
@@ -70,6 +71,12 @@ return 1
 """
 
 
+# KEYS: status, stored output, stdout stream. Returns {result, output, stdout stream exists}.
+# A script, not MULTI: Redis refuses every command queued in MULTI at its maxmemory, reads too.
+_BODY_LOOK = """
+return {redis.call('HGET', KEYS[1], 'result'), redis.call('GET', KEYS[2]), redis.call('EXISTS', KEYS[3])}
+"""
+
 _encoder = msgspec.json.Encoder()
 
 
@@ -86,6 +93,7 @@ class Delivery(msgspec.Struct, frozen=True, kw_only=True):
     collect: bool
     ended_at_ms: int
     token: str
+    leased_at_ms: int = 0  # the lease runs from here (its length: the sender's)
 
 
 class CallbackBody:
@@ -120,8 +128,10 @@ class CallbackBody:
 class Deliveries:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._take = redis.register_script(_TAKE)
-        self._report = redis.register_script(_REPORT)
+        # Run at Redis's maxmemory too: results stored then (allow-oom) queue deliveries.
+        self._take = OomTolerantScript(redis, _TAKE)
+        self._report = OomTolerantScript(redis, _REPORT)
+        self._body_look = redis.register_script(_BODY_LOOK)
 
     async def due_and_next(self, now_ms: int, count: int) -> tuple[list[str], int | None]:
         """Up to `count` job ids whose callback is due (others may take them first), and when
@@ -154,6 +164,7 @@ class Deliveries:
             collect=collect == b"1",
             ended_at_ms=int(ended),
             token=token,
+            leased_at_ms=now_ms,
         )
 
     async def report(
@@ -179,11 +190,9 @@ class Deliveries:
             ResultGone: the job's records have expired.
         """
         job_id = delivery.job_id
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hget(keys.status_key(job_id), "result")
-            pipe.get(keys.output_key(job_id))
-            pipe.exists(keys.output_stream_key(job_id, "stdout"))
-            result, meta, apart = await pipe.execute()
+        result, meta, apart = await self._body_look(
+            keys=[keys.status_key(job_id), keys.output_key(job_id), keys.output_stream_key(job_id, "stdout")]
+        )
         if result is None:
             raise ResultGone(job_id)
         if not delivery.collect:

@@ -45,7 +45,15 @@ getaddrinfo = socket.getaddrinfo
 
 
 class AttemptFailed(Exception):
-    """The attempt got no answer (resolution, connection, timeout); worth retrying."""
+    """The attempt got no answer (resolution, connection, timeout); worth retrying.
+
+    Its text is stored as the callback's `lastError`, which a job token's holder (a
+    browser) reads: never an address. `where` (the addresses tried) is for the log only.
+    """
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 class Refused(Exception):
@@ -213,7 +221,7 @@ async def post(
             last = exc
             continue
         except httpx.TimeoutException as exc:
-            raise AttemptFailed(f"{type(exc).__name__} from {ip}") from None
+            raise AttemptFailed(type(exc).__name__, where=str(ip)) from None
         except httpx.HTTPError as exc:
-            raise AttemptFailed(f"{type(exc).__name__} from {ip}: {exc}") from None
-    raise AttemptFailed(f"could not connect to {', '.join(map(str, addresses))}: {last}")
+            raise AttemptFailed(f"{type(exc).__name__}: {exc}", where=str(ip)) from None
+    raise AttemptFailed(f"could not connect: {last}", where=", ".join(map(str, addresses)))

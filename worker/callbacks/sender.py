@@ -111,7 +111,8 @@ class CallbackSender:
             if job_id in self._inflight or free <= 0:
                 continue
             token = f"{self.sender_id}:{uuid.uuid4().hex[:12]}"
-            delivery = await self.deliveries.take(job_id, now, self._lease_ms, token)
+            # The lease counts from its own claim: earlier claims of the round may have been slow.
+            delivery = await self.deliveries.take(job_id, now_ms(), self._lease_ms, token)
             if delivery is None:
                 continue
             free -= 1
@@ -152,8 +153,13 @@ class CallbackSender:
         settings = self.settings
         job_id = delivery.job_id
         status: int | None = None
+        # Over LEASE_MARGIN_MS before the lease ends, whenever the claim's answer came: a
+        # delivery still being sent when another sender may take it goes out twice.
+        left_ms = min(settings.callback_timeout_ms, delivery.leased_at_ms + settings.callback_timeout_ms - now_ms())
         try:
-            async with asyncio.timeout(settings.callback_timeout_ms / 1000):
+            if left_ms <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(left_ms / 1000):
                 status = await self._send(delivery)
         except (Refused, ValidationError, ResultGone) as exc:
             why = f"refused: {exc}" if not isinstance(exc, ResultGone) else "the job's result has expired"
@@ -165,6 +171,8 @@ class CallbackSender:
             error = (
                 str(exc) if isinstance(exc, AttemptFailed) else f"no answer within {settings.callback_timeout_ms} ms"
             )
+            if isinstance(exc, AttemptFailed) and exc.where:
+                log.info("job %s: callback attempt %d: %s (%s)", job_id, delivery.attempt, error, exc.where)
         except Exception as exc:
             # Ours, not the receiver's (the stored result unreadable, Redis failing while it
             # is read): an attempt like any other, so the window still ends it.
