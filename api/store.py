@@ -380,15 +380,51 @@ return {1}
 """
 )
 
-# KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own),
-# "known" to mark only a job that has a record.
+# KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own).
 _MARK_AUDIENCE = """
-if ARGV[2] == 'known' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local ttl = redis.call('TTL', KEYS[1])
 if ttl <= 0 then ttl = tonumber(ARGV[1]) end
 redis.call('SET', KEYS[2], '1', 'EX', ttl)
 return 1
 """
+
+# A subscription soketi's webhook reports (signed outside the API, or by another API process).
+# KEYS: status, audience mark, late-replay claim (keys.late_replay_key), events. ARGV: record
+# ttl s (for a record without a TTL of its own), how many of the log's first entries to bring.
+# Returns 0 (no such job), 1 (marked), or the log's entries to publish now, each its field/value
+# pairs then '' (its first entries from `liveSeq` on, and its last, the result): the job ended
+# before it was marked, so nobody published its events live, and this caller took the claim.
+_MARK_SUBSCRIBED = (
+    _TERMINAL_LUA
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local ttl = redis.call('TTL', KEYS[1])
+if ttl <= 0 then ttl = tonumber(ARGV[1]) end
+local had = redis.call('EXISTS', KEYS[2])
+redis.call('SET', KEYS[2], '1', 'EX', ttl)
+if had == 1 or not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
+if not redis.call('SET', KEYS[3], 'api', 'NX', 'EX', ttl) then return 1 end
+local live = tonumber(redis.call('HGET', KEYS[1], 'liveSeq') or '0')
+local out = {}
+local function seq_of(fields)
+  for j = 1, #fields, 2 do if fields[j] == 'seq' then return tonumber(fields[j + 1]) end end
+  return -1
+end
+local last = -1
+local function add(entry)
+  local seq = seq_of(entry[2])
+  if seq >= live and seq > last then
+    for j = 1, #entry[2] do out[#out + 1] = entry[2][j] end
+    out[#out + 1] = ''
+    last = seq
+  end
+end
+for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', ARGV[2])) do add(entry) end
+local tail = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
+if tail then add(tail) end
+return out
+"""
+)
 
 # KEYS: the job's log. ARGV: a seq. The id of the log's last entry whose seq is at most that
 # one ('0' when there is none). Ids grow with seq, so a binary search over the ids' times
@@ -584,6 +620,9 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 # subscription takes to reach soketi, far shorter than any mark lives).
 RECENT_MARKS = 4096
 RECENT_MARK_S = 60.0
+# How many of a job's first log entries a late subscriber's replay brings (then its result: a
+# client sees the gap in `seq` and reads the rest from the log).
+LATE_REPLAY_ENTRIES = 256
 
 
 class JobStore:
@@ -598,12 +637,13 @@ class JobStore:
         # while Redis is at its maxmemory, where an execute or stdin is refused (a 503).
         self._kill = OomTolerantScript(redis, _KILL)
         self._mark_audience = OomTolerantScript(redis, _MARK_AUDIENCE)
+        self._mark_subscribed = OomTolerantScript(redis, _MARK_SUBSCRIBED)
         self._start = OomTolerantScript(redis, _START)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
         self._seek = redis.register_script(_SEEK)
         self._output_look = redis.register_script(_OUTPUT_LOOK)
-        # Jobs whose audience this process marked lately (see mark_audience_if_known).
+        # Jobs whose audience this process marked lately (see mark_subscribed).
         self._recent_marks: OrderedDict[str, float] = OrderedDict()
 
     @staticmethod
@@ -819,24 +859,28 @@ class JobStore:
         lives as long as the job's record: a day while it runs, only what is left of its
         result's time once it ended (a client re-subscribing to read the result must not
         renew it for a day; the scripts that end a job shorten it likewise)."""
-        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, ""])
+        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s])
         self._recent_marks[job_id] = time.monotonic()
         self._recent_marks.move_to_end(job_id)
         while len(self._recent_marks) > RECENT_MARKS:
             self._recent_marks.popitem(last=False)
 
-    async def mark_audience_if_known(self, job_id: str) -> bool:
-        """mark_audience, for a job that has a record (a webhook may name any channel). A job
+    async def mark_subscribed(self, job_id: str) -> list[tuple[str, bytes]]:
+        """mark_audience, for a subscription soketi's webhook reports (for a job that has a
+        record: a webhook may name any channel). Returns the events to publish now: those of
+        a job that ended before the mark, which no worker published live (soketi sends the
+        webhook as the subscription succeeds, so a short job may end before it lands). A job
         this process marked moments ago (its channel-auth, then soketi's webhook for the
         same subscription) is not written again: that webhook comes as the job starts, and
         a Redis write there costs the start."""
         marked_at = self._recent_marks.get(job_id)
         if marked_at is not None and time.monotonic() - marked_at < RECENT_MARK_S:
-            return True
-        marked = await self._mark_audience(
-            keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s, "known"]
+            return []
+        answer = await self._mark_subscribed(
+            keys=[keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id)],
+            args=[self._record_ttl_s, LATE_REPLAY_ENTRIES],
         )
-        return bool(marked)
+        return _entries(answer) if isinstance(answer, list) else []
 
     async def start(self, job_id: str, owner: str) -> StartAnswer:
         """Start the job if it is `owner`'s ('' when the caller's job token names it), in one

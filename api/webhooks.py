@@ -57,6 +57,7 @@ async def realtime_webhooks(request: Request) -> Response:
         raise ValidationError([FieldError("events", f"is not a webhook's event list ({exc})")]) from None
     for event in webhook.events:
         job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
-        if job_id is not None:
-            await state.store.mark_audience_if_known(job_id)
+        if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):
+            # The job ended before this subscription was known: nobody published it live.
+            state.realtime.publish_soon(event.channel, missed)
     return Response(b'{"ok":true}', media_type="application/json")

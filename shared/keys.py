@@ -192,6 +192,14 @@ def realtime_channel(job_id: str) -> str:
     return f"{CHANNEL_PREFIX}{job_id}"
 
 
+def late_replay_key(job_id: str) -> str:
+    """Taken (SET NX) by whoever publishes the events a follower missed because its mark came
+    after they went by (soketi's webhook, for a subscription signed outside the API, may
+    come after a short job's events): the job's worker lane while it runs, or the API's
+    webhook handler once the job has ended. One taker, so no event goes out twice."""
+    return f"job:{job_id}:latereplay"
+
+
 def audience_key(job_id: str) -> str:
     """Set by the API when it signs a subscription to the job's channel: only then can anyone
     be listening (soketi admits nobody to a private channel without that signature)."""

@@ -17,6 +17,7 @@ from pysher.channel import Channel
 from launcher.stack import Stack
 from shared.manifest import compiled_shim_name
 from shared.paths import REPO_ROOT
+from shared.pusher import channel_auth
 from worker.runtimes import load_manifests
 
 __all__ = ["Api", "Followed", "Realtime", "compiled_shims", "host_processes", "pids_with_cmdline", "py_job", "run_job"]
@@ -198,7 +199,10 @@ class Realtime:
         if not self._connected.wait(10):
             raise AssertionError("pysher could not connect to soketi")
 
-    def follow(self, job: dict[str, Any], timeout_s: float = 10) -> Followed:
+    def follow(self, job: dict[str, Any], timeout_s: float = 10, signed_here: str | None = None) -> Followed:
+        """Subscribe to the job's channel, signed by the API's channel-auth route, or with
+        `signed_here` (the Pusher secret) by the caller, as a backend that signs its own
+        subscriptions does: only soketi's webhook then tells the API of the follower."""
         followed = Followed(job)
         self._followed.append(followed)
         name = job["channel"]
@@ -209,7 +213,10 @@ class Realtime:
         for event in self.EVENTS:
             channel.bind(event, lambda data, event=event: followed.add(event, data))
         self.pusher.channels[name] = channel
-        auth = self.pusher._generate_auth_token(name)  # POSTs to /v1/channel-auth like pusher-js
+        if signed_here is not None:
+            auth = channel_auth(self.pusher.key, signed_here, self.pusher.connection.socket_id, name)
+        else:
+            auth = self.pusher._generate_auth_token(name)  # POSTs to /v1/channel-auth like pusher-js
         self.pusher.connection.send_event("pusher:subscribe", {"channel": name, "auth": auth})
         if not followed.subscribed.wait(timeout_s):
             raise AssertionError(f"subscription to {job['channel']} did not succeed")

@@ -137,3 +137,44 @@ def test_a_late_follower_hears_every_event_logged_after_it_subscribed(make_stack
         redis.close()
         rt.close()
         api.close()
+
+
+def _heard_once_in_order(followed, result: dict) -> None:  # type: ignore[no-untyped-def]
+    """Every event of the job, from seq 0 to its result, each once."""
+    time.sleep(0.5)  # (time for a second copy to arrive, should one be sent)
+    seqs = [p["seq"] for _n, p in followed.events]
+    assert sorted(seqs) == list(range(result["seq"] + 1)), followed.summary()
+    assert len(followed.results()) == 1, followed.summary()
+
+
+def test_a_subscription_signed_outside_the_api_hears_a_short_job_whole_and_once(make_stack: StackFactory) -> None:
+    # A backend that signs its own subscriptions: only soketi's webhook tells the API of the
+    # follower, and it may land after a short job has ended (soketi sends it as the
+    # subscription succeeds, and the client starts the job at once). Nobody published the
+    # job live then; the webhook's handler does, from the log, once.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    redis = stack.redis()
+    try:
+        # The webhook certainly after the end: subscribed once the job is done.
+        job = api.execute(py_job("print('hello')"))
+        api.start(job)
+        assert api.wait_state(job, {"done"})["result"]["outcome"] == "completed"
+        followed = rt.follow(job, signed_here=stack.pusher_secret)
+        result = followed.wait_result(timeout_s=10)
+        assert followed.text("stdout") == "hello\n"
+        _heard_once_in_order(followed, result)
+        assert redis.get(keys.late_replay_key(job["jobId"])) == b"api"
+        # As a backend's IDE does it: subscribe, start at once; the webhook lands before, during
+        # or after the run. Whichever way, every event once.
+        for _ in range(4):
+            job = api.execute(py_job("print('hello')"))
+            followed = rt.follow(job, signed_here=stack.pusher_secret)
+            api.start(job)
+            result = followed.wait_result(timeout_s=10)
+            assert result["outcome"] == "completed" and followed.text("stdout") == "hello\n"
+            _heard_once_in_order(followed, result)
+    finally:
+        redis.close()
+        rt.close()
+        api.close()

@@ -1781,12 +1781,17 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
 
     class Publisher:
         dropped = unheard = audience_checks = 0
+        claims = 0
 
         async def occupied(self, channel: str) -> bool:
             return False
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str) -> bool:
+            self.claims += 1
+            return True
 
     publisher = Publisher()
     lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
@@ -1798,6 +1803,7 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
         lane.send("stdout", json.dumps({"chunk": "x", "seq": seq}).encode())
     await lane.close(timeout_s=2)
     assert delivered == [0, 1, 2, 3, 4] and publisher.unheard == 0
+    assert publisher.claims == 1  # (it took the late replay's claim once, before any delivery)
 
     # What is kept is bounded; past the bound nothing more is (a gap, then what is live).
     monkeypatch.setattr(publisher_module, "LANE_UNHEARD_KEEP_BYTES", 50)
@@ -1810,6 +1816,42 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
     lane.send("result", b'{"seq":4}')
     await lane.close(timeout_s=2)
     assert delivered == [0, 4]  # 43 bytes of JSON fit, the next 43 do not, nor the 5 after
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["running", "closing"])
+async def test_a_lane_whose_late_replay_the_api_took_publishes_nothing_more(closing: bool) -> None:
+    # The follower's mark landed only after the job had ended: the API's webhook handler took
+    # the job's late-replay claim and publishes its whole log. The lane, learning of the
+    # follower now, must not send any of it again (a double result, or doubled output).
+    from worker.messaging import publisher as publisher_module
+
+    delivered: list[int] = []
+
+    class Publisher:
+        dropped = unheard = audience_checks = 0
+        claims = 0
+
+        async def occupied(self, channel: str) -> bool:
+            return False  # (its looks found nobody: the mark came later)
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str) -> bool:
+            self.claims += 1
+            if closing and self.claims == 1:
+                await asyncio.sleep(10)  # a slow Redis: close() runs out of time, asks again
+            return False
+
+    publisher = Publisher()
+    lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
+    for seq in range(3):
+        lane.send("stdout", json.dumps({"chunk": "x", "seq": seq}).encode())
+    await lane.flush(1.0)
+    lane.learned_audience(True)  # the mark, read by the result's own write
+    lane.send("result", b'{"seq":3}')
+    await lane.close(timeout_s=0.2 if closing else 2)
+    assert delivered == [] and publisher.claims == (2 if closing else 1)
 
 
 async def test_an_idle_lane_holding_unheard_events_looks_again_for_a_follower(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1829,6 +1871,9 @@ async def test_an_idle_lane_holding_unheard_events_looks_again_for_a_follower(mo
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str) -> bool:
+            return True
 
     publisher = Publisher()
     lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]

@@ -46,6 +46,10 @@ __all__ = ["JobLane", "Publisher"]
 
 log = logging.getLogger(__name__)
 
+# How long a lane's late-replay claim (keys.late_replay_key) is kept: the API's webhook
+# handler looks for it only as a late mark lands, seconds after the job's events.
+LATE_REPLAY_CLAIM_S = 3600
+
 MAX_BATCH = 10
 BACKOFF_S = 2.0
 # Per channel: what soketi may be handed at once, the steady rate after that, and how much
@@ -175,6 +179,20 @@ class Publisher:
             return bool(await self._redis.exists(keys.audience_key(job_id)))
         except (RedisError, OSError):
             return True
+
+    async def claim_late_replay(self, channel: str) -> bool:
+        """Whether this lane may publish what went by before its follower was known (see
+        keys.late_replay_key): False when the API's webhook handler took the claim (it
+        publishes the whole log of the job, which had ended by then), or when that cannot be
+        told (a double result must never be; the log has it all)."""
+        job_id = keys.job_id_from_channel(channel)
+        if self._redis is None or job_id is None:
+            return True
+        try:
+            return bool(await self._redis.set(keys.late_replay_key(job_id), "worker", nx=True, ex=LATE_REPLAY_CLAIM_S))
+        except (RedisError, OSError) as exc:
+            log.warning("channel %s: cannot tell who publishes its late follower's events (%s)", channel, exc)
+            return False
 
     async def _request(self, path: str, query: dict[str, str], body: bytes, method: str = "POST") -> tuple[int, bytes]:
         head = (
@@ -357,6 +375,10 @@ class JobLane:
         self._unheard: list[tuple[_Event, int]] = []
         self._unheard_bytes = 0  # (all that was ever kept: the bound is for the lane's life)
         self._unheard_cut = False
+        # Some event found nobody following; once a follower is known, whether this lane
+        # publishes anything more (None: not asked yet; see _may_deliver).
+        self._went_unheard = False
+        self._cleared: bool | None = None
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -422,6 +444,9 @@ class JobLane:
                 self._publisher.unheard += len(batch)
                 self._keep_unheard(taken)
                 continue
+            if not await self._may_deliver():
+                self._unsent = []  # (the API publishes the whole log: these are in it)
+                continue
             if self._unheard:
                 self._unsent = []
                 self._pending.extendleft(reversed(taken))
@@ -432,6 +457,21 @@ class JobLane:
             # Once a request may have reached soketi, sending it again could double a result.
             self._unsent = []
             await self._publisher.deliver(batch)
+
+    async def _may_deliver(self) -> bool:
+        """Whether to publish, a follower being known. A lane that let events go by unheard
+        learned of its follower late (soketi's webhook for a subscription signed outside the
+        API): the API's webhook handler publishes the whole log of a job that had ended by
+        the time the mark landed, so this lane publishes only if it takes the job's
+        late-replay claim first, and nothing more if it does not."""
+        if not self._went_unheard:
+            return True
+        if self._cleared is None:
+            self._cleared = await self._publisher.claim_late_replay(self._channel)
+            if not self._cleared:
+                self._publisher.unheard -= len(self._unheard)
+                self._unheard = []
+        return self._cleared
 
     def _replay_unheard(self) -> None:
         """Followed after all: what went by unheard goes out first, in order (before all
@@ -451,6 +491,7 @@ class JobLane:
         first ones only: a follower sees the gap in `seq` and reads the log). A subscription
         signed outside the API is marked by soketi's webhook (api/webhooks.py) a moment after
         it was made, which may be after the job's first events went by here."""
+        self._went_unheard = True
         for event, size in taken:
             if self._unheard_cut or self._unheard_bytes + size > LANE_UNHEARD_KEEP_BYTES:
                 self._unheard_cut = True  # (and nothing after the gap either)
@@ -519,7 +560,7 @@ class JobLane:
             log.warning("channel %s: %d live output events not delivered in time", self._channel, len(left) - len(rest))
         self._pending.clear()
         self._unsent = []
-        if not rest or not await self._heard():
+        if not rest or not await self._heard() or not await self._may_deliver():
             self._publisher.unheard += len(rest)
             return
         for start in range(0, len(rest), MAX_BATCH):
