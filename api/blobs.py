@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.body import read_body
+from api.body import declared_length, read_body
 from api.errors import ApiError
 from api.streams import StreamSlots
 from shared import keys
@@ -192,8 +192,8 @@ async def _hashed_body(request: Request, limit: int, digest: str) -> bytes:
         ValidationError: naming `body` when it does not hash to `digest`.
     """
     too_big = f"A blob must be at most {limit} bytes (MAX_FILES_BYTES, and no more than MAX_BLOB_STORAGE_MB)"
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise ApiError(413, too_big)
     sha = hashlib.sha256()
     chunks: list[bytes] = []

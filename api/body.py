@@ -55,16 +55,27 @@ class BodyBudget:
             self.held -= taken
 
 
+def declared_length(request: Request) -> int | None:
+    """The body size the request declares (Content-Length), or None. Leading zeros are fine
+    (HTTP allows them, and the parser does not refuse a long run of them): a length of more
+    than 18 digits counts as more than any limit, before int() refuses to read it at all."""
+    declared = request.headers.get("content-length")
+    if not declared or not (declared.isascii() and declared.isdigit()):
+        return None
+    digits = declared.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else 10**18
+
+
 async def read_body(request: Request, limit: int, count: Callable[[int], None] | None = None) -> bytes:
     """The whole body; 413 past `limit` bytes (declared or streamed), before more is read.
     `count` is told the declared size, then the size so far as the body arrives (it may
     raise to refuse the body)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit():
-        if int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None:
+        if declared > limit:
             raise ApiError(413, f"Request body must be at most {limit} bytes")
         if count is not None:
-            count(int(declared))
+            count(declared)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

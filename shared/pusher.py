@@ -15,12 +15,12 @@ import msgspec
 
 __all__ = ["Webhook", "WebhookEvent", "channel_auth", "signed_query", "valid_socket_id", "webhook_signature"]
 
-_SOCKET_ID = re.compile(r"^\d{1,20}\.\d{1,20}$")
+_SOCKET_ID = re.compile(r"[0-9]{1,20}\.[0-9]{1,20}")  # (ASCII digits; fullmatch: no newline after)
 
 
 def valid_socket_id(socket_id: str) -> bool:
     """Pusher socket ids look like `123.456`; anything else is refused before signing."""
-    return bool(_SOCKET_ID.match(socket_id))
+    return bool(_SOCKET_ID.fullmatch(socket_id))
 
 
 def channel_auth(key: str, secret: str, socket_id: str, channel: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import socket
 
 import pytest
 
@@ -88,6 +89,8 @@ def test_channel_auth_rules(api: Api) -> None:
     as_json = api.client.post("/v1/channel-auth", json={"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"]})
     assert as_json.status_code == 200 and as_json.json() == ok.json()
     _error(api.post("/v1/channel-auth", data={"socket_id": "nope", "channel_name": job["channel"]}), 400)
+    for odd in ("1.2\n", "\u0661\u0662.\u0663", " 1.2"):  # a trailing newline, non-ASCII digits
+        _error(api.post("/v1/channel-auth", data={"socket_id": odd, "channel_name": job["channel"]}), 400)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2"}), 400)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "private-other"}), 403)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "presence-run-" + job["jobId"]}), 403)
@@ -162,3 +165,29 @@ def test_job_token_cannot_list_languages(api: Api) -> None:
     job = api.execute(py_job("print(1)"))
     assert api.get("/v1/languages", token=job["jobToken"]).status_code == 403
     api.start(job)
+
+
+def test_a_content_length_of_thousands_of_digits_is_no_500(api: Api, stack: Stack) -> None:
+    """HTTP allows leading zeros in Content-Length, and the parser lets a run of thousands
+    through; int() refuses a string that long. Zeros are read as the number they are; a
+    length too long to be real is a 413."""
+    host, port = stack.api_url.removeprefix("http://").rsplit(":", 1)
+
+    def send(length: str, body: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(
+                f"POST /v1/channel-auth HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {stack.api_token}\r\n"
+                f"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {length}\r\n"
+                "Connection: close\r\n\r\n".encode() + body
+            )
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+            return answer
+
+    body = b"socket_id=1.2"
+    assert send("0" * 5000 + str(len(body)), body).startswith(b"HTTP/1.1 400 "), "read as its length: a 400 naming a field"
+    assert b'"channel_name"' in send("0" * 5000 + str(len(body)), body)
+    huge = send("0" * 4000 + "9" * 40, body)
+    assert huge.startswith((b"HTTP/1.1 413 ", b"HTTP/1.1 400 ")), huge[:200]
+    assert api.get("/v1/languages").status_code == 200  # and the service goes on
