@@ -119,7 +119,9 @@ if KEYS[10] then
   redis.call('HSET', KEYS[3], 'idempotencyKey', ARGV[12])
   redis.call('DEL', KEYS[10])
   redis.call('HSET', KEYS[10], 'jobId', ARGV[5], 'bodySha256', ARGV[13])
-  redis.call('EXPIRE', KEYS[10], ARGV[4])
+  -- As long as the job's record can live (its result's time counts from its end, which may
+  -- come late): the key stands for the job while the job has a record, then is free.
+  redis.call('EXPIRE', KEYS[10], ARGV[10])
 end
 if ARGV[14] ~= '' then
   redis.call('HSET', KEYS[3], 'callback', '1')
