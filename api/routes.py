@@ -325,17 +325,21 @@ async def send_stdin(request: Request) -> Response:
     """Bytes for the program's stdin, kept durably. 200 {ok:true}; 429 past the caps; 409 once ended."""
     state = _state(request)
     status = await state.visible_job(request)
-    data, field = _stdin_bytes(await read_body(request, MAX_STDIN_BODY))
-    cap = state.settings.stdin_max_pending_bytes
-    if len(data) > cap:
-        # More than may ever wait at once: no retry could take it (unlike the 429 below).
-        raise ApiError(
-            413,
-            f"A stdin frame may carry at most {cap} bytes (this one has {len(data)}): send it in smaller frames",
-            details=[FieldError(field, f"must be at most {cap} bytes")],
-            capBytes=cap,
-        )
-    return await _write_stdin(state, status, data, close=False)
+    # A job token (a browser's) sends these: a big one counts against the bodies' budget like
+    # any other, or connections sending them slowly hold memory without a bound.
+    budget: BodyBudget = request.app.state.request_bodies
+    async with budget.body(request, MAX_STDIN_BODY) as body:
+        data, field = _stdin_bytes(body)
+        cap = state.settings.stdin_max_pending_bytes
+        if len(data) > cap:
+            # More than may ever wait at once: no retry could take it (unlike the 429 below).
+            raise ApiError(
+                413,
+                f"A stdin frame may carry at most {cap} bytes (this one has {len(data)}): send it in smaller frames",
+                details=[FieldError(field, f"must be at most {cap} bytes")],
+                capBytes=cap,
+            )
+        return await _write_stdin(state, status, data, close=False)
 
 
 async def close_stdin(request: Request) -> Response:

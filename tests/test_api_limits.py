@@ -590,6 +590,8 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
     body = json.dumps(py_job("print(1)", files=[
         {"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 900_000},
     ])).encode()  # fmt: skip
+    with Api(stack) as api:
+        job = api.execute(py_job("print(input())"))
     held = [socket.create_connection((stack.api_host, stack.api_port), timeout=30) for _ in range(2)]
     try:
         for sock in held:  # two bodies of 0.9 MB under way: the 2 MiB budget is (nearly) spent
@@ -602,6 +604,17 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
         refused = json.loads(answer)
         assert refused["error"] == "Too many large requests are being received at once; retry shortly"
         assert refused["retryAfterMs"] == 1000
+        # A big stdin frame counts too: a job token's holder (a browser) could otherwise make
+        # the API hold any number of them.
+        frame = json.dumps({"chunk": "x" * 400_000}).encode()
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as stdin:
+            stdin.sendall(
+                f"POST /v1/jobs/{job['jobId']}/stdin HTTP/1.1\r\nHost: {stack.api_host}\r\n"
+                f"Authorization: Bearer {job['jobToken']}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(frame)}\r\n\r\n".encode()
+            )
+            status, answer = _reply(stdin)
+        assert status == 503 and json.loads(answer)["retryAfterMs"] == 1000, answer
         # A client that sends its whole body before it reads (most do) gets that same 503,
         # and only it: the rest of the body is dropped, not taken for the next request's
         # head (which once got it a stray 431 and a closed connection), and the connection
