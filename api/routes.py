@@ -292,10 +292,25 @@ def _stdin_bytes(body: bytes) -> tuple[bytes, str]:
     return data, field
 
 
-async def _write_stdin(state: AppState, status: StoredStatus, data: bytes, close: bool) -> Response:
+def _stdin_request_id(request: Request, data: bytes, close: bool) -> str | None:
+    """With an Idempotency-Key, the id the stdin script remembers this request by (for
+    STDIN_REQUESTS_KEPT_S): a retry whose answer was lost, sent with the same key and the same
+    bytes, stores nothing twice. The bytes are part of it: another frame under a reused key
+    is another frame."""
+    key = _idempotency_key(request)
+    if key is None:
+        return None
+    digest = hashlib.sha256(b"%s\0%s\0" % (key.encode(), b"close" if close else b"data"))
+    digest.update(data)
+    return "key:" + digest.hexdigest()[:40]
+
+
+async def _write_stdin(
+    state: AppState, status: StoredStatus, data: bytes, close: bool, request_id: str | None = None
+) -> Response:
     settings = state.settings
     answer = await state.store.stdin(
-        status.job_id, data, close, settings.stdin_max_frames_per_s, settings.stdin_max_pending_bytes
+        status.job_id, data, close, settings.stdin_max_frames_per_s, settings.stdin_max_pending_bytes, request_id
     )
     if answer.frame is not None:
         return _json({"ok": True})
@@ -339,13 +354,14 @@ async def send_stdin(request: Request) -> Response:
                 details=[FieldError(field, f"must be at most {cap} bytes")],
                 capBytes=cap,
             )
-        return await _write_stdin(state, status, data, close=False)
+        return await _write_stdin(state, status, data, False, _stdin_request_id(request, data, close=False))
 
 
 async def close_stdin(request: Request) -> Response:
     """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed."""
     state = _state(request)
-    return await _write_stdin(state, await state.visible_job(request), b"", close=True)
+    status = await state.visible_job(request)
+    return await _write_stdin(state, status, b"", True, _stdin_request_id(request, b"", close=True))
 
 
 async def kill_job(request: Request) -> Response:

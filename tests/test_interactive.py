@@ -105,6 +105,32 @@ def test_stdin_lines_reach_the_program_in_order_once_and_eof_ends_it(api: Api, r
     assert late.status_code == 409 and "ended" in late.json()["error"]
 
 
+def test_a_stdin_retry_with_its_idempotency_key_stores_nothing_twice(api: Api, realtime: Realtime) -> None:
+    # A browser whose answer was lost sends the frame again: with the same Idempotency-Key
+    # and bytes it is the same frame; without a key, or with other bytes, it is another.
+    job = api.execute(py_job(ECHO))
+    followed = realtime.follow(job)
+    url = f"/v1/jobs/{job['jobId']}/stdin"
+
+    def send(chunk: str, key: str | None) -> None:
+        headers = {"Idempotency-Key": key} if key else {}
+        assert api.post(url, token=job["jobToken"], json={"chunk": chunk}, headers=headers).json() == {"ok": True}
+
+    api.start(job)
+    send("once\n", "frame-1")
+    send("once\n", "frame-1")  # the retry
+    send("twice\n", None)
+    send("twice\n", None)  # no key: a frame of its own
+    send("other\n", "frame-1")  # the key reused for other bytes: another frame
+    for _ in range(2):
+        closed = api.post(f"{url}/close", token=job["jobToken"], headers={"Idempotency-Key": "eof"})
+        assert closed.json() == {"ok": True}, closed.text  # (the retry too: not "already closed")
+    followed.wait_result()
+    assert followed.text("stdout") == "echo:once\necho:twice\necho:twice\necho:other\neof\n"
+    bad = api.post(url, token=job["jobToken"], json={"chunk": "x"}, headers={"Idempotency-Key": "has space"})
+    assert bad.status_code == 400 and bad.json()["details"][0]["field"] == "Idempotency-Key", bad.text
+
+
 def test_binary_stdin_is_byte_exact(api: Api, realtime: Realtime) -> None:
     job = api.execute(py_job("import sys\nsys.stdout.buffer.write(sys.stdin.buffer.read())\n", collectOutput=True))
     followed = realtime.follow(job)
