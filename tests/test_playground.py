@@ -314,6 +314,55 @@ def test_fast_typing_past_the_stdin_rate_is_retried_not_lost(page: Any, stack: S
     shot(page, "9-stdin-rate-retried")
 
 
+def test_input_typed_ahead_past_the_pending_cap_waits_and_goes_in_order(page: Any, stack: Stack) -> None:
+    """A program that has not read yet: what waits for it is capped (64 KiB, a 429 with
+    capBytes). That is a wait, not an end: every line goes once the program reads, in order,
+    and the EOF after them."""
+    open_playground(page, stack)
+    page.fill("#code", "import sys, time\ntime.sleep(1.5)\ndata = sys.stdin.read()\nprint(len(data), data.count('\\n'), data.rsplit('|', 1)[1].strip())\n")
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    page.evaluate("""() => {
+        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
+        for (let i = 0; i < 20; i++) { line.value = String(i % 10).repeat(8000) + "|line-" + i; form.requestSubmit(); }
+    }""")
+    page.click("#eof")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
+    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    notes = page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
+    assert stdout == "160170 20 line-19\n", (stdout, notes)  # (the pipe holds 64 KiB, then 64 KiB may wait)
+    assert any("the program is not reading its input yet" in n for n in notes), notes
+
+
+def test_a_line_whose_answer_was_lost_is_sent_again_and_stored_once(page: Any, stack: Stack) -> None:
+    """The first stdin request reaches the server, its answer does not (a dropped
+    connection): the page sends it again under the same Idempotency-Key, and the program
+    reads the line once."""
+    lost: list[str] = []
+
+    def lose_first_answer(route: Any) -> None:
+        if not lost:
+            route.fetch()  # (the server has it)
+            lost.append(route.request.headers.get("idempotency-key", ""))
+            route.abort("connectionreset")
+            return
+        route.continue_()
+
+    page.route(re.compile(r"/stdin$"), lose_first_answer)
+    open_playground(page, stack)
+    page.fill("#code", "import sys\nfor line in sys.stdin:\n    print('echo:' + line, end='')\nprint('eof')\n")
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    for text in ("first", "second"):
+        page.fill("#stdin-line", text)
+        page.press("#stdin-line", "Enter")
+    page.click("#eof")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
+    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    assert stdout == "echo:first\necho:second\neof\n", stdout
+    assert lost and lost[0].startswith("pg-"), lost
+
+
 def test_lost_tail_of_a_run_is_noticed_by_its_silence(page: Any, stack: Stack) -> None:
     """Live delivery loses every frame after the first line, result included (no gap to see):
     the page asks the job's status after a few silent seconds and takes the rest from the log."""
