@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from launcher.node import find_node
 from launcher.stack import Stack, free_port
 from launcher.supervisor import Backoff, describe_exit
 from shared.paths import REPO_ROOT
@@ -667,6 +668,39 @@ def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: S
 
 
 @pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_the_example_pusher_js_client_reads_what_an_outage_hid_from_the_log(make_stack: StackFactory, tmp_path: Path) -> None:
+    """clients/js/run-job.mjs, the client to copy: soketi goes down mid-run and comes back;
+    pusher-js reconnects and subscribes again. The client must not start the job again (a
+    409 that used to end it), and prints every event once, in order, the ones published
+    while it was away read from the job's log."""
+    stack = make_stack()
+    program = tmp_path / "count.py"
+    lines = 40
+    program.write_text(f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.1)\n")
+    client = subprocess.Popen(
+        [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout is not None
+        seen = [client.stdout.readline() for _ in range(6)]  # (stages, then the first lines)
+        assert all(seen), seen
+        stack.stop_process("soketi", signal.SIGKILL)
+        time.sleep(1.5)
+        stack.restart("soketi")  # the same port
+        rest, errors = client.communicate(timeout=60)
+    finally:
+        client.kill()
+    assert client.returncode == 0, errors
+    events = [json.loads(line) for line in [*seen, *rest.splitlines()]]
+    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
+    assert [e["event"] for e in events].count("result") == 1 and events[-1]["event"] == "result", events
+    assert events[-1]["data"]["outcome"] == "completed"
+    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "".join(f"{i}\n" for i in range(lines))
+
+
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_soketi_down_mid_run_loses_only_the_live_view(make_fleet: StackFactory) -> None:

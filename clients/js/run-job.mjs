@@ -1,7 +1,8 @@
 // Run one program through coderunner and follow it with pusher-js, the way a browser IDE
 // does: submit, subscribe to the private channel (authorised with the job token), call
-// start only after the subscription succeeded, print every event as a JSON line, and
-// exit after the single `result` event.
+// start once, after the subscription succeeded, print every event as a JSON line in `seq`
+// order (each once: what live delivery missed is read from the job's event log), and exit
+// after the single `result` event.
 //
 //   node run-job.mjs [--wall-ms N] [--limits JSON] <apiUrl> <apiToken> <language> <file> [stdin]
 //
@@ -122,26 +123,97 @@ function follow(realtime) {
     process.exit(1);
   }, waitMs);
 
+  // Events are printed in `seq` order, each once. Live delivery may skip some (soketi sheds a
+  // subscriber that reads too slowly, a reconnect misses what went by meanwhile): a hole
+  // that does not fill within GAP_MS, or a reconnect, reads the rest from the job's durable
+  // event log (GET /v1/jobs/:id/events, Server-Sent Events) from the first seq missing.
+  const GAP_MS = 1000;
+  let next = 0;
+  let started = false;
+  let ended = false;
+  let catchingUp = null;
+  let gapTimer = null;
+  const early = new Map();
+
+  function take(event, data) {
+    if (ended || typeof data?.seq !== "number" || data.seq < next || early.has(data.seq)) return;
+    early.set(data.seq, { event, data });
+    while (early.has(next)) {
+      const item = early.get(next);
+      early.delete(next);
+      next++;
+      console.log(JSON.stringify(item));
+      if (item.event === "result") return finish();
+    }
+    clearTimeout(gapTimer);
+    gapTimer = early.size ? setTimeout(catchUp, GAP_MS) : null;
+  }
+
+  function finish() {
+    ended = true;
+    clearTimeout(timer);
+    clearTimeout(gapTimer);
+    pusher.disconnect();
+    process.exit(0);
+  }
+
+  function catchUp() {
+    if (catchingUp || ended) return;
+    catchingUp = readLog().catch((error) => console.error(`reading the event log: ${error.message}`)).finally(() => {
+      catchingUp = null;
+      if (!ended && early.size) gapTimer = setTimeout(catchUp, GAP_MS);
+    });
+  }
+
+  async function readLog() {
+    const after = next > 0 ? `?after=${next - 1}` : "";
+    const response = await fetch(`${apiUrl}/v1/jobs/${job.jobId}/events${after}`, {
+      headers: { authorization: `Bearer ${job.jobToken}`, accept: "text/event-stream" },
+    });
+    if (response.status === 204) return; // (nothing past `next`: the live view has it all)
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const decoder = new TextDecoder();
+    let text = "";
+    for await (const piece of response.body) {
+      text += decoder.decode(piece, { stream: true });
+      let end;
+      while ((end = text.indexOf("\n\n")) >= 0) {
+        const block = text.slice(0, end);
+        text = text.slice(end + 2);
+        let event = "message";
+        const data = [];
+        for (const line of block.split("\n")) {
+          if (line.startsWith("event:")) event = line.slice(6).trim();
+          else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+        }
+        if (data.length) take(event, JSON.parse(data.join("\n")));
+        if (ended) return;
+      }
+    }
+  }
+
   const channel = pusher.subscribe(job.channel);
   channel.bind("pusher:subscription_error", (error) => {
     console.error("subscription failed", JSON.stringify(error));
     process.exit(1);
   });
   channel.bind("pusher:subscription_succeeded", async () => {
+    if (started) {
+      // pusher-js subscribed again after a reconnect: the job was started already, and
+      // what was published while the connection was down is only in the log.
+      catchUp();
+      return;
+    }
+    started = true;
     try {
       await call("POST", `/v1/jobs/${job.jobId}/start`, job.jobToken);
     } catch (error) {
+      // Ended already (expired, killed): its events, the result last, are in the log.
       console.error(error.message);
-      process.exit(1);
+      catchUp();
     }
   });
   channel.bind_global((event, data) => {
-    if (event.startsWith("pusher:")) return;
-    console.log(JSON.stringify({ event, data }));
-    if (event === "result") {
-      clearTimeout(timer);
-      pusher.disconnect();
-      process.exit(0);
-    }
+    if (!event.startsWith("pusher:")) take(event, data);
   });
 }
