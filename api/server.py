@@ -62,6 +62,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._parsed_head_bytes = 0  # the URL's and headers' bytes the parser handed over
         self._request_bytes_seen = False
         # Between a message's first byte and its last: a response may complete before the
         # request does (a 413 or 503 on its head alone), and the rest of the body that still
@@ -130,10 +131,32 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._parsed_head_bytes = 0
         super().on_message_begin()
         if self._head_timer is None:
             self._arm_head()
         self._request_bytes_seen = True
+
+    # A head whose bytes all came in one read (up to 256 KiB on uvloop) is parsed whole
+    # inside that read, before data_received can count it: its parts count as they come.
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # (": " and CRLF)
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._parsed_head_bytes += size
+        if self._parsed_head_bytes > MAX_HEAD_BYTES:
+            self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")
+            raise _HeadTooLarge  # stops the parser (uvicorn's 400 for that is not sent: see below)
+
+    def send_400_response(self, msg: str) -> None:
+        if self.transport.is_closing():
+            return  # refused already (a 431 from _count_head)
+        super().send_400_response(msg)
 
     def on_headers_complete(self) -> None:
         self._cancel_head()
@@ -220,6 +243,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback to stop parsing a head past MAX_HEAD_BYTES."""
 
 
 def guarded_protocol(
