@@ -85,6 +85,9 @@ def _field_error(text: str) -> FieldError:
         missing = message.split("`")[1]
         return FieldError(f"{path}.{missing}" if path else missing, "is required")
     if message.startswith("Object contains unknown field"):
-        unknown = message.split("`")[1]
+        # The name runs to the last backtick (it may hold some); an empty one is the body's.
+        unknown = message[message.index("`") + 1 : message.rindex("`")]
+        if not unknown:
+            return FieldError(path or "body", "has a field with an empty name")
         return FieldError(f"{path}.{unknown}" if path else unknown, "is not a known field")
     return FieldError(path or "body", f"is invalid: {message}")

@@ -172,6 +172,15 @@ def test_request_decoding_names_fields() -> None:
     with pytest.raises(ValidationError) as info:
         file_refs(decode_request(ExecuteRequest, b'{"language":"python","files":[{"name":"a"}]}').files)
     assert info.value.sentence == "files[0].content is required (or `ref`, naming an uploaded blob)"
+    # An unknown field's name runs to its last backtick; an empty one is named by its object.
+    for body, field in [
+        (b'{"language":"python","files":[{"name":"a","content":"x"}],"a`b":1}', "a`b"),
+        (b'{"language":"python","files":[{"name":"a","content":"x"}],"":1}', "body"),
+        (b'{"language":"python","files":[{"name":"a","content":"x","":1}]}', "files[0]"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            decode_request(ExecuteRequest, body)
+        assert info.value.details[0].field == field, info.value.details
 
 
 def test_settings_errors_name_the_variable() -> None:
