@@ -46,9 +46,14 @@ class RealtimePublisher:
 
     async def publish(self, channel: str, events: list[tuple[str, bytes]]) -> None:
         """One request per MAX_BATCH events (soketi keeps a batch's order), so a slow soketi
-        costs one timeout, not one per event."""
+        costs one timeout, not one per event. After a batch that did not go, only the result
+        still goes, if it was not in that batch (then it may have gone: never twice); the
+        follower sees the gap in `seq` and reads the log."""
         for start in range(0, len(events), MAX_BATCH):
             if not await self._post(channel, events[start : start + MAX_BATCH]):
+                later = [event for event in events[start + MAX_BATCH :] if event[0] == "result"]
+                if later:
+                    await self._post(channel, later)
                 return
 
     async def _post(self, channel: str, events: list[tuple[str, bytes]]) -> bool:

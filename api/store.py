@@ -392,38 +392,48 @@ return 1
 
 # A subscription soketi's webhook reports (signed outside the API, or by another API process).
 # KEYS: status, audience mark, late-replay claim (keys.late_replay_key), events. ARGV: record
-# ttl s (for a record without a TTL of its own), how many of the log's first entries to bring.
+# ttl s (for a record without a TTL of its own), how many of the log's first entries to bring
+# and how many bytes of them at most, this request's claim token ('api:…').
 # Returns 0 (no such job), 1 (marked), or the log's entries to publish now, each its field/value
-# pairs then '' (its first entries from `liveSeq` on, and its last, the result): the job ended
-# before it was marked, so nobody published its events live, and this caller took the claim.
+# pairs then '' (its first entries from `liveSeq` on, within both bounds, and its last, the
+# result): the job ended before it was marked, so nobody published its events live, and this
+# caller took the claim. Sent again with the same token (its reply lost), it answers the same.
 _MARK_SUBSCRIBED = (
     _TERMINAL_LUA
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local ttl = redis.call('TTL', KEYS[1])
-if ttl <= 0 then ttl = tonumber(ARGV[1]) end
-local had = redis.call('EXISTS', KEYS[2])
-redis.call('SET', KEYS[2], '1', 'EX', ttl)
-if had == 1 or not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
-if not redis.call('SET', KEYS[3], 'api', 'NX', 'EX', ttl) then return 1 end
+if redis.call('GET', KEYS[3]) ~= ARGV[4] then
+  local ttl = redis.call('TTL', KEYS[1])
+  if ttl <= 0 then ttl = tonumber(ARGV[1]) end
+  local had = redis.call('EXISTS', KEYS[2])
+  redis.call('SET', KEYS[2], '1', 'EX', ttl)
+  if had == 1 or not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
+  if not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', ttl) then return 1 end
+end
 local live = tonumber(redis.call('HGET', KEYS[1], 'liveSeq') or '0')
+local room = tonumber(ARGV[3])
 local out = {}
 local function seq_of(fields)
   for j = 1, #fields, 2 do if fields[j] == 'seq' then return tonumber(fields[j + 1]) end end
   return -1
 end
 local last = -1
-local function add(entry)
-  local seq = seq_of(entry[2])
-  if seq >= live and seq > last then
-    for j = 1, #entry[2] do out[#out + 1] = entry[2][j] end
-    out[#out + 1] = ''
-    last = seq
-  end
+-- Adds the entry; false once it would pass the bytes left (then nothing more but the result).
+local function add(entry, always)
+  local seq, size = seq_of(entry[2]), 0
+  if seq < live or seq <= last then return true end
+  for j = 2, #entry[2], 2 do size = size + #entry[2][j] end
+  if size > room and not always then return false end
+  for j = 1, #entry[2] do out[#out + 1] = entry[2][j] end
+  out[#out + 1] = ''
+  last, room = seq, room - size
+  return true
 end
-for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', ARGV[2])) do add(entry) end
+for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', ARGV[2])) do
+  if not add(entry, false) then break end
+end
 local tail = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
-if tail then add(tail) end
+if tail then add(tail, true) end
 return out
 """
 )
@@ -622,9 +632,11 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 # subscription takes to reach soketi, far shorter than any mark lives).
 RECENT_MARKS = 4096
 RECENT_MARK_S = 60.0
-# How many of a job's first log entries a late subscriber's replay brings (then its result: a
-# client sees the gap in `seq` and reads the rest from the log).
+# How many of a job's first log entries a late subscriber's replay brings, and how many bytes
+# of them (soketi keeps 1 MiB for a subscriber; the lane keeps as much unheard), then its
+# result: a client sees the gap in `seq` and reads the rest from the log.
 LATE_REPLAY_ENTRIES = 256
+LATE_REPLAY_BYTES = 256 * 1024
 
 
 class JobStore:
@@ -880,7 +892,7 @@ class JobStore:
             return []
         answer = await self._mark_subscribed(
             keys=[keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id)],
-            args=[self._record_ttl_s, LATE_REPLAY_ENTRIES],
+            args=[self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}"],
         )
         return _entries(answer) if isinstance(answer, list) else []
 

@@ -390,6 +390,34 @@ async def test_kill_of_a_handed_back_job_returns_what_nobody_published(
     assert answer.result is not None and b'"seq":3' in answer.result
 
 
+async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_bounds(
+    store: JobStore, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # soketi's webhook for a subscription signed outside the API lands after the job ended:
+    # nobody published it live. The mark script takes the late-replay claim and returns the
+    # log: its first entries within the bytes bound, then the result. Sent again with its
+    # token (the reply lost), it answers the same; a second webhook gets nothing to publish.
+    monkeypatch.setattr(store_module, "LATE_REPLAY_BYTES", 64 * 1024)
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    events = keys.events_key(spec.job_id)
+    await redis.xadd(events, {"seq": 0, "name": "stage", "data": b'{"phase":"queued","seq":0}'})
+    for seq in range(1, 21):  # 20 chunks of 8 KiB: 160 KiB of output
+        await redis.xadd(events, {"seq": seq, "name": "stdout", "chunk": "x" * 8192})
+    await redis.hset(keys.status_key(spec.job_id), "nextSeq", 21)
+    assert (await store.kill(spec.job_id, RESULT_TTL_S)).result is not None  # the result: seq 21
+    keys_ = [keys.status_key(spec.job_id), keys.audience_key(spec.job_id), keys.late_replay_key(spec.job_id), events]
+    args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one"]
+    first = await store._mark_subscribed(keys=keys_, args=args)
+    replay = store_module._entries(first)
+    seqs = [int(msgspec.json.decode(data)["seq"]) for _, data in replay]
+    assert seqs == [0, 1, 2, 3, 4, 5, 6, 7, 21], seqs  # 64 KiB: the stage and 7 chunks, then the result
+    assert replay[-1][0] == "result"
+    assert await store._mark_subscribed(keys=keys_, args=args) == first  # re-sent: the same
+    assert await store.mark_subscribed(spec.job_id) == []  # another webhook: already replayed
+    assert await redis.get(keys.late_replay_key(spec.job_id)) == b"api:one"
+
+
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:
     spec = _spec()
     await store.enqueue(spec, 100, 100, RESULT_TTL_S)

@@ -1471,3 +1471,29 @@ async def test_a_lost_reply_is_only_looked_up_never_run_again(redis: Redis, queu
     status = await redis.hgetall(keys.status_key(job))
     assert status[b"state"] != b"lost" and int(status[b"attempt"]) == again.attempt
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
+
+
+async def test_the_lanes_audience_look_and_late_replay_claim(redis: Redis, redis_stack: Any) -> None:
+    # The look reads the mark, then the claim: the API's webhook script sets both at once, so a
+    # look that finds its mark finds its claim. The claim is the lane's by its token, so a SET
+    # that landed but whose answer was lost (sent again: nil) is still this lane's.
+    from worker.messaging.publisher import Publisher
+
+    settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "PUSHER_PUBLISH": "redis"})
+    publisher = Publisher(settings, redis)
+    job = "a" * 32
+    channel = keys.realtime_channel(job)
+    try:
+        assert await publisher.occupied(channel) == "none"
+        await redis.set(keys.audience_key(job), "1")
+        assert await publisher.occupied(channel) == "present"
+        assert await publisher.claim_late_replay(channel, "worker:one")
+        assert await publisher.claim_late_replay(channel, "worker:one")  # the same, sent again
+        assert not await publisher.claim_late_replay(channel, "worker:two")
+        assert await publisher.occupied(channel) == "present"
+        await redis.set(keys.late_replay_key(job), "api:x")
+        assert await publisher.occupied(channel) == "replayed"
+        assert not await publisher.claim_late_replay(channel, "worker:one")
+    finally:
+        await redis.delete(keys.audience_key(job), keys.late_replay_key(job))
+        await publisher.aclose()

@@ -1680,8 +1680,8 @@ async def test_a_live_lane_counts_bytes_for_text_that_is_not_ascii(monkeypatch: 
         dropped = 0
         unheard = 0
 
-        async def occupied(self, channel: str) -> bool:
-            return True
+        async def occupied(self, channel: str) -> str:
+            return "present"
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.append(sum(len(event.data.encode()) for event in batch))
@@ -1702,8 +1702,8 @@ async def test_a_lane_flush_waits_for_what_is_queued_and_leaves_the_lane_open() 
     class Slow:
         dropped = unheard = audience_checks = 0
 
-        async def occupied(self, channel: str) -> bool:
-            return True
+        async def occupied(self, channel: str) -> str:
+            return "present"
 
         async def deliver(self, batch: list[Any]) -> None:
             await asyncio.sleep(0.1)
@@ -1783,13 +1783,13 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
         dropped = unheard = audience_checks = 0
         claims = 0
 
-        async def occupied(self, channel: str) -> bool:
-            return False
+        async def occupied(self, channel: str) -> str:
+            return "none"
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.extend(json.loads(event.data)["seq"] for event in batch)
 
-        async def claim_late_replay(self, channel: str) -> bool:
+        async def claim_late_replay(self, channel: str, token: str) -> bool:
             self.claims += 1
             return True
 
@@ -1831,13 +1831,13 @@ async def test_a_lane_whose_late_replay_the_api_took_publishes_nothing_more(clos
         dropped = unheard = audience_checks = 0
         claims = 0
 
-        async def occupied(self, channel: str) -> bool:
-            return False  # (its looks found nobody: the mark came later)
+        async def occupied(self, channel: str) -> str:
+            return "none"  # (its looks found nobody: the mark came later)
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.extend(json.loads(event.data)["seq"] for event in batch)
 
-        async def claim_late_replay(self, channel: str) -> bool:
+        async def claim_late_replay(self, channel: str, token: str) -> bool:
             self.claims += 1
             if closing and self.claims == 1:
                 await asyncio.sleep(10)  # a slow Redis: close() runs out of time, asks again
@@ -1854,6 +1854,36 @@ async def test_a_lane_whose_late_replay_the_api_took_publishes_nothing_more(clos
     assert delivered == [] and publisher.claims == (2 if closing else 1)
 
 
+async def test_a_lane_whose_first_look_finds_the_api_replaying_sends_nothing() -> None:
+    # A job ended (reaped, expired, killed while parked), then a late webhook's mark landed:
+    # the API took the late replay and publishes the log, result included. This lane learns
+    # of the follower only now, from a look of its own (nothing went by unheard before), and
+    # must not send the result a second time.
+    from worker.messaging import publisher as publisher_module
+
+    delivered: list[int] = []
+    claims: list[str] = []
+
+    class Publisher:
+        dropped = unheard = audience_checks = 0
+
+        async def occupied(self, channel: str) -> str:
+            return "replayed"
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str, token: str) -> bool:
+            claims.append(token)
+            return True
+
+    lane = publisher_module.JobLane(Publisher(), "private-run-x")  # type: ignore[arg-type]
+    lane.send("stage", b'{"phase":"queued","seq":0}')
+    lane.send("result", b'{"seq":1}')
+    await lane.close(timeout_s=2)
+    assert delivered == [] and claims == []
+
+
 async def test_an_idle_lane_holding_unheard_events_looks_again_for_a_follower(monkeypatch: pytest.MonkeyPatch) -> None:
     # A prompt printed before the webhook's mark landed, then the program waits on stdin:
     # nothing more is sent, yet the prompt must reach the follower once the mark is there.
@@ -1866,13 +1896,13 @@ async def test_an_idle_lane_holding_unheard_events_looks_again_for_a_follower(mo
         dropped = unheard = audience_checks = 0
         marked = False
 
-        async def occupied(self, channel: str) -> bool:
-            return self.marked
+        async def occupied(self, channel: str) -> str:
+            return "present" if self.marked else "none"
 
         async def deliver(self, batch: list[Any]) -> None:
             delivered.extend(json.loads(event.data)["seq"] for event in batch)
 
-        async def claim_late_replay(self, channel: str) -> bool:
+        async def claim_late_replay(self, channel: str, token: str) -> bool:
             return True
 
     publisher = Publisher()

@@ -27,6 +27,7 @@ import logging
 import secrets
 import ssl
 import time
+import uuid
 from collections import deque
 from urllib.parse import urlencode
 
@@ -166,33 +167,47 @@ class Publisher:
             self.sent, self.sent_via_redis, self.failed, self.dropped, self.unheard, self.audience_checks,
         )  # fmt: skip
 
-    async def occupied(self, channel: str) -> bool:
-        """Whether anyone may follow `channel`: the API signed a subscription to it (a
-        private channel admits nobody else). A Redis read on a kept connection, where asking
-        soketi would cost a connection and a request of its own. When that cannot be told,
-        assume someone does: sending to nobody only costs a request."""
+    async def occupied(self, channel: str) -> str:
+        """Whether anyone may follow `channel`: "present" once the API signed a subscription
+        to it (a private channel admits nobody else) or soketi's webhook reported one, else
+        "none"; "replayed" when the API's webhook handler found the job ended and publishes
+        its log itself (keys.late_replay_key: it takes that claim in the same script that
+        sets the mark, so a look that finds the mark finds the claim too); "unknown" when
+        Redis cannot tell (the lane then sends only under a claim of its own). A pipelined
+        read on a kept connection, where asking soketi would cost a request of its own."""
         self.audience_checks += 1
         job_id = keys.job_id_from_channel(channel)
         if self._redis is None or job_id is None:
-            return True
+            return "present"
         try:
-            return bool(await self._redis.exists(keys.audience_key(job_id)))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.exists(keys.audience_key(job_id))  # (first: see above)
+                pipe.get(keys.late_replay_key(job_id))
+                marked, claim = await pipe.execute()
         except (RedisError, OSError):
-            return True
+            return "unknown"
+        if claim is not None and bytes(claim).startswith(b"api"):
+            return "replayed"
+        return "present" if marked else "none"
 
-    async def claim_late_replay(self, channel: str) -> bool:
-        """Whether this lane may publish what went by before its follower was known (see
-        keys.late_replay_key): False when the API's webhook handler took the claim (it
+    async def claim_late_replay(self, channel: str, token: str) -> bool:
+        """Whether this lane (`token`) may publish what went by before its follower was known
+        (see keys.late_replay_key): False when the API's webhook handler took the claim (it
         publishes the whole log of the job, which had ended by then), or when that cannot be
-        told (a double result must never be; the log has it all)."""
+        told (a double result must never be; the log has it all). The claim carries the
+        lane's token, so a SET whose answer was lost and was sent again is still ours."""
         job_id = keys.job_id_from_channel(channel)
         if self._redis is None or job_id is None:
             return True
+        key = keys.late_replay_key(job_id)
         try:
-            return bool(await self._redis.set(keys.late_replay_key(job_id), "worker", nx=True, ex=LATE_REPLAY_CLAIM_S))
+            if await self._redis.set(key, token, nx=True, ex=LATE_REPLAY_CLAIM_S):
+                return True
+            held = await self._redis.get(key)
         except (RedisError, OSError) as exc:
             log.warning("channel %s: cannot tell who publishes its late follower's events (%s)", channel, exc)
             return False
+        return held is not None and bytes(held) == token.encode()
 
     async def _request(self, path: str, query: dict[str, str], body: bytes, method: str = "POST") -> tuple[int, bytes]:
         head = (
@@ -375,10 +390,12 @@ class JobLane:
         self._unheard: list[tuple[_Event, int]] = []
         self._unheard_bytes = 0  # (all that was ever kept: the bound is for the lane's life)
         self._unheard_cut = False
-        # Some event found nobody following; once a follower is known, whether this lane
-        # publishes anything more (None: not asked yet; see _may_deliver).
+        # Some event found nobody following, or a look could not tell; once a follower is
+        # known, whether this lane publishes anything more (None: not asked yet; see
+        # _may_deliver), and its claim's token.
         self._went_unheard = False
         self._cleared: bool | None = None
+        self._claim_token = f"worker:{uuid.uuid4().hex}"
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -464,13 +481,13 @@ class JobLane:
         API): the API's webhook handler publishes the whole log of a job that had ended by
         the time the mark landed, so this lane publishes only if it takes the job's
         late-replay claim first, and nothing more if it does not."""
-        if not self._went_unheard:
-            return True
         if self._cleared is None:
-            self._cleared = await self._publisher.claim_late_replay(self._channel)
-            if not self._cleared:
-                self._publisher.unheard -= len(self._unheard)
-                self._unheard = []
+            if not self._went_unheard:
+                return True
+            self._cleared = await self._publisher.claim_late_replay(self._channel, self._claim_token)
+        if not self._cleared and self._unheard:
+            self._publisher.unheard -= len(self._unheard)  # (the API publishes them)
+            self._unheard = []
         return self._cleared
 
     def _replay_unheard(self) -> None:
@@ -522,8 +539,13 @@ class JobLane:
         now = time.monotonic()
         if self._audience_checked_at is None or now - self._audience_checked_at >= AUDIENCE_RECHECK_S:
             self._audience_checked_at = now
-            if await self._publisher.occupied(self._channel):  # (a "yes" learned meanwhile stays)
-                self._audience = True
+            answer = await self._publisher.occupied(self._channel)
+            if answer == "replayed":
+                self._cleared = False  # the API publishes the job's log: nothing from here
+            elif answer == "unknown":
+                self._went_unheard = True  # (sent only under this lane's own claim)
+            if answer != "none":
+                self._audience = True  # (a "yes" learned meanwhile stays)
         return self._audience
 
     async def flush(self, timeout_s: float) -> bool:
