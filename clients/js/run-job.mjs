@@ -145,8 +145,13 @@ function follow(realtime) {
       console.log(JSON.stringify(item));
       if (item.event === "result") return finish();
     }
-    clearTimeout(gapTimer);
-    gapTimer = early.size ? setTimeout(catchUp, GAP_MS) : null;
+    // A hole gets GAP_MS from when it opened (not from each event after it) to fill.
+    if (!early.size) {
+      clearTimeout(gapTimer);
+      gapTimer = null;
+    } else if (!gapTimer) {
+      gapTimer = setTimeout(catchUp, GAP_MS);
+    }
   }
 
   function finish() {
@@ -158,11 +163,20 @@ function follow(realtime) {
   }
 
   function catchUp() {
+    gapTimer = null;
     if (catchingUp || ended) return;
-    catchingUp = readLog().catch((error) => console.error(`reading the event log: ${error.message}`)).finally(() => {
-      catchingUp = null;
-      if (!ended && early.size) gapTimer = setTimeout(catchUp, GAP_MS);
-    });
+    let failed = false;
+    catchingUp = readLog()
+      .catch((error) => {
+        failed = true;
+        console.error(`reading the event log: ${error.message}; trying again`);
+      })
+      .finally(() => {
+        catchingUp = null;
+        // A read that failed (a 503, the network) is tried again until the result is in:
+        // after a reconnect nothing else may ever bring it.
+        if (!ended && (failed || early.size) && !gapTimer) gapTimer = setTimeout(catchUp, GAP_MS);
+      });
   }
 
   async function readLog() {
