@@ -39,7 +39,7 @@ def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     (tmp_path / "bad\x01name\x1b[31m.txt").write_bytes(b"odd")
     (tmp_path / "caf\xe9".encode("latin-1").decode("utf-8", "surrogateescape")).write_bytes(b"latin")
-    got = collect_artifacts(str(tmp_path), before, max_count=10, max_bytes=4 << 20)
+    got = collect_artifacts(str(tmp_path), before, max_count=10, max_bytes=4 << 20, max_total_bytes=64 << 20)
     names = {name: data for name, data in got.files}
     assert names == {
         "plot.png": PNG,
@@ -53,9 +53,26 @@ def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
 def test_the_collector_keeps_to_its_count(tmp_path: Path) -> None:
     for i in range(5):
         (tmp_path / f"f{i}").write_text(str(i))
-    got = collect_artifacts(str(tmp_path), set(), max_count=3, max_bytes=100)
+    got = collect_artifacts(str(tmp_path), set(), max_count=3, max_bytes=100, max_total_bytes=1000)
     assert [name for name, _ in got.files] == ["f0", "f1", "f2"] and got.truncated
-    assert collect_artifacts(str(tmp_path), set(), max_count=0, max_bytes=100).files == []
+    assert collect_artifacts(str(tmp_path), set(), max_count=0, max_bytes=100, max_total_bytes=1000).files == []
+
+
+def test_the_collector_reads_no_more_than_the_workspace_could_hold(tmp_path: Path) -> None:
+    # Sparse files (a size with no blocks) and hard links to one file (a second name costs
+    # no space) pass a per-file size check each: together they once had the worker read,
+    # and Redis keep, many times the workspace. The total is bounded; a file is read once.
+    for i in range(10):
+        with open(tmp_path / f"sparse{i}", "wb") as f:
+            f.truncate(3 << 20)  # 3 MiB each, no pages
+    (tmp_path / "big").write_bytes(b"x" * (2 << 20))
+    for i in range(5):
+        os.link(tmp_path / "big", tmp_path / f"link{i}")
+    got = collect_artifacts(str(tmp_path), set(), max_count=100, max_bytes=4 << 20, max_total_bytes=8 << 20)
+    assert got.truncated
+    assert sum(len(data) for _, data in got.files) <= 8 << 20
+    names = [name for name, _ in got.files]
+    assert names == ["big", "sparse0", "sparse1"], names  # (in name order; links skipped)
 
 
 def test_links_are_signed_per_job_and_artifact_and_expire() -> None:

@@ -7,7 +7,11 @@ costs less than a trip to a thread. New files, if any, are read on an isolation 
 each entry is opened relative to the workspace's own descriptor with O_NOFOLLOW (a symbolic
 link to a host file fails to open) and O_NONBLOCK (a FIFO opens without waiting for a
 writer), and only a regular file is read, and only if fstat says it fits
-`maxArtifactBytes` (a sparse 1 GiB file is skipped, not read). Names are kept as text
+`maxArtifactBytes` and what is left of the job's total (a sparse 1 GiB file is skipped,
+not read). The total is the workspace's size: without it, sparse files (their size is not
+their blocks) or many hard links to one big file let a job have the worker read, and Redis
+keep, far more than its workspace could hold. A file is read once, under its first name in
+order; another name of the same file is skipped. Names are kept as text
 (bytes that are not UTF-8 become U+FFFD); the files themselves are addressed by number
 everywhere.
 
@@ -42,13 +46,15 @@ def top_level_names(path: str) -> set[bytes]:
     return set(os.listdir(os.fsencode(path)))
 
 
-def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: int) -> Collected:
+def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: int, max_total_bytes: int) -> Collected:
     """New regular files at the top of the workspace, at most `max_count`, each at most
-    `max_bytes` (isolation threads only)."""
+    `max_bytes`, together at most `max_total_bytes` (isolation threads only)."""
     if max_count <= 0:
         return Collected([], False)
     files: list[tuple[str, bytes]] = []
     truncated = False
+    left = max_total_bytes
+    seen: set[tuple[int, int]] = set()
     root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for name in sorted({os.fsencode(entry) for entry in os.listdir(root)} - before):
@@ -60,10 +66,15 @@ def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: 
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode):
                     continue  # FIFO, socket, device, directory: never read
-                if info.st_size > max_bytes or len(files) >= max_count:
+                if (info.st_dev, info.st_ino) in seen:
+                    truncated = True  # another name of a file read already
+                    continue
+                if info.st_size > min(max_bytes, left) or len(files) >= max_count:
                     truncated = True
                     continue
+                seen.add((info.st_dev, info.st_ino))
                 data = _read_at_most(fd, info.st_size)
+                left -= len(data)
             finally:
                 os.close(fd)
             files.append((name.decode("utf-8", "replace"), data))
