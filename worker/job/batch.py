@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -100,6 +100,8 @@ class _CaseOutput:
 
     def sink(self, stream: str) -> Callable[[bytes], object]:
         async def feed(data: bytes) -> None:
+            if self.truncated:
+                return  # (past the cut: dropped unseen, not copied once more each read)
             if len(data) > self.left:
                 # Cut where the budget ends, but not inside a character (one begun in an
                 # earlier read included): valid text stays valid, and is kept as text.
@@ -199,8 +201,12 @@ async def run_batch(
     async def one(index: int, case: TestCase, sandbox: Sandbox | None) -> None:
         prog = program(case)
         if sandbox is None:
-            # A worker whose builds all fail ends this case internal_error, not never.
-            sandbox = await pool.take_unless_failing(prog, spec.language)
+            # A worker whose builds all fail ends this case internal_error, not never. A kill
+            # or the batch's budget ends the wait: a case stopped then takes no sandbox a
+            # started job could have had (and the batch's result is not held up by it).
+            sandbox = await _unless_stopped(stop, pool.take_unless_failing(prog, spec.language), pool)
+            if sandbox is None:
+                return
             try:
                 await sandbox.load(files, limits, prog, executable)
             except BaseException:
@@ -325,8 +331,10 @@ async def run_batch(
                 raise
             except Exception:
                 progress.broken.add(index)
-                if spec.stop_on_first_failure:
-                    halt("failure")  # an internal_error case is a failure like any other
+                if spec.stop_on_first_failure and progress.results[index] is None:
+                    # An internal_error case is a failure like any other; one judged already
+                    # (its event's write failed) keeps its verdict, and halted if it failed.
+                    halt("failure")
                 raise
 
     try:
@@ -349,6 +357,27 @@ async def run_batch(
 # A case that never ran: killed or timed out (the batch's budget) with the job; under
 # stopOnFirstFailure it has no outcome at all.
 _NOT_RUN_OUTCOME = {"kill": Outcome.KILLED, "budget": Outcome.TIMED_OUT}
+
+
+async def _unless_stopped(stop: asyncio.Event, take: Awaitable[Sandbox], pool: SandboxPool) -> Sandbox | None:
+    """What `take` gives, or None once `stop` is set first (the take is called off; a
+    sandbox it got all the same goes back)."""
+    taking = asyncio.ensure_future(take)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({taking, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not taking.done():
+            taking.cancel()
+            await asyncio.gather(taking, return_exceptions=True)
+    if taking.cancelled():
+        return None
+    sandbox = taking.result()
+    if stop.is_set():
+        pool.give_back(sandbox)
+        return None
+    return sandbox
 
 
 def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> BatchResult:
