@@ -69,8 +69,22 @@ async def download_artifact(request: Request) -> Response:
     if found is None:
         slot.release()
         return missing
-    meta = msgspec.json.decode(found[0], type=ArtifactMeta)
+    try:
+        meta = msgspec.json.decode(found[0], type=ArtifactMeta)
+    except BaseException:
+        slot.release()
+        raise
     size = found[1]
+    headers = {
+        "Content-Length": str(size),
+        "Content-Disposition": _disposition(meta.name),
+        "X-Content-Type-Options": "nosniff",
+        "Content-Security-Policy": "sandbox; default-src 'none'",
+        "Cache-Control": "private, max-age=60",
+    }
+    if request.method == "HEAD":
+        slot.release()  # (its headers only: no slice of it is read)
+        return Response(b"", media_type=meta.mime_type, headers=headers)
 
     async def body() -> AsyncIterator[bytes]:
         # Slice by slice, so a client that reads slowly (or not at all) holds one slice of
@@ -91,12 +105,6 @@ async def download_artifact(request: Request) -> Response:
     return StreamingResponse(
         body(),
         media_type=meta.mime_type,
-        headers={
-            "Content-Length": str(size),
-            "Content-Disposition": _disposition(meta.name),
-            "X-Content-Type-Options": "nosniff",
-            "Content-Security-Policy": "sandbox; default-src 'none'",
-            "Cache-Control": "private, max-age=60",
-        },
+        headers=headers,
         background=BackgroundTask(slot.release),  # (also when the body never began)
     )

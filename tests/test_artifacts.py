@@ -145,6 +145,11 @@ def test_a_program_leaves_a_png_and_a_csv(api: Api, realtime: Realtime) -> None:
             assert response.headers["content-type"].startswith(mime)
             assert response.headers["x-content-type-options"] == "nosniff"
             assert response.headers["content-disposition"].startswith("attachment;")
+            # HEAD: the same headers, no body (and no slice of it read from Redis).
+            head = anonymous.head(artifact["url"])
+            assert head.status_code == 200 and head.content == b""
+            assert head.headers["content-length"] == str(len(data))
+            assert head.headers["content-type"] == response.headers["content-type"]
         # A link changed in any way is a 404, as is one of another artifact.
         url = announced[0]["url"]
         assert anonymous.get(url[:-1] + ("0" if url[-1] != "0" else "1")).status_code == 404
