@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.messages import CompileInfo, Outcome, result_without_run
+from shared.messages import CaseFacts, CompileInfo, Outcome, result_without_run
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime
@@ -34,6 +34,25 @@ def test_fit_result_keeps_small_results_and_cuts_long_compile_logs() -> None:
     assert fitted.compile is not None and fitted.compile.output.endswith(CUT_MARKER)
     assert log.startswith(fitted.compile.output[: -len(CUT_MARKER)])
     assert msgspec.json.decode(raw)["outcome"] == "compile_error"
+
+
+def test_a_batch_result_with_long_case_names_fits_the_smallest_limit() -> None:
+    # 100 cases named with 128 four-byte characters each: about 63 KiB of result (more with a
+    # summary, a compile step, kill reasons), at the edge of the smallest limit the settings
+    # allow (64 KiB; 48 here, to be past it). It goes out without the names (its test_result
+    # events and the pullable result have them); a small batch keeps them.
+    cases = [
+        CaseFacts(index=i, name="\U0001f600" * 128, outcome=Outcome.COMPLETED, verdict="accepted", exit_code=0,
+                  signal=None, duration_ms=1, cpu_ms=1, memory_kb=1)
+        for i in range(100)
+    ]  # fmt: skip
+    event = msgspec.structs.replace(result_without_run(Outcome.COMPLETED, None), tests=cases)
+    assert len(msgspec.json.encode(event)) > 48 * 1024
+    fitted, raw = fit_result(event, 48 * 1024)
+    assert len(raw) <= 48 * 1024 - 512
+    assert fitted.tests is not None and len(fitted.tests) == 100 and all(c.name is None for c in fitted.tests)
+    few = msgspec.structs.replace(event, tests=cases[:3])
+    assert fit_result(few, 48 * 1024)[0] == few
 
 
 @pytest.mark.stack

@@ -6,7 +6,10 @@ which JSON escaping can grow at most sixfold, so they always fit a limit of 64 K
 (the settings refuse less). The one payload that can grow past it is the `result`, whose
 `compile.output` may hold a long compile log (up to a manifest's cap, 4 MiB): when it does
 not fit, the result keeps the head of the log that fits and says where the rest is. The
-`compile_output` events and the pullable result carry the log whole.
+`compile_output` events and the pullable result carry the log whole. A batch's result lists
+its cases (up to 100, each with a name of up to 128 characters, 4 bytes each at worst): one
+that still does not fit (a limit near 64 KiB) goes out without the cases' names, which its
+`test_result` events and the pullable result keep.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def fit_result(event: ResultEvent, limit_bytes: int) -> tuple[ResultEvent, bytes
     """The result to publish and store, and its JSON, no larger than `limit_bytes`."""
     raw = _encoder.encode(event)
     budget = limit_bytes - _MARGIN_BYTES
+    if len(raw) > budget and event.tests and any(case.name for case in event.tests):
+        event = msgspec.structs.replace(event, tests=[msgspec.structs.replace(c, name=None) for c in event.tests])
+        raw = _encoder.encode(event)
     if len(raw) <= budget or event.compile is None:
         return event, raw
     output = event.compile.output
