@@ -495,9 +495,8 @@ async def test_a_kill_after_every_case_ended_leaves_the_verdicts_alone(monkeypat
     assert not result.killed and result.summary.verdict == "accepted"
 
 
-async def test_under_stop_on_first_failure_a_case_lost_to_the_worker_stops_the_batch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _completing_every_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Cases end at once, exit 0; the names of the sandboxes they ran in, in order."""
     ran: list[str] = []
 
     async def supervise(jail: Any, *_a: Any, **_k: Any) -> StepFacts:
@@ -505,6 +504,13 @@ async def test_under_stop_on_first_failure_a_case_lost_to_the_worker_stops_the_b
         return _completed()
 
     monkeypatch.setattr(batch, "supervise", supervise)
+    return ran
+
+
+async def test_under_stop_on_first_failure_a_case_lost_to_the_worker_stops_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran = _completing_every_case(monkeypatch)
     result = await _run(_spec(3, stop_on_first_failure=True), _ReadyPool(broken=frozenset({"s1"})))
     assert ran == ["first"]  # case 2 never ran after case 1 was lost
     assert [c.verdict for c in result.cases] == ["accepted", "internal_error", "skipped"]
@@ -516,12 +522,7 @@ async def test_under_stop_on_first_failure_an_accepted_case_whose_event_failed_s
 ) -> None:
     # Case 0 passed, then writing its test_result gave up (a long Redis outage): it keeps its
     # verdict, and the batch goes on; it used to skip the rest as if a case had failed.
-    ran: list[str] = []
-
-    async def supervise(jail: Any, *_a: Any, **_k: Any) -> StepFacts:
-        ran.append(jail.name)
-        return _completed()
-
+    ran = _completing_every_case(monkeypatch)
     calls = 0
 
     async def emit(*_a: Any, **_k: Any) -> None:
@@ -530,7 +531,6 @@ async def test_under_stop_on_first_failure_an_accepted_case_whose_event_failed_s
         if calls == 1:
             raise OSError("Redis is away")
 
-    monkeypatch.setattr(batch, "supervise", supervise)
     result = await _run(_spec(3, stop_on_first_failure=True), _ReadyPool(), events=SimpleNamespace(emit=emit))
     assert ran == ["first", "s1", "s2"]
     assert [c.verdict for c in result.cases] == ["accepted"] * 3

@@ -27,8 +27,8 @@ import logging
 import secrets
 import ssl
 import time
-import uuid
 from collections import deque
+from typing import Literal
 from urllib.parse import urlencode
 
 import msgspec
@@ -167,7 +167,7 @@ class Publisher:
             self.sent, self.sent_via_redis, self.failed, self.dropped, self.unheard, self.audience_checks,
         )  # fmt: skip
 
-    async def occupied(self, channel: str) -> str:
+    async def occupied(self, channel: str) -> Literal["none", "present", "replayed", "unknown"]:
         """Whether anyone may follow `channel`: "present" once the API signed a subscription
         to it (a private channel admits nobody else) or soketi's webhook reported one, else
         "none"; "replayed" when the API's webhook handler found the job ended and publishes
@@ -390,12 +390,11 @@ class JobLane:
         self._unheard: list[tuple[_Event, int]] = []
         self._unheard_bytes = 0  # (all that was ever kept: the bound is for the lane's life)
         self._unheard_cut = False
-        # Some event found nobody following, or a look could not tell; once a follower is
-        # known, whether this lane publishes anything more (None: not asked yet; see
-        # _may_deliver), and its claim's token.
-        self._went_unheard = False
+        # Some event found nobody following, or a look could not tell: once a follower is
+        # known, this lane sends only under the late-replay claim. Whether it does (None:
+        # not asked yet; see _may_deliver).
+        self._must_claim = False
         self._cleared: bool | None = None
-        self._claim_token = f"worker:{uuid.uuid4().hex}"
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -482,9 +481,10 @@ class JobLane:
         the time the mark landed, so this lane publishes only if it takes the job's
         late-replay claim first, and nothing more if it does not."""
         if self._cleared is None:
-            if not self._went_unheard:
+            if not self._must_claim:
                 return True
-            self._cleared = await self._publisher.claim_late_replay(self._channel, self._claim_token)
+            token = f"worker:{secrets.token_hex(8)}"  # (asked once: a resend inside is the same)
+            self._cleared = await self._publisher.claim_late_replay(self._channel, token)
         if not self._cleared and self._unheard:
             self._publisher.unheard -= len(self._unheard)  # (the API publishes them)
             self._unheard = []
@@ -508,7 +508,7 @@ class JobLane:
         first ones only: a follower sees the gap in `seq` and reads the log). A subscription
         signed outside the API is marked by soketi's webhook (api/webhooks.py) a moment after
         it was made, which may be after the job's first events went by here."""
-        self._went_unheard = True
+        self._must_claim = True
         for event, size in taken:
             if self._unheard_cut or self._unheard_bytes + size > LANE_UNHEARD_KEEP_BYTES:
                 self._unheard_cut = True  # (and nothing after the gap either)
@@ -543,7 +543,7 @@ class JobLane:
             if answer == "replayed":
                 self._cleared = False  # the API publishes the job's log: nothing from here
             elif answer == "unknown":
-                self._went_unheard = True  # (sent only under this lane's own claim)
+                self._must_claim = True
             if answer != "none":
                 self._audience = True  # (a "yes" learned meanwhile stays)
         return self._audience
