@@ -332,6 +332,7 @@ def test_input_typed_ahead_past_the_pending_cap_waits_and_goes_in_order(page: An
     notes = page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
     assert stdout == "160170 20 line-19\n", (stdout, notes)  # (the pipe holds 64 KiB, then 64 KiB may wait)
     assert any("the program is not reading its input yet" in n for n in notes), notes
+    shot(page, "12-stdin-waits-for-the-program")
 
 
 def test_a_line_whose_answer_was_lost_is_sent_again_and_stored_once(page: Any, stack: Stack) -> None:
@@ -361,6 +362,7 @@ def test_a_line_whose_answer_was_lost_is_sent_again_and_stored_once(page: Any, s
     stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
     assert stdout == "echo:first\necho:second\neof\n", stdout
     assert lost and lost[0].startswith("pg-"), lost
+    shot(page, "13-stdin-answer-lost-resent")
 
 
 def test_lost_tail_of_a_run_is_noticed_by_its_silence(page: Any, stack: Stack) -> None:
