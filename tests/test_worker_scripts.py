@@ -904,6 +904,35 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
         await asyncio.gather(sweeping, return_exceptions=True)
 
 
+async def test_a_parked_job_whose_last_look_fails_stays_parked_until_it_can_look(
+    redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its warm-up ran out while Redis could not be reached: without the expiring mark, a
+    # start the API answers 202 meanwhile would be dropped by an "expired" result.
+    worker, ctx = claiming_worker
+    monkeypatch.setattr("worker.job.run.CLOSE_PARK_RETRY_S", 0.2)
+    run, sub = await _claimed_run(redis, worker, ctx, queue)
+    real, looks = queue.close_park, 0
+
+    async def cut_off_once(job_id: str, attempt: int) -> str:
+        nonlocal looks
+        looks += 1
+        if looks == 1:
+            # Redis comes back just after: the start lands, and its message is lost.
+            await redis.set(keys.start_flag_key(job_id), "1")
+            raise RedisConnectionError("Connection reset by peer")
+        return await real(job_id, attempt)
+
+    queue.close_park = cut_off_once  # type: ignore[method-assign]
+    run.claim = msgspec.structs.replace(run.claim, claimed_at=asyncio.get_running_loop().time() - 3600)
+    try:
+        assert await asyncio.wait_for(run._park(sub.ctrl), 3) == "start"
+        assert looks == 2
+        assert await redis.hget(keys.status_key(run.job_id), "expiringAttempt") is None
+    finally:
+        await ctx.control.unsubscribe(sub)
+
+
 async def test_one_sweep_reads_every_parked_jobs_flags_and_tells_only_those_with_one(
     redis: Redis, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
 ) -> None:

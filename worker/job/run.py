@@ -104,6 +104,9 @@ HANDOVER_PAUSE_S = 1.0
 # connection was replaced (the message that carried one may have been lost with it), and
 # this often besides, in case a loss went unnoticed.
 FLAG_POLL_S = 10.0
+
+# How soon a parked job whose warm-up ran out looks again when its last look failed.
+CLOSE_PARK_RETRY_S = 1.0
 # At start, the events logged while parked wait this long for the program's first output,
 # to reach soketi with it in one request (see JobEvents.go_live_within).
 LIVE_HOLD_S = 0.005
@@ -588,15 +591,16 @@ class JobRun:
             return None
         return "kill" if kill else "start" if start else None
 
-    async def _close_park(self) -> str:
+    async def _close_park(self) -> str | None:
         """The last look at the durable signals: "kill" or "start" if either came after
         all, else "expired", with no start accepted any more (one that landed after the look
-        would otherwise be answered 202 and dropped)."""
+        would otherwise be answered 202 and dropped). None while Redis cannot be reached:
+        the job cannot know no start was answered meanwhile, so it stays parked."""
         try:
             return await self.ctx.queue.close_park(self.job_id, self.claim.attempt)
         except (RedisError, OSError) as exc:
-            log.warning("job %s: closing its warm-up failed: %s", self.job_id, exc)
-            return "expired"
+            log.warning("job %s: closing its warm-up failed (it stays parked): %s", self.job_id, exc)
+            return None
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
         """Wait for start. Returns "start", "expired", "kill" or "handback".
@@ -628,7 +632,10 @@ class JobRun:
                 left = deadline - loop.time()
                 if left <= 0:
                     # One last look: a start may have landed while the subscription was busy.
-                    return await self._close_park()
+                    signal = await self._close_park()
+                    if signal is not None:
+                        return signal
+                    deadline, left = loop.time() + CLOSE_PARK_RETRY_S, CLOSE_PARK_RETRY_S
                 if getter is None:
                     getter = asyncio.ensure_future(inbox.get())
                 done, _ = await asyncio.wait({getter, stopping}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
