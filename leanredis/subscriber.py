@@ -10,7 +10,8 @@ The connection is kept: a keeper task re-dials one that was lost (backing off up
 second), subscribes again to every channel still wanted, and counts the connections
 (`connections`), because whatever was published while it was down is lost and the owner
 must look at its durable state again: `on_ready` is called once a new connection is
-subscribed to all of them (a PING sent after the SUBSCRIBE has been answered), so what the
+subscribed to all of them (a PING sent after the SUBSCRIBE has been answered; asked again
+while Redis refuses it, as it does while loading its data), so what the
 owner reads then cannot miss a message the new connection would not carry. An idle
 connection is checked with a PING every `health_check_interval` (30 s unless the client
 says), and one that does not answer within `socket_timeout` is dropped and re-dialled, so a
@@ -34,6 +35,7 @@ __all__ = ["Subscriber"]
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_S = 30.0
+REDIAL_MIN_S = 0.05
 REDIAL_MAX_S = 1.0
 
 # on_message(kind, channel, data): kind is b"message", b"subscribe" or b"unsubscribe"
@@ -42,6 +44,8 @@ OnMessage = Callable[[bytes, bytes, bytes | int], None]
 # The argument of the PING that follows a connection's SUBSCRIBE: its answer means the
 # subscriptions are in place (a subscribed connection answers [b"pong", arg], another arg).
 READY_MARK = b"coderunner:subscribed"
+# How soon a ready mark refused (Redis still loading: -LOADING) is asked for again.
+READY_AGAIN_S = 0.1
 
 
 class _Pushes(asyncio.Protocol):
@@ -53,6 +57,8 @@ class _Pushes(asyncio.Protocol):
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_heard = asyncio.get_running_loop().time()
+        self._again: asyncio.TimerHandle | None = None
+        self.refusals = 0
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = asyncio.get_running_loop().time()
@@ -60,14 +66,32 @@ class _Pushes(asyncio.Protocol):
         reader.feed(data)
         while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):
-                log.warning("Redis at %s refused a pub/sub command: %s", self._address, reply)
+                self.refusals += 1
+                level = logging.WARNING if self.refusals == 1 else logging.DEBUG  # (-LOADING, ten a second)
+                log.log(level, "Redis at %s refused a pub/sub command: %s", self._address, reply)
+                if not self.ready.done() and self._again is None:
+                    # Maybe the ready mark: a Redis still loading its data (or running a
+                    # long script) takes SUBSCRIBE but answers PING with an error, and
+                    # nothing else would ever ask again.
+                    self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._mark_again)
             elif reply == READY_MARK or reply == [b"pong", READY_MARK]:
                 if not self.ready.done():
                     self.ready.set_result(None)
             elif isinstance(reply, list) and len(reply) == 3 and reply[0] != b"pong":
                 self._on_message(reply[0], reply[1], reply[2])
 
+    def mark(self) -> None:
+        """Ask for the ready mark (answered once everything written before it is done)."""
+        self.write(_pack(("PING", READY_MARK)))
+
+    def _mark_again(self) -> None:
+        self._again = None
+        if not self.ready.done():
+            self.mark()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._again is not None:
+            self._again.cancel()
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -140,7 +164,7 @@ class Subscriber:
         self.connections += 1
         if self._wanted:
             pushes.write(_pack(("SUBSCRIBE", *self._wanted)))
-        pushes.write(_pack(("PING", READY_MARK)))
+        pushes.mark()
         if self._on_ready is not None:
             on_ready = self._on_ready
             pushes.ready.add_done_callback(lambda _: on_ready())
@@ -148,6 +172,7 @@ class Subscriber:
 
     async def _keep(self) -> None:
         loop = asyncio.get_running_loop()
+        delay = REDIAL_MIN_S
         while True:
             pushes = self._pushes
             assert pushes is not None
@@ -162,7 +187,14 @@ class Subscriber:
                     continue
                 log.warning("pub/sub connection to Redis went quiet; connecting again")
                 pushes.close()
-            delay = 0.05
+            if pushes.ready.done():
+                delay = REDIAL_MIN_S
+            else:
+                # Taken and dropped before it was ready (a Redis at maxclients, a proxy with
+                # nothing behind it): a failed dial too, or the keeper would spin.
+                log.warning("pub/sub connection to Redis closed before it was ready; trying again in %.2f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REDIAL_MAX_S)
             while True:
                 try:
                     self._pushes = await self._connect()

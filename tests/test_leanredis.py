@@ -555,3 +555,69 @@ async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
                 await c.aclose()
     finally:
         server.stop()
+
+
+async def test_a_subscriber_reconnecting_while_redis_loads_its_data_gets_ready(tmp_path: Path) -> None:
+    # Redis takes connections and SUBSCRIBE while it loads its dataset, but answers the
+    # ready mark's PING with -LOADING: the mark must be asked for again, or the subscriber
+    # (and every worker's claiming with it) would wait for good.
+    server = Server(tmp_path, "--dir", str(tmp_path), "--loading-process-events-interval-bytes", "1024")
+    server.start()
+    client = LeanRedis.from_url(server.url, socket_timeout=5)
+    try:
+        plain = Redis.from_url(server.url)
+        await plain.eval("for i = 1, 20000 do redis.call('SET', 'k' .. i, 'v') end", 0)
+        await plain.save()
+        await plain.aclose()
+        async with subscribed(client) as (subscriber, heard):
+            subscriber.subscribe("kept")
+            await heard.wait_for((b"ready", b"", 0))
+            server.stop()
+            server.extra = (*server.extra, "--key-load-delay", "100")  # about 2 s of loading
+            server.start()
+            started = time.monotonic()
+            await heard.wait_for((b"subscribe", b"kept", 1), times=2)
+            while True:
+                probe = Redis.from_url(server.url)
+                try:
+                    await probe.ping()
+                    break
+                except RedisError:
+                    await asyncio.sleep(0.05)  # loading
+                finally:
+                    await probe.aclose()
+            loaded = time.monotonic()
+            assert loaded - started > 0.5, "Redis loaded too fast for this test to mean anything"
+            await heard.wait_for((b"ready", b"", 0), times=2, timeout_s=2)
+            assert subscriber.ready and subscriber.connections == 2
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_connection_dropped_before_it_is_ready_is_dialled_again_with_a_pause(server: Server) -> None:
+    # A listener that takes each connection and closes it (a Redis at maxclients, a proxy
+    # with nothing behind it) is a failed dial, not a reason to dial again at once.
+    dials = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dials
+        dials += 1
+        writer.close()
+
+    port = free_port()
+    listener = await asyncio.start_server(drop, "127.0.0.1", port)
+    redirect = LeanRedis.from_url(server.url, socket_timeout=1)
+    client = LeanRedis.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=1)
+    try:
+        async with subscribed(redirect) as (subscriber, _heard):
+            # Start on the real server, then point the same subscriber at the dropping one.
+            subscriber._client = client
+            subscriber._pushes.close()  # type: ignore[union-attr]
+            await asyncio.sleep(1.5)
+            assert 3 <= dials <= 12, dials
+            assert not subscriber.ready
+    finally:
+        listener.close()
+        await client.aclose()
+        await redirect.aclose()
