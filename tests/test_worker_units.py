@@ -672,6 +672,58 @@ async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() 
     await pool.close()
 
 
+def _task_running(name: str) -> asyncio.Task[Any]:
+    return next(t for t in asyncio.all_tasks() if t.get_coro().__name__ == name)  # type: ignore[union-attr]
+
+
+async def test_a_take_given_up_just_as_its_sandbox_came_loses_no_slot() -> None:
+    # take_unless_failing waits on a take of its own: that take can end with the sandbox a
+    # turn of the loop before the waiter hears of it. A waiter cancelled in that turn (a
+    # batch stopped, a worker stopping) dropped the sandbox: the slot was never built
+    # again, and with every slot gone no job could run.
+    factory = _FakeFactory()
+    pool = SandboxPool(factory, "w", slots=1)  # type: ignore[arg-type]
+    waiter = asyncio.ensure_future(pool.take_unless_failing())
+    await asyncio.sleep(0)
+    take = _task_running("take")
+    pool.start()
+    while not take.done():
+        await asyncio.sleep(0)
+    assert not waiter.done()  # (the window this test is about)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert pool.ready == 1 and len(factory.built) == 1  # ready again, as it was
+    assert await asyncio.wait_for(pool.take(), 1) is factory.built[0]
+    await pool.close()
+
+
+async def test_a_batch_case_given_up_just_as_its_sandbox_came_gives_it_back() -> None:
+    from worker.job.batch import _unless_stopped
+
+    given_back: list[object] = []
+    pool = SimpleNamespace(give_back=given_back.append)
+    free, sandbox = asyncio.Event(), object()
+
+    async def taking() -> object:
+        await free.wait()
+        return sandbox
+
+    waiter = asyncio.ensure_future(_unless_stopped(asyncio.Event(), taking(), pool))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    take = _task_running("taking")
+    free.set()
+    while not take.done():
+        await asyncio.sleep(0)
+    assert not waiter.done()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert given_back == [sandbox]
+
+
 async def test_a_closed_pool_builds_nothing_after_a_build_fails() -> None:
     # A primed slot whose runtime fails is rebuilt plain at once; a failure that lands
     # once the pool is closing (the build gave up as it was torn down) must not start a

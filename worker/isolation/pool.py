@@ -319,10 +319,13 @@ class SandboxPool:
                     return take.result()
                 if self.failing(mark):
                     raise SandboxesFailing(self.last_build_error)
-        finally:
-            if not take.done():
-                take.cancel()
-                await asyncio.gather(take, return_exceptions=True)
+        except BaseException:
+            await call_off(take, self.put_back)
+            raise
+
+    def put_back(self, sandbox: Sandbox) -> None:
+        """A sandbox taken and left unused (its taker gave up): the next job's, as it is."""
+        self._offer(sandbox)
 
     def keep(self, sandbox: Sandbox) -> None:
         """The borrower started: the sandbox is its job's now, no longer recallable."""
@@ -419,6 +422,18 @@ class SandboxPool:
         ready = list(self._ready)
         self._ready.clear()
         await asyncio.gather(*(sandbox.destroy() for sandbox in ready), return_exceptions=True)
+
+
+async def call_off(take: asyncio.Future[Sandbox], keep: Callable[[Sandbox], None]) -> None:
+    """Stop waiting for `take` (a task taking a sandbox): cancel it, and hand a sandbox it
+    got all the same to `keep`. A take can end with its sandbox a turn of the loop before
+    its waiter hears of it; a waiter that gives up then must not drop the sandbox, whose
+    slot would be lost for the worker's life."""
+    if not take.done():
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+    if not take.cancelled() and take.exception() is None:
+        keep(take.result())
 
 
 def _fresh(sandbox: Sandbox) -> bool:

@@ -41,7 +41,7 @@ from shared.messages import (
 )
 from worker.isolation.jail import Program
 from worker.isolation.memory import MemoryAdmission
-from worker.isolation.pool import SandboxPool
+from worker.isolation.pool import SandboxPool, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
@@ -366,18 +366,15 @@ async def _unless_stopped(stop: asyncio.Event, take: Awaitable[Sandbox], pool: S
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({taking, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            await call_off(taking, pool.give_back)
+            return None
+        return taking.result()
+    except BaseException:
+        await call_off(taking, pool.give_back)
+        raise
     finally:
         stopped.cancel()
-        if not taking.done():
-            taking.cancel()
-            await asyncio.gather(taking, return_exceptions=True)
-    if taking.cancelled():
-        return None
-    sandbox = taking.result()
-    if stop.is_set():
-        pool.give_back(sandbox)
-        return None
-    return sandbox
 
 
 def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> BatchResult:

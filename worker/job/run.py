@@ -49,7 +49,7 @@ from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
-from worker.isolation.pool import BUILD_CHECK_S
+from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
@@ -430,6 +430,7 @@ class JobRun:
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         message: asyncio.Future[CtrlMessage] | None = None
         mark = pool.build_mark()
+        taken = False
         try:
             while True:
                 if message is None:
@@ -444,6 +445,7 @@ class JobRun:
                     if message.done() and not message.cancelled():
                         ctrl.put_nowait(message.result())  # keep a kill for the run to see
                     self.sandbox = take.result()
+                    taken = True
                     return "start"
                 if message in done:
                     if message.result().type == "kill":
@@ -460,9 +462,8 @@ class JobRun:
             stopping.cancel()
             if message is not None and not message.done():
                 message.cancel()  # also when this wait itself was cancelled (the worker stopping)
-            if not take.done():
-                take.cancel()
-                await asyncio.gather(take, return_exceptions=True)
+            if not taken:
+                await call_off(take, pool.put_back)
 
     async def _watch_kill(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
         """Turn a stored kill flag into a kill message, should the live one have been lost:
