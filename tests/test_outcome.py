@@ -12,7 +12,14 @@ import pytest
 
 from shared.messages import CompileInfo, Outcome
 from worker.isolation.jail import JailExit
-from worker.job.outcome import CEILING_MESSAGE, RunVerdict, compile_info, compile_succeeded, judge_run
+from worker.job.outcome import (
+    CEILING_MESSAGE,
+    RunVerdict,
+    compile_info,
+    compile_succeeded,
+    judge_compile_failure,
+    judge_run,
+)
 from worker.job.output import CompileOutput
 from worker.job.supervise import StepFacts
 
@@ -136,6 +143,46 @@ def test_compile_succeeded(step: StepFacts, ok: bool) -> None:
     assert compile_succeeded(step) is ok
 
 
+# ---------------------------------------------------------------- judge_compile_failure
+
+COMPILE_ERROR = RunVerdict(Outcome.COMPILE_ERROR)
+COMPILE_FAILURE_TABLE = [
+    # The submission's fault: the compiler said no, crashed, ran out of its own time or memory.
+    ("exit 1", facts(exited(1)), COMPILE_ERROR),
+    ("compiler not found (the gate's 127)", facts(exited(127)), COMPILE_ERROR),
+    ("compiler crashed", facts(exited(sig="SIGSEGV")), COMPILE_ERROR),
+    ("wall", facts(exited(sig="SIGKILL"), "wall"), COMPILE_ERROR),
+    ("cpu", facts(exited(sig="SIGKILL"), "cpu"), COMPILE_ERROR),
+    ("idle", facts(exited(sig="SIGKILL"), "idle"), COMPILE_ERROR),
+    ("backstop", facts(exited(sig="SIGKILL", backstop=True)), COMPILE_ERROR),
+    ("its own memory limit", facts(exited(sig="SIGKILL"), oom_kills=1), COMPILE_ERROR),
+    ("OOM counted, exited by itself", facts(exited(1), oom_kills=1, ceiling_oom=True), COMPILE_ERROR),
+    ("a clock fired with nothing reported", facts(exited(), "wall"), COMPILE_ERROR),
+    # A kill request.
+    ("user", facts(exited(sig="SIGKILL"), "user"), RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")),
+    ("user, nothing reported", facts(exited(), "user"), RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")),
+    # The platform's fault: the program never ran, so the job is safe to submit again.
+    (
+        "sandbox failure",
+        facts(exited(errors=["nsjail: clone failed"])),
+        RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure while compiling: nsjail: clone failed"),
+    ),
+    (
+        "the ceiling on all jobs",
+        facts(exited(sig="SIGKILL"), oom_kills=1, ceiling_oom=True),
+        RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("step", "verdict"), [(f, v) for _, f, v in COMPILE_FAILURE_TABLE], ids=[name for name, _, _ in COMPILE_FAILURE_TABLE]
+)
+def test_judge_compile_failure(step: StepFacts, verdict: RunVerdict) -> None:
+    assert not compile_succeeded(step)
+    assert judge_compile_failure(step) == verdict
+
+
 # ---------------------------------------------------------------- compile_info
 
 
@@ -150,7 +197,7 @@ def _output(limit: int = 1024) -> CompileOutput:
 @pytest.mark.parametrize(
     ("fired", "backstop", "timed_out"),
     [(None, False, False), ("wall", False, True), ("cpu", False, True), (None, True, True), ("user", False, False),
-     ("idle", False, False), ("user", True, True)],
+     ("idle", False, True), ("user", True, True)],
 )  # fmt: skip
 def test_compile_info_timed_out(fired: str | None, backstop: bool, timed_out: bool) -> None:
     info = compile_info(facts(exited(sig="SIGKILL", backstop=backstop), fired), _output())

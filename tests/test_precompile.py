@@ -7,13 +7,17 @@ shorter than the compile's own duration can only mean the compile happened befor
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from launcher.stack import Stack
+from shared.paths import REPO_ROOT
+from tests.conftest import StackFactory
 from tests.helpers import Api, Followed, Realtime, py_job
 
 pytestmark = pytest.mark.slow
@@ -221,3 +225,29 @@ def test_a_started_job_recalls_a_loaded_sandbox(stack: Stack, clients: tuple[Api
     assert result["outcome"] == "completed" and parked_follow.text("stdout") == "parked\n", parked_follow.summary()
     assert phases(parked_follow) == ["queued", "running"]
     assert long_follow.wait_result()["outcome"] == "completed"
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+def test_a_compile_is_held_to_its_manifests_idle_limit(make_stack: StackFactory, tmp_path: Path) -> None:
+    # A manifest's compile limits carry idleMs like the run's; the compile ignored it.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(REPO_ROOT / "sandbox-profiles", profiles)
+    manifest = profiles / "languages" / "c.toml"
+    text = manifest.read_text()
+    text = text.replace('argv = ["/usr/bin/gcc"', 'argv = ["/bin/sh", "-c", "sleep 5", "/usr/bin/gcc"', 1)
+    text = text.replace("limits = { wallTimeMs = 20000,", "limits = { idleMs = 1000, wallTimeMs = 20000,", 1)
+    assert "idleMs = 1000" in text and "sleep 5" in text
+    manifest.write_text(text)
+    stack = make_stack(SANDBOX_PROFILES_DIR=str(profiles), WORKER_MAX_SANDBOXES="1")
+    api = Api(stack)
+    try:
+        source = "int main(void) { return 0; }\n"
+        job = api.execute({"language": "c", "files": [{"name": "main.c", "content": source}]})
+        api.start(job)
+        result = api.replay(job, timeout_s=30)[-1][1]
+        assert result["outcome"] == "compile_error", result
+        assert result["compile"]["timedOut"] is True and result["compile"]["signal"] == "SIGKILL"
+        assert 900 <= result["compile"]["durationMs"] < 3000, result["compile"]
+    finally:
+        api.close()

@@ -209,6 +209,24 @@ async def test_a_result_whose_numbering_waits_on_an_append_survives_a_cancel(red
     assert status[b"state"] == b"done" and json.loads(status[b"result"])["outcome"] == "completed", status
 
 
+async def test_a_compile_the_sandbox_failed_ends_internal_error_not_compile_error(redis: Redis, queue: WorkerQueue) -> None:
+    # A grader reads compile_error as the submission's fault; a jail that failed under the
+    # compiler is the platform's, and the job is safe to submit again.
+    claim = await _claimed(redis, queue)
+    lane = _Lane()
+    run = _job_run(queue, claim, lane)
+    failed = StepFacts(
+        exit=JailExit(None, None, False, ["nsjail: clone failed"]), fired=None, duration_ms=3, cpu_ms=0, memory_kb=0, oom_kills=0
+    )
+    compiled = CompileInfo(exit_code=None, signal=None, timed_out=False, duration_ms=3, output="")
+    await run._finish_compile_failure(failed, compiled)
+    result = json.loads((await redis.hget(keys.status_key(claim.spec.job_id), "result")) or b"{}")
+    assert result["outcome"] == "internal_error", result
+    assert result["message"] == "sandbox failure while compiling: nsjail: clone failed"
+    assert result["compile"]["exitCode"] is None
+    assert [name for name, _ in lane.sent].count("result") == 1 and lane.sent[-1][0] == "result"
+
+
 @pytest.mark.parametrize("go_live_ends", [True, False], ids=["go-live-lands", "go-live-hangs"])
 async def test_a_result_stored_before_a_cancel_still_goes_out_live(
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, go_live_ends: bool

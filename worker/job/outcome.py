@@ -14,7 +14,7 @@ from shared.messages import CompileInfo, Outcome
 from worker.job.output import CompileOutput
 from worker.job.supervise import StepFacts
 
-__all__ = ["CEILING_MESSAGE", "RunVerdict", "compile_info", "compile_succeeded", "judge_run"]
+__all__ = ["CEILING_MESSAGE", "RunVerdict", "compile_info", "compile_succeeded", "judge_compile_failure", "judge_run"]
 
 # Said when the kernel ended a job that never reached its own limit: the ceiling on all jobs
 # together ran out, or (no way to tell from here) the host's memory or a container's limit.
@@ -59,8 +59,25 @@ def compile_succeeded(facts: StepFacts) -> bool:
     return facts.fired is None and facts.exit.signal is None and facts.exit.exit_code == 0
 
 
+def judge_compile_failure(facts: StepFacts) -> RunVerdict:
+    """The verdict of a job whose compile did not succeed. The submission's fault is a
+    compile_error; a sandbox that failed, or the kernel's OOM killer at the ceiling on all
+    jobs while the compiler was under its own limit, is the platform's: internal_error (the
+    program never ran, so the job is safe to submit again)."""
+    exit_info = facts.exit
+    if facts.fired == "user":
+        return RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")
+    if facts.fired is None and not exit_info.backstop_fired:
+        if exit_info.exit_code is None and exit_info.signal is None:
+            return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure while compiling: " + "; ".join(exit_info.errors))
+        if facts.oom_kills > 0 and facts.ceiling_oom and exit_info.signal == "SIGKILL":
+            return RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE)
+    return RunVerdict(Outcome.COMPILE_ERROR)
+
+
 def compile_info(facts: StepFacts, output: CompileOutput) -> CompileInfo:
-    timed_out = facts.fired in ("wall", "cpu") or facts.exit.backstop_fired
+    # (A compile has no idle flag of its own: a compiler silent past idleMs timed out.)
+    timed_out = facts.fired in ("wall", "cpu", "idle") or facts.exit.backstop_fired
     return CompileInfo(
         exit_code=facts.exit.exit_code,
         signal=facts.exit.signal,

@@ -57,7 +57,7 @@ from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, 
 from worker.job.blobs import Blob
 from worker.job.events import JobEvents
 from worker.job.flusher import OutputFlusher
-from worker.job.outcome import compile_info, compile_succeeded, judge_run
+from worker.job.outcome import compile_info, compile_succeeded, judge_compile_failure, judge_run
 from worker.job.output import CompileOutput, OutputBudget, output_encoding
 from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
@@ -693,7 +693,7 @@ class JobRun:
                 jail,
                 cgroup,
                 plan.compile,
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms),
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
                 [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
                 inbox,
                 feed_stdin=close_stdin,
@@ -709,9 +709,10 @@ class JobRun:
         return facts, compile_info(facts, output)
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
-        outcome = Outcome.KILLED if facts.fired == "user" else Outcome.COMPILE_ERROR
-        message = "killed while compiling" if outcome == Outcome.KILLED else None
-        await self._finish(outcome, result_without_run(outcome, message, compiled))
+        verdict = judge_compile_failure(facts)
+        if verdict.outcome is Outcome.INTERNAL_ERROR:
+            log.error("job %s: %s", self.job_id, verdict.message)
+        await self._finish(verdict.outcome, result_without_run(verdict.outcome, verdict.message, compiled))
 
     # ------------------------------------------------------------------ run
 
