@@ -2002,3 +2002,26 @@ def test_the_jail_backstop_covers_a_long_warm_up_and_the_longest_compile(tmp_pat
         uid_base=60000, max_limits=DEFAULT_LIMITS, start_wait_s=330.0,
     )  # fmt: skip
     assert factory.backstop_s(DEFAULT_LIMITS) == int(MAX_IDLE_S + 330 + DEFAULT_LIMITS.wall_time_ms / 1000 + 60)
+
+
+
+def test_sandbox_names_are_unique_and_keep_with_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The janitor reads a sandbox's age from its name: a number counted on by one a name ran
+    # ahead of the clock on a busy worker (hours after days), and its orphans looked young.
+    from shared.limits import DEFAULT_LIMITS
+    from worker.isolation import sandbox
+
+    clock_ms = 1_700_000_000_000
+    monkeypatch.setattr(sandbox.time, "time_ns", lambda: clock_ms * 1_000_000)
+    factory = sandbox.SandboxFactory(
+        nsjail="nsjail", profiles_dir=tmp_path, work_root=tmp_path, gate=tmp_path, enter=tmp_path, cgroups=None,  # type: ignore[arg-type]
+        uid_base=60000, max_limits=DEFAULT_LIMITS,
+    )  # fmt: skip
+    numbers = []
+    for _ in range(1000):  # three names a second for a thousand seconds...
+        numbers += [int(factory._name("w", slot).rsplit(".", 1)[1]) for slot in range(3)]
+        clock_ms += 1000
+    assert len(set(numbers)) == len(numbers) and numbers == sorted(numbers)
+    assert numbers[-1] == clock_ms - 1000 + 2  # ...and the last is of its own second
+    clock_ms += 5
+    assert factory._name("w", 0) == f"w.0.{clock_ms}"

@@ -476,10 +476,13 @@ class SandboxFactory:
     # What the steps running at once may hold of the jobs' memory ceiling (unbounded unless
     # the worker sets it from the ceiling: worker/isolation/memory.py).
     memory: MemoryAdmission = field(default_factory=lambda: MemoryAdmission(UNBOUNDED_BYTES))
-    # Numbers the sandboxes' names (`<owner>.<slot>.<n>`). It starts from the clock, so a
-    # worker restarted under the same WORKER_ID never meets a name its last incarnation left
-    # behind (killed in its start-up self-test, say, which comes before its sweep).
-    _counter: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
+    # Numbers the sandboxes' names (`<owner>.<slot>.<n>`): the clock in ms, or one more than
+    # the last name's when that was in the same ms. From the clock, so a worker restarted
+    # under the same WORKER_ID never meets a name its last incarnation left behind (killed
+    # in its start-up self-test, say, which comes before its sweep); kept with the clock,
+    # because the janitor reads a sandbox's age from it (one counted on by one a name ran
+    # ahead of the clock by hours on a busy worker, and its orphans looked that much younger).
+    _counter: int = 0
 
     def backstop_s(self, limits: Limits) -> int:
         """nsjail's own time limit, only a backstop behind the worker's clocks: it covers the
@@ -503,7 +506,7 @@ class SandboxFactory:
         }
 
     def _name(self, owner: str, slot: int) -> str:
-        self._counter += 1
+        self._counter = max(self._counter + 1, time.time_ns() // 1_000_000)
         return f"{owner}.{slot}.{self._counter}"
 
     async def _launch(
