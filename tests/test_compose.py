@@ -95,3 +95,12 @@ def test_the_image_holds_the_playgrounds_pusher_js() -> None:
     copies = [line.split() for line in text.splitlines() if line.startswith("COPY --from=")]
     assert any(parts[-1] == wanted for parts in copies), f"no COPY puts {wanted} into the image"
     assert "WORKDIR /app" in text
+
+
+def test_the_worker_locks_its_job_uids_in_the_hosts_folder() -> None:
+    # Its uids are the host's; locks in a /run of the container's own would not see another
+    # container's worker drawing the same ones.
+    from worker.isolation.uids import LOCK_DIR
+
+    worker = _compose()["services"]["worker"]
+    assert f"{LOCK_DIR}:{LOCK_DIR}" in worker.get("volumes", [])
