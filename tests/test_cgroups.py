@@ -74,6 +74,38 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     assert (d / "cgroup.kill").read_text() == "1"
 
 
+@pytest.mark.parametrize("kernel", ["no memory.peak (before 5.19)", "memory.peak not resettable (before 6.12)"])
+def test_v2_without_a_resettable_peak_samples_the_jobs_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    # Before 5.19 the peak was read from memory.current after the job (about 0: its
+    # processes were gone); before 6.12 it kept a prestarted runtime's warm-up peak.
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare(jobs_memory_bytes=3 << 30)
+    job = layout.job("w.0.1")
+    job.create()
+    d = tmp_path / "coderunner" / "jobs" / "w.0.1"
+    (d / "memory.current").write_text(str(30 << 20))  # the waiting runtime
+    no_peak = "before 5.19" in kernel
+    if not no_peak:
+        (d / "memory.peak").write_text(str(100 << 20))  # its warm-up
+
+        def refused(fd: int, data: bytes, offset: int) -> int:
+            raise OSError(9, "Bad file descriptor")  # opened read-only: the kernel has no reset
+
+        monkeypatch.setattr(os, "pwrite", refused)
+    job.reset_memory_peak()
+    assert job.samples_memory
+    for usage in (40, 60, 45):
+        (d / "memory.current").write_text(str(usage << 20))
+        job.note_memory()
+    (d / "memory.current").write_text(str(1 << 20))  # the program is gone
+    assert job.memory_peak_bytes() == 60 << 20
+    if not no_peak:
+        (d / "memory.peak").write_text(str(150 << 20))  # past the warm-up's: the job's own
+        assert job.memory_peak_bytes() == 150 << 20
+
+
 @pytest.mark.parametrize("co_mounted", [True, False])
 def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_folder(
     tmp_path: Path, co_mounted: bool

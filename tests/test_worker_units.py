@@ -322,6 +322,7 @@ class _CountingCgroup:
         return True
 
     oom_kills = 0
+    samples_memory = False
     judged_on: list[threading.Thread] = []
 
     def counters(self, judge_ceiling: bool = True) -> JobCounters:
@@ -355,6 +356,23 @@ async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
     # The first read, the end-of-step read, and one per wake-up: the 50 ms CPU poll over
     # 200 ms, the two pumps ending, and the reap. A spin makes it thousands.
     assert cgroup.cpu_reads <= 12, cgroup.cpu_reads
+
+
+async def test_a_step_samples_memory_where_the_kernel_cannot_tell_its_peak() -> None:
+    # cgroup2 before 5.19 has no memory.peak, and before 6.12 cannot reset it: the clocks'
+    # CPU reads take a sample of the usage too (and only there: no cost elsewhere).
+    class Sampled(_CountingCgroup):
+        samples_memory = True
+        notes = 0
+
+        def note_memory(self) -> None:
+            self.notes += 1
+
+    sampled, plain = Sampled(), _CountingCgroup()
+    for cgroup in (sampled, plain):
+        await _step(cgroup, _ExitsLate(0.5), cpu_ms=5000)  # type: ignore[arg-type]
+    assert 4 <= sampled.notes <= sampled.cpu_reads, (sampled.notes, sampled.cpu_reads)
+    assert not hasattr(plain, "notes")
 
 
 async def test_supervision_kills_a_jobs_cgroup_off_the_event_loop() -> None:

@@ -330,6 +330,14 @@ class JobCgroup:
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)
+        # Where the kernel cannot tell the job's own memory peak (cgroup2 before 5.19 has no
+        # memory.peak; before 6.12 it cannot be reset, so it holds a prestarted runtime's
+        # warm-up), the step's clocks sample the usage (note_memory) and the peak is the
+        # highest sample, unless the kernel's peak passed what it was at the reset
+        # (`_peak_floor`): then that is the job's.
+        self.samples_memory = False
+        self._peak_floor: int | None = None
+        self._sampled_peak = 0
 
     def _has(self, path: Path) -> bool:
         """Whether the optional file `path` (in one of this job's cgroups) exists on this host."""
@@ -509,10 +517,23 @@ class JobCgroup:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
                 peak = self.v2_dir / "memory.peak"
-                return int(self._read_kept(peak if self._has(peak) else self.v2_dir / "memory.current"))
+                if not self._has(peak):
+                    return max(self._sampled_peak, int(self._read_kept(self.v2_dir / "memory.current")))
+                value = int(self._read_kept(peak))
+                if self._peak_floor is not None and value <= self._peak_floor:
+                    return self._sampled_peak  # (never above the warm-up's: sampled)
+                return value
             return int(self._read_kept(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             return 0
+
+    def note_memory(self) -> None:
+        """One sample of the usage, for a peak the kernel cannot tell (`samples_memory`)."""
+        try:
+            assert self.v2_dir is not None
+            self._sampled_peak = max(self._sampled_peak, int(self._read_kept(self.v2_dir / "memory.current")))
+        except (OSError, ValueError):
+            pass
 
     def memory_current_bytes(self) -> int:
         try:
@@ -542,17 +563,25 @@ class JobCgroup:
     def reset_memory_peak(self) -> None:
         """Restart the peak from the current usage: v1 always; v2 on kernels ≥ 6.12, where a
         reset holds for the descriptor it was written through, which is the one the peak
-        is then read through (older v2 kernels cannot reset it)."""
-        path = (
-            self.v2_dir / "memory.peak"
-            if self.layout.mode is CgroupMode.V2 and self.v2_dir is not None
-            else self.v1_dirs["memory"] / "memory.max_usage_in_bytes"
-        )
+        is then read through. Older v2 kernels cannot reset it (or have none): the peak is
+        then sampled from here on (see `samples_memory`)."""
+        v2 = self.layout.mode is CgroupMode.V2 and self.v2_dir is not None
+        path = self.v2_dir / "memory.peak" if v2 else self.v1_dirs["memory"] / "memory.max_usage_in_bytes"
+        if v2 and not self._has(path):
+            self.samples_memory = True  # (before 5.19)
         try:
             with self._fds_lock:
                 os.pwrite(self._kept_fd(path), b"0", 0)
         except OSError:
-            pass
+            if v2 and self._has(path):
+                self.samples_memory = True  # (before 6.12)
+                try:
+                    self._peak_floor = int(self._read_kept(path))
+                except (OSError, ValueError):
+                    self._peak_floor = None
+        if self.samples_memory:
+            self._sampled_peak = 0
+            self.note_memory()
 
     def oom_kills(self) -> int:
         try:

@@ -198,6 +198,7 @@ async def supervise(
         idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
         cpu_due_at = cpu_clock_due_at(go_at, clocks.cpu_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
+        sample_memory = cgroup.samples_memory
         killed = False
         try:
             while fired is None:
@@ -213,6 +214,8 @@ async def supervise(
                     break
                 if now >= cpu_read_at:
                     cpu_read_at = min(now + CPU_CHECK_S, max(cpu_due_at, now + CPU_POLL_S))
+                    if sample_memory:
+                        cgroup.note_memory()  # (a kernel that cannot tell the job's peak)
                 timeout = min(go_at + wall_s - now, cpu_read_at - now)
                 if idle_s is not None and not activity.handing_over:
                     # (While output is being handed over the idle clock waits; it is looked at
