@@ -75,6 +75,11 @@ class Utf8Chunker:
             return []
         return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an unfinished character held back for the next feed."""
+        return len(self._pending)
+
     def drop_pending(self) -> int:
         """Forget the unfinished character held back (its rest will never come); its length."""
         dropped, self._pending = len(self._pending), b""

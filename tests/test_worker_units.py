@@ -1825,6 +1825,27 @@ def test_the_output_budget_never_keeps_half_a_character() -> None:
     assert compile_output.stream_text("stdout") == "\u00e9\n"
 
 
+def test_invalid_bytes_are_charged_as_the_text_they_go_out_as() -> None:
+    # Each invalid byte is published as U+FFFD, three bytes of text: a program writing 0xff
+    # sent three times its outputKb through soketi and the event log.
+    from worker.job.output import OutputBudget
+
+    limit, read = 512 * 1024, 65536
+    budget = OutputBudget(limit, keep_bytes=True)
+    text = "".join(chunk for _ in range(3 * limit // read) for chunk in budget.feed("stdout", b"\xff" * read))
+    text += "".join(budget.flush("stdout"))
+    assert budget.truncated
+    assert len(text.encode()) <= limit + 2 * read  # at most one read late
+    assert bytes(budget.data["stdout"]).decode("utf-8", "replace") == text  # the events are the kept bytes
+    # Valid text, however far from ASCII, is charged by its bytes as before.
+    budget = OutputBudget(limit, keep_bytes=True)
+    snow = "\u2603".encode() * (limit // 3)
+    assert "".join(budget.feed("stdout", snow)) == snow.decode() and not budget.truncated
+    # A literal U+FFFD the program wrote is its own three bytes: nothing extra.
+    budget = OutputBudget(9, keep_bytes=True)
+    assert "".join(budget.feed("stdout", "\ufffd".encode() * 3)) == "\ufffd" * 3 and budget.left == 0
+
+
 async def test_a_cases_output_cut_never_keeps_half_a_character() -> None:
     from worker.job.batch import _CaseOutput
 

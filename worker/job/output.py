@@ -26,7 +26,7 @@ class OutputBudget:
     def feed(self, stream: str, data: bytes) -> list[str]:
         """Account for bytes read from `stream`; returns the text chunks to publish."""
         if len(data) > self.left:
-            data = data[: self.left]
+            data = data[: max(0, self.left)]
             self.truncated = True
             self._cut.add(stream)
         if not data:
@@ -34,7 +34,16 @@ class OutputBudget:
         self.left -= len(data)
         if self._keep:
             self.data[stream] += data
-        return self._chunkers[stream].feed(data)
+        chunker = self._chunkers[stream]
+        held = chunker.pending_bytes
+        chunks = chunker.feed(data)
+        if not data.isascii() and any("\ufffd" in chunk for chunk in chunks):
+            # An invalid byte goes out as U+FFFD, three bytes of text: charged as such, or a
+            # program writing 0xff would send three times outputKb through events and the log
+            # (the budget then runs out at most one read late).
+            consumed = held + len(data) - chunker.pending_bytes
+            self.left -= max(0, sum(len(chunk.encode()) for chunk in chunks) - consumed)
+        return chunks
 
     def flush(self, stream: str) -> list[str]:
         """The text held back at the stream's end. On a stream the budget cut, an unfinished
