@@ -60,11 +60,35 @@ def _blocking_pool(settings: Settings, connections: int, block_ms: int) -> Redis
     )
 
 
+# The least length of the secrets the API signs and checks with. Every job token (which
+# browsers hold) is an HMAC under a key derived from EXECUTOR_API_TOKEN (unless
+# JOB_TOKEN_SECRET is set), and every channel signature one under PUSHER_SECRET: a short
+# secret could be guessed offline from any of them.
+MIN_SECRET_CHARS = 16
+
+
+def _check_secrets(settings: Settings) -> None:
+    for name, value, required in (
+        ("EXECUTOR_API_TOKEN", settings.api_token, True),
+        ("PUSHER_SECRET", settings.pusher_secret, True),
+        ("JOB_TOKEN_SECRET", settings.job_token_secret, False),
+        ("METRICS_TOKEN", settings.metrics_token, False),
+    ):
+        if not value:
+            if required:
+                raise ConfigError(f"{name} must be set")
+            continue
+        if len(value) < MIN_SECRET_CHARS:
+            raise ConfigError(f"{name} must be at least {MIN_SECRET_CHARS} characters")
+    for name, token in (("EXECUTOR_API_TOKEN", settings.api_token), ("METRICS_TOKEN", settings.metrics_token)):
+        # A bearer token travels in a header: one with a space, a line break (a secret made
+        # from a file) or a character outside printable ASCII could never be sent.
+        if token and not (token.isascii() and token.isprintable() and " " not in token):
+            raise ConfigError(f"{name} must be printable ASCII without spaces or line breaks")
+
+
 def create_app(settings: Settings) -> Starlette:
-    if not settings.api_token:
-        raise ConfigError("EXECUTOR_API_TOKEN must be set")
-    if not settings.pusher_secret:
-        raise ConfigError("PUSHER_SECRET must be set")
+    _check_secrets(settings)
     manifests = load_manifests(profiles_dir(settings))
     if not manifests:
         raise ConfigError(f"no language manifests found in {profiles_dir(settings) / 'languages'}")

@@ -186,6 +186,21 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+# What JOB_RECORD_TTL must give a job beyond its warm-up and longest run.
+_RECORD_SLACK_MS = 300_000
+# Job tokens carry their expiry in at most 12 digits (shared/tokens.py).
+_MAX_JOB_TOKEN_TTL_S = 10 * 365 * 86400
+# The stdin route reads bodies of at most 512 KiB (api/routes.py): room for this as base64.
+_MAX_STDIN_PENDING_BYTES = 384 * 1024 - 1024
+
+
+def _port(raw: str) -> int:
+    value = _int(raw)
+    if not 0 < value < 65536:
+        raise ValueError("must be a TCP port (1 to 65535)")
+    return value
+
+
 def _non_negative_int(raw: str) -> int:
     value = _int(raw)
     if value < 0:
@@ -247,7 +262,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "JOB_TOKEN_SECRET": ("job_token_secret", _str),
     "JOB_TOKEN_TTL": ("job_token_ttl_s", _positive_int),
     "API_HOST": ("api_host", _str),
-    "API_PORT": ("api_port", _positive_int),
+    "API_PORT": ("api_port", _port),
     "CORS_ALLOW_ORIGINS": ("cors_allow_origins", _origins),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
@@ -274,13 +289,13 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
-    "PUSHER_PORT": ("pusher_port", _positive_int),
+    "PUSHER_PORT": ("pusher_port", _port),
     "PUSHER_SCHEME": ("pusher_scheme", _str),
     "PUSHER_APP_ID": ("pusher_app_id", _str),
     "PUSHER_KEY": ("pusher_key", _str),
     "PUSHER_SECRET": ("pusher_secret", _str),
     "PUSHER_WS_HOST": ("pusher_ws_host", _str),
-    "PUSHER_WS_PORT": ("pusher_ws_port", _positive_int),
+    "PUSHER_WS_PORT": ("pusher_ws_port", _port),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
     "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),
     "PUSHER_PUBLISH": ("pusher_publish", _str),
@@ -398,4 +413,23 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError("CALLBACK_CONNECT_TIMEOUT_MS must not be larger than CALLBACK_TIMEOUT_MS")
     if settings.callback_backoff_ms > settings.callback_backoff_max_ms:
         raise ConfigError("CALLBACK_BACKOFF_MS must not be larger than CALLBACK_BACKOFF_MAX_MS")
+    if settings.max_artifact_downloads_per_job >= settings.max_artifact_downloads:
+        raise ConfigError(
+            f"MAX_ARTIFACT_DOWNLOADS_PER_JOB ({settings.max_artifact_downloads_per_job}) must be smaller than "
+            f"MAX_ARTIFACT_DOWNLOADS ({settings.max_artifact_downloads}), so one link cannot hold every download"
+        )
+    # A job's record is written once, at submit, and must outlive the job: its warm-up, then
+    # its longest run (a batch's budget, or the wall maximum), plus a compile and some slack.
+    longest_ms = settings.worker_warmup_ms + max(settings.limit_maxima.wall_time_ms, settings.worker_batch_wall_ms)
+    if settings.job_record_ttl_s * 1000 < longest_ms + _RECORD_SLACK_MS:
+        raise ConfigError(
+            f"JOB_RECORD_TTL ({settings.job_record_ttl_s} s) must be at least "
+            f"{-(-(longest_ms + _RECORD_SLACK_MS) // 1000)} s: WORKER_WARMUP_MS, the longer of MAX_WALL_TIME_MS and "
+            "WORKER_BATCH_WALL_MS, and 5 minutes more (a job whose record expires mid-run loses its result)"
+        )
+    if settings.job_token_ttl_s > _MAX_JOB_TOKEN_TTL_S:
+        raise ConfigError(f"JOB_TOKEN_TTL must be at most {_MAX_JOB_TOKEN_TTL_S} (ten years)")
+    if settings.stdin_max_pending_bytes > _MAX_STDIN_PENDING_BYTES:
+        # A frame may carry that much; as base64 in a JSON body it must fit the stdin body's bound.
+        raise ConfigError(f"STDIN_MAX_PENDING_BYTES must be at most {_MAX_STDIN_PENDING_BYTES} (one frame's bytes as base64 in a 512 KiB body)")
     return settings

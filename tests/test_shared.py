@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import base64
 import hashlib
 import hmac
+import json
 
 import msgspec
 import pytest
@@ -197,6 +199,53 @@ def test_settings_errors_name_the_variable() -> None:
                       ({"MAX_MEMORY_MB": "8"}, "MAX_MEMORY_MB=.*at least 16"), ({"MAX_ARTIFACTS": "-1"}, "MAX_ARTIFACTS")]:  # fmt: skip
         with pytest.raises(ConfigError, match=name):
             load_settings(env)
+
+
+def test_settings_that_would_misbehave_once_running_are_refused_at_start() -> None:
+    refusals = [
+        # A record that expires mid-run loses its job's result.
+        ({"JOB_RECORD_TTL": "120"}, "JOB_RECORD_TTL .*at least 930 s"),
+        ({"JOB_RECORD_TTL": "3600", "WORKER_BATCH_WALL_MS": "3600000"}, "JOB_RECORD_TTL"),
+        # One signed link could hold every download slot.
+        ({"MAX_ARTIFACT_DOWNLOADS": "4"}, "MAX_ARTIFACT_DOWNLOADS_PER_JOB"),
+        ({"MAX_ARTIFACT_DOWNLOADS": "8", "MAX_ARTIFACT_DOWNLOADS_PER_JOB": "8"}, "MAX_ARTIFACT_DOWNLOADS_PER_JOB"),
+        # An expiry past 12 digits: every job token would be refused.
+        ({"JOB_TOKEN_TTL": "1000000000000"}, "JOB_TOKEN_TTL"),
+        # A frame that may wait whole could not be sent in one stdin body.
+        ({"STDIN_MAX_PENDING_BYTES": "1000000"}, "STDIN_MAX_PENDING_BYTES"),
+        ({"PUSHER_PORT": "70000"}, "PUSHER_PORT"),
+        ({"API_PORT": "0"}, "API_PORT"),
+        ({"PUSHER_WS_PORT": "65536"}, "PUSHER_WS_PORT"),
+    ]
+    for env, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            load_settings(env)
+    fine = load_settings({"JOB_RECORD_TTL": "930", "STDIN_MAX_PENDING_BYTES": "392192", "JOB_TOKEN_TTL": "315360000"})
+    # The biggest frame allowed fits the stdin body as base64 in JSON.
+    assert len(json.dumps({"data": base64.b64encode(b"x" * fine.stdin_max_pending_bytes).decode(), "encoding": "base64"})) <= 512 * 1024
+    assert verify_job_token("s" * 32, mint_job_token("s" * 32, "a" * 32, 10**9, fine.job_token_ttl_s), 10**9) == "a" * 32
+
+
+def test_the_api_refuses_secrets_that_could_be_guessed_or_never_sent() -> None:
+    # Every job token a browser holds is an HMAC under a key derived from the API token (and
+    # every channel signature one under PUSHER_SECRET): a short one is guessed offline.
+    from api.app import _check_secrets
+
+    good = {"EXECUTOR_API_TOKEN": "t" * 16, "PUSHER_SECRET": "s" * 16}
+    _check_secrets(load_settings(good))
+    for change, name in [
+        ({"EXECUTOR_API_TOKEN": "changeme"}, "EXECUTOR_API_TOKEN must be at least 16"),
+        ({"EXECUTOR_API_TOKEN": ""}, "EXECUTOR_API_TOKEN must be set"),
+        ({"PUSHER_SECRET": "x"}, "PUSHER_SECRET must be at least 16"),
+        ({"JOB_TOKEN_SECRET": "short"}, "JOB_TOKEN_SECRET"),
+        ({"METRICS_TOKEN": "scrape"}, "METRICS_TOKEN"),
+        # A bearer token no header can carry: every backend call would be a 401.
+        ({"EXECUTOR_API_TOKEN": "t" * 16 + "\n"}, "EXECUTOR_API_TOKEN must be printable ASCII"),
+        ({"EXECUTOR_API_TOKEN": "t" * 8 + " " + "t" * 8}, "EXECUTOR_API_TOKEN must be printable ASCII"),
+        ({"METRICS_TOKEN": "m" * 16 + "\u00e9"}, "METRICS_TOKEN must be printable ASCII"),
+    ]:
+        with pytest.raises(ConfigError, match=name):
+            _check_secrets(load_settings({**good, **change}))
 
 
 def test_cors_origins_are_origins() -> None:
