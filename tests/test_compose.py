@@ -104,3 +104,17 @@ def test_the_worker_locks_its_job_uids_in_the_hosts_folder() -> None:
 
     worker = _compose()["services"]["worker"]
     assert f"{LOCK_DIR}:{LOCK_DIR}" in worker.get("volumes", [])
+
+
+def test_the_worker_can_run_what_it_builds_in_its_work_root_and_agrees_with_soketi_on_payloads() -> None:
+    # Docker mounts a tmpfs noexec unless told: the jail helper the worker builds in its
+    # work root could not run, and no sandbox would start.
+    services = _compose()["services"]
+    worker = services["worker"]
+    mounts = [entry.split(":", 1) for entry in worker["tmpfs"]]
+    work_root = next(options for path, *options in mounts if path == "/run/coderunner")
+    assert "exec" in work_root[0].split(",") and "noexec" not in work_root[0].split(",")
+    # Workers keep events under the payload limit soketi enforces: both read one variable.
+    limit = services["soketi"]["environment"]["SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB"]
+    for name in ("api", "worker"):
+        assert services[name]["environment"]["PUSHER_MAX_PAYLOAD_KB"] == limit
