@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,22 @@ def self_signed_certificate(folder: Path, alt_name: str) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+def dies_with_the_tests(signal_number: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn: the child gets `signal_number` once the test process is gone (a run
+    cut short with no teardown: `timeout make test`), so no stack or server it started
+    outlives the run."""
+    parent = os.getpid()
+
+    def arrange() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal_number, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal_number)  # the parent went before the signal was set
+
+    return arrange
 
 
 def py_job(code: str, **extra: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from launcher.stack import Stack, free_port
 from launcher.supervisor import Backoff, describe_exit
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, dies_with_the_tests, py_job
 
 TERMINAL = {"done", "killed", "error", "expired", "lost"}
 # Short liveness settings so a dead worker is noticed in about a second.
@@ -204,6 +204,7 @@ def test_up_restarts_a_dead_worker_and_stops_when_the_api_dies(tmp_path: Path) -
         cwd=REPO_ROOT,
         env=env,
         text=True,
+        preexec_fn=dies_with_the_tests(),
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]

@@ -271,3 +271,36 @@ def test_the_lifeline_does_nothing_once_the_stack_was_stopped() -> None:
     finally:
         os.killpg(ours.pid, signal.SIGKILL)
         ours.wait()
+
+
+def test_what_a_test_starts_dies_with_the_test_process(tmp_path: Path) -> None:
+    # A run cut short with no teardown (`timeout make test` kills pytest outright) left the
+    # `coderunner up` stacks and redis-servers its tests had started running for good.
+    script = (
+        "import subprocess, sys, time\n"
+        "from tests.helpers import dies_with_the_tests\n"
+        "child = subprocess.Popen(['sleep', '1000'], preexec_fn=dies_with_the_tests(), start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(1000)\n"
+    )
+    tests_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO_ROOT, text=True)
+    assert tests_process.stdout is not None
+    child = int(tests_process.stdout.readline())
+    try:
+        os.kill(tests_process.pid, signal.SIGKILL)
+        tests_process.wait(5)
+        deadline = time.monotonic() + 5
+        while _alive(child):
+            assert time.monotonic() < deadline, "the child outlived the process that started it"
+            time.sleep(0.02)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

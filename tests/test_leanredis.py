@@ -24,7 +24,7 @@ from launcher.stack import free_port
 from leanredis import BlockingLeanRedis, LeanRedis
 from leanredis.scripts import FLAGS_RECHECK_S, OomTolerantScript
 from leanredis.subscriber import Subscriber
-from tests.helpers import self_signed_certificate
+from tests.helpers import dies_with_the_tests, self_signed_certificate
 
 
 class Server:
@@ -43,7 +43,9 @@ class Server:
     def start(self) -> None:
         argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         argv += ["--unixsocket", self.socket, *self.extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=dies_with_the_tests(signal.SIGKILL)
+        )
         deadline = time.monotonic() + 10
         while not os.path.exists(self.socket):
             assert time.monotonic() < deadline, "redis-server did not start"

@@ -20,6 +20,7 @@ import pytest
 from launcher.node import find_node
 from launcher.stack import free_port
 from shared.paths import REPO_ROOT
+from tests.helpers import dies_with_the_tests
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -94,6 +95,7 @@ def _up_process(port: int, env: dict[str, str], *args: str) -> subprocess.Popen[
         cwd=REPO_ROOT,
         env=env,
         text=True,
+        preexec_fn=dies_with_the_tests(),
     )
 
 
