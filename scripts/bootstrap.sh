@@ -11,6 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# `make up` and `make test` may bootstrap at once (a fresh clone, a pull that changed a
+# lockfile): one at a time, or each would rebuild .venv and node_modules under the other.
+mkdir -p .tools
+exec 8>.tools/bootstrap.lock
+flock 8
+
 want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
