@@ -61,10 +61,13 @@ fi
 # offered; these are the ones this project installs and tests). The jailed JavaScript runs
 # /usr/bin/node, whichever version it is (Debian 12's nodejs: 18).
 [ -x /usr/bin/node ] || apt_missing+=(nodejs)
-command -v go >/dev/null 2>&1 || apt_missing+=(golang-go)
-command -v ruby >/dev/null 2>&1 || apt_missing+=(ruby)
-command -v javac >/dev/null 2>&1 || apt_missing+=(default-jdk-headless)
-command -v g++ >/dev/null 2>&1 || apt_missing+=(g++)
+# (The paths the manifests run, not whatever PATH finds: a Go in /usr/local/go or an
+# rbenv Ruby is not what the jail would run.)
+[ -x /usr/bin/go ] || apt_missing+=(golang-go)
+[ -x /usr/bin/ruby ] || apt_missing+=(ruby)
+[ -x /usr/bin/javac ] || apt_missing+=(default-jdk-headless)
+[ -x /usr/bin/g++ ] || apt_missing+=(g++)
+[ -x /usr/bin/gcc ] || apt_missing+=(gcc)
 # Rust: rustup's toolchain where there is one, else Debian's rustc.
 command -v rustc >/dev/null 2>&1 || [ -x /root/.cargo/bin/rustc ] || [ -x /usr/local/cargo/bin/rustc ] \
     || apt_missing+=(rustc)
