@@ -652,7 +652,7 @@ async def realtime(request: Request) -> Response:
         key=settings.pusher_key,
         ws_host=settings.realtime_host,
         ws_port=settings.realtime_port,
-        force_tls=settings.pusher_scheme == "https",
+        force_tls=settings.realtime_tls,
     )
     return _json(info)
 

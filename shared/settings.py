@@ -96,6 +96,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # What browsers connect to; defaults to the server-side address.
     pusher_ws_host: str = ""
     pusher_ws_port: int = 0
+    # "http" or "https" for browsers (forceTLS); "" is PUSHER_SCHEME. TLS often ends at an
+    # edge in front of soketi, while the API and workers reach soketi in plain HTTP.
+    pusher_ws_scheme: str = ""
     pusher_timeout_ms: int = 2000
     # soketi's largest event payload (its SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB); every
     # published event is kept under it.
@@ -167,6 +170,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def realtime_port(self) -> int:
         return self.pusher_ws_port or self.pusher_port
+
+    @property
+    def realtime_tls(self) -> bool:
+        return (self.pusher_ws_scheme or self.pusher_scheme) == "https"
 
     @property
     def callback_window_s(self) -> int:
@@ -296,6 +303,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "PUSHER_SECRET": ("pusher_secret", _str),
     "PUSHER_WS_HOST": ("pusher_ws_host", _str),
     "PUSHER_WS_PORT": ("pusher_ws_port", _port),
+    "PUSHER_WS_SCHEME": ("pusher_ws_scheme", _str),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
     "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),
     "PUSHER_PUBLISH": ("pusher_publish", _str),
@@ -376,6 +384,8 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     settings = Settings(**values)
     if settings.pusher_scheme not in ("http", "https"):
         raise ConfigError("PUSHER_SCHEME must be 'http' or 'https'")
+    if settings.pusher_ws_scheme not in ("", "http", "https"):
+        raise ConfigError("PUSHER_WS_SCHEME must be 'http' or 'https'")
     if settings.pusher_publish not in ("http", "redis"):
         raise ConfigError("PUSHER_PUBLISH must be 'http' or 'redis'")
     if settings.pusher_max_payload_kb < 64:

@@ -341,3 +341,23 @@ def test_a_job_naming_a_compiled_shims_class_is_found() -> None:
     assert not names_compiled_shim(java, plain)
     assert names_compiled_shim(java, [*plain, ("Util.java", f"class {shim} {{}}".encode())])
     assert not names_compiled_shim(python, [("main.py", b"CoderunnerPrestart = 1\npython = 2")])
+
+
+async def test_browsers_are_told_tls_when_it_ends_at_an_edge_in_front_of_soketi() -> None:
+    # The API and workers reach soketi in plain HTTP inside; browsers on an https page must
+    # be told wss (forceTLS), or they are blocked as mixed content.
+    from types import SimpleNamespace
+
+    from api.routes import realtime
+
+    async def answer(env: dict[str, str]) -> dict[str, object]:
+        settings = load_settings({"PUSHER_SECRET": "x", "PUSHER_HOST": "soketi", **env})
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(coderunner=SimpleNamespace(settings=settings))))
+        return json.loads((await realtime(request)).body)  # type: ignore[arg-type]
+
+    assert (await answer({}))["forceTLS"] is False
+    assert (await answer({"PUSHER_SCHEME": "https"}))["forceTLS"] is True
+    edge = await answer({"PUSHER_WS_SCHEME": "https", "PUSHER_WS_HOST": "rt.example.com", "PUSHER_WS_PORT": "443"})
+    assert edge == {"key": "coderunner-key", "wsHost": "rt.example.com", "wsPort": 443, "forceTLS": True, "cluster": "mt1"}
+    with pytest.raises(ConfigError, match="PUSHER_WS_SCHEME"):
+        load_settings({"PUSHER_WS_SCHEME": "wss"})
