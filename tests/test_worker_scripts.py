@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from api.store import JobStore
 from leanredis import LeanRedis
 from shared import keys
-from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, TestCase, result_without_run
+from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, TestCase, WorkerInfo, result_without_run
 from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test class)
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
@@ -37,7 +37,7 @@ from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
 from worker.messaging.flagsweep import BATCH, FlagSweep
-from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue
+from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue, WorkerSuperseded
 from worker.worker import Worker
 
 pytestmark = [pytest.mark.stack]
@@ -607,6 +607,57 @@ async def test_one_worker_id_is_taken_by_one_of_two_workers_started_together(red
     assert sorted(taken) == [False, False, False, True]
     await redis.delete(keys.worker_alive_key("w-same"))  # gone (unregistered, or its lease ran out)
     assert await second.take_id(60_000)
+
+
+def _info() -> WorkerInfo:
+    return WorkerInfo(worker_id="w-twice", slots=1, runtimes=[], started_at_ms=0)
+
+
+async def test_a_worker_taken_over_under_its_id_claims_and_renews_nothing_more(redis: Redis) -> None:
+    # A process froze past its lease with an id just taken off the queue; a second process
+    # under the same WORKER_ID took the id, recovered the claim and claimed the job again.
+    # The first, thawed, used to claim the same job under the same attempt (both ran it),
+    # and both then renewed one lease and recovered each other's claims as strays.
+    first = WorkerQueue(redis, "w-twice", RECORD_TTL_S, RESULT_TTL_S)
+    assert await first.take_id(60_000)
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(_spec(), 100, 100, RESULT_TTL_S)).outcome == "queued"
+    job = await first.take(1.0)
+    assert job is not None
+    await redis.delete(keys.worker_alive_key("w-twice"))  # the lease lapsed while it was frozen
+    second = WorkerQueue(redis, "w-twice", RECORD_TTL_S, RESULT_TTL_S)
+    assert await second.take_id(60_000)
+    await second.recover_claims("w-twice")
+    again = await second.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job and again.attempt == 2
+    assert await first.claim_taken(job, 0.0) is None  # thawed: not its claim any more
+    with pytest.raises(WorkerSuperseded):
+        await first.heartbeat(_info(), 60_000)
+    await first.unregister()  # leaves the id, its listing and its claims to the second
+    assert await redis.exists(keys.worker_alive_key("w-twice"))
+    assert await second.claimed_ids("w-twice") == [job]
+    await second.heartbeat(_info(), 60_000)
+    status = await redis.hgetall(keys.status_key(job))
+    assert status[b"attempt"] == b"2" and status[b"state"] == b"parked"
+    # A lease that lapsed with nobody taking the id over is still the first's to renew.
+    await redis.delete(keys.worker_alive_key("w-twice"))
+    await second.heartbeat(_info(), 60_000)
+    await second.unregister()
+    assert not await redis.exists(keys.worker_alive_key("w-twice"))
+
+
+async def test_a_worker_whose_heartbeat_finds_its_id_taken_over_stops_at_once_and_recovers_nothing(redis_stack: Any) -> None:
+    settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, "w-twice", SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
+
+    async def superseded(*_args: Any) -> bytes:
+        raise WorkerSuperseded("another process has taken over the worker id 'w-twice'")
+
+    ctx = SimpleNamespace(queue=SimpleNamespace(heartbeat=superseded), stopping=asyncio.Event())
+    worker.info = lambda: _info()  # type: ignore[method-assign]
+    await asyncio.wait_for(worker._heartbeat(ctx), 3)  # type: ignore[arg-type]
+    assert worker._superseded and ctx.stopping.is_set() and worker._hard_stop.is_set()
+    # Its upkeep stops too: what it would take for its strays are the other's claims.
+    await asyncio.wait_for(worker._upkeep(ctx), settings.worker_heartbeat_ms / 1000 + 3)  # type: ignore[arg-type]
 
 
 async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(

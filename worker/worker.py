@@ -49,7 +49,7 @@ from worker.messaging.continuity import RedisContinuity
 from worker.messaging.control import ControlBus, Subscription
 from worker.messaging.flagsweep import FlagSweep
 from worker.messaging.publisher import Publisher
-from worker.messaging.queue import Claim, WorkerQueue, now_ms
+from worker.messaging.queue import Claim, WorkerQueue, WorkerSuperseded, now_ms
 from worker.runtimes import Runtime
 from worker.tasks import cancel_and_wait, raise_if_cancelled
 
@@ -128,6 +128,8 @@ class Worker:
         self._timing = (settings.worker_lease_ttl_ms, settings.worker_heartbeat_ms)
         self._stopping = asyncio.Event()
         self._hard_stop = asyncio.Event()
+        # Another process took this worker's id over (see _step_aside).
+        self._superseded = False
         self.started_at_ms = now_ms()
 
     def info(self) -> WorkerInfo:
@@ -168,7 +170,9 @@ class Worker:
         control = ControlBus(redis)
         publisher = Publisher(settings, redis)
         queue = WorkerQueue(redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
-        claim_queue = WorkerQueue(claim_redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s)
+        claim_queue = WorkerQueue(
+            claim_redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s, queue.incarnation
+        )
         ctx = WorkerContext(
             settings=settings,
             queue=queue,
@@ -202,7 +206,10 @@ class Worker:
             await sweep_orphans(self.sandboxes.cgroups, self.sandboxes.work_root, me=self.worker_id, starting=True)
             await declare_timing(self.sandboxes.work_root, self.worker_id, *self._timing)
             await self._share_memory()
-            await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
+            try:
+                await queue.heartbeat(self.info(), settings.worker_lease_ttl_ms)
+            except WorkerSuperseded as exc:
+                self._step_aside(ctx, exc)
             self.pool.start()
             await control.start()
             background += [
@@ -223,8 +230,10 @@ class Worker:
             await cancel_and_wait(background)
             await self.pool.close()
             # Bounded: a worker told twice to stop must stop even while Redis is away (its
-            # lease then simply expires, and others recover its claims).
-            await self._leave(ctx, timeout_s=2.0)
+            # lease then simply expires, and others recover its claims). One taken over
+            # leaves everything under its id to the process that took it.
+            if not self._superseded:
+                await self._leave(ctx, timeout_s=2.0)
             await forget_timing(self.sandboxes.work_root, [self.worker_id])
             # Results the recovery wrote go out live before the publisher closes.
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -424,10 +433,22 @@ class Worker:
                     ctx.queue.heartbeat(self.info(), self.settings.worker_lease_ttl_ms), max(interval_s, 1.0)
                 )
                 self.continuity.answered(sent_at, dataset)
+            except WorkerSuperseded as exc:
+                self._step_aside(ctx, exc)
+                return
             except Exception as exc:  # a failed beat is retried at the next interval
                 self.continuity.failed(sent_at)
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+    def _step_aside(self, ctx: WorkerContext, exc: WorkerSuperseded) -> None:
+        """This process froze past its lease and another took its id over (same WORKER_ID):
+        its claims are the other's now, so it claims nothing more, recovers nothing, and ends
+        its jobs at once (their writes are fenced off already)."""
+        log.error("%s (this process stalled past its lease): stopping, leaving everything to it", exc)
+        self._superseded = True
+        ctx.stopping.set()
+        self._hard_stop.set()
 
     async def _upkeep(self, ctx: WorkerContext) -> None:
         """Reap dead workers' claims, recover our own strays, remove dead workers' sandboxes."""
@@ -435,6 +456,8 @@ class Worker:
         while True:
             await asyncio.sleep(interval_s)
             raise_if_cancelled()
+            if self._superseded:
+                return  # (its strays are the other process's claims)
             try:
                 # Again each round: a sweep may have taken it while this worker restarted
                 # under the id of one judged dead.

@@ -37,22 +37,28 @@ from shared.messages import (
     result_template,
 )
 
-__all__ = ["QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "Written", "now_ms"]
+__all__ = [
+    "QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "WorkerSuperseded", "Written", "now_ms"
+]
 
 log = logging.getLogger(__name__)
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
 
-# KEYS: status, spec, claimed, start flag, events. ARGV: worker id, job id, now ms, the
-# `stage{queued}` event's JSON, ttl s. A job's first claim also logs that event (seq 0), so
-# claiming costs one round trip, not two.
+# KEYS: status, spec, claimed, start flag, events, the worker's liveness key. ARGV: worker
+# id, job id, now ms, the `stage{queued}` event's JSON, ttl s, this process's incarnation.
+# A job's first claim also logs that event (seq 0), so claiming costs one round trip, not two.
 # Run twice (its reply lost with a connection), the second run finds the job parked by this
 # worker and answers the same claim without taking another attempt (or logging again).
 _CLAIM = """
 -- Claim only what is still in our claimed list: a claim whose round trip outlasted two
 -- upkeeps has been re-queued as a stray meanwhile, and is another worker's to take.
 if not redis.call('LPOS', KEYS[3], ARGV[2]) then return false end
+-- Nor once another process holds our id (we froze past the lease and it took over): it
+-- owns the claimed list now, and our claim would share its attempt.
+local holder = redis.call('GET', KEYS[6])
+if holder and holder ~= ARGV[6] then return false end
 local state = redis.call('HGET', KEYS[1], 'state')
 local spec = redis.call('GET', KEYS[2])
 local again = state == 'parked' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1]
@@ -83,8 +89,11 @@ local live = redis.call('HGET', KEYS[1], 'liveSeq') or '0'
 return {attempt, seq, spec, start, kill, handovers, logged, frames, live}
 """
 
-# KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id.
+# KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id, this
+# process's incarnation.
 _UNREGISTER = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[2] then return 0 end  -- another process has our id: all is its
 redis.call('DEL', KEYS[1])
 if redis.call('LLEN', KEYS[3]) == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
 return 1
@@ -233,9 +242,12 @@ return written
 )
 
 # KEYS: the worker's liveness key, the workers list, the dataset token. ARGV: lease ms, worker
-# id, its WorkerInfo, a token for a Redis that has none (it lost its data).
+# id, its WorkerInfo, a token for a Redis that has none (it lost its data), this process's
+# incarnation. 0 when another process holds the id (it took it over after our lease lapsed).
 _HEARTBEAT = """
-redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[5] then return 0 end
+redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
 return redis.call('GET', KEYS[3])
@@ -386,10 +398,20 @@ class StoredFrame(msgspec.Struct, frozen=True):
     data: bytes
 
 
+class WorkerSuperseded(Exception):
+    """Another process holds this worker's id: this one froze past its lease and was taken
+    over (same WORKER_ID). Everything under the id is the other's now."""
+
+
 class WorkerQueue:
-    def __init__(self, redis: Redis, worker_id: str, record_ttl_s: int, result_ttl_s: int) -> None:
+    def __init__(
+        self, redis: Redis, worker_id: str, record_ttl_s: int, result_ttl_s: int, incarnation: str | None = None
+    ) -> None:
         self.redis = redis
         self.worker_id = worker_id
+        # What this process writes into its liveness key: a second process under the same
+        # id (one that took it over once this one's lease lapsed) holds another.
+        self.incarnation = incarnation or secrets.token_hex(8)
         self._claimed = keys.worker_claimed_key(worker_id)
         self._record_ttl_s = record_ttl_s
         self._result_ttl_s = result_ttl_s
@@ -440,8 +462,9 @@ class WorkerQueue:
                 self._claimed,
                 keys.start_flag_key(job_id),
                 keys.events_key(job_id),
+                keys.worker_alive_key(self.worker_id),
             ],
-            args=[self.worker_id, job_id, now_ms(), QUEUED_STAGE, self._record_ttl_s],
+            args=[self.worker_id, job_id, now_ms(), QUEUED_STAGE, self._record_ttl_s, self.incarnation],
         )
         if not loaded:
             log.warning("job %s: claimed id had no queued record, or was re-queued meanwhile; dropped", job_id)
@@ -622,22 +645,28 @@ class WorkerQueue:
     async def take_id(self, lease_ms: int) -> bool:
         """Take this worker's id for a first lease, unless a live worker holds it (one atomic
         SET NX: two workers started together with one WORKER_ID cannot both pass)."""
-        return bool(await self.redis.set(keys.worker_alive_key(self.worker_id), b"1", px=lease_ms, nx=True))
+        return bool(await self.redis.set(keys.worker_alive_key(self.worker_id), self.incarnation, px=lease_ms, nx=True))
 
     async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> bytes:
         """Renew the lease; returns the dataset token (keys.DATASET), which changes when Redis
-        lost its data."""
+        lost its data.
+
+        Raises:
+            WorkerSuperseded: another process took the id over while this one's lease lapsed.
+        """
         dataset = await self._heartbeat(
             keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, keys.DATASET],
-            args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8)],
+            args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8), self.incarnation],
         )
+        if dataset == 0:
+            raise WorkerSuperseded(f"another process has taken over the worker id {self.worker_id!r}")
         return bytes(dataset)
 
     async def unregister(self) -> None:
         """Drop the liveness key; leave the workers list only with no claim left, so any
         claim still there is reaped by the others (they walk that list)."""
         await self._unregister(
-            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed], args=[self.worker_id]
+            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed], args=[self.worker_id, self.incarnation]
         )
 
     async def _recover(
