@@ -26,6 +26,7 @@ from starlette.responses import Response
 from api.body import declared_length, read_body
 from api.errors import ApiError
 from api.streams import StreamSlots
+from leanredis.scripts import OomRefusedScript
 from shared import keys
 from shared.blobs import UPLOAD_LINK_TTL_S, parse_ref, sign_upload, verify_upload
 from shared.codec import decode_request
@@ -132,7 +133,9 @@ class BlobStore:
         self._ttl_s = settings.blob_ttl_s
         self._max_bytes = settings.max_blob_storage_mb * 1024 * 1024
         self._max_blobs = settings.max_blobs_per_principal
-        self._put = redis.register_script(_PUT)
+        # Refused at Redis's maxmemory even when it first forgets expired entries (a plain
+        # script would then grow Redis past its limit by a whole blob).
+        self._put = OomRefusedScript(redis, _PUT)
         self._touch = redis.register_script(_TOUCH)
         self._hold = redis.register_script(_HOLD)
 

@@ -19,7 +19,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
 from api.quota import RETAINED_OUTPUT_LUA
-from leanredis.scripts import OomTolerantScript
+from leanredis.scripts import OomRefusedScript, OomTolerantScript
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
@@ -645,8 +645,10 @@ class JobStore:
         self._streams = streams or redis
         self._waits = waits or self._streams
         self._record_ttl_s = record_ttl_s
-        self._enqueue = redis.register_script(_ENQUEUE)
-        self._stdin = redis.register_script(_STDIN)
+        # New input: refused at Redis's maxmemory (a 503), even when the script would delete
+        # something (an expired ledger entry) before it writes.
+        self._enqueue = OomRefusedScript(redis, _ENQUEUE)
+        self._stdin = OomRefusedScript(redis, _STDIN)
         # A start, a kill and an audience mark act on a job already admitted: they run even
         # while Redis is at its maxmemory, where an execute or stdin is refused (a 503).
         self._kill = OomTolerantScript(redis, _KILL)

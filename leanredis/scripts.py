@@ -19,7 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-__all__ = ["ALLOW_OOM", "OomTolerantScript"]
+__all__ = ["ALLOW_OOM", "OomRefusedScript", "OomTolerantScript"]
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,15 @@ FLAGS_RECHECK_S = 60.0
 _clock = time.monotonic  # (its own name: a test moves it on without moving the event loop's)
 
 
-class OomTolerantScript:
-    """`client.register_script(script)`, run with the allow-oom flag where the server has
-    script flags."""
+class _FlaggedScript:
+    """`client.register_script(script)` with a first line of flags, run without it where the
+    server has no script flags."""
+
+    FIRST_LINE = ""
+    WITHOUT_FLAGS = ""  # what the log says once when the server has none
 
     def __init__(self, client: Redis, script: str) -> None:
-        self._flagged = client.register_script(ALLOW_OOM + script)
+        self._flagged = client.register_script(self.FIRST_LINE + script)
         self._plain = client.register_script(script)
         self._plain_until = 0.0  # (monotonic) no flags tried before then
         self._warned = False
@@ -52,5 +55,22 @@ class OomTolerantScript:
         self._plain_until = _clock() + FLAGS_RECHECK_S
         if not self._warned:
             self._warned = True
-            log.warning("this Redis has no script flags (Redis 7 and later): at its maxmemory, running jobs' writes wait for room")
+            log.warning("this Redis has no script flags (Redis 7 and later): %s", self.WITHOUT_FLAGS)
         return await self._plain(keys, args)
+
+
+class OomTolerantScript(_FlaggedScript):
+    """Run with the allow-oom flag: at Redis's maxmemory as well."""
+
+    FIRST_LINE = ALLOW_OOM
+    WITHOUT_FLAGS = "at its maxmemory, running jobs' writes wait for room"
+
+
+class OomRefusedScript(_FlaggedScript):
+    """Refused whole at Redis's maxmemory, before it runs. A plain script is refused only at
+    its first write that may grow memory, and only while it has written nothing: one that
+    deletes something first (an expired entry) then grows Redis past its limit unchecked.
+    A first line with no flags makes Redis 7 judge the script as one write."""
+
+    FIRST_LINE = "#!lua\n"
+    WITHOUT_FLAGS = "at its maxmemory, a script that deletes before it writes may still grow it"

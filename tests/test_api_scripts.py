@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
 
 import api.store as store_module
 from api.store import JobStore, ScriptCall
@@ -26,6 +27,7 @@ from leanredis import LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import FileSpec, JobSpec, JobState
+from shared.settings import load_settings
 
 pytestmark = [pytest.mark.stack]
 
@@ -222,6 +224,40 @@ async def test_enqueue_refuses_an_owner_over_its_retained_output(store: JobStore
     assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_retained_bytes=401)).outcome == "queued"
     other = _spec()
     assert (await store.enqueue(other, 100, 100, RESULT_TTL_S)).outcome == "queued"  # 0: no bound
+
+
+async def test_at_maxmemory_an_enqueue_is_refused_even_when_it_forgets_something_first(store: JobStore, redis: Redis) -> None:
+    # Redis refuses a plain script only at its first write that may grow memory, and only
+    # while the script has written nothing: forgetting an expired ledger entry first let the
+    # whole job in past maxmemory.
+    spec = _spec()
+    ledger, sizes = keys.retained_key(spec.owner), keys.retained_sizes_key(spec.owner)
+    await redis.zadd(ledger, {"old": spec.created_at_ms - 1})
+    await redis.hset(sizes, mapping={"old": 200, "_total": 200})
+    await redis.config_set("maxmemory", 1)  # below what it holds
+    try:
+        with pytest.raises(OutOfMemoryError):
+            await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_retained_bytes=10_000)
+        with pytest.raises(OutOfMemoryError):
+            await store.stdin(spec.job_id, b"x", False, 30, 65536)
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert not await redis.exists(keys.status_key(spec.job_id)) and not await redis.llen(keys.QUEUE)
+    assert await redis.zrange(ledger, 0, -1) == [b"old"]  # nothing of it ran
+    assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S, max_retained_bytes=10_000)).outcome == "queued"
+
+    # The same for a blob: its upload forgets the owner's expired blobs first.
+    from api.blobs import BlobStore
+
+    blobs = BlobStore(redis, load_settings({"PUSHER_SECRET": "x"}))
+    await redis.hset(keys.blob_index_key("owner-a"), "f" * 64, 100)  # its blob has expired
+    await redis.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(OutOfMemoryError):
+            await blobs.put("owner-a", "a" * 64, b"x" * 100_000)
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert not await redis.exists(keys.blob_key("owner-a", "a" * 64))
 
 
 async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: JobStore, redis: Redis) -> None:
