@@ -1103,14 +1103,44 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_stays_listed(redis: R
     reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
     real = reaper.recover_claims
 
-    async def recover_as_w_returns(worker_id: str, only: set[str] | None = None) -> list[tuple[str, bytes]]:
-        recovered = await real(worker_id, only)
+    async def recover_as_w_returns(worker_id: str, only: set[str] | None = None, dead: bool = False) -> list[tuple[str, bytes]]:
+        recovered = await real(worker_id, only, dead)
         await queue.heartbeat(worker.info(), 60_000)  # W is back
         return recovered
 
     reaper.recover_claims = recover_as_w_returns  # type: ignore[method-assign]
     assert await reaper.reap_dead_workers(await reaper.unleased(await reaper.listed_workers())) == []
     assert await redis.hexists(keys.WORKERS, queue.worker_id)
+
+
+async def test_a_worker_that_comes_back_while_it_is_reaped_keeps_the_claims_not_reaped_yet(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # The reaper walks a dead worker's claims one round trip at a time. W came back midway
+    # and started one of the claims not reaped yet: it used to be ended `lost` all the same,
+    # and the real result fenced off.
+    worker = Worker(load_settings({"PUSHER_SECRET": "x"}), queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    first, second = await _claimed(redis, queue), await _claimed(redis, queue)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))  # the lease ran out
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    real = reaper._lost_template
+    walked: list[str] = []
+
+    async def w_returns_after_the_first(job_id: str) -> tuple[bytes, bytes]:
+        walked.append(job_id)
+        if len(walked) == 2:
+            await queue.heartbeat(worker.info(), 60_000)  # W is back...
+            await redis.hset(keys.status_key(job_id), "started", "1")  # ...and starts it
+        return await real(job_id)
+
+    reaper._lost_template = w_returns_after_the_first  # type: ignore[method-assign]
+    assert await reaper.reap_dead_workers(["w-dead-then-back", queue.worker_id]) == []
+    reaped, kept = (first, second) if walked[0] == first.spec.job_id else (second, first)
+    assert await redis.hget(keys.status_key(reaped.spec.job_id), "state") == b"queued"
+    status = await redis.hgetall(keys.status_key(kept.spec.job_id))
+    assert status[b"state"] == b"parked" and status[b"attempt"] == str(kept.attempt).encode()
+    assert await queue.claimed_ids(queue.worker_id) == [kept.spec.job_id]
 
 
 async def test_a_heartbeat_reads_a_dataset_token_that_changes_only_when_redis_lost_its_data(

@@ -283,16 +283,19 @@ return 1
 )
 
 # KEYS: status, the claimed list holding it, queue, events, spec, start flag, the job's
-# callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts.
-# ARGV: job id, now ms, ttl s, result json before seq, result json after seq, terminal state,
-# "requeue" or "end", the call's token. With "requeue", a job whose program never started
-# goes back to the queue; otherwise (or once started) it ends with the given result.
-# Returns 1 (re-queued), {2, seq, data} (ended), or 0 (not ours to touch any more).
+# callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts,
+# the claiming worker's liveness key. ARGV: job id, now ms, ttl s, result json before seq,
+# result json after seq, terminal state, "requeue" or "end", the call's token, '1' when the
+# claiming worker was judged dead. With "requeue", a job whose program never started goes
+# back to the queue; otherwise (or once started) it ends with the given result.
+# Returns 1 (re-queued), {2, seq, data} (ended), 0 (not ours to touch any more), or 3 (the
+# worker judged dead holds its lease again: a stall it came back from; its claim stays).
 _REAP = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + """
+if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
   -- This very script run again (its reply lost with a connection) answers as it did, so the
   -- result it wrote is still published live.
@@ -396,6 +399,10 @@ class StoredFrame(msgspec.Struct, frozen=True):
     n: int
     kind: str  # "data" | "close"
     data: bytes
+
+
+class _CameBack(Exception):
+    """A worker judged dead holds its lease again (a stall it came back from)."""
 
 
 class WorkerSuperseded(Exception):
@@ -670,11 +677,21 @@ class WorkerQueue:
         )
 
     async def _recover(
-        self, claimed: str, job_id: str, mode: str, template: tuple[bytes, bytes], state: JobState
+        self,
+        claimed: str,
+        job_id: str,
+        mode: str,
+        template: tuple[bytes, bytes],
+        state: JobState,
+        dead_worker: str | None = None,
     ) -> tuple[str, bytes] | None:
         """Run the recovery script on one claim; returns (job id, result json) when it ended the
         job, and keeps that for take_recovered. Should the reply be lost, check_unanswered
-        later reads whether this run ended the job."""
+        later reads whether this run ended the job.
+
+        Raises:
+            _CameBack: `dead_worker`, whose claim this is, holds its lease again.
+        """
         token = secrets.token_hex(8)
         try:
             outcome = await self._reap(
@@ -691,16 +708,22 @@ class WorkerQueue:
                     keys.stdin_key(job_id),
                     keys.audience_key(job_id),
                     keys.ENDED_COUNTS,
+                    keys.worker_alive_key(dead_worker or self.worker_id),
                 ],
                 # The token tells a re-sent run of this call (see _REAP) from another recovery.
-                args=[job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token],
-            )
+                args=[
+                    job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token,
+                    "1" if dead_worker else "0",
+                ],
+            )  # fmt: skip
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
             self._unanswered[job_id] = token  # it may have run: see check_unanswered
             raise
         if isinstance(outcome, list):
             self._recovered.append((job_id, bytes(outcome[2])))
             return job_id, bytes(outcome[2])
+        if outcome == 3:
+            raise _CameBack(dead_worker)
         if outcome == 1:
             log.warning("job %s: its program had not started; re-queued", job_id)
         return None
@@ -783,7 +806,7 @@ class WorkerQueue:
         """
         lost: list[tuple[str, bytes]] = []
         for wid in sorted(worker_ids):
-            lost += await self.recover_claims(wid)
+            lost += await self.recover_claims(wid, dead=True)
             await self._forget_dead(
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
             )
@@ -830,18 +853,27 @@ class WorkerQueue:
     async def claimed_ids(self, worker_id: str) -> list[str]:
         return [raw.decode() for raw in await self.redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
 
-    async def recover_claims(self, worker_id: str, only: set[str] | None = None) -> list[tuple[str, bytes]]:
+    async def recover_claims(
+        self, worker_id: str, only: set[str] | None = None, dead: bool = False
+    ) -> list[tuple[str, bytes]]:
         """Recover the claims in `worker_id`'s list (all, or `only` those).
 
-        Used for dead workers, for this worker's own previous incarnation (same WORKER_ID),
-        and for this worker's own strays: ids a failed claim round trip left in its list.
+        Used for dead workers (`dead`: each claim is left alone, and the rest with it, once
+        the worker holds its lease again: it stalled and came back while it was reaped), for
+        this worker's own previous incarnation (same WORKER_ID), and for this worker's own
+        strays: ids a failed claim round trip left in its list.
         """
         claimed = keys.worker_claimed_key(worker_id)
         ended: list[tuple[str, bytes]] = []
         for job_id in await self.claimed_ids(worker_id):
             if only is not None and job_id not in only:
                 continue
-            result = await self._recover(claimed, job_id, "requeue", await self._lost_template(job_id), JobState.LOST)
+            template = await self._lost_template(job_id)
+            try:
+                result = await self._recover(claimed, job_id, "requeue", template, JobState.LOST, worker_id if dead else None)
+            except _CameBack:
+                log.warning("worker %s holds its lease again: the rest of its claims are left to it", worker_id)
+                break
             if result is not None:
                 log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
                 ended.append(result)
