@@ -156,7 +156,7 @@ COMPILE_FAILURE_TABLE = [
     ("idle", facts(exited(sig="SIGKILL"), "idle"), COMPILE_ERROR),
     ("backstop", facts(exited(sig="SIGKILL", backstop=True)), COMPILE_ERROR),
     ("its own memory limit", facts(exited(sig="SIGKILL"), oom_kills=1), COMPILE_ERROR),
-    ("OOM counted, exited by itself", facts(exited(1), oom_kills=1, ceiling_oom=True), COMPILE_ERROR),
+    ("its own limit, the driver exited by itself", facts(exited(1), oom_kills=1), COMPILE_ERROR),
     ("a clock fired with nothing reported", facts(exited(), "wall"), COMPILE_ERROR),
     # A kill request.
     ("user", facts(exited(sig="SIGKILL"), "user"), RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")),
@@ -170,6 +170,11 @@ COMPILE_FAILURE_TABLE = [
     (
         "the ceiling on all jobs",
         facts(exited(sig="SIGKILL"), oom_kills=1, ceiling_oom=True),
+        RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE),
+    ),
+    (
+        "the ceiling, the driver exited by itself (v1: its child was the one killed)",
+        facts(exited(1), oom_kills=1, ceiling_oom=True),
         RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE),
     ),
 ]

@@ -227,6 +227,26 @@ async def test_a_compile_the_sandbox_failed_ends_internal_error_not_compile_erro
     assert [name for name, _ in lane.sent].count("result") == 1 and lane.sent[-1][0] == "result"
 
 
+async def test_a_compile_gets_an_idle_clock_only_where_its_manifest_sets_one(redis: Redis, queue: WorkerQueue) -> None:
+    # Compilers work in silence: the default idle window (20 s) under a manifest's 30 s wall
+    # would end a long javac or rustc as if it hung.
+    from shared.limits import RequestedLimits
+    from shared.paths import REPO_ROOT
+    from worker.runtimes import load_manifests
+
+    run = _job_run(queue, await _claimed(redis, queue))
+    run.ctx.settings = SimpleNamespace(max_files_bytes=1 << 20)
+    run.ctx.sandboxes = SimpleNamespace(program_rlimits=lambda *_a, **_k: {})
+    java = next(m for m in load_manifests(REPO_ROOT / "sandbox-profiles") if m.language == "java")
+    assert java.compile is not None and java.compile.limits.idle_ms is None and java.compile.limits.wall_time_ms == 30000
+    said = msgspec.structs.replace(
+        java, compile=msgspec.structs.replace(java.compile, limits=RequestedLimits(wall_time_ms=30000, idle_ms=5000))
+    )
+    for manifest, idle_ms in [(java, 30000), (said, 5000)]:
+        plan = run._plan(manifest, {})
+        assert plan.compile_limits is not None and plan.compile_limits.idle_ms == idle_ms
+
+
 @pytest.mark.parametrize("go_live_ends", [True, False], ids=["go-live-lands", "go-live-hangs"])
 async def test_a_result_stored_before_a_cancel_still_goes_out_live(
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, go_live_ends: bool

@@ -70,7 +70,9 @@ def judge_compile_failure(facts: StepFacts) -> RunVerdict:
     if facts.fired is None and not exit_info.backstop_fired:
         if exit_info.exit_code is None and exit_info.signal is None:
             return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure while compiling: " + "; ".join(exit_info.errors))
-        if facts.oom_kills > 0 and facts.ceiling_oom and exit_info.signal == "SIGKILL":
+        if facts.oom_kills > 0 and facts.ceiling_oom:
+            # (Whatever the driver did: on cgroup v1, with no group OOM kill, the kernel ends
+            # a compiler's child and gcc or go exits 1 by itself.)
             return RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE)
     return RunVerdict(Outcome.COMPILE_ERROR)
 

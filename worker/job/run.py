@@ -555,6 +555,9 @@ class JobRun:
         if step is None:
             return Plan(files=files, run=run, manifest=manifest, entry=entry, sources=sources)
         limits = with_overrides(COMPILE_DEFAULTS, step.limits)
+        if step.limits.idle_ms is None:
+            # Compilers work in silence: only a manifest that says so ends one for it.
+            limits = msgspec.structs.replace(limits, idle_ms=limits.wall_time_ms)
         compile_program = Program(
             argv=expand_argv(step.argv, entry=entry, sources=sources, args=[], memory_mb=limits.memory_mb),
             env={**manifest.env, **step.env},

@@ -5,7 +5,8 @@ The same supervision serves the compile step and the run step:
     cpu   — CPU of every process of the step, from its cgroup, polled every 100 ms, and
             every 50 ms once the step's CPU cap could have let it reach its budget (see
             cpu_clock_due_at)
-    idle  — no output (and, for interactive runs, no stdin) for the window; run step only
+    idle  — no output (and, for interactive runs, no stdin) for the window; a compile's
+            only when its manifest sets `idleMs` (compilers work in silence)
 The first clock to fire (or a kill request) SIGKILLs the whole cgroup. Output pumps read
 until EOF so nothing the program wrote before dying is lost.
 """
