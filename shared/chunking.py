@@ -76,9 +76,35 @@ class Utf8Chunker:
         return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes)
 
     @property
-    def pending_bytes(self) -> int:
-        """Bytes of an unfinished character held back for the next feed."""
-        return len(self._pending)
+    def pending(self) -> bytes:
+        """An unfinished character held back for the next feed."""
+        return self._pending
+
+    def cost(self, data: bytes) -> int:
+        """The bytes of text a feed of `data` adds, counting each byte as at least one: its
+        length, plus two for every invalid byte (U+FFFD is three bytes of text)."""
+        if data.isascii() and not self._pending:
+            return len(data)
+        buf = self._pending + data
+        done = len(buf) - _incomplete_tail(buf)
+        try:
+            buf[:done].decode("utf-8")
+        except UnicodeDecodeError:
+            return len(data) + len(buf[:done].decode("utf-8", "replace").encode()) - done
+        return len(data)
+
+    def fitting(self, data: bytes, budget: int) -> int:
+        """How many bytes of `data` a feed can take at a `cost` of at most `budget`."""
+        if self.cost(data) <= budget:
+            return len(data)
+        low, high = 0, min(len(data), budget)  # (cost is at least the length, and grows with it)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.cost(data[:mid]) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def drop_pending(self) -> int:
         """Forget the unfinished character held back (its rest will never come); its length."""

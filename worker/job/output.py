@@ -24,26 +24,30 @@ class OutputBudget:
         self._cut: set[str] = set()
 
     def feed(self, stream: str, data: bytes) -> list[str]:
-        """Account for bytes read from `stream`; returns the text chunks to publish."""
+        """Account for bytes read from `stream`; returns the text chunks to publish.
+
+        The budget counts the text that goes out: an invalid byte is published as U+FFFD,
+        three bytes of text, and charged as such (or a program writing 0xff would send three
+        times outputKb through events and the log). The kept bytes are the ones whose text
+        went out, so binary output keeps about a third as many as text would.
+        """
+        chunker = self._chunkers[stream]
         if len(data) > self.left:
-            data = data[: max(0, self.left)]
+            data = data[: self.left]
+            self.truncated = True
+            self._cut.add(stream)
+        cost = chunker.cost(data)
+        if cost > self.left:
+            data = data[: chunker.fitting(data, self.left)]
+            cost = chunker.cost(data)
             self.truncated = True
             self._cut.add(stream)
         if not data:
             return []
-        self.left -= len(data)
+        self.left -= cost
         if self._keep:
             self.data[stream] += data
-        chunker = self._chunkers[stream]
-        held = chunker.pending_bytes
-        chunks = chunker.feed(data)
-        if not data.isascii() and any("\ufffd" in chunk for chunk in chunks):
-            # An invalid byte goes out as U+FFFD, three bytes of text: charged as such, or a
-            # program writing 0xff would send three times outputKb through events and the log
-            # (the budget then runs out at most one read late).
-            consumed = held + len(data) - chunker.pending_bytes
-            self.left -= max(0, sum(len(chunk.encode()) for chunk in chunks) - consumed)
-        return chunks
+        return chunker.feed(data)
 
     def flush(self, stream: str) -> list[str]:
         """The text held back at the stream's end. On a stream the budget cut, an unfinished
