@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_S = 30.0
 REDIAL_MIN_S = 0.05
 REDIAL_MAX_S = 1.0
+# A connection up this long before it was lost lets the next dial go at once.
+STABLE_S = 5.0
 
 # on_message(kind, channel, data): kind is b"message", b"subscribe" or b"unsubscribe"
 # (data is then the connection's subscription count).
@@ -56,7 +58,7 @@ class _Pushes(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.last_heard = asyncio.get_running_loop().time()
+        self.last_heard = self.made_at = asyncio.get_running_loop().time()
         self._again: asyncio.TimerHandle | None = None
         self.refusals = 0
 
@@ -187,12 +189,14 @@ class Subscriber:
                     continue
                 log.warning("pub/sub connection to Redis went quiet; connecting again")
                 pushes.close()
-            if pushes.ready.done():
+            if pushes.ready.done() and loop.time() - pushes.made_at >= STABLE_S:
                 delay = REDIAL_MIN_S
             else:
-                # Taken and dropped before it was ready (a Redis at maxclients, a proxy with
-                # nothing behind it): a failed dial too, or the keeper would spin.
-                log.warning("pub/sub connection to Redis closed before it was ready; trying again in %.2f s", delay)
+                # Dropped before it was ready or soon after (a Redis at maxclients, a proxy
+                # with nothing behind it, a client-output-buffer kill): a failed dial too, or
+                # the keeper would spin.
+                log.warning("pub/sub connection to Redis closed %s; trying again in %.2f s",
+                            "soon after it was ready" if pushes.ready.done() else "before it was ready", delay)  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, REDIAL_MAX_S)
             while True:

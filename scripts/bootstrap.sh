@@ -15,7 +15,10 @@ cd "$(dirname "$0")/.."
 # lockfile): one at a time, or each would rebuild .venv and node_modules under the other.
 mkdir -p .tools
 exec 8>.tools/bootstrap.lock
-flock 8
+if ! flock -n 8; then
+    printf '==> another bootstrap of this checkout is under way; waiting for it (up to 20 min)\n'
+    flock -w 1200 8 || { echo "bootstrap: .tools/bootstrap.lock stayed held for 20 min; giving up" >&2; exit 1; }
+fi
 
 want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
@@ -86,8 +89,10 @@ fi
 if [ ${#apt_missing[@]} -gt 0 ]; then
     say "installing ${apt_missing[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+    # (8>&-: a daemon a package starts, redis-server on a host without policy-rc.d, must
+    # not keep the bootstrap's lock for its whole life.)
+    apt-get update -qq 8>&-
+    apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null 8>&-
 fi
 # Debian's redis-server package starts a system-wide instance; coderunner runs its own.
 

@@ -67,11 +67,14 @@ def dies_with_the_tests(signal_number: int = signal.SIGTERM) -> Callable[[], Non
     """A preexec_fn: the child gets `signal_number` once the test process is gone (a run
     cut short with no teardown: `timeout make test`), so no stack or server it started
     outlives the run."""
+    # The signal comes when the thread that forked the child ends, not the process: only the
+    # main thread's children can rely on it.
+    assert threading.current_thread() is threading.main_thread(), "start it from the main thread"
     parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # (looked up here: no dlopen after fork)
 
     def arrange() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, signal_number, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        if prctl(1, signal_number, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
         if os.getppid() != parent:
             os.kill(os.getpid(), signal_number)  # the parent went before the signal was set

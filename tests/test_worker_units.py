@@ -371,8 +371,8 @@ async def test_a_step_samples_memory_where_the_kernel_cannot_tell_its_peak() -> 
 
     sampled, plain = Sampled(), _CountingCgroup()
     for cgroup in (sampled, plain):
-        await _step(cgroup, _ExitsLate(0.5), cpu_ms=5000)  # type: ignore[arg-type]
-    assert 4 <= sampled.notes <= sampled.cpu_reads, (sampled.notes, sampled.cpu_reads)
+        await _step(cgroup, _ExitsLate(1.0), cpu_ms=5000)  # type: ignore[arg-type]
+    assert 3 <= sampled.notes <= sampled.cpu_reads, (sampled.notes, sampled.cpu_reads)  # (a read every 100 ms)
     assert not hasattr(plain, "notes")
 
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import msgspec
 from msgspec import UNSET
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
@@ -142,6 +144,7 @@ class JobRun:
         )
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._finished = False
+        self._close_park_failed = False  # (logged once)
         self._destroyed = False
         self._compile_streams: CompileInfo | None = None
         self._batch_cases: list[CaseOutput] | None = None
@@ -602,9 +605,16 @@ class JobRun:
         the job cannot know no start was answered meanwhile, so it stays parked."""
         try:
             return await self.ctx.queue.close_park(self.job_id, self.claim.attempt)
-        except (RedisError, OSError) as exc:
-            log.warning("job %s: closing its warm-up failed (it stays parked): %s", self.job_id, exc)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            # (Once a job: a thousand parked jobs look again every second of an outage.)
+            level = logging.DEBUG if self._close_park_failed else logging.WARNING
+            log.log(level, "job %s: closing its warm-up failed (it stays parked): %s", self.job_id, exc)
+            self._close_park_failed = True
             return None
+        except RedisError as exc:
+            # Not Redis being away (an ACL refusal, a damaged record): no retry would help.
+            log.error("job %s: closing its warm-up failed: %s; it expires", self.job_id, exc)
+            return "expired"
 
     async def _park(self, inbox: asyncio.Queue[CtrlMessage]) -> str:
         """Wait for start. Returns "start", "expired", "kill" or "handback".
