@@ -27,8 +27,8 @@ Those go through BlockingLeanRedis, which gives each command a connection of its
 closes one whose caller gave up, so Redis drops the pending block (as redis-py does).
 Pub/sub goes through leanredis.subscriber.
 
-Of redis-py's connection options it honours the URL (host and port or unix path, TLS,
-username, password, db), socket_timeout, socket_connect_timeout, client_name, protocol and
+Of redis-py's connection options it honours the URL (host and port or unix path, TLS and
+the ssl_* options in _TLS_OPTIONS, username, password, db; another ssl_* option is refused), socket_timeout, socket_connect_timeout, client_name, protocol and
 retry; socket_keepalive and health_check_interval have no effect on command connections
 (the command timeout is what notices a dead peer; the Subscriber PINGs its own).
 """
@@ -99,6 +99,13 @@ def _fresh(error: RedisError) -> RedisError:
     all their tracebacks."""
     return type(error)(*error.args)
 
+
+
+# The TLS options of redis-py's that the dial applies (any other is refused, not ignored).
+_TLS_OPTIONS = frozenset(
+    {"ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_cert_reqs", "ssl_check_hostname", "ssl_min_version",
+     "ssl_ciphers", "ssl_certfile", "ssl_keyfile", "ssl_password"}
+)  # fmt: skip
 
 class _Waiting:
     """A command, or a pipeline of `count` commands (`count` None: one command, answered
@@ -335,12 +342,29 @@ class LeanRedis(Redis):
         if not issubclass(self.connection_pool.connection_class, SSLConnection):
             return None
         options = self._options
-        context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
-        if options.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
+        unknown = sorted(name for name in options if name.startswith("ssl") and name not in _TLS_OPTIONS)
+        if unknown:
+            # Refused, not ignored: a TLS setting silently dropped is a connection that fails
+            # (or, worse, one less strict than asked for) for no reason anyone can see.
+            raise RedisConnectionError(f"TLS options this client does not support: {', '.join(unknown)}")
+        context = ssl.create_default_context(
+            cafile=options.get("ssl_ca_certs"), capath=options.get("ssl_ca_path"), cadata=options.get("ssl_ca_data")
+        )
+        reqs = options.get("ssl_cert_reqs")
+        if isinstance(reqs, str):
+            reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}.get(reqs.lower(), reqs)
+        if reqs not in (None, ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise RedisConnectionError(f"ssl_cert_reqs={reqs!r}: not none, optional or required")
+        if reqs in (ssl.CERT_NONE, ssl.CERT_OPTIONAL) or options.get("ssl_check_hostname") is False:
             context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
+        if reqs is not None:
+            context.verify_mode = reqs
+        if options.get("ssl_min_version") is not None:
+            context.minimum_version = ssl.TLSVersion(options["ssl_min_version"])
+        if options.get("ssl_ciphers"):
+            context.set_ciphers(options["ssl_ciphers"])
         if options.get("ssl_certfile"):
-            context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
+            context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"), options.get("ssl_password"))
         return context
 
     def _handshake(self, resp3: bool | None) -> list[tuple[Any, ...]]:

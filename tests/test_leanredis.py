@@ -559,6 +559,34 @@ async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
         server.stop()
 
 
+async def test_tls_options_are_applied_or_refused_never_ignored(tmp_path: Path) -> None:
+    # A certificate for another name (a managed Redis reached by its address): refused,
+    # unless the URL turns the hostname check off; an option this client cannot apply is
+    # named rather than dropped.
+    cert, key = self_signed_certificate(tmp_path, "DNS:redis.internal")
+    server = Server(tmp_path)
+    tls_port = free_port()
+    server.extra = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                    "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
+    server.start()
+    base = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+    clients = {
+        "strict": LeanRedis.from_url(base, socket_timeout=5, retry=Retry(NoBackoff(), 0)),
+        "no-hostname": LeanRedis.from_url(f"{base}&ssl_check_hostname=false&ssl_min_version=771", socket_timeout=5),
+        "unknown": LeanRedis.from_url(f"{base}&ssl_validate_ocsp=true", socket_timeout=5, retry=Retry(NoBackoff(), 0)),
+    }
+    try:
+        with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            await clients["strict"].get("k")
+        assert await clients["no-hostname"].set("k", "v") and await clients["no-hostname"].get("k") == b"v"
+        with pytest.raises(RedisConnectionError, match="ssl_validate_ocsp"):
+            await clients["unknown"].get("k")
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        server.stop()
+
+
 async def test_a_subscriber_reconnecting_while_redis_loads_its_data_gets_ready(tmp_path: Path) -> None:
     # Redis takes connections and SUBSCRIBE while it loads its dataset, but answers the
     # ready mark's PING with -LOADING: the mark must be asked for again, or the subscriber
