@@ -137,6 +137,12 @@ def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_fold
     usage.unlink()  # a real cgroup's files go with its folder; this tree's are plain files
     assert job.try_remove()
     assert layout.job_ids() == set()
+    # Swap on, with no memory+swap accounting: jobs could swap past their limits (said at start).
+    header = "Filename\tType\tSize\tUsed\tPriority\n"
+    assert layout.swap_unbounded(header + "/swapfile\tfile\t1048572\t0\t-2\n")
+    assert not layout.swap_unbounded(header)
+    (roots["memory"] / "memory.memsw.limit_in_bytes").write_text("9223372036854771712\n")
+    assert not layout.swap_unbounded(header + "/swapfile\tfile\t1048572\t0\t-2\n")
 
 
 @pytest.mark.parametrize(

@@ -199,6 +199,15 @@ class CgroupLayout:
         except OSError as exc:
             raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
 
+    def swap_unbounded(self, swaps: str) -> bool:
+        """Whether jobs could swap past their memory limits: a v1 memory hierarchy without
+        swap accounting (no memory.memsw.*, the kernel's swapaccount=0) on a host with swap
+        on (`swaps`: /proc/swaps). Swappiness 0 only makes swapping rare, not impossible."""
+        if self.v1_memory is None:
+            return False
+        swapping = any(line.strip() for line in swaps.splitlines()[1:])
+        return swapping and not (self.v1_memory / "memory.memsw.limit_in_bytes").exists()
+
     def jobs_memory_limit_file(self) -> Path:
         """The file that caps the memory of every job of this deployment together."""
         if self.mode is CgroupMode.V2:
