@@ -1439,6 +1439,29 @@ async def test_a_job_whose_spec_cannot_be_read_ends_in_the_shape_its_client_expe
         assert "tests" not in result
 
 
+async def test_an_unreadable_jobs_end_whose_reply_was_lost_is_published_by_the_upkeep(redis: Redis, queue: WorkerQueue) -> None:
+    # The claim connection ends a job whose spec cannot be read. Its reply lost, only the
+    # upkeep's queue was ever asked what its recoveries did: the result stayed unpublished.
+    claim_queue = WorkerQueue(redis, queue.worker_id, RECORD_TTL_S, RESULT_TTL_S, queue.incarnation)
+    claim_queue.share_recoveries(queue)
+    spec = _spec()
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    await redis.set(keys.spec_key(spec.job_id), b'{"not": "a spec"}', keepttl=True)
+    real = claim_queue._reap
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        await real(*args, **kwargs)
+        raise RedisConnectionError("Connection reset by peer")
+
+    claim_queue._reap = reply_lost  # type: ignore[method-assign]
+    with pytest.raises(RedisConnectionError):
+        await claim_queue.claim(1.0, 0.0)
+    assert claim_queue.take_recovered() == []
+    ((job, raw),) = await queue.check_unanswered()  # the upkeep's round
+    assert job == spec.job_id and json.loads(raw)["outcome"] == "internal_error"
+    assert [j for j, _ in queue.take_recovered()] == [spec.job_id]
+
+
 async def test_a_lost_batch_whose_spec_cannot_be_read_still_lists_its_cases(redis: Redis, queue: WorkerQueue) -> None:
     spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="first"), TestCase()])
     assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"

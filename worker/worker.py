@@ -173,6 +173,7 @@ class Worker:
         claim_queue = WorkerQueue(
             claim_redis, self.worker_id, settings.job_record_ttl_s, settings.run_result_ttl_s, queue.incarnation
         )
+        claim_queue.share_recoveries(queue)
         ctx = WorkerContext(
             settings=settings,
             queue=queue,

@@ -753,8 +753,15 @@ class WorkerQueue:
 
     def take_recovered(self) -> list[tuple[str, bytes]]:
         """The results written outside a run since the last call, to publish live."""
-        taken, self._recovered = self._recovered, []
+        taken = self._recovered[:]
+        self._recovered.clear()
         return taken
+
+    def share_recoveries(self, other: WorkerQueue) -> None:
+        """Keep the bookkeeping of recoveries in `other`'s (one worker, two connections: the
+        claim's, which ends an unreadable job, and the upkeep's), so that the upkeep's
+        check_unanswered also looks up a recovery of this one whose reply was lost."""
+        self._recovered, self._unanswered, self._retries = other._recovered, other._unanswered, other._retries
 
     async def listed_workers(self) -> set[str]:
         """The ids in the workers list: every worker that has heartbeaten and not yet left
