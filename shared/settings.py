@@ -140,6 +140,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Where the worker reads the mount table to find cgroup hierarchies (tests point it at
     # a fabricated table to exercise the refusal path).
     sandbox_mounts_file: str = "/proc/self/mounts"
+    sandbox_swaps_file: str = "/proc/swaps"
     nsjail_path: str = ""
 
     # Callbacks (`callbackUrl`): results are POSTed signed with this secret (HMAC-SHA256);
@@ -325,6 +326,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
     "SANDBOX_MEMORY_TOTAL_MB": ("sandbox_memory_total_mb", _non_negative_int),
     "SANDBOX_MOUNTS_FILE": ("sandbox_mounts_file", _str),
+    "SANDBOX_SWAPS_FILE": ("sandbox_swaps_file", _str),
     "NSJAIL_PATH": ("nsjail_path", _str),
     "CALLBACK_SECRET": ("callback_secret", _str),
     "CALLBACK_ALLOW_HTTP": ("callback_allow_http", _bool),

@@ -137,7 +137,7 @@ def test_v1_without_cgroup2_uses_cpuacct_once_whether_or_not_it_shares_cpus_fold
     usage.unlink()  # a real cgroup's files go with its folder; this tree's are plain files
     assert job.try_remove()
     assert layout.job_ids() == set()
-    # Swap on, with no memory+swap accounting: jobs could swap past their limits (said at start).
+    # Swap on, with no memory+swap accounting: jobs could swap past their limits (refused at start).
     header = "Filename\tType\tSize\tUsed\tPriority\n"
     assert layout.swap_unbounded(header + "/swapfile\tfile\t1048572\t0\t-2\n")
     assert not layout.swap_unbounded(header)
@@ -233,6 +233,23 @@ def test_worker_refuses_to_start_without_cgroups(tmp_path: Path) -> None:
     assert "memory and pids" in proc.stderr or "neither cgroup v2" in proc.stderr
     # It never got as far as claiming: it refused before connecting to Redis at all.
     assert "ready" not in proc.stderr
+
+
+def test_a_worker_refuses_a_host_whose_swap_no_cgroup_can_bound(tmp_path: Path) -> None:
+    """End to end: cgroup v1 memory without swap accounting, and swap on. A job could swap
+    past its memoryMb (and every slot thrash the host): the worker says so and stops."""
+    roots = {c: tmp_path / c for c in ("memory", "pids", "cpu,cpuacct")}
+    for root in roots.values():
+        root.mkdir()
+    mounts = tmp_path / "mounts"
+    mounts.write_text("".join(f"cgroup {root} cgroup rw,{name} 0 0\n" for name, root in roots.items()))
+    swaps = tmp_path / "swaps"
+    swaps.write_text("Filename\tType\tSize\tUsed\tPriority\n/swapfile\tfile\t1048572\t0\t-2\n")
+    env = dict(os.environ, PUSHER_SECRET="x", SANDBOX_MOUNTS_FILE=str(mounts), SANDBOX_SWAPS_FILE=str(swaps),
+               SANDBOX_WORK_ROOT=str(tmp_path / "work"), SANDBOX_CGROUP_NAME="swap-test")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "worker", "--check"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "swapaccount=1" in proc.stderr and "turn swap off" in proc.stderr
 
 
 @pytest.mark.sandbox

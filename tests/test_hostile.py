@@ -650,6 +650,43 @@ int main(int argc, char **argv) {
 }
 """
 
+# B9: socket buffers. Each child fills the send buffers of socket pairs until its descriptors
+# run out: about 200 KiB a socket, some 300 MiB in all, which the job's processes do not hold
+# as resident memory. Unless the kernel charges those buffers to the job's cgroup, they are
+# host memory past its limit.
+SOCKET_BUFFERS_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+int main(void) {
+    static char buf[65536];
+    memset(buf, 'x', sizeof buf);
+    for (int k = 0; k < 28; k++) {
+        if (fork() == 0) {
+            long n = 0;
+            for (int i = 0; i < 30; i++) {
+                int sv[2];
+                if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) break;
+                for (int j = 0; j < 2; j++) {
+                    fcntl(sv[j], F_SETFL, O_NONBLOCK);
+                    ssize_t w;
+                    while ((w = send(sv[j], buf, sizeof buf, 0)) > 0) n += w;
+                }
+            }
+            char line[32];
+            int len = snprintf(line, sizeof line, "%ld\n", n);
+            write(1, line, len);
+            sleep(6);
+            _exit(0);
+        }
+    }
+    sleep(7);
+    return 0;
+}
+"""
+
 HUGE_FILE_C = r"""
 #include <stdio.h>
 int main(void) {
@@ -795,6 +832,10 @@ CASES = [
          'fds = []\ntry:\n    while True:\n        fds.append(open("/dev/null"))\nexcept OSError as e:\n    print(len(fds), e.errno)\n',
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: o["stdout"].split()[1] == "24" and 50 <= int(o["stdout"].split()[0]) <= 64, "EMFILE near 64"))),
+    Case("B9-c-socket-buffers", "c", SOCKET_BUFFERS_C,
+         both(where(lambda o: o["outcome"] == "memory_exceeded"
+                    or sum(int(n) for n in o["stdout"].split()) <= 128 << 20,
+                    "socket buffers charged to the job (killed at its limit), not to the host"))),
     Case("B8-python-hostile-names-and-depth", "python", HOSTILE_NAMES_PY,
          both(expect(outcome="completed", exitCode=0, stdout="deep\n"))),
     # ---- C. output and stdin

@@ -132,10 +132,12 @@ async def _prepare(
         layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
         ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text())
         layout.prepare(ceiling)
-        if layout.swap_unbounded(Path("/proc/swaps").read_text()):
-            log.warning(
-                "swap is on but this host's cgroup v1 memory controller does not account for it "
-                "(boot with swapaccount=1, or turn swap off): a job can swap past its memoryMb"
+        if layout.swap_unbounded(Path(settings.sandbox_swaps_file).read_text()):
+            # A job could swap past its memoryMb, and every slot thrash the host: the
+            # contract is an OOM kill at the limit, never thrashing.
+            raise CgroupError(
+                "swap is on, but this host's cgroup v1 memory controller cannot bound a job's swap "
+                "(no memory.memsw.*): turn swap off, or boot with swapaccount=1"
             )
     except (CgroupError, OSError) as exc:
         raise SandboxUnavailable(str(exc)) from None
