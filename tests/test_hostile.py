@@ -739,6 +739,24 @@ MACRO_BOMB = "\n".join(
     ["#define D0(x) x x"] + [f"#define D{i}(x) D{i - 1}(D{i - 1}(x))" for i in range(1, 6)] + ["int main(void) { D5(;) return 0; }"]
 )
 
+# F4: warnings, which -fmax-errors does not count: about 600 KB of diagnostics from a
+# compile that succeeds (the cap must cut them, in the result and in the live events).
+WARNING_FLOOD_C = "\n".join(
+    ['#define W _Pragma("GCC warning \\"flood flood flood flood\\"")']
+    + ["#define W1 W W W W W W W W W W"]
+    + [f"#define W{i} " + " ".join([f"W{i - 1}"] * 10) for i in range(2, 5)]
+    + ["int main(void) { W4 return 0; }", ""]
+)
+COMPILE_MARKER = "\n[compiler output truncated at 64 KiB]\n"
+
+
+def compile_output_capped(out: dict[str, Any], followed: Followed) -> None:
+    log = out["compile"]["output"]
+    assert log.endswith(COMPILE_MARKER) and len(log.encode()) <= 64 * 1024 + len(COMPILE_MARKER), summary(out)
+    live = "".join(payload["chunk"] for name, payload in followed.events if name == "compile_output")
+    assert live == log, f"live compile_output ({len(live)} chars) is not the result's log ({len(log)})"
+
+
 DIAG_FLOOD = "\n".join(
     ["#define E1 int; int; int; int; int; int; int; int; int; int;"]
     + [f"#define E{i} " + " ".join([f"E{i - 1}"] * 10) for i in range(2, 5)]
@@ -952,6 +970,8 @@ CASES = [
     Case("F3-cpp-template-bomb", "cpp", TEMPLATE_BOMB, both(compile_failed)),
     Case("F4-cpp-diagnostic-flood", "cpp", DIAG_FLOOD,
          both(compile_failed, where(lambda o: o["compile"]["exitCode"] not in (0, None), "compiler said no"))),
+    Case("F4-c-warning-flood", "c", WARNING_FLOOD_C,
+         lambda out, followed: (expect(outcome="completed", exitCode=0)(out), compile_output_capped(out, followed))),
     Case("F6-java-parser-bomb", "java",
          "public class Main { static int x = " + "(" * 50000 + "1" + ")" * 50000 + "; public static void main(String[] a) {} }\n",
          both(compile_failed)),
