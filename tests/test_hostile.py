@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -355,13 +356,20 @@ int main(void) {
     errno = 0; printf("pair-vsock %d", socketpair(40, SOCK_DGRAM, 0, pair)); printf(" errno %d\n", errno);
     errno = 0; printf("pair-tipc %d", socketpair(30, SOCK_STREAM, 0, pair)); printf(" errno %d\n", errno);
     printf("pair-unix-works %d\n", socketpair(AF_UNIX, SOCK_STREAM, 0, pair) + 1);
+    /* The harness listens on this abstract name in the host's network namespace (abstract
+       names belong to a network namespace): only the jail's own keeps it out of reach. */
     int u = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un a = { .sun_family = AF_UNIX };
-    memcpy(a.sun_path, "\0probe", 6);
-    printf("abstract %d\n", connect(u, (struct sockaddr *)&a, sizeof(sa_family_t) + 6));
+    memcpy(a.sun_path, "\0ABSTRACT_NAME", ABSTRACT_LEN);
+    errno = 0; printf("abstract %d", connect(u, (struct sockaddr *)&a, sizeof(sa_family_t) + ABSTRACT_LEN));
+    printf(" errno %d\n", errno);
     return 0;
 }
 """
+
+# A name of this run's own (another run's harness may hold the same one at once).
+ABSTRACT_NAME = "cr-listening-" + os.urandom(4).hex()
+D3_C = D3_C.replace("ABSTRACT_NAME", ABSTRACT_NAME).replace("ABSTRACT_LEN", str(1 + len(ABSTRACT_NAME)))
 
 D4_C = r"""
 #include <stdio.h>
@@ -913,8 +921,10 @@ CASES = [
     Case("D3-c-socket-families", "c", D3_C,
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: "pair-unix-works 1\n" in o["stdout"], "unix socket pairs work"),
-              where(lambda o: all(line.endswith(" -1") for line in o["stdout"].splitlines() if not line.startswith("pair-")),
+              where(lambda o: all(line.endswith(" -1") for line in o["stdout"].splitlines()
+                                  if not line.startswith(("pair-", "abstract "))),
                     "every other family refused"),
+              where(lambda o: "abstract -1 errno 111\n" in o["stdout"], "the host's abstract socket out of reach (refused)"),
               where(lambda o: sum(line.endswith(" -1 errno 1") for line in o["stdout"].splitlines()) == 4,
                     "and every pair of one, by the filter"))),
     Case("D4-c-privilege", "c", D4_C,
@@ -1058,6 +1068,17 @@ def hostile_stack() -> Iterator[Stack]:
     # hostile job and its compile use the others.
     with Stack(extra_env={"WORKER_MAX_SANDBOXES": "3", "LOG_LEVEL": "INFO"}) as stack:
         yield stack
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_abstract_listener() -> Iterator[socket.socket]:
+    """D3's target: a listening abstract socket in the host's network namespace."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + ABSTRACT_NAME)
+    listener.listen(8)
+    listener.setblocking(False)
+    yield listener
+    listener.close()
 
 
 @pytest.fixture(scope="module")
