@@ -262,9 +262,14 @@ def _ppid(pid: int) -> int:
 
 # ---------------------------------------------------------------- the catalogue
 
+# A world-readable file of the host's /etc (made for the run): /etc/shadow's mode alone
+# makes it unreadable to a job's uid whether or not the jail shows it.
+HOST_CANARY = f"/etc/cr-canary-{os.urandom(4).hex()}"
+HOST_CANARY_TOKEN = "host-canary-" + os.urandom(8).hex()
+
 D1_PY = r"""
 import os
-paths = ["/etc/shadow", "/etc/passwd", "/root/.ssh/id_rsa", "/proc/1/environ", "/proc/self/environ",
+paths = ["HOST_CANARY", "/etc/shadow", "/etc/passwd", "/root/.ssh/id_rsa", "/proc/1/environ", "/proc/self/environ",
          "/proc/kallsyms", "/sys/fs/cgroup/memory/memory.limit_in_bytes", "/dev/mem", "/dev/kmsg", "/dev/sda",
          "/var/run/docker.sock", "/run/redis/redis.sock"]
 for p in paths:
@@ -284,7 +289,7 @@ import hashlib
 with open("/etc/passwd", "rb") as f:
     print("PASSWD", hashlib.sha256(f.read()).hexdigest())
 print("ENV", sorted(os.environ))
-"""
+""".replace("HOST_CANARY", HOST_CANARY)
 
 # D14: look for another job's workspace everywhere the jail can list: the file tree (its
 # own workspace aside) and the roots and working folders of every process it can see.
@@ -896,6 +901,7 @@ CASES = [
               where(lambda o: [line.split()[1] for line in o["stdout"].splitlines() if line.startswith("READ")]
                     == ["/etc/passwd", "/proc/self/environ", "/proc/kallsyms"], "only jail-provided files readable"),
               where(lambda o: "READ /proc/kallsyms b''" in o["stdout"], "kernel symbols masked"),
+              where(lambda o: f"deny {HOST_CANARY} No such file or directory\n" in o["stdout"], "the host's /etc not shown"),
               # The path alone proves nothing: a bind of the host's file reads just as well.
               where(lambda o: f"PASSWD {sha256_of('/etc/passwd')}\n" not in o["stdout"], "/etc/passwd is not the host's"),
               where(lambda o: "sandbox:x:65534:" in next(ln for ln in o["stdout"].splitlines() if ln.startswith("READ /etc/passwd")),
@@ -973,6 +979,10 @@ CASES = [
     # ---- F. compile stage
     Case("F2-cpp-include-host-files", "cpp", '#include "/etc/shadow"\n#include "/proc/self/environ"\nint main() {}\n',
          both(compile_failed, where(lambda o: "root:" not in o["compile"]["output"], "no host secrets in diagnostics"))),
+    Case("F2-c-include-a-readable-host-file", "c", f'#include "{HOST_CANARY}"\nint main(void) {{ return 0; }}\n',
+         both(compile_failed,
+              where(lambda o: "No such file or directory" in o["compile"]["output"], "the host's /etc not shown to the compiler"),
+              where(lambda o: HOST_CANARY_TOKEN not in o["compile"]["output"], "no host file's content in diagnostics"))),
     Case("F2-rust-include-host-files", "rust",
          'const SHADOW: &[u8] = include_bytes!("/etc/shadow");\nfn main() { println!("{}", SHADOW.len()); }\n',
          both(compile_failed)),
@@ -1068,6 +1078,16 @@ def hostile_stack() -> Iterator[Stack]:
     # hostile job and its compile use the others.
     with Stack(extra_env={"WORKER_MAX_SANDBOXES": "3", "LOG_LEVEL": "INFO"}) as stack:
         yield stack
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_canary() -> Iterator[Path]:
+    """D1's and F2's target: a file of the host's /etc anyone may read."""
+    canary = Path(HOST_CANARY)
+    canary.write_text(f"int {HOST_CANARY_TOKEN.replace('-', '_')};\n{HOST_CANARY_TOKEN}\n")
+    canary.chmod(0o644)
+    yield canary
+    canary.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
