@@ -174,17 +174,18 @@ def _json(body: object, status: int = 200) -> Response:
     return Response(_encoder.encode(body), status_code=status, media_type="application/json")
 
 
-async def _hashes(request: Request) -> list[str]:
-    """The digests a check or finalize body names, in order, each once; 400 names a bad one."""
+async def _hashes(request: Request) -> dict[str, int]:
+    """The digests a check or finalize body names, in order, each once, with where each
+    first stands in the request; 400 names a bad one."""
     body = await read_body(request, _HASHES_BODY_BYTES)
     req = decode_request(BlobHashes, body)
-    digests: dict[str, None] = {}
+    digests: dict[str, int] = {}
     for index, ref in enumerate(req.hashes):
         digest = parse_ref(ref)
         if digest is None:
             raise ValidationError([FieldError(f"hashes[{index}]", "must be sha256:<64 lowercase hex digits>")])
-        digests[digest] = None
-    return list(digests)
+        digests.setdefault(digest, index)
+    return digests
 
 
 async def _hashed_body(request: Request, limit: int, digest: str) -> bytes:
@@ -223,7 +224,7 @@ async def check_blobs(request: Request) -> Response:
     """`POST /v1/blobs/check {hashes}`: 200 {missing: [{hash, uploadUrl}], present: [hash]}."""
     state = request.app.state.coderunner
     owner = state.auth.backend(request).owner
-    digests = await _hashes(request)
+    digests = list(await _hashes(request))
     present = await state.blobs.touch(owner, digests)
     settings: Settings = state.settings
     expires_at_s = int(time.time()) + UPLOAD_LINK_TTL_S
@@ -240,10 +241,11 @@ async def finalize_blobs(request: Request) -> Response:
     """`POST /v1/blobs/finalize {hashes}`: 200 {finalized}; a 400 names a hash never uploaded."""
     state = request.app.state.coderunner
     owner = state.auth.backend(request).owner
-    digests = await _hashes(request)
+    positions = await _hashes(request)
+    digests = list(positions)
     present = await state.blobs.touch(owner, digests)
-    for index, digest in enumerate(digests):
-        if digest not in present:
+    for digest, index in positions.items():
+        if digest not in present:  # (named by where it stands in the request)
             why = "has no uploaded bytes: PUT them to the uploadUrl from POST /v1/blobs/check first (or it has expired)"
             raise ValidationError([FieldError(f"hashes[{index}]", why)])
     return _json(BlobFinalized(finalized=[f"sha256:{digest}" for digest in digests]))

@@ -169,6 +169,12 @@ async def _execute(request: Request, state: AppState, owner: str, idempotency_ke
     # A file named by `ref` stays a ref in the spec (one copy of a blob however many jobs
     # name it); its blob is kept at least as long as the job's record, and the worker fetches
     # and checks its bytes when it claims the job.
+    if digests:
+        # Everything that does not hang on the blobs' sizes first: a request refused for a
+        # file's name or a test case must not renew the blobs it names.
+        check_files(file_specs, state.settings.max_files_bytes, dict.fromkeys(digests, 0))
+        if req.tests is not None:
+            _check_batch(req, 0, state.settings.max_files_bytes, manifest.run)
     sizes = await state.blobs.hold(owner, digests, state.settings.job_record_ttl_s) if digests else {}
     files_bytes = check_files(file_specs, state.settings.max_files_bytes, sizes)
     if req.tests is not None:

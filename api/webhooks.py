@@ -55,6 +55,9 @@ async def realtime_webhooks(request: Request) -> Response:
         webhook = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValidationError([FieldError("events", f"is not a webhook's event list ({exc})")]) from None
+    except RecursionError:
+        # (Skipping an unknown field nested a thousand deep recurses that far.)
+        raise ValidationError([FieldError("events", "is not a webhook's event list (nested too deep)")]) from None
     for event in webhook.events:
         job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
         if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):

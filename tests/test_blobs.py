@@ -22,6 +22,7 @@ import pytest
 
 from api.blobs import _public_base
 from launcher.stack import Stack
+from shared import keys
 from shared.blobs import parse_ref, sign_upload, verify_upload
 from shared.codec import encode
 from shared.errors import ConfigError, ValidationError
@@ -295,6 +296,18 @@ def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack:
     _error(api.post("/v1/blobs/check", json={"hash": ref}), 400)
     _error(api.post("/v1/blobs/check", content=b"{"), 400)
     _error(api.post("/v1/blobs/finalize", json={"hashes": [ref]}), 400, "hashes[0]")
+    # Named where it stands in the request, repeats of an uploaded one before it or not.
+    uploaded = b"uploaded " + str(time.time()).encode()
+    assert _upload(api, uploaded).status_code == 200
+    _error(api.post("/v1/blobs/finalize", json={"hashes": [_ref(uploaded), _ref(uploaded), ref]}), 400, "hashes[2]")
+    # An execute refused for another file's name (or a case) does not renew the blobs it names.
+    owner = hashlib.sha256(b"owner:" + stack.api_token.encode()).hexdigest()[:32]
+    with stack.redis() as redis:
+        uploaded_key = keys.blob_key(owner, _ref(uploaded).removeprefix("sha256:"))
+        redis.expire(uploaded_key, 600)
+        files = [{"name": "main.py", "ref": _ref(uploaded)}, {"name": "../x.py", "content": ""}]
+        _error(api.post("/v1/execute", json={"language": "python", "files": files}), 400, "files[1].name")
+        assert redis.ttl(uploaded_key) <= 600
     # no token, or a job token: never
     _error(httpx.post(f"{stack.api_url}/v1/blobs/check", json={"hashes": [ref]}), 401)
     job = api.execute({"language": "python", "files": [{"name": "main.py", "content": "print(1)"}]})

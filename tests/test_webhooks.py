@@ -45,6 +45,8 @@ def test_the_webhook_route_marks_known_jobs_and_only_for_soketi(make_stack: Stac
         # Signed, but not a webhook: a 400 naming the field.
         bad = post(b'{"events": "none"}')
         assert bad.status_code == 400 and bad.json()["details"][0]["field"] == "events", bad.text
+        deep = post(b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b', "events": []}')  # (an unknown field, skipped by recursion)
+        assert deep.status_code == 400 and deep.json()["details"][0]["field"] == "events", deep.text
         too_big = post(b" " * (65 * 1024))
         assert too_big.status_code == 413, too_big.text
         # Other events, other channels and unknown jobs mark nothing.
