@@ -13,6 +13,7 @@ import msgspec
 from starlette.requests import Request
 
 from api.errors import ApiError
+from shared.errors import FieldError, ValidationError
 from shared.settings import Settings
 from shared.tokens import mint_job_token, tokens_equal, verify_job_token
 
@@ -37,7 +38,11 @@ class Principal(msgspec.Struct, frozen=True):
 
 
 def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+    given = request.headers.getlist("authorization")
+    if len(given) > 1:
+        # Which one counts would be a guess (a proxy's, the client's): neither does.
+        raise ValidationError([FieldError("Authorization", "must be sent at most once")])
+    header = given[0] if given else ""
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
         return None

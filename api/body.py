@@ -28,7 +28,7 @@ class BodyBudget:
         self.held = 0
 
     @contextlib.asynccontextmanager
-    async def body(self, request: Request, limit: int) -> AsyncIterator[bytes]:
+    async def body(self, request: Request, limit: int, too_big: ApiError | None = None) -> AsyncIterator[bytes]:
         """The whole body (read_body's checks), counted against the budget until the block
         ends, by what it declares or else by what has arrived; a 503 with `retryAfterMs`
         when it would pass the budget, read no further."""
@@ -50,7 +50,7 @@ class BodyBudget:
             taken += wanted
 
         try:
-            yield await read_body(request, limit, count)
+            yield await read_body(request, limit, count, too_big)
         finally:
             self.held -= taken
 
@@ -66,14 +66,17 @@ def declared_length(request: Request) -> int | None:
     return int(digits) if len(digits) <= 18 else 10**18
 
 
-async def read_body(request: Request, limit: int, count: Callable[[int], None] | None = None) -> bytes:
-    """The whole body; 413 past `limit` bytes (declared or streamed), before more is read.
-    `count` is told the declared size, then the size so far as the body arrives (it may
-    raise to refuse the body)."""
+async def read_body(
+    request: Request, limit: int, count: Callable[[int], None] | None = None, too_big: ApiError | None = None
+) -> bytes:
+    """The whole body; 413 past `limit` bytes (declared or streamed), before more is read
+    (`too_big`, when the route says more than the limit). `count` is told the declared size,
+    then the size so far as the body arrives (it may raise to refuse the body)."""
+    too_big = too_big or ApiError(413, f"Request body must be at most {limit} bytes")
     declared = declared_length(request)
     if declared is not None:
         if declared > limit:
-            raise ApiError(413, f"Request body must be at most {limit} bytes")
+            raise too_big
         if count is not None:
             count(declared)
     chunks: list[bytes] = []
@@ -81,7 +84,7 @@ async def read_body(request: Request, limit: int, count: Callable[[int], None] |
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"Request body must be at most {limit} bytes")
+            raise too_big
         if count is not None:
             count(size)
         chunks.append(chunk)

@@ -349,9 +349,15 @@ async def send_stdin(request: Request) -> Response:
     # A job token (a browser's) sends these: a big one counts against the bodies' budget like
     # any other, or connections sending them slowly hold memory without a bound.
     budget: BodyBudget = request.app.state.request_bodies
-    async with budget.body(request, MAX_STDIN_BODY) as body:
+    cap = state.settings.stdin_max_pending_bytes
+    too_big = ApiError(
+        413,
+        f"A stdin frame may carry at most {cap} bytes (this body has more than {MAX_STDIN_BODY}): send it in smaller frames",
+        details=[FieldError("body", f"must carry at most {cap} bytes of input")],
+        capBytes=cap,
+    )
+    async with budget.body(request, MAX_STDIN_BODY, too_big) as body:
         data, field = _stdin_bytes(body)
-        cap = state.settings.stdin_max_pending_bytes
         if len(data) > cap:
             # More than may ever wait at once: no retry could take it (unlike the 429 below).
             raise ApiError(
@@ -364,9 +370,16 @@ async def send_stdin(request: Request) -> Response:
 
 
 async def close_stdin(request: Request) -> Response:
-    """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed."""
+    """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed;
+    400 for bytes sent along (they would be dropped: they go to /stdin first)."""
     state = _state(request)
     status = await state.visible_job(request)
+    budget: BodyBudget = request.app.state.request_bodies
+    async with budget.body(request, MAX_STDIN_BODY) as body:
+        if body.strip() not in (b"", b"{}"):
+            data, field = _stdin_bytes(body)
+            if data:
+                raise ValidationError([FieldError(field, "is not taken here: POST the bytes to /stdin, then close")])
     return await _write_stdin(state, status, b"", True, _stdin_request_id(request, b"", close=True))
 
 
@@ -633,7 +646,8 @@ def _json_depth_exceeds(body: bytes, limit: int) -> bool:
 
 def _form_or_json(request: Request, body: bytes) -> dict[str, str]:
     content_type = request.headers.get("content-type", "")
-    if "json" in content_type:
+    # (fetch() sends a JSON string as text/plain unless told: an object is JSON all the same.)
+    if "json" in content_type or body.lstrip()[:1] == b"{":
         # Nesting is checked before any parser recurses (5,000 levels would be a RecursionError).
         if _json_depth_exceeds(body, MAX_CHANNEL_AUTH_DEPTH):
             raise ValidationError([FieldError("body", f"is nested more than {MAX_CHANNEL_AUTH_DEPTH} levels deep")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import socket
 
 import pytest
@@ -71,6 +72,10 @@ def test_bad_json_and_non_object(api: Api) -> None:
 
 def test_tokens(api: Api, stack: Stack) -> None:
     _error(api.client.post("/v1/execute", json=py_job("print(1)")), 401)
+    # Two Authorization headers (a proxy's and the client's?): which counts would be a guess.
+    twice = [("Authorization", f"Bearer {stack.api_token}"), ("Authorization", "Bearer other")]
+    err = _error(api.client.post("/v1/execute", json=py_job("print(1)"), headers=twice), 400)
+    assert err["details"][0]["field"] == "Authorization"
     _error(api.client.post("/v1/execute", json=py_job("print(1)"), headers={"Authorization": "Bearer nope"}), 401)
     _error(api.client.post("/v1/execute", json=py_job("print(1)"), headers={"Authorization": "Basic abc"}), 401)
     forged = "0" * 32 + ".9999999999." + "f" * 40
@@ -88,6 +93,13 @@ def test_channel_auth_rules(api: Api) -> None:
     # pusher-js posts a form; JSON works too; the job token may ride in the body.
     as_json = api.client.post("/v1/channel-auth", json={"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"]})
     assert as_json.status_code == 200 and as_json.json() == ok.json()
+    # fetch() sends a JSON string as text/plain unless told otherwise: an object is JSON all the same.
+    plain = api.client.post(
+        "/v1/channel-auth",
+        content=json.dumps({"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"]}),
+        headers={"Content-Type": "text/plain;charset=UTF-8"},
+    )
+    assert plain.status_code == 200 and plain.json() == ok.json(), plain.text
     _error(api.post("/v1/channel-auth", data={"socket_id": "nope", "channel_name": job["channel"]}), 400)
     for odd in ("1.2\n", "\u0661\u0662.\u0663", " 1.2"):  # a trailing newline, non-ASCII digits
         _error(api.post("/v1/channel-auth", data={"socket_id": odd, "channel_name": job["channel"]}), 400)

@@ -198,6 +198,13 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
         whole = stdin(api, job, **frame)  # type: ignore[arg-type]
         assert whole.status_code == 413, whole.text
         assert whole.json()["details"][0]["field"] == next(iter(frame)) and whole.json()["capBytes"] == 65536
+    # Past what a stdin body may hold at all (512 KiB): the same answer, with the cap to split by.
+    whole = stdin(api, job, chunk="c" * 600_000)
+    assert whole.status_code == 413 and whole.json()["capBytes"] == 65536, whole.text
+    assert whole.json()["details"][0]["field"] == "body" and "65536" in whole.json()["error"]
+    # Bytes sent along with a close would be dropped: refused, and nothing is closed.
+    refused = api.post(f"/v1/jobs/{job['jobId']}/stdin/close", token=job["jobToken"], json={"chunk": "last line\n"})
+    assert refused.status_code == 400 and refused.json()["details"][0]["field"] == "chunk", refused.text
     # Once the program reads, the bytes are written and the cap frees up.
     api.start(job)
     deadline = time.monotonic() + 10
