@@ -65,6 +65,13 @@ def decode_request(cls: type[T], body: bytes) -> T:
             escape = lone.group().decode()
             why = f"{escape} at byte {lone.start()} is half of a UTF-16 surrogate pair, not a character"
             raise ValidationError([FieldError("body", f"is not valid JSON ({why})")]) from None
+        if str(exc).startswith("Invalid UTF-8"):
+            # (msgspec says neither where nor in which field: the byte at least.)
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                why = f"byte {bad.start} is not UTF-8 (text must be UTF-8; send other bytes as base64)"
+                raise ValidationError([FieldError("body", f"is not valid JSON: {why}")]) from None
         raise ValidationError([_field_error(str(exc))]) from None
     except msgspec.ValidationError as exc:
         raise ValidationError([_field_error(str(exc))]) from None

@@ -68,6 +68,10 @@ def test_bad_json_and_non_object(api: Api) -> None:
     lone = b'{"language": "python", "files": [{"name": "m.py", "content": "print(1) # \\ud83d"}]}'
     err = _error(api.post("/v1/execute", content=lone, headers={"content-type": "application/json"}), 400)
     assert err["details"][0]["field"] == "body" and "\\ud83d at byte 73 is half of a UTF-16 surrogate pair" in err["error"]
+    # Latin-1 source sent as is: where the byte is that is not UTF-8.
+    latin = b'{"language": "python", "files": [{"name": "m.py", "content": "print(\'caf\xe9\')"}]}'
+    err = _error(api.post("/v1/execute", content=latin, headers={"content-type": "application/json"}), 400)
+    assert err["details"][0]["field"] == "body" and "byte 72 is not UTF-8" in err["error"], err
 
 
 def test_tokens(api: Api, stack: Stack) -> None:
