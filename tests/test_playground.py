@@ -494,3 +494,86 @@ def test_a_page_of_an_allowed_origin_runs_a_job_with_its_token(browser: Any, mak
         other.shutdown()
     assert outcomes[allowed_origin] == ("202 completed", "Hello, Ada!\n"), outcomes
     assert outcomes[other_origin][0] == "refused", outcomes
+
+
+def test_a_program_that_leaves_a_file_finishes_at_once_and_links_it(page: Any, stack: Stack) -> None:
+    """An `artifact` event the page did not know held the result behind its seq: 4.5 s late,
+    a false "stream was lost" in red, and no sign of the file."""
+    open_playground(page, stack)
+    page.fill("#code", 'open("out.txt", "w").write("hi from a file")\nprint("done")\n')
+    result = run_and_wait(page)
+    assert result["outcome"] == "completed" and "done" in result["output"], result
+    assert page.locator("#output .note.bad").count() == 0, result["output"]
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    assert stats["eventLogFallbacks"] == 0 and stats["statusPolls"] == 0, stats
+    link = page.locator("#output a", has_text="out.txt")
+    expect()(link).to_have_count(1)
+    href = link.get_attribute("href")
+    assert href is not None and href.startswith("/v1/jobs/"), href
+    assert page.evaluate("(u) => fetch(u).then((r) => r.text())", href) == "hi from a file"
+    shot(page, "14-artifact")
+
+
+def test_a_start_that_fails_once_is_sent_again(page: Any, stack: Stack) -> None:
+    """Start is idempotent: a network error (or a 503 while Redis blinks) is retried; once
+    meant a job parked until its warm-up ran out, then `expired`."""
+    failed = []
+
+    def first_fails(route: Any) -> None:
+        if not failed:
+            failed.append(route.request.url)
+            route.abort()
+        else:
+            route.continue_()
+
+    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/start$"), first_fails)
+    open_playground(page, stack)
+    page.fill("#code", 'print("started after all")\n')
+    result = run_and_wait(page)
+    assert failed and result["outcome"] == "completed" and "started after all" in result["output"], result
+
+
+def test_stop_pressed_while_the_run_is_still_being_submitted_kills_it(page: Any, stack: Stack) -> None:
+    """Stop did nothing until the execute was answered (seconds, while the server asks for
+    a retry), and the job then ran anyway."""
+    busy = []
+
+    def busy_once(route: Any) -> None:
+        if not busy:
+            busy.append(1)
+            route.fulfill(status=429, json={"error": "queue is full", "details": [], "retryAfterMs": 1500})
+        else:
+            route.continue_()
+
+    page.route(re.compile(r".*/v1/execute$"), busy_once)
+    open_playground(page, stack)
+    page.fill("#code", "import time\nwhile True:\n    time.sleep(1)\n")
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("retrying")
+    assert page.is_disabled("#stdin-line") and page.is_disabled("#run")
+    page.click("#stop")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "killed", timeout=RUN_TIMEOUT_MS)
+
+
+def test_an_event_log_refused_once_is_opened_again(page: Any, stack: Stack) -> None:
+    """Without the WebSocket the event log is the output's only way in: one 503 from it
+    (every stream slot busy) used to leave the run to status polls, its output unseen."""
+    page.route(
+        re.compile(r".*/v1/realtime$"),
+        lambda route: route.fulfill(json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}),
+    )
+    refused = []
+
+    def refuse_once(route: Any) -> None:
+        if not refused:
+            refused.append(1)
+            route.fulfill(status=503, json={"error": "All event streams are in use", "details": [], "retryAfterMs": 1000})
+        else:
+            route.continue_()
+
+    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/events\?.*"), refuse_once)
+    open_playground(page, stack)
+    page.fill("#code", 'print("hello through the log")\n')
+    result = run_and_wait(page)
+    assert refused and result["outcome"] == "completed", result
+    assert "hello through the log" in result["output"], result["output"]
