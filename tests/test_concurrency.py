@@ -62,3 +62,48 @@ def test_parallel_jobs_near_their_memory_limit_do_not_hurt_each_other(api: Api, 
         fuzz_kb = 64 * 4 * (os.cpu_count() or 1)
         assert 100 * 1024 - fuzz_kb <= result["memoryKb"] <= 128 * 1024
         assert f.text("stdout") == "ok\n"
+
+
+def test_jobs_flooding_output_do_not_stall_an_interactive_neighbour(api: Api, realtime: Realtime) -> None:
+    # The catalogue's "must not happen" for output floods: other jobs held up. Two programs
+    # write as fast as they can (16 MiB each through the worker's loop, Redis and the API)
+    # while an IDE user types into a third; each line's echo must come back about as fast as
+    # with nobody else running.
+    echo = api.execute(py_job(
+        "import sys\nfor line in sys.stdin:\n    print('echo', line.strip(), flush=True)\n",
+        limits={"idleMs": 60000, "wallTimeMs": 120000},
+    ))  # fmt: skip
+    followed = realtime.follow(echo)
+    assert api.start(echo).status_code == 202
+
+    def round_trip(tag: str) -> float:
+        sent = time.monotonic()
+        answer = api.post(f"/v1/jobs/{echo['jobId']}/stdin", token=echo["jobToken"], json={"chunk": tag + "\n"})
+        assert answer.status_code == 200, answer.text
+        deadline = sent + 10
+        while f"echo {tag}\n" not in followed.text("stdout"):
+            assert time.monotonic() < deadline, f"no echo of {tag}: {followed.text('stdout')[-200:]}"
+            time.sleep(0.002)
+        return time.monotonic() - sent
+
+    round_trip("warm")
+    alone = sorted(round_trip(f"alone{i}") for i in range(8))
+    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    floods = [api.execute(py_job(flood, limits={"outputKb": 16384, "wallTimeMs": 8000})) for _ in range(2)]
+    for job in floods:
+        assert api.start(job).status_code == 202
+    time.sleep(0.5)  # both writing
+    crowded = []
+    for i in range(12):
+        crowded.append(round_trip(f"crowded{i}"))
+        time.sleep(0.1)
+    for job in floods:  # still flooding all along (8 s of wall), then ended by it
+        status = api.get(f"/v1/jobs/{job['jobId']}").json()
+        assert status["state"] == "running", status
+    crowded.sort()
+    p90 = crowded[int(0.9 * len(crowded)) - 1]
+    print(f"echo round trip alone median {alone[len(alone) // 2] * 1000:.1f} ms, crowded median "
+          f"{crowded[len(crowded) // 2] * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms")  # fmt: skip
+    assert p90 < max(0.25, 5 * alone[len(alone) // 2]), (alone, crowded)
+    api.post(f"/v1/jobs/{echo['jobId']}/stdin/close", token=echo["jobToken"])
+    assert followed.wait_result(timeout_s=20)["outcome"] == "completed"
