@@ -577,3 +577,23 @@ def test_an_event_log_refused_once_is_opened_again(page: Any, stack: Stack) -> N
     result = run_and_wait(page)
     assert refused and result["outcome"] == "completed", result
     assert "hello through the log" in result["output"], result["output"]
+
+
+def test_enter_in_a_limit_field_runs_with_that_limit(page: Any, stack: Stack) -> None:
+    """The limits form's submit handler never fired: a form of six fields and no submit
+    button does not submit on Enter."""
+    open_playground(page, stack)
+    page.fill("#limit-idleMs", "1000")
+    page.press("#limit-idleMs", "Enter")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "idle_timed_out", timeout=RUN_TIMEOUT_MS)
+
+
+def test_eof_from_the_keyboard_leaves_focus_on_the_output(page: Any, stack: Stack) -> None:
+    """Ctrl+D disabled the focused input line: focus fell to the page's body."""
+    open_playground(page, stack)
+    page.click("#run")
+    expect()(page.locator("#output")).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    page.focus("#stdin-line")
+    page.press("#stdin-line", "Control+d")
+    expect()(page.locator("#output")).to_be_focused()
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", re.compile(r"\w"), timeout=RUN_TIMEOUT_MS)
