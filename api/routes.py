@@ -369,6 +369,21 @@ async def send_stdin(request: Request) -> Response:
         return await _write_stdin(state, status, data, False, _stdin_request_id(request, data, close=False))
 
 
+def _bytes_sent_along(body: bytes) -> str | None:
+    """The field of a close's body that carries input (`chunk` or `data`, not empty), which
+    the close would drop; None for any other body (empty, `{}`, a placeholder), ignored as
+    it always was."""
+    try:
+        sent = json.loads(body) if body.strip() else None
+    except ValueError:
+        return None
+    if isinstance(sent, dict):
+        for field in ("chunk", "data"):
+            if isinstance(sent.get(field), str) and sent[field]:
+                return field
+    return None
+
+
 async def close_stdin(request: Request) -> Response:
     """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed;
     400 for bytes sent along (they would be dropped: they go to /stdin first)."""
@@ -376,10 +391,9 @@ async def close_stdin(request: Request) -> Response:
     status = await state.visible_job(request)
     budget: BodyBudget = request.app.state.request_bodies
     async with budget.body(request, MAX_STDIN_BODY) as body:
-        if body.strip() not in (b"", b"{}"):
-            data, field = _stdin_bytes(body)
-            if data:
-                raise ValidationError([FieldError(field, "is not taken here: POST the bytes to /stdin, then close")])
+        sent = _bytes_sent_along(body)
+        if sent is not None:
+            raise ValidationError([FieldError(sent, "is not taken here: POST the bytes to /stdin, then close")])
     return await _write_stdin(state, status, b"", True, _stdin_request_id(request, b"", close=True))
 
 

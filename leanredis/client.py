@@ -104,7 +104,8 @@ def _fresh(error: RedisError) -> RedisError:
 # The TLS options of redis-py's that the dial applies (any other is refused, not ignored).
 _TLS_OPTIONS = frozenset(
     {"ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_cert_reqs", "ssl_check_hostname", "ssl_min_version",
-     "ssl_ciphers", "ssl_certfile", "ssl_keyfile", "ssl_password"}
+     "ssl_ciphers", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_include_verify_flags",
+     "ssl_exclude_verify_flags"}
 )  # fmt: skip
 
 class _Waiting:
@@ -342,7 +343,9 @@ class LeanRedis(Redis):
         if not issubclass(self.connection_pool.connection_class, SSLConnection):
             return None
         options = self._options
-        unknown = sorted(name for name in options if name.startswith("ssl") and name not in _TLS_OPTIONS)
+        unknown = sorted(
+            name for name, value in options.items() if name.startswith("ssl") and name not in _TLS_OPTIONS and value is not None
+        )
         if unknown:
             # Refused, not ignored: a TLS setting silently dropped is a connection that fails
             # (or, worse, one less strict than asked for) for no reason anyone can see.
@@ -355,7 +358,7 @@ class LeanRedis(Redis):
             reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}.get(reqs.lower(), reqs)
         if reqs not in (None, ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
             raise RedisConnectionError(f"ssl_cert_reqs={reqs!r}: not none, optional or required")
-        if reqs in (ssl.CERT_NONE, ssl.CERT_OPTIONAL) or options.get("ssl_check_hostname") is False:
+        if reqs == ssl.CERT_NONE or options.get("ssl_check_hostname") is False:
             context.check_hostname = False
         if reqs is not None:
             context.verify_mode = reqs
@@ -363,6 +366,10 @@ class LeanRedis(Redis):
             context.minimum_version = ssl.TLSVersion(options["ssl_min_version"])
         if options.get("ssl_ciphers"):
             context.set_ciphers(options["ssl_ciphers"])
+        for flag in options.get("ssl_include_verify_flags") or ():
+            context.verify_flags |= flag
+        for flag in options.get("ssl_exclude_verify_flags") or ():
+            context.verify_flags &= ~flag
         if options.get("ssl_certfile"):
             context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"), options.get("ssl_password"))
         return context

@@ -11,6 +11,7 @@ not merely when the program misbehaves.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import os
@@ -264,7 +265,9 @@ def _ppid(pid: int) -> int:
 
 # A world-readable file of the host's /etc (made for the run): /etc/shadow's mode alone
 # makes it unreadable to a job's uid whether or not the jail shows it.
-HOST_CANARY = f"/etc/cr-canary-{os.urandom(4).hex()}"
+# (One fixed name: a run killed before its teardown leaves one file behind, which the next
+# run overwrites and removes.)
+HOST_CANARY = "/etc/coderunner-test-canary"
 HOST_CANARY_TOKEN = "host-canary-" + os.urandom(8).hex()
 
 D1_PY = r"""
@@ -1086,6 +1089,7 @@ def host_canary() -> Iterator[Path]:
     canary = Path(HOST_CANARY)
     canary.write_text(f"int {HOST_CANARY_TOKEN.replace('-', '_')};\n{HOST_CANARY_TOKEN}\n")
     canary.chmod(0o644)
+    atexit.register(canary.unlink, missing_ok=True)  # (also when a fixture's teardown never runs)
     yield canary
     canary.unlink(missing_ok=True)
 
@@ -1095,7 +1099,7 @@ def host_abstract_listener() -> Iterator[socket.socket]:
     """D3's target: a listening abstract socket in the host's network namespace."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + ABSTRACT_NAME)
-    listener.listen(8)
+    listener.listen(4096)  # (never accepted: a jail that could reach it must not block on a full backlog)
     listener.setblocking(False)
     yield listener
     listener.close()

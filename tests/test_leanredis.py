@@ -574,11 +574,14 @@ async def test_tls_options_are_applied_or_refused_never_ignored(tmp_path: Path) 
         "strict": LeanRedis.from_url(base, socket_timeout=5, retry=Retry(NoBackoff(), 0)),
         "no-hostname": LeanRedis.from_url(f"{base}&ssl_check_hostname=false&ssl_min_version=771", socket_timeout=5),
         "unknown": LeanRedis.from_url(f"{base}&ssl_validate_ocsp=true", socket_timeout=5, retry=Retry(NoBackoff(), 0)),
+        # Built directly, redis-py fills every ssl_* option it has, None where unset.
+        "direct": LeanRedis(host="127.0.0.1", port=tls_port, ssl=True, ssl_ca_certs=str(cert), ssl_check_hostname=False, socket_timeout=5),
     }
     try:
         with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
             await clients["strict"].get("k")
         assert await clients["no-hostname"].set("k", "v") and await clients["no-hostname"].get("k") == b"v"
+        assert await clients["direct"].get("k") == b"v"
         with pytest.raises(RedisConnectionError, match="ssl_validate_ocsp"):
             await clients["unknown"].get("k")
     finally:

@@ -577,6 +577,8 @@ def test_an_event_log_refused_once_is_opened_again(page: Any, stack: Stack) -> N
     result = run_and_wait(page)
     assert refused and result["outcome"] == "completed", result
     assert "hello through the log" in result["output"], result["output"]
+    stats = page.evaluate("window.coderunnerPlayground.stats")
+    assert stats["eventLogFallbacks"] == 1 and stats["statusPolls"] == 0, stats  # (a reopen is the same fallback)
 
 
 def test_enter_in_a_limit_field_runs_with_that_limit(page: Any, stack: Stack) -> None:

@@ -119,6 +119,14 @@ def start_wait_s(settings: Settings, runtimes: dict[str, Runtime]) -> float:
     return max(120.0, (settings.worker_warmup_ms + max(compiles, default=0)) / 1000)
 
 
+def _swaps(path: str) -> str:
+    """The swap table; none at all (a kernel built without swap) is no swap."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        return ""
+
+
 async def _prepare(
     settings: Settings, worker_id: str, uids: UidLease | None
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -132,7 +140,7 @@ async def _prepare(
         layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
         ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text())
         layout.prepare(ceiling)
-        if layout.swap_unbounded(Path(settings.sandbox_swaps_file).read_text()):
+        if layout.swap_unbounded(_swaps(settings.sandbox_swaps_file)):
             # A job could swap past its memoryMb, and every slot thrash the host: the
             # contract is an OOM kill at the limit, never thrashing.
             raise CgroupError(
