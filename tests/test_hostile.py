@@ -1312,3 +1312,22 @@ def test_f4_javac_runs_no_submitted_annotation_processor(
     assert result["outcome"] == "completed", result
     assert "PROCESSOR RAN" not in (result.get("compile") or {}).get("output", ""), result["compile"]
     assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "hi\n"
+
+
+def test_what_a_program_writes_or_names_reaches_the_service_logs_only_escaped(
+    hostile_stack: Stack, clients: tuple[Api, Realtime]
+) -> None:
+    """C3/B8's other half: terminal sequences a program prints, and the files it names, may
+    reach an operator's terminal through the worker's and the API's logs. None may arrive raw
+    (an escape, a bidi override, a line break that forges a log line)."""
+    api, realtime = clients
+    for language, code in (("python", HOSTILE_NAMES_PY), ("python", f"import sys\nsys.stdout.write({CONTROL_SEQUENCES!r})\n")):
+        job = api.execute({"language": language, "files": [{"name": "main.py", "content": code}], "limits": LIMITS})
+        followed = realtime.follow(job)
+        api.start(job)
+        followed.wait_result(timeout_s=60)
+    time.sleep(0.5)  # (the logs are written as it goes)
+    for name in ("worker", "api"):
+        text = hostile_stack.log(name)
+        for raw in ("\x1b", "\u202e", "\x07", "owned"):
+            assert raw not in text, f"{name} log holds {raw!r} raw: {text[text.index(raw) - 200 : text.index(raw) + 100]!r}"
