@@ -63,6 +63,15 @@ def self_signed_certificate(folder: Path, alt_name: str) -> tuple[Path, Path]:
     return cert, key
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def dies_with_the_tests(signal_number: int = signal.SIGTERM) -> Callable[[], None]:
     """A preexec_fn: the child gets `signal_number` once the test process is gone (a run
     cut short with no teardown: `timeout make test`), so no stack or server it started

@@ -22,6 +22,7 @@ from launcher.cli import new_log_dir, port_in_use
 from launcher.lifeline import MARK_ENV, SERVICE_GRACE_S, WORKER_GRACE_S, live_marked, start_time
 from launcher.node import NodeNotFound, find_node, node_major
 from shared.paths import REPO_ROOT
+from tests.helpers import alive
 
 
 def fake_node(folder: Path, version: str, real: str | None = None, marker: Path | None = None) -> Path:
@@ -290,17 +291,10 @@ def test_what_a_test_starts_dies_with_the_test_process(tmp_path: Path) -> None:
         os.kill(tests_process.pid, signal.SIGKILL)
         tests_process.wait(5)
         deadline = time.monotonic() + 5
-        while _alive(child):
+        while alive(child):
             assert time.monotonic() < deadline, "the child outlived the process that started it"
             time.sleep(0.02)
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -530,13 +530,20 @@ async def test_a_closed_client_dials_nothing_more(server: Server) -> None:
         await client.get("k")
 
 
-async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
-    cert, key = self_signed_certificate(tmp_path, "IP:127.0.0.1")
+def _tls_server(tmp_path: Path, alt_name: str) -> tuple[Server, int, Path]:
+    """A started redis-server that also takes TLS, with a self-signed certificate for
+    `alt_name`: the server, its TLS port, and the certificate (its own CA)."""
+    cert, key = self_signed_certificate(tmp_path, alt_name)
     server = Server(tmp_path)
     tls_port = free_port()
     server.extra = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
                     "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
     server.start()
+    return server, tls_port, cert
+
+
+async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
+    server, tls_port, cert = _tls_server(tmp_path, "IP:127.0.0.1")
     url = f"rediss://127.0.0.1:{tls_port}/0"
     try:
         client = LeanRedis.from_url(f"{url}?ssl_ca_certs={cert}", socket_timeout=5)
@@ -563,12 +570,7 @@ async def test_tls_options_are_applied_or_refused_never_ignored(tmp_path: Path) 
     # A certificate for another name (a managed Redis reached by its address): refused,
     # unless the URL turns the hostname check off; an option this client cannot apply is
     # named rather than dropped.
-    cert, key = self_signed_certificate(tmp_path, "DNS:redis.internal")
-    server = Server(tmp_path)
-    tls_port = free_port()
-    server.extra = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                    "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
-    server.start()
+    server, tls_port, cert = _tls_server(tmp_path, "DNS:redis.internal")
     base = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
     clients = {
         "strict": LeanRedis.from_url(base, socket_timeout=5, retry=Retry(NoBackoff(), 0)),

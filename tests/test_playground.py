@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -496,6 +496,20 @@ def test_a_page_of_an_allowed_origin_runs_a_job_with_its_token(browser: Any, mak
     assert outcomes[other_origin][0] == "refused", outcomes
 
 
+def first_time(answer: Callable[[Any], None], seen: list[str]) -> Callable[[Any], None]:
+    """A route handler: the first request matched gets `answer`, later ones go through;
+    `seen` collects the URL of the one answered."""
+
+    def handle(route: Any) -> None:
+        if not seen:
+            seen.append(route.request.url)
+            answer(route)
+        else:
+            route.continue_()
+
+    return handle
+
+
 def test_a_program_that_leaves_a_file_finishes_at_once_and_links_it(page: Any, stack: Stack) -> None:
     """An `artifact` event the page did not know held the result behind its seq: 4.5 s late,
     a false "stream was lost" in red, and no sign of the file."""
@@ -517,16 +531,8 @@ def test_a_program_that_leaves_a_file_finishes_at_once_and_links_it(page: Any, s
 def test_a_start_that_fails_once_is_sent_again(page: Any, stack: Stack) -> None:
     """Start is idempotent: a network error (or a 503 while Redis blinks) is retried; once
     meant a job parked until its warm-up ran out, then `expired`."""
-    failed = []
-
-    def first_fails(route: Any) -> None:
-        if not failed:
-            failed.append(route.request.url)
-            route.abort()
-        else:
-            route.continue_()
-
-    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/start$"), first_fails)
+    failed: list[str] = []
+    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/start$"), first_time(lambda route: route.abort(), failed))
     open_playground(page, stack)
     page.fill("#code", 'print("started after all")\n')
     result = run_and_wait(page)
@@ -536,16 +542,8 @@ def test_a_start_that_fails_once_is_sent_again(page: Any, stack: Stack) -> None:
 def test_stop_pressed_while_the_run_is_still_being_submitted_kills_it(page: Any, stack: Stack) -> None:
     """Stop did nothing until the execute was answered (seconds, while the server asks for
     a retry), and the job then ran anyway."""
-    busy = []
-
-    def busy_once(route: Any) -> None:
-        if not busy:
-            busy.append(1)
-            route.fulfill(status=429, json={"error": "queue is full", "details": [], "retryAfterMs": 1500})
-        else:
-            route.continue_()
-
-    page.route(re.compile(r".*/v1/execute$"), busy_once)
+    busy = {"error": "queue is full", "details": [], "retryAfterMs": 1500}
+    page.route(re.compile(r".*/v1/execute$"), first_time(lambda route: route.fulfill(status=429, json=busy), []))
     open_playground(page, stack)
     page.fill("#code", "import time\nwhile True:\n    time.sleep(1)\n")
     page.click("#run")
@@ -562,16 +560,9 @@ def test_an_event_log_refused_once_is_opened_again(page: Any, stack: Stack) -> N
         re.compile(r".*/v1/realtime$"),
         lambda route: route.fulfill(json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}),
     )
-    refused = []
-
-    def refuse_once(route: Any) -> None:
-        if not refused:
-            refused.append(1)
-            route.fulfill(status=503, json={"error": "All event streams are in use", "details": [], "retryAfterMs": 1000})
-        else:
-            route.continue_()
-
-    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/events\?.*"), refuse_once)
+    refused: list[str] = []
+    full = {"error": "All event streams are in use", "details": [], "retryAfterMs": 1000}
+    page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/events\?.*"), first_time(lambda route: route.fulfill(status=503, json=full), refused))
     open_playground(page, stack)
     page.fill("#code", 'print("hello through the log")\n')
     result = run_and_wait(page)

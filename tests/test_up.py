@@ -20,7 +20,7 @@ import pytest
 from launcher.node import find_node
 from launcher.stack import free_port
 from shared.paths import REPO_ROOT
-from tests.helpers import dies_with_the_tests
+from tests.helpers import alive, dies_with_the_tests
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -51,13 +51,6 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
 
 def _sandbox_mounts() -> set[str]:
     return {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines() if line.startswith("coderunner-ws ")}
@@ -69,7 +62,7 @@ def _marked(mark: str) -> list[int]:
     needle = f"CODERUNNER_TEST_MARK={mark}".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _alive(int(entry.name)):
+        if entry.name.isdigit() and alive(int(entry.name)):
             try:
                 if needle in (entry / "environ").read_bytes().split(b"\0"):
                     found.append(int(entry.name))
@@ -195,7 +188,7 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
             raise
     assert up.returncode == 0
     time.sleep(0.2)
-    survivors = [pid for pid in family if _alive(pid)]
+    survivors = [pid for pid in family if alive(pid)]
     assert survivors == [], f"left behind: {survivors}"
     assert _marked(mark) == [], "left behind"
     # The logs outlive the stack, and `up` says where they are as it stops.
@@ -234,7 +227,7 @@ def test_up_stops_clean_when_its_terminal_goes_away(tmp_path: Path) -> None:
             up.kill()
             up.wait()
     time.sleep(0.2)
-    survivors = [pid for pid in family if _alive(pid)]
+    survivors = [pid for pid in family if alive(pid)]
     assert survivors == [], f"left behind: {survivors}"
     assert _marked(mark) == [], "left behind"
     with pytest.raises(httpx.HTTPError):
@@ -263,7 +256,7 @@ def test_a_killed_up_leaves_nothing_running(tmp_path: Path) -> None:
         up.kill()
         up.wait()
     deadline = time.monotonic() + 30
-    while (survivors := [pid for pid in family if _alive(pid)]) and time.monotonic() < deadline:
+    while (survivors := [pid for pid in family if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert survivors == [], f"left behind: {survivors}"
     assert _marked(mark) == [], "left behind"
