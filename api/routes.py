@@ -375,7 +375,7 @@ def _bytes_sent_along(body: bytes) -> str | None:
     it always was."""
     try:
         sent = json.loads(body) if body.strip() else None
-    except ValueError:
+    except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
         return None
     if isinstance(sent, dict):
         for field in ("chunk", "data"):

@@ -75,11 +75,6 @@ class Utf8Chunker:
             return []
         return split_utf8(buf.decode("utf-8", "replace"), self._max_bytes)
 
-    @property
-    def pending(self) -> bytes:
-        """An unfinished character held back for the next feed."""
-        return self._pending
-
     def cost(self, data: bytes) -> int:
         """The bytes of text a feed of `data` adds, counting each byte as at least one: its
         length, plus two for every invalid byte (U+FFFD is three bytes of text)."""

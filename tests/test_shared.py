@@ -361,3 +361,16 @@ async def test_browsers_are_told_tls_when_it_ends_at_an_edge_in_front_of_soketi(
     assert edge == {"key": "coderunner-key", "wsHost": "rt.example.com", "wsPort": 443, "forceTLS": True, "cluster": "mt1"}
     with pytest.raises(ConfigError, match="PUSHER_WS_SCHEME"):
         load_settings({"PUSHER_WS_SCHEME": "wss"})
+
+
+def test_a_close_finds_the_input_sent_along_in_any_body_without_failing() -> None:
+    # Read from a job token's body of up to 512 KiB: nesting past json's depth was a
+    # RecursionError (a 500) instead of a body with no input in it.
+    from api.routes import _bytes_sent_along
+
+    assert _bytes_sent_along(b"[" * 100_000) is None
+    assert _bytes_sent_along(b'{"x": ' + b"[" * 100_000 + b"}") is None
+    assert _bytes_sent_along(b"not json") is None and _bytes_sent_along(b"") is None
+    assert _bytes_sent_along(b'{"eof": true, "chunk": ""}') is None
+    assert _bytes_sent_along(b'{"chunk": "last line\\n"}') == "chunk"
+    assert _bytes_sent_along(b'{"data": "eA==", "encoding": "base64"}') == "data"
