@@ -16,6 +16,11 @@ owner reads then cannot miss a message the new connection would not carry. An id
 connection is checked with a PING every `health_check_interval` (30 s unless the client
 says), and one that does not answer within `socket_timeout` is dropped and re-dialled, so a
 half-open connection cannot silently swallow messages for long.
+
+A channel's confirmation reaches `on_message` only for the last SUBSCRIBE written for it: a
+channel subscribed, dropped and subscribed again before Redis answered gets the first
+answer too, and taken for the last it would say "subscribed" while the UNSUBSCRIBE between
+is still to come, so a message published in that window would be lost.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ class Subscriber:
         # wanted when it was made.
         self._on_ready = on_ready
         self._wanted: set[bytes] = set()
+        # SUBSCRIBEs written on the current connection and not yet answered, by channel.
+        self._unanswered: dict[bytes, int] = {}
         self._pushes: _Pushes | None = None
         self._keeper: asyncio.Task[None] | None = None
         options = client.connection_pool.connection_kwargs
@@ -149,6 +156,8 @@ class Subscriber:
         names = [c.encode() for c in channels]
         self._wanted.update(names)
         if self._pushes is not None:
+            for name in names:
+                self._unanswered[name] = self._unanswered.get(name, 0) + 1
             self._pushes.write(_pack(("SUBSCRIBE", *names)))
 
     def unsubscribe(self, *channels: str) -> None:
@@ -161,9 +170,11 @@ class Subscriber:
         # The handshake (AUTH, SELECT) as a plain RESP2 connection, then the transport goes
         # to a protocol that reads pushes.
         plain = await self._client._dial(resp3=False)
-        pushes = _Pushes(self._on_message, plain._address)
+        pushes = _Pushes(self._heard, plain._address)
         pushes.transport = plain.hand_over(pushes)
         self.connections += 1
+        # What the lost connection left unanswered never will be; this one subscribes anew.
+        self._unanswered = dict.fromkeys(self._wanted, 1)
         if self._wanted:
             pushes.write(_pack(("SUBSCRIBE", *self._wanted)))
         pushes.mark()
@@ -171,6 +182,15 @@ class Subscriber:
             on_ready = self._on_ready
             pushes.ready.add_done_callback(lambda _: on_ready())
         return pushes
+
+    def _heard(self, kind: bytes, channel: bytes, data: bytes | int) -> None:
+        if kind == b"subscribe":
+            left = self._unanswered.get(channel, 0) - 1
+            if left > 0:
+                self._unanswered[channel] = left
+                return
+            self._unanswered.pop(channel, None)
+        self._on_message(kind, channel, data)
 
     async def _keep(self) -> None:
         loop = asyncio.get_running_loop()

@@ -356,6 +356,22 @@ async def test_subscriber_delivers_confirmations_and_messages(lean: LeanRedis) -
         assert subscriber.connections == 1
 
 
+async def test_a_channel_is_confirmed_by_its_last_subscribe_only(lean: LeanRedis) -> None:
+    # Subscribed, dropped and subscribed again before Redis answered: the first answer must
+    # not pass for the last, or the caller would take "subscribed" while the UNSUBSCRIBE
+    # between was still to come, and miss what is published in that window.
+    async with subscribed(lean) as (subscriber, heard):
+        await heard.wait_for((b"ready", b"", 0))
+        subscriber.subscribe("a")
+        subscriber.unsubscribe("a")
+        subscriber.subscribe("a")
+        await heard.wait_for((b"subscribe", b"a", 1))
+        kinds = [item[0] for item in heard.items if item[1] == b"a"]
+        assert kinds == [b"unsubscribe", b"subscribe"], heard.items
+        assert await lean.publish("a", "at once") == 1
+        await heard.wait_for((b"message", b"a", b"at once"))
+
+
 async def test_subscriber_is_ready_only_once_its_channels_are_subscribed_again(lean: LeanRedis, plain: Redis) -> None:
     # A reader woken by on_ready reads the stored copy of what pub/sub may have lost: had it
     # read before the new connection's SUBSCRIBE took effect, a message published in
