@@ -751,6 +751,7 @@ template <class T> struct X<T, 0> { static constexpr long v = 1; };
 int main() { return X<int, 40>::v == 0; }
 """
 
+RUST_CONST_EVAL_BOMB = "const N: u64 = { let mut i = 0u64; while i < u64::MAX { i += 1; } i };\nfn main() { println!(\"{}\", N); }\n"
 MACRO_BOMB = "\n".join(
     ["#define D0(x) x x"] + [f"#define D{i}(x) D{i - 1}(D{i - 1}(x))" for i in range(1, 6)] + ["int main(void) { D5(;) return 0; }"]
 )
@@ -998,6 +999,14 @@ CASES = [
     Case("F6-java-parser-bomb", "java",
          "public class Main { static int x = " + "(" * 50000 + "1" + ")" * 50000 + "; public static void main(String[] a) {} }\n",
          both(compile_failed)),
+    Case("F6-rust-const-eval-bomb", "rust", RUST_CONST_EVAL_BOMB,
+         both(compile_failed,
+              where(lambda o: "constant evaluation is taking a long time" in o["compile"]["output"], "rustc's own const-eval error"),
+              where(lambda o: o["compile"]["timedOut"] is False, "rustc stopped by itself"))),
+    # With rustc's lint allowed nothing in the compiler stops it: the compile clock must.
+    Case("F6-rust-const-eval-bomb-lint-allowed", "rust", "#![allow(long_running_const_eval)]\n" + RUST_CONST_EVAL_BOMB,
+         both(compile_failed,
+              where(lambda o: o["compile"]["timedOut"] is True and o["compile"]["signal"] == "SIGKILL", "the compile clock ended rustc"))),
     Case("F1-c-include-dev-urandom", "c", '#include "/dev/urandom"\nint main(void) { return 0; }\n',
          both(compile_failed)),
     Case("F5-c-giant-object-file", "c", "char big[1 << 30] = {1};\nint main(int argc, char **argv) { return big[argc * 4096]; }\n",
