@@ -156,6 +156,11 @@ def test_python_asks_a_name_and_greets(page: Any, stack: Stack) -> None:
     # (print() writes the line and its newline apart: they may come as two stderr chunks.)
     stderr = "".join(page.eval_on_selector_all("#output .stderr", "s => s.map(x => x.textContent)"))
     assert "No name given (stdin closed)" in stderr, page.inner_text("#output")
+    # Told apart by more than colour: a screen reader hears which stream (and copying the
+    # output takes none of those words).
+    spoken = output.aria_snapshot()
+    assert "stderr: No name given (stdin closed)" in spoken, spoken
+    assert "stderr" not in page.inner_text("#output"), page.inner_text("#output")
     shot(page, "1b-python-eof-stderr")
 
 
