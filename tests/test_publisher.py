@@ -97,6 +97,49 @@ def test_a_result_in_the_batch_being_paced_still_goes_when_close_runs_out_of_tim
         api.close()
 
 
+def test_after_a_failed_delivery_output_pauses_but_a_result_still_goes(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One delivery that timed out (a soketi stalled for a moment) pauses live delivery for
+    # BACKOFF_S. Another job that ends in that window must still get its result live: a
+    # pusher-js client that sees no later event never learns of a gap to read from the log.
+    stack = make_stack(with_worker=False)
+    api, rt = Api(stack), Realtime(stack)
+    job = api.execute(py_job("print(1)"))  # no worker: only its channel is used
+    followed = rt.follow(job)
+
+    async def main() -> tuple[int, int]:
+        publisher = Publisher(load_settings({**stack.env(), "PUSHER_PUBLISH": "http"}))
+        request = publisher._request
+        calls = 0
+
+        async def first_times_out(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise TimeoutError
+            return await request(*args, **kwargs)
+
+        monkeypatch.setattr(publisher, "_request", first_times_out)
+        await publisher.deliver([_Event("private-run-someone-else", "stdout", '{"chunk":"a","seq":1}')])
+        await publisher.deliver([
+            _Event(job["channel"], "stdout", '{"chunk":"dropped\\n","seq":0}'),
+            _Event(job["channel"], "result", '{"outcome":"completed","seq":1}'),
+        ])  # fmt: skip
+        counts = publisher.sent, publisher.dropped
+        await publisher.aclose()
+        return counts
+
+    try:
+        sent, dropped = asyncio.run(main())
+        assert (sent, dropped) == (1, 1)
+        assert followed.finished.wait(5), followed.summary()
+        assert [n for n, _ in followed.events] == ["result"]
+    finally:
+        rt.close()
+        api.close()
+
+
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 

@@ -4,7 +4,8 @@ Redis holds the durable log; this is only the live view, so it must never stall 
 each job gets an ordered in-memory lane drained by one task, bursts go out through the
 batch endpoint (soketi accepts up to 10 events per batch), requests have a short
 timeout, and after a failure the publisher backs off for a moment instead of making
-every job wait for a dead server.
+every job wait for a dead server (output is shed meanwhile; a stage or a result is
+still tried).
 
 With PUSHER_PUBLISH=redis, events go out as PUBLISHes on the channel soketi's Redis adapter
 listens to (a soketi started with SOKETI_ADAPTER_DRIVER=redis on the same Redis), in the
@@ -304,8 +305,13 @@ class Publisher:
             if not events:
                 return
         if time.monotonic() < self._down_until:
-            self.dropped += len(events)
-            return
+            # Paused after a failure, output is shed; a stage or a result (another job's,
+            # perhaps, whose client waits for nothing else) is still tried.
+            kept = [event for event in events if event.name not in CHUNK_EVENTS]
+            self.dropped += len(events) - len(kept)
+            if not kept:
+                return
+            events = kept
         if len(events) == 1:
             path = f"/apps/{self._app_id}/events"
             body = _encoder.encode({"name": events[0].name, "channel": events[0].channel, "data": events[0].data})
