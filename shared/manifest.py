@@ -7,7 +7,8 @@ extra read-only paths and environment it needs, and its default run and compile 
 Placeholders:
     {home}        the toolchain folder printed by `home_probe` (anywhere: argv, env, mounts,
                   version_probe); for toolchains that do not live under /usr
-    {entry}       the first submitted file (the program's entry point)
+    {entry}       the program's entry point: the submitted file named `source_file` (main.py,
+                  Main.java...), else the first submitted file (Manifest.entry_of)
     {entryStem}   {entry} without its extension (a Java class name)
     {sources}     every submitted file ending in one of `source_extensions` (several arguments)
     {args}        the request's `args` (run only; several arguments)
@@ -32,6 +33,7 @@ __all__ = [
     "CompileStep",
     "Manifest",
     "compiled_shim_name",
+    "entry_of",
     "expand_argv",
     "interpreter_prefix",
     "names_compiled_shim",
@@ -210,6 +212,13 @@ def with_home(manifest: Manifest, home: str) -> Manifest:
         env={k: v.replace("{home}", home) for k, v in manifest.env.items()},
         compile=compile_step,
     )
+
+
+def entry_of(manifest: Manifest, names: list[str]) -> str:
+    """The program's entry file among the submitted `names`: the manifest's `source_file`
+    when one of them is exactly that (the seed product always ran it, wherever it was
+    listed), else the first."""
+    return manifest.source_file if manifest.source_file in names else names[0]
 
 
 def expand_argv(

@@ -152,6 +152,20 @@ def test_hello_world(api: Api, realtime: Realtime, language: str) -> None:
 
 
 @pytest.mark.parametrize("language", sorted(LANGUAGES))
+def test_the_main_file_is_the_entry_wherever_it_is_listed(api: Api, realtime: Realtime, language: str) -> None:
+    # The seed product ran its manifest's main file (main.py, Main.java...) whatever the
+    # order of `files`; its clients may list a data file or a module first.
+    spec = LANGUAGES[language]
+    files = [{"name": "notes.txt", "content": "not a program\n"}, {"name": spec["file"], "content": spec["hello"]}]
+    job = api.execute({"language": language, "files": files})
+    followed = realtime.follow(job)
+    api.start(job)
+    out = followed.wait_result(timeout_s=90)
+    assert out["outcome"] == "completed" and out["exitCode"] == 0, out
+    assert followed.text("stdout") == "Hello, world!\n"
+
+
+@pytest.mark.parametrize("language", sorted(LANGUAGES))
 def test_reads_stdin(api: Api, realtime: Realtime, language: str) -> None:
     out, _ = run(api, realtime, language, LANGUAGES[language]["echo"], stdin="alpha\nbeta\n")
     assert out["outcome"] == "completed", out

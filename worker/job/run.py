@@ -32,7 +32,7 @@ from shared.blobs import parse_ref
 from shared.errors import FieldError, ValidationError
 from shared.grading import cases_not_run
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
-from shared.manifest import Manifest, expand_argv, names_compiled_shim
+from shared.manifest import Manifest, entry_of, expand_argv, names_compiled_shim
 from shared.messages import (
     OUTCOME_STATE,
     CaseOutput,
@@ -545,7 +545,7 @@ class JobRun:
         spec = self.spec
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes, blobs)
         names = [name for name, _ in files]
-        entry = names[0]
+        entry = entry_of(manifest, names)
         sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
         factory = self.ctx.sandboxes
         run = Program(
