@@ -15,10 +15,11 @@ WORKDIR /build/clients/js
 COPY clients/js/package.json clients/js/package-lock.json ./
 RUN npm ci --omit=dev --ignore-scripts
 
-# One image for the API and the worker (the worker needs the toolchains it offers).
+# One image for the API and the worker (the worker needs the toolchains it offers: every
+# language but rust, whose manifest wants rustup's toolchain).
 FROM python:3.11-slim-bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends \
-        python3 gcc g++ default-jdk-headless nodejs ca-certificates \
+        python3 gcc g++ default-jdk-headless nodejs golang-go ruby ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -8,9 +8,10 @@ shared between principals: whether a digest is "present" tells a caller only abo
 uploads.
 
 The upload link is the only credential of the PUT (the SDK sends no bearer with it). The
-API hashes the bytes before storing them, so a blob is always what its name says, and an
-execute copies a blob's bytes into the job's spec: a job never depends on a blob that may
-expire before it runs.
+API hashes the bytes before storing them, so a blob is always what its name says. An
+execute keeps the ref in the job's spec (Redis holds a blob once, however many jobs name it)
+and renews the blob for as long as the job may wait, so it cannot expire before the worker
+fetches and checks it.
 """
 
 from __future__ import annotations

@@ -118,3 +118,17 @@ def test_the_worker_can_run_what_it_builds_in_its_work_root_and_agrees_with_soke
     limit = services["soketi"]["environment"]["SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB"]
     for name in ("api", "worker"):
         assert services[name]["environment"]["PUSHER_MAX_PAYLOAD_KB"] == limit
+
+
+def test_the_image_has_a_toolchain_for_every_language_but_rust() -> None:
+    """Debian's package of each language's tools (the manifests' paths are Debian's); rust's
+    manifest wants rustup's toolchain, which the image does not fetch (README says so)."""
+    packages = {"python": "python3", "javascript": "nodejs", "c": "gcc", "cpp": "g++",
+                "java": "default-jdk-headless", "go": "golang-go", "ruby": "ruby", "bash": None}  # fmt: skip
+    languages = {path.stem for path in (REPO_ROOT / "sandbox-profiles" / "languages").glob("*.toml")}
+    assert languages == set(packages) | {"rust"}
+    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    final_stage = text.rsplit("\nFROM ", 1)[1]
+    installed = set(re.search(r"RUN apt-get update && apt-get install -y (.*)", final_stage).group(1).split())
+    for language, package in packages.items():
+        assert package is None or package in installed, f"the image cannot run {language}: no {package}"
