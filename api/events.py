@@ -64,13 +64,14 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
                 return
 
 
+_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
 class _AdmittedStream(StreamingResponse):
     """A stream that gives its slot back however it ends (result, client gone, error)."""
 
     def __init__(self, body: AsyncIterator[bytes], slot: StreamSlot) -> None:
-        super().__init__(
-            body, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
-        )
+        super().__init__(body, media_type="text/event-stream", headers=_HEADERS)
         self._body = body
         self._slot = slot
 
@@ -96,6 +97,10 @@ async def job_events(request: Request) -> Response:
         # The client has the result already: nothing will ever follow. A 204 makes a
         # browser's EventSource stop; an empty 200 would have it reconnect every few seconds.
         return Response(status_code=204)
+    if request.method == "HEAD":
+        # What a GET would answer, without its body: streamed, a HEAD would hold a stream
+        # slot and its connection until the job ends, for bytes the server throws away.
+        return Response(media_type="text/event-stream", headers=_HEADERS)
     principal = state.auth.principal(request, url_token=request.query_params.get("token"))
     slot = slots.acquire(status.job_id, principal.caller)
     return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)

@@ -133,6 +133,22 @@ def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> Non
         client.close()
 
 
+def test_a_head_of_the_event_stream_answers_at_once_and_holds_no_stream(api: Api) -> None:
+    # Starlette answers HEAD on every GET route; run as a stream, it held a slot and its
+    # keep-alive connection until the job ended (the next request on it waited as long).
+    job = api.execute(py_job("print('parked')"))  # never started: its stream would not end
+    with httpx.Client(base_url=api.url, timeout=3, limits=httpx.Limits(max_connections=1)) as client:
+        headers = {"Authorization": f"Bearer {job['jobToken']}"}
+        for _ in range(6):  # past the per-job bound of 4, were each a stream
+            head = client.head(f"/v1/jobs/{job['jobId']}/events", headers=headers)
+            assert head.status_code == 200 and head.headers["content-type"].startswith("text/event-stream")
+        assert client.get(f"/v1/jobs/{job['jobId']}", headers=headers).json()["state"] == "parked"
+        stream = _open_stream(client, job, job["jobToken"])
+        assert stream.status_code == 200
+        stream.close()
+        assert client.head(f"/v1/jobs/{job['jobId']}/events").status_code == 401
+
+
 def test_small_pool_is_503_before_any_byte_and_admitted_streams_never_break(make_stack: StackFactory) -> None:
     stack = make_stack(MAX_EVENT_STREAMS="4", MAX_EVENT_STREAMS_PER_JOB="2", MAX_EVENT_STREAMS_PER_PRINCIPAL="2")
     api = Api(stack)
