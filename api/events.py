@@ -19,6 +19,7 @@ from api.state import AppState
 from api.store import JobStore
 from api.streams import StreamSlot, StreamSlots
 from shared.errors import FieldError, ValidationError
+from shared.eventlog import entry_json
 from shared.messages import TERMINAL_STATES
 
 __all__ = ["job_events"]
@@ -56,10 +57,10 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
             if status is None:
                 return
             continue
-        for entry_id, seq, name, data in entries:
+        for entry_id, seq, name, fields in entries:
             cursor = entry_id
             if seq > after_seq:
-                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, name.encode(), data)
+                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, name.encode(), entry_json(seq, fields))
             if name == "result":
                 return
 

@@ -11,6 +11,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -493,6 +494,8 @@ _STATUS_FIELDS = (
 
 # Stored outputs up to this size (each stream) are read with the result and answered whole.
 SMALL_OUTPUT_BYTES = 64 * 1024
+# Log entries an event stream reads at once (see JobStore.events).
+EVENTS_PER_READ = 64
 
 
 class StoredOutputFound(NamedTuple):
@@ -1076,22 +1079,25 @@ class JobStore:
         found = await self._seek(keys=[keys.events_key(job_id)], args=[after_seq])
         return found.decode() if isinstance(found, bytes) else str(found)
 
-    async def events(self, job_id: str, after_stream_id: str, block_ms: int | None) -> list[tuple[str, int, str, bytes]]:
-        """Entries of the job's durable log after a stream id: (stream id, seq, name, data).
+    async def events(
+        self, job_id: str, after_stream_id: str, block_ms: int | None
+    ) -> list[tuple[str, int, str, Mapping[bytes, bytes]]]:
+        """Entries of the job's durable log after a stream id: (stream id, seq, name, the
+        entry's fields, which shared.eventlog.entry_json makes the payload of).
 
-        With `block_ms`, waits up to that long for the first new entry.
+        With `block_ms`, waits up to that long for the first new entry. At most
+        EVENTS_PER_READ: a read of 8 KiB chunks is then at most 512 KiB, whose JSON the
+        caller makes one event at a time, as its client takes them.
         """
         key = keys.events_key(job_id)
         if block_ms is None:
-            raw = await self._redis.xrange(key, min=f"({after_stream_id}" if after_stream_id != "0" else "-", count=500)
+            raw = await self._redis.xrange(
+                key, min=f"({after_stream_id}" if after_stream_id != "0" else "-", count=EVENTS_PER_READ
+            )
         else:
-            answer = await self._streams.xread({key: after_stream_id}, count=500, block=block_ms)
+            answer = await self._streams.xread({key: after_stream_id}, count=EVENTS_PER_READ, block=block_ms)
             raw = answer[0][1] if answer else []
-        out = []
-        for entry_id, fields in raw:
-            seq = int(fields[b"seq"])
-            out.append((entry_id.decode(), seq, fields[b"name"].decode(), entry_json(seq, fields)))
-        return out
+        return [(entry_id.decode(), int(fields[b"seq"]), fields[b"name"].decode(), fields) for entry_id, fields in raw]
 
     async def output_snapshot(self, job_id: str) -> OutputSnapshot:
         """One atomic look for a waiting `/output`: the stored output if any, and whether the

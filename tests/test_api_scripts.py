@@ -588,7 +588,7 @@ async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
     read: list[int] = []
     events = store.events
 
-    async def counted(job: str, after: str, block_ms: int | None) -> list[tuple[str, int, str, bytes]]:
+    async def counted(job: str, after: str, block_ms: int | None) -> list[tuple[str, int, str, Any]]:
         found = await events(job, after, block_ms)
         read.extend(seq for _, seq, _, _ in found)
         return found
@@ -600,3 +600,35 @@ async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
     read.clear()
     assert len([frame async for frame in _stream(store, job_id, -1)]) == 301
     assert read == list(range(301))
+
+
+async def test_an_sse_catch_up_reads_a_big_log_a_bounded_piece_at_a_time(
+    redis: Redis, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 600 chunks of 8 KiB of control bytes: 4.7 MiB in the log, six times that as JSON. One
+    # read of them all (and all of it made JSON at once) held that much per stream, for
+    # each of the hundreds a process may serve, however slowly its client read.
+    from api.events import _stream
+
+    job_id = uuid.uuid4().hex
+    key = keys.events_key(job_id)
+    for seq in range(600):
+        await redis.xadd(key, {"seq": seq, "name": "stdout", "chunk": b"\x01" * 8192})
+    await redis.xadd(key, {"seq": 600, "name": "result", "data": b'{"outcome":"completed"}'})
+    read_bytes: list[int] = []
+    events = store.events
+
+    async def measured(job: str, after: str, block_ms: int | None) -> list[tuple[str, int, str, Any]]:
+        found = await events(job, after, block_ms)
+        # (What each entry holds when read: its fields, or its JSON made at once.)
+        read_bytes.append(sum(len(held) if isinstance(held, bytes) else sum(map(len, held.values())) for *_, held in found))
+        return found
+
+    monkeypatch.setattr(store, "events", measured)
+    frames = 0
+    async for frame in _stream(store, job_id, -1):
+        frames += 1
+        if frames == 1:
+            assert frame.startswith(b"id: 0\nevent: stdout\ndata: ") and frame.count(b"\\u0001") == 8192
+    assert frames == 601
+    assert max(read_bytes) <= 512 * 1024 + 4096, read_bytes
