@@ -179,6 +179,21 @@ def test_inputs_and_the_compiled_program_are_not_artifacts(api: Api, realtime: R
 
 
 @pytest.mark.slow
+def test_max_artifact_bytes_bounds_all_the_files_together(api: Api, realtime: Realtime) -> None:
+    # The seed product's meaning: the total across the artifacts. Three 2 MiB files under the
+    # default 4 MiB: two are kept, the third is left out and says so.
+    code = "for name in 'abc':\n    open(name + '.bin', 'wb').write(bytes(2 * 1024 * 1024))\n"
+    result, announced, out = _run(api, realtime, py_job(code))
+    assert result["outcome"] == "completed", out
+    assert [a["name"] for a in announced] == ["a.bin", "b.bin"]
+    assert out["artifactsTruncated"] is True
+    # A smaller file after one that did not fit still goes in what is left.
+    code = "open('a.bin', 'wb').write(bytes(3 << 20))\nopen('b.bin', 'wb').write(bytes(2 << 20))\nopen('c.txt', 'w').write('small')\n"
+    result, announced, out = _run(api, realtime, py_job(code))
+    assert [a["name"] for a in announced] == ["a.bin", "c.txt"] and out["artifactsTruncated"] is True
+
+
+@pytest.mark.slow
 def test_max_artifacts_zero_collects_nothing(api: Api, realtime: Realtime) -> None:
     result, announced, out = _run(api, realtime, py_job("open('x.txt','w').write('x')", limits={"maxArtifacts": 0}))
     assert result["outcome"] == "completed" and announced == [] and out["artifacts"] == []

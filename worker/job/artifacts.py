@@ -6,11 +6,12 @@ folder whose inode cap bounds it to a few thousand names, usually a handful, and
 costs less than a trip to a thread. New files, if any, are read on an isolation thread:
 each entry is opened relative to the workspace's own descriptor with O_NOFOLLOW (a symbolic
 link to a host file fails to open) and O_NONBLOCK (a FIFO opens without waiting for a
-writer), and only a regular file is read, and only if fstat says it fits
-`maxArtifactBytes` and what is left of the job's total (a sparse 1 GiB file is skipped,
-not read). The total is the workspace's size: without it, sparse files (their size is not
-their blocks) or many hard links to one big file let a job have the worker read, and Redis
-keep, far more than its workspace could hold. A file is read once, under its first name in
+writer), and only a regular file is read, and only if fstat says it fits what is left of
+the job's total (a sparse 1 GiB file is skipped, not read). The total is `maxArtifactBytes`
+(all files together, as in the seed product) and never more than the workspace's size:
+without that bound, sparse files (their size is not their blocks) or many hard links to
+one big file would let a job have the worker read, and Redis keep, far more than its
+workspace could hold. A file is read once, under its first name in
 order; another name of the same file is skipped. Names are kept as text
 (bytes that are not UTF-8 become U+FFFD); the files themselves are addressed by number
 everywhere.

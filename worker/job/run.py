@@ -811,9 +811,9 @@ class JobRun:
             # the isolation threads (which read the files, when there are any).
             if not top_level_names(path) - before:
                 return
-            collected = await off_loop(
-                collect_artifacts, path, before, limits.max_artifacts, limits.max_artifact_bytes, self.ctx.sandboxes.workspace_bytes
-            )
+            # maxArtifactBytes bounds all of them together, as in the seed product.
+            total = min(limits.max_artifact_bytes, self.ctx.sandboxes.workspace_bytes)
+            collected = await off_loop(collect_artifacts, path, before, limits.max_artifacts, total, total)
         except OSError as exc:
             log.warning("job %s: could not read its artifacts: %s", self.job_id, exc)
             return
