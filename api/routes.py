@@ -293,8 +293,6 @@ def _stdin_bytes(body: bytes) -> tuple[bytes, str]:
         except (binascii.Error, ValueError):
             raise ValidationError([FieldError("data", "is not valid base64")]) from None
         field = "data"
-    if not data:
-        raise ValidationError([FieldError(field, "must not be empty")])
     return data, field
 
 

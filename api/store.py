@@ -239,6 +239,9 @@ if earlier then return {1, tonumber(earlier)} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return {0, 'ended', state or ''} end
 if redis.call('HGET', KEYS[1], 'stdinClosed') == '1' then return {0, 'closed', ''} end
+-- An empty frame (the seed SDK's sendStdin(id, "")) is answered as any frame would be, and
+-- stores nothing: it would reach the program as nothing.
+if ARGV[2] ~= 'close' and #ARGV[1] == 0 then return {1, -1} end
 -- Redis's clock, not the API's: the rate list is shared by every API process, whose clocks
 -- may disagree.
 local clock = redis.call('TIME')

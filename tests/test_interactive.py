@@ -262,7 +262,7 @@ def test_input_the_program_has_read_does_not_pile_up_in_redis(api: Api, realtime
     assert followed.text("stdout") == f"{20 * len(block)}\n"
 
 
-def test_stdin_validation_and_closed_stdin(api: Api) -> None:
+def test_stdin_validation_and_closed_stdin(api: Api, stack: Stack) -> None:
     job = api.execute(py_job(ECHO))
     path = f"/v1/jobs/{job['jobId']}/stdin"
     cases = [
@@ -270,7 +270,6 @@ def test_stdin_validation_and_closed_stdin(api: Api) -> None:
         ({"chunk": "a", "data": "YQ==", "encoding": "base64"}, "chunk"),
         ({"data": "YQ=="}, "encoding"),
         ({"data": "not base64!", "encoding": "base64"}, "data"),
-        ({"chunk": ""}, "chunk"),
         ({"chunk": 5}, "chunk"),
         ({"chunk": "a", "extra": 1}, "extra"),
     ]
@@ -278,7 +277,14 @@ def test_stdin_validation_and_closed_stdin(api: Api) -> None:
         response = api.post(path, token=job["jobToken"], json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["details"][0]["field"] == field, (body, response.json())
+    # An empty frame (the seed SDK sends one for sendStdin(id, "")) is a 200 that stores
+    # nothing, and is answered like any frame once stdin is closed.
+    for body in ({"chunk": ""}, {"data": "", "encoding": "base64"}):
+        assert api.post(path, token=job["jobToken"], json=body).status_code == 200
+    with stack.redis() as redis:
+        assert redis.xlen(f"job:{job['jobId']}:stdin") == 0
     assert close(api, job).status_code == 200
+    assert api.post(path, token=job["jobToken"], json={"chunk": ""}).status_code == 409
     again = stdin(api, job, "x")
     assert again.status_code == 409 and "closed" in again.json()["error"]
     assert close(api, job).status_code == 409
