@@ -222,6 +222,35 @@ class _Pipe:
     def close(self) -> None:
         self.closed = True
 
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_frame_that_comes_after_the_jail_closed_stdin_is_dropped_not_an_error() -> None:
+    # The jail's end closes the program's stdin (worker/isolation/child.py) a few ms before
+    # the step stops the feeder; a frame in between must not fail the job. Under uvloop, as
+    # the worker runs, a write to the closed pipe raises RuntimeError.
+    import uvloop
+
+    async def main() -> bytes:
+        loop = asyncio.get_running_loop()
+        read_end, write_end = os.pipe()
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(write_end, "wb"))
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        inbox: asyncio.Queue[StdinFrame] = asyncio.Queue()
+        inbox.put_nowait(StdinFrame(n=0, kind="data", data=base64.b64encode(b"a\n").decode(), id="1-0"))
+        feed = StdinFeed(_StoredStdin([]), "job", 1, inbox, None, close_after_upfront=False, stored_before=0)  # type: ignore[arg-type]
+        feeding = asyncio.create_task(feed.run(writer, Activity(0.0)))
+        await asyncio.sleep(0.05)
+        writer.close()  # the jail ended
+        inbox.put_nowait(StdinFrame(n=1, kind="data", data=base64.b64encode(b"late\n").decode(), id="2-0"))
+        inbox.put_nowait(StdinFrame(n=2, kind="close", data="", id="3-0"))
+        await asyncio.wait_for(feeding, 5)
+        with os.fdopen(read_end, "rb") as reader:
+            return reader.read()
+
+    assert uvloop.run(main()) == b"a\n"
+
 
 @pytest.mark.parametrize("stored_before", [None, 1, 0])
 async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(stored_before: int | None) -> None:

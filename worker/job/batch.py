@@ -46,6 +46,7 @@ from worker.isolation.sandbox import Sandbox
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import output_encoding
+from worker.job.stdin import write_to_program
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 from worker.messaging.queue import Fenced
 
@@ -225,14 +226,11 @@ async def run_batch(
         async def feed(activity: Activity) -> None:
             writer = sandbox.jail.proc.stdin
             assert writer is not None
-            try:
-                for at in range(0, len(stdin), STDIN_PIECE):
-                    writer.write(stdin[at : at + STDIN_PIECE])
-                    await writer.drain()
-                    activity.touch()  # the program is reading its input: not idle
-                writer.close()
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the program stopped reading its input
+            for at in range(0, len(stdin), STDIN_PIECE):
+                if not await write_to_program(writer, stdin[at : at + STDIN_PIECE]):
+                    return  # the program stopped reading its input, or its jail ended
+                activity.touch()  # the program is reading its input: not idle
+            writer.close()
 
         try:
             facts: StepFacts = await supervise(

@@ -25,7 +25,7 @@ from worker.job.supervise import Activity
 from worker.messaging.control import ConnectionWatch
 from worker.messaging.queue import WorkerQueue
 
-__all__ = ["StdinFeed"]
+__all__ = ["StdinFeed", "write_to_program"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,22 @@ log = logging.getLogger(__name__)
 # looks at the stream itself (a safety net: a healthy connection loses nothing).
 POLL_S = 10.0
 BATCH = 64
+
+
+async def write_to_program(writer: asyncio.StreamWriter, data: bytes) -> bool:
+    """Write to the program's stdin; False once it takes nothing more. That is not an
+    error: the program closed its stdin or exited, or its jail ended, which closes the
+    pipe (worker/isolation/child.py) a little before the step stops its feeder. (uvloop,
+    as the worker runs, raises RuntimeError for a write to a closed pipe where asyncio's
+    own loop drops it.)"""
+    if writer.is_closing():
+        return False
+    try:
+        writer.write(data)
+        await writer.drain()
+    except (BrokenPipeError, ConnectionResetError, RuntimeError):
+        return False
+    return True
 
 
 class StdinFeed:
@@ -153,11 +169,8 @@ class StdinFeed:
     async def _write(self, writer: asyncio.StreamWriter, data: bytes, activity: Activity) -> None:
         if self._broken:
             return
-        try:
-            writer.write(data)
-            await writer.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            self._broken = True  # the program stopped reading its input: not an error
+        if not await write_to_program(writer, data):
+            self._broken = True
             return
         activity.touch()
 
