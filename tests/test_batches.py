@@ -596,6 +596,9 @@ async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.M
         def close(self) -> None:
             pass
 
+        def is_closing(self) -> bool:
+            return False
+
     writer = Writer()
 
     async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, feed_stdin: Any, **_: Any) -> StepFacts:
