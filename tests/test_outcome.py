@@ -51,6 +51,8 @@ RUN_TABLE = [
     ("user, program had exited 0 by itself", facts(exited(0), "user"), COMPLETED),
     ("user, program had exited 3 by itself", facts(exited(3), "user"), COMPLETED),
     ("user, program had exited by itself, OOM counted earlier", facts(exited(1), "user", oom_kills=1), COMPLETED),
+    ("user, program had crashed by itself", facts(exited(sig="SIGSEGV"), "user"), COMPLETED),
+    ("user, program had aborted by itself", facts(exited(sig="SIGABRT"), "user", oom_kills=1), COMPLETED),
     ("user, killed by the kill", facts(exited(sig="SIGKILL"), "user"), KILLED),
     ("user, gate killed, nothing reported", facts(exited(), "user"), KILLED),
     ("user, both an exit code and a signal", facts(exited(0, "SIGKILL"), "user"), KILLED),

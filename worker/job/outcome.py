@@ -36,9 +36,11 @@ class RunVerdict:
 def judge_run(facts: StepFacts) -> RunVerdict:
     exit_info = facts.exit
     if facts.fired == "user":
-        if exit_info.exit_code is not None and exit_info.signal is None:
-            # The program exited by itself in the moment between the kill request and the
-            # kill: it was not killed, and saying so would be wrong.
+        exited_itself = exit_info.exit_code is not None and exit_info.signal is None
+        if exited_itself or exit_info.signal not in (None, "SIGKILL"):
+            # The program exited, or crashed (a kill is only ever SIGKILL), by itself in the
+            # moment between the kill request and the kill: it was not killed, and saying
+            # so would be wrong.
             return RunVerdict(Outcome.COMPLETED)
         return RunVerdict(Outcome.KILLED, killed_by="user")
     if facts.fired in ("wall", "cpu"):
