@@ -7,7 +7,9 @@ shorter than the compile's own duration can only mean the compile happened befor
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from tests.helpers import Api, Followed, Realtime, py_job
+from tests.helpers import Api, Followed, Realtime, pids_with_cmdline, py_job
 
 pytestmark = pytest.mark.slow
 
@@ -197,6 +199,27 @@ def test_a_parked_python_job_is_loaded_before_its_start(stack: Stack, clients: t
     assert followed.text("stdout") == "['main.py'] ['a b'] /workspace\n"
     assert phases(followed) == ["queued", "running"]
     assert names_in_order(followed)[-1] == "result"
+
+
+def test_a_loaded_sandbox_that_ended_while_parked_is_replaced_at_start(stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    # Its jail killed while the job waited (the host's OOM killer, say): at start the job
+    # loads into a fresh sandbox, not into a dead one (internal_error, or a dead runtime's
+    # exit taken for the program's).
+    api, rt = clients
+    job = api.execute(py_job("print('ran')"))
+    followed = rt.follow(job)
+    wait_loaded_while_parked(stack, job)
+    jails = pids_with_cmdline(b"nsjail", f"/run/{stack.deployment}/".encode())
+    assert jails, "no jail of this stack found"
+    for pid in jails:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in jails):  # until the worker reaped them
+        assert time.monotonic() < deadline, "the killed jails were not reaped"
+        time.sleep(0.01)
+    result, _ = start_and_wait(api, followed)
+    assert result["outcome"] == "completed" and followed.text("stdout") == "ran\n", stack.log("worker")[-4000:]
+    assert "the sandbox it loaded in while parked has ended" in stack.log("worker")
 
 
 def test_killing_a_parked_loaded_job_frees_its_sandbox(stack: Stack, clients: tuple[Api, Realtime]) -> None:

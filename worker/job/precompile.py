@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from shared.messages import CompileInfo, CtrlMessage
-from worker.isolation.jail import Program
+from worker.isolation.jail import JailError, Program
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
 from worker.job.outcome import compile_succeeded
@@ -213,6 +213,16 @@ class Precompile:
             # The job ends as a compile that breaks after start does.
             raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
+            if self.sandbox.jail.proc.returncode is not None:
+                # Its jail ended while the job waited (the host's OOM killer, say): loaded,
+                # the job loads again after start; compiled, its compile went out already
+                # (compiling again would show it twice), so it fails as the platform's.
+                log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
+                sent = self.events.sent
+                await self.discard()
+                if sent:
+                    raise JailError("the sandbox the job was compiled in ended before it could run")
+                return "gone"
             return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
 

@@ -235,12 +235,13 @@ class JobRun:
                 # Loaded while parked: nothing lies between start and run, so one fenced
                 # write takes the job from parked straight to running (settle keeps the
                 # sandbox first, so no started job can recall it meanwhile).
-                await precompile.settle(sub.ctrl, self.events)
-                self.sandbox = precompile.take()
-                self._running_stage = asyncio.create_task(self._mark_running())
-                await self._running_stage
-                early = "ready"
-            else:
+                early = await precompile.settle(sub.ctrl, self.events)
+                if early == "loaded":
+                    self.sandbox = precompile.take()
+                    self._running_stage = asyncio.create_task(self._mark_running())
+                    await self._running_stage
+                    early = "ready"
+            if early != "ready":
                 await self.events.state(JobState.STARTING)
             self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
