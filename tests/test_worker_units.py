@@ -252,6 +252,43 @@ def test_a_frame_that_comes_after_the_jail_closed_stdin_is_dropped_not_an_error(
     assert uvloop.run(main()) == b"a\n"
 
 
+async def test_frames_in_hand_reach_the_program_while_redis_is_slow_to_record_them() -> None:
+    # Two lines typed quickly; Redis stalls on recording the first as written. The second
+    # must still reach the program (it waits for it, printing nothing, so the idle clock
+    # would end the job), and the records catch up with the latest count.
+    class SlowToRecord(_StoredStdin):
+        def __init__(self) -> None:
+            super().__init__([])
+            self.answer = asyncio.Event()
+            self.recorded: list[tuple[int, str]] = []
+
+        async def stdin_written(self, job_id: str, attempt: int, total_bytes: int, through_id: str) -> None:
+            await self.answer.wait()
+            self.recorded.append((total_bytes, through_id))
+
+    stream = SlowToRecord()
+    inbox: asyncio.Queue[StdinFrame] = asyncio.Queue()
+    for n, line in enumerate([b"one\n", b"two\n", b"three\n"]):
+        inbox.put_nowait(StdinFrame(n=n, kind="data", data=base64.b64encode(line).decode(), id=f"{n + 1}-0"))
+    feed = StdinFeed(stream, "job", 1, inbox, None, close_after_upfront=False, stored_before=0)  # type: ignore[arg-type]
+    pipe = _Pipe()
+    feeding = asyncio.create_task(feed.run(pipe, Activity(0.0)))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(2):
+            while pipe.data != b"one\ntwo\nthree\n":
+                await asyncio.sleep(0.01)
+        assert stream.recorded == []  # (Redis has not answered yet)
+        stream.answer.set()
+        inbox.put_nowait(StdinFrame(n=3, kind="close", data="", id="4-0"))
+        await asyncio.wait_for(feeding, 2)
+        async with asyncio.timeout(2):
+            while not stream.recorded or stream.recorded[-1] != (14, "3-0"):
+                await asyncio.sleep(0.01)
+        assert stream.recorded in ([(4, "1-0"), (14, "3-0")], [(14, "3-0")]), stream.recorded
+    finally:
+        feeding.cancel()
+
+
 @pytest.mark.parametrize("stored_before", [None, 1, 0])
 async def test_stdin_feeder_reads_the_stream_first_unless_nothing_was_stored(stored_before: int | None) -> None:
     stream = _StoredStdin([StoredFrame(id="1-0", n=0, kind="data", data=b"a\n")] if stored_before else [])

@@ -81,6 +81,10 @@ class StdinFeed:
         # The program closed its stdin (or exited): later frames are consumed unwritten.
         self._broken = False
         self._stopped = False
+        # What reached the program and is still to be recorded (bytes, through frame id),
+        # and the task recording it: frames in hand never wait for Redis's answer.
+        self._unrecorded: tuple[int, str] | None = None
+        self._recorder: asyncio.Task[None] | None = None
 
     def stop(self) -> None:
         """The step is over: stop at the next chance, even if a cancellation was lost."""
@@ -94,6 +98,11 @@ class StdinFeed:
             if self._close_after_upfront:
                 return
             await self._follow(writer, activity)
+        except BaseException:
+            # The step is over: what is still to be recorded no longer frees anything.
+            if self._recorder is not None:
+                self._recorder.cancel()
+            raise
         finally:
             self._close(writer)
 
@@ -159,12 +168,22 @@ class StdinFeed:
             return True
         await self._write(writer, data, activity)
         self.written_bytes += len(data)
-        try:
-            await self._queue.stdin_written(self._job_id, self._attempt, self.written_bytes, frame_id)
-        except RedisError as exc:
-            # The bytes reached the program; only the pending count lags until the next frame.
-            log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)
+        self._unrecorded = (self.written_bytes, frame_id)
+        if self._recorder is None or self._recorder.done():
+            self._recorder = asyncio.create_task(self._record(), name=f"stdin-written:{self._job_id}")
         return False
+
+    async def _record(self) -> None:
+        """Record what reached the program (frees the API's pending cap, trims the stream),
+        the latest count only: a burst of frames costs one round trip or two, and a Redis
+        that answers slowly never holds back a frame already in hand."""
+        while self._unrecorded is not None:
+            (written, through), self._unrecorded = self._unrecorded, None
+            try:
+                await self._queue.stdin_written(self._job_id, self._attempt, written, through)
+            except RedisError as exc:
+                # The bytes reached the program; only the pending count lags until the next frame.
+                log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes, activity: Activity) -> None:
         if self._broken:
