@@ -99,11 +99,39 @@ async def test_started_jobs_steps_go_before_parked_jobs_compiles() -> None:
     assert order == ["started run", "parked compile"]
 
 
+async def test_a_parked_compile_whose_job_starts_queues_with_the_started_jobs() -> None:
+    # Its job started while its compile waited for memory (or the start was there at claim):
+    # from then on it waits in the started jobs' line, behind those already in it, ahead of
+    # those after it, rather than behind every started job that ever comes.
+    memory = MemoryAdmission(100 * MIB)
+    assert memory.try_admit(100 * MIB)
+    order: list[str] = []
+    started = asyncio.Event()
+
+    async def step(name: str, speculative: bool) -> None:
+        await memory.admit(60 * MIB, speculative, started if speculative else None)
+        order.append(name)
+        await asyncio.sleep(0.02)
+        memory.release(60 * MIB)
+
+    waiting = [asyncio.create_task(step("compile", True))]
+    await asyncio.sleep(0.01)
+    waiting.append(asyncio.create_task(step("before its start", False)))
+    await asyncio.sleep(0.01)
+    started.set()
+    await asyncio.sleep(0.01)
+    waiting.append(asyncio.create_task(step("after its start", False)))
+    await asyncio.sleep(0.01)
+    memory.release(100 * MIB)
+    await asyncio.wait_for(asyncio.gather(*waiting), 2)
+    assert order == ["before its start", "compile", "after its start"]
+
+
 @pytest.mark.parametrize("turns", [0, 1, 2])
 async def test_a_step_cancelled_as_its_memory_is_granted_gives_it_back(turns: int) -> None:
     memory = MemoryAdmission(100 * MIB)
     assert memory.try_admit(90 * MIB)
-    step = asyncio.create_task(_admitted(memory, 60 * MIB, asyncio.Queue(), False))
+    step = asyncio.create_task(_admitted(memory, 60 * MIB, asyncio.Queue(), None))
     await asyncio.sleep(0.01)
     memory.release(90 * MIB)  # granted now...
     for _ in range(turns):
@@ -120,7 +148,7 @@ async def test_a_kill_while_waiting_for_memory_takes_nothing_and_stays_for_the_s
     memory = MemoryAdmission(100 * MIB)
     assert memory.try_admit(100 * MIB)
     inbox: asyncio.Queue[object] = asyncio.Queue()
-    waiting = asyncio.create_task(_admitted(memory, 10 * MIB, inbox, False))
+    waiting = asyncio.create_task(_admitted(memory, 10 * MIB, inbox, None))
     await asyncio.sleep(0.1)
     kill = CtrlMessage(type="kill")
     inbox.put_nowait(kill)

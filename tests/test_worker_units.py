@@ -1524,9 +1524,11 @@ class _LendingPool:
     def __init__(self) -> None:
         self.kept: list[object] = []
         self.given_back: list[object] = []
+        # (A sandbox whose jail is alive.)
+        self.sandbox = SimpleNamespace(jail=SimpleNamespace(proc=SimpleNamespace(returncode=None)))
 
     async def borrow(self, recall: Any, program: Program, language: str) -> object:
-        return "sandbox"
+        return self.sandbox
 
     def keep(self, sandbox: object) -> None:
         self.kept.append(sandbox)
@@ -1560,7 +1562,7 @@ async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_
     loop.call_later(0.03, finish.set)
     assert await precompile.settle(ctrl, _LoggedEvents()) == "compiled"
     assert ctrl.qsize() == 1 and ctrl.get_nowait() is kill
-    assert precompile.take() == "sandbox" and pool.kept == ["sandbox"]
+    assert precompile.take() is pool.sandbox and pool.kept == [pool.sandbox]
 
 
 class _LoggedEvents:
@@ -1608,7 +1610,7 @@ async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_we
         asyncio.get_running_loop().call_later(0.02, fail.set)
         assert await precompile.settle(asyncio.Queue(), sent) == "gone"
         assert sent.calls == []
-    assert pool.given_back == ["sandbox"] and precompile.sandbox is None
+    assert pool.given_back == [pool.sandbox] and precompile.sandbox is None
     await precompile.discard()
 
 

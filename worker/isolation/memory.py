@@ -97,14 +97,25 @@ class MemoryAdmission:
         self._take(size)
         return True
 
-    async def admit(self, size: int, speculative: bool = False) -> None:
+    async def admit(self, size: int, speculative: bool = False, started: asyncio.Event | None = None) -> None:
         """Wait until `size` bytes fit, and take them (give them back with `release`).
-        A `speculative` step (a parked job's compile) lets every started job's go first."""
+        A `speculative` step (a parked job's compile) lets every started job's go first;
+        once `started` is set (its job's start came while it waited) it queues with them,
+        behind those already waiting."""
+        speculative = speculative and not (started is not None and started.is_set())
         if self.try_admit(size, speculative):
             return
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        (self._speculative if speculative else self._started).append((size, admitted))
+        waiter = (size, admitted)
+        (self._speculative if speculative else self._started).append(waiter)
+        promoted = asyncio.ensure_future(started.wait()) if speculative and started is not None else None
         try:
+            if promoted is not None:
+                await asyncio.wait({admitted, promoted}, return_when=asyncio.FIRST_COMPLETED)
+                if not admitted.done():
+                    self._speculative.remove(waiter)
+                    self._started.append(waiter)
+                    self._admit()
             await admitted
         except asyncio.CancelledError:
             if admitted.done() and not admitted.cancelled():
@@ -113,6 +124,9 @@ class MemoryAdmission:
                 admitted.cancel()
                 self._admit()  # (it may have been first in line)
             raise
+        finally:
+            if promoted is not None:
+                promoted.cancel()
 
     def release(self, size: int) -> None:
         self.held_bytes -= size

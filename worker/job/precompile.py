@@ -54,6 +54,8 @@ class RecordedEvents:
         self._target = None
         self._lock = asyncio.Lock()
         self.sent = False  # anything went on to the job's events (a client may have seen it)
+        # Set at the job's start (forward_to): its compile is no longer speculative.
+        self.started = asyncio.Event()
 
     async def stage(self, phase: str) -> None:
         async with self._lock:
@@ -84,6 +86,7 @@ class RecordedEvents:
                 else:
                     await events.chunk_runs(arg)
             self._target = events
+            self.started.set()
 
 
 class PrecompileState(enum.Enum):

@@ -713,8 +713,9 @@ class JobRun:
                 feed_stdin=close_stdin,
                 sink=flusher.task,
                 memory=self.ctx.sandboxes.memory,
-                # Compiling while parked: the job may never start, so started jobs go first.
-                speculative=isinstance(events, RecordedEvents),
+                # Compiling while parked: the job may never start, so started jobs go first
+                # (until it starts).
+                parked_until=events.started if isinstance(events, RecordedEvents) else None,
             )
             flusher.add("compile_output", output.flush())
             await flusher.close()

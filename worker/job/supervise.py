@@ -169,20 +169,21 @@ async def supervise(
     feed_stdin: Callable[[Activity], Awaitable[None]] | None = None,
     sink: asyncio.Task[None] | None = None,
     memory: MemoryAdmission | None = None,
-    speculative: bool = False,
+    parked_until: asyncio.Event | None = None,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
     With `memory`, the gate opens only once the jail's memory limit fits what the running
     jobs leave of the ceiling (worker/isolation/memory.py), and the limit is held until the
-    step's last process is gone; the clocks start after that wait. A `speculative` step (a
-    parked job's compile) lets every started job's steps go first.
+    step's last process is gone; the clocks start after that wait. A parked job's step (a
+    compile while parked) lets every started job's steps go first until `parked_until` is
+    set (its start).
 
     A kill already in the inbox (it came while the stage was announced or the sandbox was
     loaded), or one that comes during that wait, ends the step with the gate still shut:
     the program never runs at all.
     """
-    async with _memory_for(memory, cgroup, inbox, speculative):
+    async with _memory_for(memory, cgroup, inbox, parked_until):
         loop = asyncio.get_running_loop()
         cpu_base = cgroup.cpu_us()
         fired: str | None = "user" if _take_kill(inbox) else None
@@ -306,7 +307,7 @@ async def supervise(
 
 @contextlib.asynccontextmanager
 async def _memory_for(
-    memory: MemoryAdmission | None, cgroup: JobCgroup, inbox: asyncio.Queue[object], speculative: bool
+    memory: MemoryAdmission | None, cgroup: JobCgroup, inbox: asyncio.Queue[object], parked_until: asyncio.Event | None
 ) -> AsyncIterator[None]:
     """Hold the step's memory limit of `memory` for the step (nothing without `memory`, nor
     when a kill came first: the step then ends with the gate shut)."""
@@ -314,7 +315,7 @@ async def _memory_for(
         yield
         return
     size = cgroup.memory_limit_bytes
-    if not await _admitted(memory, size, inbox, speculative):
+    if not await _admitted(memory, size, inbox, parked_until):
         yield
         return
     try:
@@ -323,11 +324,14 @@ async def _memory_for(
         memory.release(size)
 
 
-async def _admitted(memory: MemoryAdmission, size: int, inbox: asyncio.Queue[object], speculative: bool) -> bool:
+async def _admitted(
+    memory: MemoryAdmission, size: int, inbox: asyncio.Queue[object], parked_until: asyncio.Event | None
+) -> bool:
     """Wait for the memory; False (nothing held) if a kill came first (it stays in `inbox`)."""
+    speculative = parked_until is not None and not parked_until.is_set()
     if memory.try_admit(size, speculative):
         return True
-    admission = asyncio.ensure_future(memory.admit(size, speculative))
+    admission = asyncio.ensure_future(memory.admit(size, speculative, parked_until))
     try:
         while True:
             done, _ = await asyncio.wait({admission}, timeout=KILL_LOOK_S)
