@@ -31,6 +31,7 @@ from shared.limits import RequestedLimits
 __all__ = [
     "PRESTART_DIR_IN_JAIL",
     "CompileStep",
+    "HeapLimit",
     "Manifest",
     "compiled_shim_name",
     "entry_of",
@@ -72,6 +73,25 @@ class CompileStep(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     archive: CompilerArchive | None = None
 
 
+class HeapLimit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the runtime ends a program that filled the heap `run` caps below memoryMb (JVM
+    -Xmx, V8 --max-old-space-size): it gives up by itself, before the cgroup would kill it,
+    with one of `messages` among the last words on stderr and this exit code or signal.
+    Judged `memory_exceeded` (a program that says the same and ends the same way is judged
+    the same: it can only mislabel its own run)."""
+
+    messages: Annotated[list[Annotated[str, msgspec.Meta(min_length=8)]], msgspec.Meta(min_length=1)]
+    exit_code: int | None = None
+    signal: str | None = None
+
+    def ran_out(self, exit_code: int | None, signal: str | None, stderr_tail: bytes) -> bool:
+        if self.exit_code is not None and exit_code != self.exit_code:
+            return False
+        if self.signal is not None and signal != self.signal:
+            return False
+        return any(message.encode() in stderr_tail for message in self.messages)
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     language: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9+#._-]{0,31}$")]
     aliases: list[str] = []
@@ -94,6 +114,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # runtime already started (the interpreter part of `run`, before {entry}, plus the shim)
     # until the job's start; see prestart_argv_for.
     prestart: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}\.[a-z]{1,4}$")] | None = None
+    heap_limit: HeapLimit | None = None
 
     @property
     def compiled(self) -> bool:

@@ -193,6 +193,23 @@ def test_a_python_batch_compares_by_lines_and_tokens(api: Api, realtime: Realtim
 
 
 @pytest.mark.slow
+def test_a_case_that_fills_its_runtimes_heap_is_a_memory_limit_exceeded(api: Api, realtime: Realtime) -> None:
+    # V8 gives up at its heap cap by itself (SIGABRT, its own words) before the cgroup would
+    # kill it: a grader's verdict is still the memory limit, not a crash.
+    body = {
+        "language": "javascript",
+        "files": [{"name": "main.js", "content": "const n = +require('fs').readFileSync(0, 'utf8');\n"
+                   "const k = []; for (let i = 0; i < n; i++) k.push(new Array(1 << 20).fill(1.5));\nconsole.log('ok');\n"}],
+        "limits": {"memoryMb": 128},
+        "tests": [{"stdin": "1", "expectedOutput": "ok\n"}, {"stdin": "1000000"}],
+    }  # fmt: skip
+    result, _ = run(api, realtime, body)
+    first, second = result["tests"]
+    assert first["verdict"] == "accepted", result
+    assert (second["outcome"], second["verdict"], second["signal"]) == ("memory_exceeded", "memory_limit_exceeded", "SIGABRT"), result
+
+
+@pytest.mark.slow
 def test_a_compile_error_ends_the_batch(api: Api, realtime: Realtime) -> None:
     body = c_batch([{"stdin": "1 1\n"}])
     body["files"] = [{"name": "main.c", "content": "int main( {"}]
@@ -356,7 +373,7 @@ async def test_a_kill_reaches_a_case_still_waiting_for_its_sandbox(monkeypatch: 
     events = SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0))
     task = asyncio.create_task(
         batch.run_batch(
-            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",
             sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(), pool=pool,
             events=events, ctrl=ctrl, keep_output=False, budget_ms=60000,
         )  # type: ignore[arg-type]
@@ -445,7 +462,7 @@ async def _run(
     spec: JobSpec, pool: Any, events: Any = None, ctrl: Any = None, keep_output: bool = False, budget_ms: int = 60000
 ) -> Any:
     return await batch.run_batch(
-        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
+        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
         sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
         pool=pool, events=events or SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),
         ctrl=ctrl or asyncio.Queue(), keep_output=keep_output, budget_ms=budget_ms,
@@ -614,7 +631,7 @@ async def test_a_cases_stdin_being_read_counts_as_activity(monkeypatch: pytest.M
         limits=DEFAULT_LIMITS, created_at_ms=0, tests=[TestCase(stdin="x" * (3 * batch.STDIN_PIECE))],
     )  # fmt: skip
     await batch.run_batch(
-        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}), entry="main.py",  # type: ignore[arg-type]
+        spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
         sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(),  # type: ignore[arg-type]
         pool=_ReadyPool(), events=SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),  # type: ignore[arg-type]
         ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.manifest import HeapLimit
 from shared.messages import CompileInfo, Outcome
 from worker.isolation.jail import JailExit
 from worker.job.outcome import (
@@ -20,7 +21,7 @@ from worker.job.outcome import (
     judge_compile_failure,
     judge_run,
 )
-from worker.job.output import CompileOutput
+from worker.job.output import CompileOutput, StreamTail
 from worker.job.supervise import StepFacts
 
 
@@ -112,6 +113,41 @@ def test_nothing_reported_without_error_lines_is_still_a_sandbox_failure() -> No
     verdict = judge_run(facts(exited(errors=["nsjail exited with 255"]), oom_kills=1))
     assert verdict == RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: nsjail exited with 255")
     assert judge_run(facts(exited())) == RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: ")
+
+
+HEAP = MEMORY
+HEAP_TABLE = [
+    # The runtime gave up at its heap cap (its own last words: HeapLimit.ran_out).
+    ("the runtime's heap ran out", facts(exited(1)), HEAP),
+    ("the runtime's heap ran out with an abort", facts(exited(sig="SIGABRT")), HEAP),
+    # Anything that ended it first is what ended it.
+    ("a kill came first", facts(exited(sig="SIGKILL"), "user"), KILLED),
+    ("the wall clock came first", facts(exited(1), "wall"), WALL),
+    ("the cgroup's OOM kill", facts(exited(sig="SIGKILL"), oom_kills=1), MEMORY),
+]
+
+
+@pytest.mark.parametrize(("step", "verdict"), [(f, v) for _, f, v in HEAP_TABLE], ids=[name for name, _, _ in HEAP_TABLE])
+def test_judge_run_when_the_runtimes_heap_ran_out(step: StepFacts, verdict: RunVerdict) -> None:
+    assert judge_run(step, heap_ran_out=True) == verdict
+
+
+def test_a_runtimes_last_words_on_its_heap_are_recognised_only_with_its_exit() -> None:
+    java = HeapLimit(messages=["java.lang.OutOfMemoryError: Java heap space"], exit_code=1)
+    words = b'Exception in thread "main" java.lang.OutOfMemoryError: Java heap space\n\tat Main.main(Main.java:5)\n'
+    assert java.ran_out(1, None, words)
+    assert not java.ran_out(0, None, words)  # caught, and the program went on to exit 0
+    assert not java.ran_out(None, "SIGKILL", words)
+    assert not java.ran_out(1, None, b"java.lang.OutOfMemoryError: unable to create native thread")  # pids
+    node = HeapLimit(messages=["JavaScript heap out of memory"], signal="SIGABRT")
+    assert node.ran_out(None, "SIGABRT", b"FATAL ERROR: Reached heap limit Allocation failed - JavaScript heap out of memory\n")
+    assert not node.ran_out(1, None, b"JavaScript heap out of memory")
+    # The last words after any amount of output, whatever the budget kept.
+    tail = StreamTail()
+    tail.feed(b"x" * 100_000)
+    for piece in (b"FATAL ERROR: Reached heap limit ", b"Allocation failed - JavaScript heap out of memory\n"):
+        tail.feed(piece)
+    assert node.ran_out(None, "SIGABRT", tail.data) and len(tail.data) == StreamTail.SIZE
 
 
 def test_every_outcome_the_table_can_give_is_covered() -> None:

@@ -45,7 +45,7 @@ from worker.isolation.pool import SandboxPool, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
-from worker.job.output import output_encoding
+from worker.job.output import StreamTail, output_encoding
 from worker.job.stdin import write_to_program
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 from worker.messaging.queue import Fenced
@@ -98,9 +98,12 @@ class _CaseOutput:
         self.left = limit
         self.truncated = False
         self.data = {"stdout": bytearray(), "stderr": bytearray()}
+        self.stderr_tail = StreamTail()
 
     def sink(self, stream: str) -> Callable[[bytes], object]:
         async def feed(data: bytes) -> None:
+            if stream == "stderr":
+                self.stderr_tail.feed(data)
             if self.truncated:
                 return  # (past the cut: dropped unseen, not copied once more each read)
             if len(data) > self.left:
@@ -247,7 +250,10 @@ async def run_batch(
             running.remove(inbox)
             pool.give_back(sandbox)
         facts.memory_kb = max(0, facts.memory_kb - sandbox.memory_base_bytes // 1024)
-        verdict_of_run = judge_run(facts)
+        heap = manifest.heap_limit
+        verdict_of_run = judge_run(
+            facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, output.stderr_tail.data)
+        )
         outcome, killed_by = verdict_of_run.outcome, verdict_of_run.killed_by
         signal = facts.exit.signal
         if outcome == Outcome.KILLED and signal is None:

@@ -33,7 +33,8 @@ class RunVerdict:
     message: str | None = None
 
 
-def judge_run(facts: StepFacts) -> RunVerdict:
+def judge_run(facts: StepFacts, heap_ran_out: bool = False) -> RunVerdict:
+    """`heap_ran_out`: the runtime's own last words say it gave up at its heap cap."""
     exit_info = facts.exit
     if facts.fired == "user":
         exited_itself = exit_info.exit_code is not None and exit_info.signal is None
@@ -54,6 +55,10 @@ def judge_run(facts: StepFacts) -> RunVerdict:
         return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory", message=CEILING_MESSAGE if facts.ceiling_oom else None)
     if exit_info.exit_code is None and exit_info.signal is None:
         return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: " + "; ".join(exit_info.errors))
+    if heap_ran_out:
+        # The program's own limit (the heap cap is part of memoryMb): no message, which is
+        # for what the platform decided.
+        return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory")
     return RunVerdict(Outcome.COMPLETED)
 
 

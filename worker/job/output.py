@@ -10,7 +10,20 @@ from __future__ import annotations
 
 from shared.chunking import Utf8Chunker
 
-__all__ = ["CompileOutput", "OutputBudget", "output_encoding"]
+__all__ = ["CompileOutput", "OutputBudget", "StreamTail", "output_encoding"]
+
+
+class StreamTail:
+    """The last bytes a program wrote to a stream, whatever the budget kept: a runtime's
+    last words (see shared.manifest.HeapLimit) come after any amount of output."""
+
+    SIZE = 4096
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def feed(self, data: bytes) -> None:
+        self.data = data[-self.SIZE :] if len(data) >= self.SIZE else (self.data + data)[-self.SIZE :]
 
 
 class OutputBudget:

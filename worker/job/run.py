@@ -60,7 +60,7 @@ from worker.job.blobs import Blob
 from worker.job.events import JobEvents
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_compile_failure, judge_run
-from worker.job.output import CompileOutput, OutputBudget, output_encoding
+from worker.job.output import CompileOutput, OutputBudget, StreamTail, output_encoding
 from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
@@ -143,6 +143,7 @@ class JobRun:
             ctx.queue, self.lane, self.job_id, claim.attempt, claim.next_seq, logged, published_before=claim.live_seq
         )
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
+        self._stderr_tail = StreamTail()
         self._finished = False
         self._close_park_failed = False  # (logged once)
         self._destroyed = False
@@ -770,6 +771,7 @@ class JobRun:
             await flusher.room()
 
         async def on_stderr(data: bytes) -> None:
+            self._stderr_tail.feed(data)
             flusher.add("stderr", self.budget.feed("stderr", data))
             await flusher.room()
 
@@ -920,7 +922,11 @@ class JobRun:
                 self.ctx.pool.rearm(self.sandbox.slot)
 
     async def _finish_run(self, facts: StepFacts, compiled: CompileInfo | None) -> None:
-        verdict = judge_run(facts)
+        runtime = self.ctx.runtimes.get(self.spec.language)
+        heap = runtime.manifest.heap_limit if runtime is not None else None
+        verdict = judge_run(
+            facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, self._stderr_tail.data)
+        )
         signal = facts.exit.signal
         if verdict.outcome == Outcome.KILLED and signal is None:
             signal = "SIGKILL"  # the whole cgroup got SIGKILL; nsjail may only say the gate ended
