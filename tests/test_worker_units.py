@@ -735,6 +735,35 @@ class _FakeFactory:
         return sandbox
 
 
+async def test_slots_in_use_are_the_ones_a_job_holds() -> None:
+    # A worker whose builds all fail, with no job, showed every slot in use (slots less
+    # ready less building counted the ones waiting to build again), and so did one that had
+    # not started its pool yet: an operator would scale out instead of fixing the host.
+    class Failing(_FakeFactory):
+        async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
+            raise OSError("no space left on device")
+
+    failing = SandboxPool(Failing(), "w", slots=4)  # type: ignore[arg-type]
+    assert failing.in_use == 0  # (not started)
+    failing.start()
+    for _ in range(10):
+        await asyncio.sleep(0.02)
+        assert failing.in_use == 0 and failing.builds_failed >= 4
+    await failing.close()
+    # Held by jobs: in use; given back (tearing down, then building): not.
+    factory = _FakeFactory()
+    pool = SandboxPool(factory, "w", slots=2)  # type: ignore[arg-type]
+    pool.start()
+    await asyncio.sleep(0.01)
+    taken = await pool.take()
+    assert pool.in_use == 1
+    pool.give_back(taken)
+    assert pool.in_use == 0
+    await asyncio.sleep(0.01)
+    assert pool.in_use == 0 and pool.ready == 2
+    await pool.close()
+
+
 async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() -> None:
     # nsjail ends a warm jail at its own time limit: one idle past MAX_IDLE_S, or already
     # dead, would run the job at a dead gate. take() rebuilt such sandboxes; lending did not.

@@ -146,7 +146,7 @@ class Worker:
                 jobs_waiting_for_sandbox=pool.waiting,
                 sandboxes_ready=pool.ready,
                 sandboxes_building=pool.building,
-                sandboxes_in_use=max(0, pool.slots - pool.ready - pool.building),
+                sandboxes_in_use=pool.in_use,
                 sandbox_builds_failed=pool.builds_failed,
                 steps_waiting_for_memory=self.sandboxes.memory.waiting,
             ),

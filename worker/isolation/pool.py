@@ -76,6 +76,11 @@ class SandboxPool:
         self._closed = False
         # Sandboxes being built right now (each will go to whoever waits first).
         self._building = 0
+        # Slots in none of a job's hands: waiting to build again after a failed build, or
+        # tearing their last sandbox down (see in_use); and whether the slots were armed.
+        self._resting = 0
+        self._retiring = 0
+        self._started = False
         # loop.time() of the last take() or borrow(), and the pending re-priming check.
         self._last_demand = 0.0
         # loop.time() of the last take() that found no sandbox ready.
@@ -106,7 +111,16 @@ class SandboxPool:
     def building(self) -> int:
         return self._building
 
+    @property
+    def in_use(self) -> int:
+        """Slots whose sandbox a job holds (a claimed job's run, compile or load): not the
+        ones ready, building, waiting to build again after a failure, or tearing down."""
+        if not self._started:
+            return 0
+        return max(0, self.slots - len(self._ready) - self._building - self._resting - self._retiring)
+
     def start(self) -> None:
+        self._started = True
         for slot in range(self.slots):
             self._arm(slot)
 
@@ -122,7 +136,11 @@ class SandboxPool:
 
         async def arm() -> None:
             if delay_s:
-                await asyncio.sleep(delay_s)
+                self._resting += 1
+                try:
+                    await asyncio.sleep(delay_s)
+                finally:
+                    self._resting -= 1
             prime = self._prime_now(slot)
             self._building += 1
             try:
@@ -196,7 +214,7 @@ class SandboxPool:
             self._reprime_timer = loop.call_later(wait_s, self._reprime_one)
             return
         self._ready.remove(stale)
-        self._spawn(self._replace(stale), f"reprime-{stale.name}")
+        self._retire(stale, name=f"reprime-{stale.name}")
 
     def _offer(self, sandbox: Sandbox) -> None:
         while self._waiters:
@@ -242,7 +260,7 @@ class SandboxPool:
         jail died are rebuilt, never lent (take() checks the one it picks the same way)."""
         for sandbox in [s for s in self._ready if not _fresh(s)]:
             self._ready.remove(sandbox)
-            self._spawn(self._replace(sandbox), f"replace-{sandbox.name}")
+            self._retire(sandbox)
 
     def lend_ready(self, recall: Callable[[], None], program: Program, language: str = "") -> Sandbox | None:
         """A sandbox ready now that a parked job may borrow for `program` (see `borrow`), or
@@ -283,7 +301,7 @@ class SandboxPool:
             # Only primed sandboxes are spare: one is rebuilt plain for this borrower
             # (a started job still comes first when it is ready).
             self._ready.remove(spare)
-            self._spawn(self._replace(spare, plain=True), f"replace-{spare.name}")
+            self._retire(spare, plain=True)
         waiter: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
         self._borrow_waiters.append(_Borrower(waiter, program, recall, language))
         try:
@@ -376,7 +394,7 @@ class SandboxPool:
                 return sandbox
             plain = not usable
             first_pass = False
-            self._spawn(self._replace(sandbox, plain=plain), f"replace-{sandbox.name}")
+            self._retire(sandbox, plain=plain)
 
     def _pick(self, program: Program | None) -> Sandbox | None:
         """The best ready sandbox for `program`: one that adopts it, else a plain one, else any."""
@@ -388,6 +406,12 @@ class SandboxPool:
         self._ready.remove(choice)
         return choice
 
+    def _retire(self, sandbox: Sandbox, plain: bool = False, name: str = "") -> None:
+        """Tear `sandbox` down in the background, then build its slot's next one (plain,
+        or as the slot primes). The slot counts as retiring from now on, not in use."""
+        self._retiring += 1
+        self._spawn(self._replace(sandbox, plain), name or f"replace-{sandbox.name}")
+
     async def _replace(self, sandbox: Sandbox, plain: bool = False) -> None:
         if plain:
             self._slot_prime[sandbox.slot] = None
@@ -398,12 +422,13 @@ class SandboxPool:
             # a failed teardown must not take a slot out of service for the worker's life.
             log.exception("sandbox %s: teardown failed", sandbox.name)
         finally:
+            self._retiring -= 1
             self._arm(sandbox.slot)
 
     def give_back(self, sandbox: Sandbox) -> None:
         """A job is done with `sandbox`: destroy it and build its slot's next one."""
         self._lent.pop(sandbox.slot, None)
-        self._spawn(self._replace(sandbox), f"retire-{sandbox.name}")
+        self._retire(sandbox, name=f"retire-{sandbox.name}")
 
     def rearm(self, slot: int) -> None:
         """A job destroyed its sandbox itself: build the slot's next one."""
