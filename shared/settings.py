@@ -439,6 +439,11 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
             f"{-(-(longest_ms + _RECORD_SLACK_MS) // 1000)} s: WORKER_WARMUP_MS, the longer of MAX_WALL_TIME_MS and "
             "WORKER_BATCH_WALL_MS, and 5 minutes more (a job whose record expires mid-run loses its result)"
         )
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", settings.sandbox_cgroup_name) or settings.sandbox_cgroup_name == "init":
+        # One folder at the top of each hierarchy (v2 enables controllers level by level:
+        # a nested name would need them in folders it does not make); `init` is where a
+        # container's own processes are moved on v2.
+        raise ConfigError("SANDBOX_CGROUP_NAME must be one folder name (letters, digits, _ . -), not 'init'")
     if settings.job_token_ttl_s > _MAX_JOB_TOKEN_TTL_S:
         raise ConfigError(f"JOB_TOKEN_TTL must be at most {_MAX_JOB_TOKEN_TTL_S} (ten years)")
     if settings.stdin_max_pending_bytes > _MAX_STDIN_PENDING_BYTES:

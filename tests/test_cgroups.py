@@ -8,6 +8,7 @@ fabricated cgroup2 tree: it proves what the worker writes and reads, not the ker
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import subprocess
@@ -46,7 +47,7 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     job = layout.job("w.0.1")
     job.create()
     d = base / "jobs" / "w.0.1"
-    for name in ("cpu.max", "cpu.weight", "memory.oom.group", "cgroup.kill"):
+    for name in ("cpu.max", "cpu.weight", "memory.oom.group", "cgroup.kill", "memory.swap.max"):
         (d / name).write_text("")
     job.set_limits(memory_bytes=128 << 20, pids=33, background=True)
     assert (d / "cpu.weight").read_text() == "6"  # a warm sandbox being built yields the CPU
@@ -212,6 +213,112 @@ def test_pure_v2_without_the_cpu_controller_runs_jobs_uncapped(tmp_path: Path) -
     assert job.cpu_cap_cores is None and not (d / "cpu.max").exists()
     (d / "cpu.stat").write_text("usage_usec 1500000\n")
     assert job.cpu_us() == 1_500_000
+
+
+@pytest.fixture
+def cgroupfs_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Writes to the fake tree as cgroupfs takes them: a file the kernel did not make cannot
+    be created by writing to it (EACCES); the writes are recorded."""
+    from worker.isolation import cgroups
+
+    written: list[tuple[str, str]] = []
+    real = cgroups._write
+
+    def write(path: str | Path, value: str) -> None:
+        if not Path(path).exists():
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        written.append((str(path), value))
+        real(path, value)
+
+    monkeypatch.setattr(cgroups, "_write", write)
+    return written
+
+
+def test_v2_without_swap_accounting_builds_jobs_and_refuses_only_with_swap_on(
+    tmp_path: Path, cgroupfs_writes: list[tuple[str, str]]
+) -> None:
+    # A kernel with swapaccount=0 (or built without swap) has no memory.swap.max: writing it
+    # failed every sandbox. Without swap on there is nothing to bound; with it, the worker
+    # must refuse to start, as on v1.
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    base = tmp_path / "coderunner"
+    (base / "jobs").mkdir(parents=True)
+    for folder in (base, base / "jobs"):
+        (folder / "cgroup.subtree_control").write_text("")
+    layout.prepare()
+    job = layout.job("w.0.1")
+    job.create()
+    d = base / "jobs" / "w.0.1"
+    for name in ("memory.max", "pids.max", "cgroup.procs"):
+        (d / name).write_text("")
+    job.set_limits(memory_bytes=128 << 20, pids=33)
+    assert (d / "memory.max").read_text() == str(128 << 20) and not (d / "memory.swap.max").exists()
+    swap_on = "Filename\tType\tSize\tUsed\tPriority\n/swapfile\tfile\t1048572\t0\t-2\n"
+    assert not layout.swap_unbounded("Filename\tType\tSize\tUsed\tPriority\n")
+    assert layout.swap_unbounded(swap_on)
+    (base / "jobs" / "memory.swap.max").write_text("max")
+    assert not layout.swap_unbounded(swap_on)
+
+
+def test_v2_that_refuses_the_cpu_controller_still_enables_memory_and_pids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel may refuse +cpu alone (real-time tasks outside the root cgroup): one write of
+    # all three failed whole and the worker did not start; it runs jobs without a core cap.
+    from worker.isolation import cgroups
+
+    real = cgroups._write
+
+    def write(path: str | Path, value: str) -> None:
+        if "+cpu" in value.split():
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        real(path, value)
+
+    monkeypatch.setattr(cgroups, "_write", write)
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare()
+    base = tmp_path / "coderunner"
+    for folder in (tmp_path, base, base / "jobs"):
+        assert (folder / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
+def test_a_v2_job_that_only_reclaimed_at_its_limit_and_died_of_the_ceiling_is_told_so(tmp_path: Path) -> None:
+    # memory.events' `max` counts reclaim at the job's own limit too (page cache, say): a job
+    # that touched its limit once, then was killed for the ceiling, got the plain verdict.
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare()
+    job = layout.job("w.0.1")
+    job.create()
+    d = tmp_path / "coderunner" / "jobs" / "w.0.1"
+    (d / "cpu.stat").write_text("usage_usec 1000\n")
+    (d / "memory.peak").write_text(str(100 << 20))
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 0\noom_kill 1\noom_group_kill 1\n")
+    assert job.counters().ceiling_oom
+
+
+def test_in_a_container_the_jobs_ceiling_comes_from_its_memory_limit(tmp_path: Path) -> None:
+    # A container's own cgroup namespace shows its limit on the root: the host's 64 GiB would
+    # let the jobs take more than the container has, and its OOM killer pick the worker.
+    from shared.settings import Settings
+    from worker.__main__ import jobs_memory_bytes
+
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    meminfo = "MemTotal: 67108864 kB\n"
+    assert layout.root_memory_limit_bytes() is None  # a host's real root has no limit
+    (tmp_path / "memory.max").write_text("max\n")
+    assert layout.root_memory_limit_bytes() is None
+    (tmp_path / "memory.max").write_text(f"{4 << 30}\n")
+    assert jobs_memory_bytes(Settings(), meminfo, layout.root_memory_limit_bytes()) == 3 << 30
+    assert jobs_memory_bytes(Settings(), meminfo, None) == 56 << 30
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", "init", "-x", "a b"])
+def test_a_cgroup_name_that_is_not_one_folder_is_refused(name: str) -> None:
+    from shared.errors import ConfigError
+    from shared.settings import load_settings
+
+    with pytest.raises(ConfigError, match="SANDBOX_CGROUP_NAME"):
+        load_settings({"PUSHER_SECRET": "x" * 16, "SANDBOX_CGROUP_NAME": name})
 
 
 def test_v2_without_memory_and_pids_is_refused(tmp_path: Path) -> None:

@@ -102,13 +102,16 @@ async def preflight(
         raise
 
 
-def jobs_memory_bytes(settings: Settings, meminfo: str) -> int:
+def jobs_memory_bytes(settings: Settings, meminfo: str, limit_bytes: int | None = None) -> int:
     """The memory all jails may use together: SANDBOX_MEMORY_TOTAL_MB, or the host's memory
-    less a reserve for everything else (1/8 of it, at least 1 GiB; never below 256 MiB)."""
+    (or `limit_bytes`, a container's limit, when smaller) less a reserve for everything else
+    (1/8 of it, at least 1 GiB; never below 256 MiB)."""
     if settings.sandbox_memory_total_mb:
         return settings.sandbox_memory_total_mb << 20
     total_kb = next(int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal:"))
     total = total_kb << 10
+    if limit_bytes is not None:
+        total = min(total, limit_bytes)
     return max(256 << 20, total - max(1 << 30, total // 8))
 
 
@@ -138,14 +141,14 @@ async def _prepare(
         raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
     try:
         layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
-        ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text())
+        ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text(), layout.root_memory_limit_bytes())
         layout.prepare(ceiling)
         if layout.swap_unbounded(_swaps(settings.sandbox_swaps_file)):
             # A job could swap past its memoryMb, and every slot thrash the host: the
             # contract is an OOM kill at the limit, never thrashing.
             raise CgroupError(
-                "swap is on, but this host's cgroup v1 memory controller cannot bound a job's swap "
-                "(no memory.memsw.*): turn swap off, or boot with swapaccount=1"
+                "swap is on, but this host's cgroup memory controller cannot bound a job's swap "
+                "(no memory.memsw.* on v1, no memory.swap.max on v2): turn swap off, or boot with swapaccount=1"
             )
     except (CgroupError, OSError) as exc:
         raise SandboxUnavailable(str(exc)) from None

@@ -200,13 +200,34 @@ class CgroupLayout:
             raise CgroupError(f"cannot prepare cgroups ({self.describe()}): {exc}") from None
 
     def swap_unbounded(self, swaps: str) -> bool:
-        """Whether jobs could swap past their memory limits: a v1 memory hierarchy without
-        swap accounting (no memory.memsw.*, the kernel's swapaccount=0) on a host with swap
-        on (`swaps`: /proc/swaps). Swappiness 0 only makes swapping rare, not impossible."""
-        if self.v1_memory is None:
-            return False
+        """Whether jobs could swap past their memory limits: a memory controller without
+        swap accounting (v1: no memory.memsw.*; v2: no memory.swap.max; the kernel's
+        swapaccount=0, or one built without it) on a host with swap on (`swaps`:
+        /proc/swaps). Swappiness 0 only makes swapping rare, not impossible. Asked after
+        prepare (v2 looks in the jobs' folder)."""
         swapping = any(line.strip() for line in swaps.splitlines()[1:])
-        return swapping and not (self.v1_memory / "memory.memsw.limit_in_bytes").exists()
+        if not swapping:
+            return False
+        if self.v1_memory is not None:
+            return not (self.v1_memory / "memory.memsw.limit_in_bytes").exists()
+        base = self._v2_base()
+        return base is not None and not (base / "jobs" / "memory.swap.max").exists()
+
+    def root_memory_limit_bytes(self) -> int | None:
+        """The memory limit on the hierarchy's root as the worker sees it, the one ancestor
+        its jobs' cgroups share with everything else here: set inside a container (its own
+        cgroup namespace on v2, its cgroup mounted as the root on v1), where the container's
+        OOM killer would otherwise pick among the worker and the jobs. None: unlimited (a
+        host's real root has no limit)."""
+        path = self.v2 / "memory.max" if self.mode is CgroupMode.V2 and self.v2 else (
+            self.v1_memory / "memory.limit_in_bytes" if self.v1_memory is not None else None
+        )  # fmt: skip
+        if path is None or not path.exists():
+            return None
+        text = _read(path).strip()
+        if not text.isdigit() or int(text) >= 1 << 60:  # "max", or v1's page-rounded "unlimited"
+            return None
+        return int(text)
 
     def jobs_memory_limit_file(self) -> Path:
         """The file that caps the memory of every job of this deployment together."""
@@ -233,8 +254,9 @@ class CgroupLayout:
         enable = " ".join(f"+{c}" for c in sorted(wanted & available))
         base = self.v2 / self.name
         base.mkdir(exist_ok=True)
+        root_control = self.v2 / "cgroup.subtree_control"
         try:
-            _write(self.v2 / "cgroup.subtree_control", enable)
+            enable = self._enable(root_control, enable)
         except OSError as exc:
             # EBUSY: the hierarchy root has processes of its own (inside a container). Move ours aside.
             if exc.errno != errno.EBUSY:
@@ -246,9 +268,24 @@ class CgroupLayout:
                     _write(leaf / "cgroup.procs", pid)
                 except OSError:
                     pass
-            _write(self.v2 / "cgroup.subtree_control", enable)
-        _write(base / "cgroup.subtree_control", enable)
-        return enable
+            enable = self._enable(root_control, enable)
+        return self._enable(base / "cgroup.subtree_control", enable)
+
+    @staticmethod
+    def _enable(control: Path, enable: str) -> str:
+        """Write `enable` to a cgroup.subtree_control; what was enabled. The cpu controller
+        is optional: a kernel may refuse it alone (real-time tasks outside the root, with
+        CONFIG_RT_GROUP_SCHED), and then jobs run without a core cap, not not at all."""
+        try:
+            _write(control, enable)
+            return enable
+        except OSError as exc:
+            if exc.errno == errno.EBUSY or "+cpu" not in enable.split():
+                raise
+            without_cpu = " ".join(c for c in enable.split() if c != "+cpu")
+            _write(control, without_cpu)
+            log.warning("%s refused the cpu controller (%s): jobs run without a one-core cap", control, exc)
+            return without_cpu
 
     def v1_roots(self) -> list[Path]:
         """Each v1 hierarchy sandboxes use, once (cpuacct is usually co-mounted with cpu)."""
@@ -439,7 +476,8 @@ class JobCgroup:
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
             self._limit(self.v2_dir / "memory.max", str(memory_bytes))
-            self._limit(self.v2_dir / "memory.swap.max", "0")
+            if self._has(self.v2_dir / "memory.swap.max"):  # (absent without swap accounting)
+                self._limit(self.v2_dir / "memory.swap.max", "0")
             self._limit(self.v2_dir / "pids.max", str(pids))
             if self._has(self.v2_dir / "cpu.max"):
                 self._limit(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
@@ -605,7 +643,7 @@ class JobCgroup:
         """Whether the job's usage ever reached its own limit (asked after an OOM kill only).
 
         A kill counts in the victim's cgroup whichever limit ran out. v2 counts a limit
-        reached where it was: the job's own `max` and `oom` events (its file has its own
+        reached where it was: the job's own `oom` events (its file has its own
         and its descendants', never its parent's). v1's failcnt cannot tell (with a
         memory+swap limit, which is checked first, this kernel counts neither), so v1 asks
         whether the peak of memory, or of memory+swap, came within OOM_NEAR_LIMIT_BYTES of
@@ -615,8 +653,9 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                events = _keyed(_read(self.v2_dir / "memory.events"))
-                return events.get("max", 0) > 0 or events.get("oom", 0) > 0
+                # (`max` counts reclaim at the limit too, which a job touching its limit
+                # does without ever failing an allocation there.)
+                return _keyed(_read(self.v2_dir / "memory.events")).get("oom", 0) > 0
             mem = self.v1_dirs["memory"]
             for limit_name, peak_name in (
                 ("memory.limit_in_bytes", "memory.max_usage_in_bytes"),
