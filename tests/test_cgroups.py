@@ -321,6 +321,21 @@ def test_a_cgroup_name_that_is_not_one_folder_is_refused(name: str) -> None:
         load_settings({"PUSHER_SECRET": "x" * 16, "SANDBOX_CGROUP_NAME": name})
 
 
+def test_a_cgroup_that_cannot_be_removed_is_logged_once_not_every_try(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # remove_blocking asks every 5 ms for two seconds: a warning on each try was 400 lines a
+    # second for one stuck folder, every upkeep round.
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare()
+    job = layout.job("w.0.1")
+    job.create()
+    (tmp_path / "coderunner" / "jobs" / "w.0.1" / "stuck").write_text("")  # rmdir: not empty
+    with caplog.at_level("WARNING", logger="worker.isolation.cgroups"):
+        assert not any(job.try_remove() for _ in range(50))
+    assert caplog.text.count("cannot remove") == 1, caplog.text
+
+
 def test_v2_without_memory_and_pids_is_refused(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")
     with pytest.raises(CgroupError, match="memory and pids"):

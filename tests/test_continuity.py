@@ -38,6 +38,7 @@ from worker.isolation.janitor import (
     _owners,
     _prune_timings,
     _remove,
+    sweep_orphans,
 )
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import owner_of
@@ -249,6 +250,28 @@ def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_can
     removed = _remove(layout, work_root, set(), others, 10, "w-me")
     assert {owner_of(name) for name in removed} == {"w-old", "w-leftover"}
     assert not (work_root / "w-old.0.1").exists() and (work_root / "w-young.0.1").exists()
+
+
+async def test_a_sandbox_whose_cgroup_will_not_go_is_not_reported_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Processes that will not leave the cgroup (stuck in the kernel): the sweep said it had
+    # removed the sandbox and dropped its dead worker's declared settings, then tried again
+    # every round; the next round must still know the worker's settings.
+    layout = CgroupLayout(mode=CgroupMode.V2, name="deployment", v2=tmp_path / "cgroup")
+    work_root = tmp_path / "work"
+    stamp = time.time() - 60
+    for folder in (work_root / "w-dead.0.1", tmp_path / "cgroup" / "deployment" / "jobs" / "w-dead.0.1"):
+        folder.mkdir(parents=True)
+        os.utime(folder, (stamp, stamp))
+    _declare(work_root, "w-dead", 10_000, 2_000)
+    monkeypatch.setattr("worker.isolation.cgroups.JobCgroup.kill", lambda self: None)
+    monkeypatch.setattr("worker.isolation.cgroups.JobCgroup.remove_blocking", lambda self, timeout_s=2.0: False)
+    with caplog.at_level("WARNING", logger="worker.isolation.janitor"):
+        assert await sweep_orphans(layout, work_root, "w-me", dead={"w-dead"}, min_age_s=10) == 0
+    assert "removed" not in caplog.text
+    assert _declared(work_root, ["w-dead"]) == {"w-dead": (10_000, 2_000)}
+    assert (work_root / "w-dead.0.1").exists()  # its workspace waits with its cgroup
 
 
 @dataclass(frozen=True)

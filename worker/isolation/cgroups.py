@@ -364,6 +364,8 @@ class JobCgroup:
         # Limit files and the values last written to them: a rewrite that changes nothing
         # (the CPU quota, swappiness when a job's limits go in) is skipped.
         self._written: dict[Path, str] = {}
+        # Removal errors already logged (folder, errno).
+        self._remove_errors: set[tuple[Path, int]] = set()
         # The CPU bandwidth cap last written, in cores (None: no cpu controller here).
         self.cpu_cap_cores: float | None = None
         # The memory limit last written (what a step in these cgroups may take of the
@@ -766,7 +768,9 @@ class JobCgroup:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                if exc.errno != errno.EBUSY:
+                if exc.errno != errno.EBUSY and (d, exc.errno) not in self._remove_errors:
+                    # Once per folder and error: remove_blocking asks every 5 ms.
+                    self._remove_errors.add((d, exc.errno))
                     log.warning("job %s: cannot remove %s: %s", self.job_id, d, exc)
                 leftover = True
         if not leftover:

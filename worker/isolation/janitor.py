@@ -65,7 +65,9 @@ def _scan(layout: CgroupLayout, work_root: Path) -> tuple[set[str], set[str]]:
 def _remove(
     layout: CgroupLayout, work_root: Path, cgroups: set[str], workspaces: set[str], min_age_s: float, me: str
 ) -> set[str]:
-    """Kill and remove the given sandboxes (others' only once older than `min_age_s`)."""
+    """Kill and remove the given sandboxes (others' only once older than `min_age_s`);
+    those whose cgroups are gone now (one whose processes will not leave is tried again
+    next round, and counts as not removed)."""
     now = time.time()
     orphans = {
         name
@@ -75,7 +77,8 @@ def _remove(
     for name in orphans & cgroups:
         cgroup = layout.job(name)
         cgroup.kill()
-        cgroup.remove_blocking(timeout_s=2.0)
+        if not cgroup.remove_blocking(timeout_s=2.0):
+            orphans.discard(name)
     if orphans & workspaces:
         mounts = Path("/proc/self/mounts").read_text()
         for name in orphans & workspaces:
