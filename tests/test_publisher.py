@@ -140,6 +140,28 @@ def test_after_a_failed_delivery_output_pauses_but_a_result_still_goes(
         api.close()
 
 
+def test_a_soketi_that_stays_down_is_logged_once_per_pause_not_per_event(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> int:
+        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http"}))
+
+        async def down(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+            raise ConnectionRefusedError
+
+        monkeypatch.setattr(publisher, "_request", down)
+        for i in range(20):  # twenty jobs ending while soketi is down: each result is tried
+            await publisher.deliver([_Event(f"private-run-{i}", "result", '{"seq":1}')])
+        failed = publisher.failed
+        await publisher.aclose()
+        return failed
+
+    with caplog.at_level("DEBUG", logger="worker.messaging.publisher"):
+        assert asyncio.run(main()) == 20
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "soketi unreachable" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 

@@ -323,8 +323,12 @@ class Publisher:
             status, answer = await asyncio.wait_for(self._request(path, params, body), self._timeout_s)
         except (OSError, TimeoutError, DeliveryError) as exc:
             self.failed += len(events)
+            paused = time.monotonic() < self._down_until
             self._down_until = time.monotonic() + BACKOFF_S
-            log.warning("soketi unreachable (%s); live events paused for %.0fs", exc.__class__.__name__, BACKOFF_S)
+            # Once as the pause begins: stages and results are still tried during it, and
+            # every job's failing too would flood the log while soketi is down.
+            log.log(logging.DEBUG if paused else logging.WARNING,
+                    "soketi unreachable (%s); live output shed for %.0fs", exc.__class__.__name__, BACKOFF_S)  # fmt: skip
             return
         if status >= 400:
             self.failed += len(events)
