@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, cast
 
 import msgspec
@@ -62,13 +63,39 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
 
+class _Sparse:
+    """A log line said at most once every `interval_s`, with how many went unsaid since: a
+    fault every request meets (Redis away) is one fault, however busy the API is."""
+
+    def __init__(self, level: int, interval_s: float = 10.0) -> None:
+        self._level = level
+        self._interval_s = interval_s
+        self._next = float("-inf")
+        self._unsaid = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._unsaid += 1
+            return
+        if self._unsaid:
+            message += " (and %d more since the last report)"
+            args = (*args, self._unsaid)
+        log.log(self._level, message, *args)
+        self._next, self._unsaid = now + self._interval_s, 0
+
+
+_say_redis_full = _Sparse(logging.ERROR)
+_say_redis_away = _Sparse(logging.WARNING)
+
+
 async def _redis_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, OutOfMemoryError):
         # At its maxmemory (with noeviction, the setting the README asks for) Redis refuses
         # every write until results and records expire: not a blip, and not the client's fault.
-        log.error("redis is full (maxmemory) during %s %s: %s", request.method, request.url.path, exc)
+        _say_redis_full("redis is full (maxmemory) during %s %s: %s", request.method, request.url.path, exc)
         return error_response(503, "The service's storage is full; retry later", retryAfterMs=5000)
-    log.warning("redis unavailable during %s %s: %s", request.method, request.url.path, exc)
+    _say_redis_away("redis unavailable during %s %s: %s", request.method, request.url.path, exc)
     return error_response(503, "Redis is unavailable; retry shortly", retryAfterMs=1000)
 
 

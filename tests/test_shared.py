@@ -7,6 +7,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 
 import msgspec
 import pytest
@@ -374,3 +375,26 @@ def test_a_close_finds_the_input_sent_along_in_any_body_without_failing() -> Non
     assert _bytes_sent_along(b'{"eof": true, "chunk": ""}') is None
     assert _bytes_sent_along(b'{"chunk": "last line\\n"}') == "chunk"
     assert _bytes_sent_along(b'{"data": "eA==", "encoding": "base64"}') == "data"
+
+
+async def test_redis_away_is_logged_a_few_times_not_once_a_request(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every request meets the same fault while Redis is away: a line each was thousands a
+    # second under load, for one fault.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError
+    from starlette.requests import Request
+
+    from api import errors
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/jobs/x", "headers": [], "query_string": b"",
+             "scheme": "http", "server": ("127.0.0.1", 80)}  # fmt: skip
+    monkeypatch.setattr(errors, "_say_redis_away", errors._Sparse(logging.WARNING))
+    monkeypatch.setattr(errors, "_say_redis_full", errors._Sparse(logging.ERROR))
+    with caplog.at_level("WARNING", logger="api.errors"):
+        for _ in range(200):
+            answer = await errors._redis_error(Request(scope), RedisConnectionError("Connection refused"))
+            assert answer.status_code == 503
+            assert (await errors._redis_error(Request(scope), OutOfMemoryError("OOM"))).status_code == 503
+    assert caplog.text.count("redis unavailable") == 1 and caplog.text.count("redis is full") == 1, caplog.text
