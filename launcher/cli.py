@@ -149,6 +149,9 @@ def _up(argv: list[str]) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
+        if stopping and signum == signal.SIGINT:
+            # Ctrl-C again while stopping: the workers end their running jobs now.
+            stack.hurry_workers()
         stopping = True
 
     # SIGHUP is the terminal closing: the children sit in sessions of their own, so only
@@ -185,7 +188,7 @@ def _up(argv: list[str]) -> int:
             f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
             f"  Workers     {_workers_line(stack)}\n"
             f"  Logs        {stack.log_dir}\n\n"
-            "  Ctrl-C stops everything.\n"
+            "  Ctrl-C stops everything (running jobs get the worker's grace; Ctrl-C again ends them at once).\n"
         )
         while not stopping:
             dead = stack.dead_children()

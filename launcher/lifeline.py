@@ -21,7 +21,7 @@ environment (Redis rewrites its own environment's memory for its process title, 
 mark alone would miss it). A group id the kernel has since given to an unrelated process
 is never touched.
 
-    python -m launcher.lifeline <deployment>      (stdin: the pipe)
+    python -m launcher.lifeline <deployment> [<worker grace s>]    (stdin: the pipe)
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from pathlib import Path
 __all__ = ["MARK_ENV", "SERVICE_GRACE_S", "WORKER_GRACE_S", "Group", "live_marked", "main", "start_time"]
 
 MARK_ENV = "CODERUNNER_STACK"
-# As Stack.stop: workers get their stop grace, the services a shorter one.
-WORKER_GRACE_S = 15.0
+# As Stack.stop: workers get their stop grace (Stack.worker_stop_s, passed on the command
+# line; this when none is), the services a shorter one.
+WORKER_GRACE_S = 25.0
 SERVICE_GRACE_S = 5.0
 
 
@@ -112,18 +113,19 @@ def _wait_gone(groups: list[Group], deployment: str, timeout_s: float) -> None:
             time.sleep(0.1)
 
 
-def stop_groups(workers: list[Group], services: list[Group], deployment: str) -> None:
-    _wait_gone(_signal(workers, signal.SIGTERM, deployment), deployment, WORKER_GRACE_S)
+def stop_groups(workers: list[Group], services: list[Group], deployment: str, worker_grace_s: float = WORKER_GRACE_S) -> None:
+    _wait_gone(_signal(workers, signal.SIGTERM, deployment), deployment, worker_grace_s)
     _wait_gone(_signal(services, signal.SIGTERM, deployment), deployment, SERVICE_GRACE_S)
     _wait_gone(_signal(workers + services, signal.SIGKILL, deployment), deployment, SERVICE_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m launcher.lifeline <deployment>   (stdin: the stack's pipe)", file=sys.stderr)
+    if len(args) not in (1, 2):
+        print("usage: python -m launcher.lifeline <deployment> [<worker grace s>]   (stdin: the stack's pipe)", file=sys.stderr)
         return 2
     deployment = args[0]
+    worker_grace_s = float(args[1]) if len(args) == 2 else WORKER_GRACE_S
     # In a session of its own nothing aimed at the owner's terminal reaches it; these are
     # for a watcher started by hand.
     for sig in (signal.SIGINT, signal.SIGHUP):
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(words) == 3 and words[0].startswith(b"+") and words[0][1:].isdigit() and words[1].isdigit():
             group = Group(int(words[0][1:]), int(words[1]))
             (workers if words[2] == b"worker" else services).append(group)
-    stop_groups(workers, services, deployment)
+    stop_groups(workers, services, deployment, worker_grace_s)
     from launcher.stack import remove_deployment  # only now: the watcher idles on little memory
 
     remove_deployment(deployment)

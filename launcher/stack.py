@@ -42,6 +42,7 @@ from launcher.node import NodeNotFound, find_node
 from launcher.supervisor import Backoff, Restart, describe_exit
 from shared import keys
 from shared.paths import REPO_ROOT
+from shared.settings import Settings, worker_stop_s
 from worker.isolation.uids import LOCK_DIR as UID_LOCK_DIR
 from worker.isolation.uids import try_lock, uids_held
 
@@ -329,6 +330,12 @@ class Stack:
     def redis_url(self) -> str:
         return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
+    @property
+    def worker_stop_s(self) -> float:
+        """How long a worker is given to stop before SIGKILL (its grace, from its settings)."""
+        grace = self.extra_env.get("WORKER_SHUTDOWN_GRACE_MS") or os.environ.get("WORKER_SHUTDOWN_GRACE_MS") or ""
+        return worker_stop_s(int(grace) if grace.isdigit() else Settings().worker_shutdown_grace_ms)
+
     def env(self) -> dict[str, str]:
         """The settings every coderunner child gets."""
         env = dict(os.environ)
@@ -396,7 +403,7 @@ class Stack:
         read_fd, write_fd = os.pipe()
         try:
             self._lifeline = subprocess.Popen(
-                [sys.executable, "-m", "launcher.lifeline", self.deployment],
+                [sys.executable, "-m", "launcher.lifeline", self.deployment, str(self.worker_stop_s)],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 cwd=REPO_ROOT,
@@ -717,10 +724,22 @@ class Stack:
             workers = [proc for name, proc in self.procs.items() if name in self._worker_index]
         # Workers first, all at once (they hand parked jobs back and let running ones finish
         # within their grace), then the API, soketi, and Redis last.
-        _terminate(workers, signal.SIGTERM, 15.0)
+        _terminate(workers, signal.SIGTERM, self.worker_stop_s)
         for name in ("api", "soketi", "redis"):
             self.stop_process(name)
         self.procs.clear()
+
+    def hurry_workers(self) -> None:
+        """SIGTERM the workers again: a stopping worker then cancels its running jobs at once
+        (each still gets its result) instead of waiting out its grace."""
+        with self._lock:
+            workers = [proc for name, proc in self.procs.items() if name in self._worker_index]
+        for proc in workers:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def cleanup(self) -> None:
         self.stop()

@@ -17,7 +17,7 @@ import msgspec
 from shared.errors import ConfigError
 from shared.limits import DEFAULT_MAXIMA, Limits
 
-__all__ = ["ENV_NAMES", "Settings", "load_settings"]
+__all__ = ["ENV_NAMES", "JOB_CANCEL_WAIT_S", "Settings", "load_settings", "worker_stop_s"]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -198,6 +198,18 @@ def _positive_int(raw: str) -> int:
 _RECORD_SLACK_MS = 300_000
 # Job tokens carry their expiry in at most 12 digits (shared/tokens.py).
 _MAX_JOB_TOKEN_TTL_S = 10 * 365 * 86400
+
+# How long a stopping worker waits for the jobs it cancels past WORKER_SHUTDOWN_GRACE_MS to
+# write their results.
+JOB_CANCEL_WAIT_S = 10.0
+
+
+def worker_stop_s(worker_shutdown_grace_ms: int) -> float:
+    """How long to give a stopping worker before SIGKILL (a supervisor's stop timeout): its
+    grace for running jobs, the wait for the ones it then cancels, and a few seconds to hand
+    jobs back and leave the fleet. Killed sooner, the jobs it was ending get no result (they
+    end `lost` when another worker reaps them)."""
+    return worker_shutdown_grace_ms / 1000 + JOB_CANCEL_WAIT_S + 5.0
 # The stdin route reads bodies of at most 512 KiB (api/routes.py): room for this as base64.
 _MAX_STDIN_PENDING_BYTES = 384 * 1024 - 1024
 

@@ -132,3 +132,17 @@ def test_the_image_has_a_toolchain_for_every_language_but_rust() -> None:
     installed = set(re.search(r"RUN apt-get update && apt-get install -y (.*)", final_stage).group(1).split())
     for language, package in packages.items():
         assert package is None or package in installed, f"the image cannot run {language}: no {package}"
+
+
+def test_a_stopped_worker_container_has_time_to_end_its_jobs() -> None:
+    # Docker SIGKILLs after 10 s unless told: exactly the worker's default grace, so the jobs
+    # it was ending got no result.
+    from shared.settings import load_settings, worker_stop_s
+
+    worker = _compose()["services"]["worker"]
+    period = worker.get("stop_grace_period", "10s")
+    assert period.endswith("s") and period[:-1].isdigit(), period
+    grace = worker["environment"].get("WORKER_SHUTDOWN_GRACE_MS")
+    settings = load_settings({"PUSHER_SECRET": "s" * 16, **({"WORKER_SHUTDOWN_GRACE_MS": grace} if grace else {})})
+    assert int(period[:-1]) >= worker_stop_s(settings.worker_shutdown_grace_ms)
+    assert worker.get("init") is True

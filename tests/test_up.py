@@ -207,6 +207,38 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
 
 
+def test_a_second_ctrl_c_ends_running_jobs_at_once_each_with_its_result(tmp_path: Path) -> None:
+    # The first Ctrl-C gives running jobs the worker's grace (10 s); the second, as the
+    # README says, ends them now. `up` kept the second to itself, and waited out the grace.
+    port = free_port()
+    env, _ = _up_env(tmp_path)
+    up = _up_process(port, env)
+    try:
+        banner = _banner(up)
+        token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"})
+        job = api.post("/v1/execute", json={"language": "python", "files": [{"name": "main.py", "content": "import time\ntime.sleep(60)\n"}]}).json()
+        assert api.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
+        deadline = time.monotonic() + 20
+        while api.get(f"/v1/jobs/{job['jobId']}").json()["state"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
+        up.send_signal(signal.SIGINT)
+        time.sleep(1)
+        stopped_at = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=30)
+        took = time.monotonic() - stopped_at
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert took < 7, f"the second Ctrl-C waited {took:.1f} s (the grace is 10 s)"
+    worker_log = (log_dir / "worker.log").read_text(errors="replace")
+    assert "cancelling 1 running jobs" in worker_log, worker_log[-2000:]
+    assert f"job {job['jobId']}: killed" in worker_log, worker_log[-2000:]
+
+
 def test_up_stops_clean_when_its_terminal_goes_away(tmp_path: Path) -> None:
     """Closing the terminal `make up` runs in sends SIGHUP, and writes to it fail from then on:
     the stack still stops whole (its children are in sessions of their own, so the hangup

@@ -31,7 +31,7 @@ from leanredis import BlockingLeanRedis, LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS, with_overrides
 from shared.messages import WorkerInfo, WorkerLoad
-from shared.settings import Settings
+from shared.settings import JOB_CANCEL_WAIT_S, Settings
 from worker.context import WorkerContext
 from worker.isolation.janitor import (
     declare_timing,
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_POLL_S = 1.0
 COMMAND_TIMEOUT_S = 5.0
-JOB_CANCEL_WAIT_S = 10.0
 # How often upkeep looks for dead workers' stale lease declarations (janitor.prune_timings).
 PRUNE_TIMINGS_EVERY_S = 300.0
 
