@@ -438,7 +438,8 @@ class Worker:
                 return
             except Exception as exc:  # a failed beat is retried at the next interval
                 self.continuity.failed(sent_at)
-                log.warning("heartbeat failed: %s", exc)
+                # (A beat given up on is a TimeoutError with no text of its own.)
+                log.warning("heartbeat failed: %s", str(exc) or type(exc).__name__)
             await asyncio.sleep(interval_s)
 
     def _step_aside(self, ctx: WorkerContext, exc: WorkerSuperseded) -> None:
@@ -469,6 +470,9 @@ class Worker:
                 await self._recover(ctx, confirmed)
                 await self._judge_others(ctx)
                 await self._prune_declarations()
+            except (RedisError, OSError, TimeoutError) as exc:
+                # Redis away: expected, and said by every beat too; no traceback each round.
+                log.warning("upkeep failed (%s); trying again at the next interval", str(exc) or type(exc).__name__)
             except Exception:
                 log.exception("upkeep failed; trying again at the next interval")
             finally:
