@@ -32,7 +32,7 @@ from shared.blobs import parse_ref
 from shared.errors import FieldError, ValidationError
 from shared.grading import cases_not_run
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
-from shared.manifest import Manifest, entry_of, expand_argv, names_compiled_shim
+from shared.manifest import HeapLimit, Manifest, entry_of, expand_argv, names_compiled_shim
 from shared.messages import (
     OUTCOME_STATE,
     CaseOutput,
@@ -144,6 +144,8 @@ class JobRun:
         )
         self.budget = OutputBudget(claim.spec.limits.output_kb * 1024, keep_bytes=claim.spec.collect_output)
         self._stderr_tail = StreamTail()
+        # How the language's runtime says it gave up at its heap cap (from the plan's manifest).
+        self._heap_limit: HeapLimit | None = None
         self._finished = False
         self._close_park_failed = False  # (logged once)
         self._destroyed = False
@@ -546,6 +548,7 @@ class JobRun:
         """What to exec for this job (no sandbox needed yet)."""
         spec = self.spec
         files = decode_files(spec.files, self.ctx.settings.max_files_bytes, blobs)
+        self._heap_limit = manifest.heap_limit
         names = [name for name, _ in files]
         entry = entry_of(manifest, names)
         sources = [n for n in names if any(n.endswith(ext) for ext in manifest.source_extensions)] or [entry]
@@ -922,8 +925,7 @@ class JobRun:
                 self.ctx.pool.rearm(self.sandbox.slot)
 
     async def _finish_run(self, facts: StepFacts, compiled: CompileInfo | None) -> None:
-        runtime = self.ctx.runtimes.get(self.spec.language)
-        heap = runtime.manifest.heap_limit if runtime is not None else None
+        heap = self._heap_limit
         verdict = judge_run(
             facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, self._stderr_tail.data)
         )
