@@ -704,8 +704,11 @@ class Stack:
 
     # -------------------------------------------------------------- stopping
 
-    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
-        """Stop one child (its whole process group); a supervised worker stays stopped."""
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int | None:
+        """Stop one child (its whole process group); a supervised worker stays stopped. A
+        worker is given worker_stop_s before SIGKILL unless told otherwise, a service 15 s."""
+        if timeout_s is None:
+            timeout_s = self.worker_stop_s if name in self._worker_index else 15.0
         with self._lock:
             proc = self.procs.get(name)
             if name in self._worker_index:

@@ -205,6 +205,10 @@ def parse_manifest(text: str, origin: str) -> Manifest:
     _check_templates(manifest, origin)
     if "/" in manifest.source_file or manifest.source_file.startswith("."):
         raise ManifestError(f"{origin}: source_file must be a plain file name")
+    heap = manifest.heap_limit
+    if heap is not None and heap.exit_code is None and heap.signal is None:
+        # Words alone would take any ending for a heap that ran out, an exit 0 included.
+        raise ManifestError(f"{origin}: heap_limit must name the exit_code or the signal the runtime ends with")
     try:
         re.compile(manifest.version_pattern)
     except re.error as exc:

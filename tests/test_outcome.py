@@ -122,6 +122,7 @@ HEAP_TABLE = [
     ("the runtime's heap ran out with an abort", facts(exited(sig="SIGABRT")), HEAP),
     # Anything that ended it first is what ended it.
     ("a kill came first", facts(exited(sig="SIGKILL"), "user"), KILLED),
+    ("a kill came as the runtime had given up", facts(exited(sig="SIGABRT"), "user"), HEAP),
     ("the wall clock came first", facts(exited(1), "wall"), WALL),
     ("the cgroup's OOM kill", facts(exited(sig="SIGKILL"), oom_kills=1), MEMORY),
 ]

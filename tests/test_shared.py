@@ -286,6 +286,14 @@ def test_manifest_errors_name_the_file() -> None:
         parse_manifest('language = "x"\nrun = []', "bad.toml")
 
 
+def test_a_heap_limit_must_say_how_the_runtime_ends() -> None:
+    # Its words alone would take any ending (an exit 0 included) for a heap that ran out.
+    base = 'language = "x"\nsource_file = "m.x"\nversion_probe = ["x"]\nversion_pattern = "(1)"\nrun = ["x", "{entry}"]\n'
+    with pytest.raises(Exception, match=r"h\.toml: heap_limit must name the exit_code or the signal"):
+        parse_manifest(base + '[heap_limit]\nmessages = ["out of heap space"]\n', "h.toml")
+    assert parse_manifest(base + '[heap_limit]\nmessages = ["out of heap space"]\nexit_code = 3\n', "h.toml").heap_limit
+
+
 # ------------------------------------------------------------------ boundaries
 
 

@@ -38,12 +38,11 @@ def judge_run(facts: StepFacts, heap_ran_out: bool = False) -> RunVerdict:
     exit_info = facts.exit
     if facts.fired == "user":
         exited_itself = exit_info.exit_code is not None and exit_info.signal is None
-        if exited_itself or exit_info.signal not in (None, "SIGKILL"):
-            # The program exited, or crashed (a kill is only ever SIGKILL), by itself in the
-            # moment between the kill request and the kill: it was not killed, and saying
-            # so would be wrong.
-            return RunVerdict(Outcome.COMPLETED)
-        return RunVerdict(Outcome.KILLED, killed_by="user")
+        if not exited_itself and exit_info.signal in (None, "SIGKILL"):
+            return RunVerdict(Outcome.KILLED, killed_by="user")
+        # The program exited, or crashed (a kill is only ever SIGKILL), by itself in the
+        # moment between the kill request and the kill: it was not killed, and saying so
+        # would be wrong. It is judged as though no kill had come (its runtime's heap, say).
     if facts.fired in ("wall", "cpu"):
         return RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by=facts.fired)
     if facts.fired is None and exit_info.backstop_fired:
