@@ -162,6 +162,41 @@ def test_a_soketi_that_stays_down_is_logged_once_per_pause_not_per_event(
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
+def test_a_stalled_soketi_holds_up_one_probe_at_a_time_and_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # soketi takes connections but does not answer: each delivery times out. During the
+    # pause one result at a time goes as a probe; the others do not each wait out the
+    # timeout (every job's task would live that much longer), and the log says it once.
+    monkeypatch.setattr(publisher_module, "BACKOFF_S", 0.2)
+
+    async def main() -> tuple[int, int, float]:
+        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
+        attempts = 0
+
+        async def stalled(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+            nonlocal attempts
+            attempts += 1
+            await asyncio.sleep(60)
+
+        monkeypatch.setattr(publisher, "_request", stalled)
+        await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # the failure
+        started = time.monotonic()
+        await asyncio.gather(*(publisher.deliver([_Event(f"private-run-{i}", "result", '{"seq":1}')]) for i in range(10)))
+        took = time.monotonic() - started
+        for _ in range(3):  # probes one after another, each timing out within the pause it began in
+            await publisher.deliver([_Event("private-run-later", "result", '{"seq":1}')])
+        await publisher.aclose()
+        return attempts, publisher.dropped, took
+
+    with caplog.at_level("DEBUG", logger="worker.messaging.publisher"):
+        attempts, dropped, took = asyncio.run(main())
+    assert attempts == 1 + 1 + 3 and dropped == 9, (attempts, dropped)
+    assert took < 0.5, took  # the ten together waited for one probe, not ten
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "soketi unreachable" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 

@@ -5,7 +5,7 @@ each job gets an ordered in-memory lane drained by one task, bursts go out throu
 batch endpoint (soketi accepts up to 10 events per batch), requests have a short
 timeout, and after a failure the publisher backs off for a moment instead of making
 every job wait for a dead server (output is shed meanwhile; a stage or a result is
-still tried).
+still tried, one at a time, and one that gets through ends the pause).
 
 With PUSHER_PUBLISH=redis, events go out as PUBLISHes on the channel soketi's Redis adapter
 listens to (a soketi started with SOKETI_ADAPTER_DRIVER=redis on the same Redis), in the
@@ -121,6 +121,8 @@ class Publisher:
         self._ssl = ssl.create_default_context() if settings.pusher_scheme == "https" else None
         self._timeout_s = settings.pusher_timeout_ms / 1000
         self._down_until = 0.0
+        # A delivery is under way while paused (see deliver).
+        self._probing = False
         self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
         self._uuid = "coderunner-worker-" + secrets.token_hex(8)
         # Publishes get a client of their own that never sends a command twice: a PUBLISH
@@ -304,14 +306,21 @@ class Publisher:
             events = await self._publish_through_redis(self._publish_redis, events)
             if not events:
                 return
-        if time.monotonic() < self._down_until:
+        paused = time.monotonic() < self._down_until
+        if paused:
             # Paused after a failure, output is shed; a stage or a result (another job's,
-            # perhaps, whose client waits for nothing else) is still tried.
+            # perhaps, whose client waits for nothing else) goes as a probe, one at a time:
+            # one that gets through ends the pause, and a soketi that still does not answer
+            # holds up one delivery, not every job's.
             kept = [event for event in events if event.name not in CHUNK_EVENTS]
             self.dropped += len(events) - len(kept)
             if not kept:
                 return
+            if self._probing:
+                self.dropped += len(kept)
+                return
             events = kept
+            self._probing = True
         if len(events) == 1:
             path = f"/apps/{self._app_id}/events"
             body = _encoder.encode({"name": events[0].name, "channel": events[0].channel, "data": events[0].data})
@@ -323,13 +332,17 @@ class Publisher:
             status, answer = await asyncio.wait_for(self._request(path, params, body), self._timeout_s)
         except (OSError, TimeoutError, DeliveryError) as exc:
             self.failed += len(events)
-            paused = time.monotonic() < self._down_until
             self._down_until = time.monotonic() + BACKOFF_S
-            # Once as the pause begins: stages and results are still tried during it, and
-            # every job's failing too would flood the log while soketi is down.
+            # Once as a pause begins (a probe that fails within it is no news), or a soketi
+            # that stays down would be a line for every job.
             log.log(logging.DEBUG if paused else logging.WARNING,
                     "soketi unreachable (%s); live output shed for %.0fs", exc.__class__.__name__, BACKOFF_S)  # fmt: skip
             return
+        finally:
+            if paused:
+                self._probing = False
+        if paused:
+            self._down_until = 0.0  # the probe got through: soketi answers again
         if status >= 400:
             self.failed += len(events)
             log.warning("soketi refused %d events: %s %r", len(events), status, answer[:200])
