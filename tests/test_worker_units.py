@@ -754,6 +754,7 @@ async def test_slots_in_use_are_the_ones_a_job_holds() -> None:
     factory = _FakeFactory()
     pool = SandboxPool(factory, "w", slots=2)  # type: ignore[arg-type]
     pool.start()
+    assert pool.in_use == 0  # (started: the builds are spawned, not yet running)
     await asyncio.sleep(0.01)
     taken = await pool.take()
     assert pool.in_use == 1
@@ -761,7 +762,17 @@ async def test_slots_in_use_are_the_ones_a_job_holds() -> None:
     assert pool.in_use == 0
     await asyncio.sleep(0.01)
     assert pool.in_use == 0 and pool.ready == 2
+    # A job that tears its sandbox down itself (the usual end of a run): not in use then.
+    taken = await pool.take()
+    pool.retiring(taken.slot)
+    assert pool.in_use == 0
+    pool.rearm(taken.slot)
+    assert pool.in_use == 0
+    await asyncio.sleep(0.01)
+    assert pool.ready == 2
+    await pool.take()
     await pool.close()
+    assert pool.in_use == 0  # (closed: nothing is anyone's any more)
 
 
 async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() -> None:

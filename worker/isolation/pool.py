@@ -76,10 +76,13 @@ class SandboxPool:
         self._closed = False
         # Sandboxes being built right now (each will go to whoever waits first).
         self._building = 0
-        # Slots in none of a job's hands: waiting to build again after a failed build, or
-        # tearing their last sandbox down (see in_use); and whether the slots were armed.
-        self._resting = 0
+        # Slots in none of a job's hands (see in_use): about to build (a retry's pause after
+        # a failed build, or the turn before the build's task runs), tearing their last
+        # sandbox down, or torn down by the job that had it (`retiring`, then `rearm`); and
+        # whether the slots were armed.
+        self._to_build = 0
         self._retiring = 0
+        self._job_retiring: set[int] = set()
         self._started = False
         # loop.time() of the last take() or borrow(), and the pending re-priming check.
         self._last_demand = 0.0
@@ -115,9 +118,10 @@ class SandboxPool:
     def in_use(self) -> int:
         """Slots whose sandbox a job holds (a claimed job's run, compile or load): not the
         ones ready, building, waiting to build again after a failure, or tearing down."""
-        if not self._started:
+        if not self._started or self._closed:
             return 0
-        return max(0, self.slots - len(self._ready) - self._building - self._resting - self._retiring)
+        idle = len(self._ready) + self._building + self._to_build + self._retiring + len(self._job_retiring)
+        return max(0, self.slots - idle)
 
     def start(self) -> None:
         self._started = True
@@ -133,14 +137,14 @@ class SandboxPool:
         """Build a fresh sandbox for `slot` in the background (never once the pool is closed)."""
         if self._closed:
             return
+        self._to_build += 1
 
         async def arm() -> None:
-            if delay_s:
-                self._resting += 1
-                try:
+            try:
+                if delay_s:
                     await asyncio.sleep(delay_s)
-                finally:
-                    self._resting -= 1
+            finally:
+                self._to_build -= 1
             prime = self._prime_now(slot)
             self._building += 1
             try:
@@ -430,9 +434,14 @@ class SandboxPool:
         self._lent.pop(sandbox.slot, None)
         self._retire(sandbox, name=f"retire-{sandbox.name}")
 
+    def retiring(self, slot: int) -> None:
+        """The job that had `slot`'s sandbox is tearing it down itself (then `rearm`)."""
+        self._job_retiring.add(slot)
+
     def rearm(self, slot: int) -> None:
         """A job destroyed its sandbox itself: build the slot's next one."""
         self._lent.pop(slot, None)
+        self._job_retiring.discard(slot)
         self._arm(slot)
 
     async def close(self) -> None:

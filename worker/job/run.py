@@ -919,6 +919,7 @@ class JobRun:
         then builds the next sandbox."""
         if not self._destroyed and self.sandbox is not None:
             self._destroyed = True
+            self.ctx.pool.retiring(self.sandbox.slot)
             try:
                 await self.sandbox.destroy()
             finally:
