@@ -209,17 +209,40 @@ def test_a_loaded_sandbox_that_ended_while_parked_is_replaced_at_start(stack: St
     job = api.execute(py_job("print('ran')"))
     followed = rt.follow(job)
     wait_loaded_while_parked(stack, job)
+    _kill_the_stacks_jails(stack)
+    result, _ = start_and_wait(api, followed)
+    assert result["outcome"] == "completed" and followed.text("stdout") == "ran\n", stack.log("worker")[-4000:]
+    assert "the sandbox it loaded in while parked has ended" in stack.log("worker")
+
+
+def _kill_the_stacks_jails(stack: Stack) -> None:
+    """SIGKILL every nsjail of the stack's worker, and wait until the worker reaped them."""
     jails = pids_with_cmdline(b"nsjail", f"/run/{stack.deployment}/".encode())
     assert jails, "no jail of this stack found"
     for pid in jails:
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{pid}").exists() for pid in jails):  # until the worker reaped them
+    while any(Path(f"/proc/{pid}").exists() for pid in jails):
         assert time.monotonic() < deadline, "the killed jails were not reaped"
         time.sleep(0.01)
+
+
+def test_a_compiled_sandbox_that_ended_while_parked_fails_as_the_platforms(stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    # Its compile went out at start already (compiling again would show it twice): the job
+    # ends internal_error, saying why, and the slots serve again.
+    api, rt = clients
+    job = api.execute(java(JAVA_OK))
+    followed = rt.follow(job)
+    deadline = time.monotonic() + 30
+    while f"job {job['jobId']}: compiled while parked" not in stack.log("worker"):
+        assert time.monotonic() < deadline, "the parked job was not compiled in a spare sandbox"
+        time.sleep(0.05)
+    _kill_the_stacks_jails(stack)
     result, _ = start_and_wait(api, followed)
-    assert result["outcome"] == "completed" and followed.text("stdout") == "ran\n", stack.log("worker")[-4000:]
-    assert "the sandbox it loaded in while parked has ended" in stack.log("worker")
+    assert result["outcome"] == "internal_error", followed.summary()
+    assert "ended before it could run" in result["message"], result
+    assert "Traceback" not in stack.log("worker").split(f"job {job['jobId']}: compiled while parked")[-1]
+    both_slots_serve(api, rt)
 
 
 def test_killing_a_parked_loaded_job_frees_its_sandbox(stack: Stack, clients: tuple[Api, Realtime]) -> None:

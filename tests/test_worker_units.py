@@ -285,6 +285,14 @@ async def test_frames_in_hand_reach_the_program_while_redis_is_slow_to_record_th
             while not stream.recorded or stream.recorded[-1] != (14, "3-0"):
                 await asyncio.sleep(0.01)
         assert stream.recorded in ([(4, "1-0"), (14, "3-0")], [(14, "3-0")]), stream.recorded
+        # Once the step is over, a recording Redis is slow to answer is not waited for.
+        stream.answer.clear()
+        feed._unrecorded = (99, "9-0")
+        feed._recorder = asyncio.create_task(feed._record())
+        await asyncio.sleep(0.01)
+        feed.stop()
+        await asyncio.sleep(0.01)
+        assert feed._recorder.cancelled()
     finally:
         feeding.cancel()
 

@@ -249,7 +249,12 @@ class JobRun:
             self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             if early is None:
-                early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
+                try:
+                    early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
+                except JailError as exc:  # its compile's sandbox ended while it was parked
+                    log.error("job %s: %s", self.job_id, exc)
+                    await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox failure: {exc}")
+                    return
             if early == "loaded":  # the load was still under way at start
                 assert precompile is not None
                 self.sandbox = precompile.take()  # files and limits went in while parked

@@ -87,8 +87,11 @@ class StdinFeed:
         self._recorder: asyncio.Task[None] | None = None
 
     def stop(self) -> None:
-        """The step is over: stop at the next chance, even if a cancellation was lost."""
+        """The step is over: stop at the next chance, even if a cancellation was lost. What
+        is still to be recorded no longer frees anything: its recording stops too."""
         self._stopped = True
+        if self._recorder is not None:
+            self._recorder.cancel()
 
     async def run(self, writer: asyncio.StreamWriter, activity: Activity) -> None:
         """Feed the program until EOF; cancelled when the step ends."""
@@ -181,9 +184,12 @@ class StdinFeed:
             (written, through), self._unrecorded = self._unrecorded, None
             try:
                 await self._queue.stdin_written(self._job_id, self._attempt, written, through)
-            except RedisError as exc:
+            except (RedisError, OSError) as exc:
                 # The bytes reached the program; only the pending count lags until the next frame.
                 log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)
+            except Exception:
+                # (A task of its own: nothing would ever look at what it raised.)
+                log.exception("job %s: recording written stdin failed", self._job_id)
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes, activity: Activity) -> None:
         if self._broken:
