@@ -20,12 +20,16 @@ half-open connection cannot silently swallow messages for long.
 A channel's confirmation reaches `on_message` only for the last SUBSCRIBE written for it: a
 channel subscribed, dropped and subscribed again before Redis answered gets the first
 answer too, and taken for the last it would say "subscribed" while the UNSUBSCRIBE between
-is still to come, so a message published in that window would be lost.
+is still to come, so a message published in that window would be lost. Replies come in the
+order of the commands, so each is matched to its command: a SUBSCRIBE Redis refuses (one
+error for the command: -BUSY while a script runs long) is no longer awaited, and is written
+again a moment later for the channels still wanted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Callable
@@ -48,6 +52,8 @@ STABLE_S = 5.0
 # on_message(kind, channel, data): kind is b"message", b"subscribe" or b"unsubscribe"
 # (data is then the connection's subscription count).
 OnMessage = Callable[[bytes, bytes, bytes | int], None]
+# on_refused(channels): Redis answered a SUBSCRIBE of these with an error.
+OnRefused = Callable[[list[bytes]], None]
 # The argument of the PING that follows a connection's SUBSCRIBE: its answer means the
 # subscriptions are in place (a subscribed connection answers [b"pong", arg], another arg).
 READY_MARK = b"coderunner:subscribed"
@@ -56,9 +62,14 @@ READY_AGAIN_S = 0.1
 
 
 class _Pushes(asyncio.Protocol):
-    def __init__(self, on_message: OnMessage, address: str) -> None:
+    def __init__(self, on_message: OnMessage, address: str, on_refused: OnRefused | None = None) -> None:
         self._on_message = on_message
+        self._on_refused = on_refused
         self._address = address
+        # Commands written and not yet fully answered, in order: [name, channels still to
+        # be answered] (a SUBSCRIBE or UNSUBSCRIBE is answered once per channel, a refusal
+        # once for the whole command; a PING once).
+        self._sent: collections.deque[tuple[bytes, list[bytes]]] = collections.deque()
         self._reader = hiredis.Reader(replyError=_error, notEnoughData=NOT_ENOUGH_DATA)
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -73,6 +84,9 @@ class _Pushes(asyncio.Protocol):
         reader.feed(data)
         while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):
+                refused = self._sent.popleft() if self._sent else None
+                if refused is not None and refused[0] == b"SUBSCRIBE" and self._on_refused is not None:
+                    self._on_refused(refused[1])
                 self.refusals += 1
                 level = logging.WARNING if self.refusals == 1 else logging.DEBUG  # (-LOADING, ten a second)
                 log.log(level, "Redis at %s refused a pub/sub command: %s", self._address, reply)
@@ -82,14 +96,38 @@ class _Pushes(asyncio.Protocol):
                     # nothing else would ever ask again.
                     self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._mark_again)
             elif reply == READY_MARK or reply == [b"pong", READY_MARK]:
+                self._answered(b"PING")
                 if not self.ready.done():
                     self.ready.set_result(None)
             elif isinstance(reply, list) and len(reply) == 3 and reply[0] != b"pong":
+                if reply[0] in (b"subscribe", b"unsubscribe"):
+                    self._answered(reply[0].upper(), reply[1])
                 self._on_message(reply[0], reply[1], reply[2])
+            else:  # a health check's pong
+                self._answered(b"PING")
+
+    def _answered(self, name: bytes, channel: bytes | None = None) -> None:
+        """One answer to the oldest command (`channel`: which of its channels)."""
+        if not self._sent or self._sent[0][0] != name:
+            self._sent.clear()  # (lost track, which the order of replies rules out: start over)
+            return
+        channels = self._sent[0][1]
+        if channel is not None and channel in channels:
+            channels.remove(channel)
+        if not channels:
+            self._sent.popleft()
+
+    def send(self, *command: bytes | str) -> None:
+        """Write a SUBSCRIBE, UNSUBSCRIBE or PING, and expect its answers."""
+        name = command[0].encode() if isinstance(command[0], str) else command[0]
+        channels = [c for c in command[1:] if isinstance(c, bytes)] if name != b"PING" else []
+        if self.transport is not None and not self.transport.is_closing():
+            self._sent.append((name, channels))
+            self.transport.write(_pack(command))
 
     def mark(self) -> None:
         """Ask for the ready mark (answered once everything written before it is done)."""
-        self.write(_pack(("PING", READY_MARK)))
+        self.send("PING", READY_MARK)
 
     def _mark_again(self) -> None:
         self._again = None
@@ -101,10 +139,6 @@ class _Pushes(asyncio.Protocol):
             self._again.cancel()
         if not self.lost.done():
             self.lost.set_result(None)
-
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -123,6 +157,9 @@ class Subscriber:
         self._wanted: set[bytes] = set()
         # SUBSCRIBEs written on the current connection and not yet answered, by channel.
         self._unanswered: dict[bytes, int] = {}
+        # Channels whose SUBSCRIBE Redis refused, to be written again (see _refused).
+        self._refused_again: set[bytes] = set()
+        self._again: asyncio.TimerHandle | None = None
         self._pushes: _Pushes | None = None
         self._keeper: asyncio.Task[None] | None = None
         options = client.connection_pool.connection_kwargs
@@ -143,6 +180,8 @@ class Subscriber:
         self._keeper = asyncio.create_task(self._keep(), name="pubsub-keeper")
 
     async def aclose(self) -> None:
+        if self._again is not None:
+            self._again.cancel()
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -158,30 +197,51 @@ class Subscriber:
         if self._pushes is not None:
             for name in names:
                 self._unanswered[name] = self._unanswered.get(name, 0) + 1
-            self._pushes.write(_pack(("SUBSCRIBE", *names)))
+            self._pushes.send("SUBSCRIBE", *names)
 
     def unsubscribe(self, *channels: str) -> None:
         names = [c.encode() for c in channels]
         self._wanted.difference_update(names)
         if self._pushes is not None:
-            self._pushes.write(_pack(("UNSUBSCRIBE", *names)))
+            self._pushes.send("UNSUBSCRIBE", *names)
 
     async def _connect(self) -> _Pushes:
         # The handshake (AUTH, SELECT) as a plain RESP2 connection, then the transport goes
         # to a protocol that reads pushes.
         plain = await self._client._dial(resp3=False)
-        pushes = _Pushes(self._heard, plain._address)
+        pushes = _Pushes(self._heard, plain._address, self._refused)
         pushes.transport = plain.hand_over(pushes)
         self.connections += 1
         # What the lost connection left unanswered never will be; this one subscribes anew.
         self._unanswered = dict.fromkeys(self._wanted, 1)
+        self._refused_again.clear()
         if self._wanted:
-            pushes.write(_pack(("SUBSCRIBE", *self._wanted)))
+            pushes.send("SUBSCRIBE", *self._wanted)
         pushes.mark()
         if self._on_ready is not None:
             on_ready = self._on_ready
             pushes.ready.add_done_callback(lambda _: on_ready())
         return pushes
+
+    def _refused(self, channels: list[bytes]) -> None:
+        """Redis refused a SUBSCRIBE of `channels` (-BUSY: a script runs long): not awaited
+        any more, and written again shortly for those still wanted."""
+        for channel in channels:
+            left = self._unanswered.get(channel, 0) - 1
+            if left > 0:
+                self._unanswered[channel] = left
+            else:
+                self._unanswered.pop(channel, None)
+        self._refused_again.update(channels)
+        if self._again is None:
+            self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._subscribe_again)
+
+    def _subscribe_again(self) -> None:
+        self._again = None
+        again = sorted(self._refused_again & self._wanted)
+        self._refused_again.clear()
+        if again:
+            self.subscribe(*(c.decode() for c in again))
 
     def _heard(self, kind: bytes, channel: bytes, data: bytes | int) -> None:
         if kind == b"subscribe":
@@ -203,7 +263,7 @@ class Subscriber:
                 if loop.time() - pushes.last_heard < self._health_s:
                     continue
                 asked = loop.time()
-                pushes.write(_pack(("PING",)))
+                pushes.send("PING")
                 done, _ = await asyncio.wait({pushes.lost}, timeout=self._answer_s)
                 if not done and pushes.last_heard >= asked:
                     continue

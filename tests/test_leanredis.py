@@ -372,6 +372,45 @@ async def test_a_channel_is_confirmed_by_its_last_subscribe_only(lean: LeanRedis
         await heard.wait_for((b"message", b"a", b"at once"))
 
 
+async def test_a_subscribe_refused_while_a_script_runs_is_written_again(tmp_path: Path) -> None:
+    # Redis refuses SUBSCRIBE with -BUSY while a script runs past busy-reply-threshold: one
+    # error for the command, naming no channel. Its channel then waited for an answer that
+    # never came (a job's subscription timed out, and every later one for the same channel
+    # on this connection swallowed its own answer as the refused one's).
+    server = Server(tmp_path, "--busy-reply-threshold", "50")
+    server.start()
+    lean = LeanRedis.from_url(server.url)
+    plain = Redis.from_url(server.url)
+    looping = None
+    try:
+        async with subscribed(lean) as (subscriber, heard):
+            await heard.wait_for((b"ready", b"", 0))
+            busy = Redis.from_url(server.url)
+            looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
+            await asyncio.sleep(0.3)  # past the threshold: Redis answers -BUSY
+            subscriber.subscribe("a")
+            await asyncio.sleep(0.3)
+            assert (b"subscribe", b"a", 1) not in heard.items
+            await plain.script_kill()
+            await heard.wait_for((b"subscribe", b"a", 1))  # written again, answered
+            assert await plain.publish("a", "through") == 1
+            await heard.wait_for((b"message", b"a", b"through"))
+            # The channel's count is right: dropped and taken again, its answer comes.
+            subscriber.unsubscribe("a")
+            subscriber.subscribe("a")
+            await heard.wait_for((b"subscribe", b"a", 1), times=2)
+            assert subscriber.connections == 1
+            with contextlib.suppress(Exception):
+                await looping
+            await busy.aclose()
+    finally:
+        if looping is not None:
+            looping.cancel()
+        await plain.aclose()
+        await lean.aclose()
+        server.stop()
+
+
 async def test_subscriber_is_ready_only_once_its_channels_are_subscribed_again(lean: LeanRedis, plain: Redis) -> None:
     # A reader woken by on_ready reads the stored copy of what pub/sub may have lost: had it
     # read before the new connection's SUBSCRIBE took effect, a message published in
