@@ -690,7 +690,20 @@ async def realtime(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: the process answers. (Redis away is every instance's trouble at once, and a
+    503 that says so is the client's best answer: not a reason to take them all out.)"""
     return _json({"status": "ok"})
+
+
+READY_TIMEOUT_S = 1.0
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: this instance reaches Redis (a rotated password or a partition of this
+    instance alone otherwise leaves it in the balancer, answering 503 after its retries)."""
+    if await _state(request).store.reachable(READY_TIMEOUT_S):
+        return _json({"status": "ready"})
+    raise ApiError(503, "This API instance cannot reach Redis", retryAfterMs=1000)
 
 
 async def metrics(request: Request) -> Response:
@@ -729,5 +742,6 @@ routes = [
     Route("/v1/realtime", realtime, methods=["GET"]),
     Route("/v1/realtime/webhooks", realtime_webhooks, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -6,6 +6,7 @@ scripts so a reader never sees half a job.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import time
@@ -17,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from api.quota import RETAINED_OUTPUT_LUA
 from leanredis.scripts import OomRefusedScript, OomTolerantScript
@@ -1075,6 +1076,16 @@ class JobStore:
     async def known_workers(self) -> list[WorkerInfo]:
         raw = await self._redis.hgetall(keys.WORKERS)
         return [decode_stored(WorkerInfo, value) for value in raw.values()]
+
+    async def reachable(self, timeout_s: float) -> bool:
+        """Whether Redis answers a PING within `timeout_s` (its own connection's retries
+        included): what a load balancer's readiness check asks."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._redis.ping()
+        except (RedisError, OSError, TimeoutError):
+            return False
+        return True
 
     async def seek_events(self, job_id: str, after_seq: int) -> str:
         """The stream id of the job's last log entry with a seq of at most `after_seq` ("0"

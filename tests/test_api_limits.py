@@ -570,6 +570,20 @@ def test_a_reader_that_stops_reading_is_dropped_and_frees_its_stream_slot(make_s
         api.close()
 
 
+def test_readiness_follows_redis_and_liveness_does_not(make_stack: StackFactory) -> None:
+    # An instance that cannot reach Redis (a partition, a rotated password) answered every
+    # health check 200 and stayed in the balancer, answering 503s after its retries.
+    stack = make_stack(with_worker=False)
+    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+        assert client.get("/ready").json() == {"status": "ready"}
+        stack.stop_process("redis")
+        started = time.monotonic()
+        answer = client.get("/ready")
+        assert answer.status_code == 503 and "Redis" in answer.json()["error"], answer.text
+        assert time.monotonic() - started < 3
+        assert client.get("/health").json() == {"status": "ok"}
+
+
 def test_a_full_redis_is_a_503_that_says_so(make_stack: StackFactory) -> None:
     """At its maxmemory Redis refuses writes until results expire: the execute says the
     service's storage is full (not a blip), and works again once there is room."""
