@@ -321,6 +321,42 @@ def test_a_cgroup_name_that_is_not_one_folder_is_refused(name: str) -> None:
         load_settings({"PUSHER_SECRET": "x" * 16, "SANDBOX_CGROUP_NAME": name})
 
 
+def test_a_cgroup2_mount_outside_the_workers_namespace_is_refused(tmp_path: Path) -> None:
+    # A host's /sys/fs/cgroup bound into a container with a cgroup namespace of its own: the
+    # worker could make folders there but never move a process into one.
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    def info(root: str) -> str:
+        return f"30 23 0:27 {root} {tmp_path} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+
+    layout.check_namespace(info("/"))
+    layout.check_namespace(info("/docker/abc"))  # a part of the tree, inside it
+    layout.check_namespace("")  # (not listed: nothing to tell)
+    with pytest.raises(CgroupError, match="outside this process's cgroup namespace"):
+        layout.check_namespace(info("/../../system.slice"))
+
+
+def test_a_containers_root_still_busy_after_one_move_is_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inside a container the root cgroup holds processes: they are moved to /init and the
+    # controllers asked again; one that forked meanwhile (or a kernel not done with the moves)
+    # makes the root busy once more, which stopped the worker at the first retry.
+    from worker.isolation import cgroups
+
+    real, refusals = cgroups._write, [3]
+
+    def write(path: str | Path, value: str) -> None:
+        if Path(path) == tmp_path / "cgroup.subtree_control" and refusals[0]:
+            refusals[0] -= 1
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        real(path, value)
+
+    monkeypatch.setattr(cgroups, "_write", write)
+    (tmp_path / "cgroup.procs").write_text("")
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare()
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (tmp_path / "init").is_dir()
+
+
 def test_a_cgroup_that_cannot_be_removed_is_logged_once_not_every_try(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -141,6 +141,7 @@ async def _prepare(
         raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
     try:
         layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
+        layout.check_namespace(Path("/proc/self/mountinfo").read_text())
         ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text(), layout.root_memory_limit_bytes())
         layout.prepare(ceiling)
         if layout.swap_unbounded(_swaps(settings.sandbox_swaps_file)):

@@ -40,6 +40,10 @@ __all__ = ["CgroupError", "CgroupLayout", "CgroupMode", "JobCgroup", "JobCounter
 
 log = logging.getLogger(__name__)
 
+# How many times the worker moves a container's root processes aside and asks again before
+# its root cgroup's controllers are taken as refused (start-up only).
+ROOT_MOVE_ATTEMPTS = 5
+
 CPU_PERIOD_US = 100_000
 # The memory high-water mark's file in each layout (v1, v2).
 _PEAK_FILES = ("memory.max_usage_in_bytes", "memory.peak")
@@ -153,6 +157,17 @@ def _mounts(mounts_text: str) -> tuple[Path | None, dict[str, Path]]:
     return v2, v1
 
 
+def _mount_root(mountinfo_text: str, mount_point: Path) -> str | None:
+    """The root a mount shows (mountinfo's fourth field: for a cgroup mount, relative to this
+    process's cgroup namespace, "/.." and on when outside it), or None when not listed.
+    (Octal escapes, as for spaces, are left as they are: cgroup roots seldom have any.)"""
+    for line in mountinfo_text.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == str(mount_point):
+            return fields[3]
+    return None
+
+
 @dataclass(frozen=True)
 class CgroupLayout:
     mode: CgroupMode
@@ -213,6 +228,20 @@ class CgroupLayout:
         base = self._v2_base()
         return base is not None and not (base / "jobs" / "memory.swap.max").exists()
 
+    def check_namespace(self, mountinfo_text: str) -> None:
+        """Refuse a cgroup2 mount that shows cgroups outside this process's cgroup namespace
+        (a host's /sys/fs/cgroup bound into a container that has a namespace of its own): the
+        worker could make folders there, but could never move a process into one, and every
+        sandbox would fail at its start with nothing said."""
+        if self.v2 is None:
+            return
+        root = _mount_root(mountinfo_text, self.v2)
+        if root is not None and (root == "/.." or root.startswith("/../")):
+            raise CgroupError(
+                f"the cgroup2 mount at {self.v2} shows cgroups outside this process's cgroup namespace (root {root}): "
+                "mount the container's own cgroup2 there (its namespace's /sys/fs/cgroup), not the host's"
+            )
+
     def root_memory_limit_bytes(self) -> int | None:
         """The memory limit on the hierarchy's root as the worker sees it, the one ancestor
         its jobs' cgroups share with everything else here: set inside a container (its own
@@ -263,12 +292,20 @@ class CgroupLayout:
                 raise
             leaf = self.v2 / "init"
             leaf.mkdir(exist_ok=True)
-            for pid in _read(self.v2 / "cgroup.procs").split():
+            for attempt in range(ROOT_MOVE_ATTEMPTS):
+                for pid in _read(self.v2 / "cgroup.procs").split():
+                    try:
+                        _write(leaf / "cgroup.procs", pid)
+                    except OSError:
+                        pass  # (gone, or a kernel thread: the write below says whether it matters)
                 try:
-                    _write(leaf / "cgroup.procs", pid)
-                except OSError:
-                    pass
-            enable = self._enable(root_control, enable)
+                    enable = self._enable(root_control, enable)
+                    break
+                except OSError as again:
+                    # A process forked meanwhile, or the kernel not yet done with the moves.
+                    if again.errno != errno.EBUSY or attempt == ROOT_MOVE_ATTEMPTS - 1:
+                        raise
+                    time.sleep(0.05)
         return self._enable(base / "cgroup.subtree_control", enable)
 
     @staticmethod
