@@ -316,6 +316,8 @@ class RunResult(Verdict, frozen=True, kw_only=True, rename="camel", omit_default
     artifacts: list[dict[str, object]] = []
     artifacts_truncated: bool = False
     tests: list[CaseOutput] | None = None
+    # The `result` event's seq (SPEC: the result's fields; None from a store before it was kept).
+    seq: int | None = None
 
 
 class ResultCallback(ResultEvent, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
@@ -346,6 +348,8 @@ class StoredOutput(Verdict, frozen=True, kw_only=True, rename="camel", omit_defa
     # reader can tell a stream that expired mid-read from a short one.
     stdout_bytes: int | None = None
     stderr_bytes: int | None = None
+    # The `result` event's seq (None: stored before it was kept).
+    seq: int | None = None
 
 
 # ---------------------------------------------------------------- control plane (Redis pub/sub)
@@ -539,8 +543,9 @@ def output_without_run(result: ResultEvent) -> StoredOutput:
     verdict = {name: getattr(result, name) for name in Verdict.__struct_fields__}
     cases = [case_without_output(c) for c in result.tests] if result.tests is not None else None
     return StoredOutput(
-        **verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False, tests=cases
-    )
+        **verdict, stdout_encoding="utf8", stderr_encoding="utf8", artifacts=[], artifacts_truncated=False, tests=cases,
+        seq=result.seq,
+    )  # fmt: skip
 
 
 def result_template(result: ResultEvent) -> tuple[bytes, bytes]:

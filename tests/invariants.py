@@ -23,7 +23,7 @@ __all__ = ["Baseline", "HostWatch", "Neighbour", "cgroup_mounts", "check_result_
 
 RESULT_FIELDS = {
     "exitCode", "signal", "timedOut", "idleTimedOut", "truncated", "durationMs", "cpuMs", "memoryKb",
-    "outcome", "compile", "stdout", "stderr",
+    "outcome", "compile", "stdout", "stderr", "seq",
 }  # fmt: skip
 
 # I6/I7 allowances: the spread measured after each of ~130 hostile programs (three whole

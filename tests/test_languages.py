@@ -141,6 +141,8 @@ def test_hello_world(api: Api, realtime: Realtime, language: str) -> None:
     assert out["outcome"] == "completed", out
     assert out["exitCode"] == 0 and out["signal"] is None
     assert out["stdout"] == "Hello, world!\n"
+    # The pulled result carries the result event's fields, its seq too (SPEC: RunResult).
+    assert out["seq"] == next(p["seq"] for n, p in followed.events if n == "result")
     phases = [p["phase"] for n, p in sorted(followed.events, key=lambda e: e[1]["seq"]) if n == "stage"]
     if "broken" in LANGUAGES[language]:
         assert phases[-2:] == ["compiling", "running"]

@@ -1103,6 +1103,7 @@ class JobRun:
             artifacts=[msgspec.to_builtins(meta) for meta in self._artifacts],
             artifacts_truncated=self._artifacts_truncated,
             tests=self._batch_cases,
+            seq=event.seq,
         )
 
     async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:
