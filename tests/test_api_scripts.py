@@ -575,16 +575,22 @@ async def test_a_resume_finds_its_place_in_the_log_by_seq(redis: Redis, store: J
     assert await store.seek_events(job_id, 10) == ids[10]
 
 
+async def _a_log(redis: Redis, outputs: int, fields: dict[str, bytes]) -> str:
+    """A new job's event log: `outputs` stdout entries with `fields`, then its result; its id."""
+    job_id = uuid.uuid4().hex
+    key = keys.events_key(job_id)
+    for seq in range(outputs):
+        await redis.xadd(key, {"seq": seq, "name": "stdout", **fields})
+    await redis.xadd(key, {"seq": outputs, "name": "result", "data": b'{"outcome":"completed"}'})
+    return job_id
+
+
 async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
     redis: Redis, store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from api.events import _stream
 
-    job_id = uuid.uuid4().hex
-    key = keys.events_key(job_id)
-    for seq in range(300):
-        await redis.xadd(key, {"seq": seq, "name": "stdout", "data": b'{"chunk":"x"}'})
-    await redis.xadd(key, {"seq": 300, "name": "result", "data": b'{"outcome":"completed"}'})
+    job_id = await _a_log(redis, 300, {"data": b'{"chunk":"x"}'})
     read: list[int] = []
     events = store.events
 
@@ -610,11 +616,7 @@ async def test_an_sse_catch_up_reads_a_big_log_a_bounded_piece_at_a_time(
     # each of the hundreds a process may serve, however slowly its client read.
     from api.events import _stream
 
-    job_id = uuid.uuid4().hex
-    key = keys.events_key(job_id)
-    for seq in range(600):
-        await redis.xadd(key, {"seq": seq, "name": "stdout", "chunk": b"\x01" * 8192})
-    await redis.xadd(key, {"seq": 600, "name": "result", "data": b'{"outcome":"completed"}'})
+    job_id = await _a_log(redis, 600, {"chunk": b"\x01" * 8192})
     read_bytes: list[int] = []
     events = store.events
 

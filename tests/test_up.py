@@ -105,6 +105,14 @@ def _banner(up: subprocess.Popen[str], timeout_s: float = 60) -> str:
     return banner
 
 
+def _token_and_logs(banner: str) -> tuple[str, Path]:
+    """The API token and the log folder `up` printed."""
+    token = re.search(r"API token\s+(\S+)", banner)
+    logs = re.search(r"Logs\s+(\S+)", banner)
+    assert token is not None and logs is not None, banner
+    return token.group(1), Path(logs.group(1))
+
+
 def test_up_on_a_busy_port_says_so_before_anything_starts(tmp_path: Path) -> None:
     env, mark = _up_env(tmp_path)
     with socket.socket() as squatter:
@@ -140,8 +148,7 @@ def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     up = _up_process(port, env)
     try:
         banner = _banner(up)
-        token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
-        log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
+        token, log_dir = _token_and_logs(banner)
         assert log_dir.parent == tmp_path / "logs" and log_dir.is_dir(), banner
         api = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{api}/health").json() == {"status": "ok"}
@@ -214,8 +221,7 @@ def test_a_second_ctrl_c_ends_running_jobs_at_once_each_with_its_result(tmp_path
     env, _ = _up_env(tmp_path)
     up = _up_process(port, env)
     try:
-        banner = _banner(up)
-        token = re.search(r"API token\s+(\S+)", banner).group(1)  # type: ignore[union-attr]
+        token, log_dir = _token_and_logs(_banner(up))
         api = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"})
         job = api.post("/v1/execute", json={"language": "python", "files": [{"name": "main.py", "content": "import time\ntime.sleep(60)\n"}]}).json()
         assert api.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
@@ -223,7 +229,6 @@ def test_a_second_ctrl_c_ends_running_jobs_at_once_each_with_its_result(tmp_path
         while api.get(f"/v1/jobs/{job['jobId']}").json()["state"] != "running":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        log_dir = Path(re.search(r"Logs\s+(\S+)", banner).group(1))  # type: ignore[union-attr]
         up.send_signal(signal.SIGINT)
         time.sleep(1)
         stopped_at = time.monotonic()
