@@ -117,6 +117,10 @@ class _Pushes(asyncio.Protocol):
         if not channels:
             self._sent.popleft()
 
+    def awaits(self, name: bytes, channel: bytes) -> bool:
+        """Whether a `name` command written for `channel` is still to be answered."""
+        return any(sent == name and channel in channels for sent, channels in self._sent)
+
     def send(self, *command: bytes | str) -> None:
         """Write a SUBSCRIBE, UNSUBSCRIBE or PING, and expect its answers."""
         name = command[0].encode() if isinstance(command[0], str) else command[0]
@@ -155,8 +159,6 @@ class Subscriber:
         # wanted when it was made.
         self._on_ready = on_ready
         self._wanted: set[bytes] = set()
-        # SUBSCRIBEs written on the current connection and not yet answered, by channel.
-        self._unanswered: dict[bytes, int] = {}
         # Channels whose SUBSCRIBE Redis refused, to be written again (see _refused).
         self._refused_again: set[bytes] = set()
         self._again: asyncio.TimerHandle | None = None
@@ -195,8 +197,6 @@ class Subscriber:
         names = [c.encode() for c in channels]
         self._wanted.update(names)
         if self._pushes is not None:
-            for name in names:
-                self._unanswered[name] = self._unanswered.get(name, 0) + 1
             self._pushes.send("SUBSCRIBE", *names)
 
     def unsubscribe(self, *channels: str) -> None:
@@ -212,8 +212,6 @@ class Subscriber:
         pushes = _Pushes(self._heard, plain._address, self._refused)
         pushes.transport = plain.hand_over(pushes)
         self.connections += 1
-        # What the lost connection left unanswered never will be; this one subscribes anew.
-        self._unanswered = dict.fromkeys(self._wanted, 1)
         self._refused_again.clear()
         if self._wanted:
             pushes.send("SUBSCRIBE", *self._wanted)
@@ -226,12 +224,6 @@ class Subscriber:
     def _refused(self, channels: list[bytes]) -> None:
         """Redis refused a SUBSCRIBE of `channels` (-BUSY: a script runs long): not awaited
         any more, and written again shortly for those still wanted."""
-        for channel in channels:
-            left = self._unanswered.get(channel, 0) - 1
-            if left > 0:
-                self._unanswered[channel] = left
-            else:
-                self._unanswered.pop(channel, None)
         self._refused_again.update(channels)
         if self._again is None:
             self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._subscribe_again)
@@ -244,12 +236,9 @@ class Subscriber:
             self.subscribe(*(c.decode() for c in again))
 
     def _heard(self, kind: bytes, channel: bytes, data: bytes | int) -> None:
-        if kind == b"subscribe":
-            left = self._unanswered.get(channel, 0) - 1
-            if left > 0:
-                self._unanswered[channel] = left
-                return
-            self._unanswered.pop(channel, None)
+        pushes = self._pushes
+        if kind == b"subscribe" and pushes is not None and pushes.awaits(b"SUBSCRIBE", channel):
+            return  # not the last SUBSCRIBE of the channel: its answer is still to come
         self._on_message(kind, channel, data)
 
     async def _keep(self) -> None:
