@@ -98,10 +98,11 @@ async def job_events(request: Request) -> Response:
         # The client has the result already: nothing will ever follow. A 204 makes a
         # browser's EventSource stop; an empty 200 would have it reconnect every few seconds.
         return Response(status_code=204)
+    principal = state.auth.principal(request, url_token=request.query_params.get("token"))
     if request.method == "HEAD":
         # What a GET would answer, without its body: streamed, a HEAD would hold a stream
         # slot and its connection until the job ends, for bytes the server throws away.
+        slots.check(status.job_id, principal.caller)
         return Response(media_type="text/event-stream", headers=_HEADERS)
-    principal = state.auth.principal(request, url_token=request.query_params.get("token"))
     slot = slots.acquire(status.job_id, principal.caller)
     return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)

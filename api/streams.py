@@ -86,11 +86,19 @@ class StreamSlots:
         )
 
     def acquire(self, job_id: str, principal: str) -> StreamSlot:
-        """Admit one stream or refuse it (nothing is counted when refused).
+        """Admit one stream, or refuse it before any byte is sent.
 
         Raises:
             ApiError: 429 past the per-job or per-caller bound, 503 when the pool is full.
         """
+        self.check(job_id, principal)
+        self.total += 1
+        self._jobs[job_id] += 1
+        self._principals[principal] += 1
+        return StreamSlot(self, job_id, principal)
+
+    def check(self, job_id: str, principal: str) -> None:
+        """Refuse as `acquire` would, taking nothing (what a HEAD of the stream answers)."""
         what = self.what
         if self._jobs[job_id] >= self.max_per_job:
             raise _refused(
@@ -102,10 +110,6 @@ class StreamSlots:
             )
         if self.total >= self.max_total:
             raise _refused(503, f"All {self.max_total} {what} of this server are in use; retry shortly")
-        self.total += 1
-        self._jobs[job_id] += 1
-        self._principals[principal] += 1
-        return StreamSlot(self, job_id, principal)
 
     def _release(self, slot: StreamSlot) -> None:
         self.total -= 1

@@ -104,8 +104,11 @@ def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> Non
         for _ in range(4):
             held.append(_open_stream(client, hog, hog["jobToken"]))
             assert held[-1].status_code == 200
-        # The next is refused before the stream starts, with the job token or the API token.
+        # The next is refused before the stream starts, with the job token or the API token,
+        # and a HEAD answers what that GET would.
         body = _refusal(_open_stream(client, hog, hog["jobToken"]), 429)
+        head = client.head(f"/v1/jobs/{hog['jobId']}/events", headers={"Authorization": f"Bearer {hog['jobToken']}"})
+        assert head.status_code == 429 and head.headers["retry-after"] == "2"
         assert "this job" in body["error"] and "4" in body["error"]
         _refusal(_open_stream(client, hog, api.stack.api_token), 429)
         # Another job's stream is unaffected: it follows its job to the result.
