@@ -155,6 +155,25 @@ def test_a_c_batch_compiles_once_and_judges_every_case_in_a_fresh_jail(api: Api,
     assert "dirty" not in "".join(case["stdout"] for case in out["tests"])
 
 
+def test_a_silent_case_is_judged_by_its_wall_and_cpu_clocks_unless_it_names_an_idle_one(
+    make_stack: StackFactory,
+) -> None:
+    # A case's input is given up front: one computing in silence for longer than the idle
+    # window (here the server's 1 s maximum, 10 s by default) waits on nobody. It was ended
+    # `idle_timed_out` well inside the wall and CPU limits it asked for.
+    stack = make_stack(MAX_IDLE_MS="1000")
+    api, rt = Api(stack), Realtime(stack)
+    silent = {"language": "python", "files": [{"name": "main.py", "content": "import time\ntime.sleep(1.6)\nprint('done')\n"}]}
+    try:
+        result, followed = run(api, rt, {**silent, "tests": [{"expectedOutput": "done\n"}], "limits": {"wallTimeMs": 5000}})
+        named, _ = run(api, rt, {**silent, "tests": [{"expectedOutput": "done\n"}], "limits": {"idleMs": 1000}})
+    finally:
+        api.close()
+        rt.close()
+    assert [case["verdict"] for case in result["tests"]] == ["accepted"], followed.summary()
+    assert [(case["verdict"], case["killedBy"]) for case in named["tests"]] == [("time_limit_exceeded", "idle")]
+
+
 def test_a_batch_has_no_stdin_to_send_to(api: Api) -> None:
     job = api.execute(c_batch([{"stdin": "1 1\n"}]))
     response = api.post(f"/v1/jobs/{job['jobId']}/stdin", json={"chunk": "more\n"})
