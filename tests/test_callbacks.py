@@ -56,8 +56,9 @@ from worker.messaging.queue import WorkerQueue
 
 class Receiver:
     """An HTTP server on 127.0.0.1 that records every request and answers from a script:
-    each entry is a status to answer, ("sleep", seconds, status), ("redirect", location), or
-    "endless" (200 and a body that never ends)."""
+    each entry is a status to answer, ("sleep", seconds, status), ("redirect", location),
+    "endless" (200 and a body that never ends) or "stalled" (200, part of its body, then
+    nothing for 10 s)."""
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -84,6 +85,14 @@ class Receiver:
                     receiver._arrived.notify_all()
                 if step == "endless":
                     self._endless()
+                    return
+                if step == "stalled":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "100")
+                    self.end_headers()
+                    self.wfile.write(b"accepted")
+                    self.wfile.flush()
+                    time.sleep(10)
                     return
                 if isinstance(step, tuple) and step[0] == "redirect":
                     self.send_response(302)
@@ -928,6 +937,28 @@ async def test_send_follows_no_redirect_and_reads_a_bounded_answer(
     while not receiver.hung_up and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert receiver.hung_up == 1  # the sender stopped reading and closed
+
+
+@pytest.mark.stack
+async def test_a_2xx_whose_body_stalls_is_delivered_once(bare_stack: Stack, redis: Redis, receiver: Receiver) -> None:
+    """The status line is the receiver's answer: a body that stalls after it (whether the
+    read gives up first or the attempt's own deadline falls) must not make a delivered
+    callback a retry that posts it again."""
+    for timeout_ms in ("2000", "500"):  # the body's read bound first, then the deadline
+        path = receiver.path(["stalled"])
+        job_id = await _killed_in_queue(redis, receiver.url(path))
+        settings = _sender_settings(
+            bare_stack, CALLBACK_ALLOW_PRIVATE="1", CALLBACK_BACKOFF_MS="1", CALLBACK_TIMEOUT_MS=timeout_ms,
+            CALLBACK_CONNECT_TIMEOUT_MS="400",
+        )
+        async with new_client(settings) as client:
+            sender = CallbackSender(settings, redis, client, "test")
+            await _one_round(sender, job_id)
+            await asyncio.sleep(0.05)
+            await _one_round(sender, job_id)
+        record = await redis.hgetall(keys.callback_key(job_id))
+        assert (record[b"state"], record[b"lastStatus"], record[b"attempts"]) == (b"delivered", b"200", b"1"), record
+        assert len(receiver.received(path)) == 1
 
 
 @pytest.mark.stack

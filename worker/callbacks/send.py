@@ -29,6 +29,9 @@ __all__ = ["MAX_RESPONSE_BYTES", "AttemptFailed", "Refused", "Resolver", "checke
 # The answer's body is read up to this much, then the connection is dropped (nothing in it
 # is used; it is read so a small answer ends its exchange cleanly).
 MAX_RESPONSE_BYTES = 64 * 1024
+# ...and for at most this long: the status line is the receiver's answer, so a body that
+# stalls or breaks off after a 2xx must not turn a delivered callback into a retry.
+MAX_RESPONSE_READ_S = 1.0
 USER_AGENT = "coderunner-callbacks/1"
 
 
@@ -196,9 +199,11 @@ async def post(
     addresses: list[IPAddress],
     headers: dict[str, str],
     content: Callable[[], AsyncIterator[bytes]],
+    answered: Callable[[int], None] = lambda status: None,
 ) -> int:
     """POST to the first of the checked `addresses` that accepts a connection; the answer's
-    HTTP status.
+    HTTP status, also given to `answered` the moment it is known (the caller's own deadline
+    may fall while the body is read).
 
     Raises:
         AttemptFailed: no address could be reached, or the exchange broke off.
@@ -211,11 +216,16 @@ async def post(
             async with client.stream(
                 "POST", target.url_for(ip), headers=headers, content=content(), extensions=extensions
             ) as response:
-                read = 0
-                async for chunk in response.aiter_raw():
-                    read += len(chunk)
-                    if read >= MAX_RESPONSE_BYTES:
-                        break
+                answered(response.status_code)
+                try:
+                    async with asyncio.timeout(MAX_RESPONSE_READ_S):
+                        read = 0
+                        async for chunk in response.aiter_raw():
+                            read += len(chunk)
+                            if read >= MAX_RESPONSE_BYTES:
+                                break
+                except (httpx.HTTPError, TimeoutError):
+                    pass  # the connection is dropped; the status stands
                 return response.status_code
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             last = exc

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -153,6 +153,7 @@ class CallbackSender:
         settings = self.settings
         job_id = delivery.job_id
         status: int | None = None
+        heard: list[int] = []
         # Over LEASE_MARGIN_MS before the lease ends, whenever the claim's answer came: a
         # delivery still being sent when another sender may take it goes out twice.
         left_ms = min(settings.callback_timeout_ms, delivery.leased_at_ms + settings.callback_timeout_ms - now_ms())
@@ -160,7 +161,7 @@ class CallbackSender:
             if left_ms <= 0:
                 raise TimeoutError
             async with asyncio.timeout(left_ms / 1000):
-                status = await self._send(delivery)
+                status = await self._send(delivery, heard.append)
         except (Refused, ValidationError, ResultGone) as exc:
             why = f"refused: {exc}" if not isinstance(exc, ResultGone) else "the job's result has expired"
             log.warning("job %s: callback given up: %s", job_id, why)
@@ -168,6 +169,8 @@ class CallbackSender:
             await self.deliveries.report(delivery, "failed", now_ms(), error=why)
             return
         except (AttemptFailed, TimeoutError) as exc:
+            # The deadline fell while a body was read: the status had come, and it stands.
+            status = heard[0] if heard else None
             error = (
                 str(exc) if isinstance(exc, AttemptFailed) else f"no answer within {settings.callback_timeout_ms} ms"
             )
@@ -178,7 +181,7 @@ class CallbackSender:
             # is read): an attempt like any other, so the window still ends it.
             log.exception("job %s: callback attempt %d failed unexpectedly", job_id, delivery.attempt)
             error = f"the sender failed: {type(exc).__name__}"
-        else:
+        if status is not None:
             if 200 <= status < 300:
                 self.delivered += 1
                 log.info("job %s: callback delivered (attempt %d, HTTP %d)", job_id, delivery.attempt, status)
@@ -198,7 +201,7 @@ class CallbackSender:
         log.info("job %s: callback attempt %d failed (%s); next in %d ms", job_id, delivery.attempt, error, delay)
         await self.deliveries.report(delivery, "retry", now, next_attempt_ms=now + delay, status=status, error=error)
 
-    async def _send(self, delivery: Delivery) -> int:
+    async def _send(self, delivery: Delivery, answered: Callable[[int], None]) -> int:
         settings = self.settings
         # The URL was checked at submit; the settings may have changed since, so again.
         target = callbacks.parse_callback_url(delivery.url, settings.callback_allow_http)
@@ -219,7 +222,7 @@ class CallbackSender:
             callbacks.JOB_HEADER: delivery.job_id,
             callbacks.ATTEMPT_HEADER: str(delivery.attempt),
         }
-        return await post(self.client, target, addresses, headers, body.pieces)
+        return await post(self.client, target, addresses, headers, body.pieces, answered)
 
 
 @contextlib.asynccontextmanager
