@@ -20,13 +20,17 @@ for the body, the handler waiting for it) for as long as it likes. This subclass
   and the handler sees it gone. Without it, a reader that stops reading holds its handler,
   and whatever admission slot that holds (an event stream, an artifact download), for ever.
 
-Connections idle between requests stay under uvicorn's keep-alive timeout.
+Connections idle between requests stay under uvicorn's keep-alive timeout. And pipelining
+is bounded: a connection with more than `MAX_PIPELINED` requests waiting behind the one
+being answered is closed (uvicorn parses a whole read, up to 256 KiB, some 8,000 small
+requests, into its queue; nothing a browser or an SDK sends comes near).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 
 # Request line plus headers. Browsers send a few KiB; nginx's default cap is 4 x 8 KiB.
 MAX_HEAD_BYTES = 64 * 1024
+# Requests of one connection waiting their turn behind the one being answered.
+MAX_PIPELINED = 32
 
 
 def _error_bytes(status: int, reason: str, message: str) -> bytes:
@@ -68,9 +74,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # request does (a 413 or 503 on its head alone), and the rest of the body that still
         # arrives is that request's, not the head of the next one.
         self._in_message = False
-        # The requests of this connection still being answered: with pipelining, one that is
-        # streaming (SSE) while the next waits its turn. uvicorn itself knows only the newest.
-        self._cycles: list[Any] = []
+        # The requests of this connection still being answered, oldest first: with
+        # pipelining, one that is streaming (SSE) while the next waits its turn. uvicorn
+        # itself knows only the newest. (It answers them one at a time, in order.)
+        self._cycles: deque[Any] = deque()
 
     # ------------------------------------------------------------ connection
 
@@ -151,7 +158,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._parsed_head_bytes += size
         if self._parsed_head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")
-            raise _HeadTooLarge  # stops the parser (uvicorn's 400 for that is not sent: see below)
+            raise _StopParsing  # stops the parser (uvicorn's 400 for that is not sent: see below)
 
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
@@ -164,8 +171,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._request_bytes_seen = False
         super().on_headers_complete()
         if self.cycle is not None and (not self._cycles or self._cycles[-1] is not self.cycle):
-            self._cycles = [c for c in self._cycles if not c.response_complete]
+            while self._cycles and self._cycles[0].response_complete:
+                self._cycles.popleft()
             self._cycles.append(self.cycle)
+            if len(self._cycles) > MAX_PIPELINED + 1:
+                log.info("closed a connection from %s: more than %d requests pipelined", self._peer(), MAX_PIPELINED)
+                self._disconnect_all()
+                self.transport.close()
+                raise _StopParsing  # the rest of this read is not parsed into more requests
         if not (self.parser.should_upgrade() and self._should_upgrade()):
             self._cancel_body()
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_expired)
@@ -245,8 +258,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
 
-class _HeadTooLarge(Exception):
-    """Raised in a parser callback to stop parsing a head past MAX_HEAD_BYTES."""
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop parsing a read (a head past MAX_HEAD_BYTES, a
+    connection past MAX_PIPELINED): uvicorn then answers nothing more on a closing transport."""
 
 
 def guarded_protocol(

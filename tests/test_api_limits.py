@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.server import MAX_HEAD_BYTES
+from api.server import MAX_HEAD_BYTES, MAX_PIPELINED
 from launcher.stack import Stack
 from shared.errors import ConfigError
 from shared.settings import load_settings
@@ -531,6 +531,48 @@ def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_large_head(ma
             answer += chunk
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
     assert statuses == [b"202", b"200"], answer[:400]
+
+
+def test_a_connection_pipelining_thousands_of_requests_is_closed_and_stalls_no_one(make_stack: StackFactory) -> None:
+    # Every parsed request rescanned the connection's unanswered ones: 2 MiB of pipelined
+    # GET /health (some 64,000) froze the API's loop for over a minute and took ~160 MB.
+    stack = make_stack(with_worker=False)
+    flood = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * (2 * 1024 * 1024 // 33)
+    answers: list[bytes] = []
+
+    def send_and_drain(sock: socket.socket) -> None:
+        def drain() -> None:
+            try:
+                while chunk := sock.recv(65536):
+                    answers.append(chunk)
+            except OSError:
+                pass
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        try:
+            sock.sendall(flood)
+        except OSError:
+            pass  # closed on us: what is expected
+        reader.join(30)
+
+    sock = socket.create_connection((stack.api_host, stack.api_port), timeout=30)
+    flooder = threading.Thread(target=send_and_drain, args=(sock,), daemon=True)
+    slowest = 0.0
+    with httpx.Client(base_url=stack.api_url, timeout=30) as client:
+        client.get("/health")
+        flooder.start()
+        began = time.monotonic()
+        while flooder.is_alive() and time.monotonic() - began < 30:
+            asked = time.monotonic()
+            assert client.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.1)
+    sock.close()
+    assert not flooder.is_alive(), "the flooding connection was never closed"
+    assert slowest < 0.5, slowest
+    # Closed once past the bound: never more answers than that.
+    assert b"".join(answers).count(b"HTTP/1.1 200") <= MAX_PIPELINED + 1
 
 
 @pytest.mark.sandbox
