@@ -1106,7 +1106,11 @@ class JobRun:
             seq=event.seq,
         )
 
-    async def _abort(self, message: str, outcome: Outcome = Outcome.INTERNAL_ERROR) -> None:
+    async def _abort(self, message: str, outcome: Outcome | None = None) -> None:
+        if outcome is None:
+            # SPEC: internal_error says no user code ran, so the job is safe to submit again;
+            # past the program's start that is no longer true, and the job is lost.
+            outcome = Outcome.LOST if self._program_started else Outcome.INTERNAL_ERROR
         result = self._result_so_far(outcome, message)  # (its time: not the teardown's)
         try:
             await self._destroy()
