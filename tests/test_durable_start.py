@@ -269,6 +269,35 @@ def test_a_job_handed_back_while_compiling_is_published_once(make_stack: StackFa
         api.close()
 
 
+def test_a_job_whose_compile_ends_during_the_grace_goes_back_rather_than_being_cut_off(
+    make_stack: StackFactory,
+) -> None:
+    # SIGTERM mid-compile; the compile ends inside the grace. The program, longer than what
+    # is left of it, was started on the stopping worker and ended `killed` (by "user") at the
+    # grace's end. Its program had not begun: it goes back to the queue and runs whole.
+    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="3000", WORKER_MAX_SANDBOXES="2")
+    api, rt = Api(stack), Realtime(stack)
+    code = _SLOW_COMPILE_C.replace("int main(void) {", "#include <unistd.h>\nint main(void) { sleep(4);")
+    try:
+        job = api.execute({"language": "c", "files": [{"name": "main.c", "content": code}], "limits": {"wallTimeMs": 10000}})
+        followed = rt.follow(job)
+        api.start(job)
+        _wait_for(followed, "compiling")
+        stack.stop_process("worker", signal.SIGTERM)
+        assert api.status(job)["state"] == "queued"
+        stack.start_worker()
+        result = followed.wait_result(timeout_s=60)
+        assert result["outcome"] == "completed", result
+        assert followed.text("stdout") == "2097152\n"
+        with stack.redis() as redis:
+            log = redis.xrange(f"job:{job['jobId']}:events")
+        phases = [json.loads(f[b"data"])["phase"] for _, f in log if f[b"name"] == b"stage"]
+        assert phases == ["queued", "compiling", "compiling", "running"]
+    finally:
+        rt.close()
+        api.close()
+
+
 def test_a_kill_of_a_job_handed_back_unstarted_publishes_what_its_claim_logged(make_stack: StackFactory) -> None:
     # A claim logs stage{queued} (seq 0) and publishes nothing before start; handed back and
     # then killed in the queue, the job's stage and result both reach a follower.

@@ -294,6 +294,12 @@ class JobRun:
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
+                if self.ctx.stopping.is_set():
+                    # Compiled during the grace: the program has not begun, so the job goes
+                    # back to the queue to be compiled again and run whole elsewhere, not
+                    # started here to be cut off (and judged killed) when the grace ends.
+                    await self._end_unstarted("handback")
+                    return
             if self.spec.tests:
                 await self._run_batch(sub.ctrl, plan, compiled)
                 return
