@@ -320,6 +320,45 @@ async def test_a_run_cut_short_reports_what_is_known_of_it(redis: Redis, queue: 
     assert result["compile"] == {"exitCode": 0, "signal": None, "timedOut": False, "durationMs": 40, "output": "ok\n"}
 
 
+async def test_a_run_cut_short_stores_only_the_output_its_log_has(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's stop cancels a run while an append is in flight (Redis slow) and more
+    # output waits behind it: the stored result (the budget's bytes) held text that the log
+    # and the live view never did, as the waiting text was dropped.
+    spec = msgspec.structs.replace(_spec(), collect_output=True)
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    run = _job_run(queue, claim)
+    run.ctx.sandboxes = SimpleNamespace(memory=None)  # type: ignore[attr-defined]
+    run.sandbox = SimpleNamespace(  # type: ignore[assignment]
+        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)), cgroup=None, memory_base_bytes=0
+    )
+    hanging = asyncio.Event()
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
+        on_stdout = pumps[0][1]
+        await on_stdout(b"logged\n")
+        await asyncio.sleep(0.1)
+        await run.events._lock.acquire()  # an append in flight, answered in 0.2 s
+        asyncio.get_running_loop().call_later(0.2, run.events._lock.release)
+        await on_stdout(b"waiting behind it\n")
+        hanging.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr("worker.job.run.supervise", supervise)
+    running = asyncio.create_task(run._run(asyncio.Queue(), asyncio.Queue(), None))  # type: ignore[arg-type]
+    await asyncio.wait_for(hanging.wait(), 5)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await run._cancelled()
+    job = claim.spec.job_id
+    logged = b"".join(f[b"chunk"] for _, f in await redis.xrange(keys.events_key(job)) if f[b"name"] == b"stdout")
+    assert await redis.get(keys.output_stream_key(job, "stdout")) == logged == b"logged\nwaiting behind it\n"
+    assert await redis.hget(keys.status_key(job), "state") == b"killed"
+
+
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
     redis: Redis, queue: WorkerQueue
 ) -> None:

@@ -85,10 +85,23 @@ class OutputFlusher:
             raise
 
     async def close(self) -> None:
-        """Flush everything queued; raises what stopped the flusher."""
+        """Flush everything queued; raises what stopped the flusher. (A cancel of the caller
+        leaves the flushing to go on: `drain` then decides how long it may.)"""
         self._closing = True
         self._wakeup.set()
-        await self._task
+        await asyncio.shield(self._task)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Flush what is queued for at most `timeout_s`, then stop; what stopped the flusher
+        is not raised (the caller is ending already)."""
+        self._closing = True
+        self._wakeup.set()
+        try:
+            await asyncio.wait({self._task}, timeout=timeout_s)
+        finally:
+            self.abort()
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # retrieved: its failure was reported where it happened
 
     @property
     def task(self) -> asyncio.Task[None]:

@@ -816,8 +816,18 @@ class JobRun:
             self._ran = (facts, compiled)
         finally:
             feed.stop()
-            flusher.abort()
+            await self._settle_output(flusher)
         return facts
+
+    async def _settle_output(self, flusher: OutputFlusher) -> None:
+        """A run cut short (cancelled by its worker's stop, or failed elsewhere) still logs
+        what its budget kept, for a bounded time: the stored result is the budget's, and must
+        hold no byte that its log and its live view did not."""
+        if flusher.task.done():
+            return
+        for stream in ("stdout", "stderr"):
+            flusher.add(stream, self.budget.flush(stream))
+        await asyncio.shield(flusher.drain(FINISH_ON_CANCEL_S))
 
     async def _keep_artifacts(self, before: set[bytes]) -> None:
         """Store the files the program left and announce each (before the result)."""
