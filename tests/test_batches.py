@@ -80,6 +80,60 @@ def test_comparison_modes(actual: str, expected: str, mode: str, same: bool) -> 
     assert outputs_match(actual.encode(), expected, mode) is same  # type: ignore[arg-type]
 
 
+def _lines_as_before(data: bytes) -> list[bytes]:
+    lines = [line.rstrip() for line in data.replace(b"\r\n", b"\n").split(b"\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def test_comparing_piece_by_piece_judges_as_comparing_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Random outputs of whitespace-heavy text, cut into pieces of a few bytes: every line
+    # and token that straddles a cut must be judged as the whole-output rules would.
+    import random
+
+    from shared import grading
+
+    rng = random.Random(7)
+    alphabet = [b"a", b"b", b" ", b"\t", b"\n", b"\r", b"\r\n", b"\x0b", b"\x0c", b"\x1c", "\u00a0".encode()]
+    for piece_bytes in (1, 3, 8, 64):
+        monkeypatch.setattr(grading, "COMPARE_PIECE_BYTES", piece_bytes)
+        for _ in range(400):
+            actual = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(40)))
+            expected = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(40)))
+            if rng.random() < 0.5:  # often the same answer, spaced differently
+                expected = b" \n".join(actual.split()) + b"\n" * rng.randrange(3)
+            text = expected.decode()
+            assert outputs_match(actual, text, "lines") == (_lines_as_before(actual) == _lines_as_before(expected))
+            assert outputs_match(actual, text, "tokens") == (actual.split() == expected.split())
+
+
+async def test_comparing_a_large_output_leaves_the_event_loop_free() -> None:
+    # 16 MiB of short lines took half a second on the loop in one go (every other job's
+    # clocks, kills and output waited it out); it now lets the loop in between pieces.
+    actual = b"ab   \n" * (16 * 1024 * 1024 // 6)
+    expected = "ab\n" * (16 * 1024 * 1024 // 6)
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    try:
+        assert await batch.output_matches(actual, expected, "lines")
+        assert await batch.output_matches(actual, expected, "tokens")
+        assert not await batch.output_matches(actual, expected + "ab\n", "tokens")
+    finally:
+        ticking.cancel()
+    assert max(gaps) < 0.1, max(gaps)
+
+
 def test_exact_comparison_is_of_the_bytes_written() -> None:
     # Bytes that are not UTF-8 never match text, not even its replacement character.
     assert not outputs_match(b"\xff\n", "\ufffd\n", "exact")
