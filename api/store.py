@@ -88,9 +88,11 @@ local function too_much(held)
   return max_bytes > 0 and held > 0 and held + size > max_bytes
 end
 local held = tonumber(redis.call('HGET', KEYS[9], '_total') or '0')
-if redis.call('ZCARD', KEYS[4]) >= cap or too_much(held) then
-  -- Forget the owner's jobs that started or ended since, and count again what the rest
-  -- hold (which also heals what an older API, keeping no sizes, left); only then judge.
+local counted = tonumber(redis.call('HGET', KEYS[9], '_countedAtMs') or '0')
+if (redis.call('ZCARD', KEYS[4]) >= cap or too_much(held)) and tonumber(ARGV[3]) - counted >= 1000 then
+  -- Jobs leave the index as they start or end (unstarted_gone). What that missed (an older
+  -- API's jobs, with no sizes kept) is healed here by counting them all again: at most once
+  -- a second, or a client held at its cap would have each refusal cost a look at every job.
   held = 0
   local kept = {}
   for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
@@ -108,12 +110,12 @@ if redis.call('ZCARD', KEYS[4]) >= cap or too_much(held) then
   -- for a MAX_PARKED_PER_PRINCIPAL in the thousands.
   for _, entry in ipairs(kept) do redis.call('HSET', KEYS[9], entry[1], entry[2]) end
   if #kept > 0 then
-    redis.call('HSET', KEYS[9], '_total', held)
+    redis.call('HSET', KEYS[9], '_total', held, '_countedAtMs', ARGV[3])
     redis.call('EXPIRE', KEYS[9], ARGV[4])
   end
-  if redis.call('ZCARD', KEYS[4]) >= cap then return -1 end
-  if too_much(held) then return {5, held} end
 end
+if redis.call('ZCARD', KEYS[4]) >= cap then return -1 end
+if too_much(held) then return {5, held} end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'updatedAtMs', ARGV[3], 'attempt', 0, 'nextSeq', 0,
            'language', ARGV[6], 'version', ARGV[7], 'owner', ARGV[8], 'createdAtMs', ARGV[3])
@@ -297,6 +299,7 @@ return found
 # claim), then publishes the live message.
 _START = (
     _TERMINAL_LUA
+    + keys.UNSTARTED_GONE_LUA
     + """
 local st = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started', 'attempt', 'expiringAttempt')
 if (not st[1]) or (ARGV[1] ~= '' and st[2] ~= ARGV[1]) then return {0} end
@@ -305,6 +308,7 @@ if terminal[st[1]] then return {2, st[1], st[3] or ''} end
 -- job expired now, so a start from here on is refused as that, not accepted and dropped.
 if st[5] and st[5] == st[4] then return {2, 'expired', ''} end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+unstarted_gone(st[2], ARGV[5])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1}
 """
@@ -327,6 +331,7 @@ _KILL = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
+    + keys.UNSTARTED_GONE_LUA
     + """
 -- The job's log entries from its `liveSeq` up to seq `upto` (exclusive), as field/value pairs,
 -- each entry ended by ''. A claim handed back before it went live logged its stage{queued}
@@ -375,6 +380,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
+  unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[1])
   return {2, seq, data, earlier, redis.call('EXISTS', KEYS[10])}
 end
 local recent = {ARGV[8]}
@@ -911,7 +917,7 @@ class JobStore:
         message."""
         answer = await self._start(
             keys=[keys.status_key(job_id), keys.start_flag_key(job_id)],
-            args=[owner, self._record_ttl_s, keys.ctrl_channel(job_id), encode(CtrlMessage(type="start"))],
+            args=[owner, self._record_ttl_s, keys.ctrl_channel(job_id), encode(CtrlMessage(type="start")), job_id],
         )
         if answer[0] == 0:
             return StartAnswer("unknown")

@@ -10,6 +10,7 @@ import hashlib
 
 __all__ = [
     "CALLBACKS_DUE",
+    "UNSTARTED_GONE_LUA",
     "CHANNEL_PREFIX",
     "DATASET",
     "ENDED_COUNTS",
@@ -142,6 +143,25 @@ def unstarted_sizes_key(owner: str) -> str:
     """Hash: job id -> bytes of its stored spec, for each job in `unstarted_key`, and `_total`:
     what the principal's jobs not yet started hold in Redis (bounded by MAX_UNSTARTED_INPUT_MB)."""
     return f"owner:{owner}:unstarted:sizes"
+
+
+_UNSTARTED_HEAD, _UNSTARTED_TAIL = unstarted_key("\n").split("\n")
+_SIZES_TAIL = unstarted_sizes_key("\n").split("\n")[1]
+
+# Lua: unstarted_gone(owner, job id) takes a job that started or ended out of its owner's
+# unstarted index and its spec's bytes off the index's total, so the next execute sees the
+# room at once (the enqueue script's recount only heals what this missed). Safe to run twice.
+UNSTARTED_GONE_LUA = f"""
+local function unstarted_gone(owner, id)
+  if not owner then return end
+  if redis.call('ZREM', '{_UNSTARTED_HEAD}' .. owner .. '{_UNSTARTED_TAIL}', id) == 0 then return end
+  local sizes = '{_UNSTARTED_HEAD}' .. owner .. '{_SIZES_TAIL}'
+  local bytes = tonumber(redis.call('HGET', sizes, id) or '0')
+  if redis.call('HDEL', sizes, id) == 1 and bytes > 0 and redis.call('EXISTS', sizes) == 1 then
+    redis.call('HINCRBY', sizes, '_total', -bytes)
+  end
+end
+"""
 
 
 def owner_jobs_key(owner: str) -> str:

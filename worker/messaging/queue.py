@@ -187,6 +187,7 @@ _FINISH = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
+    + keys.UNSTARTED_GONE_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
@@ -228,6 +229,7 @@ redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
 result_landed(KEYS[14], ARGV[2])
+unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[8])
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
 if kept > 0 then
@@ -294,6 +296,7 @@ _REAP = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
+    + keys.UNSTARTED_GONE_LUA
     + """
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
@@ -322,6 +325,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('DEL', KEYS[6])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
+  unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[1])
   return {2, seq, data}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
