@@ -5,8 +5,9 @@ when `collectOutput` is set). Workers put each finished job's size on its owner'
 (`owner:<owner>:retained`, scored by expiry, with the sizes beside it); the enqueue script
 (api/store.py) first forgets what has expired and refuses the job while the rest is over
 MAX_RETAINED_OUTPUT_MB, in the same step that queues it, so checking costs no round trip of
-its own. What one principal keeps is then at most that bound plus the output of its jobs
-still running (each at most its `outputKb` budget, twice with collectOutput).
+its own. What one principal keeps is then at most that bound plus the output of the jobs it
+had admitted while under it, queued, parked or running (each at most its `outputKb`
+budget, twice with collectOutput): nothing counts a job's output before it ends.
 """
 
 from __future__ import annotations
