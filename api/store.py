@@ -299,7 +299,6 @@ return found
 # claim), then publishes the live message.
 _START = (
     _TERMINAL_LUA
-    + keys.UNSTARTED_GONE_LUA
     + """
 local st = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started', 'attempt', 'expiringAttempt')
 if (not st[1]) or (ARGV[1] ~= '' and st[2] ~= ARGV[1]) then return {0} end
@@ -308,7 +307,6 @@ if terminal[st[1]] then return {2, st[1], st[3] or ''} end
 -- job expired now, so a start from here on is refused as that, not accepted and dropped.
 if st[5] and st[5] == st[4] then return {2, 'expired', ''} end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
-unstarted_gone(st[2], ARGV[5])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1}
 """
@@ -380,7 +378,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
-  unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[1])
+  unstarted_gone(KEYS[1])
   return {2, seq, data, earlier, redis.call('EXISTS', KEYS[10])}
 end
 local recent = {ARGV[8]}
@@ -917,7 +915,7 @@ class JobStore:
         message."""
         answer = await self._start(
             keys=[keys.status_key(job_id), keys.start_flag_key(job_id)],
-            args=[owner, self._record_ttl_s, keys.ctrl_channel(job_id), encode(CtrlMessage(type="start")), job_id],
+            args=[owner, self._record_ttl_s, keys.ctrl_channel(job_id), encode(CtrlMessage(type="start"))],
         )
         if answer[0] == 0:
             return StartAnswer("unknown")

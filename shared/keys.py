@@ -147,12 +147,17 @@ def unstarted_sizes_key(owner: str) -> str:
 
 _UNSTARTED_HEAD, _UNSTARTED_TAIL = unstarted_key("\n").split("\n")
 _SIZES_TAIL = unstarted_sizes_key("\n").split("\n")[1]
+_STATUS_HEAD, _STATUS_TAIL = status_key("\n").split("\n")
 
-# Lua: unstarted_gone(owner, job id) takes a job that started or ended out of its owner's
-# unstarted index and its spec's bytes off the index's total, so the next execute sees the
-# room at once (the enqueue script's recount only heals what this missed). Safe to run twice.
+# Lua: unstarted_gone(status key) takes the job out of its owner's unstarted index, and its
+# spec's bytes off the index's total, once a worker marks it starting or running or it ends,
+# so the next execute sees the room at once (the enqueue script's recount only heals what
+# this missed). Not at the client's start: a started job still waiting in the queue holds
+# its input in Redis like a parked one. Safe to run twice.
 UNSTARTED_GONE_LUA = f"""
-local function unstarted_gone(owner, id)
+local function unstarted_gone(status)
+  local owner = redis.call('HGET', status, 'owner')
+  local id = string.sub(status, {len(_STATUS_HEAD) + 1}, {-len(_STATUS_TAIL) - 1})
   if not owner then return end
   if redis.call('ZREM', '{_UNSTARTED_HEAD}' .. owner .. '{_UNSTARTED_TAIL}', id) == 0 then return end
   local sizes = '{_UNSTARTED_HEAD}' .. owner .. '{_SIZES_TAIL}'

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from leanredis import LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import FileSpec, JobSpec, JobState
+from worker.messaging.queue import _ADVANCE
 from shared.settings import load_settings
 
 pytestmark = [pytest.mark.stack]
@@ -260,6 +262,14 @@ async def test_at_maxmemory_an_enqueue_is_refused_even_when_it_forgets_something
     assert not await redis.exists(keys.blob_key("owner-a", "a" * 64))
 
 
+async def _advance(redis: Redis, job_id: str, state: str) -> None:
+    """A worker's mark of the job's new state, as its claim would send it (attempt 0)."""
+    answer = await redis.eval(
+        _ADVANCE, 2, keys.status_key(job_id), keys.events_key(job_id), "0", 60, state, int(time.time() * 1000), "", "token"
+    )
+    assert answer == 1, answer
+
+
 async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: JobStore, redis: Redis) -> None:
     def big(owner: str = "owner-a") -> JobSpec:
         return msgspec.structs.replace(_spec(owner), files=[FileSpec(name="main.py", content="#" * 10_000)])
@@ -281,9 +291,12 @@ async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: Job
     alone = await store.enqueue(big("owner-b"), 100, 100, RESULT_TTL_S, max_unstarted_bytes=size // 2)
     assert alone.outcome == "queued"
 
-    # A job that started no longer counts, from its start on (twice is once).
+    # A job started by its client but still in the queue holds its input all the same; once
+    # a worker marks it starting, it no longer counts (marked twice is once).
+    assert (await store.start(first.job_id, "owner-a")).outcome == "started"
+    assert await redis.hget(sizes, "_total") == str(2 * size).encode()
     for _ in range(2):
-        assert (await store.start(first.job_id, "owner-a")).outcome == "started"
+        await _advance(redis, first.job_id, "starting")
     assert await redis.hget(sizes, "_total") == str(size).encode()
     assert await redis.hget(sizes, first.job_id) is None
     # What the index missed (here, a total drifted) the recount on a refusal heals, at most
@@ -327,8 +340,11 @@ async def test_a_client_held_at_its_cap_is_refused_without_a_look_at_every_job(s
         assert (await store.enqueue(specs[500], 1000, 500, RESULT_TTL_S)).outcome == "unstarted"
     stats = await redis.info("commandstats")
     assert stats.get("cmdstat_hmget", {}).get("calls", 0) <= 500, stats.get("cmdstat_hmget")
-    # A start makes room at once, without waiting for a recount.
+    # A client's start alone makes no room (the job may still wait in the queue, holding
+    # its input); a worker marking it running does, at once, without waiting for a recount.
     assert (await store.start(specs[0].job_id, "owner-a")).outcome == "started"
+    assert (await store.enqueue(specs[500], 1000, 500, RESULT_TTL_S)).outcome == "unstarted"
+    await _advance(redis, specs[0].job_id, "running")
     assert (await store.enqueue(specs[500], 1000, 500, RESULT_TTL_S)).outcome == "queued"
 
 

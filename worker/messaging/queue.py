@@ -150,6 +150,7 @@ return 1
 # else 1.
 _ADVANCE = (
     _TERMINAL_LUA
+    + keys.UNSTARTED_GONE_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
@@ -174,6 +175,7 @@ if last then
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4]) end
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'started', '1') end
+if ARGV[5] == '1' or ARGV[3] == 'starting' or ARGV[3] == 'running' then unstarted_gone(KEYS[1]) end
 return heard
 """
 )
@@ -229,7 +231,7 @@ redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
 result_landed(KEYS[14], ARGV[2])
-unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[8])
+unstarted_gone(KEYS[1])
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
 if kept > 0 then
@@ -325,7 +327,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('DEL', KEYS[6])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
-  unstarted_gone(redis.call('HGET', KEYS[1], 'owner'), ARGV[1])
+  unstarted_gone(KEYS[1])
   return {2, seq, data}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
