@@ -359,6 +359,40 @@ async def test_a_run_cut_short_stores_only_the_output_its_log_has(
     assert await redis.hget(keys.status_key(job), "state") == b"killed"
 
 
+async def test_a_stop_during_a_finished_runs_last_flush_keeps_its_verdict(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The program exited by itself (code 3); the stop's cancel came while its last output
+    # was being flushed, and that flush went through: its verdict is its own, not `killed`.
+    spec = msgspec.structs.replace(_spec(), collect_output=True)
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    run = _job_run(queue, claim)
+    run.ctx.sandboxes = SimpleNamespace(memory=None)  # type: ignore[attr-defined]
+    run.sandbox = SimpleNamespace(  # type: ignore[assignment]
+        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)), cgroup=None, memory_base_bytes=0
+    )
+    exit_ = JailExit(exit_code=3, signal=None, backstop_fired=False)
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
+        await run.events._lock.acquire()  # the last append will be in flight for 0.3 s
+        asyncio.get_running_loop().call_later(0.3, run.events._lock.release)
+        await pumps[0][1](b"last words\n")
+        return StepFacts(exit=exit_, fired=None, duration_ms=12, cpu_ms=5, memory_kb=2048, oom_kills=0)
+
+    monkeypatch.setattr("worker.job.run.supervise", supervise)
+    running = asyncio.create_task(run._run(asyncio.Queue(), asyncio.Queue(), None))  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)  # supervise has returned; the flush waits on the append
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await run._cancelled()
+    job = claim.spec.job_id
+    result = json.loads(await redis.hget(keys.status_key(job), "result"))
+    assert (result["outcome"], result["exitCode"]) == ("completed", 3), result
+    assert await redis.get(keys.output_stream_key(job, "stdout")) == b"last words\n"
+
+
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
     redis: Redis, queue: WorkerQueue
 ) -> None:

@@ -91,17 +91,19 @@ class OutputFlusher:
         self._wakeup.set()
         await asyncio.shield(self._task)
 
-    async def drain(self, timeout_s: float) -> None:
-        """Flush what is queued for at most `timeout_s`, then stop; what stopped the flusher
-        is not raised (the caller is ending already)."""
+    async def drain(self, timeout_s: float) -> bool:
+        """Flush what is queued for at most `timeout_s`, then stop; whether all of it went.
+        What stopped the flusher is not raised (the caller is ending already)."""
         self._closing = True
         self._wakeup.set()
         try:
             await asyncio.wait({self._task}, timeout=timeout_s)
         finally:
             self.abort()
-            if self._task.done() and not self._task.cancelled():
-                self._task.exception()  # retrieved: its failure was reported where it happened
+        if self._task.cancelled():
+            return False
+        # (retrieved here: its failure was reported where it happened)
+        return self._task.done() and self._task.exception() is None
 
     @property
     def task(self) -> asyncio.Task[None]:

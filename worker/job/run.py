@@ -794,6 +794,7 @@ class JobRun:
             await feed.run(jail.proc.stdin, activity)
 
         self._program_started_at = asyncio.get_running_loop().time()
+        facts: StepFacts | None = None
         try:
             facts = await supervise(
                 jail,
@@ -812,22 +813,27 @@ class JobRun:
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()
             # Only now: a run whose last output never reached the log is not reported as if
-            # all of it had (a cancel during the flush ends the job killed).
+            # all of it had (a cancel during this flush: see below).
             self._ran = (facts, compiled)
         finally:
             feed.stop()
-            await self._settle_output(flusher)
+            if await self._settle_output(flusher) and facts is not None and self._ran is None:
+                # The program had ended by itself, and the stop came during its last flush,
+                # which went through all the same: the run keeps its own verdict.
+                self._ran = (facts, compiled)
+        assert facts is not None  # (supervise returned, or this was not reached)
         return facts
 
-    async def _settle_output(self, flusher: OutputFlusher) -> None:
+    async def _settle_output(self, flusher: OutputFlusher) -> bool:
         """A run cut short (cancelled by its worker's stop, or failed elsewhere) still logs
         what its budget kept, for a bounded time: the stored result is the budget's, and must
-        hold no byte that its log and its live view did not."""
+        hold no byte that its log and its live view did not. Whether all of it went (False
+        when the flusher had stopped already)."""
         if flusher.task.done():
-            return
+            return False
         for stream in ("stdout", "stderr"):
             flusher.add(stream, self.budget.flush(stream))
-        await asyncio.shield(flusher.drain(FINISH_ON_CANCEL_S))
+        return await asyncio.shield(flusher.drain(FINISH_ON_CANCEL_S))
 
     async def _keep_artifacts(self, before: set[bytes]) -> None:
         """Store the files the program left and announce each (before the result)."""
