@@ -393,6 +393,30 @@ async def test_a_stop_during_a_finished_runs_last_flush_keeps_its_verdict(
     assert await redis.get(keys.output_stream_key(job, "stdout")) == b"last words\n"
 
 
+@pytest.mark.parametrize("failure", ["sandbox", "after the run"])
+async def test_a_failure_once_the_program_ran_is_never_internal_error(
+    redis: Redis, queue: WorkerQueue, failure: str
+) -> None:
+    # SPEC: internal_error says nothing of the program ran (safe to submit again). A sandbox
+    # that failed under a running program ends the job lost; a failure after a program that
+    # exited by itself (its artifacts, say) leaves the run's own verdict.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim)
+    run._program_started = True
+    if failure == "sandbox":
+        exit_ = JailExit(exit_code=None, signal=None, backstop_fired=False, errors=["nsjail exited with 255"])
+        await run._finish_run(StepFacts(exit=exit_, fired=None, duration_ms=12, cpu_ms=5, memory_kb=2048, oom_kills=0), None)
+    else:
+        exit_ = JailExit(exit_code=3, signal=None, backstop_fired=False)
+        run._ran = (StepFacts(exit=exit_, fired=None, duration_ms=12, cpu_ms=5, memory_kb=2048, oom_kills=0), None)
+        await run._abort("internal error in the worker")
+    result = json.loads(await redis.hget(keys.status_key(claim.spec.job_id), "result"))
+    if failure == "sandbox":
+        assert (result["outcome"], result["message"]) == ("lost", "sandbox failure: nsjail exited with 255"), result
+    else:
+        assert (result["outcome"], result["exitCode"]) == ("completed", 3), result
+
+
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(
     redis: Redis, queue: WorkerQueue
 ) -> None:

@@ -16,6 +16,7 @@ worker (Fenced), where writing anything would be wrong.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -957,6 +958,10 @@ class JobRun:
         verdict = judge_run(
             facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, self._stderr_tail.data)
         )
+        if verdict.outcome is Outcome.INTERNAL_ERROR:
+            # The sandbox failed under a program that ran: it may have done its work, which
+            # SPEC's internal_error ("before user code ran": safe to submit again) denies.
+            verdict = dataclasses.replace(verdict, outcome=Outcome.LOST)
         signal = facts.exit.signal
         if verdict.outcome == Outcome.KILLED and signal is None:
             signal = "SIGKILL"  # the whole cgroup got SIGKILL; nsjail may only say the gate ended
@@ -1129,6 +1134,15 @@ class JobRun:
         )
 
     async def _abort(self, message: str, outcome: Outcome | None = None) -> None:
+        if outcome is None and self._ran is not None and not self._finished:
+            # The program had ended by itself (what failed came after: its artifacts, its
+            # result's write): its own verdict stands, if it can still be written.
+            try:
+                await self._finish_run(*self._ran)
+            except Exception:
+                log.exception("job %s: could not record its run", self.job_id)
+            if self._finished:
+                return  # (its sandbox goes in the run's own teardown)
         if outcome is None:
             # SPEC: internal_error says no user code ran, so the job is safe to submit again;
             # past the program's start that is no longer true, and the job is lost.
