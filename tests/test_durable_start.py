@@ -269,30 +269,36 @@ def test_a_job_handed_back_while_compiling_is_published_once(make_stack: StackFa
         api.close()
 
 
-def test_a_job_whose_compile_ends_during_the_grace_goes_back_rather_than_being_cut_off(
-    make_stack: StackFactory,
+@pytest.mark.parametrize("fits", [False, True], ids=["goes back", "runs here"])
+def test_a_job_whose_compile_ends_during_the_grace_runs_only_if_it_can_finish_in_it(
+    make_stack: StackFactory, fits: bool
 ) -> None:
-    # SIGTERM mid-compile; the compile ends inside the grace. The program, longer than what
-    # is left of it, was started on the stopping worker and ended `killed` (by "user") at the
-    # grace's end. Its program had not begun: it goes back to the queue and runs whole.
-    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="3000", WORKER_MAX_SANDBOXES="2")
+    # SIGTERM mid-compile; the compile ends inside the grace. A program allowed to run longer
+    # than what is left of it was started on the stopping worker and ended `killed` (by
+    # "user") at the grace's end: it goes back to the queue instead, to run whole elsewhere.
+    # One whose wall clock fits in what is left runs here, compiled once.
+    grace_ms, wall_ms = ("20000", 3000) if fits else ("3000", 10000)
+    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS=grace_ms, WORKER_MAX_SANDBOXES="2")
     api, rt = Api(stack), Realtime(stack)
-    code = _SLOW_COMPILE_C.replace("int main(void) {", "#include <unistd.h>\nint main(void) { sleep(4);")
+    code = _SLOW_COMPILE_C.replace("int main(void) {", "#include <unistd.h>\nint main(void) { sleep(%d);" % (wall_ms // 1500))
     try:
-        job = api.execute({"language": "c", "files": [{"name": "main.c", "content": code}], "limits": {"wallTimeMs": 10000}})
+        job = api.execute({"language": "c", "files": [{"name": "main.c", "content": code}], "limits": {"wallTimeMs": wall_ms}})
         followed = rt.follow(job)
         api.start(job)
         _wait_for(followed, "compiling")
         stack.stop_process("worker", signal.SIGTERM)
-        assert api.status(job)["state"] == "queued"
-        stack.start_worker()
+        if fits:
+            assert api.status(job)["state"] == "done"
+        else:
+            assert api.status(job)["state"] == "queued"
+            stack.start_worker()
         result = followed.wait_result(timeout_s=60)
         assert result["outcome"] == "completed", result
         assert followed.text("stdout") == "2097152\n"
         with stack.redis() as redis:
             log = redis.xrange(f"job:{job['jobId']}:events")
         phases = [json.loads(f[b"data"])["phase"] for _, f in log if f[b"name"] == b"stage"]
-        assert phases == ["queued", "compiling", "compiling", "running"]
+        assert phases == ["queued", "compiling", "running"] if fits else ["queued", "compiling", "compiling", "running"]
     finally:
         rt.close()
         api.close()

@@ -32,6 +32,8 @@ class WorkerContext:
     flag_sweep: FlagSweep
     # Set on SIGTERM: parked jobs go back to the queue, nothing new is claimed.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # loop.time() at which the stop's grace for running jobs ends (0: no grace given).
+    grace_ends_at: float = 0.0
     # Set on the second signal: stop now; what cannot be written at once is left for recovery.
     hard_stop: asyncio.Event = field(default_factory=asyncio.Event)
     # loop.time() before which the claimer takes nothing: set after handing on a job this

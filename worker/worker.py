@@ -288,6 +288,7 @@ class Worker:
             if self._signals == 1:
                 log.info("signal %s: no new jobs; parked jobs go back to the queue; running jobs get %d ms",
                          signal.Signals(signum).name, self.settings.worker_shutdown_grace_ms)  # fmt: skip
+                ctx.grace_ends_at = loop.time() + self.settings.worker_shutdown_grace_ms / 1000
                 ctx.stopping.set()
             else:
                 log.info("second signal: cancelling running jobs now")

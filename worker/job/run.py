@@ -295,10 +295,11 @@ class JobRun:
                 if not compile_succeeded(facts):
                     await self._finish_compile_failure(facts, compiled)
                     return
-                if self.ctx.stopping.is_set():
-                    # Compiled during the grace: the program has not begun, so the job goes
-                    # back to the queue to be compiled again and run whole elsewhere, not
-                    # started here to be cut off (and judged killed) when the grace ends.
+                if self._grace_too_short():
+                    # Compiled during the grace, with less of it left than the program may
+                    # run: it has not begun, so it goes back to the queue to be compiled
+                    # again and run whole elsewhere, not started here to be cut off (and
+                    # judged killed) when the grace ends.
                     await self._end_unstarted("handback")
                     return
             if self.spec.tests:
@@ -746,6 +747,16 @@ class JobRun:
         await self._finish(verdict.outcome, result_without_run(verdict.outcome, verdict.message, compiled))
 
     # ------------------------------------------------------------------ run
+
+    def _grace_too_short(self) -> bool:
+        """The worker is stopping, and what is left of its grace is less than the job's
+        program may run (its wall clock; a batch's cases, several of them)."""
+        if not self.ctx.stopping.is_set():
+            return False
+        if self.spec.tests:
+            return True
+        left_ms = (self.ctx.grace_ends_at - asyncio.get_running_loop().time()) * 1000
+        return left_ms < self.spec.limits.wall_time_ms
 
     async def _mark_running(self) -> None:
         """The running stage, and the record's `started` (never re-run from here on)."""
