@@ -585,6 +585,44 @@ async def test_a_kill_after_every_case_ended_leaves_the_verdicts_alone(monkeypat
     assert not result.killed and result.summary.verdict == "accepted"
 
 
+async def test_a_stop_while_a_finished_case_is_judged_keeps_its_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker's stop cancels the batch while a case that ran to its end has its large
+    # output compared: it is judged at once and kept, not reported as never run.
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> StepFacts:
+        await pumps[0][1](b"ab \n" * 100_000)
+        return _completed()
+
+    judging = asyncio.Event()
+
+    async def slow_matches(*_a: Any) -> bool:
+        judging.set()
+        await asyncio.Event().wait()
+        return True
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    monkeypatch.setattr(batch, "output_matches", slow_matches)
+    spec = msgspec.structs.replace(
+        _spec(1, limits=msgspec.structs.replace(DEFAULT_LIMITS, output_kb=1024)),
+        tests=[TestCase(stdin="", expected_output="ab\n" * 99_999 + "ab")],
+        compare="lines",
+    )
+    progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
+    running = asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
+            sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
+            pool=_ReadyPool(), events=SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),  # type: ignore[arg-type]
+            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress,
+        )
+    )  # fmt: skip
+    await asyncio.wait_for(judging.wait(), 5)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    case = progress.results[0]
+    assert case is not None and case.verdict == "accepted", case
+
+
 def _completing_every_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Cases end at once, exit 0; the names of the sandboxes they ran in, in order."""
     ran: list[str] = []

@@ -260,6 +260,7 @@ async def run_batch(
             running.remove(inbox)
             pool.give_back(sandbox)
         facts.memory_kb = max(0, facts.memory_kb - sandbox.memory_base_bytes // 1024)
+        stopped_while_judging = False
         heap = manifest.heap_limit
         verdict_of_run = judge_run(
             facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, output.stderr_tail.data)
@@ -290,7 +291,14 @@ async def run_batch(
                 compare=spec.compare,
             )
             if verdict is TestVerdict.ACCEPTED and case.expected_output is not None:
-                matched = await output_matches(bytes(output.data["stdout"]), case.expected_output, spec.compare)
+                stdout = bytes(output.data["stdout"])
+                try:
+                    matched = await output_matches(stdout, case.expected_output, spec.compare)
+                except asyncio.CancelledError:
+                    # The worker's stop, as the case was being judged: it ran to its end, so
+                    # it is judged at once (on the loop: it is stopping) and kept, not lost.
+                    matched = outputs_match(stdout, case.expected_output, spec.compare)
+                    stopped_while_judging = True
                 verdict = TestVerdict.ACCEPTED if matched else TestVerdict.WRONG_ANSWER
         progress.cpu_ms += facts.cpu_ms
         progress.memory_kb = max(progress.memory_kb, facts.memory_kb)
@@ -322,6 +330,8 @@ async def run_batch(
         )
         if spec.stop_on_first_failure and verdict is not TestVerdict.ACCEPTED:
             halt("failure")  # (decided now, not once its event is written: that may take a while)
+        if stopped_while_judging:
+            raise asyncio.CancelledError
         await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
 
     width = 1 if spec.stop_on_first_failure else max(1, min(MAX_PARALLEL, pool.ready + 1))
