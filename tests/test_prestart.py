@@ -204,6 +204,58 @@ def test_node_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
 
 
+
+JS_CMDLINE = "console.log('cmdline', JSON.stringify(require('fs').readFileSync('/proc/self/cmdline', 'latin1')));\n"
+
+
+def without_bottom_frame(stderr: str) -> str:
+    """Node's report without its last stack frame: Node's main-module runner in a plain run,
+    its tick processor in a prestarted one (the shim hands the entry over from a tick)."""
+    return re.sub(r"\n    at [^\n]*\n\nNode\.js ", "\n\nNode.js ", stderr)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "throw new Error('top');\n",
+        "function fail() { throw new TypeError('in a function'); }\nfail();\n",
+        "async function fail() { throw new RangeError('rejected'); }\nfail();\n",
+        "const e = new Error('kept');\nconsole.log(e.stack.split('\\n').length);\nthrow e;\n",
+    ],
+    ids=["top-level", "function", "unhandled-rejection", "stack-length"],
+)
+def test_node_uncaught_reports_show_no_shim_frames(stacks: tuple[Api, Api], code: str) -> None:
+    """Node's report of an uncaught error or rejection is the plain run's, frame for frame:
+    the shim's own frames (and the loader frames that ran the shim) are not below the
+    program's. The one difference left is the name of Node's bottom frame."""
+    warm, plain = stacks
+    body = js_job(JS_CMDLINE + code)
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    assert "prestart" not in fast["stderr"], fast["stderr"]
+    assert fast["stderr"].count("\n    at ") == slow["stderr"].count("\n    at "), (fast["stderr"], slow["stderr"])
+    assert without_bottom_frame(fast["stderr"]) == without_bottom_frame(slow["stderr"]), (fast["stderr"], slow["stderr"])
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+JS_ORDER = JS_CMDLINE + r"""
+process.nextTick(() => console.log('tick'));
+Promise.resolve().then(() => console.log('promise'));
+setImmediate(() => console.log('immediate'));
+console.log('sync', require.main === module, module.id);
+"""
+
+
+def test_node_top_level_queues_run_in_the_plain_order(stacks: tuple[Api, Api]) -> None:
+    """The entry runs from a tick: what its top level queues still runs in the plain order."""
+    warm, plain = stacks
+    fast, slow = until_prestarted(warm, js_job(JS_ORDER)), run(plain, js_job(JS_ORDER))
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow) == "sync true .\ntick\npromise\nimmediate\n"
+    assert fast["stderr"] == slow["stderr"] == ""
+
 def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     body = {"language": "ruby", "files": [{"name": "main.rb", "content": RB_PROBE}], "args": ["a b"], "stdin": "line\n"}

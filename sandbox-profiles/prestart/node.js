@@ -68,5 +68,13 @@
   const entry = path.resolve(argv[prefix]);
   process.argv = [process.argv[0], entry, ...argv.slice(prefix + 1)];
   delete require.cache[__filename];
-  require('module').runMain();
+  // The entry runs from the tick queue, after this file's module code has returned: no frame
+  // of this shim is on the stack below the program's, so every stack trace (the printed
+  // report of an uncaught error or rejection included, and the call sites a program's own
+  // Error.prepareStackTrace gets) holds the program's frames and Node's loader's, as under
+  // `node main.js`; only the bottom frame is Node's tick processor instead of its
+  // main-module runner. A tick, not a promise job, keeps the plain order of what the
+  // program's top level queues: its nextTick callbacks run before its promise reactions.
+  const Module = require('module');
+  process.nextTick(Module.runMain.bind(Module));
 })();
