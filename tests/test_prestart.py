@@ -268,6 +268,59 @@ def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
 
 
+
+RB_MOUNTS = 'File.readlines("/proc/self/mountinfo").grep(/prestart/).each { |line| puts "mount #{line.split[4]}" }\n'
+
+RB_DATA_AND_CAUSES = RB_MOUNTS + r"""text = <<~T
+__END__
+T
+=begin
+__END__
+=end
+p text, Process.argv0
+p DATA.class, DATA.external_encoding, DATA.pos, DATA.read, DATA.path
+DATA.rewind
+p DATA.read.lines.first
+def inner = raise(ArgumentError, "inner")
+def outer
+  inner
+rescue ArgumentError
+  raise "wrap"
+end
+[1].each { [2].each { outer } }
+__END__
+the data
+"""
+
+RB_END_IN_A_HEREDOC = RB_MOUNTS + r"""text = <<~T
+  before
+__END__
+  after
+T
+puts text
+begin
+  raise "in a rescue"
+rescue
+  [1].each { raise "again" }
+end
+"""
+
+
+@pytest.mark.parametrize("code", [RB_DATA_AND_CAUSES, RB_END_IN_A_HEREDOC], ids=["data-and-causes", "end-in-a-heredoc"])
+def test_ruby_blocks_causes_and_data_as_in_a_plain_run(stacks: tuple[Api, Api], code: str) -> None:
+    """Backtraces of blocks and rescues say <main> and those of causes hold no shim frame,
+    DATA is the script's own File past the __END__ the parser stopped at (not one in a
+    heredoc or a =begin block), and Process.argv0 is the entry."""
+    warm, plain = stacks
+    body = {"language": "ruby", "files": [{"name": "main.rb", "content": code}]}
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_mounts(fast) == without_mounts(slow)
+    assert fast["stderr"] == slow["stderr"], (fast["stderr"], slow["stderr"])
+    assert "<main>" in fast["stderr"] and "prestart" not in fast["stderr"], fast["stderr"]
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
 JAVA_PROBE = r"""
 import java.nio.file.*;
 import java.util.*;

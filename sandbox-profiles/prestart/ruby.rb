@@ -43,24 +43,43 @@
   entry = argv[1]
   ARGV.replace(argv[2..])
   $0 = entry
-  source = File.binread(entry)
-  code, data = source.split(/^__END__\r?\n/, 2)
-  Object.const_set(:DATA, StringIO.new(data)) if data && (require "stringio")
+  # The name the process was started by, which was this shim's; `ruby main.rb` gives the entry.
+  Process.singleton_class.define_method(:argv0, &entry.dup.method(:itself))
   shim = __FILE__
   begin
-    # __FILE__ as given, the real path for __dir__ and require_relative: as `ruby main.rb`.
-    program = RubyVM::InstructionSequence.compile(code.force_encoding(Encoding::UTF_8), entry, File.realpath(entry), 1)
+    # Compiled from the file as `ruby main.rb` compiles it: its magic comments, __FILE__ as
+    # given, the real path for __dir__ and require_relative, the top level labelled <main>
+    # (and its blocks "block in <main>"), and nothing past the __END__ line the parser stops at.
+    program = RubyVM::InstructionSequence.compile_file(entry)
   rescue SyntaxError => e
     # The main script did not compile: Ruby reports just the compiler's message.
     $stderr.puts e.message
     exit 1
   end
+  source = File.binread(entry)
+  if source.match?(/^__END__(?:\r?\n|\z)/)
+    # DATA as `ruby main.rb` leaves it: the script's own File, open just past the __END__ line
+    # the parser stopped at. Only Ruby's lexer knows which line that is (one in a heredoc or a
+    # =begin block is text), so Ripper finds it; a program without such a line never loads it.
+    require "ripper"
+    (line, column), _, token = Ripper.lex(source.dup.force_encoding(Encoding::UTF_8)).find { |_, kind| kind == :on___end__ }
+    if token
+      data = File.open(entry)
+      data.seek(source.lines[0, line - 1].sum(&:bytesize) + column + token.bytesize)
+      Object.const_set(:DATA, data)
+    end
+  end
   begin
     program.eval
   rescue Exception => e # rubocop:disable Lint/RescueException -- re-raised below
-    if e.backtrace
-      # Drop this shim's frames; the compiled top level is what Ruby calls <main>.
-      e.set_backtrace(e.backtrace.reject { |line| line.start_with?(shim) }.map { |line| line.sub("in `<compiled>'", "in `<main>'") })
+    # Drop this shim's frames (its eval and this lambda) from the error and from its causes,
+    # whose backtraces Ruby prints too.
+    seen = {}.compare_by_identity
+    error = e
+    until error.nil? || seen[error]
+      seen[error] = true
+      error.set_backtrace(error.backtrace.reject { |frame| frame.start_with?(shim) }) if error.backtrace && !error.frozen?
+      error = error.cause
     end
     raise e
   end
