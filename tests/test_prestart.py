@@ -352,6 +352,69 @@ def test_java_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert fast["cpuMs"] < slow["cpuMs"], (fast["cpuMs"], slow["cpuMs"])
 
 
+
+JAVA_CMDLINE = (
+    'try { System.out.println("cmdline " + new String(java.nio.file.Files.readAllBytes(java.nio.file.Path.of("/proc/self/cmdline")))'
+    ".replace('\\0', ' ')); } catch (java.io.IOException e) { throw new java.io.UncheckedIOException(e); }"
+)
+
+JAVA_STATIC_INIT_FAILS = """
+public class Main {
+    static { CMDLINE }
+    static int x = 1 / Integer.parseInt("0");
+    public static void main(String[] args) { System.out.println(x); }
+}
+""".replace("CMDLINE", JAVA_CMDLINE)
+
+JAVA_WRAPPED = """
+public class Main {
+    static void inner() { throw new IllegalStateException("inner"); }
+    public static void main(String[] args) {
+        CMDLINE
+        try { inner(); } catch (IllegalStateException e) { throw new RuntimeException("wrap", e); }
+    }
+}
+""".replace("CMDLINE", JAVA_CMDLINE)
+
+
+@pytest.mark.parametrize("code", [JAVA_STATIC_INIT_FAILS, JAVA_WRAPPED], ids=["static-initializer", "caused-by"])
+def test_java_traces_hold_no_call_of_the_shim(stacks: tuple[Api, Api], code: str) -> None:
+    """A failing static initializer and a wrapped exception's "Caused by:" print as in a
+    plain run: no reflection frame or shim frame, and "... 1 more" where plain says so."""
+    warm, plain = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": code}]}
+    fast = until_prestarted(warm, body, tries=8)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    assert fast["stderr"] == slow["stderr"], (fast["stderr"], slow["stderr"])
+    assert "reflect" not in fast["stderr"] and JAVA_SHIM not in fast["stderr"], fast["stderr"]
+    assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+@pytest.mark.parametrize(
+    "main",
+    ["public void main(String[] args) {}", "public static int main(String[] args) { return 0; }"],
+    ids=["not-static", "not-void"],
+)
+def test_java_launcher_words_for_a_wrong_main(stacks: tuple[Api, Api], main: str) -> None:
+    """The launcher's own message for a main that is not static or not void. Such a program
+    prints nothing, so a prestarted run shows by its memory figure: what it added to the
+    waiting VM (a few KiB) against a whole VM's."""
+    warm, plain = stacks
+    body = {"language": "java", "files": [{"name": "Main.java", "content": f"public class Main {{ {main} }}\n"}]}
+    slow = run(plain, body)
+    assert slow["memoryKb"] > 16 * 1024, slow
+    for _ in range(8):
+        fast = run(warm, body)
+        if fast["memoryKb"] < 4 * 1024:
+            break
+    else:
+        raise AssertionError(f"never ran prestarted: {fast}")
+    for key in ("outcome", "exitCode", "stdout", "stderr"):
+        assert fast.get(key) == slow.get(key), (key, fast, slow)
+    assert slow["stderr"].startswith("Error: Main method "), slow["stderr"]
+
 JAVA_SPIN = r"""
 import java.nio.file.*;
 public class Main {

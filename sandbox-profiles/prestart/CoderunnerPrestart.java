@@ -28,7 +28,9 @@ import java.lang.reflect.Modifier;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.IdentityHashMap;
 import java.util.List;
+import java.util.Map;
 
 public class CoderunnerPrestart {
     private static final FileInputStream FRAME = new FileInputStream(FileDescriptor.in);
@@ -91,45 +93,70 @@ public class CoderunnerPrestart {
             System.exit(1);
             return;
         }
+        // The launcher's own checks of main, in its order and words (LauncherHelper.validateMainClass).
         Method method;
         try {
             method = main.getMethod("main", String[].class);
         } catch (NoSuchMethodException e) {
-            method = null;
-        }
-        if (method == null || !Modifier.isStatic(method.getModifiers()) || method.getReturnType() != void.class) {
             System.err.println("Error: Main method not found in class " + name + ", please define the main method as:");
             System.err.println("   public static void main(String[] args)");
             System.err.println("or a JavaFX application class must extend javafx.application.Application");
+            System.exit(1);
+            return;
+        } catch (LinkageError e) {
+            System.err.println("Error: Unable to initialize main class " + name);
+            System.err.println("Caused by: " + e.getClass().getName() + ": " + e.getLocalizedMessage());
+            System.exit(1);
+            return;
+        }
+        String declaring = method.getDeclaringClass().getName();
+        if (!Modifier.isStatic(method.getModifiers())) {
+            System.err.println("Error: Main method is not static in class " + declaring + ", please define the main method as:");
+            System.err.println("   public static void main(String[] args)");
+            System.exit(1);
+            return;
+        }
+        if (method.getReturnType() != void.class) {
+            System.err.println("Error: Main method must return a value of type void in class " + declaring + ", please ");
+            System.err.println("define the main method as:");
+            System.err.println("   public static void main(String[] args)");
             System.exit(1);
             return;
         }
         try {
             method.invoke(null, (Object) args);
         } catch (InvocationTargetException e) {
-            Throwable cause = e.getCause();
-            // Drop the frames of this call (reflection and this method); the launcher that
-            // called this method drops its own, leaving the user's frames only.
-            StackTraceElement[] trace = cause.getStackTrace();
-            int self = -1;
-            for (int i = 0; i < trace.length; i++) {
-                if (trace[i].getClassName().equals(CoderunnerPrestart.class.getName()) && trace[i].getMethodName().equals("main")) {
-                    self = i;
-                    break;
-                }
-            }
-            int from = self;
-            while (from > 0 && isReflection(trace[from - 1])) {
-                from--;
-            }
-            if (self >= 0) {
-                StackTraceElement[] kept = new StackTraceElement[trace.length - (self - from + 1)];
-                System.arraycopy(trace, 0, kept, 0, from);
-                System.arraycopy(trace, self + 1, kept, from, trace.length - self - 1);
-                cause.setStackTrace(kept);
-            }
-            throw cause;
+            throw withoutThisCall(e.getCause(), new IdentityHashMap<>());
+        } catch (Throwable e) {
+            // Thrown by the call itself: the main class's static initializer failed
+            // (ExceptionInInitializerError), which the launcher's JNI call of main gets with no
+            // Java frame below it.
+            throw withoutThisCall(e, new IdentityHashMap<>());
         }
+    }
+
+    // Drops the frames of this call (this method at the bottom and the reflection above it)
+    // from `t`, its causes and its suppressed exceptions: the launcher calls main from native
+    // code, so a plain run's traces end at the user's main (or <clinit>), and a cause's
+    // "... n more" counts the frames it shares with the trace that encloses it.
+    private static Throwable withoutThisCall(Throwable t, Map<Throwable, Boolean> seen) {
+        if (t == null || seen.put(t, Boolean.TRUE) != null) {
+            return t;
+        }
+        StackTraceElement[] trace = t.getStackTrace();
+        int end = trace.length;
+        if (end > 0 && trace[end - 1].getClassName().equals(CoderunnerPrestart.class.getName()) && trace[end - 1].getMethodName().equals("main")) {
+            end--;
+            while (end > 0 && isReflection(trace[end - 1])) {
+                end--;
+            }
+            t.setStackTrace(Arrays.copyOf(trace, end));
+        }
+        withoutThisCall(t.getCause(), seen);
+        for (Throwable suppressed : t.getSuppressed()) {
+            withoutThisCall(suppressed, seen);
+        }
+        return t;
     }
 
     private static boolean isReflection(StackTraceElement frame) {
