@@ -150,8 +150,20 @@ def test_python_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None
         "import pickle\nclass A: pass\nprint(len(pickle.dumps(A())) > 0)\n",
         "from __future__ import annotations\nx: int = 1\nprint(__annotations__)\n",
         "raise KeyboardInterrupt\n",
+        "import atexit, threading, time\natexit.register(print, 'at exit')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+        "class A:\n    def __del__(self): print('finalized')\na = A()\nraise KeyboardInterrupt\n",
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sys.last_type, sys.last_value, sys.last_traceback.tb_frame.f_code.co_filename))\n"
+        "def fail(): raise ValueError('boom')\nfail()\n",
+        "import sys\ndef hook(*exc): raise RuntimeError('the hook broke')\nsys.excepthook = hook\nraise ValueError('boom')\n",
+        "import sys\nsys.excepthook = lambda *exc: print('hooked', exc[0].__name__, exc[2].tb_frame.f_code.co_filename)\n"
+        "raise ValueError('boom')\n",
     ],
-    ids=["exit-message", "exit-3", "syntax-error", "atexit-and-threads", "pickle-main", "future-import", "sigint"],
+    ids=[
+        "exit-message", "exit-3", "syntax-error", "atexit-and-threads", "pickle-main", "future-import", "sigint",
+        "sigint-after-shutdown", "sys-last-vars", "excepthook-raises", "excepthook-own",
+    ],  # fmt: skip
 )
 def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:
     warm, plain = stacks
@@ -159,6 +171,41 @@ def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:
     for key in ("outcome", "exitCode", "signal", "stdout", "stderr"):
         assert fast.get(key) == slow.get(key), (key, fast, slow)
 
+
+
+PY_USER_SITE = r"""
+import sys, usermod
+print("cmdline", open("/proc/self/cmdline", "rb").read())
+print(usermod.VALUE, [entry for entry in sys.path if "/workspace" in entry], sys.path.index(sys.path[-1]) == len(sys.path) - 1)
+print(sys.path)
+"""
+
+
+def test_python_finds_the_jobs_user_site_packages(stacks: tuple[Api, Api]) -> None:
+    """A job that brings ~/.local/lib/pythonX.Y/site-packages (HOME is the workspace) has it
+    on sys.path where `python3 main.py` puts it, its .pth files read, though the waiting
+    runtime's `site` ran before the job's files were there."""
+    warm, plain = stacks
+    version = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    site = f".local/lib/python{version}/site-packages"
+    body = {
+        "language": "python",
+        "files": [
+            {"name": "main.py", "content": PY_USER_SITE},
+            {"name": f"{site}/usermod.py", "content": "VALUE = 'from the user site'\n"},
+            {"name": f"{site}/extra.pth", "content": "/workspace/extra\n"},
+            {"name": "extra/keep.txt", "content": "a folder for the .pth line\n"},
+        ],
+    }
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_cmdline(fast) == without_cmdline(slow)
+    assert "from the user site" in fast["stdout"] and "/workspace/extra" in fast["stdout"], fast["stdout"]
+    assert fast["stderr"] == slow["stderr"] == "", fast["stderr"]
 
 PY_FINALIZERS = r"""
 import io, os, sys

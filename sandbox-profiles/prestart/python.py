@@ -7,8 +7,9 @@
 # had (see worker/isolation/gate.c: argv, environment, rlimits; the worker has already
 # applied the rlimits from outside), and this runs the entry file the way `python3 -u
 # main.py args...` would: sys.argv, sys.orig_argv, sys.path[0], a fresh __main__ module
-# with __file__ absolute, exit status 1 after an uncaught exception, 2 when the file
-# cannot be opened, and tracebacks that start at the user's file.
+# with __file__ absolute, the user's site-packages if the job brought one, exit status 1
+# after an uncaught exception (the interpreter's own shutdown after a KeyboardInterrupt), 2
+# when the file cannot be opened, and tracebacks that start at the user's file.
 #
 # Before start, the only thing written is one ready marker on stderr, which the worker
 # reads (and so removes) before the jail is offered to a job; no descriptor is opened, and
@@ -81,6 +82,19 @@ def _serve():
         sys.stderr.write(f"{argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
         raise SystemExit(2) from None
 
+    # `site` looked for the user's site-packages (~/.local/..., HOME being the workspace) before
+    # the job's files were there; `python3 main.py` finds it if the job brought one. It goes
+    # where site would have put it: after the standard library, before the system's folders.
+    import site
+
+    user_site = site.getusersitepackages()
+    if site.ENABLE_USER_SITE and user_site not in sys.path and os.path.isdir(user_site):
+        system = [at for at, entry in enumerate(sys.path) if entry in site.getsitepackages()]
+        tail = sys.path[system[0] :] if system else []
+        del sys.path[len(sys.path) - len(tail) :]
+        site.addsitedir(user_site)
+        sys.path.extend(entry for entry in tail if entry not in sys.path)
+
     main = type(sys)("__main__")
     main.__file__ = path
     main.__cached__ = None
@@ -89,28 +103,47 @@ def _serve():
     main.__loader__ = sys.modules["_frozen_importlib_external"].SourceFileLoader("__main__", path)
     sys.modules["__main__"] = main
     here = sys._getframe().f_code.co_filename
-    del env, argv, f
+    del env, argv, f, site, user_site
     try:
         exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
     except SystemExit:
         raise
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == here:
-            tb = tb.tb_next
-        exc.__traceback__ = tb
-        if isinstance(exc, KeyboardInterrupt):
-            import signal
+    except BaseException:
+        # The exception leaves the way it leaves `python3 main.py`: the interpreter sets
+        # sys.last_*, calls sys.excepthook, exits 1, and after an uncaught KeyboardInterrupt
+        # joins threads, runs atexit, flushes, and dies of SIGINT. Only its traceback starts in
+        # this file: the hook that prints it is wrapped, for that one call, to start at the
+        # program's first frame, as it does in a plain run.
+        hook = getattr(sys, "excepthook", None)
+        if hook is not None:
+            sys.excepthook = _first_call_without(here, hook)
+        raise
 
-            sys.excepthook(type(exc), exc, tb)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        sys.excepthook(type(exc), exc, tb)
-        failed = True
-    else:
-        failed = False
-    if failed:
-        raise SystemExit(1)
+
+def _first_call_without(shim, hook):
+    """sys.excepthook for the interpreter's report of the uncaught exception: `hook`, called
+    with the traceback past the frames of `shim`; it puts `hook` back before anything else."""
+
+    def report(kind, value, tb):
+        import sys
+
+        sys.excepthook = hook
+        while tb is not None and tb.tb_frame.f_code.co_filename == shim:
+            tb = tb.tb_next
+        value.__traceback__ = sys.last_traceback = tb
+        try:
+            hook(kind, value, tb)
+        except SystemExit:
+            raise  # the interpreter exits with it, as when a plain run's hook raises it
+        except BaseException as error:
+            # What the interpreter prints when the hook fails, without this function's frame.
+            error.__traceback__ = error.__traceback__.tb_next
+            sys.stderr.write("Error in sys.excepthook:\n")
+            sys.__excepthook__(type(error), error, error.__traceback__)
+            sys.stderr.write("\nOriginal exception was:\n")
+            sys.__excepthook__(kind, value, tb)
+
+    return report
 
 
 _serve()
