@@ -551,6 +551,31 @@ def test_a_job_class_named_like_the_shim_is_its_own(stacks: tuple[Api, Api]) -> 
         until_prestarted(warm, primes, tries=8)
 
 
+
+ENVIRON_PROBES = {
+    "python": ("main.py", 'print("environ", open("/proc/self/environ", "rb").read())\n'
+                          'print("cmdline", open("/proc/self/cmdline", "rb").read())\n'),
+    "javascript": ("main.js", "const fs = require('fs');\n"
+                              "console.log('environ', JSON.stringify(fs.readFileSync('/proc/self/environ', 'latin1')));\n"
+                              "console.log('cmdline', JSON.stringify(fs.readFileSync('/proc/self/cmdline', 'latin1')));\n"),
+    "ruby": ("main.rb", 'p File.binread("/proc/self/environ")\n' + RB_MOUNTS),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("language", sorted(ENVIRON_PROBES))
+def test_the_environment_the_process_started_with_is_the_jobs(stacks: tuple[Api, Api], language: str) -> None:
+    """/proc/self/environ (the environment the process was started with, which no process
+    can change) is a plain run's: the worker passes nothing to the shim through it."""
+    warm, plain = stacks
+    name, code = ENVIRON_PROBES[language]
+    body = {"language": language, "files": [{"name": name, "content": code}]}
+    fast = until_prestarted(warm, body)
+    slow = run(plain, body)
+    assert not prestarted(slow), slow["stdout"]
+    assert without_mounts({"stdout": without_cmdline(fast)}) == without_mounts({"stdout": without_cmdline(slow)})
+    assert "PATH=" in fast["stdout"] and "CODERUNNER" not in fast["stdout"], fast["stdout"]
+    assert fast["stderr"] == slow["stderr"] == "", fast["stderr"]
+
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     probe = py_job("print(1)\nprint(open('/proc/self/cmdline', 'rb').read())\n")

@@ -27,7 +27,7 @@ from worker.isolation.child import Child, PipeReader, _pipe_object, read_pipe
 from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, build_argv
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.pool import SandboxPool
-from worker.isolation.sandbox import MAX_IDLE_S, build_enter
+from worker.isolation.sandbox import MAX_IDLE_S, Prime, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.precompile import Precompile, PrecompileState
@@ -2187,3 +2187,17 @@ def test_sandbox_names_are_unique_and_keep_with_the_clock(tmp_path: Path, monkey
     assert numbers[-1] == clock_ms - 1000 + 2  # ...and the last is of its own second
     clock_ms += 5
     assert factory._name("w", 0) == f"w.0.{clock_ms}"
+
+
+def test_a_prime_adopts_only_a_program_with_its_environment() -> None:
+    """The waiting runtime started in the environment a job's command gets (the shim takes
+    nothing out and puts nothing in: /proc/self/environ could not follow): a program whose
+    environment differs, or comes in another order, runs in a plain jail."""
+    env = {"A": "1", "B": "2"}
+    prime = Prime(language="python", shim="python.py", prefix=("/usr/bin/python3", "-u"),
+                  program=Program(argv=["/usr/bin/python3", "-u", "/shim.py"], env=dict(env)))  # fmt: skip
+    job = ["/usr/bin/python3", "-u", "main.py"]
+    assert prime.adopts(Program(argv=job, env=dict(env)))
+    assert not prime.adopts(Program(argv=job, env={**env, "C": "3"}))
+    assert not prime.adopts(Program(argv=job, env={"B": "2", "A": "1"}))
+    assert not prime.adopts(Program(argv=job, env=dict(env), adoptable=False))

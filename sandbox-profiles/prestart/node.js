@@ -52,15 +52,8 @@
   fs.writeSync(2, '\0coderunner-prestart-ready\n'); // the worker waits for this before offering the jail
   if (readExact(4).toString('latin1') !== 'CRG1') process.exit(0);
   const argv = strings();
-  const env = strings();
+  strings(); // environment: the job's is the one this process started with (Prime.adopts)
   readExact(24); // rlimits: already set on this process by the worker
-
-  for (const name of (process.env.CODERUNNER_PRESTART_ENV || '').split(',')) delete process.env[name];
-  delete process.env.CODERUNNER_PRESTART_ENV;
-  for (const item of env) {
-    const at = item.indexOf('=');
-    process.env[item.slice(0, at)] = item.slice(at + 1);
-  }
 
   // argv is the job's whole `run` command: the interpreter part (the same as this process's
   // own) then the entry file and its arguments.

@@ -59,15 +59,8 @@ def _serve():
     if read_exact(4) != b"CRG1":
         raise SystemExit(0)
     argv = [os.fsdecode(item) for item in strings()]
-    env = [item.split(b"=", 1) for item in strings()]
+    strings()  # environment: the job's is the one this process started with (Prime.adopts)
     read_exact(24)  # rlimits: already set on this process by the worker
-
-    # The environment is the jail's plus the job's, exactly as the gate would leave it.
-    for name in os.environ.get("CODERUNNER_PRESTART_ENV", "").split(","):
-        os.environ.pop(name, None)
-    os.environ.pop("CODERUNNER_PRESTART_ENV", None)
-    for name, value in env:
-        os.environ[os.fsdecode(name)] = os.fsdecode(value)
 
     prefix = len(sys.orig_argv) - 1  # the interpreter and its options, as in `run`
     script_argv = argv[prefix:]
@@ -103,7 +96,7 @@ def _serve():
     main.__loader__ = sys.modules["_frozen_importlib_external"].SourceFileLoader("__main__", path)
     sys.modules["__main__"] = main
     here = sys._getframe().f_code.co_filename
-    del env, argv, f, site, user_site
+    del argv, f, site, user_site
     try:
         exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
     except SystemExit:

@@ -31,14 +31,8 @@
   STDERR.syswrite("\0coderunner-prestart-ready\n") # the worker waits for this before offering the jail
   exit!(0) unless read_exact.(4) == "CRG1"
   argv = strings.()
-  env = strings.()
+  strings.() # environment: the job's is the one this process started with (Prime.adopts)
   read_exact.(24) # rlimits: already set on this process by the worker
-
-  (ENV.delete("CODERUNNER_PRESTART_ENV") || "").split(",").each { |name| ENV.delete(name) }
-  env.each do |item|
-    name, value = item.split("=", 2)
-    ENV[name] = value
-  end
 
   entry = argv[1]
   ARGV.replace(argv[2..])

@@ -261,10 +261,14 @@ class Prime:
     workspace_files: tuple[tuple[str, bytes], ...] = ()
 
     def adopts(self, program: Program) -> bool:
+        # The runtime was started with the environment the job's command gets (the language's),
+        # in the same order: it is its environment, /proc/self/environ included, with nothing
+        # for the shim to take out or put in.
         return (
             program.adoptable
             and tuple(program.argv[: len(self.prefix)]) == self.prefix
             and len(program.argv) > len(self.prefix)
+            and list(program.env.items()) == list(self.program.env.items())
         )
 
 
@@ -582,10 +586,10 @@ class SandboxFactory:
             return None
         program = Program(
             argv=argv,
-            # The shim drops these before the job's own environment goes in, so a job sees
-            # exactly what the gate would have given it (a runtime that cannot change its
-            # environment, the JVM, gets only the language's, which is the job's).
-            env={**env, "CODERUNNER_PRESTART_ENV": ",".join(env)} if env else {},
+            # The language's, which is every job's (Prime.adopts checks): the runtime starts in
+            # the very environment the gate would give the job's command, so nothing of the
+            # worker's shows in it, not even in /proc/self/environ, which a process cannot change.
+            env=dict(env),
             # The most any job may get, plus room for start-up: lowered to the job's own at load.
             **self.program_rlimits(msgspec.structs.replace(limits, cpu_ms=self.max_limits.cpu_ms + PRESTART_CPU_ROOM_MS)),
         )
