@@ -173,6 +173,27 @@ def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:
 
 
 
+
+PY_DEPTH = r"""
+def down(n):
+    try:
+        return down(n + 1)
+    except RecursionError:
+        return n
+print("depth", down(0))
+print("cmdline", open("/proc/self/cmdline", "rb").read())
+"""
+
+
+def test_python_recursion_room_is_nearly_a_plain_runs(stacks: tuple[Api, Api]) -> None:
+    """The program runs from the shim's module frame through exec(): two calls below its
+    own, where a plain run has none (three before, with a function of the shim's between)."""
+    warm, plain = stacks
+    fast, slow = until_prestarted(warm, py_job(PY_DEPTH)), run(plain, py_job(PY_DEPTH))
+    assert not prestarted(slow), slow["stdout"]
+    depth = [int(re.search(r"depth (\d+)", out["stdout"]).group(1)) for out in (fast, slow)]  # type: ignore[union-attr]
+    assert depth[1] - 2 <= depth[0] <= depth[1], depth
+
 PY_USER_SITE = r"""
 import sys, usermod
 print("cmdline", open("/proc/self/cmdline", "rb").read())

@@ -95,22 +95,8 @@ def _serve():
     main.__builtins__ = sys.modules["builtins"]
     main.__loader__ = sys.modules["_frozen_importlib_external"].SourceFileLoader("__main__", path)
     sys.modules["__main__"] = main
-    here = sys._getframe().f_code.co_filename
     del argv, f, site, user_site
-    try:
-        exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
-    except SystemExit:
-        raise
-    except BaseException:
-        # The exception leaves the way it leaves `python3 main.py`: the interpreter sets
-        # sys.last_*, calls sys.excepthook, exits 1, and after an uncaught KeyboardInterrupt
-        # joins threads, runs atexit, flushes, and dies of SIGINT. Only its traceback starts in
-        # this file: the hook that prints it is wrapped, for that one call, to start at the
-        # program's first frame, as it does in a plain run.
-        hook = getattr(sys, "excepthook", None)
-        if hook is not None:
-            sys.excepthook = _first_call_without(here, hook)
-        raise
+    return compile(source, path, "exec", dont_inherit=True), main.__dict__
 
 
 def _first_call_without(shim, hook):
@@ -139,4 +125,23 @@ def _first_call_without(shim, hook):
     return report
 
 
-_serve()
+# The program runs from this module's own frame, not from a function's below it: one frame
+# fewer between it and the bottom of the stack (plain, it has none), which is that much more
+# of the recursion limit for the program, as in `python3 main.py`. Its globals are held by
+# nothing of this module's (which gc.freeze() keeps for good), so they are cleared and their
+# objects finalized at exit as in a plain run.
+try:
+    exec(*_serve())
+except SystemExit:
+    raise
+except BaseException:
+    # The exception leaves the way it leaves `python3 main.py`: the interpreter sets sys.last_*,
+    # calls sys.excepthook, exits 1, and after an uncaught KeyboardInterrupt joins threads,
+    # runs atexit, flushes, and dies of SIGINT. Only its traceback starts in this file: the hook
+    # that prints it is wrapped, for that one call, to start at the program's first frame, as
+    # it does in a plain run.
+    import sys
+
+    if getattr(sys, "excepthook", None) is not None:
+        sys.excepthook = _first_call_without(sys._getframe().f_code.co_filename, sys.excepthook)
+    raise
