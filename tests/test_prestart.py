@@ -374,7 +374,18 @@ end
 """
 
 
-@pytest.mark.parametrize("code", [RB_DATA_AND_CAUSES, RB_END_IN_A_HEREDOC], ids=["data-and-causes", "end-in-a-heredoc"])
+RB_DATA_IN_THE_SOURCE_ENCODING = "# encoding: ascii-8bit\n" + RB_MOUNTS + """p DATA.external_encoding, DATA.read
+raise "done"
+__END__
+caf\u00e9
+"""
+
+
+@pytest.mark.parametrize(
+    "code",
+    [RB_DATA_AND_CAUSES, RB_END_IN_A_HEREDOC, RB_DATA_IN_THE_SOURCE_ENCODING],
+    ids=["data-and-causes", "end-in-a-heredoc", "data-encoding"],
+)
 def test_ruby_blocks_causes_and_data_as_in_a_plain_run(stacks: tuple[Api, Api], code: str) -> None:
     """Backtraces of blocks and rescues say <main> and those of causes hold no shim frame,
     DATA is the script's own File past the __END__ the parser stopped at (not one in a

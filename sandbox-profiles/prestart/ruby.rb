@@ -56,9 +56,10 @@
     # the parser stopped at. Only Ruby's lexer knows which line that is (one in a heredoc or a
     # =begin block is text), so Ripper finds it; a program without such a line never loads it.
     require "ripper"
-    (line, column), _, token = Ripper.lex(source.dup.force_encoding(Encoding::UTF_8)).find { |_, kind| kind == :on___end__ }
+    lexer = Ripper::Lexer.new(source.dup.force_encoding(Encoding::UTF_8))
+    (line, column), _, token = lexer.lex.find { |_, kind| kind == :on___end__ }
     if token
-      data = File.open(entry)
+      data = File.open(entry, external_encoding: lexer.encoding) # the source's, as Ruby reads DATA
       data.seek(source.lines[0, line - 1].sum(&:bytesize) + column + token.bytesize)
       Object.const_set(:DATA, data)
     end
