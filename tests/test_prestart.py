@@ -161,17 +161,24 @@ def test_python_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None
         "raise ValueError('boom')\n",
     ],
     ids=[
-        "exit-message", "exit-3", "syntax-error", "atexit-and-threads", "pickle-main", "future-import", "sigint",
-        "sigint-after-shutdown", "sys-last-vars", "excepthook-raises", "excepthook-own",
-    ],  # fmt: skip
+        "exit-message",
+        "exit-3",
+        "syntax-error",
+        "atexit-and-threads",
+        "pickle-main",
+        "future-import",
+        "sigint",
+        "sigint-after-shutdown",
+        "sys-last-vars",
+        "excepthook-raises",
+        "excepthook-own",
+    ],
 )
 def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:
     warm, plain = stacks
     fast, slow = run(warm, py_job(code)), run(plain, py_job(code))
     for key in ("outcome", "exitCode", "signal", "stdout", "stderr"):
         assert fast.get(key) == slow.get(key), (key, fast, slow)
-
-
 
 
 PY_DEPTH = r"""
@@ -193,6 +200,7 @@ def test_python_recursion_room_is_nearly_a_plain_runs(stacks: tuple[Api, Api]) -
     assert not prestarted(slow), slow["stdout"]
     depth = [int(re.search(r"depth (\d+)", out["stdout"]).group(1)) for out in (fast, slow)]  # type: ignore[union-attr]
     assert depth[1] - 2 <= depth[0] <= depth[1], depth
+
 
 PY_USER_SITE = r"""
 import sys, usermod
@@ -227,6 +235,7 @@ def test_python_finds_the_jobs_user_site_packages(stacks: tuple[Api, Api]) -> No
     assert without_cmdline(fast) == without_cmdline(slow)
     assert "from the user site" in fast["stdout"] and "/workspace/extra" in fast["stdout"], fast["stdout"]
     assert fast["stderr"] == slow["stderr"] == "", fast["stderr"]
+
 
 PY_FINALIZERS = r"""
 import io, os, sys
@@ -270,7 +279,6 @@ def test_node_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert user == plain_user, (fast["stderr"], slow["stderr"])
     assert "/workspace/main.js" in fast["stderr"].splitlines()[0]
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
-
 
 
 JS_CMDLINE = "console.log('cmdline', JSON.stringify(require('fs').readFileSync('/proc/self/cmdline', 'latin1')));\n"
@@ -324,6 +332,7 @@ def test_node_top_level_queues_run_in_the_plain_order(stacks: tuple[Api, Api]) -
     assert without_cmdline(fast) == without_cmdline(slow) == "sync true .\ntick\npromise\nimmediate\n"
     assert fast["stderr"] == slow["stderr"] == ""
 
+
 def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
     body = {"language": "ruby", "files": [{"name": "main.rb", "content": RB_PROBE}], "args": ["a b"], "stdin": "line\n"}
@@ -334,7 +343,6 @@ def test_ruby_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert without_mounts(fast) == without_mounts(slow)
     assert fast["stderr"] == slow["stderr"] and fast["stderr"].startswith("main.rb:6:in `fail_now'"), fast["stderr"]
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
-
 
 
 RB_MOUNTS = 'File.readlines("/proc/self/mountinfo").grep(/prestart/).each { |line| puts "mount #{line.split[4]}" }\n'
@@ -400,6 +408,7 @@ def test_ruby_blocks_causes_and_data_as_in_a_plain_run(stacks: tuple[Api, Api], 
     assert "<main>" in fast["stderr"] and "prestart" not in fast["stderr"], fast["stderr"]
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
 
+
 JAVA_PROBE = r"""
 import java.nio.file.*;
 import java.util.*;
@@ -429,7 +438,6 @@ def test_java_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None:
     assert fast["stderr"].startswith('Exception in thread "main" java.lang.IllegalStateException: boom\n\tat Main.helper')
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
     assert fast["cpuMs"] < slow["cpuMs"], (fast["cpuMs"], slow["cpuMs"])
-
 
 
 JAVA_CMDLINE = (
@@ -493,6 +501,7 @@ def test_java_launcher_words_for_a_wrong_main(stacks: tuple[Api, Api], main: str
     for key in ("outcome", "exitCode", "stdout", "stderr"):
         assert fast.get(key) == slow.get(key), (key, fast, slow)
     assert slow["stderr"].startswith("Error: Main method "), slow["stderr"]
+
 
 JAVA_SPIN = r"""
 import java.nio.file.*;
@@ -583,7 +592,6 @@ def test_a_job_class_named_like_the_shim_is_its_own(stacks: tuple[Api, Api]) -> 
         until_prestarted(warm, primes, tries=8)
 
 
-
 ENVIRON_PROBES = {
     "python": ("main.py", 'print("environ", open("/proc/self/environ", "rb").read())\n'
                           'print("cmdline", open("/proc/self/cmdline", "rb").read())\n'),
@@ -607,6 +615,7 @@ def test_the_environment_the_process_started_with_is_the_jobs(stacks: tuple[Api,
     assert without_mounts({"stdout": without_cmdline(fast)}) == without_mounts({"stdout": without_cmdline(slow)})
     assert "PATH=" in fast["stdout"] and "CODERUNNER" not in fast["stdout"], fast["stdout"]
     assert fast["stderr"] == slow["stderr"] == "", fast["stderr"]
+
 
 def test_time_and_memory_before_start_are_not_the_jobs(stacks: tuple[Api, Api]) -> None:
     warm, plain = stacks
