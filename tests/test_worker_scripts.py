@@ -320,12 +320,9 @@ async def test_a_run_cut_short_reports_what_is_known_of_it(redis: Redis, queue: 
     assert result["compile"] == {"exitCode": 0, "signal": None, "timedOut": False, "durationMs": 40, "output": "ok\n"}
 
 
-async def test_a_run_cut_short_stores_only_the_output_its_log_has(
-    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The worker's stop cancels a run while an append is in flight (Redis slow) and more
-    # output waits behind it: the stored result (the budget's bytes) held text that the log
-    # and the live view never did, as the waiting text was dropped.
+async def _collecting_run_on_a_stand_in_jail(redis: Redis, queue: WorkerQueue) -> tuple[Any, JobRun]:
+    """A claimed collectOutput job's run, with a sandbox whose jail is only a name: for
+    tests that put their own `supervise` in place and drive `_run` with it."""
     spec = msgspec.structs.replace(_spec(), collect_output=True)
     assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
     claim = await queue.claim(1.0, 0.0)
@@ -334,6 +331,16 @@ async def test_a_run_cut_short_stores_only_the_output_its_log_has(
     run.sandbox = SimpleNamespace(  # type: ignore[assignment]
         jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)), cgroup=None, memory_base_bytes=0
     )
+    return claim, run
+
+
+async def test_a_run_cut_short_stores_only_the_output_its_log_has(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's stop cancels a run while an append is in flight (Redis slow) and more
+    # output waits behind it: the stored result (the budget's bytes) held text that the log
+    # and the live view never did, as the waiting text was dropped.
+    claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
     hanging = asyncio.Event()
 
     async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
@@ -364,14 +371,7 @@ async def test_a_stop_during_a_finished_runs_last_flush_keeps_its_verdict(
 ) -> None:
     # The program exited by itself (code 3); the stop's cancel came while its last output
     # was being flushed, and that flush went through: its verdict is its own, not `killed`.
-    spec = msgspec.structs.replace(_spec(), collect_output=True)
-    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
-    claim = await queue.claim(1.0, 0.0)
-    run = _job_run(queue, claim)
-    run.ctx.sandboxes = SimpleNamespace(memory=None)  # type: ignore[attr-defined]
-    run.sandbox = SimpleNamespace(  # type: ignore[assignment]
-        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)), cgroup=None, memory_base_bytes=0
-    )
+    claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
     exit_ = JailExit(exit_code=3, signal=None, backstop_fired=False)
 
     async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
