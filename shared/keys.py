@@ -10,11 +10,11 @@ import hashlib
 
 __all__ = [
     "CALLBACKS_DUE",
-    "UNSTARTED_GONE_LUA",
     "CHANNEL_PREFIX",
     "DATASET",
     "ENDED_COUNTS",
     "QUEUE",
+    "UNSTARTED_GONE_LUA",
     "WORKERS",
     "artifact_data_key",
     "artifacts_key",

@@ -28,8 +28,8 @@ from leanredis import LeanRedis
 from shared import keys
 from shared.limits import DEFAULT_LIMITS
 from shared.messages import FileSpec, JobSpec, JobState
-from worker.messaging.queue import _ADVANCE
 from shared.settings import load_settings
+from worker.messaging.queue import _ADVANCE
 
 pytestmark = [pytest.mark.stack]
 

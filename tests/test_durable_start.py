@@ -280,7 +280,7 @@ def test_a_job_whose_compile_ends_during_the_grace_runs_only_if_it_can_finish_in
     grace_ms, wall_ms = ("20000", 3000) if fits else ("3000", 10000)
     stack = make_stack(WORKER_SHUTDOWN_GRACE_MS=grace_ms, WORKER_MAX_SANDBOXES="2")
     api, rt = Api(stack), Realtime(stack)
-    code = _SLOW_COMPILE_C.replace("int main(void) {", "#include <unistd.h>\nint main(void) { sleep(%d);" % (wall_ms // 1500))
+    code = _SLOW_COMPILE_C.replace("int main(void) {", f"#include <unistd.h>\nint main(void) {{ sleep({wall_ms // 1500});")
     try:
         job = api.execute({"language": "c", "files": [{"name": "main.c", "content": code}], "limits": {"wallTimeMs": wall_ms}})
         followed = rt.follow(job)
