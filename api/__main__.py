@@ -37,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         loop="uvloop",
         # httptools with header and body read timeouts and a send timeout (api/server.py).
-        http=guarded_protocol(settings.api_header_timeout_ms, settings.api_body_timeout_ms, settings.api_send_timeout_ms),
+        http=guarded_protocol(
+            settings.api_header_timeout_ms,
+            settings.api_body_timeout_ms,
+            settings.api_send_timeout_ms,
+            settings.api_max_connections,
+        ),
         lifespan="on",
     )
     return 0

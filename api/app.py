@@ -125,7 +125,9 @@ def create_app(settings: Settings) -> Starlette:
         app.state.output_waits = StreamSlots.output_waits(settings)
         app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
         app.state.blob_uploads = StreamSlots.blob_uploads(settings)
-        app.state.request_bodies = BodyBudget(settings.max_bodies_in_flight_mb * 1024 * 1024)
+        app.state.request_bodies = BodyBudget(
+            settings.max_bodies_in_flight_mb * 1024 * 1024, settings.max_small_bodies_in_flight_mb * 1024 * 1024
+        )
         try:
             yield
         finally:

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.body import declared_length, read_body
+from api.body import BodyBudget, declared_length
 from api.errors import ApiError
 from api.streams import StreamSlots
 from leanredis.scripts import OomRefusedScript
@@ -178,7 +178,8 @@ def _json(body: object, status: int = 200) -> Response:
 async def _hashes(request: Request) -> dict[str, int]:
     """The digests a check or finalize body names, in order, each once, with where each
     first stands in the request; 400 names a bad one."""
-    body = await read_body(request, _HASHES_BODY_BYTES)
+    bodies: BodyBudget = request.app.state.request_bodies
+    body = await bodies.read(request, _HASHES_BODY_BYTES)
     req = decode_request(BlobHashes, body)
     digests: dict[str, int] = {}
     for index, ref in enumerate(req.hashes):

@@ -1,5 +1,5 @@
-"""Reading a request body with a bound on its size, and on what all big bodies in flight
-hold together."""
+"""Reading a request body with a bound on its size, and on what all bodies in flight hold
+together."""
 
 from __future__ import annotations
 
@@ -12,47 +12,76 @@ from api.errors import ApiError
 
 __all__ = ["SMALL_BODY_BYTES", "BodyBudget", "read_body"]
 
-# Bodies up to this size are never counted: an IDE's job or a stdin frame always gets in.
+# Bodies up to this size are counted apart from bigger ones: big uploads under way never
+# keep an IDE's job or a stdin frame out.
 SMALL_BODY_BYTES = 256 * 1024
 RETRY_AFTER_MS = 1000
 
 
 class BodyBudget:
-    """The bytes of big request bodies (past SMALL_BODY_BYTES) this API process holds at
-    once, from their first byte until their handler returns: without a bound, a client
-    sending many large executes at once (up to MAX_REQUEST_BYTES each) could hold the
-    process's memory many times over, and every client would lose the API with it."""
+    """The bytes of request bodies this API process holds at once. Without a bound, clients
+    sending many bodies at once (large executes, or thousands of small bodies trickled in
+    over as many connections) could hold the process's memory many times over, and every
+    client would lose the API with it.
 
-    def __init__(self, max_bytes: int) -> None:
+    Two pools: big bodies (past SMALL_BODY_BYTES) count what they declare from their first
+    byte; small ones count what has arrived. Either is counted until its handler returns
+    (`body`) or until it is read (`read`), and a body that would pass its pool is a 503 with
+    `retryAfterMs`, read no further. A small body is in one read, so counting it costs
+    nothing when nobody is trickling bodies in."""
+
+    def __init__(self, max_bytes: int, small_max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        self.small_max_bytes = small_max_bytes
         self.held = 0
+        self.small_held = 0
 
     @contextlib.asynccontextmanager
     async def body(self, request: Request, limit: int, too_big: ApiError | None = None) -> AsyncIterator[bytes]:
-        """The whole body (read_body's checks), counted against the budget until the block
-        ends, by what it declares or else by what has arrived; a 503 with `retryAfterMs`
-        when it would pass the budget, read no further."""
-        taken = 0
+        """The whole body (read_body's checks), counted until the block ends."""
+        big = small = 0
 
-        def count(size: int) -> None:
-            nonlocal taken
-            wanted = size - taken if size > SMALL_BODY_BYTES else 0
-            if wanted <= 0:
-                return
-            if self.held + wanted > self.max_bytes:
-                raise ApiError(
-                    503,
-                    "Too many large requests are being received at once; retry shortly",
-                    headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))},
-                    retryAfterMs=RETRY_AFTER_MS,
-                )
-            self.held += wanted
-            taken += wanted
+        def count(size: int, arrived: bool) -> None:
+            nonlocal big, small
+            if size > SMALL_BODY_BYTES or big:
+                wanted = size - big
+                if wanted > 0:
+                    self._take_big(wanted)
+                    big += wanted
+                if small:
+                    # (A body of no declared size that grew big moves to the other pool.)
+                    self.small_held -= small
+                    small = 0
+            elif arrived and size > small:
+                if self.small_held + size - small > self.small_max_bytes:
+                    raise _busy()
+                self.small_held += size - small
+                small = size
 
         try:
             yield await read_body(request, limit, count, too_big)
         finally:
-            self.held -= taken
+            self.held -= big
+            self.small_held -= small
+
+    async def read(self, request: Request, limit: int, too_big: ApiError | None = None) -> bytes:
+        """The whole body, counted while it arrives: for bodies handled at once once read."""
+        async with self.body(request, limit, too_big) as body:
+            return body
+
+    def _take_big(self, wanted: int) -> None:
+        if self.held + wanted > self.max_bytes:
+            raise _busy("large ")
+        self.held += wanted
+
+
+def _busy(kind: str = "") -> ApiError:
+    return ApiError(
+        503,
+        f"Too many {kind}requests are being received at once; retry shortly",
+        headers={"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))},
+        retryAfterMs=RETRY_AFTER_MS,
+    )
 
 
 def declared_length(request: Request) -> int | None:
@@ -67,18 +96,19 @@ def declared_length(request: Request) -> int | None:
 
 
 async def read_body(
-    request: Request, limit: int, count: Callable[[int], None] | None = None, too_big: ApiError | None = None
+    request: Request, limit: int, count: Callable[[int, bool], None] | None = None, too_big: ApiError | None = None
 ) -> bytes:
     """The whole body; 413 past `limit` bytes (declared or streamed), before more is read
-    (`too_big`, when the route says more than the limit). `count` is told the declared size,
-    then the size so far as the body arrives (it may raise to refuse the body)."""
+    (`too_big`, when the route says more than the limit). `count` is told the declared size
+    (arrived False), then the size so far as the body arrives (it may raise to refuse the
+    body)."""
     too_big = too_big or ApiError(413, f"Request body must be at most {limit} bytes")
     declared = declared_length(request)
     if declared is not None:
         if declared > limit:
             raise too_big
         if count is not None:
-            count(declared)
+            count(declared, False)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -86,6 +116,6 @@ async def read_body(
         if size > limit:
             raise too_big
         if count is not None:
-            count(size)
+            count(size, True)
         chunks.append(chunk)
     return b"".join(chunks)

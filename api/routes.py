@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from api.artifacts import download_artifact
 from api.blobs import check_blobs, finalize_blobs, upload_blob
-from api.body import SMALL_BODY_BYTES, BodyBudget, read_body
+from api.body import SMALL_BODY_BYTES, BodyBudget
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -614,13 +614,16 @@ async def channel_auth_route(request: Request) -> Response:
     depth-bounded, and a body that cannot be parsed is a 401 (no token), not a 400.
     """
     state = _state(request)
+    budget: BodyBudget = request.app.state.request_bodies
     if state.auth.has_bearer(request):
         principal = state.auth.principal(request)
-        fields = _form_or_json(request, await read_body(request, MAX_CHANNEL_AUTH_BODY))
+        fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY))
     else:
         try:
-            fields = _form_or_json(request, await read_body(request, MAX_CHANNEL_AUTH_BODY))
-        except (ValidationError, ApiError):
+            fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY))
+        except (ValidationError, ApiError) as exc:
+            if isinstance(exc, ApiError) and exc.status >= 500:
+                raise  # (too many bodies at once: a retry may pass, unlike a missing token)
             fields = {}
         principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
     socket_id = fields.get("socket_id", "")

@@ -20,16 +20,23 @@ for the body, the handler waiting for it) for as long as it likes. This subclass
   and the handler sees it gone. Without it, a reader that stops reading holds its handler,
   and whatever admission slot that holds (an event stream, an artifact download), for ever.
 
-Connections idle between requests stay under uvicorn's keep-alive timeout. And pipelining
-is bounded: a connection with more than `MAX_PIPELINED` requests waiting behind the one
-being answered is closed (uvicorn parses a whole read, up to 256 KiB, some 8,000 small
-requests, into its queue; nothing a browser or an SDK sends comes near).
+Connections idle between requests stay under uvicorn's keep-alive timeout. Open
+connections are capped per process (`API_MAX_CONNECTIONS`): one past the cap gets a `503`
+and is closed before anything of it is read, so a client opening thousands of connections
+(each may hold a head of up to 64 KiB for its head timeout) holds a bounded amount of
+memory. A request answered before its body is in (a `401`, a `413`) drops the part of its
+body uvicorn had buffered for the handler, rather than keeping it until the connection
+ends. And pipelining is bounded: a connection with more than `MAX_PIPELINED` requests
+waiting behind the one being answered is closed (uvicorn parses a whole read, up to
+256 KiB, some 8,000 small requests, into its queue; nothing a browser or an SDK sends
+comes near).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -57,10 +64,17 @@ def _error_bytes(status: int, reason: str, message: str) -> bytes:
     return head + body
 
 
+# The answer to a connection past API_MAX_CONNECTIONS, written before its request is read.
+_BUSY = _error_bytes(503, "Service Unavailable", "This server has too many open connections; retry shortly").replace(
+    b"connection: close\r\n", b"connection: close\r\nretry-after: 1\r\n"
+)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     send_timeout_s: float = 30.0
+    max_connections: int = 2048
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,6 +97,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.server_state.connections) > self.max_connections:
+            _log_refusal(self._peer(), self.max_connections)
+            transport.write(_BUSY)
+            transport.close()
+            return
         self._arm_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -111,6 +130,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # (refused at the door, or closing: nothing more of it is read)
         idle = (self.cycle is None or self.cycle.response_complete) and not self._in_message
         if idle and self._head_timer is None:
             # Bytes between requests (even lone CRLFs, which start no message) start the clock.
@@ -188,6 +209,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_body()
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if self._in_message and cycle is not None and cycle.response_complete:
+            # Answered before its body was in: what uvicorn buffered of that body (up to its
+            # 64 KiB high-water mark, and more from the read that passed it) would otherwise
+            # stay until the connection closed; the rest of the body is dropped as it comes.
+            cycle.body = bytearray()
+        super().on_response_complete()
+
     # ------------------------------------------------------------ timers
 
     def _arm_head(self) -> None:
@@ -258,15 +288,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
 
+_refusals = {"logged_at": 0.0, "since": 0}
+
+
+def _log_refusal(peer: str, cap: int) -> None:
+    """At most one line a second: refusals come in floods."""
+    _refusals["since"] += 1
+    now = time.monotonic()
+    if now - _refusals["logged_at"] >= 1.0:
+        log.warning(
+            "refused %d connection(s) past API_MAX_CONNECTIONS (%d open), the latest from %s",
+            _refusals["since"], cap, peer,
+        )
+        _refusals.update(logged_at=now, since=0)
+
+
 class _StopParsing(Exception):
     """Raised in a parser callback to stop parsing a read (a head past MAX_HEAD_BYTES, a
     connection past MAX_PIPELINED): uvicorn then answers nothing more on a closing transport."""
 
 
 def guarded_protocol(
-    header_timeout_ms: int, body_timeout_ms: int, send_timeout_ms: int = 30000
+    header_timeout_ms: int, body_timeout_ms: int, send_timeout_ms: int = 30000, max_connections: int = 2048
 ) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class to give uvicorn as `http=`, with these timeouts."""
+    """The protocol class to give uvicorn as `http=`, with these timeouts and this cap."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
@@ -274,5 +319,6 @@ def guarded_protocol(
             "header_timeout_s": header_timeout_ms / 1000,
             "body_timeout_s": body_timeout_ms / 1000,
             "send_timeout_s": send_timeout_ms / 1000,
+            "max_connections": max_connections,
         },
     )

@@ -22,7 +22,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.body import read_body
+from api.body import BodyBudget
 from api.errors import ApiError
 from api.state import AppState
 from shared import keys
@@ -43,7 +43,8 @@ _decoder = msgspec.json.Decoder(Webhook)
 async def realtime_webhooks(request: Request) -> Response:
     state: AppState = request.app.state.coderunner
     settings = state.settings
-    body = await read_body(request, MAX_WEBHOOK_BODY)
+    bodies: BodyBudget = request.app.state.request_bodies
+    body = await bodies.read(request, MAX_WEBHOOK_BODY)
     key = request.headers.get("x-pusher-key", "")
     signature = request.headers.get("x-pusher-signature", "")
     expected = webhook_signature(settings.pusher_secret, body)

@@ -47,6 +47,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # What the big execute bodies (over 256 KiB) one API process is receiving or handling
     # may hold at once; past it the next is a 503 with retryAfterMs.
     max_bodies_in_flight_mb: int = 256
+    # What the smaller bodies (up to 256 KiB) being received at once may hold together, so
+    # thousands of connections each trickling one in cannot take the process's memory.
+    max_small_bodies_in_flight_mb: int = 64
     max_files_bytes: int = 8 * 1024 * 1024
     # Uploaded blobs (`files[].ref`, the seed SDK's executeFiles for big binaries): how long
     # one lives in Redis after its upload or last use, and how many bytes and blobs one
@@ -82,6 +85,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_body_timeout_ms: int = 30000
     # A client that takes none of a response the server cannot buffer for this long is dropped.
     api_send_timeout_ms: int = 30000
+    # Open connections per API process (event streams, output waits and idle keep-alive
+    # connections included); one past it gets a 503 and is closed unread.
+    api_max_connections: int = 2048
     # Interactive stdin caps per job (the seed product's): frames per second, and bytes
     # accepted but not yet written to the program.
     stdin_max_frames_per_s: int = 30
@@ -290,6 +296,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_RETAINED_OUTPUT_MB": ("max_retained_output_mb", _positive_int),
     "MAX_REQUEST_BYTES": ("max_request_bytes", _positive_int),
     "MAX_BODIES_IN_FLIGHT_MB": ("max_bodies_in_flight_mb", _positive_int),
+    "MAX_SMALL_BODIES_IN_FLIGHT_MB": ("max_small_bodies_in_flight_mb", _positive_int),
     "MAX_FILES_BYTES": ("max_files_bytes", _positive_int),
     "BLOB_TTL_S": ("blob_ttl_s", _positive_int),
     "PUBLIC_API_URL": ("public_api_url", _public_url),
@@ -306,6 +313,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
     "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
     "API_SEND_TIMEOUT_MS": ("api_send_timeout_ms", _positive_int),
+    "API_MAX_CONNECTIONS": ("api_max_connections", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
@@ -425,6 +433,12 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         raise ConfigError(
             f"MAX_EVENT_STREAMS_PER_PRINCIPAL ({settings.max_event_streams_per_principal}) must be smaller than "
             f"MAX_EVENT_STREAMS ({settings.max_event_streams}), so one caller cannot hold every event stream"
+        )
+    if settings.api_max_connections <= settings.max_event_streams + settings.max_output_waits:
+        # Else the streams and waits the API admits could take every connection.
+        raise ConfigError(
+            f"API_MAX_CONNECTIONS ({settings.api_max_connections}) must be larger than MAX_EVENT_STREAMS "
+            f"({settings.max_event_streams}) and MAX_OUTPUT_WAITS ({settings.max_output_waits}) together"
         )
     if settings.max_output_waits_per_principal >= settings.max_output_waits:
         raise ConfigError(

@@ -722,6 +722,100 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
         load_settings({"PUSHER_SECRET": "x", "MAX_BODIES_IN_FLIGHT_MB": "8"})  # under one MAX_REQUEST_BYTES
 
 
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def _answered(sock: socket.socket, wait_s: float) -> bool:
+    return bool(select.select([sock], [], [], wait_s)[0])
+
+
+def test_bodies_trickled_in_over_many_connections_hold_bounded_memory(make_stack: StackFactory) -> None:
+    """Small bodies (up to 256 KiB) trickled in over hundreds of connections: refused ones
+    (a 401 on the head) let go of what uvicorn had buffered of them, and accepted ones count
+    against MAX_SMALL_BODIES_IN_FLIGHT_MB, past which the next is a 503. (Before, 9,000
+    connections each sending 64 KiB took the API from 48 MB to about 800.)"""
+    stack = make_stack(with_worker=False, MAX_SMALL_BODIES_IN_FLIGHT_MB="1")
+    part = b'{"language": "python", "files": [{"name": "main.py", "content": "' + b"a" * 60_000
+    anonymous = (
+        f"POST /v1/execute HTTP/1.1\r\nHost: {stack.api_host}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 200000\r\n\r\n"
+    ).encode()
+    pid = stack.procs["api"].pid
+    before = _rss_mb(pid)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(600):
+            sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
+            sock.sendall(anonymous + part)
+            socks.append(sock)
+        time.sleep(1.5)
+        grown = _rss_mb(pid) - before
+        assert all(_reply(sock)[0] == 401 for sock in socks[:5])
+        # 600 x 60 kB is 36 MB; what stays is the connections' own state.
+        assert grown < 15, f"the API grew {grown:.1f} MB holding 600 refused bodies"
+    finally:
+        for sock in socks:
+            sock.close()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(24):  # 60 kB each: about 17 fill the 1 MiB pool
+            sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
+            sock.sendall(_big_execute_head(stack, 200_000) + part)
+            held.append(sock)
+            time.sleep(0.02)
+        refused = [sock for sock in held if _answered(sock, 0.3)]
+        assert 5 <= len(refused) <= 9, f"{len(refused)} of 24 refused"
+        status, answer = _reply(refused[0])
+        assert status == 503 and json.loads(answer) == {
+            "error": "Too many requests are being received at once; retry shortly",
+            "details": [],
+            "retryAfterMs": 1000,
+        }, answer
+        # The rest are still being received, unanswered.
+        assert not any(_answered(sock, 0) for sock in held if sock not in refused)
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    # Their bytes were let go with their connections.
+    with Api(stack) as api:
+        job = py_job("print(1)", files=[{"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 200_000}])
+        assert api.post("/v1/execute", json=job).status_code == 202
+
+
+def test_connections_past_the_cap_are_answered_503_unread_and_the_cap_frees_up(make_stack: StackFactory) -> None:
+    """API_MAX_CONNECTIONS: a client opening connections without end gets a 503 on each past
+    the cap, read no further, and the server takes new ones again as old ones close."""
+    stack = make_stack(
+        with_worker=False, API_MAX_CONNECTIONS="40", MAX_EVENT_STREAMS="8", MAX_EVENT_STREAMS_PER_PRINCIPAL="4",
+        MAX_OUTPUT_WAITS="8", MAX_OUTPUT_WAITS_PER_PRINCIPAL="4",
+    )  # fmt: skip
+    idle = [socket.create_connection((stack.api_host, stack.api_port), timeout=10) for _ in range(40)]
+    try:
+        time.sleep(0.3)
+        with socket.create_connection((stack.api_host, stack.api_port), timeout=5) as extra:
+            extra.sendall(f"GET /health HTTP/1.1\r\nHost: {stack.api_host}\r\n\r\n".encode())
+            status, answer = _reply(extra)
+            assert status == 503, answer
+            assert json.loads(answer)["error"] == "This server has too many open connections; retry shortly"
+            try:
+                assert extra.recv(100) == b""  # closed
+            except ConnectionResetError:
+                pass  # (closed, with the request it sent unread)
+        for sock in idle[:10]:
+            sock.close()
+        time.sleep(0.3)
+        assert httpx.get(f"{stack.api_url}/health", timeout=5).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "past API_MAX_CONNECTIONS" in stack.log("api")
+    with pytest.raises(ConfigError, match="API_MAX_CONNECTIONS"):
+        load_settings({"PUSHER_SECRET": "x", "API_MAX_CONNECTIONS": "500"})  # under 256 streams + 256 waits
+
+
 def test_a_request_pipelined_behind_an_event_stream_ends_both_cleanly(slow_stack: Stack) -> None:
     # An event stream, then on the same connection a request whose body never comes. Its
     # body timeout closes the connection: the stream's handler must hear of it (and give its
