@@ -495,3 +495,31 @@ def test_events_take_the_job_token_in_the_url_but_never_the_api_token(api: Api, 
     assert refused.status_code == 401 and "URL" in refused.json()["error"]
     assert api.client.get(url, params={"token": other["jobToken"]}).status_code == 404
     kill(api, other)
+
+
+# A program's lines, then what it wrote to stderr after them, each written with nothing
+# between (print under -u writes the text and the newline apart).
+_STDERR_AFTER_LINES = {
+    "traceback": ("for i in range(6):\n    print('line', i)\n1 / 0\n", "line 5\n", "ZeroDivisionError"),
+    "exit message": ("print('Result:', 42)\nraise SystemExit('fatal: bad input')\n", "Result: 42\n", "fatal: bad input"),
+}
+
+
+@pytest.mark.parametrize("case", list(_STDERR_AFTER_LINES))
+def test_what_a_program_writes_to_stderr_after_its_lines_comes_after_them(api: Api, realtime: Realtime, case: str) -> None:
+    """Through the event log, as an IDE shows it (by seq): stdout's lines gathered or half
+    read when the program wrote to stderr went out after that stderr, splitting a line with a
+    traceback in 4 runs of 15 (review)."""
+    code, stdout_end, stderr_end = _STDERR_AFTER_LINES[case]
+    for _ in range(8):
+        job = api.execute(py_job(code))
+        followed = realtime.follow(job)
+        api.start(job)
+        followed.wait_result()
+        shown = "".join(
+            payload["chunk"] if name == "stdout" else f"<E>{payload['chunk']}</E>"
+            for name, payload in sorted(api.replay(job), key=lambda event: event[1]["seq"])
+            if name in ("stdout", "stderr")
+        )
+        assert shown.count("<E>") >= 1 and stderr_end in shown, shown
+        assert shown.index("<E>") == shown.index(stdout_end) + len(stdout_end), shown

@@ -10,6 +10,7 @@ import os
 import random
 import select
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -1137,6 +1138,75 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
     # them (about 0.25 ms apart on an idle one: some 30 reads, against 200 unheld).
     bound = took[0] / COALESCE_S + 10
     assert len(fed) <= bound, f"{len(fed)} pipe reads for {lines} lines written in {took[0] * 1000:.0f} ms"
+
+
+# Writes (stream, bytes, pause after it in ms): each a pattern two pipes read apart from each
+# other used to misorder. Lines gathered in stdout's held pipe went after a stderr line
+# written later; a partial line waiting for its rest went after the stderr line written
+# after it; at the end a held stdout went after the traceback written last.
+_ORDER_PATTERNS = {
+    "gathered": [("out", b"a\n", 0.5), ("out", b"b\n", 0.5), ("err", b"E\n", 6)],
+    "partial line": [("out", b"x", 0.5), ("err", b"E\n", 0.5), ("out", b"y\n", 6)],
+}
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("pattern", list(_ORDER_PATTERNS))
+def test_the_two_streams_are_handed_over_in_the_order_they_were_written(loop_kind: str, pattern: str) -> None:
+    writes = _ORDER_PATTERNS[pattern] * 15
+    handed: list[tuple[str, bytes]] = []
+
+    async def main() -> None:
+        from worker.job.supervise import _Pumps
+
+        fds = {name: os.pipe() for name in ("out", "err")}
+        readers = {name: await read_pipe(fds[name][0]) for name in fds}
+
+        # Written by another process: a thread here would take turns with the loop for the
+        # interpreter lock, every few ms, and bunch the writes up.
+        plan = [(fds[name][1], data, pause_ms / 1000) for name, data, pause_ms in writes]
+        code = f"import os, time\nfor fd, data, pause in {plan!r}:\n    os.write(fd, data)\n    time.sleep(pause)\n"
+
+        def taker(name: str) -> Any:
+            async def on_data(data: bytes) -> None:
+                handed.append((name, data))
+
+            return on_data
+
+        order = _Pumps()
+        activity = Activity(0.0)
+        pumps = [asyncio.ensure_future(_pump(readers[name][0], taker(name), activity, order)) for name in fds]
+        await asyncio.sleep(0.01)  # (both reading before the first write)
+        write_ends = tuple(fds[name][1] for name in fds)
+        writer = subprocess.Popen([sys.executable, "-c", code], pass_fds=write_ends)
+        for fd in write_ends:
+            os.close(fd)
+        try:
+            await asyncio.wait_for(asyncio.gather(*pumps), 10)
+        finally:
+            writer.wait()
+            for _, transport in readers.values():
+                transport.close()
+
+    _run_on(loop_kind, main())
+    # Each stream whole, and the hand-overs in write order: consecutive writes to one stream
+    # may share a hand-over (and a line its rest), never one of the other stream's between.
+    for name in ("out", "err"):
+        assert b"".join(d for n, d in handed if n == name) == b"".join(d for n, d, _ in writes if n == name)
+    runs: list[tuple[str, bytes]] = []
+    for name, data, _ in writes:
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1] + data)
+        else:
+            runs.append((name, data))
+    got: list[tuple[str, bytes]] = []
+    for name, data in handed:
+        if got and got[-1][0] == name:
+            got[-1] = (name, got[-1][1] + data)
+        else:
+            got.append((name, data))
+    first = next((i for i, (a, b) in enumerate(zip(got, runs, strict=False)) if a != b), min(len(got), len(runs)))
+    assert got == runs, f"hand-over {first} of {len(runs)}: {got[max(0, first - 2) : first + 3]}"
 
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])

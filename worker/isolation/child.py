@@ -10,9 +10,11 @@ blocks the loop. The surface is the part of `asyncio.subprocess.Process` the jai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -82,6 +84,17 @@ class PipeReader(asyncio.StreamReader):
     _held = False
     _fd = -1
     _pause_end: asyncio.Future[None] | None = None
+    # When the oldest bytes buffered came (time.monotonic()), kept once they are read: the
+    # date of what the last read() returned.
+    fed_at = 0.0
+
+    def feed_data(self, data: bytes) -> None:
+        if not self._buffer:
+            self.fed_at = time.monotonic()
+        super().feed_data(data)
+
+    def buffered_since(self) -> float | None:
+        return self.fed_at if self._buffer else None
 
     def set_transport(self, transport: asyncio.BaseTransport) -> None:
         super().set_transport(transport)
@@ -103,8 +116,9 @@ class PipeReader(asyncio.StreamReader):
         if self._pipe is not None and not self._pipe.is_closing():
             self._pipe.resume_reading()
 
-    async def pause(self, seconds: float) -> None:
-        """Hold the pipe for `seconds`, or until `take_rest()` ends it, whichever is first."""
+    async def pause(self, seconds: float, release: bool = True) -> None:
+        """Hold the pipe for `seconds`, or until `take_rest()` ends it, whichever is first
+        (and keep holding it after, with `release` False: see take_gathered)."""
         self.hold()
         loop = asyncio.get_running_loop()
         self._pause_end = waiter = loop.create_future()
@@ -114,7 +128,37 @@ class PipeReader(asyncio.StreamReader):
         finally:
             timer.cancel()
             self._pause_end = None
-            self.release()
+            if release:
+                self.release()
+
+    async def wait_buffered(self, seconds: float) -> None:
+        """Until something is buffered or the stream has ended, at most `seconds`. Nothing is
+        read out: what comes stays in the buffer, where take_gathered sees it."""
+        if self._buffer or self._eof:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wait_for_data("wait_buffered")  # type: ignore[attr-defined]
+
+    def take_gathered(self, limit: int) -> tuple[bytes, bool]:
+        """Up to `limit` bytes the stream holds now, without waiting: what is in this reader's
+        buffer, then (while the pipe is held) what the pipe gathered, read straight from it;
+        and whether the stream has ended. A `read()` waiting meanwhile may then return b""
+        without the stream having ended (see at_eof)."""
+        data = bytes(self._buffer[:limit])
+        del self._buffer[:limit]
+        if len(data) < limit and self._held and not self._eof and self._pipe is not None and not self._pipe.is_closing():
+            try:
+                while len(data) < limit:
+                    chunk = os.read(self._fd, limit - len(data))
+                    if not chunk:
+                        self.feed_eof()
+                        break
+                    data += chunk
+            except BlockingIOError:
+                pass
+        self._maybe_resume_transport()  # type: ignore[attr-defined]
+        return data, self.at_eof()
 
     def take_rest(self) -> None:
         """End the stream with what the pipe holds now, though its write end stays open.
@@ -147,6 +191,7 @@ async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTranspor
     loop = asyncio.get_running_loop()
     reader = PipeReader(limit=PIPE_LIMIT)
     reader._fd = fd
+    os.set_blocking(fd, False)  # (read straight from, at times: see take_gathered)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_object(fd, "rb"))
     return reader, transport
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -103,46 +104,149 @@ class StepFacts:
     ceiling_oom: bool = False
 
 
-async def _pump(reader: asyncio.StreamReader | None, on_data: OnData, activity: Activity) -> None:
-    if reader is None:
-        return
-    while True:
-        data = await reader.read(READ_SIZE)
-        if not data:
-            return
-        ended = False
-        if len(data) < COALESCE_BELOW and not data.endswith(b"\n"):
-            # Part of a line: its rest is usually a write away (print under -u writes the
-            # text and the "\n" apart); waiting a moment for it keeps a line in one event.
-            try:
-                more = await asyncio.wait_for(reader.read(READ_SIZE - len(data)), PARTIAL_LINE_S)
-            except TimeoutError:
-                more = None
-            if more is not None:
-                data += more
-                ended = not more
+class _Pumps:
+    """A step's output pumps, handing over in one order.
+
+    Each pump holds its pipe for a moment after a small read (to gather the next writes into
+    one read) and waits a moment for the rest of a partial line; meanwhile the other stream
+    may be read. What a pump then hands over is dated from when it began to gather (its
+    hold, or the partial line's first read; a plain read is dated now), and before handing
+    over, a pump first hands over what the other has taken or gathered since earlier: the
+    lines a program printed stay ahead of the traceback it wrote to stderr after them.
+    Writes to the two pipes that land within one gathering window still carry no order
+    between them: two pipes keep none.
+    """
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.members: list[_Pump] = []
+
+
+class _Pump:
+    def __init__(self, reader: asyncio.StreamReader, on_data: OnData, activity: Activity) -> None:
+        self.reader = reader
+        self.on_data = on_data
+        self.activity = activity
+        self.in_hand = bytearray()  # read, not handed over yet (a partial line)
+        self.in_hand_since = 0.0
+        self.held_since: float | None = None  # in its gathering pause: its pipe held since then
+
+    def earliest(self) -> float | None:
+        """When the oldest of what this pump could hand over now came."""
+        dates = [self.in_hand_since] if self.in_hand else []
+        if isinstance(self.reader, PipeReader) and (buffered := self.reader.buffered_since()) is not None:
+            dates.append(buffered)
+        if self.held_since is not None:
+            dates.append(self.held_since)
+        return min(dates, default=None)
+
+    def take(self) -> bytes:
+        """What this pump has and has not handed over: its partial line, what its reader has
+        buffered, and what its held pipe gathered (read here, the pipe still held). Safe
+        whatever the pump waits on: its read() takes an emptied buffer for "nothing yet"."""
+        data = bytes(self.in_hand)
+        self.in_hand.clear()
+        if isinstance(self.reader, PipeReader):
+            data += self.reader.take_gathered(READ_SIZE)[0]
+            if self.held_since is not None:
+                self.held_since = time.monotonic()  # (what comes next is newer)
+        return data
+
+    async def hand_over(self, data: bytes) -> None:
+        activity = self.activity
         activity.touch()
         activity.handing_over += 1
         try:
-            await on_data(data)
+            await self.on_data(data)
         finally:
             activity.handing_over -= 1
             activity.handed_over += 1
         activity.touch()  # the idle window starts once the worker took it, not before
-        if ended:
-            return
-        if len(data) < COALESCE_BELOW:
-            # A program writing line by line would wake the worker once per line; a moment's
-            # pause, with the pipe's reading held, lets the pipe gather its next lines into
-            # one read and one event.
-            await _gather_pause(reader)
 
 
-async def _gather_pause(reader: asyncio.StreamReader) -> None:
-    if not isinstance(reader, PipeReader):
-        await asyncio.sleep(COALESCE_S)
+async def _pump(
+    reader: asyncio.StreamReader | None, on_data: OnData, activity: Activity, pumps: _Pumps | None = None
+) -> None:
+    if reader is None:
         return
-    await reader.pause(COALESCE_S)
+    me = _Pump(reader, on_data, activity)
+    pumps = pumps or _Pumps()
+    pumps.members.append(me)
+    while True:
+        data = await reader.read(READ_SIZE)
+        if not data:
+            if reader.at_eof():
+                return
+            continue  # (another pump took what had come: see _Pump.take)
+        me.in_hand_since = reader.fed_at if isinstance(reader, PipeReader) else time.monotonic()
+        me.in_hand += data
+        at_end = await _rest_of_line(me)
+        size = await _hand_over_in_order(me, pumps)
+        if at_end:
+            return
+        if size >= COALESCE_BELOW:
+            continue
+        # A program writing line by line would wake the worker once per line; a moment's
+        # pause, with the pipe's reading held, lets the pipe gather its next lines into one
+        # read and one event (read here, still held: no wake-up of its own).
+        if not isinstance(reader, PipeReader):
+            await asyncio.sleep(COALESCE_S)
+            continue
+        while True:
+            me.held_since = time.monotonic()
+            try:
+                await reader.pause(COALESCE_S, release=False)
+                dated = me.earliest()
+                gathered, ended = reader.take_gathered(READ_SIZE)
+            finally:
+                me.held_since = None
+                reader.release()
+            if gathered and dated is not None:
+                me.in_hand_since = dated
+                me.in_hand += gathered
+                if not await _rest_of_line(me):
+                    size = await _hand_over_in_order(me, pumps)
+                    if not ended and size < COALESCE_BELOW:
+                        continue  # gather again
+            if ended or reader.at_eof():
+                await _hand_over_in_order(me, pumps)
+                return
+            break  # nothing came while held: wait for the next write with the pipe read
+
+
+async def _rest_of_line(me: _Pump) -> bool:
+    """A small read that ends mid-line: wait a moment for the line's rest (print under -u
+    writes the text and the "\n" apart), so a line goes in one event. True at EOF."""
+    if len(me.in_hand) >= COALESCE_BELOW or me.in_hand.endswith(b"\n"):
+        return False
+    reader = me.reader
+    if isinstance(reader, PipeReader):
+        # The rest is read out in this same step, never left in a read of its own in flight
+        # where another pump's _Pump.take could not see it.
+        await reader.wait_buffered(PARTIAL_LINE_S)
+        more, ended = reader.take_gathered(READ_SIZE - len(me.in_hand))
+        me.in_hand += more
+        return ended
+    try:
+        more = await asyncio.wait_for(reader.read(READ_SIZE - len(me.in_hand)), PARTIAL_LINE_S)
+    except TimeoutError:
+        return False
+    me.in_hand += more
+    return not more and reader.at_eof()
+
+
+async def _hand_over_in_order(me: _Pump, pumps: _Pumps) -> int:
+    """Hand over what `me` has, after what the other pumps have from earlier; the size."""
+    async with pumps.lock:
+        mine = me.earliest()
+        for other in pumps.members:
+            theirs = other.earliest() if other is not me else None
+            if theirs is not None and (mine is None or theirs < mine) and (data := other.take()):
+                await other.hand_over(data)
+        data = me.take() if me.in_hand else b""
+        if data:
+            await me.hand_over(data)
+        return len(data)
 
 
 # How often a step waiting for memory looks for a kill (only while it waits).
@@ -191,7 +295,8 @@ async def supervise(
             jail.go(program)
         go_at = loop.time()
         activity = Activity(go_at)
-        readers = [asyncio.create_task(_pump(reader, on_data, activity)) for reader, on_data in pumps]
+        order = _Pumps()
+        readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
