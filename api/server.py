@@ -64,6 +64,13 @@ def _error_bytes(status: int, reason: str, message: str) -> bytes:
     return head + body
 
 
+# What a request the HTTP parser refuses is told (a Content-Length that is not a number,
+# two of them, chunked framing that is broken, ...): the parser does not say which.
+_MALFORMED = (
+    "The request is not valid HTTP/1.1: check its request line, Content-Length and Transfer-Encoding "
+    "headers and, if chunked, its chunk sizes"
+)
+
 # The answer to a connection past API_MAX_CONNECTIONS, written before its request is read.
 _BUSY = _error_bytes(503, "Service Unavailable", "This server has too many open connections; retry shortly").replace(
     b"connection: close\r\n", b"connection: close\r\nretry-after: 1\r\n"
@@ -184,7 +191,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
             return  # refused already (a 431 from _count_head)
-        super().send_400_response(msg)
+        # uvicorn's own answer is plain text; every error of the API has one JSON shape.
+        self.transport.write(_error_bytes(400, "Bad Request", _MALFORMED))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._cancel_head()

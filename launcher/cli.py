@@ -103,9 +103,15 @@ def new_log_dir(root: Path, keep: int = KEEP_LOG_RUNS) -> Path:
 
 def _up(argv: list[str]) -> int:
     from launcher.stack import MAX_WORKERS, Stack, StackError
+    from shared.settings import parse_port
 
     parser = argparse.ArgumentParser(prog="coderunner up", description="Run Redis, soketi, the API and workers.")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("API_PORT", "8000")), help="API port (default 8000)")
+    try:
+        default_port = parse_port(os.environ.get("API_PORT") or "8000")
+    except ValueError as exc:
+        print(f"coderunner up: API_PORT={os.environ['API_PORT']!r} is invalid: {exc}", file=sys.stderr)
+        return 2
+    parser.add_argument("--port", type=parse_port, default=default_port, help="API port (default API_PORT or 8000)")
     parser.add_argument("--host", default=os.environ.get("API_HOST", "127.0.0.1"), help="API bind address")
     parser.add_argument(
         "--workers", type=int, default=1, metavar="N",

@@ -17,7 +17,7 @@ import msgspec
 from shared.errors import ConfigError
 from shared.limits import DEFAULT_MAXIMA, Limits
 
-__all__ = ["ENV_NAMES", "JOB_CANCEL_WAIT_S", "Settings", "load_settings", "worker_stop_s"]
+__all__ = ["ENV_NAMES", "JOB_CANCEL_WAIT_S", "Settings", "load_settings", "parse_port", "worker_stop_s"]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,8 +189,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Environment variable -> (field, parser). Parsers raise ValueError with a short reason.
+# Longer numbers are refused: nothing here needs them, and Redis refuses a TTL past its
+# clock's range (as "invalid expire time", on every request) where 10**16 seconds would be.
+_MAX_DIGITS = 12
+
+
 def _int(raw: str) -> int:
-    return int(raw.strip(), 10)
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    # (int() also takes "1_000" and other scripts' digits, which no one means here.)
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError("must be an integer (ASCII digits)")
+    if len(digits.lstrip("0")) > _MAX_DIGITS:
+        raise ValueError(f"must have at most {_MAX_DIGITS} digits")
+    return int(text, 10)
 
 
 def _positive_int(raw: str) -> int:
@@ -202,7 +214,8 @@ def _positive_int(raw: str) -> int:
 
 # What JOB_RECORD_TTL must give a job beyond its warm-up and longest run.
 _RECORD_SLACK_MS = 300_000
-# Job tokens carry their expiry in at most 12 digits (shared/tokens.py).
+# Job tokens carry their expiry in at most 12 digits (shared/tokens.py); the other TTLs get
+# the same ceiling.
 _MAX_JOB_TOKEN_TTL_S = 10 * 365 * 86400
 
 # How long a stopping worker waits for the jobs it cancels past WORKER_SHUTDOWN_GRACE_MS to
@@ -220,11 +233,15 @@ def worker_stop_s(worker_shutdown_grace_ms: int) -> float:
 _MAX_STDIN_PENDING_BYTES = 384 * 1024 - 1024
 
 
-def _port(raw: str) -> int:
+def parse_port(raw: str) -> int:
+    """A TCP port, as API_PORT takes it (ValueError saying why not)."""
     value = _int(raw)
     if not 0 < value < 65536:
         raise ValueError("must be a TCP port (1 to 65535)")
     return value
+
+
+_port = parse_port
 
 
 def _non_negative_int(raw: str) -> int:
@@ -236,6 +253,24 @@ def _non_negative_int(raw: str) -> int:
 
 def _str(raw: str) -> str:
     return raw
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    level = "WARNING" if level == "WARN" else level
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+def _redis_url(raw: str) -> str:
+    url = raw.strip()
+    if urllib.parse.urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    return url
 
 
 _ORIGIN = re.compile(r"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?", re.I)
@@ -282,7 +317,7 @@ def _bool(raw: str) -> bool:
 
 
 ENV_NAMES: dict[str, tuple[str, Any]] = {
-    "REDIS_URL": ("redis_url", _str),
+    "REDIS_URL": ("redis_url", _redis_url),
     "EXECUTOR_API_TOKEN": ("api_token", _str),
     "METRICS_TOKEN": ("metrics_token", _str),
     "JOB_TOKEN_SECRET": ("job_token_secret", _str),
@@ -357,7 +392,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "CALLBACK_BACKOFF_MAX_MS": ("callback_backoff_max_ms", _positive_int),
     "CALLBACK_RETRY_FOR_S": ("callback_retry_for_s", _positive_int),
     "CALLBACK_CONCURRENCY": ("callback_concurrency", _positive_int),
-    "LOG_LEVEL": ("log_level", _str),
+    "LOG_LEVEL": ("log_level", _log_level),
 }
 
 
@@ -413,7 +448,7 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
     if settings.pusher_max_payload_kb < 64:
         # An 8 KiB output chunk can take six times that as JSON.
         raise ConfigError("PUSHER_MAX_PAYLOAD_KB must be at least 64 (soketi's default is 100)")
-    if not settings.pusher_app_id.isdigit():
+    if not (settings.pusher_app_id.isascii() and settings.pusher_app_id.isdigit()):
         raise ConfigError("PUSHER_APP_ID must be numeric (Pusher clients require it)")
     if settings.worker_lease_ttl_ms < 3 * settings.worker_heartbeat_ms:
         # A live worker renews about once an interval; a shorter lease lapses on one late beat,
@@ -470,8 +505,14 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         # a nested name would need them in folders it does not make); `init` is where a
         # container's own processes are moved on v2.
         raise ConfigError("SANDBOX_CGROUP_NAME must be one folder name (letters, digits, _ . -), not 'init'")
-    if settings.job_token_ttl_s > _MAX_JOB_TOKEN_TTL_S:
-        raise ConfigError(f"JOB_TOKEN_TTL must be at most {_MAX_JOB_TOKEN_TTL_S} (ten years)")
+    for env_name, ttl_s in (
+        ("JOB_TOKEN_TTL", settings.job_token_ttl_s),
+        ("RUN_RESULT_TTL", settings.run_result_ttl_s),
+        ("JOB_RECORD_TTL", settings.job_record_ttl_s),
+        ("BLOB_TTL_S", settings.blob_ttl_s),
+    ):
+        if ttl_s > _MAX_JOB_TOKEN_TTL_S:
+            raise ConfigError(f"{env_name} must be at most {_MAX_JOB_TOKEN_TTL_S} (ten years)")
     if settings.stdin_max_pending_bytes > _MAX_STDIN_PENDING_BYTES:
         # A frame may carry that much; as base64 in a JSON body it must fit the stdin body's bound.
         raise ConfigError(f"STDIN_MAX_PENDING_BYTES must be at most {_MAX_STDIN_PENDING_BYTES} (one frame's bytes as base64 in a 512 KiB body)")

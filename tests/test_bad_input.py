@@ -207,3 +207,30 @@ def test_a_content_length_of_thousands_of_digits_is_no_500(api: Api, stack: Stac
     huge = send("0" * 4000 + "9" * 40, body)
     assert huge.startswith((b"HTTP/1.1 413 ", b"HTTP/1.1 400 ")), huge[:200]
     assert api.get("/v1/languages").status_code == 200  # and the service goes on
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        "Content-Length: zz\r\n",
+        "Content-Length: -5\r\n",
+        "Content-Length: 4\r\nContent-Length: 5\r\n",
+        "Transfer-Encoding: chunked\r\nContent-Length: 4\r\n",
+        "Transfer-Encoding: gzip\r\n",
+    ],
+    ids=["not a number", "negative", "two lengths", "chunked with a length", "unknown coding"],
+)
+def test_a_request_the_http_parser_refuses_gets_the_json_error_envelope(stack: Stack, framing: str) -> None:
+    """Review: these got uvicorn's plain-text "Invalid HTTP request received."; every error
+    of the API has one shape, `{error, details}`."""
+    with socket.create_connection((stack.api_host, stack.api_port), timeout=10) as conn:
+        conn.sendall(f"POST /v1/execute HTTP/1.1\r\nHost: x\r\n{framing}\r\n".encode() + b"body")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)
+    assert set(error) == {"error", "details"} and "Content-Length" in error["error"], error
+

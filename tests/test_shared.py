@@ -217,10 +217,24 @@ def test_settings_that_would_misbehave_once_running_are_refused_at_start() -> No
         ({"PUSHER_PORT": "70000"}, "PUSHER_PORT"),
         ({"API_PORT": "0"}, "API_PORT"),
         ({"PUSHER_WS_PORT": "65536"}, "PUSHER_WS_PORT"),
+        # Review: each of these once started, then failed on every request or crashed later.
+        ({"LOG_LEVEL": "verbose"}, "LOG_LEVEL='verbose' is invalid: must be one of DEBUG"),
+        ({"RUN_RESULT_TTL": "10000000000000000"}, "RUN_RESULT_TTL=.*at most 12 digits"),
+        ({"JOB_RECORD_TTL": "400000000"}, "JOB_RECORD_TTL must be at most 315360000"),
+        ({"BLOB_TTL_S": "999999999999"}, "BLOB_TTL_S must be at most"),
+        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL=.*redis://"),
+        ({"MAX_QUEUE_DEPTH": "1_000"}, "MAX_QUEUE_DEPTH=.*ASCII digits"),
+        ({"MAX_QUEUE_DEPTH": "\u0661\u0662"}, "MAX_QUEUE_DEPTH=.*ASCII digits"),
+        ({"PUSHER_APP_ID": "\u0661\u0662"}, "PUSHER_APP_ID must be numeric"),
     ]
     for env, message in refusals:
         with pytest.raises(ConfigError, match=message):
             load_settings(env)
+    # uvicorn has no "warn"; the API gets the level logging and uvicorn both know.
+    assert load_settings({"LOG_LEVEL": "warn"}).log_level == "WARNING"
+    assert load_settings({"LOG_LEVEL": " debug "}).log_level == "DEBUG"
+    assert load_settings({"REDIS_URL": "unix:///run/redis.sock"}).redis_url == "unix:///run/redis.sock"
+    assert load_settings({"MAX_QUEUE_DEPTH": "+0010"}).max_queue_depth == 10
     fine = load_settings({"JOB_RECORD_TTL": "930", "STDIN_MAX_PENDING_BYTES": "392192", "JOB_TOKEN_TTL": "315360000"})
     # The biggest frame allowed fits the stdin body as base64 in JSON.
     assert len(json.dumps({"data": base64.b64encode(b"x" * fine.stdin_max_pending_bytes).decode(), "encoding": "base64"})) <= 512 * 1024

@@ -141,6 +141,18 @@ def test_up_on_a_busy_port_says_so_before_anything_starts(tmp_path: Path) -> Non
     assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").rglob("*"))
 
 
+def test_up_refuses_an_api_port_that_is_not_one(tmp_path: Path) -> None:
+    env, mark = _up_env(tmp_path)
+    for value, reason in [("abc", "must be an integer"), ("0", "must be a TCP port")]:
+        up = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", "up"],
+            capture_output=True, cwd=REPO_ROOT, env={**env, "API_PORT": value}, text=True, timeout=60,
+        )  # fmt: skip
+        assert up.returncode == 2 and f"coderunner up: API_PORT='{value}' is invalid: {reason}" in up.stderr, up.stderr
+        assert "Traceback" not in up.stderr, up.stderr
+    assert _marked(mark) == [], "children were started"
+
+
 def test_up_runs_everything_and_stops_clean(tmp_path: Path) -> None:
     mounts_before = _sandbox_mounts()
     port = free_port()
