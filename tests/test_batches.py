@@ -400,9 +400,13 @@ class _Sandbox:
         self.jail = SimpleNamespace(name=name, proc=SimpleNamespace(stdin=None), stdout=None, stderr=None)
         self.cgroup = None
         self.memory_base_bytes = 0
+        self.cpu_base_ms = 0
 
     async def load(self, *_args: Any) -> None:
         pass
+
+    def with_startup_room(self, program: Any) -> Any:
+        return program
 
 
 class _Pool:
@@ -414,6 +418,9 @@ class _Pool:
         self.free = asyncio.Event()
         self.waiting = asyncio.Event()
         self.given_back: list[str] = []
+
+    def prime_for(self, _language: str) -> None:
+        return None
 
     async def take_unless_failing(self, *_args: Any) -> _Sandbox:
         self.waiting.set()
@@ -503,6 +510,9 @@ class _ReadyPool:
         self.broken = broken
         self.given_back: list[str] = []
         self.taken = 0
+
+    def prime_for(self, _language: str) -> None:
+        return None
 
     async def take_unless_failing(self, *_args: Any) -> _Sandbox:
         self.taken += 1

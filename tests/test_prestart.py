@@ -10,6 +10,7 @@ since jobs with default limits adopt the waiting runtime.)
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import statistics
@@ -137,6 +138,52 @@ def test_python_runs_as_the_plain_command_would(stacks: tuple[Api, Api]) -> None
     assert fast["stderr"] == slow["stderr"]
     assert fast["stderr"].startswith('Traceback (most recent call last):\n  File "/workspace/main.py"'), fast["stderr"]
     assert (fast["outcome"], fast["exitCode"]) == (slow["outcome"], slow["exitCode"]) == ("completed", 1)
+
+
+PY_MEMORY = r"""
+print("cmdline", open("/proc/self/cmdline", "rb").read())
+held = []
+for n in range(1, 65):
+    held.append(b"\x01" * (1 << 20))
+    print("held", n, flush=True)
+"""
+
+
+def in_a_plain_jail(warm: Api, body: dict[str, Any], burst: int = 6) -> dict[str, Any]:
+    """Run `body` on the prestarting stack until it lands in a plain jail: a worker whose
+    started jobs wait side by side builds plain sandboxes for them (pool.py, _prime_now)."""
+    for _ in range(4):
+        with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+            clients = [Api(warm.stack) for _ in range(burst)]
+            outs = list(pool.map(lambda api: run(api, body), clients))
+            for api in clients:
+                api.close()
+        plain = [out for out in outs if not prestarted(out)]
+        if plain:
+            return plain[0]
+    raise AssertionError("never ran in a plain jail")
+
+
+def test_a_job_is_charged_alike_in_a_prestarted_or_a_plain_jail(stacks: tuple[Api, Api]) -> None:
+    """Review: the same worker gives a Python job with memoryMb 32 room for 31-32 MiB of its
+    own in a prestarted jail (its runtime's start-up not charged) and 27 in a plain one (a
+    saturated worker builds those), so a program near its limit passed or failed by the
+    pool's load; a trivial job's cpuMs was ~1 ms or ~13. A plain jail now leaves out what
+    the language's prestarted runtimes measured their start-up at."""
+    warm, _ = stacks
+    memory = py_job(PY_MEMORY, limits={"memoryMb": 32})
+    trivial = py_job("print('cmdline', open('/proc/self/cmdline', 'rb').read())")
+    # (Prestarted first: after a burst, the worker builds plain for a second or so.)
+    fast = {"memory": until_prestarted(warm, memory), "trivial": until_prestarted(warm, trivial)}
+    slow = {"memory": in_a_plain_jail(warm, memory), "trivial": in_a_plain_jail(warm, trivial)}
+    held = []
+    for out in (fast["memory"], slow["memory"]):
+        assert out["outcome"] == "memory_exceeded", out
+        held.append(int(re.findall(r"^held (\d+)$", out["stdout"], re.M)[-1]))
+    assert abs(held[0] - held[1]) <= 1, f"MiB held prestarted, plain: {held}"
+    fast, slow = fast["trivial"], slow["trivial"]
+    assert slow["cpuMs"] <= fast["cpuMs"] + 5, (fast["cpuMs"], slow["cpuMs"])
+    assert slow["memoryKb"] <= fast["memoryKb"] + 1024, (fast["memoryKb"], slow["memoryKb"])
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,11 @@ class SandboxPool:
         self.builds_failed = 0
         self.last_build_error = ""
 
+    def prime_for(self, language: str) -> Prime | None:
+        """The language's prime here, if it has one: a plain sandbox running what it would
+        have adopted leaves the runtime's start-up out of the job's charges too (Sandbox.load)."""
+        return self._primes.get(language)
+
     @property
     def waiting(self) -> int:
         """Started jobs waiting for a sandbox."""

@@ -10,6 +10,8 @@ host can tell whose leftovers it finds.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -17,6 +19,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +44,8 @@ __all__ = [
     "SandboxFactory",
     "ShimBuilds",
     "ShimCompiler",
+    "StartupCost",
+    "StartupCosts",
     "build_compiled_shims",
     "build_enter",
     "build_gate",
@@ -244,6 +249,43 @@ async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
 
 
 @dataclass(frozen=True)
+class StartupCost:
+    """What a language's runtime holds and has spent once started and waiting: its memory
+    without file cache (`resident_bytes`), its whole memory (`current_bytes`) and its CPU."""
+
+    resident_bytes: int
+    current_bytes: int
+    cpu_ms: int
+
+
+class StartupCosts:
+    """The start-up costs a language's prestarted runtimes measured (the latest few): what a
+    plain sandbox running the same command leaves out of its job's limits and figures too,
+    so a job is charged alike whichever kind of sandbox the pool had for it (a saturated
+    worker builds plain ones). Nothing until one of the language's runtimes has started
+    on this worker: its first plain runs are charged their start-up."""
+
+    SAMPLES = 5
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[StartupCost] = collections.deque(maxlen=self.SAMPLES)
+
+    def record(self, cost: StartupCost) -> None:
+        self._samples.append(cost)
+
+    def typical(self) -> StartupCost | None:
+        """Each figure's median over the samples (one slow start-up moves none of them)."""
+        if not self._samples:
+            return None
+        samples = list(self._samples)
+        return StartupCost(
+            resident_bytes=int(statistics.median(s.resident_bytes for s in samples)),
+            current_bytes=int(statistics.median(s.current_bytes for s in samples)),
+            cpu_ms=int(statistics.median(s.cpu_ms for s in samples)),
+        )
+
+
+@dataclass(frozen=True)
 class Prime:
     """A language runtime a warm jail starts before its job (see sandbox-profiles/prestart/).
 
@@ -259,6 +301,7 @@ class Prime:
     # A compiled shim's files (name in the workspace, content): in the workspace for the
     # runtime's start-up only. Without them the shim's source is bound in the jail instead.
     workspace_files: tuple[tuple[str, bytes], ...] = ()
+    startup: StartupCosts = field(default_factory=StartupCosts, compare=False, hash=False)
 
     def adopts(self, program: Program) -> bool:
         # The runtime was started with the environment the job's command gets (the language's),
@@ -286,6 +329,9 @@ class Sandbox:
     prime: Prime | None = None
     runtime_pid: int = 0
     memory_base_bytes: int = 0
+    # CPU the job's figure and clock leave out: a plain sandbox's share of its runtime's
+    # start-up (see load; a prestarted one's clock starts after it anyway).
+    cpu_base_ms: int = 0
     # Compiled languages get a second jail over the same workspace, with its own cgroup
     # and limits, built while the job is parked.
     compile_cgroup: JobCgroup | None = None
@@ -300,21 +346,43 @@ class Sandbox:
         return self.prime is not None and self.prime.adopts(program)
 
     async def load(
-        self, files: list[tuple[str, bytes]], limits: Limits, program: Program, executable: frozenset[str] = frozenset()
+        self,
+        files: list[tuple[str, bytes]],
+        limits: Limits,
+        program: Program,
+        executable: frozenset[str] = frozenset(),
+        stand_in: Prime | None = None,
     ) -> None:
         """Write the job's files and set its limits (before start).
 
         With a prestarted runtime that adopts `program`, what the runtime already holds is
         added to the memory limit and subtracted from the figures, and the program's
         rlimits are set on the waiting process from outside (its CPU rlimit past what it
-        has used), so the job gets exactly what a fresh `run` command would.
+        has used), so the job gets what a fresh `run` command would, its runtime's start-up
+        not charged. A plain sandbox whose program the language's prime (`stand_in`) would
+        have adopted is charged alike: its limits and figures leave out what that
+        language's runtimes measured their start-up at (StartupCosts).
         """
-        await off_loop(self._load, files, limits, program, executable)
+        await off_loop(self._load, files, limits, program, executable, stand_in)
 
-    def _load(self, files: list[tuple[str, bytes]], limits: Limits, program: Program, executable: frozenset[str]) -> None:
+    def _load(
+        self,
+        files: list[tuple[str, bytes]],
+        limits: Limits,
+        program: Program,
+        executable: frozenset[str],
+        stand_in: Prime | None,
+    ) -> None:
         self.workspace.stage(files, executable)
         memory = limits.memory_mb * 1024 * 1024
-        if self.adopts(program):
+        startup = stand_in.startup.typical() if stand_in is not None and stand_in.adopts(program) else None
+        if self.prime is None and startup is not None:
+            # The figure leaves out the resident part only: what of the runtime's files is
+            # charged to this run depends on who read them first (often another cgroup).
+            memory += startup.resident_bytes
+            self.memory_base_bytes = startup.resident_bytes
+            self.cpu_base_ms = startup.cpu_ms
+        elif self.adopts(program):
             if not self.cgroup.holds(self.runtime_pid):
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
@@ -327,6 +395,13 @@ class Sandbox:
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
+
+    def with_startup_room(self, program: Program) -> Program:
+        """`program` with its CPU rlimit backstop moved past the start-up this sandbox does
+        not charge (cpu_base_ms), whole seconds as _set_rlimits gives a prestarted runtime:
+        else a slow start-up could meet the backstop before the job's CPU clock fires."""
+        extra_s = max(0, math.ceil(self.cpu_base_ms / 1000 - 0.5)) if program.rlimit_cpu_s else 0
+        return dataclasses.replace(program, rlimit_cpu_s=program.rlimit_cpu_s + extra_s) if extra_s else program
 
     def start(self, program: Program) -> None:
         self.jail.go(program)
@@ -410,6 +485,16 @@ def _after_warm_up(cgroup: JobCgroup, workspace: Workspace, shim_files: list[str
     returns the runtime's host pid."""
     workspace.remove(shim_files)
     return _runtime_pid(cgroup)
+
+
+def _startup_cost(cgroup: JobCgroup, cpu_at_go_us: int) -> StartupCost:
+    """What a runtime just started holds, and the CPU its jail spent since the gate let it
+    go: what a plain run's clock, which starts there too, would count for it."""
+    return StartupCost(
+        resident_bytes=cgroup.memory_resident_bytes(),
+        current_bytes=cgroup.memory_current_bytes(),
+        cpu_ms=max(0, cgroup.cpu_us() - cpu_at_go_us) // 1000,
+    )
 
 
 def _cpu_used_s(pid: int) -> float:
@@ -617,9 +702,11 @@ class SandboxFactory:
                 names = [name for name, _ in prime.workspace_files]
                 if names:
                     await off_loop(workspace.stage, list(prime.workspace_files))
+                cpu_at_go_us = cgroup.cpu_us()
                 jail.go(prime.program)
                 await self._await_runtime(jail)
                 sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
+                prime.startup.record(await off_loop(_startup_cost, cgroup, cpu_at_go_us))
             except BaseException:
                 await asyncio.shield(sandbox.destroy())
                 raise

@@ -222,7 +222,7 @@ async def run_batch(
             if sandbox is None:
                 return
             try:
-                await sandbox.load(files, limits, prog, executable)
+                await sandbox.load(files, limits, prog, executable, pool.prime_for(spec.language))
             except BaseException:
                 pool.give_back(sandbox)
                 raise
@@ -249,8 +249,8 @@ async def run_batch(
             facts: StepFacts = await supervise(
                 sandbox.jail,
                 sandbox.cgroup,
-                prog,
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
+                sandbox.with_startup_room(prog),
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms + sandbox.cpu_base_ms, idle_ms=limits.idle_ms),
                 [(sandbox.jail.stdout, output.sink("stdout")), (sandbox.jail.stderr, output.sink("stderr"))],
                 inbox,
                 feed_stdin=feed,
@@ -260,6 +260,7 @@ async def run_batch(
             running.remove(inbox)
             pool.give_back(sandbox)
         facts.memory_kb = max(0, facts.memory_kb - sandbox.memory_base_bytes // 1024)
+        facts.cpu_ms = max(0, facts.cpu_ms - sandbox.cpu_base_ms)
         stopped_while_judging = False
         heap = manifest.heap_limit
         verdict_of_run = judge_run(

@@ -600,7 +600,7 @@ class JobRun:
         compile jail over the same workspace."""
         sandbox = sandbox or self.sandbox
         assert sandbox is not None
-        await sandbox.load(plan.files, self.spec.limits, plan.run)
+        await sandbox.load(plan.files, self.spec.limits, plan.run, stand_in=self.ctx.pool.prime_for(self.spec.language))
         if plan.compile_limits is not None:
             await self.ctx.sandboxes.add_compile_jail(sandbox, self.ctx.queue.worker_id, plan.compile_limits)
 
@@ -811,16 +811,18 @@ class JobRun:
             facts = await supervise(
                 jail,
                 self.sandbox.cgroup,
-                program,
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
+                self.sandbox.with_startup_room(program),
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms + self.sandbox.cpu_base_ms, idle_ms=limits.idle_ms),
                 [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
                 inbox,
                 feed_stdin=feed_stdin,
                 sink=flusher.task,
                 memory=self.ctx.sandboxes.memory,
             )
-            # A prestarted runtime's own memory was there before start: not the job's.
+            # A prestarted runtime's own memory was there before start: not the job's (nor is
+            # the start-up of a plain one's runtime: Sandbox.load).
             facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
+            facts.cpu_ms = max(0, facts.cpu_ms - self.sandbox.cpu_base_ms)
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()
