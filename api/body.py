@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 
 from api.errors import ApiError
+from shared.errors import FieldError
 
 __all__ = ["SMALL_BODY_BYTES", "BodyBudget", "read_body"]
 
@@ -102,7 +103,9 @@ async def read_body(
     (`too_big`, when the route says more than the limit). `count` is told the declared size
     (arrived False), then the size so far as the body arrives (it may raise to refuse the
     body)."""
-    too_big = too_big or ApiError(413, f"Request body must be at most {limit} bytes")
+    too_big = too_big or ApiError(
+        413, f"Request body must be at most {limit} bytes", details=[FieldError("body", f"must be at most {limit} bytes")]
+    )
     declared = declared_length(request)
     if declared is not None:
         if declared > limit:

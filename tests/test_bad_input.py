@@ -118,7 +118,10 @@ def test_service_keeps_working_after_abuse(api: Api, realtime: Realtime) -> None
     for body in (b"", b"\xff\xfe", b"{" * 10000, b'{"language": "python", "files": [{"name": 1}]}'):
         assert api.post("/v1/execute", content=body, headers={"content-type": "application/json"}).status_code == 400
     huge = "x" * (20 * 1024 * 1024)
-    assert api.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"}).status_code == 413
+    too_big = api.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"})
+    assert too_big.status_code == 413 and too_big.json()["details"] == [
+        {"field": "body", "message": f"must be at most {16 * 1024 * 1024} bytes"}
+    ], too_big.text
     assert api.client.get("/v1/nope").status_code == 404
     assert api.client.delete("/v1/execute").status_code == 405
     # Still healthy: a base64, multi-file program runs.
@@ -234,3 +237,13 @@ def test_a_request_the_http_parser_refuses_gets_the_json_error_envelope(stack: S
     error = json.loads(body)
     assert set(error) == {"error", "details"} and "Content-Length" in error["error"], error
 
+
+
+def test_a_wait_longer_than_the_longest_is_the_longest(api: Api) -> None:
+    """Review: waitMs of 10 digits was a 400 "must be a non-negative integer" (it is one),
+    where 9 digits were cut to the 60 s the API waits at most."""
+    job = api.execute(py_job("print(1)", collectOutput=True))
+    api.start(job)
+    for wait in ("9999999999", "0" * 3000 + "20000", "1" + "0" * 3000):
+        answer = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": wait}, token=job["jobToken"])
+        assert answer.status_code == 200 and answer.json()["stdout"] == "1\n", answer.text
