@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.stack import Stack
-from tests.helpers import Api, Realtime, compiled_shims, py_job
+from tests.helpers import Api, Realtime, compiled_shims, host_processes, py_job
 
 __all__ = ["Baseline", "HostWatch", "Neighbour", "cgroup_mounts", "check_result_shape", "check_trivial_job"]
 
@@ -109,7 +109,7 @@ class HostWatch:
         self.dep = stack.deployment
         self.work_root = Path(f"/run/{self.dep}")
         self.v2_root, self.v1_roots = cgroup_mounts(_read("/proc/self/mounts"))
-        slots = int(stack.extra_env.get("WORKER_MAX_SANDBOXES", "8"))
+        self.slots = slots = int(stack.extra_env.get("WORKER_MAX_SANDBOXES", "8"))
         # Job uids of every worker of this stack (slots, plus the self-test's one past them).
         self.uids = set(range(stack.uid_base, stack.uid_base + slots + 1))
         canary = canary_dir / "canary.txt"
@@ -343,7 +343,19 @@ class HostWatch:
 
     # ---------------------------------------------------------------- checks
 
-    def baseline(self) -> Baseline:
+    def sandboxes_alive(self) -> int:
+        """The worker's nsjail children: its pool's sandboxes, ready or in use."""
+        worker = str(self.worker_pid())
+        return sum(1 for _, cmdline, status in host_processes() if status.get("PPid") == worker and b"nsjail" in cmdline)
+
+    def baseline(self, settle_s: float = 5.0) -> Baseline:
+        """What the checks compare with, taken once the worker's pool is whole again: a
+        sandbox being rebuilt holds about a dozen descriptors fewer or more than a ready
+        one, and a baseline taken mid-rebuild once made I7 see 40 descriptors against 28."""
+        deadline = time.monotonic() + settle_s
+        while self.sandboxes_alive() < self.slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # (a sandbox just spawned finishes its set-up)
         return Baseline(
             zombies=self.zombies(),
             root_signals_queued=self.root_signals_queued(),
