@@ -149,12 +149,12 @@ class PipeReader(asyncio.StreamReader):
         del self._buffer[:limit]
         if len(data) < limit and self._held and not self._eof and self._pipe is not None and not self._pipe.is_closing():
             try:
-                while len(data) < limit:
-                    chunk = os.read(self._fd, limit - len(data))
-                    if not chunk:
-                        self.feed_eof()
-                        break
-                    data += chunk
+                # One read: what the pipe holds now (at most its 64 KiB), as the transport's
+                # own read would take it; a loop would race a writer one write at a time.
+                chunk = os.read(self._fd, limit - len(data))
+                if not chunk:
+                    self.feed_eof()
+                data += chunk
             except BlockingIOError:
                 pass
         self._maybe_resume_transport()  # type: ignore[attr-defined]

@@ -224,7 +224,11 @@ async def _rest_of_line(me: _Pump) -> bool:
         # The rest is read out in this same step, never left in a read of its own in flight
         # where another pump's _Pump.take could not see it.
         await reader.wait_buffered(PARTIAL_LINE_S)
+        dated = reader.buffered_since()
         more, ended = reader.take_gathered(READ_SIZE - len(me.in_hand))
+        if more and not me.in_hand:
+            # (another pump took the start of the line meanwhile: the rest is dated anew)
+            me.in_hand_since = dated if dated is not None else time.monotonic()
         me.in_hand += more
         return ended
     try:
