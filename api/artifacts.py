@@ -30,17 +30,26 @@ from shared.keys import is_job_id
 
 __all__ = ["download_artifact"]
 
-_INDEX = re.compile(r"[0-9]{1,6}")
+_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")
 # What one read from Redis takes of an artifact (and what a stalled client holds).
 SLICE_BYTES = 256 * 1024
 _FALLBACK = re.compile(r"[^A-Za-z0-9._-]")
+# Control characters, and the marks that reorder text (a name ending U+202E "gnp.exe" shows as
+# "exe.png"): left out of the name a browser offers to save the file under.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class _Missing(Exception):
     pass
 
 
+def _once(request: Request, *names: str) -> bool:
+    """Each of `names` given exactly once in the query (a second `sig` is another link)."""
+    return all(len(request.query_params.getlist(name)) == 1 for name in names)
+
+
 def _disposition(name: str) -> str:
+    name = _UNSHOWN.sub("", name) or "artifact"
     fallback = _FALLBACK.sub("_", name)[:100] or "artifact"
     return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{urllib.parse.quote(name.encode('utf-8', 'replace'), safe='')}"
 
@@ -54,7 +63,7 @@ async def download_artifact(request: Request) -> Response:
     missing = Response(
         b'{"error":"No such artifact (unknown, expired, or the link is not valid)","details":[]}', 404, media_type="application/json"
     )
-    if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index):
+    if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index) or not _once(request, "expires", "sig"):
         return missing
     index = int(raw_index)
     if not verify_artifact(state.settings.pusher_secret, job_id, index, expires, sig, int(time.time())):

@@ -54,7 +54,8 @@ def sign_artifact(pusher_secret: str, job_id: str, index: int, expires_at_s: int
     return f"{artifact_path(job_id, index)}?expires={expires_at_s}&sig={sig}"
 
 
-_EXPIRY = re.compile(r"[0-9]{1,12}")
+# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
+_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def verify_artifact(pusher_secret: str, job_id: str, index: int, expires: str, sig: str, now_s: int) -> bool:

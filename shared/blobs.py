@@ -29,7 +29,8 @@ UPLOAD_LINK_TTL_S = 3600
 _REF = re.compile(r"sha256:([0-9a-f]{64})")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _OWNER = re.compile(r"[0-9a-f]{1,64}")
-_EXPIRY = re.compile(r"[0-9]{1,12}")
+# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
+_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def parse_ref(ref: str) -> str | None:

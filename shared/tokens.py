@@ -25,7 +25,8 @@ def mint_job_token(secret: str, job_id: str, now_s: int, ttl_s: int) -> str:
     return f"{job_id}.{expires_at_s}.{_signature(secret, job_id, expires_at_s)}"
 
 
-_EXPIRY = re.compile(r"[0-9]{1,12}")
+# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
+_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def verify_job_token(secret: str, token: str, now_s: int) -> str | None:

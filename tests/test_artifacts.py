@@ -93,6 +93,9 @@ def test_mime_types_and_safe_file_names() -> None:
     assert guess_mime_type("noext", b"??") == "application/octet-stream"
     header = _disposition('a"b\r\nX-Evil: 1\x01.txt')
     assert "\r" not in header and "\n" not in header and '"b' not in header.split(";")[1]
+    # Security review: a right-to-left override made "é\u202egnp.exe" show as "éexe.png".
+    assert _disposition("\u00e9\u202egnp.exe").endswith("filename*=UTF-8''%C3%A9gnp.exe")
+    assert "%0D" not in _disposition("a\r\nSet-Cookie: x") and "%E2%81%A6" not in _disposition("\u2066x")
 
 
 # ---------------------------------------------------------------- end to end
@@ -156,6 +159,16 @@ def test_a_program_leaves_a_png_and_a_csv(api: Api, realtime: Realtime) -> None:
         assert anonymous.get(url.replace("/artifacts/0?", "/artifacts/1?")).status_code == 404
         assert anonymous.get(url.split("?")[0]).status_code == 404
         assert set(anonymous.get(url.split("?")[0]).json()) == {"error", "details"}  # the one envelope
+        # Other spellings of the same link too (security review: each of these was a 200).
+        path, query = url.split("?")
+        expires, sig = (dict(urllib.parse.parse_qsl(query))[k] for k in ("expires", "sig"))
+        for other in (
+            url.replace("/artifacts/0?", "/artifacts/000?"),
+            f"{path}?expires=0{expires}&sig={sig}",
+            f"{path}?sig=junk&expires={expires}&sig={sig}",
+            f"{path}?expires={expires}&expires={expires}&sig={sig}",
+        ):
+            assert anonymous.get(other).status_code == 404, other
     finally:
         anonymous.close()
 

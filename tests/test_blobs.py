@@ -69,6 +69,7 @@ def test_upload_links_verify_only_as_signed_and_until_they_expire() -> None:
     assert not verify_upload(SECRET, DIGEST, "ef" * 16, "2000", query["sig"], 1999), "another owner"
     assert not verify_upload(SECRET, DIGEST, OWNER, "2001", query["sig"], 1999), "a later expiry"
     assert not verify_upload(SECRET, DIGEST, OWNER, "2000", query["sig"][:-1] + "\udcff", 1999)
+    assert not verify_upload(SECRET, DIGEST, OWNER, "02000", query["sig"], 1999), "another spelling"
 
 
 def test_files_by_ref_stay_refs_in_the_spec_and_count_by_their_blobs_size() -> None:
