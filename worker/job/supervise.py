@@ -109,9 +109,9 @@ class _Pumps:
 
     Each pump holds its pipe for a moment after a small read (to gather the next writes into
     one read) and waits a moment for the rest of a partial line; meanwhile the other stream
-    may be read. What a pump then hands over is dated from when it began to gather (its
-    hold, or the partial line's first read; a plain read is dated now), and before handing
-    over, a pump first hands over what the other has taken or gathered since earlier: the
+    may be read. What a pump could hand over is dated (bytes read by when they came to its
+    reader, a held pipe's by when the hold began, a partial line by its first bytes), and
+    before handing over, a pump first hands over what the other has from earlier: the
     lines a program printed stay ahead of the traceback it wrote to stderr after them.
     Writes to the two pipes that land within one gathering window still carry no order
     between them: two pipes keep none.
