@@ -329,7 +329,11 @@ async def _collecting_run_on_a_stand_in_jail(redis: Redis, queue: WorkerQueue) -
     run = _job_run(queue, claim)
     run.ctx.sandboxes = SimpleNamespace(memory=None)  # type: ignore[attr-defined]
     run.sandbox = SimpleNamespace(  # type: ignore[assignment]
-        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)), cgroup=None, memory_base_bytes=0
+        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)),
+        cgroup=None,
+        memory_base_bytes=0,
+        cpu_base_ms=0,
+        with_startup_room=lambda program: program,
     )
     return claim, run
 
