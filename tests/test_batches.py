@@ -405,9 +405,6 @@ class _Sandbox:
     async def load(self, *_args: Any) -> None:
         pass
 
-    def with_startup_room(self, program: Any) -> Any:
-        return program
-
 
 class _Pool:
     """One ready sandbox at the batch's start, then none until `free` is set."""

@@ -333,7 +333,6 @@ async def _collecting_run_on_a_stand_in_jail(redis: Redis, queue: WorkerQueue) -
         cgroup=None,
         memory_base_bytes=0,
         cpu_base_ms=0,
-        with_startup_room=lambda program: program,
     )
     return claim, run
 

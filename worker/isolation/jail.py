@@ -61,6 +61,13 @@ class JailError(Exception):
     """nsjail could not build the jail (a platform failure: the program never ran)."""
 
 
+def cpu_backstop_room_s(cpu_s: float) -> int:
+    """Whole seconds to move a program's CPU rlimit backstop past `cpu_s` of CPU its clock
+    does not count (a runtime's start-up), while at least half of the last second is left:
+    a few tens of ms change nothing, a start-up of over a second gets its seconds back."""
+    return max(0, math.ceil(cpu_s - 0.5))
+
+
 @dataclass(frozen=True)
 class Program:
     """What the gate execs: argv, extra environment, and rlimits (0 = keep the jail's)."""

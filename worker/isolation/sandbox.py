@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -30,7 +29,7 @@ import msgspec
 from shared.limits import Limits
 from shared.manifest import CompilerArchive, expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
-from worker.isolation.jail import Jail, JailError, JailSpec, Program
+from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
 from worker.isolation.offload import off_loop
@@ -251,10 +250,9 @@ async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
 @dataclass(frozen=True)
 class StartupCost:
     """What a language's runtime holds and has spent once started and waiting: its memory
-    without file cache (`resident_bytes`), its whole memory (`current_bytes`) and its CPU."""
+    without file cache, and its jail's CPU from the gate's go."""
 
     resident_bytes: int
-    current_bytes: int
     cpu_ms: int
 
 
@@ -280,7 +278,6 @@ class StartupCosts:
         samples = list(self._samples)
         return StartupCost(
             resident_bytes=int(statistics.median(s.resident_bytes for s in samples)),
-            current_bytes=int(statistics.median(s.current_bytes for s in samples)),
             cpu_ms=int(statistics.median(s.cpu_ms for s in samples)),
         )
 
@@ -396,13 +393,6 @@ class Sandbox:
         self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
 
-    def with_startup_room(self, program: Program) -> Program:
-        """`program` with its CPU rlimit backstop moved past the start-up this sandbox does
-        not charge (cpu_base_ms), whole seconds as _set_rlimits gives a prestarted runtime:
-        else a slow start-up could meet the backstop before the job's CPU clock fires."""
-        extra_s = max(0, math.ceil(self.cpu_base_ms / 1000 - 0.5)) if program.rlimit_cpu_s else 0
-        return dataclasses.replace(program, rlimit_cpu_s=program.rlimit_cpu_s + extra_s) if extra_s else program
-
     def start(self, program: Program) -> None:
         self.jail.go(program)
 
@@ -492,7 +482,6 @@ def _startup_cost(cgroup: JobCgroup, cpu_at_go_us: int) -> StartupCost:
     go: what a plain run's clock, which starts there too, would count for it."""
     return StartupCost(
         resident_bytes=cgroup.memory_resident_bytes(),
-        current_bytes=cgroup.memory_current_bytes(),
         cpu_ms=max(0, cgroup.cpu_us() - cpu_at_go_us) // 1000,
     )
 
@@ -517,7 +506,7 @@ def _set_rlimits(pid: int, program: Program, cpu_used_s: float) -> None:
     be SIGKILLed before its CPU clock fired, and end "completed" by a signal where a fresh
     run times out.
     """
-    cpu_s = program.rlimit_cpu_s + max(0, math.ceil(cpu_used_s - 0.5)) if program.rlimit_cpu_s else 0
+    cpu_s = program.rlimit_cpu_s + cpu_backstop_room_s(cpu_used_s) if program.rlimit_cpu_s else 0
     for which, value in (
         (resource.RLIMIT_CPU, cpu_s),
         (resource.RLIMIT_FSIZE, program.rlimit_fsize_bytes),

@@ -249,18 +249,18 @@ async def run_batch(
             facts: StepFacts = await supervise(
                 sandbox.jail,
                 sandbox.cgroup,
-                sandbox.with_startup_room(prog),
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms + sandbox.cpu_base_ms, idle_ms=limits.idle_ms),
+                prog,
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
                 [(sandbox.jail.stdout, output.sink("stdout")), (sandbox.jail.stderr, output.sink("stderr"))],
                 inbox,
                 feed_stdin=feed,
                 memory=memory,
+                uncharged_cpu_ms=sandbox.cpu_base_ms,
+                uncharged_memory_bytes=sandbox.memory_base_bytes,
             )
         finally:
             running.remove(inbox)
             pool.give_back(sandbox)
-        facts.memory_kb = max(0, facts.memory_kb - sandbox.memory_base_bytes // 1024)
-        facts.cpu_ms = max(0, facts.cpu_ms - sandbox.cpu_base_ms)
         stopped_while_judging = False
         heap = manifest.heap_limit
         verdict_of_run = judge_run(

@@ -811,18 +811,18 @@ class JobRun:
             facts = await supervise(
                 jail,
                 self.sandbox.cgroup,
-                self.sandbox.with_startup_room(program),
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms + self.sandbox.cpu_base_ms, idle_ms=limits.idle_ms),
+                program,
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
                 [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
                 inbox,
                 feed_stdin=feed_stdin,
                 sink=flusher.task,
                 memory=self.ctx.sandboxes.memory,
+                # A prestarted runtime's own memory was there before start: not the job's
+                # (nor is the start-up of a plain one's runtime: Sandbox.load).
+                uncharged_cpu_ms=self.sandbox.cpu_base_ms,
+                uncharged_memory_bytes=self.sandbox.memory_base_bytes,
             )
-            # A prestarted runtime's own memory was there before start: not the job's (nor is
-            # the start-up of a plain one's runtime: Sandbox.load).
-            facts.memory_kb = max(0, facts.memory_kb - self.sandbox.memory_base_bytes // 1024)
-            facts.cpu_ms = max(0, facts.cpu_ms - self.sandbox.cpu_base_ms)
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
             await flusher.close()

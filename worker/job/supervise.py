@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from shared.messages import CtrlMessage
 from worker.isolation.cgroups import CPU_PERIOD_US, JobCgroup
 from worker.isolation.child import PipeReader
-from worker.isolation.jail import Jail, JailExit, Program
+from worker.isolation.jail import Jail, JailExit, Program, cpu_backstop_room_s
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
 from worker.tasks import cancel_and_wait
@@ -278,6 +279,8 @@ async def supervise(
     sink: asyncio.Task[None] | None = None,
     memory: MemoryAdmission | None = None,
     parked_until: asyncio.Event | None = None,
+    uncharged_cpu_ms: int = 0,
+    uncharged_memory_bytes: int = 0,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -290,7 +293,14 @@ async def supervise(
     A kill already in the inbox (it came while the stage was announced or the sandbox was
     loaded), or one that comes during that wait, ends the step with the gate still shut:
     the program never runs at all.
+
+    What the sandbox does not charge the job (its runtime's start-up: Sandbox.load) is
+    left out of the CPU clock, the figures, and the program's CPU rlimit backstop.
     """
+    if uncharged_cpu_ms and program.rlimit_cpu_s:
+        room_s = cpu_backstop_room_s(uncharged_cpu_ms / 1000)
+        program = dataclasses.replace(program, rlimit_cpu_s=program.rlimit_cpu_s + room_s)
+    cpu_budget_ms = clocks.cpu_ms + uncharged_cpu_ms
     async with _memory_for(memory, cgroup, inbox, parked_until):
         loop = asyncio.get_running_loop()
         cpu_base = cgroup.cpu_us()
@@ -307,7 +317,7 @@ async def supervise(
         ended_at = go_at
         wall_s = clocks.wall_ms / 1000
         idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
-        cpu_due_at = cpu_clock_due_at(go_at, clocks.cpu_ms / 1000, cgroup.cpu_cap_cores)
+        cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
         sample_memory = cgroup.samples_memory
         killed = False
@@ -316,7 +326,7 @@ async def supervise(
                 now = loop.time()
                 if now - go_at >= wall_s:
                     fired = "wall"
-                elif now >= cpu_read_at and cgroup.cpu_us() - cpu_base >= clocks.cpu_ms * 1000:
+                elif now >= cpu_read_at and cgroup.cpu_us() - cpu_base >= cpu_budget_ms * 1000:
                     fired = "cpu"
                 elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
                     fired = "idle"
@@ -408,8 +418,8 @@ async def supervise(
             exit=exit_info,
             fired=fired,
             duration_ms=max(0, round((ended_at - go_at) * 1000)),
-            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000),
-            memory_kb=counters.memory_peak_bytes // 1024,
+            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000 - uncharged_cpu_ms),
+            memory_kb=max(0, counters.memory_peak_bytes - uncharged_memory_bytes) // 1024,
             oom_kills=counters.oom_kills,
             ceiling_oom=counters.ceiling_oom,
         )
