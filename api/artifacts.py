@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from api.auth import given_once
 from api.streams import StreamSlots
 from shared.artifacts import ArtifactMeta, verify_artifact
 from shared.keys import is_job_id
@@ -43,11 +44,6 @@ class _Missing(Exception):
     pass
 
 
-def _once(request: Request, *names: str) -> bool:
-    """Each of `names` given exactly once in the query (a second `sig` is another link)."""
-    return all(len(request.query_params.getlist(name)) == 1 for name in names)
-
-
 def _disposition(name: str) -> str:
     name = _UNSHOWN.sub("", name) or "artifact"
     fallback = _FALLBACK.sub("_", name)[:100] or "artifact"
@@ -63,7 +59,7 @@ async def download_artifact(request: Request) -> Response:
     missing = Response(
         b'{"error":"No such artifact (unknown, expired, or the link is not valid)","details":[]}', 404, media_type="application/json"
     )
-    if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index) or not _once(request, "expires", "sig"):
+    if not is_job_id(job_id) or not _INDEX.fullmatch(raw_index) or not given_once(request, "expires", "sig"):
         return missing
     index = int(raw_index)
     if not verify_artifact(state.settings.pusher_secret, job_id, index, expires, sig, int(time.time())):

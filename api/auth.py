@@ -17,7 +17,13 @@ from shared.errors import FieldError, ValidationError
 from shared.settings import Settings
 from shared.tokens import mint_job_token, tokens_equal, verify_job_token
 
-__all__ = ["Authenticator", "Principal"]
+__all__ = ["Authenticator", "Principal", "given_once"]
+
+
+def given_once(request: Request, *names: str) -> bool:
+    """Each of a signed link's query parts `names` given exactly once: with a second `sig`
+    or `expires` it is another link, refused like any change to it."""
+    return all(len(request.query_params.getlist(name)) == 1 for name in names)
 
 
 class Principal(msgspec.Struct, frozen=True):

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.auth import given_once
 from api.body import BodyBudget, declared_length
 from api.errors import ApiError
 from api.streams import StreamSlots
@@ -268,9 +269,7 @@ async def upload_blob(request: Request) -> Response:
     digest = request.path_params["digest"]
     query = request.query_params
     owner = state.auth.owner
-    # (Each part once: a second `sig` or `expires` makes another link, refused like any change.)
-    once = all(len(query.getlist(name)) == 1 for name in ("expires", "sig"))
-    if not once or not verify_upload(settings.pusher_secret, digest, owner, query.get("expires", ""), query.get("sig", ""), int(time.time())):
+    if not given_once(request, "expires", "sig") or not verify_upload(settings.pusher_secret, digest, owner, query.get("expires", ""), query.get("sig", ""), int(time.time())):
         raise ApiError(403, "This upload link is not valid or has expired; POST /v1/blobs/check gives a fresh one")
     if await state.blobs.exists(owner, digest):
         return _json({"ok": True})  # (a replayed link: the bytes are kept already, unread)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 
 import msgspec
+
+from shared.tokens import EXPIRY
 
 __all__ = ["ArtifactEvent", "ArtifactMeta", "artifact_path", "guess_mime_type", "sign_artifact", "verify_artifact"]
 
@@ -54,12 +55,10 @@ def sign_artifact(pusher_secret: str, job_id: str, index: int, expires_at_s: int
     return f"{artifact_path(job_id, index)}?expires={expires_at_s}&sig={sig}"
 
 
-# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
-_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def verify_artifact(pusher_secret: str, job_id: str, index: int, expires: str, sig: str, now_s: int) -> bool:
-    if not _EXPIRY.fullmatch(expires) or int(expires) < now_s:
+    if not EXPIRY.fullmatch(expires) or int(expires) < now_s:
         return False
     expected = _signature(pusher_secret, job_id, index, int(expires))
     return hmac.compare_digest(expected.encode(), sig.encode("utf-8", "surrogatepass"))

@@ -21,6 +21,8 @@ import hashlib
 import hmac
 import re
 
+from shared.tokens import EXPIRY
+
 __all__ = ["UPLOAD_LINK_TTL_S", "parse_ref", "sign_upload", "upload_path", "verify_upload"]
 
 # How long an upload link from /v1/blobs/check stays valid (the SDK PUTs at once).
@@ -29,8 +31,6 @@ UPLOAD_LINK_TTL_S = 3600
 _REF = re.compile(r"sha256:([0-9a-f]{64})")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _OWNER = re.compile(r"[0-9a-f]{1,64}")
-# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
-_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def parse_ref(ref: str) -> str | None:
@@ -60,7 +60,7 @@ def sign_upload(pusher_secret: str, owner: str, digest: str, expires_at_s: int) 
 
 def verify_upload(pusher_secret: str, digest: str, owner: str, expires: str, sig: str, now_s: int) -> bool:
     """Whether an upload link's parts are well formed, signed by us for `owner`, and not expired."""
-    if not (_DIGEST.fullmatch(digest) and _OWNER.fullmatch(owner) and _EXPIRY.fullmatch(expires)):
+    if not (_DIGEST.fullmatch(digest) and _OWNER.fullmatch(owner) and EXPIRY.fullmatch(expires)):
         return False
     if int(expires) < now_s:
         return False

@@ -241,9 +241,6 @@ def parse_port(raw: str) -> int:
     return value
 
 
-_port = parse_port
-
-
 def _non_negative_int(raw: str) -> int:
     value = _int(raw)
     if value < 0:
@@ -323,7 +320,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "JOB_TOKEN_SECRET": ("job_token_secret", _str),
     "JOB_TOKEN_TTL": ("job_token_ttl_s", _positive_int),
     "API_HOST": ("api_host", _str),
-    "API_PORT": ("api_port", _port),
+    "API_PORT": ("api_port", parse_port),
     "CORS_ALLOW_ORIGINS": ("cors_allow_origins", _origins),
     "MAX_QUEUE_DEPTH": ("max_queue_depth", _positive_int),
     "MAX_PARKED_PER_PRINCIPAL": ("max_parked_per_principal", _positive_int),
@@ -352,13 +349,13 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),
     "PUSHER_HOST": ("pusher_host", _str),
-    "PUSHER_PORT": ("pusher_port", _port),
+    "PUSHER_PORT": ("pusher_port", parse_port),
     "PUSHER_SCHEME": ("pusher_scheme", _str),
     "PUSHER_APP_ID": ("pusher_app_id", _str),
     "PUSHER_KEY": ("pusher_key", _str),
     "PUSHER_SECRET": ("pusher_secret", _str),
     "PUSHER_WS_HOST": ("pusher_ws_host", _str),
-    "PUSHER_WS_PORT": ("pusher_ws_port", _port),
+    "PUSHER_WS_PORT": ("pusher_ws_port", parse_port),
     "PUSHER_WS_SCHEME": ("pusher_ws_scheme", _str),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
     "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),

@@ -12,7 +12,7 @@ import re
 
 from shared.keys import is_job_id
 
-__all__ = ["mint_job_token", "tokens_equal", "verify_job_token"]
+__all__ = ["EXPIRY", "mint_job_token", "tokens_equal", "verify_job_token"]
 
 
 def _signature(secret: str, job_id: str, expires_at_s: int) -> str:
@@ -25,14 +25,15 @@ def mint_job_token(secret: str, job_id: str, now_s: int, ttl_s: int) -> str:
     return f"{job_id}.{expires_at_s}.{_signature(secret, job_id, expires_at_s)}"
 
 
-# One spelling per expiry (no leading zero): a link or token changed in any way is refused.
-_EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
+# An expiry in seconds as tokens and signed links carry it: one spelling (no leading zero),
+# so a token or link changed in any way is refused.
+EXPIRY = re.compile(r"[1-9][0-9]{0,11}")
 
 
 def verify_job_token(secret: str, token: str, now_s: int) -> str | None:
     """The job id the token grants, or None if it is malformed, forged or expired."""
     parts = token.split(".")
-    if len(parts) != 3 or not is_job_id(parts[0]) or not _EXPIRY.fullmatch(parts[1]):
+    if len(parts) != 3 or not is_job_id(parts[0]) or not EXPIRY.fullmatch(parts[1]):
         return None
     job_id, expires_raw, signature = parts
     expires_at_s = int(expires_raw)
