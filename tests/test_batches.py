@@ -20,6 +20,7 @@ from shared.messages import CtrlMessage, FileSpec, JobSpec, Outcome, TestCase
 from tests.conftest import StackFactory
 from tests.helpers import Api, Followed, Realtime, run_job
 from worker.isolation.jail import JailExit
+from worker.isolation.sandbox import Uncharged
 from worker.job import batch
 from worker.job.supervise import StepFacts
 from worker.messaging.queue import Fenced
@@ -399,8 +400,7 @@ class _Sandbox:
         self.name = name
         self.jail = SimpleNamespace(name=name, proc=SimpleNamespace(stdin=None), stdout=None, stderr=None)
         self.cgroup = None
-        self.memory_base_bytes = 0
-        self.cpu_base_ms = 0
+        self.uncharged = Uncharged()
 
     async def load(self, *_args: Any) -> None:
         pass

@@ -32,6 +32,7 @@ from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_sam
 from worker.isolation.jail import JailExit
 from worker.isolation.janitor import _declare
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
+from worker.isolation.sandbox import Uncharged
 from worker.job.artifacts import RedisArtifactStore
 from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
@@ -331,8 +332,7 @@ async def _collecting_run_on_a_stand_in_jail(redis: Redis, queue: WorkerQueue) -
     run.sandbox = SimpleNamespace(  # type: ignore[assignment]
         jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)),
         cgroup=None,
-        memory_base_bytes=0,
-        cpu_base_ms=0,
+        uncharged=Uncharged(),
     )
     return claim, run
 

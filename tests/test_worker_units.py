@@ -28,7 +28,7 @@ from worker.isolation.child import Child, PipeReader, _pipe_object, read_pipe
 from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, build_argv
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.pool import SandboxPool
-from worker.isolation.sandbox import MAX_IDLE_S, Prime, build_enter
+from worker.isolation.sandbox import MAX_IDLE_S, Prime, StartupCost, StartupCosts, Uncharged, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
 from worker.job.precompile import Precompile, PrecompileState
@@ -572,6 +572,51 @@ async def _step(cgroup: _CountingCgroup, jail: Any, cpu_ms: int, inbox: asyncio.
         [(stdout, on_data)],
         asyncio.Queue() if inbox is None else inbox,
     )
+
+
+async def _silent_step(ends_after_s: float, clocks: Clocks, uncharged: Uncharged | None = None) -> Any:
+    """A program that writes nothing and ends `ends_after_s` after its go."""
+    stdout = asyncio.StreamReader()
+    stdout.feed_eof()
+
+    async def on_data(data: bytes) -> None:
+        pass
+
+    return await supervise(
+        _ExitsLate(ends_after_s),
+        _CountingCgroup(),  # type: ignore[arg-type]
+        Program(argv=["main"], env={}),
+        clocks,
+        [(stdout, on_data)],
+        asyncio.Queue(),
+        uncharged=uncharged or Uncharged(),
+    )
+
+
+async def test_a_plain_jails_runtime_start_up_is_off_its_wall_and_idle_clocks_and_its_duration() -> None:
+    # A prestarted runtime's clocks start once it is up; a plain jail's at the gate's go,
+    # before its runtime starts: the start-up its language's runtimes measured is added to
+    # the wall and idle clocks and left out of the duration, as its CPU is of the CPU clock.
+    start_up = Uncharged(wall_ms=300)
+    walled = Clocks(wall_ms=200, cpu_ms=5000)
+    assert (await _silent_step(0.4, walled)).fired == "wall"
+    facts = await _silent_step(0.4, walled, start_up)
+    assert facts.fired is None and 50 <= facts.duration_ms <= 200, facts
+    quiet = Clocks(wall_ms=5000, cpu_ms=5000, idle_ms=150)
+    assert (await _silent_step(0.35, quiet)).fired == "idle"
+    assert (await _silent_step(0.35, quiet, start_up)).fired is None
+    # (A step ending within its start-up's measure reports no time, not a negative one.)
+    assert (await _silent_step(0.05, walled, start_up)).duration_ms == 0
+
+
+def test_a_languages_start_up_is_its_runtimes_median_memory_and_cpu_and_shortest_time() -> None:
+    # Its runtimes are started in the background at a low CPU weight: a start-up that waited
+    # behind a busy worker's jobs is no measure of what starting takes.
+    costs = StartupCosts()
+    assert costs.typical() is None
+    for resident, cpu, wall in ((10, 5, 900), (30, 50, 40), (20, 6, 60), (25, 7, 700)):
+        costs.record(StartupCost(resident_bytes=resident << 20, cpu_ms=cpu, wall_ms=wall))
+    assert costs.typical() == StartupCost(resident_bytes=22 << 20 | 1 << 19, cpu_ms=6, wall_ms=40)
 
 
 class _ReapedSlowly(_ExitsLate):

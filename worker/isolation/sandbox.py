@@ -45,6 +45,7 @@ __all__ = [
     "ShimCompiler",
     "StartupCost",
     "StartupCosts",
+    "Uncharged",
     "build_compiled_shims",
     "build_enter",
     "build_gate",
@@ -250,10 +251,24 @@ async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
 @dataclass(frozen=True)
 class StartupCost:
     """What a language's runtime holds and has spent once started and waiting: its memory
-    without file cache, and its jail's CPU from the gate's go."""
+    without file cache, its jail's CPU from the gate's go, and the time from that go until
+    it said it was ready."""
 
     resident_bytes: int
     cpu_ms: int
+    wall_ms: int
+
+
+@dataclass(frozen=True)
+class Uncharged:
+    """What a step's limits, clocks and figures leave out: the part of the jail's memory
+    and CPU that was there before the job (a prestarted runtime's), or that a plain jail's
+    runtime is taken to spend starting (StartupCosts), and for a plain jail that start-up's
+    time, which its wall and idle clocks add and its duration leaves out."""
+
+    memory_bytes: int = 0
+    cpu_ms: int = 0
+    wall_ms: int = 0
 
 
 class StartupCosts:
@@ -272,13 +287,16 @@ class StartupCosts:
         self._samples.append(cost)
 
     def typical(self) -> StartupCost | None:
-        """Each figure's median over the samples (one slow start-up moves none of them)."""
+        """Memory and CPU: each one's median over the samples (one slow start-up moves
+        neither). Time: the shortest, since a runtime is started in the background at a
+        low CPU weight, and the load it waited behind is no part of its start-up."""
         if not self._samples:
             return None
         samples = list(self._samples)
         return StartupCost(
             resident_bytes=int(statistics.median(s.resident_bytes for s in samples)),
             cpu_ms=int(statistics.median(s.cpu_ms for s in samples)),
+            wall_ms=min(s.wall_ms for s in samples),
         )
 
 
@@ -321,14 +339,11 @@ class Sandbox:
     cgroup: JobCgroup
     jail: Jail
     created_at: float = field(default_factory=time.monotonic)
-    # The runtime waiting in the jail, if it was primed; and what it had used by the time
-    # the job was loaded (not in the job's figures; its resident part not in its limits).
+    # The runtime waiting in the jail, if it was primed.
     prime: Prime | None = None
     runtime_pid: int = 0
-    memory_base_bytes: int = 0
-    # CPU the job's figure and clock leave out: a plain sandbox's share of its runtime's
-    # start-up (see load; a prestarted one's clock starts after it anyway).
-    cpu_base_ms: int = 0
+    # What the job is not charged (set by load).
+    uncharged: Uncharged = Uncharged()
     # Compiled languages get a second jail over the same workspace, with its own cgroup
     # and limits, built while the job is parked.
     compile_cgroup: JobCgroup | None = None
@@ -377,16 +392,16 @@ class Sandbox:
             # The figure leaves out the resident part only: what of the runtime's files is
             # charged to this run depends on who read them first (often another cgroup).
             memory += startup.resident_bytes
-            self.memory_base_bytes = startup.resident_bytes
-            self.cpu_base_ms = startup.cpu_ms
+            self.uncharged = Uncharged(memory_bytes=startup.resident_bytes, cpu_ms=startup.cpu_ms, wall_ms=startup.wall_ms)
         elif self.adopts(program):
             if not self.cgroup.holds(self.runtime_pid):
                 # Its number may be another process's by now: root must not prlimit that.
                 raise JailError("the prestarted runtime is gone")
             # The figure counts from what is there now; the limit is raised by the runtime's
             # resident memory only: a fresh run's limit covers the runtime's file pages too,
-            # and which cgroup they are charged to depends on who read them first.
-            self.memory_base_bytes = self.cgroup.memory_current_bytes()
+            # and which cgroup they are charged to depends on who read them first. (Its
+            # clocks start after its start-up, and its CPU figure counts from the go.)
+            self.uncharged = Uncharged(memory_bytes=self.cgroup.memory_current_bytes())
             memory += self.cgroup.memory_resident_bytes()
             _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
@@ -477,12 +492,13 @@ def _after_warm_up(cgroup: JobCgroup, workspace: Workspace, shim_files: list[str
     return _runtime_pid(cgroup)
 
 
-def _startup_cost(cgroup: JobCgroup, cpu_at_go_us: int) -> StartupCost:
+def _startup_cost(cgroup: JobCgroup, cpu_at_go_us: int, wall_ms: int) -> StartupCost:
     """What a runtime just started holds, and the CPU its jail spent since the gate let it
     go: what a plain run's clock, which starts there too, would count for it."""
     return StartupCost(
         resident_bytes=cgroup.memory_resident_bytes(),
         cpu_ms=max(0, cgroup.cpu_us() - cpu_at_go_us) // 1000,
+        wall_ms=wall_ms,
     )
 
 
@@ -692,10 +708,12 @@ class SandboxFactory:
                 if names:
                     await off_loop(workspace.stage, list(prime.workspace_files))
                 cpu_at_go_us = cgroup.cpu_us()
+                go_at = time.monotonic()
                 jail.go(prime.program)
                 await self._await_runtime(jail)
+                wall_ms = round((time.monotonic() - go_at) * 1000)
                 sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
-                prime.startup.record(await off_loop(_startup_cost, cgroup, cpu_at_go_us))
+                prime.startup.record(await off_loop(_startup_cost, cgroup, cpu_at_go_us, wall_ms))
             except BaseException:
                 await asyncio.shield(sandbox.destroy())
                 raise

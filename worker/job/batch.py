@@ -255,8 +255,7 @@ async def run_batch(
                 inbox,
                 feed_stdin=feed,
                 memory=memory,
-                uncharged_cpu_ms=sandbox.cpu_base_ms,
-                uncharged_memory_bytes=sandbox.memory_base_bytes,
+                uncharged=sandbox.uncharged,
             )
         finally:
             running.remove(inbox)

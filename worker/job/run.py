@@ -820,8 +820,7 @@ class JobRun:
                 memory=self.ctx.sandboxes.memory,
                 # A prestarted runtime's own memory was there before start: not the job's
                 # (nor is the start-up of a plain one's runtime: Sandbox.load).
-                uncharged_cpu_ms=self.sandbox.cpu_base_ms,
-                uncharged_memory_bytes=self.sandbox.memory_base_bytes,
+                uncharged=self.sandbox.uncharged,
             )
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))

@@ -28,6 +28,7 @@ from worker.isolation.child import PipeReader
 from worker.isolation.jail import Jail, JailExit, Program, cpu_backstop_room_s
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
+from worker.isolation.sandbox import Uncharged
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Activity", "Clocks", "StepFacts", "cpu_clock_due_at", "supervise"]
@@ -53,6 +54,7 @@ CFS_SLICE_S = 0.005
 _CPUS = os.cpu_count() or 1
 
 OnData = Callable[[bytes], Awaitable[None]]
+CHARGED_IN_FULL = Uncharged()
 
 
 def cpu_clock_due_at(go_at: float, cpu_s: float, cap_cores: float | None) -> float:
@@ -279,8 +281,7 @@ async def supervise(
     sink: asyncio.Task[None] | None = None,
     memory: MemoryAdmission | None = None,
     parked_until: asyncio.Event | None = None,
-    uncharged_cpu_ms: int = 0,
-    uncharged_memory_bytes: int = 0,
+    uncharged: Uncharged = CHARGED_IN_FULL,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -295,12 +296,13 @@ async def supervise(
     the program never runs at all.
 
     What the sandbox does not charge the job (its runtime's start-up: Sandbox.load) is
-    left out of the CPU clock, the figures, and the program's CPU rlimit backstop.
+    left out of the clocks, the figures, and the program's CPU rlimit backstop.
     """
-    if uncharged_cpu_ms and program.rlimit_cpu_s:
-        room_s = cpu_backstop_room_s(uncharged_cpu_ms / 1000)
+    if uncharged.cpu_ms and program.rlimit_cpu_s:
+        room_s = cpu_backstop_room_s(uncharged.cpu_ms / 1000)
         program = dataclasses.replace(program, rlimit_cpu_s=program.rlimit_cpu_s + room_s)
-    cpu_budget_ms = clocks.cpu_ms + uncharged_cpu_ms
+    cpu_budget_ms = clocks.cpu_ms + uncharged.cpu_ms
+    start_up_s = uncharged.wall_ms / 1000
     async with _memory_for(memory, cgroup, inbox, parked_until):
         loop = asyncio.get_running_loop()
         cpu_base = cgroup.cpu_us()
@@ -308,14 +310,15 @@ async def supervise(
         if fired is None:
             jail.go(program)
         go_at = loop.time()
-        activity = Activity(go_at)
+        # (The idle clock too: a runtime starting up writes nothing.)
+        activity = Activity(go_at + start_up_s)
         order = _Pumps()
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
         ended_at = go_at
-        wall_s = clocks.wall_ms / 1000
+        wall_s = clocks.wall_ms / 1000 + start_up_s
         idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
         cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
@@ -417,9 +420,9 @@ async def supervise(
         return StepFacts(
             exit=exit_info,
             fired=fired,
-            duration_ms=max(0, round((ended_at - go_at) * 1000)),
-            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000 - uncharged_cpu_ms),
-            memory_kb=max(0, counters.memory_peak_bytes - uncharged_memory_bytes) // 1024,
+            duration_ms=max(0, round((ended_at - go_at) * 1000) - uncharged.wall_ms),
+            cpu_ms=max(0, (counters.cpu_us - cpu_base) // 1000 - uncharged.cpu_ms),
+            memory_kb=max(0, counters.memory_peak_bytes - uncharged.memory_bytes) // 1024,
             oom_kills=counters.oom_kills,
             ceiling_oom=counters.ceiling_oom,
         )
