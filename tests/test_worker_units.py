@@ -1291,6 +1291,53 @@ def test_a_program_writing_a_byte_at_a_time_costs_the_loop_little(loop_kind: str
 
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_output_past_a_spent_budget_is_read_at_a_bounded_pace(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Red team: read as fast as it came, what a program wrote past its output budget (only
+    # to be dropped) cost the worker 94-98 % of a core for a job charged 0.2-0.6 of one.
+    # Now a burst goes at once, the rest at a set rate, and none of it once the program ended.
+    from worker.job import supervise as supervise_module
+
+    monkeypatch.setattr(supervise_module, "DROP_BURST_BYTES", 1 << 20)
+    monkeypatch.setattr(supervise_module, "DROP_BYTES_PER_S", 4 << 20)
+    size = 3 << 20
+    seen: dict[str, float] = {}
+
+    async def drain(ended: bool) -> float:
+        read_fd, write_fd = os.pipe()
+        reader, transport = await read_pipe(read_fd)
+        code = f"import os\nb = b'x' * 65536\nfor _ in range({size // 65536}):\n    os.write({write_fd}, b)\n"
+        writer = subprocess.Popen([sys.executable, "-c", code], pass_fds=(write_fd,))
+        os.close(write_fd)
+        program_ended = asyncio.get_running_loop().create_future()
+        if ended:
+            program_ended.set_result(None)
+        got = 0
+
+        async def on_data(data: bytes) -> None:
+            nonlocal got
+            got += len(data)
+
+        try:
+            started = time.monotonic()
+            drops = supervise_module._Drops(lambda: True, program_ended)
+            await asyncio.wait_for(_pump(reader, on_data, Activity(0.0), supervise_module._Pumps(drops)), 30)
+            assert got == size
+            return time.monotonic() - started
+        finally:
+            writer.wait()
+            transport.close()
+
+    async def main() -> None:
+        seen["paced"] = await drain(ended=False)
+        seen["ended"] = await drain(ended=True)
+
+    _run_on(loop_kind, main())
+    # (3 MiB, the first 1 MiB at once, then 4 MiB/s: 0.5 s)
+    assert 0.4 <= seen["paced"] <= 2.0, seen
+    assert seen["ended"] < 0.3, seen
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
 def test_holding_a_pipe_leaves_the_stream_readers_own_pause_alone(loop_kind: str) -> None:
     # While the pump waits on a slow consumer, the StreamReader pauses its transport once
     # its buffer passes twice its limit; the pump's own hold and release after a small read

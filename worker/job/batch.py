@@ -110,6 +110,9 @@ class _CaseOutput:
         self.data = {"stdout": bytearray(), "stderr": bytearray()}
         self.stderr_tail = StreamTail()
 
+    def spent(self) -> bool:
+        return self.truncated
+
     def sink(self, stream: str) -> Callable[[bytes], object]:
         async def feed(data: bytes) -> None:
             if stream == "stderr":
@@ -256,6 +259,7 @@ async def run_batch(
                 feed_stdin=feed,
                 memory=memory,
                 uncharged=sandbox.uncharged,
+                output_spent=output.spent,
             )
         finally:
             running.remove(inbox)

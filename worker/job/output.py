@@ -62,6 +62,10 @@ class OutputBudget:
             self.data[stream] += data
         return chunker.feed(data)
 
+    def spent(self) -> bool:
+        """Whether what comes now is dropped (the budget cut something)."""
+        return self.truncated
+
     def flush(self, stream: str) -> list[str]:
         """The text held back at the stream's end. On a stream the budget cut, an unfinished
         character is the budget's doing (its rest was dropped), not the program's: it is
@@ -103,6 +107,10 @@ class CompileOutput:
         self._log: list[str] = []
         self._limit_kb = limit_bytes // 1024
         self._marked = False
+
+    def spent(self) -> bool:
+        """Whether what comes now is dropped, from the log and from both streams."""
+        return self._marked and self._streams.spent()
 
     def feed(self, data: bytes, stream: str = "stdout") -> list[str]:
         self._streams.feed(stream, data)

@@ -733,6 +733,7 @@ class JobRun:
                 # Compiling while parked: the job may never start, so started jobs go first
                 # (until it starts).
                 parked_until=events.started if isinstance(events, RecordedEvents) else None,
+                output_spent=output.spent,
             )
             flusher.add("compile_output", output.flush())
             await flusher.close()
@@ -821,6 +822,7 @@ class JobRun:
                 # A prestarted runtime's own memory was there before start: not the job's
                 # (nor is the start-up of a plain one's runtime: Sandbox.load).
                 uncharged=self.sandbox.uncharged,
+                output_spent=self.budget.spent,
             )
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
