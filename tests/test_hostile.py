@@ -868,8 +868,11 @@ CASES = [
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: o["stdout"].split()[1] == "24" and 50 <= int(o["stdout"].split()[0]) <= 64, "EMFILE near 64"))),
     Case("B9-c-socket-buffers", "c", SOCKET_BUFFERS_C,
+         # (The children that filled their sockets before the job was stopped say how much they
+         # hold. Uncharged, all 28 would hold some 390 MB; charged, the sends fail at the limit,
+         # give or take what the kernel lets through past its counter: up to 147 MiB seen.)
          both(where(lambda o: o["outcome"] == "memory_exceeded"
-                    or sum(int(n) for n in o["stdout"].split()) <= 128 << 20,
+                    or sum(int(n) for n in o["stdout"].split()) <= 160 << 20,
                     "socket buffers charged to the job (killed at its limit), not to the host"))),
     Case("B8-python-hostile-names-and-depth", "python", HOSTILE_NAMES_PY,
          both(expect(outcome="completed", exitCode=0, stdout="deep\n"))),
