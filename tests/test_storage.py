@@ -20,9 +20,11 @@ import pytest
 from redis.exceptions import OutOfMemoryError
 
 from launcher.stack import Stack
+from shared import keys
 from shared.messages import Outcome
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job
+from worker.job.events import LOG_ENTRY_BYTES
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -116,10 +118,35 @@ def test_one_client_keeps_at_most_its_retained_output_bound(make_stack: StackFac
         with stack.redis() as redis:
             owner_keys = [k.decode() for k in redis.keys("owner:*:retained:bytes")]
             assert len(owner_keys) == 1
-            assert int(redis.hget(owner_keys[0], "_total")) == 2 * 2 * 1048576
+            # (each job's log: 128 chunk events of 8 KiB and its stages, each with its entry's cost)
+            assert 2 * 2 * 1048576 < int(redis.hget(owner_keys[0], "_total")) < 2 * 2 * 1048576 + 2 * 200 * LOG_ENTRY_BYTES
         # As the results expire, the client may submit again.
         time.sleep(body["retryAfterMs"] / 1000 + 0.5)
         assert api.post("/v1/execute", json=py_job("print(1)")).status_code == 202
+    finally:
+        api.close()
+
+
+def test_a_jobs_log_is_on_its_owners_ledger_at_what_redis_keeps_of_it(make_stack: StackFactory) -> None:
+    # Red team: the ledger counted a log's text alone. A program alternating one-byte writes
+    # between its two streams (one event each) kept 118 KB of log in Redis for 6,000 bytes
+    # of output, and its owner's ledger said 12,000 (the bound on what one client keeps,
+    # MAX_RETAINED_OUTPUT_MB, was ten times too loose for such output).
+    stack = make_stack()
+    api = Api(stack)
+    code = "import os, time\nfor i in range(2000):\n    os.write(1 + i % 2, b'x')\n    time.sleep(0.0015)\n"
+    try:
+        job = api.execute(py_job(code, limits={"wallTimeMs": 20000}))
+        api.start(job)
+        assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
+        with stack.redis() as redis:
+            (ledger,) = redis.keys("owner:*:retained:bytes")
+            counted = int(redis.hget(ledger, "_total"))
+            kept = int(redis.memory_usage(keys.events_key(job["jobId"]), samples=0))
+            events = int(redis.xlen(keys.events_key(job["jobId"])))
+        print(f"{events} events: {kept} B kept, {counted} B counted")
+        assert events > 1000, events  # (the writes did come as many events)
+        assert kept <= counted <= 2 * kept, (kept, counted)
     finally:
         api.close()
 

@@ -1074,7 +1074,7 @@ class JobRun:
                 output_json,
                 output,
                 owner=self.spec.owner,
-                kept_bytes=self.events.stored_chunk_bytes
+                kept_bytes=self.events.stored_bytes
                 + (sum(map(len, output)) if output_json else 0)
                 # (a batch's cases keep their output inside output_json itself)
                 + (len(output_json) if output_json and self._batch_cases else 0)
