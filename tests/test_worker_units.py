@@ -1185,6 +1185,56 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
     assert len(fed) <= bound, f"{len(fed)} pipe reads for {lines} lines written in {took[0] * 1000:.0f} ms"
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_step_that_keeps_alternating_tiny_writes_is_gathered_longer(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Red team: one byte at a time, alternately to stdout and stderr, 1.5 ms apart, made an
+    # event of nearly every write (the two streams are never merged), 400-850 a second, each
+    # 30-40 B of log in Redis besides its byte. Past CHATTY_AFTER hand-overs, a step's pumps
+    # gather for CHATTY_COALESCE_S instead: a few hand-overs a hold, in the order written.
+    from worker.job import supervise as supervise_module
+
+    monkeypatch.setattr(supervise_module, "CHATTY_AFTER", 100)
+    monkeypatch.setattr(supervise_module, "CHATTY_COALESCE_S", 0.05)
+    writes, handed, took = 1200, [], []
+
+    async def main() -> None:
+        ends = [os.pipe(), os.pipe()]
+        readers = [await read_pipe(read_fd) for read_fd, _ in ends]
+        out, err = (write_fd for _, write_fd in ends)
+        code = (f"import os, time\nfor i in range({writes}):\n    os.write({out} if i % 2 else {err}, b'%d ' % i)\n"
+                "    time.sleep(0.001)\n")  # fmt: skip
+        started = time.monotonic()
+        writer = subprocess.Popen([sys.executable, "-c", code], pass_fds=(out, err))
+        for _, write_fd in ends:
+            os.close(write_fd)
+
+        def sink(stream: str) -> Any:
+            async def on_data(data: bytes) -> None:
+                handed.append((stream, data))
+
+            return on_data
+
+        pumps, activity = supervise_module._Pumps(), Activity(0.0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(
+                _pump(reader, sink(stream), activity, pumps) for (reader, _), stream in zip(readers, ("out", "err"), strict=True)
+            )), 30)  # fmt: skip
+            took.append(time.monotonic() - started)
+        finally:
+            writer.wait()
+            for _, transport in readers:
+                transport.close()
+
+    _run_on(loop_kind, main())
+    for stream, parity in (("err", 0), ("out", 1)):
+        assert b"".join(data for name, data in handed if name == stream) == b"".join(
+            b"%d " % i for i in range(writes) if i % 2 == parity
+        )
+    # (100 hand-overs, then some 2 a hold: ~60 over the 1.5 s or so the writes take; ~900 before)
+    bound = 100 + 3 * took[0] / 0.05 + 20
+    assert len(handed) <= bound, f"{len(handed)} hand-overs for {writes} writes in {took[0] * 1000:.0f} ms"
+
+
 # Writes (stream, bytes, pause after it in ms): each a pattern two pipes read apart from each
 # other used to misorder. Lines gathered in stdout's held pipe went after a stderr line
 # written later; a partial line waiting for its rest went after the stderr line written

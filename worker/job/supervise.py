@@ -43,6 +43,12 @@ READ_SIZE = 65536
 # After a read smaller than this, wait this long before reading again (see _pump).
 COALESCE_BELOW = 8192
 COALESCE_S = 0.002
+# ... and this long once the step has handed over this many reads: a program alternating
+# tiny writes between its two streams makes an event of each (the two are never merged),
+# up to ~1,000 a second, each 30-40 B of log in Redis besides its text (10 MB over a 300 s
+# wall clock for a few KB of output). Past the first few thousand, about 80 a second.
+CHATTY_AFTER = 2000
+CHATTY_COALESCE_S = 0.025
 # How long a read that ends mid-line waits for the rest of the line.
 PARTIAL_LINE_S = 0.003
 # Once a step's output budget is spent, what the program writes is read only to be dropped
@@ -228,12 +234,12 @@ async def _pump(
         # pause, with the pipe's reading held, lets the pipe gather its next lines into one
         # read and one event (read here, still held: no wake-up of its own).
         if not isinstance(reader, PipeReader):
-            await asyncio.sleep(COALESCE_S)
+            await asyncio.sleep(_hold_s(activity))
             continue
         while True:
             me.held_since = time.monotonic()
             try:
-                await reader.pause(COALESCE_S, release=False)
+                await reader.pause(_hold_s(activity), release=False)
                 dated = me.earliest()
                 gathered, ended = reader.take_gathered(READ_SIZE)
             finally:
@@ -250,6 +256,10 @@ async def _pump(
                 await _hand_over_in_order(me, pumps)
                 return
             break  # nothing came while held: wait for the next write with the pipe read
+
+
+def _hold_s(activity: Activity) -> float:
+    return COALESCE_S if activity.handed_over < CHATTY_AFTER else CHATTY_COALESCE_S
 
 
 async def _rest_of_line(me: _Pump) -> bool:
