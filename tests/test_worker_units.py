@@ -31,6 +31,7 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, StartupCost, StartupCosts, Uncharged, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
+from worker.job.output import StreamTail
 from worker.job.precompile import Precompile, PrecompileState
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import COALESCE_S, Activity, Clocks, StepFacts, _pump, cpu_clock_due_at, supervise
@@ -1341,18 +1342,17 @@ def test_a_program_writing_a_byte_at_a_time_costs_the_loop_little(loop_kind: str
 
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
-def test_output_past_a_spent_budget_is_read_at_a_bounded_pace(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Red team: read as fast as it came, what a program wrote past its output budget (only
-    # to be dropped) cost the worker 94-98 % of a core for a job charged 0.2-0.6 of one.
-    # Now a burst goes at once, the rest at a set rate, and none of it once the program ended.
+def test_output_past_a_spent_budget_is_read_in_few_big_reads(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Red team: read 64 KiB a wake-up as it came, what a program wrote past its output budget
+    # (only to be dropped) cost the worker 94-98 % of a core for a job charged 0.2-0.6 of one.
+    # Now the pipe is widened and read whole once a tick; once the program ended, at once.
     from worker.job import supervise as supervise_module
 
-    monkeypatch.setattr(supervise_module, "DROP_BURST_BYTES", 1 << 20)
-    monkeypatch.setattr(supervise_module, "DROP_BYTES_PER_S", 4 << 20)
-    size = 3 << 20
-    seen: dict[str, float] = {}
+    monkeypatch.setattr(supervise_module, "DROP_TICK_S", 0.01)
+    size = 16 << 20
+    seen: dict[str, tuple[int, float]] = {}
 
-    async def drain(ended: bool) -> float:
+    async def drain(ended: bool) -> tuple[int, float]:
         read_fd, write_fd = os.pipe()
         reader, transport = await read_pipe(read_fd)
         code = f"import os\nb = b'x' * 65536\nfor _ in range({size // 65536}):\n    os.write({write_fd}, b)\n"
@@ -1361,30 +1361,32 @@ def test_output_past_a_spent_budget_is_read_at_a_bounded_pace(loop_kind: str, mo
         program_ended = asyncio.get_running_loop().create_future()
         if ended:
             program_ended.set_result(None)
-        got = 0
+        handed: list[int] = []
 
         async def on_data(data: bytes) -> None:
-            nonlocal got
-            got += len(data)
+            handed.append(len(data))
 
         try:
             started = time.monotonic()
             drops = supervise_module._Drops(lambda: True, program_ended)
             await asyncio.wait_for(_pump(reader, on_data, Activity(0.0), supervise_module._Pumps(drops)), 30)
-            assert got == size
-            return time.monotonic() - started
+            # (all of it read: dropped, only each read's end handed over, for a stderr's tail)
+            assert writer.wait(5) == 0 and (sum(handed) == size if ended else max(handed) <= StreamTail.SIZE), handed
+            return len(handed), time.monotonic() - started
         finally:
             writer.wait()
             transport.close()
 
     async def main() -> None:
-        seen["paced"] = await drain(ended=False)
+        seen["dropped"] = await drain(ended=False)
         seen["ended"] = await drain(ended=True)
 
     _run_on(loop_kind, main())
-    # (3 MiB, the first 1 MiB at once, then 4 MiB/s: 0.5 s)
-    assert 0.4 <= seen["paced"] <= 2.0, seen
-    assert seen["ended"] < 0.3, seen
+    # (16 MiB through a 1 MiB pipe emptied once a tick: some 16-32 turns, at least 0.16 s;
+    # read as it comes, ~256 reads of 64 KiB within a few tens of ms)
+    reads, took_s = seen["dropped"]
+    assert reads <= 40 and took_s >= 0.1, seen
+    assert seen["ended"][0] > 100, seen
 
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])

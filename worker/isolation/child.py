@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import struct
 import subprocess
+import termios
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -84,6 +86,7 @@ class PipeReader(asyncio.StreamReader):
     _held = False
     _fd = -1
     _pause_end: asyncio.Future[None] | None = None
+    _widened = False
     # When the oldest bytes buffered came (time.monotonic()), kept once they are read: the
     # date of what the last read() returned.
     fed_at = 0.0
@@ -160,6 +163,36 @@ class PipeReader(asyncio.StreamReader):
         self._maybe_resume_transport()  # type: ignore[attr-defined]
         return data, self.at_eof()
 
+    def drop_gathered(self, keep: int) -> tuple[bytes, int, bool]:
+        """take_gathered for bytes that are only dropped: takes what the buffer and (held)
+        pipe hold now, and returns the last `keep` bytes of it, how many there were, and
+        whether the stream has ended. The rest of the pipe goes to /dev/null by splice(2),
+        uncopied (a read of a full 1 MiB pipe cost about twice as much)."""
+        head = bytes(self._buffer)
+        self._buffer.clear()
+        piped = b""
+        dropped = 0
+        if self._held and not self._eof and self._pipe is not None and not self._pipe.is_closing():
+            try:
+                waiting = struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+                if waiting > keep:
+                    dropped = os.splice(self._fd, _dev_null(), waiting - keep)
+                piped = os.read(self._fd, keep)
+                if not piped and not dropped:
+                    self.feed_eof()
+            except BlockingIOError:
+                pass
+        self._maybe_resume_transport()  # type: ignore[attr-defined]
+        return (head + piped)[-keep:], len(head) + dropped + len(piped), self.at_eof()
+
+    def widen(self, size: int) -> None:
+        """Let the pipe hold `size` bytes (once; a pipe that cannot stays as it is)."""
+        if self._widened or self._fd < 0 or self._pipe is None or self._pipe.is_closing():
+            return  # (a closed transport's descriptor may be another file's by now)
+        self._widened = True
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, size)
+
     def take_rest(self) -> None:
         """End the stream with what the pipe holds now, though its write end stays open.
 
@@ -180,6 +213,16 @@ class PipeReader(asyncio.StreamReader):
         self._pipe.close()
         if self._pause_end is not None:
             _resolve(self._pause_end)
+
+
+_null_fd = -1
+
+
+def _dev_null() -> int:
+    global _null_fd
+    if _null_fd < 0:
+        _null_fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    return _null_fd
 
 
 async def read_pipe(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
