@@ -65,7 +65,7 @@ def check_file_name(name: str) -> str | None:
         return "must not start with '@' (compilers read '@name' as a file of options)"
     parts = name.split("/")
     if len(parts) > MAX_DEPTH:
-        return f"must be at most {MAX_DEPTH} directories deep"
+        return f"must be at most {MAX_DEPTH} components deep ({MAX_DEPTH - 1} folders and the file)"
     for part in parts:
         if part == "":
             return "must not contain empty path components (leading, trailing or double '/')"

@@ -58,7 +58,7 @@ from worker.isolation.workspace import WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, summarize
 from worker.job.blobs import Blob
-from worker.job.events import JobEvents
+from worker.job.events import JobEvents, logged_bytes
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_compile_failure, judge_run
 from worker.job.output import CompileOutput, OutputBudget, StreamTail, output_encoding
@@ -1075,6 +1075,8 @@ class JobRun:
                 output,
                 owner=self.spec.owner,
                 kept_bytes=self.events.stored_bytes
+                # (the result: in the log and in the job's record)
+                + logged_bytes(len(result_json)) + len(result_json)
                 + (sum(map(len, output)) if output_json else 0)
                 # (a batch's cases keep their output inside output_json itself)
                 + (len(output_json) if output_json and self._batch_cases else 0)
