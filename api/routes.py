@@ -10,10 +10,12 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +32,7 @@ from api.metrics import render as render_metrics
 from api.output import stream_run_result, whole_run_result
 from api.state import AppState
 from api.store import EnqueueAnswer, ReceiptCursor, StoredOutputFound, StoredStatus, now_ms
+from api.streams import StreamSlot
 from api.webhooks import realtime_webhooks
 from shared import keys
 from shared.codec import decode_request
@@ -516,11 +519,12 @@ async def job_output(request: Request) -> Response:
     deadline = loop.time() + wait_ms / 1000
     store = state.store
     missing = NO_OUTPUT
+    caller = state.auth.principal(request).caller
     if not wait_ms or status.state in TERMINAL_STATES:
         found = await store.output(status.job_id)
         if found is None:
             return await _without_output(status, missing)
-        return await _output_response(state, status.job_id, found)
+        return await _output_response(state, request, status.job_id, caller, found)
     # Waiting is event-driven: the script that stores the output also logs the result and
     # marks the job's done stream, and a blocking read of that stream wakes the moment it is
     # marked (or at once, if it already was). Output and other events never wake it. A job
@@ -529,7 +533,7 @@ async def job_output(request: Request) -> Response:
     # past the per-caller bound, 503 when all are in use; see api/streams.py).
     if status.collects_output is False:
         raise ApiError(404, missing)  # nothing will ever be stored to wait for
-    slot = request.app.state.output_waits.acquire(status.job_id, state.auth.principal(request).caller)
+    slot = request.app.state.output_waits.acquire(status.job_id, caller)
 
     async def wait() -> StoredOutputFound | None:
         await store.wait_for_result(status.job_id, min(wait_ms, OUTPUT_WAIT_SLICE_MS))
@@ -545,20 +549,23 @@ async def job_output(request: Request) -> Response:
     waiting = asyncio.ensure_future(wait())
     gone = asyncio.ensure_future(_client_gone(request))
     try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # A client that hung up (its own timeout shorter than waitMs, say) gets its slot
+            # and the wait's Redis connection back now, not at waitMs.
+            for task in (waiting, gone):
+                task.cancel()
+            await asyncio.gather(waiting, gone, return_exceptions=True)
+        if not waiting.done() or waiting.cancelled():
+            return Response(status_code=499)  # nobody is there to read it
+        found = waiting.result()
+        if found is None:
+            return await _without_output(await store.status(status.job_id) or status, missing)
+        # (A body streamed keeps the wait's slot until it is sent: see _output_response.)
+        return await _output_response(state, request, status.job_id, caller, found, slot)
     finally:
-        # A client that hung up (its own timeout shorter than waitMs, say) gets its slot and
-        # the wait's Redis connection back now, not at waitMs.
-        for task in (waiting, gone):
-            task.cancel()
-        await asyncio.gather(waiting, gone, return_exceptions=True)
         slot.release()
-    if not waiting.done() or waiting.cancelled():
-        return Response(status_code=499)  # nobody is there to read it
-    found = waiting.result()
-    if found is None:
-        return await _without_output(await store.status(status.job_id) or status, missing)
-    return await _output_response(state, status.job_id, found)
 
 
 async def _client_gone(request: Request) -> None:
@@ -583,7 +590,13 @@ async def _without_output(status: StoredStatus, missing: str) -> Response:
 OUTPUT_WAIT_SLICE_MS = 5000
 
 
-async def _output_response(state: AppState, job_id: str, found: StoredOutputFound) -> Response:
+async def _output_response(
+    state: AppState, request: Request, job_id: str, caller: str, found: StoredOutputFound, slot: StreamSlot | None = None
+) -> Response:
+    """The output's body: at once when small, else streamed in slices, holding one of the
+    output slots (the wait's, if it waited) until it is sent. Unbounded, 500 connections
+    that never read a 16 MiB job's output held 620 MB of the API (each its slice and the
+    slice's encoded copies, until the send timeout), and the loop stalled for seconds."""
     if not found.apart:
         return Response(found.meta, media_type="application/json")
     if found.streams is not None:
@@ -592,7 +605,16 @@ async def _output_response(state: AppState, job_id: str, found: StoredOutputFoun
             return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
         except OutputGone:
             raise ApiError(404, NO_OUTPUT) from None
-    return StreamingResponse(stream_run_result(state.store, job_id, found.meta), media_type="application/json")
+    handed = slot.hand_over() if slot is not None else request.app.state.output_waits.acquire(job_id, caller)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for piece in stream_run_result(state.store, job_id, found.meta):
+                yield piece
+        finally:
+            handed.release()
+
+    return StreamingResponse(body(), media_type="application/json", background=BackgroundTask(handed.release))
 
 
 async def languages(request: Request) -> Response:

@@ -48,6 +48,14 @@ class StreamSlot:
             self._held = False
             self._slots._release(self)
 
+    def hand_over(self) -> StreamSlot:
+        """The same admission as a new slot, this one released without giving it back: for
+        a holder whose own release runs before the one it hands to is done with it."""
+        if not self._held:
+            raise RuntimeError("a released slot cannot be handed over")
+        self._held = False
+        return StreamSlot(self._slots, self.job_id, self.principal)
+
 
 class StreamSlots:
     def __init__(

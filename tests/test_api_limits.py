@@ -272,6 +272,46 @@ def test_output_waits_have_their_own_bounds_and_never_take_an_event_streams_conn
     assert not _error_lines(stack.log("api"))
 
 
+def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: StackFactory) -> None:
+    # Amplification review: GET /output with no wait took no slot, so connections that never
+    # read a 16 MiB job's output each held a slice of it and its encoded copies until the
+    # send timeout: 500 of them took the API from 47 to 621 MB (with a job token alone),
+    # and its loop stalled for seconds. A streamed body now holds an output slot.
+    stack = make_stack(MAX_OUTPUT_WAITS="3", MAX_OUTPUT_WAITS_PER_PRINCIPAL="2", MAX_OUTPUT_KB="16384")
+    api = Api(stack)
+    code = "import os\nfor _ in range(2048):\n    os.write(1, b'a' * 8192)\n"
+    job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 16384}))
+    api.start(job)
+    assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
+    path = f"/v1/jobs/{job['jobId']}/output"
+    request = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {job['jobToken']}\r\n\r\n").encode()
+    stalled = []
+    try:
+        for _ in range(2):  # its caller's bound: they read nothing, so the bodies stay unsent
+            conn = socket.socket()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect(("127.0.0.1", stack.api_port))
+            conn.sendall(request)
+            stalled.append(conn)
+        time.sleep(1.0)
+        with httpx.Client(base_url=api.url, timeout=30) as client:
+            refused = client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})
+            assert "waits for output" in _refusal(refused, 429)["error"]
+            for conn in stalled:
+                conn.close()
+            stalled.clear()
+            deadline = time.monotonic() + 10
+            while (answer := client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})).status_code != 200:
+                assert answer.status_code == 429 and time.monotonic() < deadline, answer.text  # (until the two are let go)
+                time.sleep(0.2)
+            assert answer.json()["stdout"] == "a" * (16 << 20)
+    finally:
+        for conn in stalled:
+            conn.close()
+        api.close()
+    assert not _error_lines(stack.log("api"))
+
+
 # ------------------------------------------------------------------ hostile bodies
 
 
