@@ -178,7 +178,7 @@ return {rec[2] == ARGV[1] and 1 or 0, rec[1]}
 # '' for every state).
 # Returns {next cursor score or '', next cursor id or '', then 9 strings per job: id, index
 # score, state, updatedAtMs, createdAtMs, language, version, outcome, idempotency key}.
-_RECEIPTS = """
+_RECEIPTS = keys.OUTCOME_OF_LUA + """
 local max, after = ARGV[1], ARGV[2]
 local maxn = tonumber(max)
 local limit, budget, want = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
@@ -196,13 +196,16 @@ while not done do
       looked = looked + 1
       local status = 'job:' .. id .. ':status'
       local st = redis.call('HMGET', status, 'state', 'updatedAtMs', 'createdAtMs', 'language', 'version',
-                            'idempotencyKey')
+                            'idempotencyKey', 'outcome')
       if not st[1] then
         gone[#gone + 1] = id
       elseif want == '' or string.find(want, ',' .. st[1] .. ',', 1, true) then
-        local outcome = ''
-        local result = redis.call('HGET', status, 'result')
-        if result then outcome = string.match(result, '"outcome":"([%w_]+)"') or '' end
+        local outcome = st[7]
+        if not outcome then
+          -- (a record whose result was written before results kept their outcome beside them)
+          local result = redis.call('HGET', status, 'result')
+          outcome = result and outcome_of(result) or ''
+        end
         local n = #out
         out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = id, score, st[1], st[2] or '', st[3] or ''
         out[n + 6], out[n + 7], out[n + 8], out[n + 9] = st[4] or '', st[5] or '', outcome, st[6] or ''
@@ -330,6 +333,7 @@ _KILL = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
+    + keys.OUTCOME_OF_LUA
     + """
 -- The job's log entries from its `liveSeq` up to seq `upto` (exclusive), as field/value pairs,
 -- each entry ended by ''. A claim handed back before it went live logged its stage{queued}
@@ -368,7 +372,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], '*', 'seq', seq, 'name', 'result', 'data', data)
   redis.call('HINCRBY', KEYS[1], 'attempt', 1)
   redis.call('HSET', KEYS[1], 'state', 'killed', 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
-             'killEndedBy', ARGV[8])
+             'killEndedBy', ARGV[8], 'outcome', outcome_of(data))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
   redis.call('DEL', KEYS[4])  -- its spec: an ended job's input is read no more

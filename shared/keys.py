@@ -13,6 +13,7 @@ __all__ = [
     "CHANNEL_PREFIX",
     "DATASET",
     "ENDED_COUNTS",
+    "OUTCOME_OF_LUA",
     "QUEUE",
     "UNSTARTED_GONE_LUA",
     "WORKERS",
@@ -165,6 +166,16 @@ local function unstarted_gone(status)
   if redis.call('HDEL', sizes, id) == 1 and bytes > 0 and redis.call('EXISTS', sizes) == 1 then
     redis.call('HINCRBY', sizes, '_total', -bytes)
   end
+end
+"""
+
+
+# Lua: outcome_of(result JSON) is the result's `outcome`, kept beside it in the job's record
+# (field `outcome`) by every script that writes a result, so a page of receipts reads a word
+# a job, not its whole result (up to PUSHER_MAX_PAYLOAD_KB: a compile's log).
+OUTCOME_OF_LUA = """
+local function outcome_of(result)
+  return string.match(result, '"outcome":"([%w_]+)"') or ''
 end
 """
 

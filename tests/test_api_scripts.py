@@ -542,6 +542,26 @@ async def test_receipts_script_twice_trims_once(store: JobStore, redis: Redis) -
     assert await redis.zcard(keys.owner_jobs_key("owner-a")) == 2
 
 
+async def test_receipts_read_the_outcome_kept_beside_the_result(store: JobStore, redis: Redis) -> None:
+    # Amplification review: a page of receipts read each job's whole result (up to 100 KB
+    # with a compile's log) inside one script to find its outcome: 200 such jobs blocked
+    # Redis ~20 ms a page. The scripts that write a result keep its outcome beside it; a
+    # record from before that still gets its outcome from the result.
+    specs = [_spec() for _ in range(3)]
+    for spec in specs:
+        await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    assert (await store.kill(specs[0].job_id, RESULT_TTL_S, request_id="k")).result is not None  # (ended in the queue)
+    assert await redis.hget(keys.status_key(specs[0].job_id), "outcome") == b"killed"
+    # (its result says otherwise, so the receipt shows which of the two was read)
+    await redis.hset(keys.status_key(specs[1].job_id), mapping={
+        "state": "done", "outcome": "compile_error", "result": '{"outcome":"completed","compile":"' + "x" * 90_000 + '"}',
+    })  # fmt: skip
+    await redis.hset(keys.status_key(specs[2].job_id), mapping={"state": "done", "result": '{"exitCode":0,"outcome":"completed"}'})
+    found, _ = await store.receipts("owner-a", None, 10, None)
+    outcomes = {receipt.job_id: receipt.outcome for receipt in found}
+    assert outcomes == {specs[0].job_id: "killed", specs[1].job_id: "compile_error", specs[2].job_id: "completed"}
+
+
 async def test_scripts_survive_concurrent_reruns(store: JobStore, redis: Redis) -> None:
     """Many copies of one stdin call at once (a retry storm) still store one frame."""
     job_id = await _running_job(store, redis)

@@ -542,6 +542,7 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     assert names.count(b"result") == 1
     assert await redis.xlen(keys.done_key(job)) == 1  # what a waiting /output wakes on
     assert int(await redis.hget(keys.retained_sizes_key("owner-a"), "_total")) == 10
+    assert await redis.hget(keys.status_key(job), "outcome") == b"completed"  # (what receipts read)
 
 
 async def test_a_stale_finish_leaves_the_newer_claim_listed(redis: Redis, queue: WorkerQueue) -> None:
@@ -648,6 +649,7 @@ async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -
     names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
     assert names.count(b"result") == 1
     assert await redis.xlen(keys.done_key(job)) == 1
+    assert await redis.hget(keys.status_key(job), "outcome") == b"lost"
 
 
 async def test_stdin_written_sent_twice_is_the_same_count_and_drops_the_written_frames(

@@ -190,6 +190,7 @@ _FINISH = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
+    + keys.OUTCOME_OF_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
@@ -212,7 +213,8 @@ end
 local next_seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
 if tonumber(ARGV[6]) < next_seq then return {2, next_seq} end
 redis.call('XADD', KEYS[2], '*', 'seq', ARGV[6], 'name', 'result', 'data', ARGV[5])
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1)
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4], 'result', ARGV[5], 'nextSeq', tonumber(ARGV[6]) + 1,
+           'outcome', outcome_of(ARGV[5]))
 redis.call('HINCRBY', KEYS[16], ARGV[3], 1)
 redis.call('HDEL', KEYS[1], 'worker')
 if ARGV[7] ~= '' then
@@ -299,6 +301,7 @@ _REAP = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
+    + keys.OUTCOME_OF_LUA
     + """
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
@@ -317,7 +320,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   local data = ARGV[4] .. seq .. ARGV[5]
   redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
   redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
-             'reapedBy', ARGV[8])
+             'reapedBy', ARGV[8], 'outcome', outcome_of(data))
   redis.call('HINCRBY', KEYS[12], ARGV[6], 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
