@@ -297,9 +297,11 @@ return found
 
 # KEYS: status, start flag. ARGV: the owner the caller must match ('' when a job token
 # already names this job), ttl s, ctrl channel, the start message.
-# Returns {0} (unknown, or not the caller's), {1} (start stored and published), or {2, state,
-# started} (the job has ended: nothing written). Stores the flag first (a worker checks it on
-# claim), then publishes the live message.
+# Returns {0} (unknown, or not the caller's), {1} (start stored and published, or already acted
+# on), or {2, state, started} (the job has ended: nothing written). Stores the flag first (a
+# worker checks it on claim), then publishes the live message; once the job is starting or
+# running, its worker has had its start, and a repeat stores and publishes nothing (a flood
+# of repeats cost the worker 64 µs each, unbounded).
 _START = (
     _TERMINAL_LUA
     + """
@@ -309,6 +311,7 @@ if terminal[st[1]] then return {2, st[1], st[3] or ''} end
 -- Its worker's warm-up ran out and it took its last look at the start flag: it ends the
 -- job expired now, so a start from here on is refused as that, not accepted and dropped.
 if st[5] and st[5] == st[4] then return {2, 'expired', ''} end
+if st[1] == 'starting' or st[1] == 'running' then return {1} end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1}
