@@ -1193,4 +1193,6 @@ class JobRun:
         if self._program_started_at is None:
             return event
         ran_ms = round((now - self._program_started_at) * 1000)
+        if self.sandbox is not None:
+            ran_ms -= self.sandbox.uncharged.wall_ms  # (as supervise leaves it out: a plain jail's start-up)
         return msgspec.structs.replace(event, duration_ms=max(0, ran_ms), truncated=self.budget.truncated)
