@@ -90,7 +90,7 @@ class StreamSlots:
             settings.max_output_waits,
             settings.max_event_streams_per_job,
             settings.max_output_waits_per_principal,
-            "waits for output",
+            "waits for output and output being sent",
         )
 
     def acquire(self, job_id: str, principal: str) -> StreamSlot:

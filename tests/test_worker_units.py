@@ -1385,7 +1385,7 @@ def test_output_past_a_spent_budget_is_read_in_few_big_reads(loop_kind: str, mon
     # (16 MiB through a 1 MiB pipe emptied once a tick: some 16-32 turns, at least 0.16 s;
     # read as it comes, ~256 reads of 64 KiB within a few tens of ms)
     reads, took_s = seen["dropped"]
-    assert reads <= 40 and took_s >= 0.1, seen
+    assert reads <= 80 and took_s >= 0.1, seen
     assert seen["ended"][0] > 100, seen
 
 

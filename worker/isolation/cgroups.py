@@ -408,6 +408,7 @@ class JobCgroup:
         # The memory limit last written (what a step in these cgroups may take of the
         # ceiling all jobs share: worker/isolation/memory.py).
         self.memory_limit_bytes = 0
+        self._raising = threading.Lock()  # (see raise_memory_limit)
         # Open descriptors of the files a running job's clocks and kill use (see the module
         # docstring), by path; "w:" before the path for one opened to write. The lock keeps
         # close_files from racing a read: a closed descriptor's number can be reused at once,
@@ -505,6 +506,23 @@ class JobCgroup:
         if self.v2_dir is not None and self._has(self.v2_dir / "cgroup.kill"):
             return self.v2_dir / "cgroup.kill"
         return None
+
+    def raise_memory_limit(self, size: int) -> None:
+        """Raise the memory limit (and v1's memory+swap with it) by `size` bytes. One raise at
+        a time (two pumps may ask at once, on two isolation threads: v1 refuses a memory+swap
+        limit below the memory limit another raise has just written)."""
+        with self._raising:
+            memory_bytes = self.memory_limit_bytes + size
+            if self.layout.mode is CgroupMode.V2:
+                assert self.v2_dir is not None
+                self._limit(self.v2_dir / "memory.max", str(memory_bytes))
+            else:
+                mem = self.v1_dirs["memory"]
+                memsw = mem / "memory.memsw.limit_in_bytes"
+                if self._has(memsw):  # (memsw goes up first)
+                    self._limit(memsw, str(memory_bytes))
+                self._limit(mem / "memory.limit_in_bytes", str(memory_bytes))
+            self.memory_limit_bytes = memory_bytes
 
     def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0, background: bool = False) -> None:
         """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off; with

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import struct
 import subprocess
@@ -23,6 +24,8 @@ from typing import cast
 from worker.isolation.offload import off_loop
 
 __all__ = ["Child", "PipeReader"]
+
+log = logging.getLogger(__name__)
 
 PIPE_LIMIT = 1 << 20
 # What a program's stdin pipe holds (the kernel's default is 64 KiB). The API's cap on
@@ -185,13 +188,24 @@ class PipeReader(asyncio.StreamReader):
         self._maybe_resume_transport()  # type: ignore[attr-defined]
         return (head + piped)[-keep:], len(head) + dropped + len(piped), self.at_eof()
 
+    def short_of(self, size: int) -> int:
+        """How much less than `size` bytes the pipe holds (0 once widened, or closed)."""
+        if self._widened or self._fd < 0 or self._pipe is None or self._pipe.is_closing():
+            return 0  # (a closed transport's descriptor may be another file's by now)
+        try:
+            return max(0, size - fcntl.fcntl(self._fd, fcntl.F_GETPIPE_SZ))
+        except OSError:
+            return 0
+
     def widen(self, size: int) -> None:
         """Let the pipe hold `size` bytes (once; a pipe that cannot stays as it is)."""
         if self._widened or self._fd < 0 or self._pipe is None or self._pipe.is_closing():
-            return  # (a closed transport's descriptor may be another file's by now)
+            return
         self._widened = True
-        with contextlib.suppress(OSError):
+        try:
             fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, size)
+        except OSError as exc:
+            log.warning("a pipe could not be widened to %d bytes (%s): output past its budget drains slower", size, exc)
 
     def take_rest(self) -> None:
         """End the stream with what the pipe holds now, though its write end stays open.

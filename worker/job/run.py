@@ -1078,8 +1078,8 @@ class JobRun:
                 # (the result: in the log and in the job's record)
                 + logged_bytes(len(result_json)) + len(result_json)
                 + (sum(map(len, output)) if output_json else 0)
-                # (a batch's cases keep their output inside output_json itself)
-                + (len(output_json) if output_json and self._batch_cases else 0)
+                # (the pullable result's own JSON: a batch's cases keep their output in it)
+                + (len(output_json) if output_json else 0)
                 + sum(meta.bytes for meta in self._artifacts),
             )
             try:

@@ -124,11 +124,21 @@ class StepFacts:
 
 class _Drops:
     """Whether what a step's pumps read now is only dropped: its output budget is spent and
-    its program still runs (once it has ended, what is left in the pipes is read at once)."""
+    its program still runs (once it has ended, what is left in the pipes is read at once).
+    `room` adds to the step's memory limit what a widened pipe may hold on top: the kernel
+    charges a pipe's pages to its writer, and the widening is the worker's doing, not the
+    program's (with 14 MiB of its own under memoryMb 16, a program flooding both streams
+    was killed at its limit once its pipes were widened)."""
 
-    def __init__(self, spent: Callable[[], bool], ended: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        spent: Callable[[], bool],
+        ended: asyncio.Future[None],
+        room: Callable[[int], Awaitable[bool]] | None = None,
+    ) -> None:
         self.spent = spent
         self.ended = ended
+        self.room = room
 
     def now(self) -> bool:
         return not self.ended.done() and self.spent()
@@ -258,7 +268,10 @@ async def _drain_dropped(me: _Pump, pumps: _Pumps) -> bool:
     nothing waits for the next write as usual. True at EOF."""
     reader = me.reader
     assert isinstance(reader, PipeReader)
-    reader.widen(DROP_PIPE_BYTES)
+    # (The step's memory grows first: the program fills a widened pipe at once.)
+    added = reader.short_of(DROP_PIPE_BYTES)
+    if added and (pumps.drops is None or pumps.drops.room is None or await pumps.drops.room(added)):
+        reader.widen(DROP_PIPE_BYTES)
     # The pipe stays held from turn to turn (released, the transport would read it in
     # 64 KiB pieces meanwhile: most of a turn's cost); released when no more is dropped.
     me.held_since = time.monotonic()
@@ -275,8 +288,9 @@ async def _drain_dropped(me: _Pump, pumps: _Pumps) -> bool:
         reader.release()
         tail = await reader.read(DROP_PIPE_BYTES)
         ended = not tail and reader.at_eof()
-    if me.in_hand:
-        await _hand_over_in_order(me, pumps)  # (what it had before the budget was spent)
+    if me.in_hand:  # (what it had before the budget was spent, if anything: first)
+        tail = bytes(me.in_hand) + tail
+        me.in_hand.clear()
     if tail:
         async with pumps.lock:  # (nothing of it goes out, in any order)
             await me.hand_over(tail[-StreamTail.SIZE :])
@@ -386,7 +400,21 @@ async def supervise(
         go_at = loop.time()
         # (The idle clock too: a runtime starting up writes nothing.)
         activity = Activity(go_at + start_up_s)
-        order = _Pumps(_Drops(output_spent, jail.ended) if output_spent is not None else None)
+        drops = None
+        if output_spent is not None:
+
+            async def room(size: int) -> bool:
+                # (Past what the memory admission holds for the step: within the room it
+                # keeps a slot for what is not a program's own, see memory.py.)
+                try:
+                    await off_loop(cgroup.raise_memory_limit, size)
+                except OSError as exc:
+                    log.warning("the memory limit could not be raised for a wider pipe: %s", exc)
+                    return False  # (the pipe stays as it is: drained slower)
+                return True
+
+            drops = _Drops(output_spent, jail.ended, room)
+        order = _Pumps(drops)
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
