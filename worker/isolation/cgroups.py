@@ -512,27 +512,35 @@ class JobCgroup:
         a time (two pumps may ask at once, on two isolation threads: v1 refuses a memory+swap
         limit below the memory limit another raise has just written)."""
         with self._raising:
-            memory_bytes = self.memory_limit_bytes + size
-            if self.layout.mode is CgroupMode.V2:
-                assert self.v2_dir is not None
-                self._limit(self.v2_dir / "memory.max", str(memory_bytes))
-            else:
-                mem = self.v1_dirs["memory"]
-                memsw = mem / "memory.memsw.limit_in_bytes"
-                if self._has(memsw):  # (memsw goes up first)
-                    self._limit(memsw, str(memory_bytes))
-                self._limit(mem / "memory.limit_in_bytes", str(memory_bytes))
-            self.memory_limit_bytes = memory_bytes
+            self._write_memory_limit(self.memory_limit_bytes + size)
+
+    def _write_memory_limit(self, memory_bytes: int) -> None:
+        """The memory limit, and on v1 memory+swap equal to it (swap off)."""
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2_dir is not None
+            self._limit(self.v2_dir / "memory.max", str(memory_bytes))
+        else:
+            mem = self.v1_dirs["memory"]
+            memsw = mem / "memory.memsw.limit_in_bytes"
+            limit = mem / "memory.limit_in_bytes"
+            # v1 refuses memory > memsw: order the two writes so the pair is always valid.
+            current = int(self._written.get(limit) or _read(limit))
+            pairs = [(memsw, memory_bytes), (limit, memory_bytes)]
+            if memory_bytes < current:
+                pairs.reverse()
+            for path, value in pairs:
+                if path is limit or self._has(path):
+                    self._limit(path, str(value))
+        self.memory_limit_bytes = memory_bytes
 
     def set_limits(self, memory_bytes: int, pids: int, cpu_cores: float = 1.0, background: bool = False) -> None:
         """Write (or rewrite) the memory, process and CPU-bandwidth limits, swap off; with
         `background`, a low CPU weight (see BACKGROUND_CPU_SHARE), else the normal one."""
         quota = max(1000, int(CPU_PERIOD_US * cpu_cores))
         share = BACKGROUND_CPU_SHARE if background else 1.0
-        self.memory_limit_bytes = memory_bytes
+        self._write_memory_limit(memory_bytes)
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
-            self._limit(self.v2_dir / "memory.max", str(memory_bytes))
             if self._has(self.v2_dir / "memory.swap.max"):  # (absent without swap accounting)
                 self._limit(self.v2_dir / "memory.swap.max", "0")
             self._limit(self.v2_dir / "pids.max", str(pids))
@@ -546,16 +554,6 @@ class JobCgroup:
                 self._limit(self.v2_dir / "memory.oom.group", "1")
             return
         mem = self.v1_dirs["memory"]
-        memsw = mem / "memory.memsw.limit_in_bytes"
-        limit = mem / "memory.limit_in_bytes"
-        # v1 refuses memory > memsw: order the two writes so the pair is always valid.
-        current = int(self._written.get(limit) or _read(limit))
-        pairs = [(memsw, memory_bytes), (limit, memory_bytes)]
-        if memory_bytes < current:
-            pairs.reverse()
-        for path, value in pairs:
-            if path is limit or self._has(path):
-                self._limit(path, str(value))
         if self._has(mem / "memory.swappiness"):
             try:
                 self._limit(mem / "memory.swappiness", "0")

@@ -188,10 +188,14 @@ class PipeReader(asyncio.StreamReader):
         self._maybe_resume_transport()  # type: ignore[attr-defined]
         return (head + piped)[-keep:], len(head) + dropped + len(piped), self.at_eof()
 
+    def _widenable(self) -> bool:
+        # (Not once widened, nor closed: a closed transport's descriptor may be another file's.)
+        return not self._widened and self._fd >= 0 and self._pipe is not None and not self._pipe.is_closing()
+
     def short_of(self, size: int) -> int:
         """How much less than `size` bytes the pipe holds (0 once widened, or closed)."""
-        if self._widened or self._fd < 0 or self._pipe is None or self._pipe.is_closing():
-            return 0  # (a closed transport's descriptor may be another file's by now)
+        if not self._widenable():
+            return 0
         try:
             return max(0, size - fcntl.fcntl(self._fd, fcntl.F_GETPIPE_SZ))
         except OSError:
@@ -199,7 +203,7 @@ class PipeReader(asyncio.StreamReader):
 
     def widen(self, size: int) -> None:
         """Let the pipe hold `size` bytes (once; a pipe that cannot stays as it is)."""
-        if self._widened or self._fd < 0 or self._pipe is None or self._pipe.is_closing():
+        if not self._widenable():
             return
         self._widened = True
         try:

@@ -130,18 +130,26 @@ class _Drops:
     program's (with 14 MiB of its own under memoryMb 16, a program flooding both streams
     was killed at its limit once its pipes were widened)."""
 
-    def __init__(
-        self,
-        spent: Callable[[], bool],
-        ended: asyncio.Future[None],
-        room: Callable[[int], Awaitable[bool]] | None = None,
-    ) -> None:
+    def __init__(self, spent: Callable[[], bool], ended: asyncio.Future[None], cgroup: JobCgroup | None = None) -> None:
         self.spent = spent
         self.ended = ended
-        self.room = room
+        self.cgroup = cgroup
 
     def now(self) -> bool:
         return not self.ended.done() and self.spent()
+
+    async def room(self, size: int) -> bool:
+        """Raise the step's memory limit by `size`; whether a pipe may be widened by that."""
+        if self.cgroup is None:
+            return True
+        # (Past what the memory admission holds for the step: within the room it keeps a
+        # slot for what is not a program's own, see memory.py.)
+        try:
+            await off_loop(self.cgroup.raise_memory_limit, size)
+        except OSError as exc:
+            log.warning("the memory limit could not be raised for a wider pipe: %s", exc)
+            return False  # (the pipe stays as it is: drained slower)
+        return True
 
 
 class _Pumps:
@@ -266,11 +274,11 @@ async def _drain_dropped(me: _Pump, pumps: _Pumps) -> bool:
     then read whole (so a program writing flat out blocks on a full pipe between turns, and
     the worker wakes 1/DROP_TICK_S times a second, not once per 64 KiB). A turn that finds
     nothing waits for the next write as usual. True at EOF."""
-    reader = me.reader
-    assert isinstance(reader, PipeReader)
+    reader, drops = me.reader, pumps.drops
+    assert isinstance(reader, PipeReader) and drops is not None
     # (The step's memory grows first: the program fills a widened pipe at once.)
     added = reader.short_of(DROP_PIPE_BYTES)
-    if added and (pumps.drops is None or pumps.drops.room is None or await pumps.drops.room(added)):
+    if added and await drops.room(added):
         reader.widen(DROP_PIPE_BYTES)
     # The pipe stays held from turn to turn (released, the transport would read it in
     # 64 KiB pieces meanwhile: most of a turn's cost); released when no more is dropped.
@@ -400,21 +408,7 @@ async def supervise(
         go_at = loop.time()
         # (The idle clock too: a runtime starting up writes nothing.)
         activity = Activity(go_at + start_up_s)
-        drops = None
-        if output_spent is not None:
-
-            async def room(size: int) -> bool:
-                # (Past what the memory admission holds for the step: within the room it
-                # keeps a slot for what is not a program's own, see memory.py.)
-                try:
-                    await off_loop(cgroup.raise_memory_limit, size)
-                except OSError as exc:
-                    log.warning("the memory limit could not be raised for a wider pipe: %s", exc)
-                    return False  # (the pipe stays as it is: drained slower)
-                return True
-
-            drops = _Drops(output_spent, jail.ended, room)
-        order = _Pumps(drops)
+        order = _Pumps(_Drops(output_spent, jail.ended, cgroup) if output_spent is not None else None)
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
