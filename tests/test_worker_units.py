@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from shared.messages import CompileInfo, CtrlMessage, JobState, StdinFrame
+from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, StdinFrame
 from shared.settings import load_settings
 from worker.callbacks.sender import CallbackSender
 from worker.isolation.cgroups import CgroupError, CgroupMode, JobCounters, detect_layout
@@ -31,6 +31,7 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, StartupCost, StartupCosts, Uncharged, build_enter
 from worker.isolation.workspace import Workspace, WorkspaceError
 from worker.job.events import JobEvents
+from worker.job.outcome import judge_run
 from worker.job.output import StreamTail
 from worker.job.precompile import Precompile, PrecompileState
 from worker.job.stdin import StdinFeed
@@ -398,15 +399,19 @@ class _CountingCgroup:
     def may_hold_leftovers(self) -> bool:
         return True
 
-    oom_kills = 0
+    oom_count = 0
+    oom_kills_whole_job = True
     samples_memory = False
     judged_on: list[threading.Thread] = []
 
+    def oom_kills(self) -> int:
+        return self.oom_count
+
     def counters(self, judge_ceiling: bool = True) -> JobCounters:
-        if judge_ceiling and self.oom_kills:
+        if judge_ceiling and self.oom_count:
             self.judged_on = [*self.judged_on, threading.current_thread()]
-        ceiling = judge_ceiling and self.oom_kills > 0
-        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=self.oom_kills, ceiling_oom=ceiling)
+        ceiling = judge_ceiling and self.oom_count > 0
+        return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=self.oom_count, ceiling_oom=ceiling)
 
 
 async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
@@ -476,10 +481,27 @@ async def test_the_ceiling_is_judged_off_the_event_loop_and_only_after_an_oom_ki
     facts = await _step(plain, _ExitsLate(0.01), cpu_ms=5000)
     assert not plain.judged_on and not facts.ceiling_oom
     oom = _CountingCgroup()
-    oom.oom_kills = 1
+    oom.oom_count = 1
     facts = await _step(oom, _ExitsLate(0.01), cpu_ms=5000)
     assert facts.oom_kills == 1 and facts.ceiling_oom
     assert oom.judged_on and loop_thread not in oom.judged_on
+
+
+async def test_without_group_oom_kills_one_oom_kill_ends_the_whole_step() -> None:
+    # cgroup v1 has no memory.oom.group: the kernel kills one process and the rest of the
+    # program runs on (a verdict v2 never gives). The clocks' tick ends the rest.
+    v1 = _CountingCgroup()
+    v1.oom_kills_whole_job = False
+    asyncio.get_running_loop().call_later(0.15, setattr, v1, "oom_count", 1)
+    started = time.monotonic()
+    facts = await _step(v1, _ExitsLate(1.0), cpu_ms=5000)
+    assert facts.fired == "memory" and v1.killed_at is not None and v1.killed_at - started < 0.5
+    assert judge_run(facts).outcome == Outcome.MEMORY_EXCEEDED and judge_run(facts).killed_by == "memory"
+    # With the kernel's group kill there is nothing to do: the step ends when the jail does.
+    v2 = _CountingCgroup()
+    asyncio.get_running_loop().call_later(0.15, setattr, v2, "oom_count", 1)
+    facts = await _step(v2, _ExitsLate(0.4), cpu_ms=5000)
+    assert facts.fired is None and facts.oom_kills == 1
 
 
 class _EndsAtTheKill(_ExitsLate):

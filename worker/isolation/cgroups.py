@@ -422,6 +422,8 @@ class JobCgroup:
         # highest sample, unless the kernel's peak passed what it was at the reset
         # (`_peak_floor`): then that is the job's.
         self.samples_memory = False
+        # Whether one OOM kill ends the whole job (v2's memory.oom.group): set_limits decides.
+        self.oom_kills_whole_job = False
         self._peak_floor: int | None = None
         self._sampled_peak = 0
 
@@ -552,6 +554,7 @@ class JobCgroup:
             # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
             if self._has(self.v2_dir / "memory.oom.group"):
                 self._limit(self.v2_dir / "memory.oom.group", "1")
+                self.oom_kills_whole_job = True
             return
         mem = self.v1_dirs["memory"]
         if self._has(mem / "memory.swappiness"):

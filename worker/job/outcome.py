@@ -50,7 +50,7 @@ def judge_run(facts: StepFacts, heap_ran_out: bool = False) -> RunVerdict:
         return RunVerdict(Outcome.TIMED_OUT, timed_out=True, killed_by="wall")
     if facts.fired == "idle":
         return RunVerdict(Outcome.IDLE_TIMED_OUT, idle_timed_out=True, killed_by="idle")
-    if facts.oom_kills > 0 and exit_info.signal == "SIGKILL":
+    if facts.fired == "memory" or (facts.oom_kills > 0 and exit_info.signal == "SIGKILL"):
         return RunVerdict(Outcome.MEMORY_EXCEEDED, killed_by="memory", message=CEILING_MESSAGE if facts.ceiling_oom else None)
     if exit_info.exit_code is None and exit_info.signal is None:
         return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure: " + "; ".join(exit_info.errors))
@@ -73,7 +73,7 @@ def judge_compile_failure(facts: StepFacts) -> RunVerdict:
     exit_info = facts.exit
     if facts.fired == "user":
         return RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")
-    if facts.fired is None and not exit_info.backstop_fired:
+    if facts.fired in (None, "memory") and not exit_info.backstop_fired:
         if exit_info.exit_code is None and exit_info.signal is None:
             return RunVerdict(Outcome.INTERNAL_ERROR, message="sandbox failure while compiling: " + "; ".join(exit_info.errors))
         if facts.oom_kills > 0 and facts.ceiling_oom:

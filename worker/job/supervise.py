@@ -113,7 +113,7 @@ class Activity:
 @dataclass
 class StepFacts:
     exit: JailExit
-    fired: str | None  # "wall" | "cpu" | "idle" | "user" | None
+    fired: str | None  # "wall" | "cpu" | "idle" | "memory" | "user" | None
     duration_ms: int
     cpu_ms: int
     memory_kb: int
@@ -419,6 +419,9 @@ async def supervise(
         cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
         sample_memory = cgroup.samples_memory
+        # Without the kernel's group OOM kill (cgroup v1), one OOM kill leaves the rest of the
+        # program running, a verdict unlike v2's: the worker ends the rest itself, at a tick.
+        oom_by_hand = not cgroup.oom_kills_whole_job
         killed = False
         try:
             while fired is None:
@@ -429,6 +432,8 @@ async def supervise(
                     fired = "cpu"
                 elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
                     fired = "idle"
+                if oom_by_hand and (fired or now >= cpu_read_at) and cgroup.oom_kills() > 0:
+                    fired = "memory"  # (a clock firing after the OOM kill came too late)
                 if fired:
                     ended_at = now
                     break
