@@ -402,6 +402,11 @@ async def supervise(
     async with _memory_for(memory, cgroup, inbox, parked_until):
         loop = asyncio.get_running_loop()
         cpu_base = cgroup.cpu_us()
+        # Without the kernel's group OOM kill (cgroup v1), one OOM kill leaves the rest of the
+        # program running, a verdict unlike v2's: the worker ends the rest itself, at a tick.
+        # (Counted from here: a compile in the same cgroup may have had one its driver survived.)
+        oom_by_hand = not cgroup.oom_kills_whole_job
+        oom_base = cgroup.oom_kills() if oom_by_hand else 0
         fired: str | None = "user" if _take_kill(inbox) else None
         if fired is None:
             jail.go(program)
@@ -419,9 +424,6 @@ async def supervise(
         cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
         sample_memory = cgroup.samples_memory
-        # Without the kernel's group OOM kill (cgroup v1), one OOM kill leaves the rest of the
-        # program running, a verdict unlike v2's: the worker ends the rest itself, at a tick.
-        oom_by_hand = not cgroup.oom_kills_whole_job
         killed = False
         try:
             while fired is None:
@@ -432,7 +434,7 @@ async def supervise(
                     fired = "cpu"
                 elif idle_s is not None and now - activity.last >= idle_s and not activity.handing_over:
                     fired = "idle"
-                if oom_by_hand and (fired or now >= cpu_read_at) and cgroup.oom_kills() > 0:
+                if oom_by_hand and (fired or now >= cpu_read_at) and cgroup.oom_kills() > oom_base:
                     fired = "memory"  # (a clock firing after the OOM kill came too late)
                 if fired:
                     ended_at = now
