@@ -44,11 +44,15 @@ READ_SIZE = 65536
 # After a read smaller than this, wait this long before reading again (see _pump).
 COALESCE_BELOW = 8192
 COALESCE_S = 0.002
-# ... and this long once the step has handed over this many reads: a program alternating
-# tiny writes between its two streams makes an event of each (the two are never merged),
-# up to ~1,000 a second, each 30-40 B of log in Redis besides its text (10 MB over a 300 s
-# wall clock for a few KB of output). Past the first few thousand, about 80 a second.
-CHATTY_AFTER = 2000
+# ... and this long once the step hands over more than CHATTY_PER_S reads within a second,
+# until a second with fewer than CALM_PER_S: a program alternating tiny writes between its
+# two streams makes an event of each (the two are never merged), up to ~1,000 a second, each
+# 30-40 B of log in Redis and ~170 us of worker and Redis CPU besides its text (10 MB and a
+# minute of CPU over a 300 s wall clock for a few KB of output); gathered, about 80 a second.
+# A rate, not a count: a long interactive session is never slowed for what it printed long
+# ago, and one burst slows only the second or so after it.
+CHATTY_PER_S = 200
+CALM_PER_S = 20
 CHATTY_COALESCE_S = 0.025
 # How long a read that ends mid-line waits for the rest of the line.
 PARTIAL_LINE_S = 0.003
@@ -104,10 +108,25 @@ class Activity:
         self.last = now
         self.handing_over = 0
         self.handed_over = 0  # reads handed over so far
+        self.chatty = False  # (see CHATTY_PER_S)
+        self._second_began = now
+        self._in_second = 0  # reads handed over since _second_began
 
     def touch(self) -> None:
         # (never earlier than it was: a plain jail's clock starts after its runtime's start-up)
         self.last = max(self.last, asyncio.get_running_loop().time())
+
+    def count_hand_over(self) -> None:
+        self.handed_over += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._second_began >= 1.0:
+            # (more than two seconds ago: a whole second with none came between)
+            if self._in_second < CALM_PER_S or now - self._second_began >= 2.0:
+                self.chatty = False
+            self._second_began, self._in_second = now, 0
+        self._in_second += 1
+        if self._in_second > CHATTY_PER_S:
+            self.chatty = True
 
 
 @dataclass
@@ -209,7 +228,7 @@ class _Pump:
             await self.on_data(data)
         finally:
             activity.handing_over -= 1
-            activity.handed_over += 1
+            activity.count_hand_over()
         activity.touch()  # the idle window starts once the worker took it, not before
 
 
@@ -306,7 +325,7 @@ async def _drain_dropped(me: _Pump, pumps: _Pumps) -> bool:
 
 
 def _hold_s(activity: Activity) -> float:
-    return COALESCE_S if activity.handed_over < CHATTY_AFTER else CHATTY_COALESCE_S
+    return CHATTY_COALESCE_S if activity.chatty else COALESCE_S
 
 
 async def _rest_of_line(me: _Pump) -> bool:
