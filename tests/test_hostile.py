@@ -669,7 +669,7 @@ int main(int argc, char **argv) {
 # B9: socket buffers. Each child fills the send buffers of socket pairs until its descriptors
 # run out: about 230 KB a socket, some 390 MB in all, which the job's processes do not hold as
 # resident memory. The children that are still alive at the end held theirs at the same time
-# (they sleep after filling them); the parent adds up what those sent. Unless the kernel
+# (they sleep 4 s after filling them); the parent adds up what those sent. Unless the kernel
 # charges the buffers to the job's cgroup, all 28 live and hold 390 MB past its limit.
 SOCKET_BUFFERS_C = r"""
 #include <stdio.h>
@@ -701,7 +701,7 @@ int main(void) {
             char line[48];
             int len = snprintf(line, sizeof line, "%d %ld\n", (int)getpid(), n);
             write(report[1], line, len);
-            sleep(2);
+            sleep(4);
             _exit(0);
         }
     }
@@ -730,6 +730,24 @@ r = subprocess.run([sys.executable, "-c", "hog = []\\nwhile True: hog.append(b'x
 print("child ended", r.returncode, flush=True)
 time.sleep(1.5)
 print("the parent survived")
+"""
+
+CHILD_BALLOON_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/wait.h>
+int main(void) {
+    pid_t child = fork();
+    if (child == 0) {
+        for (;;) { char *p = malloc(16 << 20); if (p) memset(p, 1, 16 << 20); }
+    }
+    int status;
+    waitpid(child, &status, 0);
+    printf("child ended by signal %d\n", WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    return 0;
+}
 """
 
 HUGE_FILE_C = r"""
@@ -899,12 +917,17 @@ CASES = [
     Case("B9-c-socket-buffers", "c", SOCKET_BUFFERS_C,
          # (Charged, the kernel's OOM killer ends children at the limit, and the job with them;
          # or, failing the sends, leaves the survivors holding no more than the limit.)
+         # (Every child lives, or the job ended: a send that fails at the limit ends no child.)
          both(where(lambda o: o["outcome"] == "memory_exceeded"
-                    or int(o["stdout"].split()[1]) <= 132 << 20,
-                    "socket buffers charged to the job (killed at its limit), not to the host"))),
+                    or (len(words := o["stdout"].split()) == 3 and int(words[1]) <= 132 << 20 and words[2] == "28"),
+                    "socket buffers charged to the job (killed at its limit), not to the host")),
+         limits={"idleMs": 7000}),
     Case("B10-python-child-balloon", "python", CHILD_BALLOON_PY,
          both(expect(outcome="memory_exceeded", killedBy="memory", signal="SIGKILL"),
               where(lambda o: "survived" not in o["stdout"], "the whole job ended at the child's OOM kill"))),
+    # (Within milliseconds, before the worker's first look at its OOM counter on v1.)
+    Case("B10-c-child-balloon-parent-exits", "c", CHILD_BALLOON_C,
+         both(expect(outcome="memory_exceeded", killedBy="memory"))),
     Case("B8-python-hostile-names-and-depth", "python", HOSTILE_NAMES_PY,
          both(expect(outcome="completed", exitCode=0, stdout="deep\n"))),
     # ---- C. output and stdin

@@ -87,6 +87,10 @@ RUN_TABLE = [
     ("SIGKILL without an OOM kill is the program's own affair", facts(exited(sig="SIGKILL")), COMPLETED),
     ("OOM kill of a child, program exited 1", facts(exited(1), oom_kills=1), COMPLETED),
     ("OOM kill of a child, program aborted", facts(exited(sig="SIGABRT"), oom_kills=1), COMPLETED),
+    # Without the kernel's group OOM kill (v1) the worker ends the rest of the job itself.
+    ("the worker ended the job at an OOM kill", facts(exited(sig="SIGKILL"), "memory", oom_kills=1), MEMORY),
+    ("OOM kill of a child, program exited before a tick", facts(exited(0), "memory", oom_kills=1), MEMORY),
+    ("the worker ended it at a ceiling OOM", facts(exited(sig="SIGKILL"), "memory", oom_kills=1, ceiling_oom=True), CEILING),
     # Plain ends.
     ("exit 0", facts(exited(0)), COMPLETED),
     ("exit 1", facts(exited(1)), COMPLETED),
@@ -172,6 +176,8 @@ COMPILE_TABLE = [
     ("exit 0 as a kill request came", facts(exited(0), "user"), False),
     ("exit 0 as the idle clock fired", facts(exited(0), "idle"), False),
     ("OOM-killed compiler", facts(exited(sig="SIGKILL"), oom_kills=1), False),
+    ("compiler's child OOM-killed, the driver ended by the worker", facts(exited(sig="SIGKILL"), "memory", oom_kills=1), False),
+    ("compiler's child OOM-killed, the driver exited 0 before a tick", facts(exited(0), "memory", oom_kills=1), False),
 ]
 
 
@@ -196,6 +202,7 @@ COMPILE_FAILURE_TABLE = [
     ("backstop", facts(exited(sig="SIGKILL", backstop=True)), COMPILE_ERROR),
     ("its own memory limit", facts(exited(sig="SIGKILL"), oom_kills=1), COMPILE_ERROR),
     ("its own limit, the driver exited by itself", facts(exited(1), oom_kills=1), COMPILE_ERROR),
+    ("its own limit, the rest ended by the worker", facts(exited(sig="SIGKILL"), "memory", oom_kills=1), COMPILE_ERROR),
     ("a clock fired with nothing reported", facts(exited(), "wall"), COMPILE_ERROR),
     # A kill request.
     ("user", facts(exited(sig="SIGKILL"), "user"), RunVerdict(Outcome.KILLED, killed_by="user", message="killed while compiling")),
@@ -209,6 +216,11 @@ COMPILE_FAILURE_TABLE = [
     (
         "the ceiling on all jobs",
         facts(exited(sig="SIGKILL"), oom_kills=1, ceiling_oom=True),
+        RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE),
+    ),
+    (
+        "the ceiling, the rest ended by the worker (v1)",
+        facts(exited(sig="SIGKILL"), "memory", oom_kills=1, ceiling_oom=True),
         RunVerdict(Outcome.INTERNAL_ERROR, message="while compiling, " + CEILING_MESSAGE),
     ),
     (

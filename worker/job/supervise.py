@@ -423,7 +423,8 @@ async def supervise(
         cpu_base = cgroup.cpu_us()
         # Without the kernel's group OOM kill (cgroup v1), one OOM kill leaves the rest of the
         # program running, a verdict unlike v2's: the worker ends the rest itself, at a tick.
-        # (Counted from here: a compile in the same cgroup may have had one its driver survived.)
+        # (Counted from here: a prestarted runtime's warm-up is not the job's.) And when the
+        # program ended before a tick saw the kill: see the end of the step.
         oom_by_hand = not cgroup.oom_kills_whole_job
         oom_base = cgroup.oom_kills() if oom_by_hand else 0
         fired: str | None = "user" if _take_kill(inbox) else None
@@ -539,6 +540,9 @@ async def supervise(
         counters = cgroup.counters(judge_ceiling=False)
         if counters.oom_kills:
             counters = await off_loop(cgroup.counters)  # (see JobCgroup.counters)
+        if fired is None and oom_by_hand and counters.oom_kills > oom_base:
+            # (A parent that outlived its child's OOM kill by less than a tick: v2 ends it too.)
+            fired = "memory"
         return StepFacts(
             exit=exit_info,
             fired=fired,
