@@ -295,6 +295,19 @@ def test_a_compile_error_ends_the_batch(api: Api, realtime: Realtime) -> None:
     assert result["summary"] == {"passed": 0, "failed": 1, "skipped": 0, "verdict": "compile_error"}
 
 
+def test_a_compiled_program_too_deep_to_copy_is_a_compile_error(api: Api, realtime: Realtime) -> None:
+    # Found by fuzzing: a Java package of 70 components compiles, but the classes it leaves
+    # nest deeper than a batch copies into its cases (MAX_SNAPSHOT_DEPTH). That ended the
+    # job internal_error, which says the platform failed and the job may be sent again.
+    package = ".".join(["p"] * 70)
+    source = f"package {package};\npublic class Main {{ public static void main(String[] a) {{ System.out.println(1); }} }}\n"
+    body = {"language": "java", "files": [{"name": "Main.java", "content": source}], "tests": [{"expectedOutput": "1\n"}]}
+    result, _ = run(api, realtime, body)
+    assert result["outcome"] == "compile_error", result
+    assert "nests folders deeper than 64" in result["message"] and result["compile"]["exitCode"] == 0
+    assert [case["verdict"] for case in result["tests"]] == ["compile_error"]
+
+
 @pytest.mark.slow
 def test_a_batchs_kept_output_is_bounded_and_charged_to_its_owner(make_stack: StackFactory) -> None:
     # Three cases each write 100 000 bytes under outputKb 128: each verdict sees all of it,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
 
-__all__ = ["Workspace", "WorkspaceError", "detach_workspace"]
+__all__ = ["SnapshotTooBig", "Workspace", "WorkspaceError", "detach_workspace"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,11 @@ MAX_SNAPSHOT_DEPTH = 64
 
 class WorkspaceError(Exception):
     """The workspace could not be created or staged (a platform failure, not the program's)."""
+
+
+class SnapshotTooBig(WorkspaceError):
+    """What a compile left is past what a test batch copies into its cases (too many bytes,
+    files, or levels of folders): the submission's doing, not the platform's."""
 
 
 class Workspace:
@@ -84,7 +89,7 @@ class Workspace:
         for reading: O_NONBLOCK, then fstat), and the total is capped.
 
         Raises:
-            WorkspaceError: over `max_bytes` or `max_files`, or folders nested deeper than
+            SnapshotTooBig: over `max_bytes` or `max_files`, or folders nested deeper than
                 MAX_SNAPSHOT_DEPTH (each level holds a descriptor while its folders are
                 read, and the walk recurses).
         """
@@ -96,7 +101,7 @@ class Workspace:
         def walk(dir_fd: int, prefix: str, depth: int = 0) -> None:
             nonlocal total
             if depth > MAX_SNAPSHOT_DEPTH:
-                raise WorkspaceError(f"the compiled workspace nests folders deeper than {MAX_SNAPSHOT_DEPTH}")
+                raise SnapshotTooBig(f"it nests folders deeper than {MAX_SNAPSHOT_DEPTH}")
             for entry in sorted(os.listdir(dir_fd)):
                 try:
                     fd = os.open(entry, flags, dir_fd=dir_fd)
@@ -109,7 +114,7 @@ class Workspace:
                     elif stat.S_ISREG(info.st_mode):
                         total += info.st_size
                         if total > max_bytes or len(files) >= max_files:
-                            raise WorkspaceError(f"the compiled workspace is over {max_bytes} bytes or {max_files} files")
+                            raise SnapshotTooBig(f"it is over {max_bytes} bytes or {max_files} files (each hard link in full)")
                         chunks = []
                         while chunk := os.read(fd, 1 << 20):
                             chunks.append(chunk)

@@ -54,7 +54,7 @@ from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
 from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
-from worker.isolation.workspace import WorkspaceError
+from worker.isolation.workspace import SnapshotTooBig, WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, summarize
 from worker.job.blobs import Blob
@@ -900,6 +900,10 @@ class JobRun:
         if plan.compile is not None:
             try:
                 files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
+            except SnapshotTooBig as exc:
+                # (A Java package of 70 components, say: it compiled, but cannot be copied.)
+                await self._finish_without_run(Outcome.COMPILE_ERROR, f"the compiled program cannot be copied into the test cases: {exc}")
+                return
             except (WorkspaceError, OSError) as exc:
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"could not copy the compiled program: {exc}")
                 return
