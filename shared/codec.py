@@ -82,7 +82,21 @@ def decode_stored(cls: type[T], raw: bytes | str) -> T:
     return json_decoder(cls).decode(raw)
 
 
+# How much of what the client sent an error repeats (a field's name, a bad value): a
+# 10 MB unknown key or enum value came back twice, in the detail and in the sentence.
+ECHO_CHARS = 200
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
+
+
 def _field_error(text: str) -> FieldError:
+    error = _field_error_unclipped(text)
+    return FieldError(_clip(error.field), _clip(error.message))
+
+
+def _field_error_unclipped(text: str) -> FieldError:
     match = _PATH.match(text)
     message = match.group("message") if match else text
     path = (match.group("path") or "").lstrip(".") if match else ""

@@ -187,6 +187,17 @@ def test_request_decoding_names_fields() -> None:
         with pytest.raises(ValidationError) as info:
             decode_request(ExecuteRequest, body)
         assert info.value.details[0].field == field, info.value.details
+    # What the client sent comes back clipped: a 10 MB key or enum value came back twice.
+    huge = "k" * (10 << 20)
+    for body in [
+        b'{"language":"python","files":[{"name":"a","content":"x"}],"%s":1}' % huge.encode(),
+        b'{"language":"python","files":[{"name":"a","content":"x"}],"compare":"%s"}' % huge.encode(),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            decode_request(ExecuteRequest, body)
+        detail = info.value.details[0]
+        assert len(detail.field) <= 201 and len(detail.message) <= 201 and len(info.value.sentence) <= 403, detail
+        assert detail.field.startswith(("kkk", "compare"))
 
 
 def test_settings_errors_name_the_variable() -> None:
