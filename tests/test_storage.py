@@ -134,8 +134,8 @@ def test_a_jobs_log_is_on_its_owners_ledger_at_what_redis_keeps_of_it(make_stack
     # MAX_RETAINED_OUTPUT_MB, was ten times too loose for such output).
     stack = make_stack()
     api = Api(stack)
-    # (Paced under the worker's CHATTY_PER_S, past which its pumps gather for longer.)
-    code = "import os, time\nfor i in range(1100):\n    os.write(1 + i % 2, b'x')\n    time.sleep(0.0055)\n"
+    # (The worker gathers such a program's writes after its first few hundred: CHATTY_BURST.)
+    code = "import os, time\nfor i in range(2000):\n    os.write(1 + i % 2, b'x')\n    time.sleep(0.0015)\n"
     try:
         job = api.execute(py_job(code, limits={"wallTimeMs": 20000}))
         api.start(job)
@@ -146,7 +146,7 @@ def test_a_jobs_log_is_on_its_owners_ledger_at_what_redis_keeps_of_it(make_stack
             kept = int(redis.memory_usage(keys.events_key(job["jobId"]), samples=0))
             events = int(redis.xlen(keys.events_key(job["jobId"])))
         print(f"{events} events: {kept} B kept, {counted} B counted")
-        assert events > 900, events  # (the writes did come as many events)
+        assert events > 300, events  # (the writes did come as many events)
         assert kept <= counted <= 2 * kept, (kept, counted)
     finally:
         api.close()

@@ -1209,41 +1209,44 @@ def test_a_program_writing_line_by_line_wakes_the_pump_once_per_gathered_batch(l
 
 
 async def test_a_step_is_gathered_longer_only_while_it_stays_chatty() -> None:
-    # A rate, not a count: a long interactive session (here 3,000 outputs over five minutes)
-    # is never slowed for what it printed; a burst is, and a calm second ends that.
-    from worker.job.supervise import CHATTY_COALESCE_S, CHATTY_PER_S
+    # A bucket, not a count: a long interactive session (3,000 outputs over five minutes) is
+    # never slowed for what it printed; a burst is, and so is a program paced just under a
+    # rate (a rule of one-second windows let 199 a second through for good); calm ends it.
+    from worker.job.supervise import CHATTY_BURST, CHATTY_COALESCE_S, CHATTY_REFILL_PER_S
 
     loop = asyncio.get_running_loop()
     now = [1000.0]
     loop.time = lambda: now[0]  # type: ignore[method-assign]
+
+    def hand_overs_until_chatty(activity: Activity, apart_s: float, most: int) -> int:
+        for n in range(1, most + 1):
+            now[0] += apart_s
+            activity.count_hand_over()
+            if activity.chatty:
+                return n
+        return most + 1
+
     try:
         session = Activity(now[0])
-        for _ in range(3000):
-            now[0] += 0.1
-            session.count_hand_over()
-            assert not session.chatty
+        assert hand_overs_until_chatty(session, 0.1, 3000) == 3001
         burst = Activity(now[0])
-        for _ in range(CHATTY_PER_S):
-            now[0] += 0.002
-            burst.count_hand_over()
-        assert not burst.chatty
-        burst.count_hand_over()
-        assert burst.chatty
+        assert CHATTY_BURST < hand_overs_until_chatty(burst, 0.001, 1000) <= CHATTY_BURST * 1.1
         for _ in range(200):  # gathered: two streams, a hand-over each a hold, for 5 s
-            now[0] += CHATTY_COALESCE_S
+            now[0] += CHATTY_COALESCE_S / 2
             burst.count_hand_over()
             assert burst.chatty
-        for _ in range(8):  # an interactive pace again
+        for _ in range(3):  # an interactive pace again: chatty until the bucket is half full
             now[0] += 0.3
             burst.count_hand_over()
-        assert not burst.chatty
-        for _ in range(CHATTY_PER_S + 1):
-            now[0] += 0.001
-            burst.count_hand_over()
         assert burst.chatty
-        now[0] += 5.0  # and a long silence
+        now[0] += CHATTY_BURST / 2 / CHATTY_REFILL_PER_S
         burst.count_hand_over()
         assert not burst.chatty
+        paced = Activity(now[0])  # just under 200 a second, for as long as it likes
+        assert hand_overs_until_chatty(paced, 1 / 199, 10 * 199) < 2 * 199
+        now[0] += 5.0  # and a long silence
+        paced.count_hand_over()
+        assert not paced.chatty
     finally:
         del loop.time  # type: ignore[method-assign]
 
@@ -1252,11 +1255,11 @@ async def test_a_step_is_gathered_longer_only_while_it_stays_chatty() -> None:
 def test_a_step_that_keeps_alternating_tiny_writes_is_gathered_longer(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Red team: one byte at a time, alternately to stdout and stderr, 1.5 ms apart, made an
     # event of nearly every write (the two streams are never merged), 400-850 a second, each
-    # 30-40 B of log in Redis besides its byte. Past CHATTY_PER_S hand-overs in a second, a step's pumps
+    # 30-40 B of log in Redis besides its byte. Past a burst of CHATTY_BURST hand-overs, a step's pumps
     # gather for CHATTY_COALESCE_S instead: a few hand-overs a hold, in the order written.
     from worker.job import supervise as supervise_module
 
-    monkeypatch.setattr(supervise_module, "CHATTY_PER_S", 100)
+    monkeypatch.setattr(supervise_module, "CHATTY_BURST", 100)
     monkeypatch.setattr(supervise_module, "CHATTY_COALESCE_S", 0.05)
     writes, handed, took = 1200, [], []
 

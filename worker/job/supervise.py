@@ -44,15 +44,17 @@ READ_SIZE = 65536
 # After a read smaller than this, wait this long before reading again (see _pump).
 COALESCE_BELOW = 8192
 COALESCE_S = 0.002
-# ... and this long once the step hands over more than CHATTY_PER_S reads within a second,
-# until a second with fewer than CALM_PER_S: a program alternating tiny writes between its
-# two streams makes an event of each (the two are never merged), up to ~1,000 a second, each
-# 30-40 B of log in Redis and ~170 us of worker and Redis CPU besides its text (10 MB and a
-# minute of CPU over a 300 s wall clock for a few KB of output); gathered, about 80 a second.
-# A rate, not a count: a long interactive session is never slowed for what it printed long
-# ago, and one burst slows only the second or so after it.
-CHATTY_PER_S = 200
-CALM_PER_S = 20
+# ... and this long while the step is chatty: its hand-overs come faster than a bucket of
+# CHATTY_BURST refilled at CHATTY_REFILL_PER_S can pay for, until it holds half of that
+# again. A program alternating tiny writes between its two streams makes an event of each
+# (the two are never merged), up to ~1,000 a second, each 30-40 B of log in Redis and ~170 us
+# of worker and Redis CPU besides its text (10 MB and a minute of CPU over a 300 s wall clock
+# for a few KB of output); gathered, about 80 a second at most (two streams, an event each a
+# hold), as many as a program paced at 80 writes a second makes either way (a rule of
+# windows let one paced just under its threshold make 200). A bucket, not a count: a long
+# interactive session is never slowed for what it printed long ago.
+CHATTY_BURST = 200
+CHATTY_REFILL_PER_S = 40
 CHATTY_COALESCE_S = 0.025
 # How long a read that ends mid-line waits for the rest of the line.
 PARTIAL_LINE_S = 0.003
@@ -108,9 +110,9 @@ class Activity:
         self.last = now
         self.handing_over = 0
         self.handed_over = 0  # reads handed over so far
-        self.chatty = False  # (see CHATTY_PER_S)
-        self._second_began = now
-        self._in_second = 0  # reads handed over since _second_began
+        self.chatty = False  # (see CHATTY_BURST)
+        self._tokens = float(CHATTY_BURST)
+        self._counted_at = now
 
     def touch(self) -> None:
         # (never earlier than it was: a plain jail's clock starts after its runtime's start-up)
@@ -119,14 +121,13 @@ class Activity:
     def count_hand_over(self) -> None:
         self.handed_over += 1
         now = asyncio.get_running_loop().time()
-        if now - self._second_began >= 1.0:
-            # (more than two seconds ago: a whole second with none came between)
-            if self._in_second < CALM_PER_S or now - self._second_began >= 2.0:
-                self.chatty = False
-            self._second_began, self._in_second = now, 0
-        self._in_second += 1
-        if self._in_second > CHATTY_PER_S:
+        tokens = min(CHATTY_BURST, self._tokens + max(0.0, now - self._counted_at) * CHATTY_REFILL_PER_S)
+        self._counted_at = now
+        if tokens < 1:
             self.chatty = True
+        elif tokens >= CHATTY_BURST / 2:
+            self.chatty = False
+        self._tokens = max(0.0, tokens - 1)
 
 
 @dataclass
