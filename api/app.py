@@ -27,7 +27,7 @@ from api.realtime import RealtimePublisher
 from api.routes import OUTPUT_WAIT_SLICE_MS, routes
 from api.state import AppState
 from api.store import JobStore
-from api.streams import StreamSlots
+from api.streams import EventPace, StreamSlots
 from leanredis import BlockingLeanRedis, LeanRedis
 from shared.errors import ConfigError
 from shared.paths import profiles_dir
@@ -122,6 +122,7 @@ def create_app(settings: Settings) -> Starlette:
             blobs=BlobStore(redis, settings),
         )
         app.state.event_streams = StreamSlots.event_streams(settings)
+        app.state.event_pace = EventPace(settings.max_event_rate_per_principal)
         app.state.output_waits = StreamSlots.output_waits(settings)
         app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
         app.state.blob_uploads = StreamSlots.blob_uploads(settings)

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.state import AppState
 from api.store import JobStore
-from api.streams import StreamSlot, StreamSlots
+from api.streams import EventPace, StreamSlot, StreamSlots
 from shared.errors import FieldError, ValidationError
 from shared.eventlog import entry_json
 from shared.messages import TERMINAL_STATES
@@ -39,7 +39,7 @@ def _after(request: Request) -> int:
     return int(raw)
 
 
-async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator[bytes]:
+async def _stream(store: JobStore, job_id: str, after_seq: int, pace: EventPace, caller: str) -> AsyncIterator[bytes]:
     # A resume starts where the client left off, not at the log's first entry.
     cursor = await store.seek_events(job_id, after_seq) if after_seq >= 0 else "0"
     backlog = True
@@ -57,6 +57,7 @@ async def _stream(store: JobStore, job_id: str, after_seq: int) -> AsyncIterator
             if status is None:
                 return
             continue
+        await pace.spend(caller, len(entries))
         for entry_id, seq, name, fields in entries:
             cursor = entry_id
             if seq > after_seq:
@@ -105,4 +106,5 @@ async def job_events(request: Request) -> Response:
         slots.check(status.job_id, principal.caller)
         return Response(media_type="text/event-stream", headers=_HEADERS)
     slot = slots.acquire(status.job_id, principal.caller)
-    return _AdmittedStream(_stream(state.store, status.job_id, after_seq), slot)
+    pace: EventPace = request.app.state.event_pace
+    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, principal.caller), slot)

@@ -18,16 +18,21 @@ caller may hold the per-caller number on each process.
 Waiting long-polls get the same rules from their own slots and their own pool
 (`MAX_OUTPUT_WAITS`, `MAX_OUTPUT_WAITS_PER_PRINCIPAL`, the per-job bound shared), so no
 number of them can take a connection from an event stream, nor one caller all of them.
+
+What a caller's streams send is paced too (`EventPace`): a stream costs the API about 10 us
+an event whatever its client does with it, and a client reconnecting to replay a long log
+from the start, 32 streams at a time, could keep an API process's loop busy for everyone.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from api.errors import ApiError
 from shared.settings import Settings
 
-__all__ = ["RETRY_AFTER_MS", "StreamSlot", "StreamSlots"]
+__all__ = ["RETRY_AFTER_MS", "EventPace", "StreamSlot", "StreamSlots"]
 
 # What a refused client is told to wait: streams end when their job does, so a short retry
 # usually finds room.
@@ -131,3 +136,30 @@ def _refused(status: int, message: str) -> ApiError:
     return ApiError(
         status, message, headers={"Retry-After": str(-(-RETRY_AFTER_MS // 1000))}, retryAfterMs=RETRY_AFTER_MS
     )
+
+
+class EventPace:
+    """At most `per_s` events a second from one caller's streams together, after a burst of
+    as many (a bucket refilled at `per_s`): a stream past it waits before sending on, which
+    the caller's other streams then wait behind too. Per API process, like the slots."""
+
+    # Callers remembered at most; past it, those whose bucket has refilled are forgotten.
+    KEEP = 1024
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, when)
+
+    def _refilled(self, principal: str, now: float) -> float:
+        tokens, at = self._buckets.get(principal, (float(self.per_s), now))
+        return min(float(self.per_s), tokens + (now - at) * self.per_s)
+
+    async def spend(self, principal: str, events: int) -> None:
+        now = asyncio.get_running_loop().time()
+        tokens = self._refilled(principal, now) - events
+        self._buckets[principal] = (tokens, now)
+        if len(self._buckets) > self.KEEP:
+            for caller in [c for c in self._buckets if self._refilled(c, now) >= self.per_s]:
+                del self._buckets[caller]
+        if tokens < 0:
+            await asyncio.sleep(-tokens / self.per_s)

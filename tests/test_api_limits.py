@@ -152,6 +152,36 @@ def test_a_head_of_the_event_stream_answers_at_once_and_holds_no_stream(api: Api
         assert client.head(f"/v1/jobs/{job['jobId']}/events").status_code == 401
 
 
+def test_a_callers_replays_are_paced_and_another_callers_are_not(make_stack: StackFactory) -> None:
+    # A stream costs the API ~10 us an event: a caller's streams together send at most
+    # MAX_EVENT_RATE_PER_PRINCIPAL a second (after a burst of as many), each caller apart.
+    stack = make_stack(MAX_EVENT_RATE_PER_PRINCIPAL="100")
+    api = Api(stack)
+    try:
+        # Alternating one-byte writes: a few hundred events (the worker gathers the rest).
+        code = "import os, time\nfor i in range(2000):\n    os.write(1 + i % 2, b'x')\n    time.sleep(0.0015)\n"
+        job = api.execute(py_job(code, limits={"wallTimeMs": 20000}))
+        api.start(job)
+        assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
+        began = time.monotonic()
+        events = api.replay(job)
+        took = time.monotonic() - began
+        assert events[-1][0] == "result" and len(events) > 250, len(events)
+        assert took >= (len(events) - 100) / 100 * 0.9, (len(events), took)
+        # The job's token is another caller: its bucket is full, whatever the owner spent.
+        with httpx.Client(base_url=stack.api_url, timeout=30) as client:
+            began = time.monotonic()
+            response = _open_stream(client, job, job["jobToken"])
+            try:
+                assert response.status_code == 200
+                first = next(response.iter_lines())
+            finally:
+                response.close()
+            assert first.startswith("id: ") and time.monotonic() - began < 1.0
+    finally:
+        api.close()
+
+
 def test_small_pool_is_503_before_any_byte_and_admitted_streams_never_break(make_stack: StackFactory) -> None:
     stack = make_stack(MAX_EVENT_STREAMS="4", MAX_EVENT_STREAMS_PER_JOB="2", MAX_EVENT_STREAMS_PER_PRINCIPAL="2")
     api = Api(stack)

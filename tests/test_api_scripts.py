@@ -23,6 +23,7 @@ from redis.exceptions import OutOfMemoryError
 
 import api.store as store_module
 from api.store import JobStore, ScriptCall
+from api.streams import EventPace
 from launcher.stack import Stack
 from leanredis import LeanRedis
 from shared import keys
@@ -652,6 +653,9 @@ async def _a_log(redis: Redis, outputs: int, fields: dict[str, bytes]) -> str:
     return job_id
 
 
+UNPACED = EventPace(10**9)
+
+
 async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
     redis: Redis, store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -667,12 +671,33 @@ async def test_an_sse_resume_reads_the_log_from_where_the_client_left_off(
         return found
 
     monkeypatch.setattr(store, "events", counted)
-    sent = [frame async for frame in _stream(store, job_id, 297)]
+    sent = [frame async for frame in _stream(store, job_id, 297, UNPACED, "c")]
     assert [frame.split(b"\n", 1)[0] for frame in sent] == [b"id: 298", b"id: 299", b"id: 300"]
     assert read == [298, 299, 300]  # not the 298 entries before them
     read.clear()
-    assert len([frame async for frame in _stream(store, job_id, -1)]) == 301
+    assert len([frame async for frame in _stream(store, job_id, -1, UNPACED, "c")]) == 301
     assert read == list(range(301))
+
+
+async def test_a_callers_event_streams_are_paced_together_and_apart_from_others(redis: Redis, store: JobStore) -> None:
+    # Amplification audit: a stream costs the API ~10 us an event, and a client replaying a
+    # long log from its start, 32 streams at a time and again, kept its loop busy for all.
+    from api.events import _stream
+
+    job_id = await _a_log(redis, 300, {"data": b'{"chunk":"x"}'})
+    pace = EventPace(200)  # (301 events: a burst of 200, then 200 a second)
+
+    async def replay(caller: str) -> float:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        assert len([frame async for frame in _stream(store, job_id, -1, pace, caller)]) == 301
+        return loop.time() - began
+
+    alone = await replay("a")
+    apart = await asyncio.gather(replay("b"), replay("c"))
+    together = await asyncio.gather(replay("d"), replay("d"))
+    assert 0.4 <= alone < 1.5 and all(0.4 <= took < 1.5 for took in apart), (alone, apart)
+    assert max(together) >= 1.9, together  # (602 events: 200, then 402 at 200 a second)
 
 
 async def test_an_sse_catch_up_reads_a_big_log_a_bounded_piece_at_a_time(
@@ -695,7 +720,7 @@ async def test_an_sse_catch_up_reads_a_big_log_a_bounded_piece_at_a_time(
 
     monkeypatch.setattr(store, "events", measured)
     frames = 0
-    async for frame in _stream(store, job_id, -1):
+    async for frame in _stream(store, job_id, -1, UNPACED, "c"):
         frames += 1
         if frames == 1:
             assert frame.startswith(b"id: 0\nevent: stdout\ndata: ") and frame.count(b"\\u0001") == 8192
