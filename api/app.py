@@ -122,7 +122,7 @@ def create_app(settings: Settings) -> Starlette:
             blobs=BlobStore(redis, settings),
         )
         app.state.event_streams = StreamSlots.event_streams(settings)
-        app.state.event_pace = EventPace(settings.max_event_rate_per_principal)
+        app.state.event_pace = EventPace(settings.max_event_rate)
         app.state.output_waits = StreamSlots.output_waits(settings)
         app.state.artifact_downloads = StreamSlots.artifact_downloads(settings)
         app.state.blob_uploads = StreamSlots.blob_uploads(settings)

@@ -39,7 +39,7 @@ def _after(request: Request) -> int:
     return int(raw)
 
 
-async def _stream(store: JobStore, job_id: str, after_seq: int, pace: EventPace, caller: str) -> AsyncIterator[bytes]:
+async def _stream(store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str) -> AsyncIterator[bytes]:
     # A resume starts where the client left off, not at the log's first entry.
     cursor = await store.seek_events(job_id, after_seq) if after_seq >= 0 else "0"
     backlog = True
@@ -57,7 +57,7 @@ async def _stream(store: JobStore, job_id: str, after_seq: int, pace: EventPace,
             if status is None:
                 return
             continue
-        await pace.spend(caller, len(entries))
+        await pace.spend(pace_key, len(entries))
         for entry_id, seq, name, fields in entries:
             cursor = entry_id
             if seq > after_seq:
@@ -107,4 +107,7 @@ async def job_events(request: Request) -> Response:
         return Response(media_type="text/event-stream", headers=_HEADERS)
     slot = slots.acquire(status.job_id, principal.caller)
     pace: EventPace = request.app.state.event_pace
-    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, principal.caller), slot)
+    # (Paced by the job's owner, whose token and every job token it was given share a
+    # bucket: keyed by caller, each job token's own full bucket multiplied the pace.)
+    paced_as = status.owner or principal.caller
+    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, paced_as), slot)

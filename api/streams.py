@@ -19,9 +19,10 @@ Waiting long-polls get the same rules from their own slots and their own pool
 (`MAX_OUTPUT_WAITS`, `MAX_OUTPUT_WAITS_PER_PRINCIPAL`, the per-job bound shared), so no
 number of them can take a connection from an event stream, nor one caller all of them.
 
-What a caller's streams send is paced too (`EventPace`): a stream costs the API about 10 us
-an event whatever its client does with it, and a client reconnecting to replay a long log
-from the start, 32 streams at a time, could keep an API process's loop busy for everyone.
+What a job owner's streams send is paced too (`EventPace`, its token and its jobs' tokens
+together): a stream costs the API about 10 us an event whatever its client does with it,
+and a client reconnecting to replay a long log from the start, 32 streams at a time, could
+keep an API process's loop busy for everyone.
 """
 
 from __future__ import annotations
@@ -139,27 +140,32 @@ def _refused(status: int, message: str) -> ApiError:
 
 
 class EventPace:
-    """At most `per_s` events a second from one caller's streams together, after a burst of
-    as many (a bucket refilled at `per_s`): a stream past it waits before sending on, which
-    the caller's other streams then wait behind too. Per API process, like the slots."""
+    """At most `per_s` events a second from the streams of one key (a job's owner) together,
+    after a burst of as many (a bucket refilled at `per_s`): a stream past it waits before
+    sending on, which the key's other streams then wait behind too. Per API process, like
+    the slots."""
 
-    # Callers remembered at most; past it, those whose bucket has refilled are forgotten.
+    # Keys remembered before those whose bucket has refilled are forgotten (looked for at
+    # most once a second: a scan at every spend, with that many buckets still refilling,
+    # would cost each spend the whole table).
     KEEP = 1024
 
     def __init__(self, per_s: int) -> None:
         self.per_s = per_s
-        self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, when)
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, when)
+        self._pruned_at = 0.0
 
-    def _refilled(self, principal: str, now: float) -> float:
-        tokens, at = self._buckets.get(principal, (float(self.per_s), now))
+    def _refilled(self, key: str, now: float) -> float:
+        tokens, at = self._buckets.get(key, (float(self.per_s), now))
         return min(float(self.per_s), tokens + (now - at) * self.per_s)
 
-    async def spend(self, principal: str, events: int) -> None:
+    async def spend(self, key: str, events: int) -> None:
         now = asyncio.get_running_loop().time()
-        tokens = self._refilled(principal, now) - events
-        self._buckets[principal] = (tokens, now)
-        if len(self._buckets) > self.KEEP:
-            for caller in [c for c in self._buckets if self._refilled(c, now) >= self.per_s]:
-                del self._buckets[caller]
+        tokens = self._refilled(key, now) - events
+        self._buckets[key] = (tokens, now)
+        if len(self._buckets) > self.KEEP and now - self._pruned_at >= 1.0:
+            self._pruned_at = now
+            for key in [k for k in self._buckets if self._refilled(k, now) >= self.per_s]:
+                del self._buckets[key]
         if tokens < 0:
             await asyncio.sleep(-tokens / self.per_s)

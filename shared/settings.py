@@ -71,9 +71,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # one job token), counted per API process, so no caller can hold the whole pool.
     max_event_streams_per_job: int = 4
     max_event_streams_per_principal: int = 32
-    # Events one caller's streams send together a second (after a burst of as many), per
-    # API process: a replay costs the API ~10 us an event, whatever the client does with it.
-    max_event_rate_per_principal: int = 20000
+    # Events the streams of one owner's jobs (its token and every job token) send together a
+    # second, after a burst of as many, per API process (one API token: all of them): a
+    # replay costs the API ~10 us an event, whatever the client does with it.
+    max_event_rate: int = 20000
     # Artifact downloads under way at once per API process, and for one job.
     max_artifact_downloads: int = 64
     max_artifact_downloads_per_job: int = 8
@@ -341,7 +342,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "MAX_EVENT_STREAMS": ("max_event_streams", _positive_int),
     "MAX_EVENT_STREAMS_PER_JOB": ("max_event_streams_per_job", _positive_int),
     "MAX_EVENT_STREAMS_PER_PRINCIPAL": ("max_event_streams_per_principal", _positive_int),
-    "MAX_EVENT_RATE_PER_PRINCIPAL": ("max_event_rate_per_principal", _positive_int),
+    "MAX_EVENT_RATE": ("max_event_rate", _positive_int),
     "MAX_ARTIFACT_DOWNLOADS": ("max_artifact_downloads", _positive_int),
     "MAX_ARTIFACT_DOWNLOADS_PER_JOB": ("max_artifact_downloads_per_job", _positive_int),
     "MAX_OUTPUT_WAITS": ("max_output_waits", _positive_int),

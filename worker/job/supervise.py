@@ -47,12 +47,13 @@ COALESCE_S = 0.002
 # ... and this long while the step is chatty: its hand-overs come faster than a bucket of
 # CHATTY_BURST refilled at CHATTY_REFILL_PER_S can pay for, until it holds half of that
 # again. A program alternating tiny writes between its two streams makes an event of each
-# (the two are never merged), up to ~1,000 a second, each 30-40 B of log in Redis and ~170 us
+# (the two are never merged), up to ~1,000 a second, each 30-45 B of log in Redis and ~170 us
 # of worker and Redis CPU besides its text (10 MB and a minute of CPU over a 300 s wall clock
 # for a few KB of output); gathered, about 80 a second at most (two streams, an event each a
 # hold), as many as a program paced at 80 writes a second makes either way (a rule of
 # windows let one paced just under its threshold make 200). A bucket, not a count: a long
-# interactive session is never slowed for what it printed long ago.
+# interactive session is never slowed for what it printed long ago; a step is slowed only
+# past 200 hand-overs plus 40 a second (what it prints at once is one hand-over or a few).
 CHATTY_BURST = 200
 CHATTY_REFILL_PER_S = 40
 CHATTY_COALESCE_S = 0.025
