@@ -165,7 +165,7 @@ class EventPace:
         self._buckets[key] = (tokens, now)
         if len(self._buckets) > self.KEEP and now - self._pruned_at >= 1.0:
             self._pruned_at = now
-            for key in [k for k in self._buckets if self._refilled(k, now) >= self.per_s]:
-                del self._buckets[key]
+            for refilled in [k for k in self._buckets if self._refilled(k, now) >= self.per_s]:
+                del self._buckets[refilled]
         if tokens < 0:
             await asyncio.sleep(-tokens / self.per_s)

@@ -700,6 +700,19 @@ async def test_a_callers_event_streams_are_paced_together_and_apart_from_others(
     assert max(together) >= 1.9, together  # (602 events: 200, then 402 at 200 a second)
 
 
+async def test_an_event_pace_forgets_refilled_keys_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (A scan at every spend, while more than KEEP buckets were refilling, cost each spend
+    # the whole table.)
+    monkeypatch.setattr(EventPace, "KEEP", 10)
+    pace = EventPace(1000)
+    for n in range(50):
+        await pace.spend(f"job-token-{n}", 1)
+    assert len(pace._buckets) == 50  # (none refilled at the first look; no second within 1 s)
+    await asyncio.sleep(1.1)
+    await pace.spend("owner", 1)
+    assert list(pace._buckets) == ["owner"]
+
+
 async def test_an_sse_catch_up_reads_a_big_log_a_bounded_piece_at_a_time(
     redis: Redis, store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
