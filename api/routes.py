@@ -377,11 +377,18 @@ async def send_stdin(request: Request) -> Response:
 def _bytes_sent_along(body: bytes) -> str | None:
     """The field of a close's body that carries input (`chunk` or `data`, not empty), which
     the close would drop; None for any other body (empty, `{}`, a placeholder), ignored as
-    it always was."""
+    it always was.
+
+    Raises:
+        ValidationError: a body that is not JSON, or an array: what it holds cannot be told,
+            and may be input the close would drop with a 200 (found by fuzzing).
+    """
     try:
         sent = json.loads(body) if body.strip() else None
     except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
-        return None
+        raise ValidationError([FieldError("body", "is not valid JSON: send no body, or an object")]) from None
+    if isinstance(sent, list):
+        raise ValidationError([FieldError("body", "must be an object (or no body at all)")])
     if isinstance(sent, dict):
         for field in ("chunk", "data"):
             if isinstance(sent.get(field), str) and sent[field]:

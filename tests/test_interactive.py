@@ -205,6 +205,10 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
     # Bytes sent along with a close would be dropped: refused, and nothing is closed.
     refused = api.post(f"/v1/jobs/{job['jobId']}/stdin/close", token=job["jobToken"], json={"chunk": "last line\n"})
     assert refused.status_code == 400 and refused.json()["details"][0]["field"] == "chunk", refused.text
+    # So would bytes in a body that cannot be read as an object (fuzzing: each was a 200).
+    for body in (b'{"chunk": "x"} junk', b'[{"chunk": "x"}]', b'{"pad": ' + b"[" * 5000 + b"]" * 5000 + b', "chunk": "x"}'):
+        refused = api.post(f"/v1/jobs/{job['jobId']}/stdin/close", token=job["jobToken"], content=body)
+        assert refused.status_code == 400 and refused.json()["details"][0]["field"] == "body", refused.text
     # Once the program reads, the bytes are written and the cap frees up.
     api.start(job)
     deadline = time.monotonic() + 10
