@@ -1433,7 +1433,9 @@ def test_output_past_a_spent_budget_is_read_in_few_big_reads(loop_kind: str, mon
 
         try:
             started = time.monotonic()
-            drops = supervise_module._Drops(lambda: True, program_ended)
+            # (A cgroup whose limit rises: this test is about the pipe.)
+            room = SimpleNamespace(raise_memory_limit=lambda size: None)
+            drops = supervise_module._Drops(lambda: True, program_ended, room)  # type: ignore[arg-type]
             await asyncio.wait_for(_pump(reader, on_data, Activity(0.0), supervise_module._Pumps(drops)), 30)
             # (all of it read: dropped, only each read's end handed over, for a stderr's tail)
             assert writer.wait(5) == 0 and (sum(handed) == size if ended else max(handed) <= StreamTail.SIZE), handed

@@ -151,7 +151,7 @@ class _Drops:
     program's (with 14 MiB of its own under memoryMb 16, a program flooding both streams
     was killed at its limit once its pipes were widened)."""
 
-    def __init__(self, spent: Callable[[], bool], ended: asyncio.Future[None], cgroup: JobCgroup | None = None) -> None:
+    def __init__(self, spent: Callable[[], bool], ended: asyncio.Future[None], cgroup: JobCgroup) -> None:
         self.spent = spent
         self.ended = ended
         self.cgroup = cgroup
@@ -161,8 +161,6 @@ class _Drops:
 
     async def room(self, size: int) -> bool:
         """Raise the step's memory limit by `size`; whether a pipe may be widened by that."""
-        if self.cgroup is None:
-            return True
         # (Past what the memory admission holds for the step: within the room it keeps a
         # slot for what is not a program's own, see memory.py.)
         try:
