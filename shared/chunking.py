@@ -101,6 +101,11 @@ class Utf8Chunker:
                 high = mid - 1
         return low
 
+    @property
+    def pending(self) -> bytes:
+        """The unfinished character held back for the next feed."""
+        return self._pending
+
     def drop_pending(self) -> int:
         """Forget the unfinished character held back (its rest will never come); its length."""
         dropped, self._pending = len(self._pending), b""

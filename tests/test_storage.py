@@ -397,3 +397,28 @@ def test_the_output_limit_never_cuts_a_character_in_half(make_stack: StackFactor
         assert case.get("stdoutEncoding", "utf8") == "utf8", case
     finally:
         api.close()
+
+
+def test_nothing_written_after_the_output_limits_cut_goes_out(make_stack: StackFactory) -> None:
+    # Two invalid bytes cross the 1 KiB limit (their text, six bytes, does not fit the two
+    # left): the cut falls two bytes short of it. A later write's first two bytes went out
+    # after the hole before, in the events, the log and the pullable stdout.
+    stack = make_stack(WORKER_MAX_SANDBOXES="2")
+    api = Api(stack)
+    code = (
+        "import os, time\n"
+        "os.write(1, b'a' * 1022 + b'\\x80\\x80REST\\n')\n"
+        "time.sleep(0.3)\n"
+        "os.write(1, b'later\\n')\n"
+    )
+    try:
+        job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 1}))
+        api.start(job)
+        result = api.wait_state(job, {"done"})["result"]
+        assert result["truncated"] is True and result["outcome"] == "completed", result
+        live = "".join(p["chunk"] for n, p in api.replay(job) if n == "stdout")
+        assert live == "a" * 1022
+        out = api.get(f"/v1/jobs/{job['jobId']}/output").json()
+        assert out["stdout"] == "a" * 1022, out
+    finally:
+        api.close()

@@ -2286,6 +2286,44 @@ def test_invalid_bytes_are_charged_as_the_text_they_go_out_as() -> None:
     assert "".join(budget.feed("stdout", "\ufffd".encode() * 3)) == "\ufffd" * 3 and budget.left == 0
 
 
+def test_nothing_after_the_output_budgets_cut_goes_out() -> None:
+    # An invalid byte crossing the limit cut the output short of it (its text did not fit
+    # the bytes left), and later reads still let that many bytes through: the events and
+    # the kept stdout were no longer a prefix of what the program wrote.
+    from worker.job.output import CompileOutput, OutputBudget
+
+    budget = OutputBudget(1024, keep_bytes=True)
+    chunks = budget.feed("stdout", b"a" * 1022 + b"\x80\x80REST\n")
+    assert budget.truncated
+    chunks += budget.feed("stdout", b"later\n") + budget.feed("stderr", b"E\n")
+    chunks += budget.flush("stdout") + budget.flush("stderr")
+    assert "".join(chunks) == "a" * 1022
+    assert bytes(budget.data["stdout"]) == b"a" * 1022 and not budget.data["stderr"]
+    # The compiler's per-stream copies are cut the same way.
+    compile_output = CompileOutput(512)
+    compile_output.feed(b"a" * 1022 + b"\x80\x80REST\n")
+    compile_output.feed(b"later\n")
+    compile_output.flush()
+    assert compile_output.stream_text("stdout") == "a" * 1022
+
+
+def test_an_unfinished_character_at_a_streams_end_stays_within_the_budget() -> None:
+    # Held back, it was charged its own bytes; published as U+FFFD it is more.
+    from worker.job.output import OutputBudget
+
+    budget = OutputBudget(4, keep_bytes=True)
+    chunks = budget.feed("stdout", b"abc") + budget.feed("stdout", b"\xe2") + budget.flush("stdout")
+    assert "".join(chunks) == "abc" and budget.truncated and bytes(budget.data["stdout"]) == b"abc"
+    budget = OutputBudget(8, keep_bytes=True)
+    chunks = budget.feed("stdout", b"abc\xf0\x80") + budget.flush("stdout")  # two U+FFFD: 6 bytes
+    assert "".join(chunks) == "abc" and budget.truncated
+    # Where it fits, it goes out and is charged as the text it is.
+    budget = OutputBudget(6, keep_bytes=True)
+    chunks = budget.feed("stdout", b"abc") + budget.feed("stdout", b"\xe2") + budget.flush("stdout")
+    assert "".join(chunks) == "abc\ufffd" and not budget.truncated and budget.left == 0
+    assert bytes(budget.data["stdout"]) == b"abc\xe2"
+
+
 async def test_a_cases_output_cut_never_keeps_half_a_character() -> None:
     from worker.job.batch import _CaseOutput
 

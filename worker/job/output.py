@@ -33,8 +33,6 @@ class OutputBudget:
         self._keep = keep_bytes
         self.data: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._chunkers = {"stdout": Utf8Chunker(), "stderr": Utf8Chunker()}
-        # Streams some of whose bytes the budget dropped.
-        self._cut: set[str] = set()
 
     def feed(self, stream: str, data: bytes) -> list[str]:
         """Account for bytes read from `stream`; returns the text chunks to publish.
@@ -42,40 +40,58 @@ class OutputBudget:
         The budget counts the text that goes out: an invalid byte is published as U+FFFD,
         three bytes of text, and charged as such (or a program writing 0xff would send three
         times outputKb through events and the log). The kept bytes are the ones whose text
-        went out, so binary output keeps about a third as many as text would.
+        went out, so binary output keeps about a third as many as text would. Once the
+        budget cuts, nothing after the cut goes out, on either stream: what was published
+        stays a prefix of what the program wrote, even when the cut fell short of the limit
+        (an invalid byte's text not fitting the bytes left).
         """
+        if self.truncated:
+            return []
         chunker = self._chunkers[stream]
-        if len(data) > self.left:
+        cut = len(data) > self.left
+        if cut:
             data = data[: self.left]
-            self.truncated = True
-            self._cut.add(stream)
         cost = chunker.cost(data)
         if cost > self.left:
             data = data[: chunker.fitting(data, self.left)]
             cost = chunker.cost(data)
-            self.truncated = True
-            self._cut.add(stream)
-        if not data:
-            return []
-        self.left -= cost
-        if self._keep:
-            self.data[stream] += data
-        return chunker.feed(data)
+            cut = True
+        chunks: list[str] = []
+        if data:
+            self.left -= cost
+            if self._keep:
+                self.data[stream] += data
+            chunks = chunker.feed(data)
+        if cut:
+            self.truncated, self.left = True, 0
+        return chunks
 
     def spent(self) -> bool:
         """Whether what comes now is dropped (the budget cut something)."""
         return self.truncated
 
     def flush(self, stream: str) -> list[str]:
-        """The text held back at the stream's end. On a stream the budget cut, an unfinished
-        character is the budget's doing (its rest was dropped), not the program's: it is
-        left out of both the events and the kept bytes, which then stay valid UTF-8 where
-        the program wrote it, instead of ending in U+FFFD (and turning the result to base64)."""
+        """The text held back at the stream's end.
+
+        After a cut, an unfinished character is the budget's doing (its rest was dropped),
+        not the program's: it is left out of both the events and the kept bytes, which then
+        stay valid UTF-8 where the program wrote it, instead of ending in U+FFFD (and turning
+        the result to base64). Otherwise it goes out as U+FFFD, which costs more than the
+        bytes it was charged as: where that does not fit what is left, it is dropped and the
+        output is truncated, so the events never pass the limit.
+        """
         chunker = self._chunkers[stream]
-        if stream in self._cut:
-            dropped = chunker.drop_pending()
-            if dropped and self._keep:
-                del self.data[stream][-dropped:]
+        pending = chunker.pending
+        if pending:
+            extra = len(pending.decode("utf-8", "replace").encode()) - len(pending)
+            if self.truncated or extra > self.left:
+                chunker.drop_pending()
+                if self._keep:
+                    del self.data[stream][-len(pending) :]
+                if not self.truncated:
+                    self.truncated, self.left = True, 0
+                return []
+            self.left -= extra
         return chunker.flush()
 
 
