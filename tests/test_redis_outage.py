@@ -87,3 +87,46 @@ def test_a_second_sigterm_during_an_outage_stops_the_worker_promptly(make_stack:
         assert len([n for n, _ in api.replay(job) if n == "result"]) == 1
     finally:
         api.close()
+
+
+def test_a_program_that_ended_keeps_its_verdict_and_output_when_the_grace_ends_mid_hand_over(
+    make_stack: StackFactory,
+) -> None:
+    # The program writes 1.1 MiB and exits while Redis is frozen: the flusher holds 1 MiB it
+    # cannot log, the pumps wait for it, the rest waits in the pipe. The worker's grace ends
+    # meanwhile and Redis comes back a second later. Before, the stop cancelled the pumps:
+    # the last 32 KiB never reached the log, and the result said `killed` (SIGKILL, by
+    # "user") for a program that had exited 0 by itself.
+    stack = make_stack(WORKER_SHUTDOWN_GRACE_MS="1000", WORKER_MAX_SANDBOXES="2")
+    api = Api(stack)
+    code = (
+        "import os, time\n"
+        "time.sleep(1)\n"
+        "for _ in range(17):\n"
+        "    os.write(1, b'x' * 65535 + b'\\n')\n"
+        "os.write(1, b'y' * 32767 + b'\\n')\n"
+    )
+    expected = ("x" * 65535 + "\n") * 17 + "y" * 32767 + "\n"
+    try:
+        job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 4096, "wallTimeMs": 20000}))
+        api.start(job)
+        api.wait_state(job, {"running"}, timeout_s=10)
+        worker, redis_pid = stack.procs["worker"], stack.procs["redis"].pid
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.6)  # (the program has written it all and exited)
+            os.killpg(worker.pid, signal.SIGTERM)
+            time.sleep(1.9)  # (the grace ended 0.9 s ago)
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        worker.wait(timeout=30)
+        status = api.wait_state(job, {"done", "killed", "lost", "error"}, timeout_s=20)
+        result = status["result"]
+        assert result["outcome"] == "completed" and result["exitCode"] == 0, result
+        assert result["truncated"] is False and "killedBy" not in result, result
+        log = api.replay(job)
+        assert [p["seq"] for _, p in log] == list(range(len(log)))
+        assert "".join(p["chunk"] for n, p in log if n == "stdout") == expected
+        assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == expected
+    finally:
+        api.close()

@@ -65,7 +65,7 @@ from worker.job.output import CompileOutput, OutputBudget, StreamTail, output_en
 from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
-from worker.job.supervise import Activity, Clocks, StepFacts, supervise
+from worker.job.supervise import Activity, Clocks, StepFacts, StepStopped, supervise
 from worker.messaging.control import Subscription
 from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead
 from worker.tasks import cancel_and_wait, raise_if_cancelled
@@ -823,6 +823,7 @@ class JobRun:
                 # (nor is the start-up of a plain one's runtime: Sandbox.load).
                 uncharged=self.sandbox.uncharged,
                 output_spent=self.budget.spent,
+                drain_on_stop_s=FINISH_ON_CANCEL_S,
             )
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))
@@ -830,6 +831,11 @@ class JobRun:
             # Only now: a run whose last output never reached the log is not reported as if
             # all of it had (a cancel during this flush: see below).
             self._ran = (facts, compiled)
+        except StepStopped as stopped:
+            # The stop came once the program had ended, while its output was still being
+            # handed over: with all of it read (facts), its flush below decides.
+            facts = stopped.facts
+            raise
         finally:
             feed.stop()
             if await self._settle_output(flusher) and facts is not None and self._ran is None:

@@ -32,7 +32,7 @@ from worker.isolation.sandbox import Uncharged
 from worker.job.output import StreamTail
 from worker.tasks import cancel_and_wait
 
-__all__ = ["Activity", "Clocks", "StepFacts", "cpu_clock_due_at", "supervise"]
+__all__ = ["Activity", "Clocks", "StepFacts", "StepStopped", "cpu_clock_due_at", "supervise"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,17 @@ class StepFacts:
     oom_kills: int
     # The OOM kills were the deployment's ceiling on all jobs, not the job's own limit.
     ceiling_oom: bool = False
+
+
+class StepStopped(asyncio.CancelledError):
+    """The step was cancelled (its worker stopping) after its program had ended. `facts` are
+    the step's when its pipes were read to their end before it gave up (so everything the
+    program wrote was handed over), else None. A CancelledError, so a caller that does not
+    look for it ends as cancelled as before."""
+
+    def __init__(self, facts: StepFacts | None) -> None:
+        super().__init__()
+        self.facts = facts
 
 
 class _Drops:
@@ -394,6 +405,7 @@ async def supervise(
     parked_until: asyncio.Event | None = None,
     uncharged: Uncharged = CHARGED_IN_FULL,
     output_spent: Callable[[], bool] | None = None,
+    drain_on_stop_s: float = 0.0,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -412,6 +424,11 @@ async def supervise(
 
     Once `output_spent()` (the step's output budget is spent), its pipes are read in few,
     big reads (_drain_dropped).
+
+    A cancel (the worker stopping) that comes once the program has ended, while what it
+    wrote is still being read and handed over (Redis slow), lets the pumps go on for up to
+    `drain_on_stop_s` more, then raises StepStopped with the step's facts if they reached
+    the pipes' ends: a program that ended by itself keeps its own verdict and output.
     """
     if uncharged.cpu_ms and program.rlimit_cpu_s:
         room_s = cpu_backstop_room_s(uncharged.cpu_ms / 1000)
@@ -444,7 +461,7 @@ async def supervise(
         cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
         sample_memory = cgroup.samples_memory
-        killed = False
+        killed = stopped = False
         try:
             while fired is None:
                 now = loop.time()
@@ -508,14 +525,12 @@ async def supervise(
                 exit_info = await jail.wait_program()
             # The pipes hold all there is: nothing that could write to them runs any more.
             jail.end_output()
-            handed = activity.handed_over
-            await asyncio.wait(readers, timeout=EXIT_GRACE_S)
-            while not all(t.done() for t in readers) and (activity.handing_over or activity.handed_over != handed):
-                # What the program wrote is still being handed over, and moving (Redis slow or
-                # away: the flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not
-                # stuck in a pipe nobody can read: wait for it rather than lose it.
-                handed = activity.handed_over
-                await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+            try:
+                await _read_to_the_end(readers, activity)
+            except asyncio.CancelledError:
+                if drain_on_stop_s > 0:
+                    await asyncio.shield(asyncio.wait(readers, timeout=drain_on_stop_s))
+                stopped = True
         finally:
             # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
             try:
@@ -533,6 +548,8 @@ async def supervise(
                 # hold the job forever; the stdin feeder also stops on a flag of its own.
                 await cancel_and_wait(children, CHILD_EXIT_S)
             outcomes = [t.exception() if t.done() and not t.cancelled() else None for t in children]
+        if stopped and (any(isinstance(o, Exception) for o in outcomes) or not all(t.done() and not t.cancelled() for t in readers)):
+            raise StepStopped(None)  # (some of what the program wrote was never handed over)
         for outcome in outcomes:
             # A pump that failed (e.g. the job was fenced off while publishing) ends the job.
             if isinstance(outcome, Exception):
@@ -543,7 +560,7 @@ async def supervise(
         if fired is None and oom_by_hand and counters.oom_kills > oom_base:
             # (A parent that outlived its child's OOM kill by less than a tick: v2 ends it too.)
             fired = "memory"
-        return StepFacts(
+        facts = StepFacts(
             exit=exit_info,
             fired=fired,
             duration_ms=max(0, round((ended_at - go_at) * 1000) - uncharged.wall_ms),
@@ -552,6 +569,22 @@ async def supervise(
             oom_kills=counters.oom_kills,
             ceiling_oom=counters.ceiling_oom,
         )
+        if stopped:
+            raise StepStopped(facts)
+        return facts
+
+
+async def _read_to_the_end(readers: list[asyncio.Task[None]], activity: Activity) -> None:
+    """Wait for the pumps to read the pipes to their ends (nothing writes to them any more)."""
+    handed = activity.handed_over
+    await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+    while not all(t.done() for t in readers) and (activity.handing_over or activity.handed_over != handed):
+        # What the program wrote is still being handed over, and moving (Redis slow or
+        # away: the flusher gives up, and the pump with it, after REDIS_OUTAGE_S), not
+        # stuck in a pipe nobody can read: wait for it rather than lose it.
+        handed = activity.handed_over
+        await asyncio.wait(readers, timeout=EXIT_GRACE_S)
+
 
 @contextlib.asynccontextmanager
 async def _memory_for(
