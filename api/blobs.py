@@ -198,17 +198,21 @@ async def _hashed_body(request: Request, limit: int, digest: str) -> bytes:
         ApiError: 413 past `limit` bytes (declared or streamed).
         ValidationError: naming `body` when it does not hash to `digest`.
     """
-    too_big = f"A blob must be at most {limit} bytes (MAX_FILES_BYTES, and no more than MAX_BLOB_STORAGE_MB)"
+    too_big = ApiError(
+        413,
+        f"A blob must be at most {limit} bytes (MAX_FILES_BYTES, and no more than MAX_BLOB_STORAGE_MB)",
+        details=[FieldError("body", f"must be at most {limit} bytes")],
+    )
     declared = declared_length(request)
     if declared is not None and declared > limit:
-        raise ApiError(413, too_big)
+        raise too_big
     sha = hashlib.sha256()
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, too_big)
+            raise too_big
         sha.update(chunk)
         chunks.append(chunk)
     if sha.hexdigest() != digest:

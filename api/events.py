@@ -31,11 +31,13 @@ _SEQ = re.compile(r"-?[0-9]{1,18}")
 
 
 def _after(request: Request) -> int:
-    raw = request.headers.get("last-event-id") or request.query_params.get("after")
+    field, raw = "Last-Event-ID", request.headers.get("last-event-id")
+    if not raw:
+        field, raw = "after", request.query_params.get("after")
     if raw is None or raw == "":
         return -1
     if not _SEQ.fullmatch(raw):
-        raise ValidationError([FieldError("after", "must be an integer event seq (Last-Event-ID or ?after=)")])
+        raise ValidationError([FieldError(field, "must be an integer event seq (Last-Event-ID or ?after=)")])
     return int(raw)
 
 

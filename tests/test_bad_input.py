@@ -156,18 +156,21 @@ def test_queue_full_is_429_after_validation(make_stack: StackFactory) -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "params", "headers"),
+    ("path", "params", "headers", "field"),
     [
-        ("/v1/jobs/{id}/events", {"after": "--1"}, {}),
-        ("/v1/jobs/{id}/events", {}, {"Last-Event-ID": "²".encode()}),
-        ("/v1/jobs/{id}/output", {"waitMs": "²"}, {}),
-        ("/v1/jobs/{id}/output", {"waitMs": "-5"}, {}),
+        ("/v1/jobs/{id}/events", {"after": "--1"}, {}, "after"),
+        ("/v1/jobs/{id}/events", {}, {"Last-Event-ID": "²".encode()}, "Last-Event-ID"),
+        ("/v1/jobs/{id}/events", {"after": "3"}, {"Last-Event-ID": "abc"}, "Last-Event-ID"),
+        ("/v1/jobs/{id}/output", {"waitMs": "²"}, {}, "waitMs"),
+        ("/v1/jobs/{id}/output", {"waitMs": "-5"}, {}, "waitMs"),
     ],
 )
-def test_odd_numbers_are_400_not_500(api: Api, path: str, params: dict, headers: dict) -> None:  # type: ignore[type-arg]
+def test_odd_numbers_are_400_not_500(api: Api, path: str, params: dict, headers: dict, field: str) -> None:  # type: ignore[type-arg]
+    # ...naming what the client sent: a bad Last-Event-ID header was said to be `after`.
     job = api.execute(py_job("print(1)", collectOutput=True))
     response = api.client.get(path.format(id=job["jobId"]), params=params, headers={**api.headers(), **headers})
     assert response.status_code == 400, response.text
+    assert response.json()["details"][0]["field"] == field, response.text
     api.start(job)
 
 

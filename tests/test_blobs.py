@@ -336,7 +336,9 @@ def test_blob_requests_refused_name_the_field_and_store_nothing(api: Api, stack:
     assert httpx.put(f"{stack.api_url}{sign_upload(stack.pusher_secret, owner, digest, int(time.time()) + 60)}", content=b"x").status_code == 400
     # bytes that are not what the link names
     _error(httpx.put(link, content=data + b"!"), 400, "body")
-    _error(httpx.put(link, content=b"x" * (8 * 1024 * 1024 + 1)), 413)
+    _error(httpx.put(link, content=b"x" * (8 * 1024 * 1024 + 1)), 413, "body")  # (declared too big)
+    streamed = (b"x" * 65536 for _ in range(8 * 16 + 1))  # (chunked: found too big as it comes)
+    _error(httpx.put(link, content=streamed), 413, "body")
     # nothing was stored by any of them
     assert _check(api, data)["present"] == []
     # execute: a ref to nothing, both content and ref, neither, a malformed ref
