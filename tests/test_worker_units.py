@@ -981,6 +981,63 @@ def _priming_pool(slots: int, first_prime: str, adopts: bool) -> tuple[_Recordin
     return factory, prime, pool
 
 
+async def test_a_runtime_that_failed_once_is_still_prestarted_and_still_charged_alike() -> None:
+    # One warm-up that did not come up (a runtime slow to start beside busy jobs) turned
+    # prestarting off for the worker's life on one slot only, and dropped the language's
+    # prime: every plain jail of it was charged its runtime's start-up from then on.
+    from worker.isolation.pool import PRIME_FAILURES_TO_STOP
+    from worker.isolation.sandbox import RuntimeFailed
+
+    class FailingRuntime(_FakeFactory):
+        def __init__(self, failures: int) -> None:
+            super().__init__()
+            self.failures = failures
+            self.primes: list[tuple[int, object]] = []
+
+        async def prepare(self, owner: str, slot: int, prime: object) -> _FakeSandbox:
+            self.primes.append((slot, prime))
+            if prime is not None and self.failures:
+                self.failures -= 1
+                raise RuntimeFailed("the prestarted python runtime failed: it did not come up")
+            sandbox = await super().prepare(owner, slot, prime)
+            sandbox.prime = prime
+            return sandbox
+
+    python = SimpleNamespace(language="python", adopts=lambda _program: True)
+    factory = FailingRuntime(failures=1)
+    pool = SandboxPool(factory, "w", slots=2, primes={"python": python}, first_prime="python")  # type: ignore[arg-type, dict-item]
+    pool.start()
+    await _turns(20)
+    assert factory.primes == [(0, python), (1, python), (0, None)]  # slot 0 plain this once
+    assert pool.prime_for("python") is python
+    taken = await pool.take(SimpleNamespace(), "python")  # type: ignore[arg-type]
+    pool.give_back(taken)
+    await _turns(20)
+    assert factory.primes[-1] == (taken.slot, python)  # a python job marks its slot again
+    await pool.close()
+    # Failing time after time (and nowhere coming up meanwhile), it stops: on every slot,
+    # and for jobs of it too.
+    factory = FailingRuntime(failures=PRIME_FAILURES_TO_STOP)
+    pool = SandboxPool(factory, "w", slots=2, primes={"python": python}, first_prime="python")  # type: ignore[arg-type, dict-item]
+    pool.start()
+    await _turns(20)
+
+    async def python_jobs_on_both_slots() -> None:
+        taken = [await pool.take(SimpleNamespace(), "python") for _ in range(2)]  # type: ignore[arg-type]
+        for sandbox in taken:
+            pool.give_back(sandbox)
+        await _turns(20)
+
+    while factory.failures:
+        await python_jobs_on_both_slots()
+    builds = len(factory.primes)
+    for _ in range(2):
+        await python_jobs_on_both_slots()
+    assert len(factory.primes) == builds + 4 and all(prime is None for _slot, prime in factory.primes[builds:])
+    assert pool.prime_for("python") is python  # (plain jails are still charged alike)
+    await pool.close()
+
+
 @pytest.fixture
 def short_pool_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("worker.isolation.pool.SATURATED_FOR_S", 0.2)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.isolation.jail import Program
-from worker.isolation.sandbox import MAX_IDLE_S, Prime, Sandbox, SandboxFactory
+from worker.isolation.sandbox import MAX_IDLE_S, Prime, RuntimeFailed, Sandbox, SandboxFactory
 
 __all__ = ["BUILD_CHECK_S", "SandboxPool", "SandboxesFailing"]
 
@@ -39,6 +39,10 @@ BUILD_CHECK_S = 0.5
 REPRIME_IDLE_S = 1.0
 # Started jobs that waited side by side for sandboxes this recently: the worker is saturated.
 SATURATED_FOR_S = 1.0
+# A language whose prestarted runtime failed to come up this many times in a row is not
+# prestarted again by this worker. One failure (a runtime slow to start beside busy jobs)
+# only makes that slot build its next sandbox plain.
+PRIME_FAILURES_TO_STOP = 3
 
 
 class SandboxesFailing(Exception):
@@ -67,7 +71,12 @@ class SandboxPool:
         self._factory = factory
         self._owner = owner
         self.slots = slots
+        # Every language's prime, kept for prime_for even once it is no longer prestarted.
         self._primes = primes or {}
+        # Languages no longer prestarted (PRIME_FAILURES_TO_STOP), and each language's
+        # runtime failures since its last warm-up that came up.
+        self._unprimed: set[str] = set()
+        self._prime_failures: dict[str, int] = {}
         # What each slot primes its next sandbox with (None: a plain one).
         self._slot_prime: dict[int, Prime | None] = {slot: self._primes.get(first_prime) for slot in range(slots)}
         self._ready: collections.deque[Sandbox] = collections.deque()
@@ -103,8 +112,13 @@ class SandboxPool:
 
     def prime_for(self, language: str) -> Prime | None:
         """The language's prime here, if it has one: a plain sandbox running what it would
-        have adopted leaves the runtime's start-up out of the job's charges too (Sandbox.load)."""
+        have adopted leaves the runtime's start-up out of the job's charges too (Sandbox.load),
+        also once the language is no longer prestarted here."""
         return self._primes.get(language)
+
+    def _prime_to_build(self, language: str) -> Prime | None:
+        """What a slot serving `language` primes its next sandbox with."""
+        return None if language in self._unprimed else self._primes.get(language)
 
     @property
     def waiting(self) -> int:
@@ -155,16 +169,9 @@ class SandboxPool:
             try:
                 sandbox = await self._factory.prepare(self._owner, slot, prime)
             except Exception as exc:
-                if prime is not None:
+                if prime is not None and isinstance(exc, RuntimeFailed):
                     # A runtime that will not start must not keep the slot from serving.
-                    self._slot_prime[slot] = None
-                    self._primes.pop(prime.language, None)
-                    log.error(
-                        "slot %d: the prestarted %s runtime failed (%s); not prestarting it again",
-                        slot,
-                        prime.language,
-                        exc,
-                    )
+                    self._runtime_failed(slot, prime, exc)
                     self._arm(slot)
                     return
                 self.builds_failed += 1
@@ -175,12 +182,28 @@ class SandboxPool:
             finally:
                 self._building -= 1
             self.builds_made += 1
+            if prime is not None:
+                self._prime_failures.pop(prime.language, None)
             if self._closed:
                 await sandbox.destroy()
                 return
             self._offer(sandbox)
 
         self._spawn(arm(), f"arm-slot-{slot}")
+
+    def _runtime_failed(self, slot: int, prime: Prime, exc: Exception) -> None:
+        """The slot builds plain next; after PRIME_FAILURES_TO_STOP in a row, every slot does
+        for that language (a job of it still marks its slot for it: see _prime_to_build)."""
+        self._slot_prime[slot] = None
+        failures = self._prime_failures[prime.language] = self._prime_failures.get(prime.language, 0) + 1
+        if failures < PRIME_FAILURES_TO_STOP:
+            log.warning("slot %d: %s; building it plain this time", slot, exc)
+            return
+        self._unprimed.add(prime.language)
+        for other, its_prime in self._slot_prime.items():
+            if its_prime is not None and its_prime.language == prime.language:
+                self._slot_prime[other] = None
+        log.error("slot %d: %s (%d times in a row); not prestarting %s again", slot, exc, failures, prime.language)
 
     def _prime_now(self, slot: int) -> Prime | None:
         """What `slot` builds now: its prime, unless the worker is saturated: jobs wait for
@@ -286,7 +309,7 @@ class SandboxPool:
     def _lend(self, sandbox: Sandbox, recall: Callable[[], None], program: Program | None, language: str) -> None:
         self._lent[sandbox.slot] = recall
         if language:
-            prime = self._primes.get(language)
+            prime = self._prime_to_build(language)
             self._slot_prime[sandbox.slot] = (
                 prime if prime is not None and program is not None and prime.adopts(program) else None
             )
@@ -375,7 +398,7 @@ class SandboxPool:
         if language:
             # The slot that serves this job primes its next sandbox for this language (if
             # jobs like this one could adopt that runtime).
-            prime = self._primes.get(language)
+            prime = self._prime_to_build(language)
             demand = prime if prime is not None and program is not None and prime.adopts(program) else None
         first_pass = True
         while True:

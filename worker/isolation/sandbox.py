@@ -39,6 +39,7 @@ from worker.isolation.workspace import Workspace
 __all__ = [
     "GateBuildError",
     "Prime",
+    "RuntimeFailed",
     "Sandbox",
     "SandboxFactory",
     "ShimBuilds",
@@ -67,6 +68,10 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 class GateBuildError(Exception):
     """The jail gate or the cgroup entry helper could not be compiled (no C compiler?)."""
+
+
+class RuntimeFailed(JailError):
+    """A warm jail was built, but the runtime it prestarts did not come up in it."""
 
 
 def owner_of(name: str) -> str | None:
@@ -714,6 +719,9 @@ class SandboxFactory:
                 wall_ms = round((time.monotonic() - go_at) * 1000)
                 sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
                 prime.startup.record(await off_loop(_startup_cost, cgroup, cpu_at_go_us, wall_ms))
+            except Exception as exc:
+                await asyncio.shield(sandbox.destroy())
+                raise RuntimeFailed(f"the prestarted {prime.language} runtime failed: {exc}") from exc
             except BaseException:
                 await asyncio.shield(sandbox.destroy())
                 raise
