@@ -8,6 +8,7 @@ own, so these tests see exactly what a worker does; they need root, cgroups and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import secrets
@@ -30,8 +31,8 @@ from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 pytestmark = [pytest.mark.sandbox]
 
 
-@pytest.fixture
-async def factory() -> AsyncIterator[SandboxFactory]:
+@contextlib.asynccontextmanager
+async def _factory(**env: str) -> AsyncIterator[SandboxFactory]:
     name = "coderunner-teardown-" + secrets.token_hex(3)
     settings = load_settings(
         {
@@ -40,6 +41,7 @@ async def factory() -> AsyncIterator[SandboxFactory]:
             "SANDBOX_WORK_ROOT": f"/run/{name}",
             "SANDBOX_UID_BASE": str(190000 + 10 * secrets.randbelow(1000)),
             "WORKER_MAX_SANDBOXES": "2",
+            **env,
         }
     )
     built, _runtimes = await preflight(settings, "teardown")
@@ -49,6 +51,12 @@ async def factory() -> AsyncIterator[SandboxFactory]:
         if built.uid_lease is not None:
             built.uid_lease.close()
         remove_deployment(name)
+
+
+@pytest.fixture
+async def factory() -> AsyncIterator[SandboxFactory]:
+    async with _factory() as built:
+        yield built
 
 
 def _open_fds() -> set[str]:
@@ -275,3 +283,40 @@ async def test_nsjails_own_time_limit_is_told_apart_from_a_kill(
 
 async def _discard(data: bytes) -> None:
     pass
+
+
+async def test_a_plain_jail_whose_start_up_is_uncharged_has_room_for_it_under_its_cpu_maximum() -> None:
+    # A plain jail running what a prestarted runtime would have adopted leaves the runtime's
+    # start-up out of the job's charges, and its program's CPU rlimit gets that back: but the
+    # jail's own rlimit (which caps the gate's) had no room over the maximum, so a busy job
+    # at MAX_CPU_MS with a start-up of a second or more was SIGKILLed by the rlimit before its
+    # CPU clock fired, and judged `completed` by a signal instead of `timed_out`.
+    import msgspec
+
+    from shared.limits import DEFAULT_LIMITS
+    from worker.isolation.sandbox import Prime, StartupCost
+    from worker.job.outcome import judge_run
+
+    async with _factory(MAX_CPU_MS="2000") as factory:
+        limits = msgspec.structs.replace(DEFAULT_LIMITS, cpu_ms=2000, wall_time_ms=20000, idle_ms=20000)
+        program = Program(argv=["/bin/sh", "-c", "while :; do :; done"], env={}, **factory.program_rlimits(limits))
+        stand_in = Prime(language="sh", shim="sh", prefix=("/bin/sh", "-c"), program=Program(argv=["/bin/sh", "-c", ":"], env={}))
+        for _ in range(5):
+            stand_in.startup.record(StartupCost(resident_bytes=0, cpu_ms=1200, wall_ms=5))
+        sandbox = await factory.prepare("roomy", 0)
+        try:
+            await sandbox.load([("main.sh", b":")], limits, program, stand_in=stand_in)
+            assert sandbox.uncharged.cpu_ms == 1200
+            step = supervise(
+                sandbox.jail,
+                sandbox.cgroup,
+                program,
+                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=None),
+                [(sandbox.jail.stdout, _discard), (sandbox.jail.stderr, _discard)],
+                asyncio.Queue(),
+                uncharged=sandbox.uncharged,
+            )
+            facts = await asyncio.wait_for(step, 30)
+        finally:
+            await sandbox.destroy()
+    assert facts.fired == "cpu" and judge_run(facts).outcome.value == "timed_out", facts

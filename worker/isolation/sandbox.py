@@ -697,10 +697,10 @@ class SandboxFactory:
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
         mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime and not prime.workspace_files else []
-        # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room too.
-        limits = self.max_limits
-        if prime is not None:
-            limits = msgspec.structs.replace(limits, cpu_ms=limits.cpu_ms + PRESTART_CPU_ROOM_MS)
+        # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room, and so does
+        # the program of a plain jail whose runtime's start-up is left uncharged (Sandbox.load
+        # with a stand-in): the gate lowers every program's own to what it may have.
+        limits = msgspec.structs.replace(self.max_limits, cpu_ms=self.max_limits.cpu_ms + PRESTART_CPU_ROOM_MS)
         try:
             cgroup, jail = await self._launch(name, uid, workspace, limits, merge_stderr=False, mounts=mounts, new_workspace=True)
         except BaseException:
