@@ -320,3 +320,54 @@ async def test_a_plain_jail_whose_start_up_is_uncharged_has_room_for_it_under_it
         finally:
             await sandbox.destroy()
     assert facts.fired == "cpu" and judge_run(facts).outcome.value == "timed_out", facts
+
+
+async def _a_step_after_the_jail_ended() -> tuple[object, object]:
+    """A real sandbox whose jail is ended (its cgroup killed) before its go, then its step."""
+    from worker.isolation.offload import off_loop
+    from worker.job.outcome import judge_run
+
+    async with _factory() as factory:
+        sandbox = await factory.prepare("early", 0)
+        try:
+            await off_loop(sandbox.cgroup.kill)
+            await asyncio.wait_for(sandbox.jail.wait(), 10)
+            step = supervise(
+                sandbox.jail,
+                sandbox.cgroup,
+                Program(argv=["/bin/echo", "hi"], env={}),
+                Clocks(wall_ms=5000, cpu_ms=5000, idle_ms=None),
+                [(sandbox.jail.stdout, _discard), (sandbox.jail.stderr, _discard)],
+                asyncio.Queue(),
+                feed_stdin=_no_stdin,
+            )
+            facts = await asyncio.wait_for(step, 15)
+        finally:
+            await sandbox.destroy()
+    return facts, judge_run(facts)
+
+
+async def _no_stdin(_activity: object) -> None:
+    await asyncio.sleep(0)
+
+
+async def test_a_jail_that_ended_before_its_go_ran_nothing_and_says_so() -> None:
+    # nsjail's backstop during a long wait for memory, or the ceiling's OOM killer, can end a
+    # jail before its go: the step was judged `completed` by SIGKILL (the stock loop), and
+    # the job `lost` (uvloop's pipe raises on the go; the worker runs uvloop), for a program
+    # that never ran: the platform failed before user code, which is internal_error.
+    from shared.messages import Outcome
+
+    facts, verdict = await _a_step_after_the_jail_ended()
+    assert verdict.outcome is Outcome.INTERNAL_ERROR, verdict  # type: ignore[attr-defined]
+    assert facts.exit.program_ran is False and facts.fired is None, facts  # type: ignore[attr-defined]
+
+
+def test_a_jail_that_ended_before_its_go_ran_nothing_under_uvloop_too() -> None:
+    import uvloop
+
+    from shared.messages import Outcome
+
+    facts, verdict = uvloop.run(_a_step_after_the_jail_ended())
+    assert facts.exit.program_ran is False, facts  # type: ignore[attr-defined]
+    assert verdict.outcome is Outcome.INTERNAL_ERROR, verdict  # type: ignore[attr-defined]

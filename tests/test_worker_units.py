@@ -366,8 +366,9 @@ class _ExitsLate:
         self.reap_after_s = reap_after_s
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def go(self, program: Program) -> None:
+    def go(self, program: Program) -> bool:
         asyncio.get_running_loop().call_later(self.reap_after_s, self.ended.set_result, None)
+        return True
 
     async def wait_program(self) -> JailExit:
         await self.ended
@@ -511,9 +512,9 @@ class _EndsAtTheKill(_ExitsLate):
         super().__init__(0.01)
         self.released: list[Program] = []
 
-    def go(self, program: Program) -> None:
+    def go(self, program: Program) -> bool:
         self.released.append(program)
-        super().go(program)
+        return super().go(program)
 
     async def wait_program(self) -> JailExit:
         await self.ended
@@ -1667,7 +1668,7 @@ async def test_the_program_ends_at_a_whole_report_and_at_nothing_else() -> None:
 
     for lines, want in (([b"exi", b"t 3\n"], 3), ([b"nonsense\n"], None)):
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        stdin = SimpleNamespace(write=lambda data: None)
+        stdin = SimpleNamespace(write=lambda data: None, is_closing=lambda: False)
         proc = SimpleNamespace(
             wait=running, on_exit=lambda callback: None, stdin=stdin, stdout=None, stderr=None, pid=0, returncode=None, close=lambda: None
         )

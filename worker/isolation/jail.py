@@ -113,6 +113,9 @@ class JailExit:
     signal: str | None
     backstop_fired: bool
     errors: list[str] = field(default_factory=list)
+    # False when the jail failed before it could exec the program (the gate's own failures,
+    # a jail that ended before its go): the program never ran, whatever the job did.
+    program_ran: bool = True
 
 
 def build_argv(
@@ -307,10 +310,17 @@ class Jail:
             if line.startswith((b"[E]", b"[F]", b"[W]"))
         ]
 
-    def go(self, program: Program) -> None:
-        """Release the gate: the program starts now."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(program.frame())
+    def go(self, program: Program) -> bool:
+        """Release the gate: the program starts now. False when the jail has ended already
+        (its gate gone: nothing was started)."""
+        stdin = self.proc.stdin
+        if self.ended.done() or self.proc.returncode is not None or stdin is None or stdin.is_closing():
+            return False
+        try:
+            stdin.write(program.frame())
+        except (RuntimeError, OSError):  # (uvloop: the pipe closed as nsjail exited)
+            return False
+        return True
 
     def _mark_ended(self) -> None:
         if not self.ended.done():
@@ -409,7 +419,7 @@ class Jail:
             return JailExit(None, _signal_name(int(value)), False)
         if kind == b"fault":
             # The gate could not set the jail up (its seccomp filter) and ran nothing.
-            return JailExit(None, None, False, [f"the jail's gate failed: {value.decode(errors='replace')}"])
+            return JailExit(None, None, False, [f"the jail's gate failed: {value.decode(errors='replace')}"], program_ran=False)
         return None
 
     def _parse_exit(self, status: bytes) -> JailExit:
@@ -420,7 +430,9 @@ class Jail:
         # request, nsjail's time limit) or never ran the program. nsjail, in its one-jail
         # mode, exits as the gate did: its exit status, or 128 plus the signal that ended it.
         code = self.proc.returncode
-        if not self._gate_started or code is None or code < 0 or code == _NSJAIL_FAILED:
+        if not self._gate_started:
+            return JailExit(None, None, False, self.error_lines() or [f"nsjail exited with {code}"], program_ran=False)
+        if code is None or code < 0 or code == _NSJAIL_FAILED:
             return JailExit(None, None, False, self.error_lines() or [f"nsjail exited with {code}"])
         if code > 128 and code - 128 in _GATE_DEATHS:
             return JailExit(None, _signal_name(code - 128), self._backstop_fired(code - 128))
@@ -430,7 +442,9 @@ class Jail:
             return JailExit(None, None, False, [f"nsjail was stopped by {_signal_name(code - 128)}"])
         # The gate exits without a report only when it could not start the program (its
         # limits, the frame, a fork that failed): the program never ran.
-        return JailExit(None, None, False, self.error_lines() or [f"the jail's gate exited with {code} before the program ran"])
+        return JailExit(
+            None, None, False, self.error_lines() or [f"the jail's gate exited with {code} before the program ran"], program_ran=False
+        )
 
     def _backstop_fired(self, signal_number: int) -> bool:
         """Whether nsjail's own time limit ended the jail: it kills with SIGKILL once the

@@ -413,8 +413,8 @@ class Sandbox:
         self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
 
-    def start(self, program: Program) -> None:
-        self.jail.go(program)
+    def start(self, program: Program) -> bool:
+        return self.jail.go(program)
 
     async def destroy(self, exit_grace_s: float = 5.0) -> None:
         """Kill every process of the sandbox and remove its cgroups and workspace."""
@@ -714,7 +714,8 @@ class SandboxFactory:
                     await off_loop(workspace.stage, list(prime.workspace_files))
                 cpu_at_go_us = cgroup.cpu_us()
                 go_at = time.monotonic()
-                jail.go(prime.program)
+                if not jail.go(prime.program):
+                    raise JailError("the jail ended before its runtime was started")
                 await self._await_runtime(jail)
                 wall_ms = round((time.monotonic() - go_at) * 1000)
                 sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)

@@ -982,9 +982,10 @@ class JobRun:
         verdict = judge_run(
             facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, self._stderr_tail.data)
         )
-        if verdict.outcome is Outcome.INTERNAL_ERROR:
+        if verdict.outcome is Outcome.INTERNAL_ERROR and facts.exit.program_ran:
             # The sandbox failed under a program that ran: it may have done its work, which
             # SPEC's internal_error ("before user code ran": safe to submit again) denies.
+            # (A jail that failed before its exec, the gate's own failures, is internal_error.)
             verdict = dataclasses.replace(verdict, outcome=Outcome.LOST)
         signal = facts.exit.signal
         if verdict.outcome == Outcome.KILLED and signal is None:

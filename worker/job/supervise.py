@@ -445,14 +445,16 @@ async def supervise(
         oom_by_hand = not cgroup.oom_kills_whole_job
         oom_base = cgroup.oom_kills() if oom_by_hand else 0
         fired: str | None = "user" if _take_kill(inbox) else None
-        if fired is None:
-            jail.go(program)
+        # A jail can end before its go (nsjail's backstop during a long wait for memory, the
+        # ceiling's OOM killer, a kill of its cgroup): then nothing was started.
+        never_ran = fired is None and not jail.go(program)
         go_at = loop.time()
         # (The idle clock too: a runtime starting up writes nothing.)
         activity = Activity(go_at + start_up_s)
         order = _Pumps(_Drops(output_spent, jail.ended, cgroup) if output_spent is not None else None)
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
-        stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and fired is None else None
+        feeds = feed_stdin is not None and fired is None and not never_ran
+        stdin_task = asyncio.create_task(feed_stdin(activity)) if feeds and feed_stdin is not None else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
         ended_at = go_at
@@ -560,6 +562,11 @@ async def supervise(
         if fired is None and oom_by_hand and counters.oom_kills > oom_base:
             # (A parent that outlived its child's OOM kill by less than a tick: v2 ends it too.)
             fired = "memory"
+        if never_ran:
+            # Whatever ended it, no program of the job's did: the platform failed before it.
+            errors = exit_info.errors or [f"nsjail ended with {exit_info.signal or exit_info.exit_code}"]
+            exit_info = JailExit(None, None, False, ["the jail ended before the program was started", *errors], program_ran=False)
+            fired = None
         facts = StepFacts(
             exit=exit_info,
             fired=fired,
