@@ -1290,6 +1290,42 @@ ALLOW = 0x7FFF0000
 ENOSYS = ERRNO | 38
 
 
+BURN_C = r"""
+#include <stdio.h>
+#include <time.h>
+static double cpu_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+int main(void) {
+    volatile unsigned long x = 0;
+    while (cpu_ms() < BURN) x++;
+    printf("burned %.1f\n", cpu_ms());
+    return 0;
+}
+"""
+
+
+def test_a_program_past_its_cpu_budget_is_never_completed(hostile_stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    # Ending a few ms past cpuMs, between two reads of the CPU clock, was `completed` (with a
+    # cpuMs figure over the limit) or `timed_out`, by the reads' timing: 4 of 6 completed.
+    api, _ = clients
+    seen = []
+    for burn in (1002, 1004, 1008):
+        body = {
+            "language": "c",
+            "collectOutput": True,
+            "limits": {**LIMITS, "cpuMs": 1000},
+            "files": [{"name": "main.c", "content": BURN_C.replace("BURN", str(burn))}],
+        }
+        job = api.execute(body)
+        api.start(job)
+        out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "20000"}).json()
+        seen.append((burn, out["outcome"], out["cpuMs"], out.get("killedBy")))
+    assert all(outcome == "timed_out" and killed_by == "cpu" for _b, outcome, _c, killed_by in seen), seen
+
+
 def test_verdict_resolves_filters_as_the_kernel_does() -> None:
     # installed_filters lists the oldest filter first; on equal actions the kernel keeps
     # the newest filter's result (its errno), and across actions the strictest wins.

@@ -562,6 +562,11 @@ async def supervise(
         if fired is None and oom_by_hand and counters.oom_kills > oom_base:
             # (A parent that outlived its child's OOM kill by less than a tick: v2 ends it too.)
             fired = "memory"
+        if fired is None and counters.cpu_us - cpu_base >= cpu_budget_ms * 1000:
+            # The program ended between two reads of the CPU clock with its budget spent: its
+            # verdict says what its figure does (else a few ms past cpuMs was `completed` or
+            # `timed_out` by the reads' timing).
+            fired = "cpu"
         if never_ran:
             # Whatever ended it, no program of the job's did: the platform failed before it.
             errors = exit_info.errors or [f"nsjail ended with {exit_info.signal or exit_info.exit_code}"]
