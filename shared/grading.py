@@ -58,6 +58,7 @@ __all__ = [
     "killed_batch_before_start",
     "not_run_case",
     "outputs_match",
+    "result_facts",
 ]
 
 CompareMode = Literal["exact", "lines", "tokens"]
@@ -189,6 +190,13 @@ def not_run_case(index: int, case: TestCase, outcome: Outcome | None, verdict: T
     )
 
 
+def result_facts(cases: Sequence[CaseFacts]) -> list[CaseFacts]:
+    """The cases as the result event carries them: without their output, nor their message
+    (each test_result event and /output have it), so the result still fits soketi's payload
+    limit by construction (see worker/job/payload.py)."""
+    return [msgspec.structs.replace(case_facts(c), message=None) if c.message else case_facts(c) for c in cases]
+
+
 def batch_ended_early(
     tests: Sequence[TestCase], outcome: Outcome, message: str, ran: Sequence[CaseFacts | None] = ()
 ) -> ResultEvent:
@@ -197,7 +205,7 @@ def batch_ended_early(
     kept = [case_without_output(facts) if facts is not None else None for facts in ran]
     cases, summary = cases_not_run(tests, outcome, kept)
     result = result_without_run(outcome, message)
-    return msgspec.structs.replace(result, tests=[case_facts(c) for c in cases], summary=summary)
+    return msgspec.structs.replace(result, tests=result_facts(cases), summary=summary)
 
 
 def killed_batch_before_start(tests: Sequence[TestCase]) -> ResultEvent:

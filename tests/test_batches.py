@@ -391,6 +391,12 @@ def test_a_worker_stopping_mid_batch_keeps_the_verdicts_of_the_cases_that_ran(ma
     assert result["outcome"] == "killed" and "shut down" in result["message"]
     assert [case["verdict"] for case in result["tests"]] == ["accepted", "skipped", "skipped"]
     assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 2, "verdict": "skipped"}
+    # Case 1 ran, and the stop ended it: reported as a kill's case is, with its event; case 2
+    # never ran.
+    ran, never = result["tests"][1], result["tests"][2]
+    assert (ran["outcome"], ran["signal"], ran["killedBy"]) == ("killed", "SIGKILL", "user") and ran["durationMs"] >= 300, ran
+    assert never["signal"] is None and never["durationMs"] == 0, never
+    assert [p["index"] for n, p in followed.events if n == "test_result"] == [0, 1]
 
 
 @pytest.mark.slow
@@ -627,11 +633,12 @@ async def test_a_stop_while_a_finished_case_is_judged_keeps_its_verdict(monkeypa
         compare="lines",
     )
     progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
+    emitted: list[str] = []
     running = asyncio.create_task(
         batch.run_batch(
             spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
             sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
-            pool=_ReadyPool(), events=SimpleNamespace(emit=lambda *_a, **_k: asyncio.sleep(0)),  # type: ignore[arg-type]
+            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
             ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress,
         )
     )  # fmt: skip
@@ -641,6 +648,58 @@ async def test_a_stop_while_a_finished_case_is_judged_keeps_its_verdict(monkeypa
         await running
     case = progress.results[0]
     assert case is not None and case.verdict == "accepted", case
+    # ...and it has its test_result event, as every case that ran (it had none before).
+    assert emitted == ["test_result"]
+
+
+class _RecordingEvents:
+    def __init__(self, emitted: list[str]) -> None:
+        self.emitted = emitted
+
+    async def emit(self, events: list[tuple[str, Any]]) -> None:
+        await asyncio.sleep(0)
+        self.emitted += [name for name, _make in events]
+
+
+async def test_a_case_the_workers_stop_ended_as_it_ran_is_reported_as_run_and_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It was reported exactly as a case that never ran (no event, durationMs 0, no signal),
+    # where a user's kill of a running case reports it run and killed.
+    started = asyncio.Event()
+
+    async def supervise(jail: Any, *_a: Any, **_k: Any) -> StepFacts:
+        if jail.name == "first":
+            return _completed()
+        started.set()
+        await asyncio.Event().wait()  # runs until the stop
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    spec = _spec(3, stop_on_first_failure=True)
+    progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
+    emitted: list[str] = []
+    running = asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
+            sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
+            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
+            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress,
+        )
+    )  # fmt: skip
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.sleep(0.05)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert emitted == ["test_result", "test_result"]
+    result = batch.summarize(progress, asyncio.get_running_loop().time(), stopped=True)
+    ran, stopped, never = result.cases
+    assert ran.verdict == "accepted"
+    assert (stopped.outcome, stopped.signal, stopped.killed_by, stopped.verdict) == ("killed", "SIGKILL", "user", "skipped"), stopped
+    assert stopped.duration_ms >= 40, stopped
+    assert (never.outcome, never.signal, never.duration_ms) == ("killed", None, 0), never
+    assert result.killed
 
 
 def _completing_every_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:

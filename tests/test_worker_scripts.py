@@ -1510,7 +1510,7 @@ async def test_a_lost_batch_keeps_the_verdicts_its_log_holds_and_skips_the_rest(
     assert claim is not None and claim.spec.job_id == spec.job_id
     verdict = CaseVerdictEvent(
         index=0, name="first", outcome=Outcome.COMPLETED, verdict="accepted", exit_code=0, signal=None,
-        duration_ms=5, cpu_ms=3, memory_kb=900, seq=2,
+        duration_ms=5, cpu_ms=3, memory_kb=900, message="a message of its event's", seq=2,
     )  # fmt: skip
     await queue.advance(
         spec.job_id, claim.attempt,
@@ -1522,6 +1522,8 @@ async def test_a_lost_batch_keeps_the_verdicts_its_log_holds_and_skips_the_rest(
     assert job == spec.job_id and result["outcome"] == "lost" and result["seq"] == 3
     assert [(c["index"], c["verdict"], c["outcome"]) for c in result["tests"]] == [(0, "accepted", "completed"), (1, "skipped", "lost")]
     assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 1, "verdict": "skipped"}
+    # A case's message stays in its event and /output, out of the result (soketi's payload limit).
+    assert "message" not in result["tests"][0], result["tests"][0]
     stored = json.loads(await redis.hget(keys.status_key(spec.job_id), "result"))
     assert stored == result
 

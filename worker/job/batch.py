@@ -22,8 +22,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from shared.chunking import utf8_prefix
 from shared.grading import (
     COMPARE_PIECE_BYTES,
@@ -39,7 +37,6 @@ from shared.grading import (
 from shared.limits import Limits
 from shared.manifest import Manifest, expand_argv
 from shared.messages import (
-    CaseFacts,
     CaseOutput,
     CtrlMessage,
     JobSpec,
@@ -47,7 +44,6 @@ from shared.messages import (
     TestCase,
     TestResultEvent,
     TestSummary,
-    case_facts,
 )
 from worker.isolation.jail import Program
 from worker.isolation.memory import MemoryAdmission
@@ -60,7 +56,7 @@ from worker.job.stdin import write_to_program
 from worker.job.supervise import Activity, Clocks, StepFacts, supervise
 from worker.messaging.queue import Fenced
 
-__all__ = ["BatchProgress", "BatchResult", "facts_only", "run_batch", "summarize"]
+__all__ = ["BatchProgress", "BatchResult", "run_batch", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +65,9 @@ MAX_PARALLEL = 4
 # A case's stdin goes in pieces this big, each one that the program takes counting as a
 # sign of life for the idle clock (as an IDE's stdin does).
 STDIN_PIECE = 64 * 1024
+# A case the worker's stop ended (or caught being judged) still gets its test_result event,
+# waited for this long (the job's result follows it).
+STOP_EMIT_S = 2.0
 
 
 @dataclass
@@ -248,6 +247,7 @@ async def run_batch(
                 activity.touch()  # the program is reading its input: not idle
             writer.close()
 
+        started_at = loop.time()
         try:
             facts: StepFacts = await supervise(
                 sandbox.jail,
@@ -261,6 +261,32 @@ async def run_batch(
                 uncharged=sandbox.uncharged,
                 output_spent=output.spent,
             )
+        except asyncio.CancelledError:
+            # The worker's stop ended the case as it ran (past the grace): it ran, and is
+            # reported as a kill's case is, with its wall time (its other figures went with
+            # its sandbox) and its event, not as a case that never ran.
+            signal, killed_by = "SIGKILL", "user"
+            base = {
+                "index": index,
+                "name": case.name,
+                "outcome": Outcome.KILLED,
+                "verdict": case_verdict(
+                    outcome=Outcome.KILLED.value, exit_code=None, signal=signal, killed_by=killed_by,
+                    truncated=output.truncated, stdout=b"", expected=None, compare=spec.compare,
+                ).value,
+                "exit_code": None,
+                "signal": signal,
+                "duration_ms": round((loop.time() - started_at) * 1000),
+                "cpu_ms": 0,
+                "memory_kb": 0,
+                "killed_by": killed_by,
+                "truncated": output.truncated,
+                "message": None,
+            }  # fmt: skip
+            progress.killed_cases += 1
+            keep(index, base, output)
+            await _emit_while_stopping(events, base)
+            raise
         finally:
             running.remove(inbox)
             pool.give_back(sandbox)
@@ -320,23 +346,28 @@ async def run_batch(
             "truncated": output.truncated,
             "message": verdict_of_run.message if outcome is Outcome.MEMORY_EXCEEDED else None,
         }
-        kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
+        keep(index, base, output)
         del output  # (only the kept share outlives the case)
+        if spec.stop_on_first_failure and verdict is not TestVerdict.ACCEPTED:
+            halt("failure")  # (decided now, not once its event is written: that may take a while)
+        if stopped_while_judging:
+            await _emit_while_stopping(events, base)
+            raise asyncio.CancelledError
+        await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
+
+    def keep(index: int, base: dict[str, object], output: _CaseOutput) -> None:
+        """The case's verdict and figures, with its share of the output, in the results."""
+        kept_out, kept_err, cut = _kept(output, share) if keep_output else (b"", b"", False)
         out_text, out_enc = _text(kept_out)
         err_text, err_enc = _text(kept_err)
         results[index] = CaseOutput(
-            **base,
+            **base,  # type: ignore[arg-type]
             stdout=out_text,
             stderr=err_text,
             stdout_encoding=out_enc,  # type: ignore[arg-type]
             stderr_encoding=err_enc,  # type: ignore[arg-type]
             output_cut=cut,
         )
-        if spec.stop_on_first_failure and verdict is not TestVerdict.ACCEPTED:
-            halt("failure")  # (decided now, not once its event is written: that may take a while)
-        if stopped_while_judging:
-            raise asyncio.CancelledError
-        await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
 
     width = 1 if spec.stop_on_first_failure else max(1, min(MAX_PARALLEL, pool.ready + 1))
     gate = asyncio.Semaphore(width)
@@ -392,6 +423,14 @@ async def run_batch(
 _NOT_RUN_OUTCOME = {"kill": Outcome.KILLED, "budget": Outcome.TIMED_OUT}
 
 
+async def _emit_while_stopping(events: JobEvents, base: dict[str, object]) -> None:
+    """A case's test_result as the worker stops: waited for at most STOP_EMIT_S (a slow
+    Redis must not hold the stop up; what it did not write in time is not retried)."""
+    emit = asyncio.ensure_future(events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))]))  # type: ignore[arg-type]
+    emit.add_done_callback(lambda done: done.cancelled() or done.exception())  # (seen: logged where it failed)
+    await asyncio.wait({emit}, timeout=STOP_EMIT_S)
+
+
 async def _unless_stopped(stop: asyncio.Event, take: Awaitable[Sandbox], pool: SandboxPool) -> Sandbox | None:
     """What `take` gives, or None once `stop` is set first (the take is called off; a
     sandbox it got all the same goes back)."""
@@ -437,13 +476,6 @@ def summarize(progress: BatchProgress, now: float, stopped: bool = False) -> Bat
         cpu_ms=progress.cpu_ms,
         memory_kb=progress.memory_kb,
     )
-
-
-def facts_only(cases: list[CaseOutput]) -> list[CaseFacts]:
-    """The cases as the result event carries them: without their output, nor their message
-    (each test_result event and /output have it), so the result still fits soketi's payload
-    limit by construction (see worker/job/payload.py)."""
-    return [msgspec.structs.replace(case_facts(c), message=None) if c.message else case_facts(c) for c in cases]
 
 
 async def output_matches(actual: bytes, expected: str, mode: CompareMode) -> bool:

@@ -31,7 +31,7 @@ from shared import keys
 from shared.artifacts import ArtifactEvent, ArtifactMeta, guess_mime_type, sign_artifact
 from shared.blobs import parse_ref
 from shared.errors import FieldError, ValidationError
-from shared.grading import cases_not_run
+from shared.grading import cases_not_run, result_facts
 from shared.limits import COMPILE_DEFAULTS, Limits, with_overrides
 from shared.manifest import HeapLimit, Manifest, entry_of, expand_argv, names_compiled_shim
 from shared.messages import (
@@ -56,7 +56,7 @@ from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import SnapshotTooBig, WorkspaceError
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
-from worker.job.batch import BatchProgress, BatchResult, facts_only, run_batch, summarize
+from worker.job.batch import BatchProgress, BatchResult, run_batch, summarize
 from worker.job.blobs import Blob
 from worker.job.events import JobEvents, logged_bytes
 from worker.job.flusher import OutputFlusher
@@ -960,7 +960,7 @@ class JobRun:
             killed_by="user" if batch.killed else "wall" if batch.timed_out else None,
             message=message,
             summary=batch.summary,
-            tests=facts_only(batch.cases),
+            tests=result_facts(batch.cases),
         )
         await self._finish(outcome, event)
 
@@ -1020,7 +1020,7 @@ class JobRun:
             # cases that ran keep their verdicts): every case, and the summary, are there.
             ran = self._batch.results if self._batch is not None else ()
             self._batch_cases, summary = cases_not_run(self.spec.tests, outcome, ran)
-            event = msgspec.structs.replace(event, tests=facts_only(self._batch_cases), summary=summary)
+            event = msgspec.structs.replace(event, tests=result_facts(self._batch_cases), summary=summary)
         # The seq is taken inside the shielded write: a cancel while it waits for the events
         # lock (an append retrying through a Redis blip) must not leave the job without a
         # result, ended `lost` by recovery.
