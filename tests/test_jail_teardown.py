@@ -259,8 +259,10 @@ async def test_nsjails_own_time_limit_is_told_apart_from_a_kill(
     # the same signal is not a backstop.
     from worker.isolation import sandbox as sandbox_module
 
-    # The backstop is MAX_IDLE_S + 120 s + the longest wall time + 60 s: made 2 s here.
+    # The backstop is MAX_IDLE_S + 120 s + the longest wall time + 60 s: made 2 s here (and
+    # the program is started all the same, though its wall clock is longer).
     monkeypatch.setattr(sandbox_module, "MAX_IDLE_S", 2 - 180 - factory.max_limits.wall_time_ms / 1000)
+    monkeypatch.setattr("worker.job.supervise.BACKSTOP_ROOM_S", -60.0)
     sandbox = await factory.prepare("backstop", 0)
     jail = sandbox.jail
     try:
@@ -371,3 +373,39 @@ def test_a_jail_that_ended_before_its_go_ran_nothing_under_uvloop_too() -> None:
     facts, verdict = uvloop.run(_a_step_after_the_jail_ended())
     assert facts.exit.program_ran is False, facts  # type: ignore[attr-defined]
     assert verdict.outcome is Outcome.INTERNAL_ERROR, verdict  # type: ignore[attr-defined]
+
+
+async def test_a_jail_too_close_to_its_own_time_limit_runs_nothing(
+    factory: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nsjail's time limit counts from the jail's start; a step that waited long for memory
+    # (or a sandbox that sat ready for long) may no longer have its wall clock left under it:
+    # nsjail SIGKILLed the program part-way and it was judged timed_out at a fraction of its
+    # wall clock. Nothing is started then, and the platform says it failed (internal_error:
+    # the job is safe to submit again).
+    from shared.messages import Outcome
+    from worker.isolation import sandbox as sandbox_module
+    from worker.job.outcome import judge_run
+
+    # The backstop is MAX_IDLE_S + 120 s + the longest wall time + 60 s: made 12 s here.
+    monkeypatch.setattr(sandbox_module, "MAX_IDLE_S", 12 - 180 - factory.max_limits.wall_time_ms / 1000)
+    sandbox = await factory.prepare("aged", 0)
+    said: list[bytes] = []
+
+    async def keep(data: bytes) -> None:
+        said.append(data)
+
+    try:
+        step = supervise(
+            sandbox.jail,
+            sandbox.cgroup,
+            Program(argv=["/bin/echo", "ran"], env={}),
+            Clocks(wall_ms=3000, cpu_ms=3000, idle_ms=None),
+            [(sandbox.jail.stdout, keep), (sandbox.jail.stderr, keep)],
+            asyncio.Queue(),
+        )
+        facts = await asyncio.wait_for(step, 15)
+    finally:
+        await sandbox.destroy()
+    assert judge_run(facts).outcome is Outcome.INTERNAL_ERROR and said == [], (facts, said)
+    assert facts.exit.program_ran is False and "time limit" in facts.exit.errors[0], facts

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import os
 import random
 import select
@@ -369,6 +370,9 @@ class _ExitsLate:
     def go(self, program: Program) -> bool:
         asyncio.get_running_loop().call_later(self.reap_after_s, self.ended.set_result, None)
         return True
+
+    def backstop_left_s(self) -> float:
+        return math.inf
 
     async def wait_program(self) -> JailExit:
         await self.ended

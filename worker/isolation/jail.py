@@ -446,6 +446,12 @@ class Jail:
             None, None, False, self.error_lines() or [f"the jail's gate exited with {code} before the program ran"], program_ran=False
         )
 
+    def backstop_left_s(self) -> float:
+        """Seconds until nsjail's own time limit ends the jail (infinite without one)."""
+        if not self._backstop_s:
+            return math.inf
+        return self._launched_at + self._backstop_s - time.monotonic()
+
     def _backstop_fired(self, signal_number: int) -> bool:
         """Whether nsjail's own time limit ended the jail: it kills with SIGKILL once the
         jail has run that long by its wall clock, in whole seconds (its quiet log no longer

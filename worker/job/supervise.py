@@ -36,6 +36,9 @@ __all__ = ["Activity", "Clocks", "StepFacts", "StepStopped", "cpu_clock_due_at",
 
 log = logging.getLogger(__name__)
 
+# A step's program is started only if nsjail's own time limit leaves it its wall clock and
+# this much more (the clock's kill and the output's last reads).
+BACKSTOP_ROOM_S = 10.0
 # The CPU counter is read this often once the budget may be within reach, and CPU_CHECK_S
 # before (SPEC: the CPU clock is polled at 100 ms or better).
 CPU_POLL_S = 0.05
@@ -445,9 +448,12 @@ async def supervise(
         oom_by_hand = not cgroup.oom_kills_whole_job
         oom_base = cgroup.oom_kills() if oom_by_hand else 0
         fired: str | None = "user" if _take_kill(inbox) else None
-        # A jail can end before its go (nsjail's backstop during a long wait for memory, the
-        # ceiling's OOM killer, a kill of its cgroup): then nothing was started.
-        never_ran = fired is None and not jail.go(program)
+        wall_s = clocks.wall_ms / 1000 + start_up_s
+        # A jail can end before its go (the ceiling's OOM killer, a kill of its cgroup), or
+        # be too close to nsjail's own time limit to give the program its wall clock (it
+        # waited long for memory): then nothing is started, and the platform says it failed.
+        aged = fired is None and jail.backstop_left_s() < wall_s + BACKSTOP_ROOM_S
+        never_ran = fired is None and (aged or not jail.go(program))
         go_at = loop.time()
         # (The idle clock too: a runtime starting up writes nothing.)
         activity = Activity(go_at + start_up_s)
@@ -458,14 +464,13 @@ async def supervise(
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
         ended_at = go_at
-        wall_s = clocks.wall_ms / 1000 + start_up_s
         idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
         cpu_due_at = cpu_clock_due_at(go_at, cpu_budget_ms / 1000, cgroup.cpu_cap_cores)
         cpu_read_at = min(cpu_due_at, go_at + CPU_CHECK_S)
         sample_memory = cgroup.samples_memory
         killed = stopped = False
         try:
-            while fired is None:
+            while fired is None and not never_ran:
                 now = loop.time()
                 if now - go_at >= wall_s:
                     fired = "wall"
@@ -569,8 +574,12 @@ async def supervise(
             fired = "cpu"
         if never_ran:
             # Whatever ended it, no program of the job's did: the platform failed before it.
-            errors = exit_info.errors or [f"nsjail ended with {exit_info.signal or exit_info.exit_code}"]
-            exit_info = JailExit(None, None, False, ["the jail ended before the program was started", *errors], program_ran=False)
+            if aged:
+                errors = ["the sandbox neared its own time limit while the job waited for memory; nothing ran"]
+            else:
+                why = exit_info.errors or [f"nsjail ended with {exit_info.signal or exit_info.exit_code}"]
+                errors = ["the jail ended before the program was started", *why]
+            exit_info = JailExit(None, None, False, errors, program_ran=False)
             fired = None
         facts = StepFacts(
             exit=exit_info,
