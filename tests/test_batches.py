@@ -702,6 +702,46 @@ async def test_a_case_the_workers_stop_ended_as_it_ran_is_reported_as_run_and_ki
     assert result.killed
 
 
+async def test_a_case_the_workers_stop_caught_waiting_for_memory_never_ran() -> None:
+    # Its step was cancelled before the go, at the gate: it was reported as run and killed
+    # (an event, SIGKILL, its wait as its durationMs) though nothing of it had run.
+    from worker.isolation.memory import MemoryAdmission
+
+    class Cgroup:
+        memory_limit_bytes = 1 << 30
+        oom_kills_whole_job = True
+
+        def cpu_us(self) -> int:
+            raise AssertionError("the gate was reached")
+
+    first = _Sandbox("first")
+    first.cgroup = Cgroup()  # type: ignore[assignment]
+    memory = MemoryAdmission(2 << 30)
+    assert memory.try_admit(memory.capacity_bytes)  # another job's step holds all of it
+    spec = _spec(1)
+    progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
+    emitted: list[str] = []
+    running = asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
+            sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(),  # type: ignore[arg-type]
+            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
+            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress, memory=memory,
+        )
+    )  # fmt: skip
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if memory.waiting:
+            break
+    assert memory.waiting == 1
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert emitted == [] and progress.results[0] is None and progress.killed_cases == 0
+    (case,) = batch.summarize(progress, asyncio.get_running_loop().time(), stopped=True).cases
+    assert (case.outcome, case.signal, case.duration_ms, case.verdict) == ("killed", None, 0, "skipped"), case
+
+
 def _completing_every_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Cases end at once, exit 0; the names of the sandboxes they ran in, in order."""
     ran: list[str] = []

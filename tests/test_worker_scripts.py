@@ -1522,7 +1522,7 @@ async def test_a_lost_batch_keeps_the_verdicts_its_log_holds_and_skips_the_rest(
     assert job == spec.job_id and result["outcome"] == "lost" and result["seq"] == 3
     assert [(c["index"], c["verdict"], c["outcome"]) for c in result["tests"]] == [(0, "accepted", "completed"), (1, "skipped", "lost")]
     assert result["summary"] == {"passed": 1, "failed": 0, "skipped": 1, "verdict": "skipped"}
-    # A case's message stays in its event and /output, out of the result (soketi's payload limit).
+    # A case's message stays in its event, out of the result (soketi's payload limit).
     assert "message" not in result["tests"][0], result["tests"][0]
     stored = json.loads(await redis.hget(keys.status_key(spec.job_id), "result"))
     assert stored == result

@@ -419,6 +419,16 @@ class _CountingCgroup:
         return JobCounters(cpu_us=self.cpu_us(), memory_peak_bytes=0, oom_kills=self.oom_count, ceiling_oom=ceiling)
 
 
+def test_a_program_is_never_started_within_the_span_a_gates_kill_counts_as_the_backstop() -> None:
+    # A SIGKILL of the gate that close to nsjail's own time limit is taken for it (timed_out,
+    # killedBy wall): a program started with less room could have a v2 group OOM kill there
+    # reported as a timeout.
+    from worker.isolation.jail import BACKSTOP_MARGIN_S
+    from worker.job.supervise import BACKSTOP_ROOM_S, EXIT_GRACE_S
+
+    assert BACKSTOP_ROOM_S >= BACKSTOP_MARGIN_S + EXIT_GRACE_S
+
+
 async def test_supervision_sleeps_between_output_eof_and_the_reap() -> None:
     # A spin here (a finished pump kept in the wait set) cost the worker ~4 ms of CPU per job.
     stdout, stderr = asyncio.StreamReader(), asyncio.StreamReader()

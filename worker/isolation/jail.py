@@ -38,7 +38,7 @@ from worker.isolation.cgroups import JobCgroup
 from worker.isolation.child import Child, PipeReader
 from worker.isolation.offload import off_loop_soon
 
-__all__ = ["Jail", "JailError", "JailExit", "JailSpec"]
+__all__ = ["BACKSTOP_MARGIN_S", "Jail", "JailError", "JailExit", "JailSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ _NSJAIL_FAILED = 255
 _GATE_DEATHS = frozenset({signal.SIGKILL, signal.SIGSYS, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 # How far short of nsjail's time limit a jail killed by SIGKILL may fall and still count as
 # the backstop: nsjail counts whole seconds of wall time from its own start.
-_BACKSTOP_MARGIN_S = 30.0
+BACKSTOP_MARGIN_S = 30.0
 _LOG_READ = 65536
 
 
@@ -457,7 +457,7 @@ class Jail:
         jail has run that long by its wall clock, in whole seconds (its quiet log no longer
         says so). No clock of ours lets a jail live within a minute of it (see
         SandboxFactory), so the age may fall short of the limit by a margin and still say so."""
-        margin = min(_BACKSTOP_MARGIN_S, self._backstop_s / 2)
+        margin = min(BACKSTOP_MARGIN_S, self._backstop_s / 2)
         return signal_number == signal.SIGKILL and time.monotonic() - self._launched_at >= self._backstop_s - margin
 
     def terminate_supervisor(self) -> None:

@@ -53,7 +53,7 @@ from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import StreamTail, output_encoding
 from worker.job.stdin import write_to_program
-from worker.job.supervise import Activity, Clocks, StepFacts, supervise
+from worker.job.supervise import Activity, Clocks, StepFacts, StepNotStarted, StepStopped, supervise
 from worker.messaging.queue import Fenced
 
 __all__ = ["BatchProgress", "BatchResult", "run_batch", "summarize"]
@@ -248,6 +248,7 @@ async def run_batch(
             writer.close()
 
         started_at = loop.time()
+        stopped_with_facts = False
         try:
             facts: StepFacts = await supervise(
                 sandbox.jail,
@@ -261,36 +262,21 @@ async def run_batch(
                 uncharged=sandbox.uncharged,
                 output_spent=output.spent,
             )
+        except StepNotStarted:
+            raise  # (the stop came while it waited for memory: it never ran, and says so)
+        except StepStopped as stopped:
+            if stopped.facts is None:
+                await stopped_as_it_ran(index, case, output, started_at)
+                raise
+            # Its program had ended, and its output was all read: judged as it ended.
+            facts, stopped_with_facts = stopped.facts, True
         except asyncio.CancelledError:
-            # The worker's stop ended the case as it ran (past the grace): it ran, and is
-            # reported as a kill's case is, with its wall time (its other figures went with
-            # its sandbox) and its event, not as a case that never ran.
-            signal, killed_by = "SIGKILL", "user"
-            base = {
-                "index": index,
-                "name": case.name,
-                "outcome": Outcome.KILLED,
-                "verdict": case_verdict(
-                    outcome=Outcome.KILLED.value, exit_code=None, signal=signal, killed_by=killed_by,
-                    truncated=output.truncated, stdout=b"", expected=None, compare=spec.compare,
-                ).value,
-                "exit_code": None,
-                "signal": signal,
-                "duration_ms": round((loop.time() - started_at) * 1000),
-                "cpu_ms": 0,
-                "memory_kb": 0,
-                "killed_by": killed_by,
-                "truncated": output.truncated,
-                "message": None,
-            }  # fmt: skip
-            progress.killed_cases += 1
-            keep(index, base, output)
-            await _emit_while_stopping(events, base)
+            await stopped_as_it_ran(index, case, output, started_at)
             raise
         finally:
             running.remove(inbox)
             pool.give_back(sandbox)
-        stopped_while_judging = False
+        stopped_while_judging = stopped_with_facts
         heap = manifest.heap_limit
         verdict_of_run = judge_run(
             facts, heap is not None and heap.ran_out(facts.exit.exit_code, facts.exit.signal, output.stderr_tail.data)
@@ -354,6 +340,32 @@ async def run_batch(
             await _emit_while_stopping(events, base)
             raise asyncio.CancelledError
         await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
+
+    async def stopped_as_it_ran(index: int, case: TestCase, output: _CaseOutput, started_at: float) -> None:
+        """The worker's stop ended the case as it ran (past the grace): it ran, and is
+        reported as a kill's case is, with its wall time (its other figures went with its
+        sandbox) and its event, not as a case that never ran."""
+        signal, killed_by = "SIGKILL", "user"
+        base = {
+            "index": index,
+            "name": case.name,
+            "outcome": Outcome.KILLED,
+            "verdict": case_verdict(
+                outcome=Outcome.KILLED.value, exit_code=None, signal=signal, killed_by=killed_by,
+                truncated=output.truncated, stdout=b"", expected=None, compare=spec.compare,
+            ).value,
+            "exit_code": None,
+            "signal": signal,
+            "duration_ms": round((loop.time() - started_at) * 1000),
+            "cpu_ms": 0,
+            "memory_kb": 0,
+            "killed_by": killed_by,
+            "truncated": output.truncated,
+            "message": None,
+        }  # fmt: skip
+        progress.killed_cases += 1
+        keep(index, base, output)
+        await _emit_while_stopping(events, base)
 
     def keep(index: int, base: dict[str, object], output: _CaseOutput) -> None:
         """The case's verdict and figures, with its share of the output, in the results."""
@@ -424,8 +436,9 @@ _NOT_RUN_OUTCOME = {"kill": Outcome.KILLED, "budget": Outcome.TIMED_OUT}
 
 
 async def _emit_while_stopping(events: JobEvents, base: dict[str, object]) -> None:
-    """A case's test_result as the worker stops: waited for at most STOP_EMIT_S (a slow
-    Redis must not hold the stop up; what it did not write in time is not retried)."""
+    """A case's test_result as the worker stops, waited for at most STOP_EMIT_S. (The write
+    goes on past that, holding the job's event order: the result, which comes after it,
+    needs the same Redis anyway.)"""
     emit = asyncio.ensure_future(events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))]))  # type: ignore[arg-type]
     emit.add_done_callback(lambda done: done.cancelled() or done.exception())  # (seen: logged where it failed)
     await asyncio.wait({emit}, timeout=STOP_EMIT_S)

@@ -25,20 +25,21 @@ from dataclasses import dataclass
 from shared.messages import CtrlMessage
 from worker.isolation.cgroups import CPU_PERIOD_US, JobCgroup
 from worker.isolation.child import PipeReader
-from worker.isolation.jail import Jail, JailExit, Program, cpu_backstop_room_s
+from worker.isolation.jail import BACKSTOP_MARGIN_S, Jail, JailExit, Program, cpu_backstop_room_s
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import Uncharged
 from worker.job.output import StreamTail
 from worker.tasks import cancel_and_wait
 
-__all__ = ["Activity", "Clocks", "StepFacts", "StepStopped", "cpu_clock_due_at", "supervise"]
+__all__ = ["Activity", "Clocks", "StepFacts", "StepNotStarted", "StepStopped", "cpu_clock_due_at", "supervise"]
 
 log = logging.getLogger(__name__)
 
 # A step's program is started only if nsjail's own time limit leaves it its wall clock and
-# this much more (the clock's kill and the output's last reads).
-BACKSTOP_ROOM_S = 10.0
+# this much more: past the span in which a SIGKILL of the gate is taken for the backstop's
+# (Jail._backstop_fired), plus the clock's kill and the output's last reads.
+BACKSTOP_ROOM_S = BACKSTOP_MARGIN_S + 10.0
 # The CPU counter is read this often once the budget may be within reach, and CPU_CHECK_S
 # before (SPEC: the CPU clock is polled at 100 ms or better).
 CPU_POLL_S = 0.05
@@ -155,6 +156,11 @@ class StepStopped(asyncio.CancelledError):
     def __init__(self, facts: StepFacts | None) -> None:
         super().__init__()
         self.facts = facts
+
+
+class StepNotStarted(asyncio.CancelledError):
+    """The step was cancelled before its program was started (while it waited for memory):
+    nothing of it ran. A CancelledError, like StepStopped."""
 
 
 class _Drops:
@@ -643,6 +649,9 @@ async def _admitted(
             if _has_kill(inbox):
                 await _give_up(memory, size, admission)
                 return False
+    except asyncio.CancelledError as exc:
+        await _give_up(memory, size, admission)
+        raise StepNotStarted(*exc.args) from None
     except BaseException:
         await _give_up(memory, size, admission)
         raise
