@@ -634,14 +634,7 @@ async def test_a_stop_while_a_finished_case_is_judged_keeps_its_verdict(monkeypa
     )
     progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
     emitted: list[str] = []
-    running = asyncio.create_task(
-        batch.run_batch(
-            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
-            sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
-            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
-            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress,
-        )
-    )  # fmt: skip
+    running = _running_batch(spec, progress, emitted)
     await asyncio.wait_for(judging.wait(), 5)
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -659,6 +652,20 @@ class _RecordingEvents:
     async def emit(self, events: list[tuple[str, Any]]) -> None:
         await asyncio.sleep(0)
         self.emitted += [name for name, _make in events]
+
+
+def _running_batch(
+    spec: JobSpec, progress: batch.BatchProgress, emitted: list[str], first: Any = None, memory: Any = None
+) -> asyncio.Task[batch.BatchResult]:
+    """run_batch over ready fake sandboxes, its events' names noted in `emitted`."""
+    return asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
+            sources=["main.py"], program_rlimits={}, first=first or _Sandbox("first"), files=[], executable=frozenset(),
+            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
+            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress, memory=memory,
+        )
+    )  # fmt: skip
 
 
 async def test_a_case_the_workers_stop_ended_as_it_ran_is_reported_as_run_and_killed(
@@ -679,14 +686,7 @@ async def test_a_case_the_workers_stop_ended_as_it_ran_is_reported_as_run_and_ki
     spec = _spec(3, stop_on_first_failure=True)
     progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
     emitted: list[str] = []
-    running = asyncio.create_task(
-        batch.run_batch(
-            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
-            sources=["main.py"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
-            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
-            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress,
-        )
-    )  # fmt: skip
+    running = _running_batch(spec, progress, emitted)
     await asyncio.wait_for(started.wait(), 5)
     await asyncio.sleep(0.05)
     running.cancel()
@@ -721,14 +721,7 @@ async def test_a_case_the_workers_stop_caught_waiting_for_memory_never_ran() -> 
     spec = _spec(1)
     progress = batch.BatchProgress(spec.tests or [], asyncio.get_running_loop().time())
     emitted: list[str] = []
-    running = asyncio.create_task(
-        batch.run_batch(
-            spec=spec, manifest=SimpleNamespace(run=["python3", "{entry}"], env={}, heap_limit=None), entry="main.py",  # type: ignore[arg-type]
-            sources=["main.py"], program_rlimits={}, first=first, files=[], executable=frozenset(),  # type: ignore[arg-type]
-            pool=_ReadyPool(), events=_RecordingEvents(emitted),  # type: ignore[arg-type]
-            ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000, progress=progress, memory=memory,
-        )
-    )  # fmt: skip
+    running = _running_batch(spec, progress, emitted, first=first, memory=memory)
     for _ in range(100):
         await asyncio.sleep(0.01)
         if memory.waiting:
