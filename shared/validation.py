@@ -28,6 +28,7 @@ __all__ = [
     "decode_files",
     "file_refs",
     "spec_files",
+    "visible_name",
 ]
 
 MAX_FILES = 100
@@ -42,6 +43,16 @@ def _bad_char(ch: str) -> bool:
     # (right-to-left override), which makes names lie about their extension.
     # Zl/Zp: line and paragraph separators.
     return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+def visible_name(name: str) -> str:
+    """`name` with every character a submitted name may not hold (controls, invisible
+    formatting, line separators) written as a visible escape (`\\x1b`, `\\u202e`): for a name
+    that comes out of a jail, which a page or a terminal would otherwise show as a line break,
+    an escape sequence, or text running backwards over a false extension."""
+    if not any(_bad_char(ch) for ch in name):
+        return name
+    return "".join((f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}") if _bad_char(ch) else ch for ch in name)
 
 
 def check_file_name(name: str) -> str | None:

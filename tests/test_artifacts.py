@@ -38,13 +38,19 @@ def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
         f.truncate(1 << 30)  # 1 GiB, no pages: must not be read
     (tmp_path / "sub").mkdir()
     (tmp_path / "bad\x01name\x1b[31m.txt").write_bytes(b"odd")
+    (tmp_path / "nl\nresult: completed").write_bytes(b"forged line")
+    (tmp_path / "rlo\u202etxt.exe").write_bytes(b"false extension")
     (tmp_path / "caf\xe9".encode("latin-1").decode("utf-8", "surrogateescape")).write_bytes(b"latin")
     got = collect_artifacts(str(tmp_path), before, max_count=10, max_bytes=4 << 20, max_total_bytes=64 << 20)
     names = {name: data for name, data in got.files}
     assert names == {
         "plot.png": PNG,
         "data.csv": b"a,b\n1,2\n",
-        "bad\x01name\x1b[31m.txt": b"odd",
+        # A program chose these names, and a page or a terminal shows them: what no submitted
+        # name may hold (controls, invisible formatting) is written out, not acted on.
+        "bad\\x01name\\x1b[31m.txt": b"odd",
+        "nl\\x0aresult: completed": b"forged line",
+        "rlo\\u202etxt.exe": b"false extension",
         "caf\ufffd": b"latin",
     }
     assert got.truncated  # the sparse file was over the cap

@@ -12,9 +12,10 @@ the job's total (a sparse 1 GiB file is skipped, not read). The total is `maxArt
 without that bound, sparse files (their size is not their blocks) or many hard links to
 one big file would let a job have the worker read, and Redis keep, far more than its
 workspace could hold. A file is read once, under its first name in
-order; another name of the same file is skipped. Names are kept as text
-(bytes that are not UTF-8 become U+FFFD); the files themselves are addressed by number
-everywhere.
+order; another name of the same file is skipped. Names are kept as text (bytes that are
+not UTF-8 become U+FFFD, and characters a submitted name may not hold, controls and
+invisible formatting, visible escapes: a name is shown, and a program chose it); the files
+themselves are addressed by number everywhere.
 
 Storage sits behind `ArtifactStore` so another backend (S3-compatible storage, say) can
 replace Redis without touching the job's lifecycle.
@@ -30,6 +31,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.validation import visible_name
 
 __all__ = ["ArtifactStore", "Collected", "RedisArtifactStore", "collect_artifacts", "top_level_names"]
 
@@ -78,7 +80,7 @@ def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: 
                 left -= len(data)
             finally:
                 os.close(fd)
-            files.append((name.decode("utf-8", "replace"), data))
+            files.append((visible_name(name.decode("utf-8", "replace")), data))
     finally:
         os.close(root)
     return Collected(files, truncated)
