@@ -134,14 +134,14 @@ def test_a_program_leaves_a_png_and_a_csv(api: Api, realtime: Realtime) -> None:
     code = WRITER.replace("PNG_HEX", repr(PNG.hex()))
     result, announced, out = _run(api, realtime, py_job(code))
     assert result["outcome"] == "completed", out
-    assert [a["name"] for a in announced] == ["bad\x01name.txt", "data.csv", "plot.png"]
+    assert [a["name"] for a in announced] == ["bad\\x01name.txt", "data.csv", "plot.png"]  # (its control written out)
     assert all(a["seq"] < result["seq"] for a in announced)
     assert [a["name"] for a in out["artifacts"]] == [a["name"] for a in announced]
     assert out["artifactsTruncated"] is True  # the sparse file was over maxArtifactBytes
     expected = {
         "plot.png": (PNG, "image/png"),
         "data.csv": (b"x,y\n1,2\n", "text/csv"),
-        "bad\x01name.txt": (b"odd", "text/plain"),
+        "bad\\x01name.txt": (b"odd", "text/plain"),
     }
     anonymous = api.client.__class__(base_url=str(api.client.base_url))  # no bearer at all
     try:
