@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -195,6 +196,35 @@ def test_a_stalled_soketi_holds_up_one_probe_at_a_time_and_is_logged_once(
     assert took < 0.5, took  # the ten together waited for one probe, not ten
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "soketi unreachable" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_two_results_in_one_pause_both_go_once_soketi_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After one failed delivery, a second job's result that came while the first job's went
+    # as the pause's probe was dropped, soketi answering or not: its follower had no later
+    # seq to notice the loss by, and waited for a result that never came.
+    monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
+
+    async def main() -> tuple[list[str], int]:
+        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
+        delivered: list[str] = []
+        failing = True
+
+        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
+            if failing:
+                await asyncio.sleep(60)
+            await asyncio.sleep(0.05)  # (an answer takes a moment: the second result comes meanwhile)
+            delivered.append(json.loads(body)["channel"])
+            return 200, b"{}"
+
+        monkeypatch.setattr(publisher, "_request", soketi)
+        await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # times out: the pause
+        failing = False
+        await asyncio.gather(*(publisher.deliver([_Event(f"private-run-{i}", "result", '{"seq":1}')]) for i in "ab"))
+        await publisher.aclose()
+        return sorted(delivered), publisher.dropped
+
+    delivered, dropped = asyncio.run(main())
+    assert delivered == ["private-run-a", "private-run-b"] and dropped == 0, (delivered, dropped)
 
 
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:

@@ -121,8 +121,8 @@ class Publisher:
         self._ssl = ssl.create_default_context() if settings.pusher_scheme == "https" else None
         self._timeout_s = settings.pusher_timeout_ms / 1000
         self._down_until = 0.0
-        # A delivery is under way while paused (see deliver).
-        self._probing = False
+        # The delivery under way while paused (see deliver), done when it is answered.
+        self._probe: asyncio.Future[None] | None = None
         self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
         self._uuid = "coderunner-worker-" + secrets.token_hex(8)
         # Publishes get a client of their own that never sends a command twice: a PUBLISH
@@ -311,16 +311,22 @@ class Publisher:
             # Paused after a failure, output is shed; a stage or a result (another job's,
             # perhaps, whose client waits for nothing else) goes as a probe, one at a time:
             # one that gets through ends the pause, and a soketi that still does not answer
-            # holds up one delivery, not every job's.
+            # holds up one delivery, not every job's. One that comes while a probe is out
+            # waits for its answer and goes as it went (a result dropped because another
+            # job's was in flight would leave its client no later seq to notice it by).
             kept = [event for event in events if event.name not in CHUNK_EVENTS]
             self.dropped += len(events) - len(kept)
             if not kept:
                 return
-            if self._probing:
-                self.dropped += len(kept)
-                return
             events = kept
-            self._probing = True
+            if self._probe is not None:
+                await asyncio.shield(self._probe)
+                if time.monotonic() < self._down_until:
+                    self.dropped += len(events)
+                    return
+                paused = False  # (answered: this goes as any delivery)
+            else:
+                self._probe = asyncio.get_running_loop().create_future()
         if len(events) == 1:
             path = f"/apps/{self._app_id}/events"
             body = _encoder.encode({"name": events[0].name, "channel": events[0].channel, "data": events[0].data})
@@ -339,8 +345,9 @@ class Publisher:
                     "soketi unreachable (%s); live output shed for %.0fs", exc.__class__.__name__, BACKOFF_S)  # fmt: skip
             return
         finally:
-            if paused:
-                self._probing = False
+            if paused and self._probe is not None:
+                self._probe.set_result(None)
+                self._probe = None
         if paused:
             self._down_until = 0.0  # the probe got through: soketi answers again
         if status >= 400:
