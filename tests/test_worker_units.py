@@ -2459,6 +2459,42 @@ async def test_a_lane_that_learns_of_a_follower_late_sends_what_went_by_unheard_
     assert delivered == [0, 4]  # 43 bytes of JSON fit, the next 43 do not, nor the 5 after
 
 
+async def test_a_lane_that_cannot_ask_for_its_late_replay_claim_asks_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One Redis failure as the lane asked for the claim (its client's retries spent) was
+    # taken for "not ours" for good: the lane published nothing more, its result included,
+    # and nobody else did (the API takes the claim only for a job that had ended).
+    from worker.messaging import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "CLAIM_RETRY_S", 0.01)
+    delivered: list[int] = []
+
+    class Publisher:
+        dropped = unheard = audience_checks = 0
+        answers = [None, True]
+        tokens: list[str] = []
+
+        async def occupied(self, channel: str) -> str:
+            return "none"
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str, token: str) -> bool | None:
+            self.tokens.append(token)
+            return self.answers.pop(0)
+
+    publisher = Publisher()
+    lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
+    lane.send("stdout", json.dumps({"chunk": "prompt> ", "seq": 0}).encode())
+    assert await lane.flush(1.0) and delivered == []  # (nobody follows yet: kept)
+    lane.learned_audience(True)
+    lane.send("stdout", json.dumps({"chunk": "x", "seq": 1}).encode())
+    lane.send("result", b'{"seq":2}')
+    await lane.close(timeout_s=2)
+    assert delivered == [0, 1, 2]
+    assert len(publisher.tokens) == 2 and len(set(publisher.tokens)) == 1  # (asked again, as the same lane)
+
+
 @pytest.mark.parametrize("closing", [False, True], ids=["running", "closing"])
 async def test_a_lane_whose_late_replay_the_api_took_publishes_nothing_more(closing: bool) -> None:
     # The follower's mark landed only after the job had ended: the API's webhook handler took

@@ -60,6 +60,9 @@ LANE_BURST_BYTES = 512 * 1024
 LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 AUDIENCE_RECHECK_S = 1.0
+# A lane that could not ask for the late-replay claim (Redis away) asks again this often,
+# its events waiting in order meanwhile.
+CLAIM_RETRY_S = 0.5
 # What a lane keeps of the events it found nobody following, for a follower it learns of
 # late (see JobLane._keep_unheard).
 LANE_UNHEARD_KEEP_BYTES = 256 * 1024
@@ -193,12 +196,13 @@ class Publisher:
             return "replayed"
         return "present" if marked else "none"
 
-    async def claim_late_replay(self, channel: str, token: str) -> bool:
+    async def claim_late_replay(self, channel: str, token: str) -> bool | None:
         """Whether this lane (`token`) may publish what went by before its follower was known
         (see keys.late_replay_key): False when the API's webhook handler took the claim (it
-        publishes the whole log of the job, which had ended by then), or when that cannot be
-        told (a double result must never be; the log has it all). The claim carries the
-        lane's token, so a SET whose answer was lost and was sent again is still ours."""
+        publishes the whole log of the job, which had ended by then); None when that cannot
+        be told now (Redis away: the lane asks again, as a double result must never be and
+        a lost one must not either). The claim carries the lane's token, so a SET whose
+        answer was lost and was sent again is still ours."""
         job_id = keys.job_id_from_channel(channel)
         if self._redis is None or job_id is None:
             return True
@@ -208,8 +212,8 @@ class Publisher:
                 return True
             held = await self._redis.get(key)
         except (RedisError, OSError) as exc:
-            log.warning("channel %s: cannot tell who publishes its late follower's events (%s)", channel, exc)
-            return False
+            log.warning("channel %s: cannot tell yet who publishes its late follower's events (%s)", channel, exc)
+            return None
         return held is not None and bytes(held) == token.encode()
 
     async def _request(self, path: str, query: dict[str, str], body: bytes, method: str = "POST") -> tuple[int, bytes]:
@@ -425,6 +429,7 @@ class JobLane:
         # not asked yet; see _may_deliver).
         self._must_claim = False
         self._cleared: bool | None = None
+        self._claim_token: str | None = None
         self._refilled_at = time.monotonic()
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
@@ -490,7 +495,15 @@ class JobLane:
                 self._publisher.unheard += len(batch)
                 self._keep_unheard(taken)
                 continue
-            if not await self._may_deliver():
+            may = await self._may_deliver()
+            if may is None:
+                # Who publishes cannot be told now: these wait (in order) and it is asked again.
+                self._unsent = []
+                self._pending.extendleft(reversed(taken))
+                self._pending_bytes += size
+                await asyncio.sleep(CLAIM_RETRY_S)
+                continue
+            if not may:
                 self._unsent = []  # (the API publishes the whole log: these are in it)
                 continue
             if self._unheard:
@@ -504,17 +517,21 @@ class JobLane:
             self._unsent = []
             await self._publisher.deliver(batch)
 
-    async def _may_deliver(self) -> bool:
+    async def _may_deliver(self) -> bool | None:
         """Whether to publish, a follower being known. A lane that let events go by unheard
         learned of its follower late (soketi's webhook for a subscription signed outside the
         API): the API's webhook handler publishes the whole log of a job that had ended by
         the time the mark landed, so this lane publishes only if it takes the job's
-        late-replay claim first, and nothing more if it does not."""
+        late-replay claim first, and nothing more if it does not. None: not known yet (the
+        claim could not be asked; it is, again, next time)."""
         if self._cleared is None:
             if not self._must_claim:
                 return True
-            token = f"worker:{secrets.token_hex(8)}"  # (asked once: a resend inside is the same)
-            self._cleared = await self._publisher.claim_late_replay(self._channel, token)
+            if self._claim_token is None:
+                self._claim_token = f"worker:{secrets.token_hex(8)}"  # (one: a claim asked again is still ours)
+            self._cleared = await self._publisher.claim_late_replay(self._channel, self._claim_token)
+            if self._cleared is None:
+                return None
         if not self._cleared and self._unheard:
             self._publisher.unheard -= len(self._unheard)  # (the API publishes them)
             self._unheard = []
