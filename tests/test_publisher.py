@@ -227,6 +227,40 @@ def test_two_results_in_one_pause_both_go_once_soketi_answers(monkeypatch: pytes
     assert delivered == ["private-run-a", "private-run-b"] and dropped == 0, (delivered, dropped)
 
 
+def test_a_result_waiting_on_a_probe_its_job_gave_up_on_goes_as_the_next_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe's own lane closed (its timeout) and cancelled it: soketi had told nothing,
+    # yet another job's result waiting on it was shed as though the probe had failed.
+    monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
+
+    async def main() -> tuple[list[str], int]:
+        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
+        delivered: list[str] = []
+        stalled = True
+
+        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
+            if stalled:
+                await asyncio.sleep(60)
+            await asyncio.sleep(0.1)
+            delivered.append(json.loads(body)["channel"])
+            return 200, b"{}"
+
+        monkeypatch.setattr(publisher, "_request", soketi)
+        await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # times out: the pause
+        stalled = False
+        probe = asyncio.create_task(publisher.deliver([_Event("private-run-a", "result", '{"seq":1}')]))
+        await asyncio.sleep(0.02)
+        waiting = asyncio.create_task(publisher.deliver([_Event("private-run-b", "result", '{"seq":1}')]))
+        await asyncio.sleep(0.02)
+        probe.cancel()  # (job a's lane gave up on it)
+        await asyncio.gather(probe, return_exceptions=True)
+        await waiting
+        await publisher.aclose()
+        return delivered, publisher.dropped
+
+    delivered, dropped = asyncio.run(main())
+    assert delivered == ["private-run-b"] and dropped == 0, (delivered, dropped)
+
+
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 

@@ -2495,6 +2495,38 @@ async def test_a_lane_that_cannot_ask_for_its_late_replay_claim_asks_again(monke
     assert len(publisher.tokens) == 2 and len(set(publisher.tokens)) == 1  # (asked again, as the same lane)
 
 
+async def test_a_closing_lane_waits_a_while_for_its_late_replay_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() past its timeout asked for the claim once and took "cannot tell" for "not
+    # ours": the result it still held was counted unheard, and nobody published it.
+    from worker.messaging import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "CLAIM_RETRY_S", 0.01)
+    delivered: list[int] = []
+    back_at = asyncio.get_running_loop().time() + 0.4  # (Redis away until then)
+
+    class Publisher:
+        dropped = unheard = failed = audience_checks = 0
+
+        async def occupied(self, channel: str) -> str:
+            return "none"
+
+        async def deliver(self, batch: list[Any]) -> None:
+            delivered.extend(json.loads(event.data)["seq"] for event in batch)
+
+        async def claim_late_replay(self, channel: str, token: str) -> bool | None:
+            return True if asyncio.get_running_loop().time() >= back_at else None
+
+    publisher = Publisher()
+    lane = publisher_module.JobLane(publisher, "private-run-x")  # type: ignore[arg-type]
+    lane.send("stdout", json.dumps({"chunk": "prompt> ", "seq": 0}).encode())
+    assert await lane.flush(1.0) and delivered == []  # (nobody follows yet: kept)
+    lane.learned_audience(True)
+    lane.send("result", b'{"seq":1}')
+    await lane.close(timeout_s=0.1)
+    # (Past its timeout a lane drops what is left of the output; its result still goes.)
+    assert delivered == [1] and publisher.dropped == 1 and publisher.unheard == 0 and publisher.failed == 0
+
+
 @pytest.mark.parametrize("closing", [False, True], ids=["running", "closing"])
 async def test_a_lane_whose_late_replay_the_api_took_publishes_nothing_more(closing: bool) -> None:
     # The follower's mark landed only after the job had ended: the API's webhook handler took

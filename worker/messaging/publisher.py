@@ -61,8 +61,10 @@ LANE_RATE_BYTES_S = 4 * 1024 * 1024
 LANE_MAX_PENDING_BYTES = 16 * 1024 * 1024
 AUDIENCE_RECHECK_S = 1.0
 # A lane that could not ask for the late-replay claim (Redis away) asks again this often,
-# its events waiting in order meanwhile.
+# its events waiting in order meanwhile; a closing lane, for this long past its timeout
+# (what it still holds then is its stages and its result).
 CLAIM_RETRY_S = 0.5
+CLAIM_PATIENCE_S = 15.0
 # What a lane keeps of the events it found nobody following, for a follower it learns of
 # late (see JobLane._keep_unheard).
 LANE_UNHEARD_KEEP_BYTES = 256 * 1024
@@ -124,8 +126,9 @@ class Publisher:
         self._ssl = ssl.create_default_context() if settings.pusher_scheme == "https" else None
         self._timeout_s = settings.pusher_timeout_ms / 1000
         self._down_until = 0.0
-        # The delivery under way while paused (see deliver), done when it is answered.
-        self._probe: asyncio.Future[None] | None = None
+        # The delivery under way while paused (see deliver): "answered", "failed" or
+        # "cancelled" once it is over.
+        self._probe: asyncio.Future[str] | None = None
         self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
         self._uuid = "coderunner-worker-" + secrets.token_hex(8)
         # Publishes get a client of their own that never sends a command twice: a PUBLISH
@@ -323,13 +326,17 @@ class Publisher:
             if not kept:
                 return
             events = kept
-            if self._probe is not None:
-                await asyncio.shield(self._probe)
-                if time.monotonic() < self._down_until:
+            while self._probe is not None:
+                outcome = await asyncio.shield(self._probe)
+                if outcome == "failed":
                     self.dropped += len(events)
                     return
-                paused = False  # (answered: this goes as any delivery)
-            else:
+                if outcome == "answered":
+                    break
+                # "cancelled": its own job gave up on it, soketi told nothing; this may be
+                # the next probe (unless another waiter became it first: then wait for that).
+            paused = time.monotonic() < self._down_until
+            if paused:
                 self._probe = asyncio.get_running_loop().create_future()
         if len(events) == 1:
             path = f"/apps/{self._app_id}/events"
@@ -338,9 +345,12 @@ class Publisher:
             path = f"/apps/{self._app_id}/batch_events"
             body = _encoder.encode(_Batch(events))
         params = signed_query("POST", path, body, self._key, self._secret, int(time.time()))
+        outcome = "cancelled"
         try:
             status, answer = await asyncio.wait_for(self._request(path, params, body), self._timeout_s)
+            outcome = "answered"
         except (OSError, TimeoutError, DeliveryError) as exc:
+            outcome = "failed"
             self.failed += len(events)
             self._down_until = time.monotonic() + BACKOFF_S
             # Once as a pause begins (a probe that fails within it is no news), or a soketi
@@ -350,10 +360,11 @@ class Publisher:
             return
         finally:
             if paused and self._probe is not None:
-                self._probe.set_result(None)
+                if outcome == "answered":
+                    self._down_until = 0.0  # the probe got through: soketi answers again
+                # Those waiting for it go as it went (see above).
+                self._probe.set_result(outcome)
                 self._probe = None
-        if paused:
-            self._down_until = 0.0  # the probe got through: soketi answers again
         if status >= 400:
             self.failed += len(events)
             log.warning("soketi refused %d events: %s %r", len(events), status, answer[:200])
@@ -629,7 +640,22 @@ class JobLane:
             log.warning("channel %s: %d live output events not delivered in time", self._channel, len(left) - len(rest))
         self._pending.clear()
         self._unsent = []
-        if not rest or not await self._heard() or not await self._may_deliver():
+        if not rest or not await self._heard():
+            self._publisher.unheard += len(rest)
+            return
+        may = await self._may_deliver()
+        patience = asyncio.get_running_loop().time() + CLAIM_PATIENCE_S
+        while may is None and asyncio.get_running_loop().time() < patience:
+            # Who publishes them cannot be told yet (Redis away as the lane asked for its
+            # late-replay claim): the result among them is worth waiting for a while.
+            await asyncio.sleep(CLAIM_RETRY_S)
+            may = await self._may_deliver()
+        if may is None:
+            self._publisher.failed += len(rest)
+            log.warning("channel %s: %d live events (the result among them) not delivered: "
+                        "who publishes them could not be told", self._channel, len(rest))  # fmt: skip
+            return
+        if not may:
             self._publisher.unheard += len(rest)
             return
         for start in range(0, len(rest), MAX_BATCH):
