@@ -52,7 +52,12 @@ def visible_name(name: str) -> str:
     an escape sequence, or text running backwards over a false extension."""
     if not any(_bad_char(ch) for ch in name):
         return name
-    return "".join((f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}") if _bad_char(ch) else ch for ch in name)
+    return "".join(_escape(ch) if _bad_char(ch) else ch for ch in name)
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def check_file_name(name: str) -> str | None:

@@ -40,6 +40,7 @@ def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
     (tmp_path / "bad\x01name\x1b[31m.txt").write_bytes(b"odd")
     (tmp_path / "nl\nresult: completed").write_bytes(b"forged line")
     (tmp_path / "rlo\u202etxt.exe").write_bytes(b"false extension")
+    (tmp_path / "tag\U000e0001").write_bytes(b"astral")
     (tmp_path / "caf\xe9".encode("latin-1").decode("utf-8", "surrogateescape")).write_bytes(b"latin")
     got = collect_artifacts(str(tmp_path), before, max_count=10, max_bytes=4 << 20, max_total_bytes=64 << 20)
     names = {name: data for name, data in got.files}
@@ -51,6 +52,7 @@ def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
         "bad\\x01name\\x1b[31m.txt": b"odd",
         "nl\\x0aresult: completed": b"forged line",
         "rlo\\u202etxt.exe": b"false extension",
+        "tag\\U000e0001": b"astral",  # (eight digits past U+FFFF: never read as \ue000 and a 1)
         "caf\ufffd": b"latin",
     }
     assert got.truncated  # the sparse file was over the cap
