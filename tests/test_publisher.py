@@ -198,28 +198,39 @@ def test_a_stalled_soketi_holds_up_one_probe_at_a_time_and_is_logged_once(
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
+async def _paused_publisher(monkeypatch: pytest.MonkeyPatch, answer_s: float) -> tuple[Publisher, list[str]]:
+    """A publisher just paused (its first delivery timed out), over a soketi that now
+    answers each request after `answer_s`; the channels it was handed, as they are."""
+    monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
+    publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
+    delivered: list[str] = []
+    stalled = True
+
+    async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
+        if stalled:
+            await asyncio.sleep(60)
+        await asyncio.sleep(answer_s)
+        delivered.append(json.loads(body)["channel"])
+        return 200, b"{}"
+
+    monkeypatch.setattr(publisher, "_request", soketi)
+    await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # times out: the pause
+    stalled = False
+    return publisher, delivered
+
+
+def _result(job: str) -> list[_Event]:
+    return [_Event(f"private-run-{job}", "result", '{"seq":1}')]
+
+
 def test_two_results_in_one_pause_both_go_once_soketi_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     # After one failed delivery, a second job's result that came while the first job's went
     # as the pause's probe was dropped, soketi answering or not: its follower had no later
     # seq to notice the loss by, and waited for a result that never came.
-    monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
-
     async def main() -> tuple[list[str], int]:
-        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
-        delivered: list[str] = []
-        failing = True
-
-        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
-            if failing:
-                await asyncio.sleep(60)
-            await asyncio.sleep(0.05)  # (an answer takes a moment: the second result comes meanwhile)
-            delivered.append(json.loads(body)["channel"])
-            return 200, b"{}"
-
-        monkeypatch.setattr(publisher, "_request", soketi)
-        await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # times out: the pause
-        failing = False
-        await asyncio.gather(*(publisher.deliver([_Event(f"private-run-{i}", "result", '{"seq":1}')]) for i in "ab"))
+        # (An answer takes a moment: the second result comes meanwhile.)
+        publisher, delivered = await _paused_publisher(monkeypatch, answer_s=0.05)
+        await asyncio.gather(publisher.deliver(_result("a")), publisher.deliver(_result("b")))
         await publisher.aclose()
         return sorted(delivered), publisher.dropped
 
@@ -230,26 +241,11 @@ def test_two_results_in_one_pause_both_go_once_soketi_answers(monkeypatch: pytes
 def test_a_result_waiting_on_a_probe_its_job_gave_up_on_goes_as_the_next_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     # The probe's own lane closed (its timeout) and cancelled it: soketi had told nothing,
     # yet another job's result waiting on it was shed as though the probe had failed.
-    monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
-
     async def main() -> tuple[list[str], int]:
-        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
-        delivered: list[str] = []
-        stalled = True
-
-        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
-            if stalled:
-                await asyncio.sleep(60)
-            await asyncio.sleep(0.1)
-            delivered.append(json.loads(body)["channel"])
-            return 200, b"{}"
-
-        monkeypatch.setattr(publisher, "_request", soketi)
-        await publisher.deliver([_Event("private-run-first", "result", '{"seq":1}')])  # times out: the pause
-        stalled = False
-        probe = asyncio.create_task(publisher.deliver([_Event("private-run-a", "result", '{"seq":1}')]))
+        publisher, delivered = await _paused_publisher(monkeypatch, answer_s=0.1)
+        probe = asyncio.create_task(publisher.deliver(_result("a")))
         await asyncio.sleep(0.02)
-        waiting = asyncio.create_task(publisher.deliver([_Event("private-run-b", "result", '{"seq":1}')]))
+        waiting = asyncio.create_task(publisher.deliver(_result("b")))
         await asyncio.sleep(0.02)
         probe.cancel()  # (job a's lane gave up on it)
         await asyncio.gather(probe, return_exceptions=True)
