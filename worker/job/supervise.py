@@ -465,8 +465,8 @@ async def supervise(
         activity = Activity(go_at + start_up_s)
         order = _Pumps(_Drops(output_spent, jail.ended, cgroup) if output_spent is not None else None)
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
-        feeds = feed_stdin is not None and fired is None and not never_ran
-        stdin_task = asyncio.create_task(feed_stdin(activity)) if feeds and feed_stdin is not None else None
+        starts = fired is None and not never_ran
+        stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and starts else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
         ended_at = go_at
