@@ -4,6 +4,7 @@ the kernel's OOM killer pick another job under that ceiling."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -176,3 +177,28 @@ def test_two_jobs_whose_limits_pass_the_ceiling_run_one_after_the_other(make_sta
             assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == "kept 360\n"
         # One waited for the other; neither's clocks counted the wait.
         assert took >= 3.0 and all(r["durationMs"] < 2900 for r in results), (took, results)
+
+
+def test_a_job_the_workers_stop_caught_waiting_for_memory_never_ran(make_stack: StackFactory) -> None:
+    # Its program was still behind the gate, waiting for the other job's memory, when the
+    # grace ended: it was reported `killed` as though it had run, with its wait as its
+    # durationMs. Nothing of it ran: internal_error (safe to submit again), 0 ms.
+    stack = make_stack(SANDBOX_MEMORY_TOTAL_MB="700", WORKER_MAX_SANDBOXES="2", WORKER_SHUTDOWN_GRACE_MS="300")
+    code = "import sys, time\nheld = b'x' * (300 << 20)\nprint('holding', flush=True)\ntime.sleep(20)"
+    with Api(stack) as api:
+        holder, waiter = (api.execute(py_job(code, collectOutput=True, limits={"memoryMb": 400, "idleMs": 30000})) for _ in range(2))
+        assert api.start(holder).status_code == 202
+        deadline = time.monotonic() + 20
+        with stack.redis() as redis:
+            while not any(f[b"name"] == b"stdout" for _, f in redis.xrange(f"job:{holder['jobId']}:events")):
+                assert time.monotonic() < deadline, "the first job never held its memory"
+                time.sleep(0.05)
+        assert api.start(waiter).status_code == 202
+        api.wait_state(waiter, {"running"}, timeout_s=10)
+        time.sleep(1.0)  # (its step waits at the gate: nothing of it may run before the holder ends)
+        stack.stop_process("worker", signal.SIGTERM)
+        held, waited = (api.wait_state(job, {"done", "killed", "error"}, timeout_s=20)["result"] for job in (holder, waiter))
+        assert (held["outcome"], held["killedBy"]) == ("killed", "user"), held
+        assert (waited["outcome"], waited["durationMs"], waited["signal"]) == ("internal_error", 0, None), waited
+        assert "nothing of it ran" in waited["message"], waited
+        assert api.get(f"/v1/jobs/{waiter['jobId']}/output").json()["stdout"] == ""

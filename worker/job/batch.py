@@ -247,7 +247,9 @@ async def run_batch(
                 activity.touch()  # the program is reading its input: not idle
             writer.close()
 
-        started_at = loop.time()
+        # The program's go (from supervise), so a case the stop ends as it runs counts its time
+        # from there, not from a wait for memory before it.
+        went_at: list[float] = []
         stopped_with_facts = False
         try:
             facts: StepFacts = await supervise(
@@ -261,17 +263,18 @@ async def run_batch(
                 memory=memory,
                 uncharged=sandbox.uncharged,
                 output_spent=output.spent,
+                on_go=went_at.append,
             )
         except StepNotStarted:
             raise  # (the stop came while it waited for memory: it never ran, and says so)
         except StepStopped as stopped:
             if stopped.facts is None:
-                await stopped_as_it_ran(index, case, output, started_at)
+                await stopped_as_it_ran(index, case, output, went_at, sandbox.uncharged.wall_ms)
                 raise
             # Its program had ended, and its output was all read: judged as it ended.
             facts, stopped_with_facts = stopped.facts, True
         except asyncio.CancelledError:
-            await stopped_as_it_ran(index, case, output, started_at)
+            await stopped_as_it_ran(index, case, output, went_at, sandbox.uncharged.wall_ms)
             raise
         finally:
             running.remove(inbox)
@@ -341,10 +344,10 @@ async def run_batch(
             raise asyncio.CancelledError
         await events.emit([("test_result", lambda seq: TestResultEvent(**base, seq=seq))])  # type: ignore[arg-type]
 
-    async def stopped_as_it_ran(index: int, case: TestCase, output: _CaseOutput, started_at: float) -> None:
+    async def stopped_as_it_ran(index: int, case: TestCase, output: _CaseOutput, went_at: list[float], uncharged_ms: int) -> None:
         """The worker's stop ended the case as it ran (past the grace): it ran, and is
-        reported as a kill's case is, with its wall time (its other figures went with its
-        sandbox) and its event, not as a case that never ran."""
+        reported as a kill's case is, with its wall time from its go (its other figures went
+        with its sandbox) and its event, not as a case that never ran."""
         signal, killed_by = "SIGKILL", "user"
         base = {
             "index": index,
@@ -356,7 +359,7 @@ async def run_batch(
             ).value,
             "exit_code": None,
             "signal": signal,
-            "duration_ms": round((loop.time() - started_at) * 1000),
+            "duration_ms": max(0, round((loop.time() - went_at[0]) * 1000) - uncharged_ms) if went_at else 0,
             "cpu_ms": 0,
             "memory_kb": 0,
             "killed_by": killed_by,

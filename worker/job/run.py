@@ -363,6 +363,10 @@ class JobRun:
                 await self._finish_batch(stopped, self._compiled, message)
             except Exception:
                 log.exception("job %s: could not record the stopped batch", self.job_id)
+        elif self._program_started and self._program_started_at is None:
+            # Marked running (never handed back from there), but stopped before its go (in
+            # the wait for memory): nothing of the user's ran, so it is safe to submit again.
+            await self._abort("the worker shut down before the program was started; nothing of it ran", Outcome.INTERNAL_ERROR)
         elif self._program_started:
             await self._abort("the worker shut down before the program finished", Outcome.KILLED)
         else:
@@ -806,7 +810,9 @@ class JobRun:
             assert jail.proc.stdin is not None
             await feed.run(jail.proc.stdin, activity)
 
-        self._program_started_at = asyncio.get_running_loop().time()
+        def went(at: float) -> None:
+            self._program_started_at = at
+
         facts: StepFacts | None = None
         try:
             facts = await supervise(
@@ -824,6 +830,7 @@ class JobRun:
                 uncharged=self.sandbox.uncharged,
                 output_spent=self.budget.spent,
                 drain_on_stop_s=FINISH_ON_CANCEL_S,
+                on_go=went,
             )
             for stream in ("stdout", "stderr"):
                 flusher.add(stream, self.budget.flush(stream))

@@ -415,6 +415,7 @@ async def supervise(
     uncharged: Uncharged = CHARGED_IN_FULL,
     output_spent: Callable[[], bool] | None = None,
     drain_on_stop_s: float = 0.0,
+    on_go: Callable[[float], None] | None = None,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -438,6 +439,10 @@ async def supervise(
     wrote is still being read and handed over (Redis slow), lets the pumps go on for up to
     `drain_on_stop_s` more, then raises StepStopped with the step's facts if they reached
     the pipes' ends: a program that ended by itself keeps its own verdict and output.
+
+    `on_go` is told when the program is started (the loop's time of its go, its runtime's
+    uncharged start-up included), and only if it is: a caller reporting a step cut short
+    counts its time from there, not from a wait for memory before it.
     """
     if uncharged.cpu_ms and program.rlimit_cpu_s:
         room_s = cpu_backstop_room_s(uncharged.cpu_ms / 1000)
@@ -466,6 +471,8 @@ async def supervise(
         order = _Pumps(_Drops(output_spent, jail.ended, cgroup) if output_spent is not None else None)
         readers = [asyncio.create_task(_pump(reader, on_data, activity, order)) for reader, on_data in pumps]
         starts = fired is None and not never_ran
+        if starts and on_go is not None:
+            on_go(go_at)
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and starts else None
         inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
         children = [*readers, *([stdin_task] if stdin_task else [])]
