@@ -349,3 +349,42 @@ def test_a_stack_publishing_over_http_still_streams(make_stack: StackFactory) ->
     finally:
         rt.close()
         api.close()
+
+
+def test_a_pause_that_begins_again_as_its_probe_is_answered_has_one_probe_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe was answered and woke the two results waiting on it; another delivery failed
+    # in that same moment, so a pause was on again. Both waiters became "the" probe, the
+    # second replacing the first: two requests out at once during a pause, and the first
+    # probe's answer settled the second's waiters.
+    async def main() -> tuple[list[str], int, int]:
+        publisher, delivered = await _paused_publisher(monkeypatch, answer_s=0.05)
+        out = most_out = 0
+
+        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
+            nonlocal out, most_out
+            out += 1
+            most_out = max(most_out, out)
+            await asyncio.sleep(0.05)
+            out -= 1
+            delivered.append(json.loads(body)["channel"])
+            return 200, b"{}"
+
+        monkeypatch.setattr(publisher, "_request", soketi)
+        probe = asyncio.create_task(publisher.deliver(_result("a")))
+        await asyncio.sleep(0.01)
+        waiters = [asyncio.create_task(publisher.deliver(_result(job))) for job in ("b", "c")]
+        await asyncio.sleep(0.01)
+
+        def another_delivery_failed(_probe: object) -> None:
+            # (Runs after the waiters' wake-ups are set off, before they run: what a failure
+            # elsewhere does to the publisher.)
+            publisher._down_until = time.monotonic() + 5.0
+
+        publisher._probe.add_done_callback(another_delivery_failed)  # type: ignore[union-attr]
+        await asyncio.wait_for(asyncio.gather(probe, *waiters), 5)
+        await publisher.aclose()
+        return sorted(delivered), publisher.dropped, most_out
+
+    delivered, dropped, most_out = asyncio.run(main())
+    assert delivered == ["private-run-a", "private-run-b", "private-run-c"] and dropped == 0, (delivered, dropped)
+    assert most_out == 1, most_out

@@ -331,13 +331,13 @@ class Publisher:
                 if outcome == "failed":
                     self.dropped += len(events)
                     return
-                if outcome == "answered":
-                    break
-                # "cancelled": its own job gave up on it, soketi told nothing; this may be
-                # the next probe (unless another waiter became it first: then wait for that).
+                # "answered", or "cancelled" (its own job gave up on it, soketi told nothing):
+                # this goes, as the next probe if a pause is on again, unless another waiter
+                # became that probe first (a delivery failed as this one's answer came): then
+                # it waits for that one, so there is never more than one probe out.
             paused = time.monotonic() < self._down_until
             if paused:
-                self._probe = asyncio.get_running_loop().create_future()
+                probe = self._probe = asyncio.get_running_loop().create_future()
         if len(events) == 1:
             path = f"/apps/{self._app_id}/events"
             body = _encoder.encode({"name": events[0].name, "channel": events[0].channel, "data": events[0].data})
@@ -345,6 +345,8 @@ class Publisher:
             path = f"/apps/{self._app_id}/batch_events"
             body = _encoder.encode(_Batch(events))
         params = signed_query("POST", path, body, self._key, self._secret, int(time.time()))
+        if not paused:
+            probe = None
         outcome = "cancelled"
         try:
             status, answer = await asyncio.wait_for(self._request(path, params, body), self._timeout_s)
@@ -359,12 +361,13 @@ class Publisher:
                     "soketi unreachable (%s); live output shed for %.0fs", exc.__class__.__name__, BACKOFF_S)  # fmt: skip
             return
         finally:
-            if paused and self._probe is not None:
+            if probe is not None:
                 if outcome == "answered":
                     self._down_until = 0.0  # the probe got through: soketi answers again
                 # Those waiting for it go as it went (see above).
-                self._probe.set_result(outcome)
-                self._probe = None
+                probe.set_result(outcome)
+                if self._probe is probe:
+                    self._probe = None
         if status >= 400:
             self.failed += len(events)
             log.warning("soketi refused %d events: %s %r", len(events), status, answer[:200])
