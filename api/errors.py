@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from shared.errors import FieldError, ValidationError
+from shared.errors import FieldError, ValidationError, detail_json
 
 __all__ = ["ApiError", "error_response", "exception_handlers"]
 
@@ -42,7 +42,7 @@ class ApiError(Exception):
 def error_response(
     status: int, message: str, details: list[FieldError] | None = None, headers: dict[str, str] | None = None, **extra: Any
 ) -> Response:
-    body: dict[str, Any] = {"error": message, "details": details or []}
+    body: dict[str, Any] = {"error": message, "details": [detail_json(detail) for detail in details or ()]}
     body.update(extra)
     return Response(_encoder.encode(body), status_code=status, media_type="application/json", headers=headers)
 

@@ -355,8 +355,11 @@ async def send_stdin(request: Request) -> Response:
     # any other, or connections sending them slowly hold memory without a bound.
     budget: BodyBudget = request.app.state.request_bodies
     cap = state.settings.stdin_max_pending_bytes
+    # Both answers to a frame bigger than may ever wait are the seed product's (a 429 with
+    # `capBytes`, the size its clients split input by), though no retry of it could succeed;
+    # `details` names what to split.
     too_big = ApiError(
-        413,
+        429,
         f"A stdin frame may carry at most {cap} bytes (this body has more than {MAX_STDIN_BODY}): send it in smaller frames",
         details=[FieldError("body", f"must carry at most {cap} bytes of input")],
         capBytes=cap,
@@ -364,9 +367,8 @@ async def send_stdin(request: Request) -> Response:
     async with budget.body(request, MAX_STDIN_BODY, too_big) as body:
         data, field = _stdin_bytes(body)
         if len(data) > cap:
-            # More than may ever wait at once: no retry could take it (unlike the 429 below).
             raise ApiError(
-                413,
+                429,
                 f"A stdin frame may carry at most {cap} bytes (this one has {len(data)}): send it in smaller frames",
                 details=[FieldError(field, f"must be at most {cap} bytes")],
                 capBytes=cap,

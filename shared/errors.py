@@ -8,9 +8,13 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
-__all__ = ["ConfigError", "FieldError", "ManifestError", "RunnerError", "ValidationError"]
+__all__ = ["ConfigError", "FieldError", "ManifestError", "RunnerError", "ValidationError", "detail_json"]
+
+_INDEX = re.compile(r"\[(\d+)\]")
 
 
 class RunnerError(Exception):
@@ -30,6 +34,13 @@ class FieldError(msgspec.Struct, frozen=True):
 
     field: str
     message: str
+
+
+def detail_json(detail: FieldError) -> dict[str, str]:
+    """A detail as error bodies carry it: `field` (`files[0].name`), and the same place as
+    the seed product named it, `path` (its validator's path joined by dots, `files.0.name`),
+    so a client written against the seed's errors finds it too."""
+    return {"field": detail.field, "path": _INDEX.sub(r".\1", detail.field), "message": detail.message}
 
 
 class ValidationError(RunnerError):

@@ -55,6 +55,8 @@ def _error(response, status: int) -> dict:  # type: ignore[no-untyped-def]
 def test_bad_execute_bodies_name_the_field(api: Api, body: dict, field: str, words: str) -> None:  # type: ignore[type-arg]
     err = _error(api.post("/v1/execute", json=body), 400)
     assert err["details"][0]["field"] == field, err
+    # (And where the seed product's clients look for it: its path joined by dots.)
+    assert err["details"][0]["path"] == field.replace("[", ".").replace("]", ""), err
     assert words in err["error"], err
     assert err["error"].startswith(field)
 
@@ -120,7 +122,7 @@ def test_service_keeps_working_after_abuse(api: Api, realtime: Realtime) -> None
     huge = "x" * (20 * 1024 * 1024)
     too_big = api.post("/v1/execute", content=huge.encode(), headers={"content-type": "application/json"})
     assert too_big.status_code == 413 and too_big.json()["details"] == [
-        {"field": "body", "message": f"must be at most {16 * 1024 * 1024} bytes"}
+        {"field": "body", "path": "body", "message": f"must be at most {16 * 1024 * 1024} bytes"}
     ], too_big.text
     assert api.client.get("/v1/nope").status_code == 404
     assert api.client.delete("/v1/execute").status_code == 405

@@ -193,14 +193,16 @@ def test_stdin_caps_answer_429_with_the_seed_fields(api: Api, realtime: Realtime
     over = stdin(api, job, "b")
     assert over.status_code == 429, over.text
     assert over.json()["capBytes"] == 65536
-    # One frame larger than may ever wait is no case for a retry: a 413 naming its field.
+    # One frame larger than may ever wait: the seed product's 429 with the cap to split by
+    # (its clients split on it), naming the field; no retry of it as it is could succeed.
     for frame in ({"data": block * 2 + b"c"}, {"chunk": "c" * 65537}):
         whole = stdin(api, job, **frame)  # type: ignore[arg-type]
-        assert whole.status_code == 413, whole.text
+        assert whole.status_code == 429, whole.text
         assert whole.json()["details"][0]["field"] == next(iter(frame)) and whole.json()["capBytes"] == 65536
-    # Past what a stdin body may hold at all (512 KiB): the same answer, with the cap to split by.
+        assert "retryAfterMs" not in whole.json() and "retry-after" not in whole.headers
+    # Past what a stdin body may hold at all (512 KiB): the same answer.
     whole = stdin(api, job, chunk="c" * 600_000)
-    assert whole.status_code == 413 and whole.json()["capBytes"] == 65536, whole.text
+    assert whole.status_code == 429 and whole.json()["capBytes"] == 65536, whole.text
     assert whole.json()["details"][0]["field"] == "body" and "65536" in whole.json()["error"]
     # Bytes sent along with a close would be dropped: refused, and nothing is closed.
     refused = api.post(f"/v1/jobs/{job['jobId']}/stdin/close", token=job["jobToken"], json={"chunk": "last line\n"})

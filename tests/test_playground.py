@@ -340,6 +340,26 @@ def test_input_typed_ahead_past_the_pending_cap_waits_and_goes_in_order(page: An
     shot(page, "12-stdin-waits-for-the-program")
 
 
+def test_a_pasted_line_longer_than_may_wait_at_once_goes_in_pieces(page: Any, stack: Stack) -> None:
+    """One line over the 64 KiB that may wait for a program (a paste) is a 429 with capBytes
+    however often it is sent: the page sends it in pieces of at most that, in order, never
+    cutting a character, and the program reads the line whole."""
+    open_playground(page, stack)
+    page.fill("#code", "import sys\nline = sys.stdin.readline()\nprint(len(line), len(line.encode()), line.count('é'), line[-3:-1])\n")
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    # 100,004 characters (its newline included), 150,005 bytes: pieces end beside two-byte 'é's.
+    page.evaluate("""() => {
+        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
+        line.value = "aé".repeat(50000) + "a" + "éz"; form.requestSubmit();
+    }""")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
+    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    notes = page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
+    assert stdout == "100004 150005 50001 éz\n", (stdout, notes)
+    assert not any("not sent" in n for n in notes), notes
+
+
 def test_a_line_whose_answer_was_lost_is_sent_again_and_stored_once(page: Any, stack: Stack) -> None:
     """The first stdin request reaches the server, its answer does not (a dropped
     connection): the page sends it again under the same Idempotency-Key, and the program

@@ -117,6 +117,15 @@ test("ValidationError: a bad body is a 400 whose details name the field", { time
     "memory over the maximum",
   );
   assert.deepEqual(limits.body.details.map((d) => d.field), ["limits.memoryMb"]);
+
+  // The seed named the place `path`, its validator's path joined by dots: kept beside `field`.
+  const file = await rejectsWith(
+    client.execute({ language: "python", files: [{ name: "main.py", content: "x" }, { name: "../up.py", content: "x" }] }),
+    ValidationError,
+    "a file name climbing out",
+  );
+  assert.deepEqual(file.body.details.map((d) => [d.field, d.path]), [["files[1].name", "files.1.name"]]);
+  assert.deepEqual(limits.body.details.map((d) => d.path), ["limits.memoryMb"]);
 });
 
 test("NotFoundError: an unknown job id, and another job's id under a job token", { timeout: 30000 }, async () => {
@@ -246,6 +255,11 @@ test("RateLimitError: more than 64 KiB of stdin waiting for the program is a 429
   const err = await rejectsWith(client.sendStdin(job.jobId, "b".repeat(6 * 1024)), RateLimitError, "70 KiB before start");
   assert.equal(err.status, 429);
   assert.equal(err.capBytes, 65536);
+
+  // One frame bigger than may ever wait: the seed's 429 with capBytes too, which its users
+  // split their input by.
+  const whole = await rejectsWith(client.sendStdin(job.jobId, "c".repeat(65537)), RateLimitError, "one 64 KiB + 1 frame");
+  assert.equal(whole.capBytes, 65536);
 
   await client.start(job.jobId);
   await client.closeStdin(job.jobId);
