@@ -672,7 +672,12 @@ async def channel_auth_route(request: Request) -> Response:
         raise ApiError(403, "Not allowed to subscribe to this channel")
     # Before the signature goes out: the worker publishes live events only to jobs whose
     # channel somebody was allowed into, and a client subscribes before it starts the job.
-    await state.store.mark_audience(job_id)
+    # (A job that has ended publishes nothing more: soketi's webhook for this subscription
+    # then brings the subscriber how it ended, api/webhooks.py, which a mark here would skip.)
+    if status.state in TERMINAL_STATES:
+        state.store.forget_mark(job_id)
+    else:
+        await state.store.mark_audience(job_id)
     settings = state.settings
     return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
 

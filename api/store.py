@@ -414,6 +414,9 @@ return 1
 # pairs then '' (its first entries from `liveSeq` on, within both bounds, and its last, the
 # result): the job ended before it was marked, so nobody published its events live, and this
 # caller took the claim. Sent again with the same token (its reply lost), it answers the same.
+# A job that ended once it was followed, or whose late replay went already, answers its last
+# entry alone (the result): a new first subscriber of an ended job's channel (a page
+# reloaded, a client that reconnected) learns how it ended, as nothing else would tell it.
 _MARK_SUBSCRIBED = (
     _TERMINAL_LUA
     + """
@@ -423,8 +426,15 @@ if redis.call('GET', KEYS[3]) ~= ARGV[4] then
   if ttl <= 0 then ttl = tonumber(ARGV[1]) end
   local had = redis.call('EXISTS', KEYS[2])
   redis.call('SET', KEYS[2], '1', 'EX', ttl)
-  if had == 1 or not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
-  if not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', ttl) then return 1 end
+  if not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
+  if had == 1 or not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', ttl) then
+    local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
+    if not last then return 1 end
+    local out = {}
+    for j = 1, #last[2] do out[#out + 1] = last[2][j] end
+    out[#out + 1] = ''
+    return out
+  end
 end
 local live = tonumber(redis.call('HGET', KEYS[1], 'liveSeq') or '0')
 local room = tonumber(ARGV[3])
@@ -647,9 +657,11 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # How many recent marks, and for how long, spare a webhook its write (far longer than a
-# subscription takes to reach soketi, far shorter than any mark lives).
+# subscription takes to reach soketi, far shorter than any mark lives; and short, as another
+# API process that signed an earlier subscription of a job since ended would skip the webhook
+# a page reloaded within it needs: see forget_mark).
 RECENT_MARKS = 4096
-RECENT_MARK_S = 60.0
+RECENT_MARK_S = 10.0
 # How many of a job's first log entries a late subscriber's replay brings, and how many bytes
 # of them (soketi keeps 1 MiB for a subscriber; the lane keeps as much unheard), then its
 # result: a client sees the gap in `seq` and reads the rest from the log.
@@ -898,6 +910,12 @@ class JobStore:
         self._recent_marks.move_to_end(job_id)
         while len(self._recent_marks) > RECENT_MARKS:
             self._recent_marks.popitem(last=False)
+
+    def forget_mark(self, job_id: str) -> None:
+        """A subscription to the job's channel is being signed after its end: soketi's webhook
+        for it must reach mark_subscribed, however recently this process marked the job for an
+        earlier subscription (its result is what the new subscriber needs)."""
+        self._recent_marks.pop(job_id, None)
 
     async def mark_subscribed(self, job_id: str) -> list[tuple[str, bytes]]:
         """mark_audience, for a subscription soketi's webhook reports (for a job that has a

@@ -7,7 +7,10 @@ with the app secret, as the seed product's SDK shows (`createChannelAuthorizer`)
 soketi's `channel_occupied` webhook sets the mark: soketi sends it as it admits the first
 subscriber, before it tells that client the subscription succeeded, so before the client
 starts the job. A worker that logged events unheard meanwhile sends them once it learns of
-the mark (see worker/messaging/publisher.py).
+the mark (see worker/messaging/publisher.py). A subscription to an ended job's channel gets
+what nobody published live, or, when that went already, the job's result again: a page
+reloaded after its job ended learns how it ended (the seed product's React hook shows
+nothing else for a job that expired or was lost).
 
 Authenticated as soketi signs every webhook: `X-Pusher-Key` is the app key and
 `X-Pusher-Signature` the HMAC-SHA256 of the raw body with the app secret.
@@ -62,6 +65,7 @@ async def realtime_webhooks(request: Request) -> Response:
     for event in webhook.events:
         job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
         if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):
-            # The job ended before this subscription was known: nobody published it live.
+            # The job ended before this subscription was known (nobody published it live), or
+            # this is a new first subscriber of an ended job's channel (its result).
             state.realtime.publish_soon(event.channel, missed)
     return Response(b'{"ok":true}', media_type="application/json")

@@ -178,3 +178,37 @@ def test_a_subscription_signed_outside_the_api_hears_a_short_job_whole_and_once(
         redis.close()
         rt.close()
         api.close()
+
+
+@pytest.mark.parametrize("signed", ["by the API", "by a backend"])
+def test_a_page_reloaded_after_its_job_ended_hears_how_it_ended(make_stack: StackFactory, signed: str) -> None:
+    # A new subscriber of an ended job's channel (the page reloaded, its connection came back)
+    # was told nothing when the job had been followed live, or its late replay had gone: the
+    # seed's React hook then stayed "queued" for good on a job that expired or was lost (its
+    # status reconciliation knows no such states). Now the webhook brings it the result.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1", WORKER_WARMUP_MS="1500")
+    api = Api(stack)
+    secret = stack.pusher_secret if signed == "by a backend" else None
+    try:
+        ran = api.execute(py_job("print('hello')"))
+        first = Realtime(stack)
+        followed = first.follow(ran, signed_here=secret)
+        api.start(ran)
+        assert followed.wait_result(timeout_s=20)["outcome"] == "completed"
+        expired = api.execute(py_job("print('never')"))
+        followed = first.follow(expired, signed_here=secret)
+        assert followed.wait_result(timeout_s=20)["outcome"] == "expired"  # (never started)
+        first.close()
+        for job in (ran, expired) * 2:  # (reloaded twice: each new subscription hears it)
+            time.sleep(0.3)  # (soketi has seen the last subscriber go)
+            again = Realtime(stack)
+            try:
+                heard = again.follow(job, signed_here=secret)
+                result = heard.wait_result(timeout_s=10)
+                time.sleep(0.3)  # (a second copy would have come by now)
+                assert [name for name, _p in heard.events] == ["result"], heard.summary()
+                assert result == api.status(job)["result"], (result, api.status(job))
+            finally:
+                again.close()
+    finally:
+        api.close()
