@@ -54,6 +54,10 @@ __all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_depl
 WORKER_UID_STRIDE = 100
 MAX_WORKERS = 10
 
+# ioredis options of soketi's Redis adapter clients (the compose file says the same): commands
+# wait for a Redis that comes back rather than fail after two tries (see _start_soketi).
+SOKETI_ADAPTER_CLIENT_OPTIONS = '{"maxRetriesPerRequest":null}'
+
 
 def realtime_webhook(url: str) -> dict[str, object]:
     """soketi's webhook entry for the API: `channel_occupied` of job channels only."""
@@ -503,6 +507,11 @@ class Stack:
                 "SOKETI_DB_REDIS_PORT": str(self.redis_port),
                 "SOKETI_DB_REDIS_PASSWORD": self.redis_password,
                 "SOKETI_DB_REDIS_DB": "0",
+                # Its adapter's client gives a PUBLISH up after two tries, and soketi stops at
+                # the rejection (an unhandled one ends the process): a Redis restart while any
+                # event went out ended every follower's connection for good. It waits instead.
+                "SOKETI_ADAPTER_REDIS_PUB_OPTIONS": SOKETI_ADAPTER_CLIENT_OPTIONS,
+                "SOKETI_ADAPTER_REDIS_SUB_OPTIONS": SOKETI_ADAPTER_CLIENT_OPTIONS,
                 "NODE_NO_WARNINGS": "1",
             }
         )

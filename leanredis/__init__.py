@@ -3,6 +3,6 @@
 See `leanredis.client` for why it exists and what it keeps of redis-py.
 """
 
-from leanredis.client import BlockingLeanRedis, LeanRedis
+from leanredis.client import BlockingLeanRedis, DialError, DialTimeoutError, LeanRedis, NeverSent
 
-__all__ = ["BlockingLeanRedis", "LeanRedis"]
+__all__ = ["BlockingLeanRedis", "DialError", "DialTimeoutError", "LeanRedis", "NeverSent"]

@@ -51,7 +51,21 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["BlockingLeanRedis", "LeanRedis"]
+__all__ = ["BlockingLeanRedis", "DialError", "DialTimeoutError", "LeanRedis", "NeverSent"]
+
+
+class NeverSent(Exception):
+    """Marks an error raised before the command was written to any connection (its dial
+    failed): Redis certainly never ran it, so a caller that must not send a command twice
+    may still send it again, or by another way."""
+
+
+class DialError(RedisConnectionError, NeverSent):
+    """The connection could not be made (refused, unreachable): nothing was sent."""
+
+
+class DialTimeoutError(RedisTimeoutError, NeverSent):
+    """The connection was not made in time: nothing was sent."""
 
 # redis-py's own reply options (redis.client's EMPTY_RESPONSE and NEVER_DECODE).
 _EMPTY_RESPONSE = "EMPTY_RESPONSE"
@@ -330,10 +344,10 @@ class LeanRedis(Redis):
                     await protocol.send(_pack(command))
         except TimeoutError:
             protocol.close()
-            raise RedisTimeoutError(f"Timeout connecting to Redis at {address}") from None
+            raise DialTimeoutError(f"Timeout connecting to Redis at {address}") from None
         except OSError as exc:
             protocol.close()
-            raise RedisConnectionError(f"Error connecting to Redis at {address}: {exc}") from exc
+            raise DialError(f"Error connecting to Redis at {address}: {exc}") from exc
         except BaseException:
             protocol.close()
             raise

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 
+from launcher.stack import free_port
 from shared.settings import load_settings
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job, run_job
@@ -271,19 +272,25 @@ def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, in
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("prefix", ["", "nobody-listens"])
+@pytest.mark.parametrize("prefix", ["", "nobody-listens", "redis-unreachable"])
 def test_events_go_through_soketis_redis_adapter_or_else_http(make_stack: StackFactory, prefix: str) -> None:
     # The stack's soketi listens on its Redis adapter's channel: a PUBLISH there reaches
     # every subscriber with no HTTP request. Where no soketi node listens (here: another
-    # prefix), PUBLISH reaches nobody and each event goes over HTTP instead, once.
+    # prefix), PUBLISH reaches nobody and each event goes over HTTP instead, once. Where the
+    # publisher cannot reach Redis at all (restarting: its connection refused), nothing was
+    # sent, and each event goes over HTTP too (they were dropped, a result with them).
     stack = make_stack(with_worker=False)
     api, rt = Api(stack), Realtime(stack)
     job = api.execute(py_job("print(1)"))  # no worker: only its channel is used
     followed = rt.follow(job)
-    env = {**stack.env(), "PUSHER_PUBLISH": "redis", "PUSHER_REDIS_PREFIX": prefix}
+    env = {**stack.env(), "PUSHER_PUBLISH": "redis"}
+    if prefix == "redis-unreachable":
+        env["REDIS_URL"] = f"redis://:{stack.redis_password}@127.0.0.1:{free_port()}/0"  # (nothing listens)
+    else:
+        env["PUSHER_REDIS_PREFIX"] = prefix
     try:
         sent, via_redis, failed = _deliver_five(env, job["channel"])
-        assert (sent, via_redis, failed) == (5, 0 if prefix else 5, 0)
+        assert (sent, via_redis, failed) == (5, 5 if prefix == "" else 0, 0)
         deadline = time.monotonic() + 5
         while followed.text("stdout") != "".join(f"{i}\n" for i in range(5)):
             assert time.monotonic() < deadline, followed.summary()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import StackFactory
-from tests.helpers import Api, py_job
+from tests.helpers import Api, Realtime, py_job, run_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -129,4 +129,38 @@ def test_a_program_that_ended_keeps_its_verdict_and_output_when_the_grace_ends_m
         assert "".join(p["chunk"] for n, p in log if n == "stdout") == expected
         assert api.get(f"/v1/jobs/{job['jobId']}/output").json()["stdout"] == expected
     finally:
+        api.close()
+
+
+def test_a_redis_restart_as_a_followed_job_ends_keeps_soketi_and_the_live_result(make_fleet: StackFactory) -> None:
+    # Redis SIGKILLed (and back 1 s later, its data kept) the moment a job's result is stored,
+    # its output still going out live. The worker's PUBLISHes found no Redis: they were dropped,
+    # the result with them, though nothing had been sent. Sent over HTTP instead, soketi's
+    # Redis adapter failed to pass them on, and soketi stopped (an unhandled rejection),
+    # ending every follower's connection for good. The follower gets every event now, and
+    # soketi serves the next job.
+    stack = make_fleet(workers=1, redis_persistence=True, WORKER_MAX_SANDBOXES="2")
+    api, rt = Api(stack), Realtime(stack)
+    lines = 1024
+    code = f"import sys\nline = 'x' * 1023 + '\\n'\nfor i in range({lines}):\n    sys.stdout.write(line)\n"
+    try:
+        job = api.execute(py_job(code, limits={"outputKb": 16384}))
+        followed = rt.follow(job)
+        api.start(job)
+        with stack.redis() as redis:
+            deadline = time.monotonic() + 30
+            while redis.hget(f"job:{job['jobId']}:status", "state") != b"done":
+                assert time.monotonic() < deadline, "the job never ended"
+                time.sleep(0.002)
+        stack.restart("redis", down_s=1.0, sig=signal.SIGKILL)
+        result = followed.wait_result(timeout_s=20)
+        assert result["outcome"] == "completed", result
+        assert followed.text("stdout") == ("x" * 1023 + "\n") * lines, followed.summary()
+        assert "uncaughtException" not in stack.log("soketi"), stack.log("soketi")[-2000:]
+        assert stack.dead_children() == [], stack.dead_children()
+        # soketi still serves: the next job is heard live, whole.
+        after, heard = run_job(api, rt, py_job("print('after')"))
+        assert after["outcome"] == "completed" and heard.text("stdout") == "after\n", heard.summary()
+    finally:
+        rt.close()
         api.close()

@@ -38,7 +38,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from leanredis import LeanRedis
+from leanredis import LeanRedis, NeverSent
 from shared import keys
 from shared.eventlog import CHUNK_EVENTS
 from shared.pusher import signed_query
@@ -131,6 +131,7 @@ class Publisher:
         self._probe: asyncio.Future[str] | None = None
         self._adapter = adapter_channel(settings.pusher_redis_prefix) if settings.pusher_publish == "redis" else None
         self._uuid = "coderunner-worker-" + secrets.token_hex(8)
+        self._redis_fallback_said_until = 0.0
         # Publishes get a client of their own that never sends a command twice: a PUBLISH
         # whose answer was lost may have gone out, and sending it again could double a
         # result (the shared client retries, which suits the fenced, idempotent scripts).
@@ -396,6 +397,14 @@ class Publisher:
                     for message in messages:
                         pipe.publish(self._adapter, message)
                     heard = await pipe.execute()
+        except NeverSent as exc:
+            # Redis never had them (its connection could not be made: Redis restarting, say):
+            # they go over soketi's HTTP API instead, which needs no Redis.
+            now = time.monotonic()
+            if now >= self._redis_fallback_said_until:  # (once a while: an outage is one fault)
+                self._redis_fallback_said_until = now + 10.0
+                log.warning("live events go over HTTP: Redis is unreachable for publishing (%s)", exc)
+            return events
         except (RedisError, OSError) as exc:
             # Unknown whether it got out: sent again (here or over HTTP), it could reach a
             # client twice (a client drops a seq it has seen; a double result must never be).
