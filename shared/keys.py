@@ -224,6 +224,12 @@ def worker_claimed_key(worker_id: str) -> str:
     return f"worker:{worker_id}:claimed"
 
 
+def worker_unpublished_key(worker_id: str) -> str:
+    """Jobs whose result this worker stored while someone followed them, and has not yet
+    said were handed to soketi: should it die first, whoever reaps it publishes them."""
+    return f"worker:{worker_id}:unpublished"
+
+
 def realtime_channel(job_id: str) -> str:
     return f"{CHANNEL_PREFIX}{job_id}"
 

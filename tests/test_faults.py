@@ -373,6 +373,39 @@ def test_running_job_of_a_killed_worker_is_lost_within_the_bound(make_fleet: Sta
         api.close()
 
 
+def test_a_result_stored_as_its_worker_died_still_reaches_its_follower(make_fleet: StackFactory) -> None:
+    # The worker stored the result of a followed job, then died (SIGKILL) while its lane still
+    # paced the job's output out: nothing held that the result was owed live, and nobody ever
+    # published it (3 of 3 in a red team's runs). Whoever reaps the worker publishes it now.
+    stack = make_fleet(workers=2, supervise=True, WORKER_MAX_SANDBOXES="2", **FAST_LEASE)
+    api, rt = Api(stack), Realtime(stack)
+    lines = 4096  # 4 MiB: its lane needs about a second to pace it out after the result is stored
+    code = f"import sys\nline = 'x' * 1023 + '\\n'\nfor i in range({lines}):\n    sys.stdout.write(line)\n"
+    try:
+        job = api.execute(py_job(code, limits={"outputKb": 16384}))
+        job_id = job["jobId"]
+        followed = rt.follow(job)
+        api.start(job)
+        wait_until(lambda: status_hash(stack, job_id).get(b"state") == b"running", 15, "the run", 0.005)
+        owner = holder(stack, job_id)
+        assert owner is not None
+        wait_until(lambda: status_hash(stack, job_id).get(b"state") == b"done", 30, "the stored result", 0.002)
+        stack.kill_worker(worker_name(stack, owner), signal.SIGKILL)
+        assert followed.results() == [], "the result went live before the kill: the test proves nothing"
+        killed_at = time.monotonic()
+        result = followed.wait_result(timeout_s=15)
+        live_after = time.monotonic() - killed_at
+        assert result == api.status(job)["result"] and result["outcome"] == "completed", result
+        time.sleep(1.0)  # (room for a second copy)
+        assert len(followed.results()) == 1, followed.summary()
+        with stack.redis() as redis:
+            assert not any(redis.exists(f"worker:{wid}:unpublished") for ids in stack.worker_history.values() for wid in ids)
+        figure("stored_result_worker_sigkill", kill_to_result_live_s=round(live_after, 2))
+    finally:
+        rt.close()
+        api.close()
+
+
 def _record(stack: Stack, job_id: str) -> dict[str, Any]:
     """Everything Redis holds about a job's run."""
     with stack.redis() as redis:

@@ -351,7 +351,8 @@ async def test_a_run_cut_short_stores_only_the_output_its_log_has(
     claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
     hanging = asyncio.Event()
 
-    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, on_go: Any, **_: Any) -> Any:
+        on_go(asyncio.get_running_loop().time())  # (the program runs)
         on_stdout = pumps[0][1]
         await on_stdout(b"logged\n")
         await asyncio.sleep(0.1)
@@ -533,6 +534,28 @@ async def test_finish_says_whether_someone_follows_the_job(redis: Redis, queue: 
     other = await _claimed(redis, queue)  # nobody subscribed to this one
     written = await queue.finish(other.spec.job_id, other.attempt, JobState.DONE, 1, b'{"seq":1}', None)
     assert written is not None and not written.heard
+
+
+async def test_a_followed_jobs_result_is_owed_live_until_its_worker_says_it_went(redis: Redis, queue: WorkerQueue) -> None:
+    # Stored, a followed job's result is on the worker's unpublished set (a grader's is not);
+    # a heartbeat after delivered() takes it off; a reaper of a worker that died before that
+    # takes the rest, each as its result event, and leaves nothing behind.
+    followed, unfollowed, owed = [await _claimed(redis, queue) for _ in range(3)]
+    for claim in (followed, owed):
+        await redis.set(keys.audience_key(claim.spec.job_id), "1", ex=60)
+    for claim in (followed, unfollowed, owed):
+        job = claim.spec.job_id
+        assert await queue.finish(job, claim.attempt, JobState.DONE, 1, b'{"seq":1,"outcome":"completed"}', None)
+    unpublished = keys.worker_unpublished_key(queue.worker_id)
+    assert await redis.smembers(unpublished) == {followed.spec.job_id.encode(), owed.spec.job_id.encode()}
+    queue.delivered(followed.spec.job_id)
+    await queue.heartbeat(_info(), 60_000)
+    assert await redis.smembers(unpublished) == {owed.spec.job_id.encode()}
+    assert await queue.take_unpublished(queue.worker_id) == []  # (it holds its lease: alive)
+    await redis.delete(keys.worker_alive_key(queue.worker_id))  # it died
+    assert await queue.take_unpublished(queue.worker_id) == [(owed.spec.job_id, b'{"seq":1,"outcome":"completed"}')]
+    assert queue.take_recovered() == [(owed.spec.job_id, b'{"seq":1,"outcome":"completed"}')]
+    assert not await redis.exists(unpublished)
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

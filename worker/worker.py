@@ -199,6 +199,7 @@ class Worker:
             # else reaps its claims or sweeps its sandboxes, because they carry our id.
             try:
                 await queue.recover_claims(self.worker_id)
+                await queue.take_unpublished(self.worker_id, dead=False)
             finally:
                 self._publish_results(ctx, queue.take_recovered())
             # Only this id's own leftovers now: whether other workers are dead can be judged

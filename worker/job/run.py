@@ -161,6 +161,7 @@ class JobRun:
         # Set once stage{running} is logged: from then on the job must never run again.
         self._program_started = False
         self._program_started_at: float | None = None
+        self._owes_result_live = False
         # What the run step ended with, once it has (and the compile's verdict): a worker
         # stopping after that still reports the run as it ended, not as killed.
         self._ran: tuple[StepFacts, CompileInfo | None] | None = None
@@ -346,6 +347,10 @@ class JobRun:
                     await self.ctx.control.unsubscribe(sub)
                 await self.events.drop_hold()
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
+                if self._owes_result_live:
+                    # Handed to soketi (or given up on by a live worker): should this worker die
+                    # before, whoever reaps it publishes the result (keys.worker_unpublished_key).
+                    self.ctx.queue.delivered(self.job_id)
 
     async def _cancelled(self) -> None:
         """Only a worker stopping cancels a job (after its grace period). A program that was
@@ -1146,6 +1151,8 @@ class JobRun:
 
     def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent, heard: bool) -> None:
         self.events.publish("result", result_json, heard)
+        # (The write put it on this worker's unpublished set: see the lane's close below.)
+        self._owes_result_live = heard
         log.info(
             "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
             self.job_id, outcome.value, event.exit_code, event.signal, event.duration_ms, event.cpu_ms, event.memory_kb,

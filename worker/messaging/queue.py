@@ -95,8 +95,22 @@ _UNREGISTER = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[2] then return 0 end  -- another process has our id: all is its
 redis.call('DEL', KEYS[1])
-if redis.call('LLEN', KEYS[3]) == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+if redis.call('LLEN', KEYS[3]) == 0 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  -- (Its lanes are closed: what they did not deliver, no reaper would come for.)
+  redis.call('DEL', KEYS[4])
+end
 return 1
+"""
+
+# KEYS: a worker's liveness key, its unpublished set. ARGV: '1' when it was judged dead. Its
+# jobs whose result is owed live, taken off the set (nothing from a dead one that holds its
+# lease again).
+_TAKE_UNPUBLISHED = """
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return {} end
+local ids = redis.call('SMEMBERS', KEYS[2])
+redis.call('DEL', KEYS[2])
+return ids
 """
 
 # KEYS: the worker's liveness key, workers, its claimed list. ARGV: its id. Forgets a dead
@@ -108,6 +122,9 @@ if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('LLEN', KEYS[3]) == 0 then
 end
 return 0
 """
+
+# How many delivered jobs one heartbeat takes off the unpublished set (the rest: the next).
+MAX_DELIVERED_PER_BEAT = 1000
 
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
@@ -182,7 +199,7 @@ return heard
 
 # KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
 # retained set and sizes, the job's callback record, the callbacks' due set, done, the audience
-# mark, the ended counts. ARGV: attempt,
+# mark, the ended counts, this worker's unpublished set (keys.worker_unpublished_key). ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
 # bytes of output this job keeps.
 _FINISH = (
@@ -197,9 +214,18 @@ local mine = redis.call('HGET', KEYS[1], 'attempt') == ARGV[1]
 -- Written: 1, or 3 when someone follows the job (its audience mark), read here so that a
 -- client who subscribed a moment ago gets the result live (see JobLane).
 local written = redis.call('EXISTS', KEYS[15]) == 1 and 3 or 1
+-- A followed job's result is owed live until the worker says it went (its heartbeat): should
+-- the worker die first, whoever reaps it publishes it.
+local function owed()
+  if written == 3 then
+    redis.call('SADD', KEYS[17], ARGV[8])
+    redis.call('EXPIRE', KEYS[17], ARGV[2])
+  end
+end
 if mine and state and terminal[state] and redis.call('HGET', KEYS[1], 'result') == ARGV[5] then
   -- Our own earlier write, whose reply was lost with the connection.
   redis.call('LREM', KEYS[6], 1, ARGV[8])
+  owed()
   return written
 end
 if (not mine) or (not state) or terminal[state] then
@@ -243,16 +269,19 @@ if kept > 0 then
   redis.call('EXPIRE', KEYS[10], ARGV[2])
   redis.call('EXPIRE', KEYS[11], ARGV[2])
 end
+owed()
 return written
 """
 )
 
-# KEYS: the worker's liveness key, the workers list, the dataset token. ARGV: lease ms, worker
-# id, its WorkerInfo, a token for a Redis that has none (it lost its data), this process's
-# incarnation. 0 when another process holds the id (it took it over after our lease lapsed).
+# KEYS: the worker's liveness key, the workers list, the dataset token, its unpublished set.
+# ARGV: lease ms, worker id, its WorkerInfo, a token for a Redis that has none (it lost its
+# data), this process's incarnation, then the jobs whose owed result went to soketi since the
+# last beat. 0 when another process holds the id (it took it over after our lease lapsed).
 _HEARTBEAT = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[5] then return 0 end
+if #ARGV > 5 then redis.call('SREM', KEYS[4], unpack(ARGV, 6)) end
 redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
@@ -429,6 +458,9 @@ class WorkerQueue:
         # id (one that took it over once this one's lease lapsed) holds another.
         self.incarnation = incarnation or secrets.token_hex(8)
         self._claimed = keys.worker_claimed_key(worker_id)
+        self._unpublished = keys.worker_unpublished_key(worker_id)
+        # Jobs whose owed result went to soketi since the last beat (see delivered).
+        self._delivered: list[str] = []
         self._record_ttl_s = record_ttl_s
         self._result_ttl_s = result_ttl_s
         # Each of these carries on work already admitted (or only deletes), so each runs even
@@ -443,6 +475,7 @@ class WorkerQueue:
         self._unregister = OomTolerantScript(redis, _UNREGISTER)
         self._forget_dead = OomTolerantScript(redis, _FORGET_DEAD)
         self._heartbeat = OomTolerantScript(redis, _HEARTBEAT)
+        self._take_unpublished = OomTolerantScript(redis, _TAKE_UNPUBLISHED)
         self._close_park = OomTolerantScript(redis, _CLOSE_PARK)
         # Results this queue wrote outside a job's run (recovery, or a claim that ended an
         # unreadable job), for the worker to publish (take_recovered): kept here, not only
@@ -631,6 +664,7 @@ class WorkerQueue:
                 keys.done_key(job_id),
                 keys.audience_key(job_id),
                 keys.ENDED_COUNTS,
+                self._unpublished,
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
@@ -670,19 +704,51 @@ class WorkerQueue:
         Raises:
             WorkerSuperseded: another process took the id over while this one's lease lapsed.
         """
+        delivered = self._delivered[:MAX_DELIVERED_PER_BEAT]
         dataset = await self._heartbeat(
-            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, keys.DATASET],
-            args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8), self.incarnation],
+            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, keys.DATASET, self._unpublished],
+            args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8), self.incarnation, *delivered],
         )
         if dataset == 0:
             raise WorkerSuperseded(f"another process has taken over the worker id {self.worker_id!r}")
+        del self._delivered[: len(delivered)]
         return bytes(dataset)
+
+    def delivered(self, job_id: str) -> None:
+        """The job's owed result (finish said someone followed it) went to soketi, or was
+        given up on by its lane: the next beat takes it off this worker's unpublished set."""
+        self._delivered.append(job_id)
+
+    async def take_unpublished(self, worker_id: str, dead: bool = True) -> list[tuple[str, bytes]]:
+        """The results `worker_id` stored for followers and never said it handed to soketi
+        (it died first), as (job id, result event JSON), taken off its set for the caller to
+        publish. A follower may get one it already had (it died between the two): a client
+        skips it by `seq`. `dead`: nothing is taken from a worker that holds its lease again
+        (a stall it came back from: its lanes still hold them)."""
+        ids = await self._take_unpublished(
+            keys=[keys.worker_alive_key(worker_id), keys.worker_unpublished_key(worker_id)], args=["1" if dead else "0"]
+        )
+        if not ids:
+            return []
+        job_ids = [raw.decode() for raw in ids]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.xrevrange(keys.events_key(job_id), "+", "-", count=1)
+            lasts = await pipe.execute()
+        owed: list[tuple[str, bytes]] = []
+        for job_id, last in zip(job_ids, lasts, strict=True):
+            if last and last[0][1].get(b"name") == b"result":
+                fields = last[0][1]
+                owed.append((job_id, entry_json(int(fields[b"seq"]), fields)))
+        self._recovered += owed  # (published with the round's recovered results: take_recovered)
+        return owed
 
     async def unregister(self) -> None:
         """Drop the liveness key; leave the workers list only with no claim left, so any
         claim still there is reaped by the others (they walk that list)."""
         await self._unregister(
-            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed], args=[self.worker_id, self.incarnation]
+            keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed, self._unpublished],
+            args=[self.worker_id, self.incarnation],
         )
 
     async def _recover(
@@ -817,12 +883,14 @@ class WorkerQueue:
         and forget them.
 
         Jobs that never started go back to the queue; jobs whose program had started end as
-        `lost`. Returns the `(job id, result json)` of every job it declared lost, so the
-        caller can publish those results live.
+        `lost`. Returns the `(job id, result json)` of every job it declared lost, and of
+        every result such a worker owed its followers live (take_unpublished), so the caller
+        can publish those results live.
         """
         lost: list[tuple[str, bytes]] = []
         for wid in sorted(worker_ids):
             lost += await self.recover_claims(wid, dead=True)
+            lost += await self.take_unpublished(wid)
             await self._forget_dead(
                 keys=[keys.worker_alive_key(wid), keys.WORKERS, keys.worker_claimed_key(wid)], args=[wid]
             )
