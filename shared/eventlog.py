@@ -8,13 +8,19 @@ Either way an entry has `seq` and `name`, and then `chunk` or `data`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import msgspec
 
 from shared.messages import ChunkEvent
 
-__all__ = ["CHUNK_EVENTS", "RESULT_LANDED_LUA", "entry_json"]
+__all__ = ["CHUNK_EVENTS", "LOG_PAGE", "RESULT_LANDED_LUA", "XRange", "entry_json", "logged_streams"]
+
+# A Redis client's `xrange` (key, min=, count=) -> [(stream id, fields)]: the caller's I/O.
+XRange = Callable[..., Awaitable[Sequence[tuple[bytes, Mapping[bytes, bytes]]]]]
+
+# Entries a read of a whole log takes at a time.
+LOG_PAGE = 512
 
 CHUNK_EVENTS = frozenset({"stdout", "stderr", "compile_output"})
 
@@ -38,3 +44,20 @@ def entry_json(seq: int, fields: Mapping[bytes, bytes]) -> bytes:
     if chunk is not None:
         return _encoder.encode(ChunkEvent(chunk=bytes(chunk).decode("utf-8", "replace"), seq=seq))
     return bytes(fields[b"data"])
+
+
+async def logged_streams(xrange: XRange, key: str) -> tuple[bytes, bytes]:
+    """The stdout and stderr a job's log (`key`) holds: what went out live, within its
+    outputKb. For a job whose output no worker stored (lost with its worker), what it
+    streamed is all there is. Read LOG_PAGE entries at a time with the caller's `xrange`."""
+    streams: dict[bytes, list[bytes]] = {b"stdout": [], b"stderr": []}
+    after = b""
+    while True:
+        page = await xrange(key, min=b"(" + after if after else "-", count=LOG_PAGE)
+        for _id, fields in page:
+            chunks = streams.get(bytes(fields.get(b"name", b"")))
+            if chunks is not None and b"chunk" in fields:
+                chunks.append(bytes(fields[b"chunk"]))
+        if len(page) < LOG_PAGE:
+            return b"".join(streams[b"stdout"]), b"".join(streams[b"stderr"])
+        after = bytes(page[-1][0])

@@ -47,7 +47,7 @@ from shared.settings import Settings, load_settings
 from tests.helpers import Api, py_job, self_signed_certificate
 from worker.callbacks import CallbackSender
 from worker.callbacks import send as send_module
-from worker.callbacks.deliveries import Deliveries
+from worker.callbacks.deliveries import Deliveries, Delivery
 from worker.callbacks.send import new_client
 from worker.messaging.queue import WorkerQueue
 
@@ -655,6 +655,28 @@ async def test_finish_and_reap_queue_one_delivery(redis: Redis) -> None:
         assert record[b"state"] == b"pending" and record[b"attempts"] == b"0" and b"endedAtMs" in record
         assert 0 < await redis.ttl(keys.callback_key(spec.job_id)) <= 600
         await redis.zrem(keys.CALLBACKS_DUE, spec.job_id)
+
+
+async def test_a_lost_jobs_run_result_callback_has_what_it_streamed(redis: Redis) -> None:
+    """A collecting job lost with its worker: nobody stored its output, but its log holds what
+    it streamed (live, over SSE), and its callback's RunResult has it too (it had "" both)."""
+    store = JobStore(redis, 86400)
+    spec = _spec(NEVER_SENT, collect=True)
+    await store.enqueue(spec, 10_000, 10_000, 600)
+    queue = WorkerQueue(redis, "w-" + uuid.uuid4().hex[:6], 86400, 600)
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None
+    seq = claim.next_seq
+    lines = [(seq + i, "stdout" if i % 2 == 0 else "stderr", "chunk", f"line {i} é\n".encode()) for i in range(1200)]
+    for at in range(0, len(lines), 100):  # (more than one page of the log)
+        await queue.advance(spec.job_id, claim.attempt, lines[at : at + 100], started=True)
+    assert len(await queue.recover_claims(queue.worker_id)) == 1  # lost
+    delivery = Delivery(job_id=spec.job_id, attempt=1, url=NEVER_SENT, collect=True, ended_at_ms=0, token="t")
+    body = json.loads(b"".join([piece async for piece in (await Deliveries(redis).body(delivery)).pieces()]))
+    assert body["outcome"] == "lost" and body["jobId"] == spec.job_id
+    assert body["stdout"] == "".join(f"line {i} é\n" for i in range(0, 1200, 2)), body["stdout"][:80]
+    assert body["stderr"] == "".join(f"line {i} é\n" for i in range(1, 1200, 2))
+    assert (body["stdoutEncoding"], body["stderrEncoding"]) == ("utf8", "utf8")
 
 
 def _sender_settings(stack: Stack, **env: str) -> Settings:

@@ -356,9 +356,12 @@ def test_running_job_of_a_killed_worker_is_lost_within_the_bound(make_fleet: Sta
         assert [n for n, _ in replay].count("result") == 1
         assert "".join(p["chunk"] for n, p in replay if n == "stdout") == "started\n"
         assert api.status(job)["state"] == "lost"
-        # collectOutput: the verdict is there to pull, though no worker stored any output.
+        # collectOutput: the verdict is there to pull, though no worker stored any output, and
+        # with it what the program streamed (its log's): it was "" though the log, the SSE
+        # replay and the live view all had the line.
         pulled = api.get(f"/v1/jobs/{job_id}/output")
         assert pulled.status_code == 200 and pulled.json()["outcome"] == "lost", pulled.text
+        assert (pulled.json()["stdout"], pulled.json()["stderr"], pulled.json()["stdoutEncoding"]) == ("started\n", "", "utf8")
         assert runs_logged(stack, job_id) == 0  # no worker ever ran it to an end
         figure(
             "running_job_worker_sigkill",
