@@ -49,10 +49,12 @@ def artifact_path(job_id: str, index: int) -> str:
     return f"/v1/jobs/{job_id}/artifacts/{index}"
 
 
-def sign_artifact(pusher_secret: str, job_id: str, index: int, expires_at_s: int) -> str:
-    """The download link of artifact `index` of `job_id`, valid until `expires_at_s`."""
+def sign_artifact(pusher_secret: str, job_id: str, index: int, expires_at_s: int, base_url: str = "") -> str:
+    """The download link of artifact `index` of `job_id`, valid until `expires_at_s`: a path on
+    the API, or with `base_url` (PUBLIC_API_URL) a whole URL, as the seed's presigned links
+    were (its clients hand them to a browser on another origin as they are)."""
     sig = _signature(pusher_secret, job_id, index, expires_at_s)
-    return f"{artifact_path(job_id, index)}?expires={expires_at_s}&sig={sig}"
+    return f"{base_url.rstrip('/')}{artifact_path(job_id, index)}?expires={expires_at_s}&sig={sig}"
 
 
 

@@ -275,3 +275,22 @@ def test_one_link_opened_many_times_cannot_take_the_apis_memory(make_stack: Stac
             conn.close()
         api.close()
         rt.close()
+
+
+def test_with_public_api_url_links_are_whole_urls_a_browser_elsewhere_can_open(make_stack: StackFactory) -> None:
+    # The seed's artifact links were presigned URLs its clients hand to a browser on another
+    # origin as they are; a path on the API resolved against that page's own origin (or was
+    # an invalid URL for Node's fetch). With PUBLIC_API_URL set, each link is a whole URL.
+    stack = make_stack(with_worker=False)
+    stack.start_worker(extra_env={"PUBLIC_API_URL": stack.api_url + "/"})
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        result, (artifact,), out = _run(api, rt, py_job("open('a.txt', 'w').write('hi')\n"))
+        assert result["outcome"] == "completed", out
+        assert artifact["url"].startswith(f"{stack.api_url}/v1/jobs/"), artifact
+        assert out["artifacts"][0]["url"] == artifact["url"]
+        response = httpx.get(artifact["url"])  # no base URL, no bearer: the link alone
+        assert response.status_code == 200 and response.content == b"hi", response.text
+    finally:
+        rt.close()
+        api.close()

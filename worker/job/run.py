@@ -897,7 +897,7 @@ class JobRun:
                     name=name,
                     mime_type=guess_mime_type(name, data[:16]),
                     bytes=len(data),
-                    url=sign_artifact(settings.pusher_secret, self.job_id, index, expires),
+                    url=sign_artifact(settings.pusher_secret, self.job_id, index, expires, settings.public_api_url),
                 )
                 if not await store.put(self.job_id, self.claim.attempt, index, _encoder.encode(meta), data, settings.run_result_ttl_s + 60):
                     raise Fenced(self.job_id)
