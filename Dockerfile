@@ -19,7 +19,7 @@ RUN npm ci --omit=dev --ignore-scripts
 # language but rust, whose manifest wants rustup's toolchain).
 FROM python:3.11-slim-bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends \
-        python3 gcc g++ default-jdk-headless nodejs golang-go ruby ca-certificates \
+        python3 gcc g++ default-jdk-headless nodejs golang-go ruby sqlite3 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./

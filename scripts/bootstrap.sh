@@ -68,6 +68,7 @@ fi
 # rbenv Ruby is not what the jail would run.)
 [ -x /usr/bin/go ] || apt_missing+=(golang-go)
 [ -x /usr/bin/ruby ] || apt_missing+=(ruby)
+[ -x /usr/bin/sqlite3 ] || apt_missing+=(sqlite3)
 [ -x /usr/bin/javac ] || apt_missing+=(default-jdk-headless)
 [ -x /usr/bin/g++ ] || apt_missing+=(g++)
 [ -x /usr/bin/gcc ] || apt_missing+=(gcc)

@@ -561,6 +561,7 @@ for path in ("/", "/usr", "/bin", "/lib", "/etc/passwd", "/etc/hosts", "/proc", 
              "/tmp", "/dev/shm", "/workspace", "/dev"):
     print(path, os.statvfs(path).f_flag & 15)
 print("DEV", sorted(os.listdir("/dev")))
+print("LINKS", sorted((name, os.readlink("/dev/" + name)) for name in os.listdir("/dev") if os.path.islink("/dev/" + name)))
 # Every mount at or beneath a read-only bind must be read-only too (a bind carries submounts).
 for line in open("/proc/self/mountinfo"):
     point, options = line.split()[4], line.split()[5].split(",")
@@ -1092,7 +1093,10 @@ CASES = [
               where(lambda o: re.search(r"^/etc/(passwd|hosts) [1357]$", o["stdout"], re.M) is not None
                     and "/etc/passwd 0\n" not in o["stdout"] and "/etc/hosts 0\n" not in o["stdout"],
                     "the synthetic identity files are read-only"),
-              where(lambda o: "DEV ['null', 'random', 'shm', 'urandom', 'zero']\n" in o["stdout"], "a /dev of five entries"))),
+              where(lambda o: "DEV ['fd', 'null', 'random', 'shm', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']\n"
+                    in o["stdout"], "a /dev of five entries and the links to a process's own descriptors"),
+              where(lambda o: "LINKS [('fd', '/proc/self/fd'), ('stderr', '/proc/self/fd/2'), ('stdin', '/proc/self/fd/0'), "
+                    "('stdout', '/proc/self/fd/1')]\n" in o["stdout"], "each link into the process's own /proc"))),
     Case("D2-python-namespaces-and-ids", "python", NAMESPACES_PY,
          both(expect(outcome="completed", exitCode=0), namespaces_are_the_jails_own)),
     Case("G1-bash-forged-supervisor-lines", "bash", FORGED_SUPERVISOR_SH,

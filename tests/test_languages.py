@@ -102,6 +102,16 @@ LANGUAGES: dict[str, dict[str, Any]] = {
         "broken": "package main\nfunc main() { x := 1 }\n",
         "broken_says": "declared",
     },
+    # The seed product's `sqlite`: main.sql on an in-memory database; stdin is data the
+    # script reads itself; the first error ends it with exit code 1.
+    "sqlite": {
+        "file": "main.sql",
+        "hello": "SELECT 'Hello, world!';\n",
+        "echo": "CREATE TABLE t(line TEXT);\n.import /dev/stdin t\nSELECT 'got ' || line FROM t;\n",
+        "crash": "SELECT 'before';\nSELECT * FROM missing_table;\nSELECT 'after';\n",
+        "crash_exit": 1,
+        "crash_stderr": "no such table: missing_table",
+    },
     "ruby": {
         "file": "main.rb",
         "hello": "puts 'Hello, world!'\n",
@@ -210,6 +220,24 @@ def test_compile_error(api: Api, realtime: Realtime, language: str) -> None:
     published = followed.results()[0]["compile"]
     assert "stdout" not in published and "stderr" not in published
     assert published["output"] == compile_block["output"]
+
+
+@pytest.mark.parametrize("language", ["bash", "python"])
+def test_a_program_opens_its_own_stdio_by_name(api: Api, realtime: Realtime, language: str) -> None:
+    # `echo x > /dev/stderr`, `cat /dev/stdin`, open("/dev/stdin"): the jail had no such names,
+    # and its stdio pipes (the worker's, mode 0600) could not be opened again through
+    # /proc/self/fd even so.
+    body = {
+        "bash": "cat /dev/stdin\necho to-stderr > /dev/stderr\necho to-stdout > /dev/stdout\ncat < /dev/fd/0\n",
+        "python": "print(open('/dev/stdin').read(), end='')\nopen('/dev/stderr', 'w').write('to-stderr\\n')\n"
+        "open('/proc/self/fd/1', 'w').write('to-stdout\\n')\n",
+    }[language]
+    job = api.execute({"language": language, "files": [{"name": "main." + ("sh" if language == "bash" else "py"), "content": body}],
+                       "stdin": "line one\n", "collectOutput": True})  # fmt: skip
+    api.start(job)
+    out = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "30000"}).json()
+    assert (out["outcome"], out["exitCode"]) == ("completed", 0), out
+    assert out["stdout"] == "line one\nto-stdout\n" and out["stderr"] == "to-stderr\n", out
 
 
 def test_javac_starts_from_the_archive_the_worker_made(stack: Stack, api: Api, realtime: Realtime, tmp_path: Path) -> None:

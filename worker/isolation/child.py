@@ -298,6 +298,11 @@ class Child:
         """
         # Raw descriptors, not subprocess.PIPE: Popen's file objects would close them again.
         pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(2 if merge_stderr else 3)]
+        for read_end, _write_end in pipes:
+            # A pipe is its creator's (root, unmapped in the job's user namespace) with mode
+            # 0600: the job could not open its own stdio again by name (/dev/stdin is
+            # /proc/self/fd/0). Only the processes holding one of its descriptors can name it.
+            os.fchmod(read_end, 0o666)
         stdin_r, stdin_w = pipes[0]
         try:
             fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, STDIN_PIPE_BYTES)
