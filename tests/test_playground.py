@@ -106,7 +106,7 @@ def test_token_link_then_reload_asks_again(page: Any, stack: Stack) -> None:
     assert page.input_value("#language") == "python"
     assert "What is your name?" in page.input_value("#code")
     offered = page.eval_on_selector_all("#language option", "os => os.map(o => o.value)")
-    assert set(offered) >= {"python", "javascript", "c", "cpp", "rust", "java", "bash", "go", "ruby"}, offered
+    assert set(offered) >= {"python", "javascript", "c", "cpp", "rust", "java", "bash", "go", "ruby", "sqlite"}, offered
     # Each language has its own sample that asks for a name.
     page.select_option("#language", "go")
     assert "What is your name?" in page.input_value("#code") and "package main" in page.input_value("#code")
@@ -122,6 +122,20 @@ def test_token_link_then_reload_asks_again(page: Any, stack: Stack) -> None:
     expect()(page.locator("#status")).to_have_text(re.compile("ready"))
     assert page.input_value("#token") == ""  # the field keeps no copy
     shot(page, "0-token")
+
+
+def test_the_sqlite_sample_reads_a_name_from_stdin(page: Any, stack: Stack) -> None:
+    open_playground(page, stack)
+    page.select_option("#language", "sqlite")
+    assert page.input_value("#code").startswith("-- An in-memory database")
+    page.click("#run")
+    expect()(page.locator("#output")).to_contain_text("What is your name?", timeout=RUN_TIMEOUT_MS)
+    page.fill("#stdin-line", "Ada, of course")
+    page.press("#stdin-line", "Enter")
+    page.click("#eof")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
+    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    assert stdout == "What is your name?\nHello, Ada, of course!\n", stdout
 
 
 def test_python_asks_a_name_and_greets(page: Any, stack: Stack) -> None:
