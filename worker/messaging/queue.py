@@ -104,13 +104,10 @@ return 1
 """
 
 # KEYS: a worker's liveness key, its unpublished set. ARGV: '1' when it was judged dead. Its
-# jobs whose result is owed live, taken off the set (nothing from a dead one that holds its
-# lease again).
-_TAKE_UNPUBLISHED = """
+# jobs whose result is owed live (none of a dead one that holds its lease again).
+_OWED_LIVE = """
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return {} end
-local ids = redis.call('SMEMBERS', KEYS[2])
-redis.call('DEL', KEYS[2])
-return ids
+return redis.call('SMEMBERS', KEYS[2])
 """
 
 # KEYS: the worker's liveness key, workers, its claimed list. ARGV: its id. Forgets a dead
@@ -475,7 +472,7 @@ class WorkerQueue:
         self._unregister = OomTolerantScript(redis, _UNREGISTER)
         self._forget_dead = OomTolerantScript(redis, _FORGET_DEAD)
         self._heartbeat = OomTolerantScript(redis, _HEARTBEAT)
-        self._take_unpublished = OomTolerantScript(redis, _TAKE_UNPUBLISHED)
+        self._owed_live = OomTolerantScript(redis, _OWED_LIVE)
         self._close_park = OomTolerantScript(redis, _CLOSE_PARK)
         # Results this queue wrote outside a job's run (recovery, or a claim that ended an
         # unreadable job), for the worker to publish (take_recovered): kept here, not only
@@ -721,13 +718,12 @@ class WorkerQueue:
 
     async def take_unpublished(self, worker_id: str, dead: bool = True) -> list[tuple[str, bytes]]:
         """The results `worker_id` stored for followers and never said it handed to soketi
-        (it died first), as (job id, result event JSON), taken off its set for the caller to
-        publish. A follower may get one it already had (it died between the two): a client
+        (it died first), as (job id, result event JSON), kept for the caller to publish
+        (take_recovered) and then taken off its set. A follower may get one it already had (it died between the two): a client
         skips it by `seq`. `dead`: nothing is taken from a worker that holds its lease again
         (a stall it came back from: its lanes still hold them)."""
-        ids = await self._take_unpublished(
-            keys=[keys.worker_alive_key(worker_id), keys.worker_unpublished_key(worker_id)], args=["1" if dead else "0"]
-        )
+        unpublished = keys.worker_unpublished_key(worker_id)
+        ids = await self._owed_live(keys=[keys.worker_alive_key(worker_id), unpublished], args=["1" if dead else "0"])
         if not ids:
             return []
         job_ids = [raw.decode() for raw in ids]
@@ -741,6 +737,9 @@ class WorkerQueue:
                 fields = last[0][1]
                 owed.append((job_id, entry_json(int(fields[b"seq"]), fields)))
         self._recovered += owed  # (published with the round's recovered results: take_recovered)
+        # Only now off the set: a round that fails before this leaves them to the next one (at
+        # worst a result published twice, which a client skips by seq; never one lost).
+        await self.redis.srem(unpublished, *job_ids)
         return owed
 
     async def unregister(self) -> None:
