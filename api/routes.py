@@ -680,7 +680,7 @@ async def channel_auth_route(request: Request) -> Response:
     # (A job that has ended publishes nothing more: soketi's webhook for this subscription
     # then brings the subscriber how it ended, api/webhooks.py, which a mark here would skip.)
     if status.state in TERMINAL_STATES:
-        state.store.forget_mark(job_id)
+        await state.store.forget_mark(job_id)
     else:
         await state.store.mark_audience(job_id)
     settings = state.settings

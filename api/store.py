@@ -403,6 +403,7 @@ _MARK_AUDIENCE = """
 local ttl = redis.call('TTL', KEYS[1])
 if ttl <= 0 then ttl = tonumber(ARGV[1]) end
 redis.call('SET', KEYS[2], '1', 'EX', ttl)
+redis.call('SET', KEYS[3], '1', 'EX', ARGV[2])
 return 1
 """
 
@@ -416,7 +417,9 @@ return 1
 # caller took the claim. Sent again with the same token (its reply lost), it answers the same.
 # A job that ended once it was followed, or whose late replay went already, answers its last
 # entry alone (the result): a new first subscriber of an ended job's channel (a page
-# reloaded, a client that reconnected) learns how it ended, as nothing else would tell it.
+# reloaded, a client that reconnected) learns how it ended, as nothing else would tell it;
+# unless the API signed this subscription while the job ran (KEYS[5], consumed here: the
+# webhook came late, and its subscriber heard the result live).
 _MARK_SUBSCRIBED = (
     _TERMINAL_LUA
     + """
@@ -425,9 +428,11 @@ if redis.call('GET', KEYS[3]) ~= ARGV[4] then
   local ttl = redis.call('TTL', KEYS[1])
   if ttl <= 0 then ttl = tonumber(ARGV[1]) end
   local had = redis.call('EXISTS', KEYS[2])
+  local signed = redis.call('DEL', KEYS[5]) == 1
   redis.call('SET', KEYS[2], '1', 'EX', ttl)
   if not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
   if had == 1 or not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', ttl) then
+    if signed then return 1 end
     local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
     if not last then return 1 end
     local out = {}
@@ -656,12 +661,15 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-# How many recent marks, and for how long, spare a webhook its write (far longer than a
-# subscription takes to reach soketi, far shorter than any mark lives; and short, as another
-# API process that signed an earlier subscription of a job since ended would skip the webhook
-# a page reloaded within it needs: see forget_mark).
+# How many recent marks, and for how long, spare a webhook its write (longer than soketi takes
+# to send the webhook of the subscription this process signed; and short, as this process
+# would also skip the webhook of a page reloaded within it after the job ended, if another
+# API process signed that subscription: see forget_mark).
 RECENT_MARKS = 4096
-RECENT_MARK_S = 10.0
+RECENT_MARK_S = 2.0
+# How long the API's signature of a subscription vouches, to soketi's webhook for it, that
+# its subscriber hears the job live (keys.signed_key): far longer than a subscription takes.
+SIGNED_MARK_S = 60.0
 # How many of a job's first log entries a late subscriber's replay brings, and how many bytes
 # of them (soketi keeps 1 MiB for a subscriber; the lane keeps as much unheard), then its
 # result: a client sees the gap in `seq` and reads the rest from the log.
@@ -905,17 +913,21 @@ class JobStore:
         lives as long as the job's record: a day while it runs, only what is left of its
         result's time once it ended (a client re-subscribing to read the result must not
         renew it for a day; the scripts that end a job shorten it likewise)."""
-        await self._mark_audience(keys=[keys.status_key(job_id), keys.audience_key(job_id)], args=[self._record_ttl_s])
+        await self._mark_audience(
+            keys=[keys.status_key(job_id), keys.audience_key(job_id), keys.signed_key(job_id)],
+            args=[self._record_ttl_s, int(SIGNED_MARK_S)],
+        )
         self._recent_marks[job_id] = time.monotonic()
         self._recent_marks.move_to_end(job_id)
         while len(self._recent_marks) > RECENT_MARKS:
             self._recent_marks.popitem(last=False)
 
-    def forget_mark(self, job_id: str) -> None:
+    async def forget_mark(self, job_id: str) -> None:
         """A subscription to the job's channel is being signed after its end: soketi's webhook
-        for it must reach mark_subscribed, however recently this process marked the job for an
-        earlier subscription (its result is what the new subscriber needs)."""
+        for it must reach mark_subscribed and be answered with the result, however recently an
+        earlier subscription was signed (by this process or another: keys.signed_key)."""
         self._recent_marks.pop(job_id, None)
+        await self._redis.delete(keys.signed_key(job_id))
 
     async def mark_subscribed(self, job_id: str) -> list[tuple[str, bytes]]:
         """mark_audience, for a subscription soketi's webhook reports (for a job that has a
@@ -929,7 +941,10 @@ class JobStore:
         if marked_at is not None and time.monotonic() - marked_at < RECENT_MARK_S:
             return []
         answer = await self._mark_subscribed(
-            keys=[keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id)],
+            keys=[
+                keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id),
+                keys.signed_key(job_id),
+            ],
             args=[self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}"],
         )
         return _entries(answer) if isinstance(answer, list) else []

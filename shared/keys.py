@@ -248,6 +248,13 @@ def audience_key(job_id: str) -> str:
     return f"job:{job_id}:audience"
 
 
+def signed_key(job_id: str) -> str:
+    """A subscription to the job's channel was signed by the API (POST /v1/channel-auth) while
+    the job ran, moments ago: soketi's webhook for it consumes this, and knows its subscriber
+    heard the job live, whichever API process signed it."""
+    return f"job:{job_id}:signed"
+
+
 def job_id_from_channel(channel: str) -> str | None:
     """The job id of a `private-run-<id>` channel, or None for any other channel."""
     if not channel.startswith(CHANNEL_PREFIX):

@@ -7,15 +7,21 @@ follow is the audience mark the API sets when it signs a subscription (one Redis
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
+import httpx
 import pytest
+from pysher.channel import Channel
 
+from launcher.stack import free_port
 from shared import keys
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Followed, Realtime, py_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -211,4 +217,59 @@ def test_a_page_reloaded_after_its_job_ended_hears_how_it_ended(make_stack: Stac
             finally:
                 again.close()
     finally:
+        api.close()
+
+
+def test_a_subscriber_the_api_signed_as_the_job_ran_hears_its_result_once(make_stack: StackFactory) -> None:
+    # Two API processes: one signs the subscription and starts the job, the other (soketi's
+    # webhook target, slow for a moment) handles the subscription's channel_occupied after the
+    # job ended. Taking it for a page reloaded after the end, it published the result again
+    # to a subscriber who had heard it live. The signature is now known to every process.
+    stack = make_stack(WORKER_MAX_SANDBOXES="2")
+    port = free_port()
+    other = subprocess.Popen(
+        [sys.executable, "-m", "api", "--host", "127.0.0.1", "--port", str(port)],
+        env={**stack.env(), "API_PORT": str(port)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    api, rt = Api(stack), Realtime(stack)
+    webhook_api = stack.procs["api"].pid
+    try:
+        signer = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {stack.api_token}"})
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if signer.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the second API never answered"
+            time.sleep(0.1)
+        for _ in range(3):
+            job = api.execute(py_job("print('hi')"))
+            followed = Followed(job)
+            channel = Channel(job["channel"], rt.pusher.connection)
+            channel.bind("pusher_internal:subscription_succeeded", lambda _d, f=followed: f.subscribed.set())
+            for event in Realtime.EVENTS:
+                channel.bind(event, lambda data, event=event, f=followed: f.add(event, data))
+            rt.pusher.channels[job["channel"]] = channel
+            rt._followed.append(followed)
+            os.kill(webhook_api, signal.SIGSTOP)  # (soketi's webhook waits for it)
+            try:
+                signed = signer.post("/v1/channel-auth", json={"socket_id": rt.pusher.connection.socket_id, "channel_name": job["channel"]})
+                assert signed.status_code == 200, signed.text
+                rt.pusher.connection.send_event("pusher:subscribe", {"channel": job["channel"], "auth": signed.json()["auth"]})
+                assert followed.subscribed.wait(10)
+                assert signer.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
+                assert followed.wait_result(timeout_s=20)["outcome"] == "completed"
+                time.sleep(0.3)
+            finally:
+                os.kill(webhook_api, signal.SIGCONT)
+            time.sleep(1.0)  # (the webhook handled; a second result would be here)
+            assert len(followed.results()) == 1, followed.summary()
+        signer.close()
+    finally:
+        other.terminate()
+        other.wait(10)
+        rt.close()
         api.close()
