@@ -51,7 +51,7 @@ from shared.messages import (
     output_without_run,
 )
 from shared.pusher import channel_auth, valid_socket_id
-from shared.runresult import OutputGone, output_encoding
+from shared.runresult import OutputGone, run_result_pieces
 from shared.validation import check_args, check_files, check_stdin, check_tests, file_refs, spec_files
 
 __all__ = ["routes"]
@@ -532,7 +532,7 @@ async def job_output(request: Request) -> Response:
     if not wait_ms or status.state in TERMINAL_STATES:
         found = await store.output(status.job_id)
         if found is None:
-            return await _without_output(state, status, missing)
+            return await _without_output(state, request, status, missing, caller)
         return await _output_response(state, request, status.job_id, caller, found)
     # Waiting is event-driven: the script that stores the output also logs the result and
     # marks the job's done stream, and a blocking read of that stream wakes the moment it is
@@ -570,7 +570,7 @@ async def job_output(request: Request) -> Response:
             return Response(status_code=499)  # nobody is there to read it
         found = waiting.result()
         if found is None:
-            return await _without_output(state, await store.status(status.job_id) or status, missing)
+            return await _without_output(state, request, await store.status(status.job_id) or status, missing, caller, slot)
         # (A body streamed keeps the wait's slot until it is sent: see _output_response.)
         return await _output_response(state, request, status.job_id, caller, found, slot)
     finally:
@@ -583,21 +583,32 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _without_output(state: AppState, status: StoredStatus, missing: str) -> Response:
+async def _without_output(
+    state: AppState, request: Request, status: StoredStatus, missing: str, caller: str, slot: StreamSlot | None = None
+) -> Response:
     """A job with no stored output: a collecting job that ended before any could be stored
     (killed in the queue, lost with its worker) answers its verdict, with what its log holds
     of its streams (a lost job's program ran: what it streamed went out live, and the pull
-    says the same); else 404. A job that ran to its end and has no output any more has
-    expired: empty streams would read as a wrong answer to a grader."""
+    says the same; streamed from the log in slices, holding an output slot, as a stored
+    output is); else 404. A job that ran to its end and has no output any more has expired:
+    empty streams would read as a wrong answer to a grader."""
     never_stored = not status.started or status.state is JobState.LOST
-    if status.collects_output and status.state in TERMINAL_STATES and status.result is not None and never_stored:
-        stdout, stderr = await state.store.logged_output(status.job_id) if status.started else (b"", b"")
-        kept = msgspec.structs.replace(
-            output_without_run(status.result), stdout_encoding=output_encoding(stdout), stderr_encoding=output_encoding(stderr)
-        )
-        return Response(await whole_run_result(_encoder.encode(kept), stdout, stderr), media_type="application/json")
-    raise ApiError(404, missing)
+    if not (status.collects_output and status.state in TERMINAL_STATES and status.result is not None and never_stored):
+        raise ApiError(404, missing)
+    meta = _encoder.encode(output_without_run(status.result))
+    if not status.started:
+        return Response(await whole_run_result(meta, b"", b""), media_type="application/json")
+    handed = slot.hand_over() if slot is not None else request.app.state.output_waits.acquire(status.job_id, caller)
+    logged = state.store.logged_output(status.job_id)
 
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for piece in run_result_pieces(logged, meta):
+                yield piece
+        finally:
+            handed.release()
+
+    return StreamingResponse(body(), media_type="application/json", background=BackgroundTask(handed.release))
 
 
 # One blocking read of the done stream lasts at most this long before the job is looked at again.

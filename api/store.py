@@ -25,7 +25,7 @@ from leanredis.scripts import OomRefusedScript, OomTolerantScript
 from shared import keys
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
-from shared.eventlog import RESULT_LANDED_LUA, entry_json, logged_streams
+from shared.eventlog import RESULT_LANDED_LUA, LoggedStreams, entry_json
 from shared.messages import (
     TERMINAL_STATES,
     CallbackState,
@@ -1157,9 +1157,10 @@ class JobStore:
             raw = answer[0][1] if answer else []
         return [(entry_id.decode(), int(fields[b"seq"]), fields[b"name"].decode(), fields) for entry_id, fields in raw]
 
-    async def logged_output(self, job_id: str) -> tuple[bytes, bytes]:
-        """The stdout and stderr the job's log holds (what went out live, within its outputKb)."""
-        return await logged_streams(self._redis.xrange, keys.events_key(job_id))
+    def logged_output(self, job_id: str) -> LoggedStreams:
+        """The stdout and stderr the job's log holds (what went out live, within its outputKb),
+        to read as a RunResult's body does (shared.eventlog.LoggedStreams)."""
+        return LoggedStreams(self._redis.xrange, keys.events_key(job_id))
 
     async def output_snapshot(self, job_id: str) -> OutputSnapshot:
         """One atomic look for a waiting `/output`: the stored output if any, and whether the

@@ -14,13 +14,13 @@ import msgspec
 
 from shared.messages import ChunkEvent
 
-__all__ = ["CHUNK_EVENTS", "LOG_PAGE", "RESULT_LANDED_LUA", "XRange", "entry_json", "logged_streams"]
+__all__ = ["CHUNK_EVENTS", "LOG_PAGE", "RESULT_LANDED_LUA", "LoggedStreams", "XRange", "entry_json"]
 
 # A Redis client's `xrange` (key, min=, count=) -> [(stream id, fields)]: the caller's I/O.
 XRange = Callable[..., Awaitable[Sequence[tuple[bytes, Mapping[bytes, bytes]]]]]
 
-# Entries a read of a whole log takes at a time.
-LOG_PAGE = 512
+# Log entries a pass over a whole log reads at a time (at most 512 KiB of 8 KiB chunks).
+LOG_PAGE = 64
 
 CHUNK_EVENTS = frozenset({"stdout", "stderr", "compile_output"})
 
@@ -46,18 +46,42 @@ def entry_json(seq: int, fields: Mapping[bytes, bytes]) -> bytes:
     return bytes(fields[b"data"])
 
 
-async def logged_streams(xrange: XRange, key: str) -> tuple[bytes, bytes]:
-    """The stdout and stderr a job's log (`key`) holds: what went out live, within its
-    outputKb. For a job whose output no worker stored (lost with its worker), what it
-    streamed is all there is. Read LOG_PAGE entries at a time with the caller's `xrange`."""
-    streams: dict[bytes, list[bytes]] = {b"stdout": [], b"stderr": []}
-    after = b""
-    while True:
-        page = await xrange(key, min=b"(" + after if after else "-", count=LOG_PAGE)
-        for _id, fields in page:
-            chunks = streams.get(bytes(fields.get(b"name", b"")))
-            if chunks is not None and b"chunk" in fields:
-                chunks.append(bytes(fields[b"chunk"]))
-        if len(page) < LOG_PAGE:
-            return b"".join(streams[b"stdout"]), b"".join(streams[b"stderr"])
-        after = bytes(page[-1][0])
+class LoggedStreams:
+    """A job's stdout and stderr as its log (`key`) holds them (what went out live, within its
+    outputKb), read as a ReadSlice (shared.runresult) with the caller's `xrange`: each
+    stream's chunks in order, LOG_PAGE entries at a time, never the whole log at once. For a
+    job whose output no worker stored (lost with its worker), what it streamed is all there
+    is. Reads go forward through a stream, as a RunResult's body reads it; a read from an
+    earlier offset starts that stream's pass again."""
+
+    def __init__(self, xrange: XRange, key: str) -> None:
+        self._xrange = xrange
+        self._key = key
+        self._passes: dict[str, _StreamPass] = {}
+
+    async def __call__(self, stream: str, offset: int, size: int) -> bytes:
+        read = self._passes.get(stream)
+        if read is None or offset < read.start:
+            read = self._passes[stream] = _StreamPass(stream.encode())
+        while read.start + len(read.held) < offset + size and not read.ended:
+            page = await self._xrange(self._key, min=b"(" + read.after if read.after else "-", count=LOG_PAGE)
+            for _id, fields in page:
+                if bytes(fields.get(b"name", b"")) == read.name and b"chunk" in fields:
+                    read.held += fields[b"chunk"]
+            read.ended = len(page) < LOG_PAGE
+            if page:
+                read.after = bytes(page[-1][0])
+        skip = offset - read.start
+        piece = bytes(read.held[skip : skip + size])
+        del read.held[: skip + len(piece)]  # (nothing before what was read is read again)
+        read.start = offset + len(piece)
+        return piece
+
+
+class _StreamPass:
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.after = b""  # the last log entry read
+        self.held = bytearray()  # the stream's bytes from `start` on, read and not yet handed
+        self.start = 0
+        self.ended = False

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import select
@@ -336,6 +337,64 @@ def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: Sta
                 assert answer.status_code == 429 and time.monotonic() < deadline, answer.text  # (until the two are let go)
                 time.sleep(0.2)
             assert answer.json()["stdout"] == "a" * (16 << 20)
+    finally:
+        for conn in stalled:
+            conn.close()
+        api.close()
+    assert not _error_lines(stack.log("api"))
+
+
+def test_a_lost_jobs_output_is_streamed_from_its_log_holding_a_slot(make_stack: StackFactory) -> None:
+    # A collecting job lost with its worker answers what its log holds: that body was built
+    # whole from the log, with no slot taken, so 20 connections that never read 16 MiB of it
+    # took the API from 84 to 591 MB. It is streamed from the log now, as a stored one is.
+    from redis.asyncio import Redis
+
+    from worker.messaging.queue import WorkerQueue
+
+    stack = make_stack(with_worker=False, MAX_OUTPUT_WAITS="3", MAX_OUTPUT_WAITS_PER_PRINCIPAL="2", MAX_OUTPUT_KB="16384")
+    api = Api(stack)
+    job = api.execute(py_job("print(1)", collectOutput=True, limits={"outputKb": 16384}))
+    chunk = b"b" * 8191 + b"\n"
+
+    async def a_worker_logs_16_mib_and_dies() -> None:
+        redis = Redis.from_url(stack.redis_url)
+        queue = WorkerQueue(redis, "w-gone", 86400, 600)
+        claim = await queue.claim(5.0, 0.0)
+        assert claim is not None and claim.spec.job_id == job["jobId"]
+        for at in range(0, 2048, 64):
+            events = [(claim.next_seq + i, "stdout", "chunk", chunk) for i in range(at, at + 64)]
+            await queue.advance(job["jobId"], claim.attempt, events, started=True)
+        assert len(await queue.recover_claims("w-gone")) == 1  # lost
+        await redis.aclose()
+
+    asyncio.run(a_worker_logs_16_mib_and_dies())
+    path = f"/v1/jobs/{job['jobId']}/output"
+    request = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {job['jobToken']}\r\n\r\n").encode()
+    api_pid = stack.procs["api"].pid
+    before = _rss_mb(api_pid)
+    stalled = []
+    try:
+        for _ in range(2):
+            conn = socket.socket()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect(("127.0.0.1", stack.api_port))
+            conn.sendall(request)
+            stalled.append(conn)
+        time.sleep(1.0)
+        with httpx.Client(base_url=api.url, timeout=30) as client:
+            refused = client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})
+            assert "waits for output" in _refusal(refused, 429)["error"]
+            assert _rss_mb(api_pid) - before < 40, (before, _rss_mb(api_pid))  # (two slices, not two bodies)
+            for conn in stalled:
+                conn.close()
+            stalled.clear()
+            deadline = time.monotonic() + 10
+            while (answer := client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})).status_code != 200:
+                assert answer.status_code == 429 and time.monotonic() < deadline, answer.text
+                time.sleep(0.2)
+            body = answer.json()
+            assert (body["outcome"], body["stdout"], body["stderr"]) == ("lost", (chunk * 2048).decode(), "")
     finally:
         for conn in stalled:
             conn.close()

@@ -437,3 +437,36 @@ async def test_redis_away_is_logged_a_few_times_not_once_a_request(
             assert answer.status_code == 503
             assert (await errors._redis_error(Request(scope), OutOfMemoryError("OOM"))).status_code == 503
     assert caplog.text.count("redis unavailable") == 1 and caplog.text.count("redis is full") == 1, caplog.text
+
+
+async def test_logged_streams_read_each_stream_of_a_log_in_pages() -> None:
+    # A lost job's output, from its log: each stream's chunks in order across many pages,
+    # other events skipped, a read from an earlier offset starting the pass again; never the
+    # whole log held at once.
+    import random
+
+    from shared.eventlog import LOG_PAGE, LoggedStreams
+
+    rng = random.Random(7)
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+    for i in range(LOG_PAGE * 9 + 5):
+        name = rng.choice([b"stdout", b"stderr", b"stage"])
+        fields = {b"seq": b"%d" % i, b"name": name}
+        fields[b"chunk" if name != b"stage" else b"data"] = f"{name.decode()} {i} é\n".encode() * rng.randint(1, 20)
+        entries.append((b"%d-0" % i, fields))
+    pages: list[int] = []
+
+    async def xrange(_key: str, min: bytes | str, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        start = 0 if min == "-" else [entry_id for entry_id, _ in entries].index(bytes(min)[1:]) + 1
+        pages.append(start)
+        return entries[start : start + count]
+
+    logged = LoggedStreams(xrange, "job:x:events")
+    for name in (b"stdout", b"stderr"):
+        expected = b"".join(f[b"chunk"] for _, f in entries if f[b"name"] == name)
+        got, offset = b"", 0
+        while piece := await logged(name.decode(), offset, 1000):
+            got, offset = got + piece, offset + len(piece)
+        assert got == expected
+        assert await logged(name.decode(), 0, 10) == expected[:10]  # (from the start again)
+    assert max(pages) <= len(entries) and len(pages) <= 4 * (len(entries) // LOG_PAGE + 1) + 2

@@ -22,9 +22,9 @@ from redis.asyncio import Redis
 from leanredis.scripts import OomTolerantScript
 from shared import keys
 from shared.codec import decode_stored
-from shared.eventlog import logged_streams
+from shared.eventlog import LoggedStreams
 from shared.messages import Outcome, ResultCallback, ResultEvent, RunResult, RunResultCallback, output_without_run
-from shared.runresult import OutputGone, output_encoding, run_result_pieces
+from shared.runresult import OutputGone, run_result_pieces
 
 __all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
 
@@ -108,14 +108,14 @@ class CallbackBody:
         job_id: str,
         whole: bytes | None = None,
         meta: bytes | None = None,
-        streams: tuple[bytes, bytes] | None = None,
+        from_log: bool = False,
     ) -> None:
         self._redis = redis
         self._job_id = job_id
         self._whole = whole
         self._meta = meta
-        # The output itself, where no worker stored it (a lost job's, from its log).
-        self._streams = None if streams is None else {"stdout": streams[0], "stderr": streams[1]}
+        # The output is read from the job's log (a lost job's: no worker stored it).
+        self._from_log = from_log
 
     async def pieces(self) -> AsyncIterator[bytes]:
         if self._whole is not None:
@@ -124,16 +124,13 @@ class CallbackBody:
         assert self._meta is not None
         redis, job_id = self._redis, self._job_id
 
-        streams = self._streams
-
         async def read(stream: str, offset: int, size: int) -> bytes:
-            if streams is not None:
-                return streams[stream][offset : offset + size]
             return bytes(await redis.getrange(keys.output_stream_key(job_id, stream), offset, offset + size - 1))
 
         head = b'{"jobId":' + _encoder.encode(job_id) + b","
+        reader = LoggedStreams(redis.xrange, keys.events_key(job_id)) if self._from_log else read
         try:
-            async for piece in run_result_pieces(read, self._meta, head):
+            async for piece in run_result_pieces(reader, self._meta, head):
                 yield piece
         except OutputGone:
             raise ResultGone(job_id) from None  # (expired mid-read: nothing whole is left to send)
@@ -223,17 +220,9 @@ class Deliveries:
             # The job ended before any output was stored (killed in the queue, lost, ...): a
             # lost job's program ran, and what it streamed is in its log (as GET /output has it).
             event = decode_stored(ResultEvent, result)
-            stdout, stderr = await self._logged(job_id) if event.outcome is Outcome.LOST else (b"", b"")
-            kept = msgspec.structs.replace(
-                output_without_run(event), stdout_encoding=output_encoding(stdout), stderr_encoding=output_encoding(stderr)
-            )
-            return CallbackBody(self.redis, job_id, meta=_encoder.encode(kept), streams=(stdout, stderr))
+            meta = _encoder.encode(output_without_run(event))
+            return CallbackBody(self.redis, job_id, meta=meta, from_log=event.outcome is Outcome.LOST)
         return CallbackBody(self.redis, job_id, whole=_encoder.encode(RunResultCallback(job_id=job_id, **_fields(run))))
-
-
-    async def _logged(self, job_id: str) -> tuple[bytes, bytes]:
-        """What the job's log holds of its stdout and stderr."""
-        return await logged_streams(self.redis.xrange, keys.events_key(job_id))
 
 
 def _fields(struct: msgspec.Struct) -> dict[str, object]:
