@@ -568,6 +568,16 @@ async def test_a_followed_jobs_result_is_owed_live_until_its_worker_says_it_went
     assert await queue.take_unpublished(queue.worker_id) == [(owed.spec.job_id, b'{"seq":1,"outcome":"completed"}')]
     assert queue.take_recovered() == [(owed.spec.job_id, b'{"seq":1,"outcome":"completed"}')]
     assert not await redis.exists(unpublished)
+    # A worker that stops with a claim left stuck keeps its set (a reaper comes for it), but
+    # not what its lanes delivered since its last beat (they would go out twice).
+    stuck, delivered_last = [await _claimed(redis, queue) for _ in range(2)]
+    await redis.set(keys.audience_key(delivered_last.spec.job_id), "1", ex=60)
+    job = delivered_last.spec.job_id
+    assert await queue.finish(job, delivered_last.attempt, JobState.DONE, 1, b'{"seq":1}', None)
+    queue.delivered(job)
+    await queue.unregister()
+    assert stuck.spec.job_id.encode() in await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1)
+    assert not await redis.sismember(unpublished, job)
 
 
 async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQueue) -> None:

@@ -89,11 +89,14 @@ local live = redis.call('HGET', KEYS[1], 'liveSeq') or '0'
 return {attempt, seq, spec, start, kill, handovers, logged, frames, live}
 """
 
-# KEYS: the worker's liveness key, the workers hash, its claimed list. ARGV: worker id, this
-# process's incarnation.
+# KEYS: the worker's liveness key, the workers hash, its claimed list, its unpublished set.
+# ARGV: worker id, this process's incarnation, then the jobs whose owed result went to soketi
+# since the last beat.
 _UNREGISTER = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[2] then return 0 end  -- another process has our id: all is its
+-- Results its lanes delivered since the last beat: not owed (a claim left stuck keeps the set).
+if #ARGV > 2 then redis.call('SREM', KEYS[4], unpack(ARGV, 3)) end
 redis.call('DEL', KEYS[1])
 if redis.call('LLEN', KEYS[3]) == 0 then
   redis.call('HDEL', KEYS[2], ARGV[1])
@@ -745,10 +748,12 @@ class WorkerQueue:
     async def unregister(self) -> None:
         """Drop the liveness key; leave the workers list only with no claim left, so any
         claim still there is reaped by the others (they walk that list)."""
+        delivered = self._delivered[:MAX_DELIVERED_PER_BEAT]
         await self._unregister(
             keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, self._claimed, self._unpublished],
-            args=[self.worker_id, self.incarnation],
+            args=[self.worker_id, self.incarnation, *delivered],
         )
+        del self._delivered[: len(delivered)]
 
     async def _recover(
         self,
