@@ -473,7 +473,9 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     # soketi's webhook for a subscription signed outside the API lands after the job ended:
     # nobody published it live. The mark script takes the late-replay claim and returns the
     # log: its first entries within the bytes bound, then the result. Sent again with its
-    # token (the reply lost), it answers the same; a second webhook gets nothing to publish.
+    # token (the reply lost), it answers the same; a second webhook (a new first subscriber:
+    # a page reloaded) gets the result alone, unless the API signed that subscription while
+    # the job ran (its webhook came late: the subscriber heard the result live).
     monkeypatch.setattr(store_module, "LATE_REPLAY_BYTES", 64 * 1024)
     spec = _spec()
     await store.enqueue(spec, 100, 100, RESULT_TTL_S)
@@ -483,7 +485,10 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
         await redis.xadd(events, {"seq": seq, "name": "stdout", "chunk": "x" * 8192})
     await redis.hset(keys.status_key(spec.job_id), "nextSeq", 21)
     assert (await store.kill(spec.job_id, RESULT_TTL_S)).result is not None  # the result: seq 21
-    keys_ = [keys.status_key(spec.job_id), keys.audience_key(spec.job_id), keys.late_replay_key(spec.job_id), events]
+    keys_ = [
+        keys.status_key(spec.job_id), keys.audience_key(spec.job_id), keys.late_replay_key(spec.job_id), events,
+        keys.signed_key(spec.job_id),
+    ]  # fmt: skip
     args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one"]
     first = await store._mark_subscribed(keys=keys_, args=args)
     replay = store_module._entries(first)
@@ -491,8 +496,11 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     assert seqs == [0, 1, 2, 3, 4, 5, 6, 7, 21], seqs  # 64 KiB: the stage and 7 chunks, then the result
     assert replay[-1][0] == "result"
     assert await store._mark_subscribed(keys=keys_, args=args) == first  # re-sent: the same
-    assert await store.mark_subscribed(spec.job_id) == []  # another webhook: already replayed
+    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]  # replayed already
     assert await redis.get(keys.late_replay_key(spec.job_id)) == b"api:one"
+    await redis.set(keys.signed_key(spec.job_id), "1", ex=60)
+    assert await store.mark_subscribed(spec.job_id) == []
+    assert not await redis.exists(keys.signed_key(spec.job_id))  # (consumed)
 
 
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:

@@ -124,7 +124,7 @@ def test_the_image_has_a_toolchain_for_every_language_but_rust() -> None:
     """Debian's package of each language's tools (the manifests' paths are Debian's); rust's
     manifest wants rustup's toolchain, which the image does not fetch (README says so)."""
     packages = {"python": "python3", "javascript": "nodejs", "c": "gcc", "cpp": "g++",
-                "java": "default-jdk-headless", "go": "golang-go", "ruby": "ruby", "bash": None}  # fmt: skip
+                "java": "default-jdk-headless", "go": "golang-go", "ruby": "ruby", "sqlite": "sqlite3", "bash": None}  # fmt: skip
     languages = {path.stem for path in (REPO_ROOT / "sandbox-profiles" / "languages").glob("*.toml")}
     assert languages == set(packages) | {"rust"}
     text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
