@@ -304,6 +304,28 @@ def test_output_waits_have_their_own_bounds_and_never_take_an_event_streams_conn
     assert not _error_lines(stack.log("api"))
 
 
+def _stalled_output_readers(stack: Stack, job: dict[str, Any], count: int) -> list[socket.socket]:
+    """`count` connections that ask for the job's output and never read it."""
+    path = f"/v1/jobs/{job['jobId']}/output"
+    request = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {job['jobToken']}\r\n\r\n").encode()
+    stalled = []
+    for _ in range(count):
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect(("127.0.0.1", stack.api_port))
+        conn.sendall(request)
+        stalled.append(conn)
+    return stalled
+
+
+def _output_once_the_slots_free(client: httpx.Client, job: dict[str, Any]) -> httpx.Response:
+    deadline = time.monotonic() + 10
+    while (answer := client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})).status_code != 200:
+        assert answer.status_code == 429 and time.monotonic() < deadline, answer.text  # (until the stalled are let go)
+        time.sleep(0.2)
+    return answer
+
+
 def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: StackFactory) -> None:
     # Amplification review: GET /output with no wait took no slot, so connections that never
     # read a 16 MiB job's output each held a slice of it and its encoded copies until the
@@ -315,28 +337,18 @@ def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: Sta
     job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 16384}))
     api.start(job)
     assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
-    path = f"/v1/jobs/{job['jobId']}/output"
-    request = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {job['jobToken']}\r\n\r\n").encode()
     stalled = []
     try:
-        for _ in range(2):  # its caller's bound: they read nothing, so the bodies stay unsent
-            conn = socket.socket()
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            conn.connect(("127.0.0.1", stack.api_port))
-            conn.sendall(request)
-            stalled.append(conn)
+        # Its caller's bound: they read nothing, so the bodies stay unsent.
+        stalled = _stalled_output_readers(stack, job, 2)
         time.sleep(1.0)
         with httpx.Client(base_url=api.url, timeout=30) as client:
-            refused = client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})
+            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
             assert "waits for output" in _refusal(refused, 429)["error"]
             for conn in stalled:
                 conn.close()
             stalled.clear()
-            deadline = time.monotonic() + 10
-            while (answer := client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})).status_code != 200:
-                assert answer.status_code == 429 and time.monotonic() < deadline, answer.text  # (until the two are let go)
-                time.sleep(0.2)
-            assert answer.json()["stdout"] == "a" * (16 << 20)
+            assert _output_once_the_slots_free(client, job).json()["stdout"] == "a" * (16 << 20)
     finally:
         for conn in stalled:
             conn.close()
@@ -369,31 +381,20 @@ def test_a_lost_jobs_output_is_streamed_from_its_log_holding_a_slot(make_stack: 
         await redis.aclose()
 
     asyncio.run(a_worker_logs_16_mib_and_dies())
-    path = f"/v1/jobs/{job['jobId']}/output"
-    request = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {job['jobToken']}\r\n\r\n").encode()
     api_pid = stack.procs["api"].pid
     before = _rss_mb(api_pid)
     stalled = []
     try:
-        for _ in range(2):
-            conn = socket.socket()
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            conn.connect(("127.0.0.1", stack.api_port))
-            conn.sendall(request)
-            stalled.append(conn)
+        stalled = _stalled_output_readers(stack, job, 2)
         time.sleep(1.0)
         with httpx.Client(base_url=api.url, timeout=30) as client:
-            refused = client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})
+            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
             assert "waits for output" in _refusal(refused, 429)["error"]
             assert _rss_mb(api_pid) - before < 40, (before, _rss_mb(api_pid))  # (two slices, not two bodies)
             for conn in stalled:
                 conn.close()
             stalled.clear()
-            deadline = time.monotonic() + 10
-            while (answer := client.get(path, headers={"Authorization": f"Bearer {job['jobToken']}"})).status_code != 200:
-                assert answer.status_code == 429 and time.monotonic() < deadline, answer.text
-                time.sleep(0.2)
-            body = answer.json()
+            body = _output_once_the_slots_free(client, job).json()
             assert (body["outcome"], body["stdout"], body["stderr"]) == ("lost", (chunk * 2048).decode(), "")
     finally:
         for conn in stalled:

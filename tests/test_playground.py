@@ -333,22 +333,31 @@ def test_fast_typing_past_the_stdin_rate_is_retried_not_lost(page: Any, stack: S
     shot(page, "9-stdin-rate-retried")
 
 
+def _run_typing(page: Any, stack: Stack, code: str, typing: str, eof: bool = False) -> tuple[str, list[str]]:
+    """Run `code`, submit the stdin lines the JavaScript `typing` gives `type(line)` at once
+    (then EOF), and wait for it to complete: its stdout and the page's notes."""
+    open_playground(page, stack)
+    page.fill("#code", code)
+    page.click("#run")
+    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    page.evaluate("""(typing) => {
+        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
+        const type = (text) => { line.value = text; form.requestSubmit(); };
+        new Function("type", typing)(type);
+    }""", typing)
+    if eof:
+        page.click("#eof")
+    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
+    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
+    return stdout, page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
+
+
 def test_input_typed_ahead_past_the_pending_cap_waits_and_goes_in_order(page: Any, stack: Stack) -> None:
     """A program that has not read yet: what waits for it is capped (64 KiB, a 429 with
     capBytes). That is a wait, not an end: every line goes once the program reads, in order,
     and the EOF after them."""
-    open_playground(page, stack)
-    page.fill("#code", "import sys, time\ntime.sleep(1.5)\ndata = sys.stdin.read()\nprint(len(data), data.count('\\n'), data.rsplit('|', 1)[1].strip())\n")
-    page.click("#run")
-    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
-    page.evaluate("""() => {
-        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
-        for (let i = 0; i < 20; i++) { line.value = String(i % 10).repeat(8000) + "|line-" + i; form.requestSubmit(); }
-    }""")
-    page.click("#eof")
-    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
-    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
-    notes = page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
+    code = "import sys, time\ntime.sleep(1.5)\ndata = sys.stdin.read()\nprint(len(data), data.count('\\n'), data.rsplit('|', 1)[1].strip())\n"
+    stdout, notes = _run_typing(page, stack, code, "for (let i = 0; i < 20; i++) type(String(i % 10).repeat(8000) + '|line-' + i);", eof=True)
     assert stdout == "160170 20 line-19\n", (stdout, notes)  # (the pipe holds 64 KiB, then 64 KiB may wait)
     assert any("the program is not reading its input yet" in n for n in notes), notes
     shot(page, "12-stdin-waits-for-the-program")
@@ -358,18 +367,9 @@ def test_a_pasted_line_longer_than_may_wait_at_once_goes_in_pieces(page: Any, st
     """One line over the 64 KiB that may wait for a program (a paste) is a 429 with capBytes
     however often it is sent: the page sends it in pieces of at most that, in order, never
     cutting a character, and the program reads the line whole."""
-    open_playground(page, stack)
-    page.fill("#code", "import sys\nline = sys.stdin.readline()\nprint(len(line), len(line.encode()), line.count('é'), line[-3:-1])\n")
-    page.click("#run")
-    expect()(page.locator("#status")).to_contain_text("running", timeout=RUN_TIMEOUT_MS)
+    code = "import sys\nline = sys.stdin.readline()\nprint(len(line), len(line.encode()), line.count('é'), line[-3:-1])\n"
     # 100,004 characters (its newline included), 150,005 bytes: pieces end beside two-byte 'é's.
-    page.evaluate("""() => {
-        const line = document.getElementById("stdin-line"), form = document.getElementById("stdin-form");
-        line.value = "aé".repeat(50000) + "a" + "éz"; form.requestSubmit();
-    }""")
-    expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
-    stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
-    notes = page.eval_on_selector_all("#output .note", "s => s.map(x => x.textContent)")
+    stdout, notes = _run_typing(page, stack, code, "type('aé'.repeat(50000) + 'a' + 'éz');")
     assert stdout == "100004 150005 50001 éz\n", (stdout, notes)
     assert not any("not sent" in n for n in notes), notes
 
