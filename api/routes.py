@@ -598,17 +598,8 @@ async def _without_output(
     meta = _encoder.encode(output_without_run(status.result))
     if not status.started:
         return Response(await whole_run_result(meta, b"", b""), media_type="application/json")
-    handed = slot.hand_over() if slot is not None else request.app.state.output_waits.acquire(status.job_id, caller)
-    logged = state.store.logged_output(status.job_id)
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for piece in run_result_pieces(logged, meta):
-                yield piece
-        finally:
-            handed.release()
-
-    return StreamingResponse(body(), media_type="application/json", background=BackgroundTask(handed.release))
+    pieces = run_result_pieces(state.store.logged_output(status.job_id), meta)
+    return _streamed_output(request, status.job_id, caller, slot, pieces)
 
 
 # One blocking read of the done stream lasts at most this long before the job is looked at again.
@@ -630,11 +621,19 @@ async def _output_response(
             return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
         except OutputGone:
             raise ApiError(404, NO_OUTPUT) from None
+    return _streamed_output(request, job_id, caller, slot, stream_run_result(state.store, job_id, found.meta))
+
+
+def _streamed_output(
+    request: Request, job_id: str, caller: str, slot: StreamSlot | None, pieces: AsyncIterator[bytes]
+) -> Response:
+    """An output body streamed holding one of the output slots (the wait's, if it waited)
+    until it is sent."""
     handed = slot.hand_over() if slot is not None else request.app.state.output_waits.acquire(job_id, caller)
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for piece in stream_run_result(state.store, job_id, found.meta):
+            async for piece in pieces:
                 yield piece
         finally:
             handed.release()

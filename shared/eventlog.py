@@ -9,6 +9,7 @@ Either way an entry has `seq` and `name`, and then `chunk` or `data`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -78,10 +79,10 @@ class LoggedStreams:
         return piece
 
 
+@dataclass
 class _StreamPass:
-    def __init__(self, name: bytes) -> None:
-        self.name = name
-        self.after = b""  # the last log entry read
-        self.held = bytearray()  # the stream's bytes from `start` on, read and not yet handed
-        self.start = 0
-        self.ended = False
+    name: bytes
+    after: bytes = b""  # the last log entry read
+    held: bytearray = field(default_factory=bytearray)  # the stream's bytes from `start` on, not yet handed
+    start: int = 0
+    ended: bool = False

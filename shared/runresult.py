@@ -12,11 +12,10 @@ from __future__ import annotations
 import base64
 import codecs
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
 
 import msgspec
 
-__all__ = ["SLICE_BYTES", "OutputGone", "ReadSlice", "output_encoding", "run_result_pieces"]
+__all__ = ["SLICE_BYTES", "OutputGone", "ReadSlice", "run_result_pieces"]
 
 # Read this much of a stored stream at a time (a multiple of 3, so base64 pieces join up).
 SLICE_BYTES = 3 * 87382  # ~256 KiB
@@ -25,16 +24,6 @@ SLICE_BYTES = 3 * 87382  # ~256 KiB
 ReadSlice = Callable[[str, int, int], Awaitable[bytes]]
 
 _encoder = msgspec.json.Encoder()
-
-
-def output_encoding(data: bytes) -> Literal["utf8", "base64"]:
-    """How the pullable result shows output bytes: as text when they are valid UTF-8, else
-    as base64 (the bytes themselves are stored raw either way)."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "base64"
-    return "utf8"
 
 
 class OutputGone(Exception):

@@ -45,14 +45,13 @@ from shared.messages import (
     TestResultEvent,
     TestSummary,
 )
-from shared.runresult import output_encoding
 from worker.isolation.jail import Program
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.pool import SandboxPool, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
-from worker.job.output import StreamTail
+from worker.job.output import StreamTail, output_encoding
 from worker.job.stdin import write_to_program
 from worker.job.supervise import Activity, Clocks, StepFacts, StepNotStarted, StepStopped, supervise
 from worker.messaging.queue import Fenced

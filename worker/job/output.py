@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shared.chunking import Utf8Chunker
 
-__all__ = ["CompileOutput", "OutputBudget", "StreamTail"]
+__all__ = ["CompileOutput", "OutputBudget", "StreamTail", "output_encoding"]
 
 
 class StreamTail:
@@ -93,6 +93,16 @@ class OutputBudget:
                 return []
             self.left -= extra
         return chunker.flush()
+
+
+def output_encoding(data: bytes) -> str:
+    """How the pullable result shows output bytes: as text when they are valid UTF-8, else
+    as base64 (the bytes themselves are stored raw either way)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64"
+    return "utf8"
 
 
 class CompileOutput:

@@ -48,7 +48,6 @@ from shared.messages import (
     Verdict,
     result_without_run,
 )
-from shared.runresult import output_encoding
 from shared.validation import decode_files
 from worker.context import WorkerContext
 from worker.isolation.jail import JailError, Program
@@ -62,7 +61,7 @@ from worker.job.blobs import Blob
 from worker.job.events import JobEvents, logged_bytes
 from worker.job.flusher import OutputFlusher
 from worker.job.outcome import compile_info, compile_succeeded, judge_compile_failure, judge_run
-from worker.job.output import CompileOutput, OutputBudget, StreamTail
+from worker.job.output import CompileOutput, OutputBudget, StreamTail, output_encoding
 from worker.job.payload import fit_result
 from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed

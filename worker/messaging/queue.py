@@ -704,7 +704,7 @@ class WorkerQueue:
         Raises:
             WorkerSuperseded: another process took the id over while this one's lease lapsed.
         """
-        delivered = self._delivered[:MAX_DELIVERED_PER_BEAT]
+        delivered = self._delivered[:MAX_DELIVERED_PER_BEAT]  # (taken off once the beat landed)
         dataset = await self._heartbeat(
             keys=[keys.worker_alive_key(self.worker_id), keys.WORKERS, keys.DATASET, self._unpublished],
             args=[lease_ms, self.worker_id, encode(info), secrets.token_hex(8), self.incarnation, *delivered],
@@ -722,8 +722,8 @@ class WorkerQueue:
     async def take_unpublished(self, worker_id: str, dead: bool = True) -> list[tuple[str, bytes]]:
         """The results `worker_id` stored for followers and never said it handed to soketi
         (it died first), as (job id, result event JSON), kept for the caller to publish
-        (take_recovered) and then taken off its set. A follower may get one it already had (it died between the two): a client
-        skips it by `seq`. `dead`: nothing is taken from a worker that holds its lease again
+        (take_recovered) and then taken off its set. A follower may get one it already had
+        (the worker died between its lane and its beat): a client skips it by `seq`. `dead`: nothing is taken from a worker that holds its lease again
         (a stall it came back from: its lanes still hold them)."""
         unpublished = keys.worker_unpublished_key(worker_id)
         ids = await self._owed_live(keys=[keys.worker_alive_key(worker_id), unpublished], args=["1" if dead else "0"])
