@@ -136,6 +136,7 @@ def test_the_sqlite_sample_reads_a_name_from_stdin(page: Any, stack: Stack) -> N
     expect()(page.locator("#result")).to_have_attribute("data-outcome", "completed", timeout=RUN_TIMEOUT_MS)
     stdout = "".join(page.eval_on_selector_all("#output .stdout", "s => s.map(x => x.textContent)"))
     assert stdout == "What is your name?\nHello, Ada, of course!\n", stdout
+    shot(page, "15-sqlite-sample")
 
 
 def test_python_asks_a_name_and_greets(page: Any, stack: Stack) -> None:
@@ -372,6 +373,7 @@ def test_a_pasted_line_longer_than_may_wait_at_once_goes_in_pieces(page: Any, st
     stdout, notes = _run_typing(page, stack, code, "type('aé'.repeat(50000) + 'a' + 'éz');")
     assert stdout == "100004 150005 50001 éz\n", (stdout, notes)
     assert not any("not sent" in n for n in notes), notes
+    shot(page, "16-pasted-long-line")
 
 
 def test_a_line_whose_answer_was_lost_is_sent_again_and_stored_once(page: Any, stack: Stack) -> None:
