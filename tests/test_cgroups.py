@@ -609,7 +609,7 @@ def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_
         job.create()
         if not with_cgroup_kill:
             assert job.v2_dir is not None
-            layout.optional_files[f"{job.v2_dir.parent}/cgroup.kill"] = False
+            layout.optional_files[f"{os.path.dirname(job.v2_dir)}/cgroup.kill"] = False
         assert (job._kill_file() is not None) is with_cgroup_kill
         inside = _spawn_into(job.procs_files(), "time.sleep(30)")
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

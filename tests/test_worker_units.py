@@ -1161,8 +1161,7 @@ def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tm
     # What a compile left is walked recursively, a descriptor per level: a tree nested
     # past the cap (a Java package of 1,500 components fits the workspace) must end in
     # WorkspaceError, not a RecursionError or a thousand open descriptors.
-    workspace = Workspace.__new__(Workspace)
-    workspace.path = tmp_path
+    workspace = Workspace(tmp_path.parent, tmp_path.name, os.getuid(), os.getgid())  # (makes nothing)
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "Main.class").write_bytes(b"\xca\xfe")
     (tmp_path / "run").write_text("#!/bin/sh\n")
@@ -2235,11 +2234,11 @@ def test_an_optional_cgroup_file_is_not_judged_absent_from_a_missing_folder(tmp_
     # to signalling listed processes one by one.
     cgroup = detect_layout("coderunner", HYBRID).job("j1")
     kill = tmp_path / "j1" / "cgroup.kill"
-    assert not cgroup._has(kill)
+    assert not cgroup._has(str(kill))
     kill.parent.mkdir()
     kill.touch()
-    assert cgroup._has(kill)
-    assert cgroup._has(tmp_path / "j2" / "cgroup.kill")  # the host's answer, for every job
+    assert cgroup._has(str(kill))
+    assert cgroup._has(str(tmp_path / "j2" / "cgroup.kill"))  # the host's answer, for every job
 
 
 async def test_a_live_lane_counts_bytes_for_text_that_is_not_ascii(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import logging
 import os
 import signal
@@ -324,6 +325,16 @@ class CgroupLayout:
             log.warning("%s refused the cpu controller (%s): jobs run without a one-core cap", control, exc)
             return without_cpu
 
+    @functools.cached_property
+    def supervisor_procs_files(self) -> list[str]:
+        """Where nsjail moves once it has made a jail (JobCgroup.release_supervisor): the
+        deployment's `supervisor` folders, the cgroup2 one first."""
+        base = self._v2_base()
+        folders = ([base / "supervisor"] if base is not None else []) + [
+            root / self.name / "supervisor" for root in self.v1_roots()
+        ]
+        return [f"{folder}/cgroup.procs" for folder in folders]
+
     def v1_roots(self) -> list[Path]:
         """Each v1 hierarchy sandboxes use, once (cpuacct is usually co-mounted with cpu)."""
         roots: list[Path] = []
@@ -389,20 +400,20 @@ class JobCgroup:
     def __init__(self, layout: CgroupLayout, job_id: str) -> None:
         self.layout = layout
         self.job_id = job_id
-        base = layout.v2 / layout.name if layout.v2 else None
-        self.v2_dir = base / "jobs" / job_id if base else None
-        self.v2_supervisor = base / "supervisor" if base else None
-        self.v1_dirs: dict[str, Path] = {}
+        # Folders and files as plain strings: pathlib's joins and conversions cost more than
+        # the cgroup writes themselves, a few dozen of them for every sandbox made and removed.
+        self.v2_dir = f"{layout.v2}/{layout.name}/jobs/{job_id}" if layout.v2 else None
+        self.v1_dirs: dict[str, str] = {}
         for ctrl, root in (("memory", layout.v1_memory), ("pids", layout.v1_pids), ("cpu", layout.v1_cpu)):
             if root is not None:
-                self.v1_dirs[ctrl] = root / layout.name / job_id
-        self._cpuacct = layout.v1_cpuacct / layout.name / job_id if layout.v1_cpuacct else None
-        self._cpu_stat = str(self.v2_dir / "cpu.stat") if self.v2_dir is not None else None
+                self.v1_dirs[ctrl] = f"{root}/{layout.name}/{job_id}"
+        self._cpuacct = f"{layout.v1_cpuacct}/{layout.name}/{job_id}" if layout.v1_cpuacct else None
+        self._cpu_stat = f"{self.v2_dir}/cpu.stat" if self.v2_dir is not None else None
         # Limit files and the values last written to them: a rewrite that changes nothing
         # (the CPU quota, swappiness when a job's limits go in) is skipped.
-        self._written: dict[Path, str] = {}
+        self._written: dict[str, str] = {}
         # Removal errors already logged (folder, errno).
-        self._remove_errors: set[tuple[Path, int]] = set()
+        self._remove_errors: set[tuple[str, int]] = set()
         # The CPU bandwidth cap last written, in cores (None: no cpu controller here).
         self.cpu_cap_cores: float | None = None
         # The memory limit last written (what a step in these cgroups may take of the
@@ -427,27 +438,28 @@ class JobCgroup:
         self._peak_floor: int | None = None
         self._sampled_peak = 0
 
-    def _has(self, path: Path) -> bool:
+    def _has(self, path: str) -> bool:
         """Whether the optional file `path` (in one of this job's cgroups) exists on this host."""
-        key = f"{path.parent.parent}/{path.name}"  # the job's folder is the only part that varies
+        folder, _, name = path.rpartition("/")
+        key = f"{folder.rpartition('/')[0]}/{name}"  # the job's folder is the only part that varies
         found = self.layout.optional_files.get(key)
         if found is None:
-            found = path.exists()
+            found = os.path.exists(path)
             # Absent because this job's folder is (no longer, or not yet) there says nothing
             # about the host: only an answer from an existing folder is kept for every job.
-            if found or path.parent.is_dir():
+            if found or os.path.isdir(folder):
                 self.layout.optional_files[key] = found
         return found
 
-    def _limit(self, path: Path, value: str) -> None:
+    def _limit(self, path: str, value: str) -> None:
         if self._written.get(path) != value:
             _write(path, value)
             self._written[path] = value
 
     def paths(self) -> list[Path]:
-        return self._all_dirs()
+        return [Path(d) for d in self._all_dirs()]
 
-    def _all_dirs(self) -> list[Path]:
+    def _all_dirs(self) -> list[str]:
         dirs = list(self.v1_dirs.values())
         if self.v2_dir is not None:
             dirs.append(self.v2_dir)
@@ -459,7 +471,7 @@ class JobCgroup:
     def create(self) -> None:
         """Make the cgroup folders. Raises OSError on failure."""
         for d in self._all_dirs():
-            d.mkdir()
+            os.mkdir(d)
 
     def open_counters(self) -> None:
         """Open the files a running job's clocks and end read (the counters, the cgroup2
@@ -467,7 +479,7 @@ class JobCgroup:
         self.counters()
         if self.v2_dir is not None:
             try:
-                self._read_kept(self.v2_dir / "cgroup.procs")
+                self._read_kept(f"{self.v2_dir}/cgroup.procs")
             except OSError:
                 pass  # opened when first needed
 
@@ -504,9 +516,9 @@ class JobCgroup:
         for fd in fds:
             os.close(fd)
 
-    def _kill_file(self) -> Path | None:
-        if self.v2_dir is not None and self._has(self.v2_dir / "cgroup.kill"):
-            return self.v2_dir / "cgroup.kill"
+    def _kill_file(self) -> str | None:
+        if self.v2_dir is not None and self._has(f"{self.v2_dir}/cgroup.kill"):
+            return f"{self.v2_dir}/cgroup.kill"
         return None
 
     def raise_memory_limit(self, size: int) -> None:
@@ -520,11 +532,11 @@ class JobCgroup:
         """The memory limit, and on v1 memory+swap equal to it (swap off)."""
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
-            self._limit(self.v2_dir / "memory.max", str(memory_bytes))
+            self._limit(f"{self.v2_dir}/memory.max", str(memory_bytes))
         else:
             mem = self.v1_dirs["memory"]
-            memsw = mem / "memory.memsw.limit_in_bytes"
-            limit = mem / "memory.limit_in_bytes"
+            memsw = f"{mem}/memory.memsw.limit_in_bytes"
+            limit = f"{mem}/memory.limit_in_bytes"
             # v1 refuses memory > memsw: order the two writes so the pair is always valid.
             current = int(self._written.get(limit) or _read(limit))
             pairs = [(memsw, memory_bytes), (limit, memory_bytes)]
@@ -543,32 +555,32 @@ class JobCgroup:
         self._write_memory_limit(memory_bytes)
         if self.layout.mode is CgroupMode.V2:
             assert self.v2_dir is not None
-            if self._has(self.v2_dir / "memory.swap.max"):  # (absent without swap accounting)
-                self._limit(self.v2_dir / "memory.swap.max", "0")
-            self._limit(self.v2_dir / "pids.max", str(pids))
-            if self._has(self.v2_dir / "cpu.max"):
-                self._limit(self.v2_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            if self._has(f"{self.v2_dir}/memory.swap.max"):  # (absent without swap accounting)
+                self._limit(f"{self.v2_dir}/memory.swap.max", "0")
+            self._limit(f"{self.v2_dir}/pids.max", str(pids))
+            if self._has(f"{self.v2_dir}/cpu.max"):
+                self._limit(f"{self.v2_dir}/cpu.max", f"{quota} {CPU_PERIOD_US}")
                 self.cpu_cap_cores = quota / CPU_PERIOD_US
-            if self._has(self.v2_dir / "cpu.weight"):
-                self._limit(self.v2_dir / "cpu.weight", str(max(1, round(100 * share))))
+            if self._has(f"{self.v2_dir}/cpu.weight"):
+                self._limit(f"{self.v2_dir}/cpu.weight", str(max(1, round(100 * share))))
             # Group OOM kills: one OOM ends the whole job instead of leaving a half-dead program.
-            if self._has(self.v2_dir / "memory.oom.group"):
-                self._limit(self.v2_dir / "memory.oom.group", "1")
+            if self._has(f"{self.v2_dir}/memory.oom.group"):
+                self._limit(f"{self.v2_dir}/memory.oom.group", "1")
                 self.oom_kills_whole_job = True
             return
         mem = self.v1_dirs["memory"]
-        if self._has(mem / "memory.swappiness"):
+        if self._has(f"{mem}/memory.swappiness"):
             try:
-                self._limit(mem / "memory.swappiness", "0")
+                self._limit(f"{mem}/memory.swappiness", "0")
             except OSError:
                 pass
-        self._limit(self.v1_dirs["pids"] / "pids.max", str(pids))
+        self._limit(f"{self.v1_dirs['pids']}/pids.max", str(pids))
         cpu = self.v1_dirs.get("cpu")
         if cpu is not None:
-            self._limit(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-            self._limit(cpu / "cpu.cfs_quota_us", str(quota))
+            self._limit(f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US))
+            self._limit(f"{cpu}/cpu.cfs_quota_us", str(quota))
             self.cpu_cap_cores = quota / CPU_PERIOD_US
-            self._limit(cpu / "cpu.shares", str(max(2, round(1024 * share))))
+            self._limit(f"{cpu}/cpu.shares", str(max(2, round(1024 * share))))
 
     def procs_files(self) -> list[str]:
         """Files a launcher writes its own pid into before it execs nsjail.
@@ -579,16 +591,13 @@ class JobCgroup:
         """
         cpu = self.v1_dirs.get("cpu")
         dirs = [d for d in self._all_dirs() if d != cpu] + ([cpu] if cpu is not None else [])
-        return [str(d / "cgroup.procs") for d in dirs]
+        return [f"{d}/cgroup.procs" for d in dirs]
 
     def release_supervisor(self, pid: int) -> None:
         """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
-        targets = [root / self.layout.name / "supervisor" for root in self.layout.v1_roots()]
-        if self.v2_supervisor is not None:
-            targets.insert(0, self.v2_supervisor)
-        for target in targets:
+        for procs in self.layout.supervisor_procs_files:
             try:
-                _write(target / "cgroup.procs", str(pid))
+                _write(procs, str(pid))
             except ProcessLookupError:
                 return
             except OSError as exc:
@@ -612,7 +621,7 @@ class JobCgroup:
             if self._cpu_stat is not None:
                 return _keyed(self._read_kept(self._cpu_stat)).get("usage_usec", 0)
             if self._cpuacct is not None:
-                return int(self._read_kept(self._cpuacct / "cpuacct.usage")) // 1000
+                return int(self._read_kept(f"{self._cpuacct}/cpuacct.usage")) // 1000
         except (OSError, ValueError):
             pass
         return 0
@@ -621,14 +630,14 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                peak = self.v2_dir / "memory.peak"
+                peak = f"{self.v2_dir}/memory.peak"
                 if not self._has(peak):
-                    return max(self._sampled_peak, int(self._read_kept(self.v2_dir / "memory.current")))
+                    return max(self._sampled_peak, int(self._read_kept(f"{self.v2_dir}/memory.current")))
                 value = int(self._read_kept(peak))
                 if self._peak_floor is not None and value <= self._peak_floor:
                     return self._sampled_peak  # (never above the warm-up's: sampled)
                 return value
-            return int(self._read_kept(self.v1_dirs["memory"] / "memory.max_usage_in_bytes"))
+            return int(self._read_kept(f"{self.v1_dirs['memory']}/memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             return 0
 
@@ -636,7 +645,7 @@ class JobCgroup:
         """One sample of the usage, for a peak the kernel cannot tell (`samples_memory`)."""
         try:
             assert self.v2_dir is not None
-            self._sampled_peak = max(self._sampled_peak, int(self._read_kept(self.v2_dir / "memory.current")))
+            self._sampled_peak = max(self._sampled_peak, int(self._read_kept(f"{self.v2_dir}/memory.current")))
         except (OSError, ValueError):
             pass
 
@@ -644,8 +653,8 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                return int(_read(self.v2_dir / "memory.current"))
-            return int(_read(self.v1_dirs["memory"] / "memory.usage_in_bytes"))
+                return int(_read(f"{self.v2_dir}/memory.current"))
+            return int(_read(f"{self.v1_dirs['memory']}/memory.usage_in_bytes"))
         except (OSError, ValueError):
             return 0
 
@@ -656,9 +665,9 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                stat, names = _read(self.v2_dir / "memory.stat"), ("active_file", "inactive_file")
+                stat, names = _read(f"{self.v2_dir}/memory.stat"), ("active_file", "inactive_file")
             else:
-                stat, names = _read(self.v1_dirs["memory"] / "memory.stat"), ("total_active_file", "total_inactive_file")
+                stat, names = _read(f"{self.v1_dirs['memory']}/memory.stat"), ("total_active_file", "total_inactive_file")
             fields = dict(line.split(" ", 1) for line in stat.splitlines())
             cache = sum(int(fields[name]) for name in names)
         except (OSError, ValueError, KeyError):
@@ -671,7 +680,7 @@ class JobCgroup:
         is then read through. Older v2 kernels cannot reset it (or have none): the peak is
         then sampled from here on (see `samples_memory`)."""
         v2 = self.layout.mode is CgroupMode.V2 and self.v2_dir is not None
-        path = self.v2_dir / "memory.peak" if v2 else self.v1_dirs["memory"] / "memory.max_usage_in_bytes"
+        path = f"{self.v2_dir}/memory.peak" if v2 else f"{self.v1_dirs['memory']}/memory.max_usage_in_bytes"
         if v2 and not self._has(path):
             self.samples_memory = True  # (before 5.19)
         try:
@@ -692,8 +701,8 @@ class JobCgroup:
         try:
             if self.layout.mode is CgroupMode.V2:
                 assert self.v2_dir is not None
-                return _keyed(self._read_kept(self.v2_dir / "memory.events")).get("oom_kill", 0)
-            return _keyed(self._read_kept(self.v1_dirs["memory"] / "memory.oom_control")).get("oom_kill", 0)
+                return _keyed(self._read_kept(f"{self.v2_dir}/memory.events")).get("oom_kill", 0)
+            return _keyed(self._read_kept(f"{self.v1_dirs['memory']}/memory.oom_control")).get("oom_kill", 0)
         except (OSError, ValueError):
             return 0
 
@@ -713,27 +722,27 @@ class JobCgroup:
                 assert self.v2_dir is not None
                 # (`max` counts reclaim at the limit too, which a job touching its limit
                 # does without ever failing an allocation there.)
-                return _keyed(_read(self.v2_dir / "memory.events")).get("oom", 0) > 0
+                return _keyed(_read(f"{self.v2_dir}/memory.events")).get("oom", 0) > 0
             mem = self.v1_dirs["memory"]
             for limit_name, peak_name in (
                 ("memory.limit_in_bytes", "memory.max_usage_in_bytes"),
                 # With swap, memory+swap can reach its (equal) limit with memory below it.
                 ("memory.memsw.limit_in_bytes", "memory.memsw.max_usage_in_bytes"),
             ):
-                limit_path = mem / limit_name
+                limit_path = f"{mem}/{limit_name}"
                 if limit_name != "memory.limit_in_bytes" and not self._has(limit_path):
                     continue
                 limit = int(self._written.get(limit_path) or _read(limit_path))
-                if int(_read(mem / peak_name)) >= limit - OOM_NEAR_LIMIT_BYTES:
+                if int(_read(f"{mem}/{peak_name}")) >= limit - OOM_NEAR_LIMIT_BYTES:
                     return True
             return False
         except (OSError, ValueError):
             return True
 
-    def _procs(self, d: Path) -> str:
+    def _procs(self, d: str) -> str:
         # cgroup v1 keeps a cgroup.procs listing per open file and serves it again for a
         # second: only a fresh open reads it afresh. cgroup2 lists anew.
-        return self._read_kept(d / "cgroup.procs") if d == self.v2_dir else _read(d / "cgroup.procs")
+        return self._read_kept(f"{d}/cgroup.procs") if d == self.v2_dir else _read(f"{d}/cgroup.procs")
 
     def pids(self) -> list[int]:
         seen: set[int] = set()
@@ -764,7 +773,7 @@ class JobCgroup:
         """
         if self.v2_dir is not None:
             try:
-                return bool(self._read_kept(self.v2_dir / "cgroup.procs").split())
+                return bool(self._read_kept(f"{self.v2_dir}/cgroup.procs").split())
             except OSError:
                 pass
         return True
@@ -820,7 +829,7 @@ class JobCgroup:
         leftover = False
         for d in self._all_dirs():
             try:
-                d.rmdir()
+                os.rmdir(d)
             except FileNotFoundError:
                 pass
             except OSError as exc:

@@ -38,17 +38,18 @@ class SnapshotTooBig(WorkspaceError):
 class Workspace:
     def __init__(self, root: Path, job_id: str, uid: int, gid: int) -> None:
         self.path = root / job_id
+        self._where = f"{root}/{job_id}"  # for os calls: pathlib's conversions cost more than some of them
         self.uid = uid
         self.gid = gid
         self._mounted = False
 
     def create(self, size_bytes: int, inodes: int) -> None:
         try:
-            self.path.mkdir(mode=0o700)
+            os.mkdir(self._where, 0o700)
         except FileExistsError:
             raise WorkspaceError(f"workspace {self.path} already exists") from None
         try:
-            mount("coderunner-ws", str(self.path), "tmpfs", MS_NOSUID | MS_NODEV,
+            mount("coderunner-ws", self._where, "tmpfs", MS_NOSUID | MS_NODEV,
                   f"size={size_bytes},nr_inodes={inodes},mode=0700,uid={self.uid},gid={self.gid}")  # fmt: skip
         except MountError as exc:
             raise WorkspaceError(str(exc)) from None
@@ -57,7 +58,7 @@ class Workspace:
     def stage(self, files: list[tuple[str, bytes]], executable: frozenset[str] = frozenset()) -> None:
         """Write the submitted files (already validated names) into the fresh workspace;
         those named in `executable` get mode 0755 (a compiled program copied from another)."""
-        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        root_fd = os.open(self._where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for name, data in files:
                 self._write_file(root_fd, name, data, 0o755 if name in executable else 0o644)
@@ -70,7 +71,7 @@ class Workspace:
         """Remove top-level files (not folders) by name; a missing one is fine."""
         if not names:
             return
-        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        root_fd = os.open(self._where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for name in names:
                 try:
@@ -124,7 +125,7 @@ class Workspace:
                 finally:
                     os.close(fd)
 
-        root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        root_fd = os.open(self._where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             walk(root_fd, "")
         finally:
@@ -161,10 +162,10 @@ class Workspace:
     def destroy(self) -> None:
         """Detach the tmpfs (its pages are freed once no jail holds it) and remove the mount point."""
         if self._mounted:
-            detach(str(self.path))
+            detach(self._where)
             self._mounted = False
         try:
-            self.path.rmdir()
+            os.rmdir(self._where)
         except FileNotFoundError:
             pass
         except OSError as exc:
