@@ -661,10 +661,10 @@ class StoredStatus(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-# How many recent marks, and for how long, spare a webhook its write (longer than soketi takes
-# to send the webhook of the subscription this process signed; and short, as this process
-# would also skip the webhook of a page reloaded within it after the job ended, if another
-# API process signed that subscription: see forget_mark).
+# How many recent marks, and for how long, spare a webhook its script (longer than soketi takes
+# to send the webhook of the subscription this process signed). Only while the signature is
+# still in Redis: another API process that signs a reloaded page's subscription after the job
+# ended deletes it (forget_mark), and that webhook must reach the script.
 RECENT_MARKS = 4096
 RECENT_MARK_S = 2.0
 # How long the API's signature of a subscription vouches, to soketi's webhook for it, that
@@ -935,10 +935,14 @@ class JobStore:
         a job that ended before the mark, which no worker published live (soketi sends the
         webhook as the subscription succeeds, so a short job may end before it lands). A job
         this process marked moments ago (its channel-auth, then soketi's webhook for the
-        same subscription) is not written again: that webhook comes as the job starts, and
-        a Redis write there costs the start."""
+        same subscription) is not written again while its signature stands: that webhook
+        comes as the job starts, and a read costs the start less than the script's writes."""
         marked_at = self._recent_marks.get(job_id)
-        if marked_at is not None and time.monotonic() - marked_at < RECENT_MARK_S:
+        if (
+            marked_at is not None
+            and time.monotonic() - marked_at < RECENT_MARK_S
+            and await self._redis.exists(keys.signed_key(job_id))
+        ):
             return []
         answer = await self._mark_subscribed(
             keys=[
