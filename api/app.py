@@ -28,6 +28,7 @@ from api.routes import OUTPUT_WAIT_SLICE_MS, routes
 from api.state import AppState
 from api.store import JobStore
 from api.streams import EventPace, StreamSlots
+from api.sweeper import RealtimeSweeper
 from leanredis import BlockingLeanRedis, LeanRedis
 from shared.errors import ConfigError
 from shared.paths import profiles_dir
@@ -110,8 +111,12 @@ def create_app(settings: Settings) -> Starlette:
         # Long-polls for a result block on the job's done stream: a pool of their own, so
         # however many wait, event streams keep theirs (each side is admitted, api/streams.py).
         waits = _blocking_pool(settings, settings.max_output_waits, OUTPUT_WAIT_SLICE_MS)
-        store = JobStore(redis, settings.job_record_ttl_s, streams=streams, waits=waits)
+        # A publish this process owes has a few of soketi's timeouts before a sweep takes it.
+        store = JobStore(
+            redis, settings.job_record_ttl_s, streams=streams, waits=waits, owed_publish_ms=5 * settings.pusher_timeout_ms
+        )
         realtime = RealtimePublisher(settings)
+        sweeper = RealtimeSweeper(store, realtime, settings.realtime_sweep_ms)
         app.state.coderunner = AppState(
             settings=settings,
             redis=redis,
@@ -129,9 +134,11 @@ def create_app(settings: Settings) -> Starlette:
         app.state.request_bodies = BodyBudget(
             settings.max_bodies_in_flight_mb * 1024 * 1024, settings.max_small_bodies_in_flight_mb * 1024 * 1024
         )
+        sweeper.start()
         try:
             yield
         finally:
+            await sweeper.aclose()
             await realtime.aclose()
             await waits.aclose()
             await streams.aclose()

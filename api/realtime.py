@@ -2,8 +2,10 @@
 
 Workers publish every event of the jobs they hold. The one result the API writes (a kill
 that ended a job no worker held yet) is published from here, so a client following the
-channel learns of it like of any other result. Best effort, like every live delivery:
-the durable log already holds it.
+channel learns of it like of any other result, as are a late subscriber's replays
+(api/webhooks.py). Best effort, like every live delivery: the durable log already holds it.
+And the one question the API asks soketi: which job channels have subscribers
+(api/sweeper.py).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
 
+from shared import keys
 from shared.pusher import signed_query
 from shared.settings import Settings
 
@@ -31,30 +35,60 @@ class RealtimePublisher:
         self._settings = settings
         self._path = f"/apps/{settings.pusher_app_id}/events"
         self._batch_path = f"/apps/{settings.pusher_app_id}/batch_events"
+        self._channels_path = f"/apps/{settings.pusher_app_id}/channels"
         self._client = httpx.AsyncClient(
             base_url=f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}",
             timeout=settings.pusher_timeout_ms / 1000,
         )
         self._pending: set[asyncio.Task[None]] = set()
 
-    def publish_soon(self, channel: str, events: list[tuple[str, bytes]]) -> None:
+    def publish_soon(
+        self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """Publish `events` (name, JSON) in order, in the background: the HTTP answer does
-        not wait for soketi."""
-        task = asyncio.create_task(self.publish(channel, events))
+        not wait for soketi. `settle` runs once the last of them (the result) went; if it did
+        not, what was owed stays owed for a sweep to send (api/sweeper.py)."""
+        task = asyncio.create_task(self._publish_then(channel, events, settle))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def publish(self, channel: str, events: list[tuple[str, bytes]]) -> None:
+    async def _publish_then(
+        self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None
+    ) -> None:
+        if await self.publish(channel, events) and settle is not None:
+            try:
+                await settle()
+            except Exception as exc:  # (Redis away: a sweep publishes the result once more)
+                log.warning("after publishing on %s: %s", channel, exc)
+
+    async def occupied_jobs(self) -> list[str] | None:
+        """The ids of the jobs whose channels have subscribers now, as soketi counts them
+        (all its nodes, with its Redis adapter); None when soketi does not say."""
+        query = signed_query(
+            "GET", self._channels_path, b"", self._settings.pusher_key, self._settings.pusher_secret, int(time.time()),
+            extra={"filter_by_prefix": keys.CHANNEL_PREFIX},
+        )  # fmt: skip
+        try:
+            response = await self._client.get(self._channels_path, params=query)
+            channels = response.json()["channels"] if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("soketi did not list its channels: %s", exc)
+            return None
+        if not isinstance(channels, dict):
+            log.warning("soketi did not list its channels: %s %s", response.status_code, response.text[:200])
+            return None
+        return [job_id for name in channels if (job_id := keys.job_id_from_channel(name)) is not None]
+
+    async def publish(self, channel: str, events: list[tuple[str, bytes]]) -> bool:
         """One request per MAX_BATCH events (soketi keeps a batch's order), so a slow soketi
         costs one timeout, not one per event. After a batch that did not go, only the result
-        still goes, if it was not in that batch (then it may have gone: never twice); the
-        follower sees the gap in `seq` and reads the log."""
+        still goes, if it was not in that batch; the follower sees the gap in `seq` and reads
+        the log. Whether the last request went (soketi took it): the one with the result."""
         for start in range(0, len(events), MAX_BATCH):
             if not await self._post(channel, events[start : start + MAX_BATCH]):
                 later = [event for event in events[start + MAX_BATCH :] if event[0] == "result"]
-                if later:
-                    await self._post(channel, later)
-                return
+                return bool(later) and await self._post(channel, later)
+        return True
 
     async def _post(self, channel: str, events: list[tuple[str, bytes]]) -> bool:
         # Pusher's `data` is a string holding the event's JSON.

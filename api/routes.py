@@ -432,8 +432,11 @@ async def kill_job(request: Request) -> Response:
     if answer.result is not None and answer.heard:
         # No worker holds the job, so nobody else will tell a subscriber it ended (nor
         # publish what a claim that handed it back before start had logged).
+        # (Owed until it went: should this process die first, a sweep publishes it, api/sweeper.py.)
         state.realtime.publish_soon(
-            keys.realtime_channel(status.job_id), [*answer.unpublished, ("result", answer.result)]
+            keys.realtime_channel(status.job_id),
+            [*answer.unpublished, ("result", answer.result)],
+            settle=lambda: state.store.settle_publish(status.job_id),
         )
     return _json({"ok": True}, 202)
 

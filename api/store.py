@@ -318,21 +318,43 @@ return {1}
 """
 )
 
+# Puts job `id` on the API's owed publishes (keys.API_UNPUBLISHED), due `grace_ms`
+# from now by Redis's clock (the API processes' clocks may disagree).
+_OWE_PUBLISH_LUA = """
+local function owe_publish(key, id, grace_ms)
+  local clock = redis.call('TIME')
+  redis.call('ZADD', key, tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(grace_ms), id)
+end
+"""
+
+# KEYS: keys.API_UNPUBLISHED. ARGV: lease ms, most to take. The job ids of the owed publishes
+# now due, each put off by the lease: taken, another API process's sweep leaves it meanwhile.
+_TAKE_OWED = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+for _, id in ipairs(due) do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id) end
+return due
+"""
+
 # A kill request. A job still in the queue (no worker holds it) ends here and now; any other
 # live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
 # and a live message on its control channel.
 # KEYS: status, queue, events, spec, start flag, stdin stream, the job's callback record, the
-# callbacks' due set, done. ARGV: job id, now ms, ttl s, result JSON before seq, result JSON after
-# seq, ctrl channel, ctrl message, request id.
+# callbacks' due set, done, audience mark, ended counts, keys.API_UNPUBLISHED. ARGV: job id,
+# now ms, ttl s, result JSON before seq, result JSON after seq, ctrl channel, ctrl message,
+# request id, ms the caller has to publish what it owes.
 # Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished, heard}
 # (ended here; `unpublished`: the log's earlier entries nobody published, each its
 # field/value pairs then ''; `heard`: 1 when someone was allowed to subscribe, see
-# keys.audience_key, else nothing need be published).
+# keys.audience_key, and then the publish is owed until settle_publish, else nothing need be
+# published).
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
 _KILL = (
     _TERMINAL_LUA
+    + _OWE_PUBLISH_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
@@ -386,7 +408,9 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3])
   unstarted_gone(KEYS[1])
-  return {2, seq, data, earlier, redis.call('EXISTS', KEYS[10])}
+  local heard = redis.call('EXISTS', KEYS[10])
+  if heard == 1 then owe_publish(KEYS[12], ARGV[1], ARGV[9]) end
+  return {2, seq, data, earlier, heard}
 end
 local recent = {ARGV[8]}
 for rid in string.gmatch(redis.call('HGET', KEYS[1], 'killRequests') or '', '%S+') do
@@ -408,9 +432,12 @@ return 1
 """
 
 # A subscription soketi's webhook reports (signed outside the API, or by another API process).
-# KEYS: status, audience mark, late-replay claim (keys.late_replay_key), events. ARGV: record
-# ttl s (for a record without a TTL of its own), how many of the log's first entries to bring
-# and how many bytes of them at most, this request's claim token ('api:…').
+# KEYS: status, audience mark, late-replay claim (keys.late_replay_key), events, signature,
+# keys.API_UNPUBLISHED. ARGV: record ttl s (for a record without a TTL of its own), how many
+# of the log's first entries to bring and how many bytes of them at most, this request's
+# claim token ('api:…'), 'unmarked' to do nothing for a job already marked (the sweep's
+# subscriptions, api/sweeper.py), the job id, ms until its publish is owed. Whatever it
+# returns to publish is owed until the caller says it went (JobStore.settle_publish).
 # Returns 0 (no such job), 1 (marked), or the log's entries to publish now, each its field/value
 # pairs then '' (its first entries from `liveSeq` on, within both bounds, and its last, the
 # result): the job ended before it was marked, so nobody published its events live, and this
@@ -422,12 +449,14 @@ return 1
 # webhook came late, and its subscriber heard the result live).
 _MARK_SUBSCRIBED = (
     _TERMINAL_LUA
+    + _OWE_PUBLISH_LUA
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('GET', KEYS[3]) ~= ARGV[4] then
   local ttl = redis.call('TTL', KEYS[1])
   if ttl <= 0 then ttl = tonumber(ARGV[1]) end
   local had = redis.call('EXISTS', KEYS[2])
+  if had == 1 and ARGV[5] == 'unmarked' then return 1 end
   local signed = redis.call('DEL', KEYS[5]) == 1
   redis.call('SET', KEYS[2], '1', 'EX', ttl)
   if not terminal[redis.call('HGET', KEYS[1], 'state') or ''] then return 1 end
@@ -438,6 +467,7 @@ if redis.call('GET', KEYS[3]) ~= ARGV[4] then
     local out = {}
     for j = 1, #last[2] do out[#out + 1] = last[2][j] end
     out[#out + 1] = ''
+    owe_publish(KEYS[6], ARGV[6], ARGV[7])
     return out
   end
 end
@@ -465,6 +495,7 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', ARGV[2])
 end
 local tail = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
 if tail then add(tail, true) end
+if #out > 0 then owe_publish(KEYS[6], ARGV[6], ARGV[7]) end
 return out
 """
 )
@@ -675,14 +706,28 @@ SIGNED_MARK_S = 60.0
 # result: a client sees the gap in `seq` and reads the rest from the log.
 LATE_REPLAY_ENTRIES = 256
 LATE_REPLAY_BYTES = 256 * 1024
+# How long an API process has to publish what it owes (a queued job's kill, a late replay)
+# before a sweep of another process publishes the result instead: a few of soketi's
+# timeouts (api/app.py sets it from PUSHER_TIMEOUT_MS).
+OWED_PUBLISH_MS = 10_000
 
 
 class JobStore:
-    def __init__(self, redis: Redis, record_ttl_s: int, streams: Redis | None = None, waits: Redis | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        record_ttl_s: int,
+        streams: Redis | None = None,
+        waits: Redis | None = None,
+        owed_publish_ms: int = OWED_PUBLISH_MS,
+    ) -> None:
         self._redis = redis
         self._streams = streams or redis
         self._waits = waits or self._streams
         self._record_ttl_s = record_ttl_s
+        # How long a publish this process owes (keys.API_UNPUBLISHED) is its own, to finish
+        # or give up on, before another process's sweep takes it.
+        self._owed_publish_ms = owed_publish_ms
         # New input: refused at Redis's maxmemory (a 503), even when the script would delete
         # something (an expired ledger entry) before it writes.
         self._enqueue = OomRefusedScript(redis, _ENQUEUE)
@@ -693,6 +738,7 @@ class JobStore:
         self._mark_audience = OomTolerantScript(redis, _MARK_AUDIENCE)
         self._mark_subscribed = OomTolerantScript(redis, _MARK_SUBSCRIBED)
         self._start = OomTolerantScript(redis, _START)
+        self._take_owed = OomTolerantScript(redis, _TAKE_OWED)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
         self._seek = redis.register_script(_SEEK)
@@ -929,17 +975,23 @@ class JobStore:
         self._recent_marks.pop(job_id, None)
         await self._redis.delete(keys.signed_key(job_id))
 
-    async def mark_subscribed(self, job_id: str) -> list[tuple[str, bytes]]:
+    async def mark_subscribed(self, job_id: str, unmarked_only: bool = False) -> list[tuple[str, bytes]]:
         """mark_audience, for a subscription soketi's webhook reports (for a job that has a
         record: a webhook may name any channel). Returns the events to publish now: those of
         a job that ended before the mark, which no worker published live (soketi sends the
         webhook as the subscription succeeds, so a short job may end before it lands). A job
         this process marked moments ago (its channel-auth, then soketi's webhook for the
         same subscription) is not written again while its signature stands: that webhook
-        comes as the job starts, and a read costs the start less than the script's writes."""
+        comes as the job starts, and a read costs the start less than the script's writes.
+
+        With `unmarked_only`, a job already marked is left alone (the sweep's subscriptions,
+        api/sweeper.py). What it returns is owed (keys.API_UNPUBLISHED): settle_publish
+        once it went.
+        """
         marked_at = self._recent_marks.get(job_id)
         if (
-            marked_at is not None
+            not unmarked_only
+            and marked_at is not None
             and time.monotonic() - marked_at < RECENT_MARK_S
             and await self._redis.exists(keys.signed_key(job_id))
         ):
@@ -947,11 +999,49 @@ class JobStore:
         answer = await self._mark_subscribed(
             keys=[
                 keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id),
-                keys.signed_key(job_id),
+                keys.signed_key(job_id), keys.API_UNPUBLISHED,
             ],
-            args=[self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}"],
-        )
+            args=[
+                self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}",
+                "unmarked" if unmarked_only else "", job_id, self._owed_publish_ms,
+            ],
+        )  # fmt: skip
         return _entries(answer) if isinstance(answer, list) else []
+
+    async def settle_publish(self, job_id: str) -> None:
+        """What this process owed the job's channel went (or was given up on)."""
+        await self._redis.zrem(keys.API_UNPUBLISHED, job_id)
+
+    async def take_owed_publishes(self, most: int = 64) -> list[tuple[str, tuple[str, bytes] | None]]:
+        """Publishes owed by API processes and now due (their process died, or took far too
+        long), each taken for OWED_PUBLISH_MS: the job id and its log's last entry (its
+        result; None once the log has expired)."""
+        ids = await self._take_owed(keys=[keys.API_UNPUBLISHED], args=[self._owed_publish_ms, most])
+        if not ids:
+            return []
+        job_ids = [raw.decode() for raw in ids]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.xrevrange(keys.events_key(job_id), count=1)
+            tails = await pipe.execute()
+        owed: list[tuple[str, tuple[str, bytes] | None]] = []
+        for job_id, tail in zip(job_ids, tails, strict=True):
+            entry = None
+            if tail:
+                fields = tail[0][1]
+                entry = (fields[b"name"].decode(), entry_json(int(fields[b"seq"]), fields))
+            owed.append((job_id, entry))
+        return owed
+
+    async def unmarked(self, job_ids: list[str]) -> list[str]:
+        """Those of `job_ids` whose audience is not marked."""
+        if not job_ids:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.exists(keys.audience_key(job_id))
+            marked = await pipe.execute()
+        return [job_id for job_id, there in zip(job_ids, marked, strict=True) if not there]
 
     async def start(self, job_id: str, owner: str) -> StartAnswer:
         """Start the job if it is `owner`'s ('' when the caller's job token names it), in one
@@ -1052,6 +1142,7 @@ class JobStore:
                 keys.done_key(job_id),
                 keys.audience_key(job_id),
                 keys.ENDED_COUNTS,
+                keys.API_UNPUBLISHED,
             ],
             args=[
                 job_id,
@@ -1062,6 +1153,7 @@ class JobStore:
                 keys.ctrl_channel(job_id),
                 encode(CtrlMessage(type="kill")),
                 request_id or uuid.uuid4().hex,
+                self._owed_publish_ms,
             ],
         )
 

@@ -66,6 +66,9 @@ async def realtime_webhooks(request: Request) -> Response:
         job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
         if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):
             # The job ended before this subscription was known (nobody published it live), or
-            # this is a new first subscriber of an ended job's channel (its result).
-            state.realtime.publish_soon(event.channel, missed)
+            # this is a new first subscriber of an ended job's channel (its result). Owed until
+            # it went (api/sweeper.py).
+            state.realtime.publish_soon(
+                event.channel, missed, settle=lambda job_id=job_id: state.store.settle_publish(job_id)
+            )
     return Response(b'{"ok":true}', media_type="application/json")

@@ -230,6 +230,12 @@ def worker_unpublished_key(worker_id: str) -> str:
     return f"worker:{worker_id}:unpublished"
 
 
+# Jobs whose result an API process is publishing itself (a kill that ended a queued job, a
+# late subscriber's replay), by when (ms, Redis's clock) it should have gone: should the
+# process die first, another API process (or it, restarted) publishes the result once due.
+API_UNPUBLISHED = "api:unpublished"
+
+
 def realtime_channel(job_id: str) -> str:
     return f"{CHANNEL_PREFIX}{job_id}"
 

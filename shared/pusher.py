@@ -29,9 +29,13 @@ def channel_auth(key: str, secret: str, socket_id: str, channel: str) -> str:
     return f"{key}:{digest}"
 
 
-def signed_query(method: str, path: str, body: bytes, key: str, secret: str, timestamp_s: int) -> dict[str, str]:
-    """Query parameters that authenticate one Pusher HTTP API request."""
+def signed_query(
+    method: str, path: str, body: bytes, key: str, secret: str, timestamp_s: int, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Query parameters that authenticate one Pusher HTTP API request (`extra`: the request's
+    own, which the signature covers too)."""
     params = {
+        **(extra or {}),
         "auth_key": key,
         "auth_timestamp": str(timestamp_s),
         "auth_version": "1.0",

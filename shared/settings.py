@@ -110,6 +110,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # edge in front of soketi, while the API and workers reach soketi in plain HTTP.
     pusher_ws_scheme: str = ""
     pusher_timeout_ms: int = 2000
+    # How often each API process publishes results other processes owed and did not send,
+    # and marks followed job channels soketi's webhook never told it of (api/sweeper.py); 0: never.
+    realtime_sweep_ms: int = 2000
     # soketi's largest event payload (its SOKETI_DEFAULT_APP_MAX_EVENT_PAYLOAD_IN_KB); every
     # published event is kept under it.
     pusher_max_payload_kb: int = 100
@@ -363,6 +366,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "PUSHER_WS_PORT": ("pusher_ws_port", parse_port),
     "PUSHER_WS_SCHEME": ("pusher_ws_scheme", _str),
     "PUSHER_TIMEOUT_MS": ("pusher_timeout_ms", _positive_int),
+    "REALTIME_SWEEP_MS": ("realtime_sweep_ms", _non_negative_int),
     "PUSHER_MAX_PAYLOAD_KB": ("pusher_max_payload_kb", _positive_int),
     "PUSHER_PUBLISH": ("pusher_publish", _str),
     "PUSHER_REDIS_PREFIX": ("pusher_redis_prefix", _str),

@@ -487,9 +487,9 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     assert (await store.kill(spec.job_id, RESULT_TTL_S)).result is not None  # the result: seq 21
     keys_ = [
         keys.status_key(spec.job_id), keys.audience_key(spec.job_id), keys.late_replay_key(spec.job_id), events,
-        keys.signed_key(spec.job_id),
+        keys.signed_key(spec.job_id), keys.API_UNPUBLISHED,
     ]  # fmt: skip
-    args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one"]
+    args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one", "", spec.job_id, 10_000]
     first = await store._mark_subscribed(keys=keys_, args=args)
     replay = store_module._entries(first)
     seqs = [int(msgspec.json.decode(data)["seq"]) for _, data in replay]
@@ -501,6 +501,33 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     await redis.set(keys.signed_key(spec.job_id), "1", ex=60)
     assert await store.mark_subscribed(spec.job_id) == []
     assert not await redis.exists(keys.signed_key(spec.job_id))  # (consumed)
+
+
+async def test_what_the_api_publishes_itself_is_owed_until_it_went_then_swept_once_due(store: JobStore, redis: Redis) -> None:
+    # An API process killed a queued job someone follows, or took a late replay, and died
+    # before publishing: the follower never heard the result. Each is now owed in Redis until
+    # the publish went; once due, a sweep takes it (leased, so no other sweep takes it too)
+    # with the job's result from its log.
+    followed, unheard, replayed = _spec(), _spec(), _spec()
+    for spec in (followed, unheard, replayed):
+        await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await store.mark_audience(followed.job_id)
+    killed = await store.kill(followed.job_id, RESULT_TTL_S)
+    assert killed.heard and killed.result is not None
+    assert not (await store.kill(unheard.job_id, RESULT_TTL_S)).heard
+    assert await redis.zscore(keys.API_UNPUBLISHED, unheard.job_id) is None  # (nobody to tell)
+    assert await store.take_owed_publishes() == []  # (not due yet)
+    await store.kill(replayed.job_id, RESULT_TTL_S)
+    assert [name for name, _ in await store.mark_subscribed(replayed.job_id)] == ["result"]  # (the late replay)
+    assert await store.mark_subscribed(replayed.job_id, unmarked_only=True) == []  # (marked now: left alone)
+    owed = await redis.zrange(keys.API_UNPUBLISHED, 0, -1)
+    assert sorted(owed) == sorted([followed.job_id.encode(), replayed.job_id.encode()])
+    await store.settle_publish(replayed.job_id)  # (it went)
+    await redis.zadd(keys.API_UNPUBLISHED, {followed.job_id: 0})  # (its process died: due)
+    assert await store.take_owed_publishes() == [(followed.job_id, ("result", killed.result))]
+    assert await store.take_owed_publishes() == []  # (taken: leased to that sweep)
+    await store.settle_publish(followed.job_id)
+    assert await redis.zcard(keys.API_UNPUBLISHED) == 0
 
 
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -222,13 +223,13 @@ def test_a_page_reloaded_after_its_job_ended_hears_how_it_ended(make_stack: Stac
 
 
 @contextlib.contextmanager
-def _second_api(stack: Stack):  # type: ignore[no-untyped-def]
+def _second_api(stack: Stack, **env: str):  # type: ignore[no-untyped-def]
     """Another API process on the stack's Redis and soketi (soketi's webhooks still go to the
-    first); yields its URL."""
+    first), with `env` on top of the stack's; yields its URL."""
     port = free_port()
     other = subprocess.Popen(
         [sys.executable, "-m", "api", "--host", "127.0.0.1", "--port", str(port)],
-        env={**stack.env(), "API_PORT": str(port)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**stack.env(), "API_PORT": str(port), **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     try:
@@ -314,5 +315,67 @@ def test_a_subscriber_the_api_signed_as_the_job_ran_hears_its_result_once(make_s
                 assert len(followed.results()) == 1, followed.summary()
             signer.close()
     finally:
+        rt.close()
+        api.close()
+
+
+SLOW_COUNT = "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.25)\n"
+
+
+def test_subscriptions_made_while_the_api_was_down_are_heard(make_stack: StackFactory) -> None:
+    # Signed outside the API while it was down: soketi sends its channel_occupied webhook once,
+    # it found nobody, and nothing else ever marked the job. The follower heard nothing of
+    # either job, not even the result (3 of 3). The API's sweep now asks soketi which job
+    # channels are followed and marks those the webhook never reported: a short job that
+    # ended first is replayed, a longer one heard from where the mark came (its worker sends
+    # what it logged unheard).
+    stack = make_stack(WORKER_MAX_SANDBOXES="2", REALTIME_SWEEP_MS="300")
+    api = Api(stack)
+    short, longer = api.execute(py_job("print('hi')")), api.execute(py_job(SLOW_COUNT))
+    api.close()
+    secret = stack.env()["PUSHER_SECRET"]
+    rt = Realtime(stack)
+    try:
+        stack.stop_process("api", signal.SIGKILL)
+        followed = [rt.follow(job, signed_here=secret) for job in (short, longer)]
+        time.sleep(0.5)  # (soketi's webhooks have failed by now)
+        stack.restart("api")
+        api = Api(stack)
+        for job in (short, longer):
+            api.start(job)
+        for heard in followed:
+            result = heard.wait_result(timeout_s=20)
+            assert result["outcome"] == "completed", heard.summary()
+            _heard_once_in_order(heard, result)
+        assert "a lost webhook" in stack.log("api")
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_kill_the_api_could_not_publish_reaches_the_follower(make_stack: StackFactory) -> None:
+    # A queued job, followed, killed through an API process that cannot reach soketi (a port
+    # that takes the connection and never answers; as one SIGKILLed before it published): it ended the job in
+    # Redis, and the follower never heard the result. Its publish is now owed in Redis until
+    # soketi took it, and a sweep sends it once due (the other API's: the first one's own
+    # sweep cannot reach soketi either, and leaves it owed).
+    stack = make_stack(with_worker=False, REALTIME_SWEEP_MS="300")
+    api, rt = Api(stack), Realtime(stack)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        job = api.execute(py_job("print('never')"))
+        followed = rt.follow(job)
+        with _second_api(stack, PUSHER_PORT=str(silent.getsockname()[1]), PUSHER_TIMEOUT_MS="300") as doomed_url:
+            doomed = httpx.Client(base_url=doomed_url, headers={"Authorization": f"Bearer {stack.api_token}"})
+            assert doomed.post(f"/v1/jobs/{job['jobId']}/kill").status_code == 202
+            doomed.close()
+            result = followed.wait_result(timeout_s=10)  # (owed for 5 x 300 ms, then swept)
+        assert result == api.status(job)["result"] and result["outcome"] == "killed", result
+        time.sleep(0.5)
+        assert len(followed.results()) == 1, followed.summary()
+    finally:
+        silent.close()
         rt.close()
         api.close()
