@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import sys
 
 import uvicorn
@@ -15,6 +17,22 @@ from shared.logs import configure_logging
 from shared.settings import load_settings
 
 __all__ = ["main"]
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on a stop signal first tells the app's long waits to end
+    (app.state.draining: `/output?waitMs` answers a 503 to ask again, an event stream ends for
+    its EventSource to reconnect, to another process or this one restarted). Without it,
+    uvicorn waited for them to end by themselves: one open stream held a restart for its
+    whole life, the API refusing every start meanwhile."""
+
+    def __init__(self, config: uvicorn.Config, draining: asyncio.Event) -> None:
+        super().__init__(config)
+        self._draining = draining
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._draining.set()
+        await super().shutdown(sockets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"coderunner api: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host or settings.api_host,
         port=args.port or settings.api_port,
@@ -44,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             settings.api_max_connections,
         ),
         lifespan="on",
+        timeout_graceful_shutdown=settings.api_shutdown_grace_ms / 1000,
     )
+    _DrainingServer(config, app.state.draining).run()
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -144,12 +145,15 @@ def create_app(settings: Settings) -> Starlette:
             await streams.aclose()
             await redis.aclose()
 
-    return Starlette(
+    app = Starlette(
         routes=[*routes, *playground_routes()],
         exception_handlers=exception_handlers,
         lifespan=lifespan,
         middleware=_cors(settings),
     )
+    # Set when the server stops (api/__main__.py): long waits end then, not at their end.
+    app.state.draining = asyncio.Event()
+    return app
 
 
 class _CorsForJobs:

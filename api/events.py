@@ -8,8 +8,10 @@ resume from the result or later is a 204 (No Content), which ends an EventSource
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -23,6 +25,8 @@ from shared.eventlog import entry_json
 from shared.messages import TERMINAL_STATES
 
 __all__ = ["job_events"]
+
+T = TypeVar("T")
 
 BLOCK_MS = 15000
 
@@ -41,12 +45,23 @@ def _after(request: Request) -> int:
     return int(raw)
 
 
-async def _stream(store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str) -> AsyncIterator[bytes]:
+async def _stream(
+    store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str, draining: asyncio.Event
+) -> AsyncIterator[bytes]:
     # A resume starts where the client left off, not at the log's first entry.
     cursor = await store.seek_events(job_id, after_seq) if after_seq >= 0 else "0"
     backlog = True
     while True:
-        entries = await store.events(job_id, cursor, None if backlog else BLOCK_MS)
+        if backlog:
+            entries = await store.events(job_id, cursor, None)
+        else:
+            entries = await _unless_draining(store.events(job_id, cursor, BLOCK_MS), draining)
+            if entries is None:
+                # This process is stopping (api/__main__.py): the stream ends, and its
+                # EventSource comes back in a second with Last-Event-ID, to another process
+                # or to this one restarted.
+                yield b"retry: 1000\n\n"
+                return
         if backlog and not entries:
             backlog = False
             status = await store.status(job_id)
@@ -112,4 +127,23 @@ async def job_events(request: Request) -> Response:
     # (Paced by the job's owner, whose token and every job token it was given share a
     # bucket: keyed by caller, each job token's own full bucket multiplied the pace.)
     paced_as = status.owner or principal.caller
-    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, paced_as), slot)
+    draining: asyncio.Event = request.app.state.draining
+    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, paced_as, draining), slot)
+
+
+async def _unless_draining(read: Coroutine[Any, Any, T], draining: asyncio.Event) -> T | None:
+    """`read`'s answer, or None once `draining` is set first (the read cancelled)."""
+    if draining.is_set():
+        read.close()
+        return None
+    reading = asyncio.ensure_future(read)
+    stop = asyncio.ensure_future(draining.wait())
+    try:
+        await asyncio.wait({reading, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (reading, stop):
+            task.cancel()
+        await asyncio.gather(reading, stop, return_exceptions=True)
+    if reading.done() and not reading.cancelled():
+        return reading.result()
+    return None

@@ -560,17 +560,21 @@ async def job_output(request: Request) -> Response:
 
     waiting = asyncio.ensure_future(wait())
     gone = asyncio.ensure_future(_client_gone(request))
+    draining = asyncio.ensure_future(request.app.state.draining.wait())
     try:
         try:
-            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiting, gone, draining}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # A client that hung up (its own timeout shorter than waitMs, say) gets its slot
             # and the wait's Redis connection back now, not at waitMs.
-            for task in (waiting, gone):
+            for task in (waiting, gone, draining):
                 task.cancel()
-            await asyncio.gather(waiting, gone, return_exceptions=True)
+            await asyncio.gather(waiting, gone, draining, return_exceptions=True)
         if not waiting.done() or waiting.cancelled():
-            return Response(status_code=499)  # nobody is there to read it
+            if gone.done() and not gone.cancelled():
+                return Response(status_code=499)  # nobody is there to read it
+            # This process is stopping (api/__main__.py): ask again, here once restarted or elsewhere.
+            raise ApiError(503, "The API is restarting: ask again", headers={"Retry-After": "1"}, retryAfterMs=1000)
         found = waiting.result()
         if found is None:
             return await _without_output(state, request, await store.status(status.job_id) or status, missing, caller, slot)

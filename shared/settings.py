@@ -89,6 +89,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_body_timeout_ms: int = 30000
     # A client that takes none of a response the server cannot buffer for this long is dropped.
     api_send_timeout_ms: int = 30000
+    # On SIGTERM/SIGINT: result waits and event streams end at once (a 503 to retry, an
+    # EventSource reconnects); other requests under way get this long before they are cut.
+    api_shutdown_grace_ms: int = 10000
     # Open connections per API process (event streams, output waits and idle keep-alive
     # connections included); one past it gets a 503 and is closed unread.
     api_max_connections: int = 2048
@@ -353,6 +356,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
     "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
     "API_SEND_TIMEOUT_MS": ("api_send_timeout_ms", _positive_int),
+    "API_SHUTDOWN_GRACE_MS": ("api_shutdown_grace_ms", _non_negative_int),
     "API_MAX_CONNECTIONS": ("api_max_connections", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),

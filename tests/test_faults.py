@@ -868,3 +868,39 @@ def test_a_worker_restarted_under_its_id_after_dying_in_its_self_test_starts(mak
         assert not leftover.exists()
     finally:
         api.close()
+
+
+@pytest.mark.stack
+def test_a_stopping_api_ends_its_long_waits_at_once(make_stack: StackFactory) -> None:
+    # SIGTERM with one event stream and one /output?waitMs open: uvicorn waited for both to
+    # end by themselves, about 30 s (a restart held that long, every start refused and parked
+    # jobs expiring meanwhile). They now end at once: the wait answers a 503 to ask again, the
+    # stream ends with a retry hint (its EventSource reconnects with Last-Event-ID).
+    stack = make_stack(with_worker=False)
+    api = Api(stack)
+    job = api.execute(py_job("print(1)", collectOutput=True))  # (stays queued: no worker)
+    api.close()
+    auth = {"Authorization": f"Bearer {stack.api_token}"}
+    got: dict[str, Any] = {}
+
+    def wait_output() -> None:
+        with httpx.Client(base_url=stack.api_url, headers=auth, timeout=90) as client:
+            answer = client.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": 60000})
+            got["output"] = (answer.status_code, answer.json())
+
+    def read_events() -> None:
+        with httpx.stream("GET", f"{stack.api_url}/v1/jobs/{job['jobId']}/events", headers=auth, timeout=90) as answer:
+            got["events"] = b"".join(answer.iter_bytes())
+
+    readers = [threading.Thread(target=wait_output), threading.Thread(target=read_events)]
+    for reader in readers:
+        reader.start()
+    time.sleep(1.0)  # (both waiting in Redis)
+    began = time.monotonic()
+    stack.stop_process("api", signal.SIGTERM)
+    took = time.monotonic() - began
+    for reader in readers:
+        reader.join(10)
+    assert took < 3, f"the API took {took:.1f} s to stop"
+    assert got["output"][0] == 503 and got["output"][1]["retryAfterMs"] == 1000, got["output"]
+    assert got["events"] == b"retry: 1000\n\n", got["events"]  # (a queued job's log is empty)
