@@ -46,8 +46,9 @@ def _after(request: Request) -> int:
 
 
 async def _stream(
-    store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str, draining: asyncio.Event
+    store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str, draining: asyncio.Event | None = None
 ) -> AsyncIterator[bytes]:
+    draining = draining or asyncio.Event()
     # A resume starts where the client left off, not at the log's first entry.
     cursor = await store.seek_events(job_id, after_seq) if after_seq >= 0 else "0"
     backlog = True

@@ -26,6 +26,11 @@ __all__ = ["MAX_BATCH", "RealtimePublisher"]
 
 # Events in one batch_events request (the Pusher HTTP API's own limit, which soketi keeps).
 MAX_BATCH = 10
+# Publishes under way at once, and waiting for their turn, per API process. Past the second,
+# one is not sent: what it owed stays owed, for a sweep (api/sweeper.py). Unbounded, a flood
+# of them (a client subscribing in a loop) wedged the HTTP client's pool for good.
+MAX_PUBLISHING = 8
+MAX_PUBLISHES_WAITING = 1000
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,10 @@ class RealtimePublisher:
         self._client = httpx.AsyncClient(
             base_url=f"{settings.pusher_scheme}://{settings.pusher_host}:{settings.pusher_port}",
             timeout=settings.pusher_timeout_ms / 1000,
+            limits=httpx.Limits(max_connections=MAX_PUBLISHING, max_keepalive_connections=MAX_PUBLISHING),
         )
         self._pending: set[asyncio.Task[None]] = set()
+        self._turns = asyncio.Semaphore(MAX_PUBLISHING)
 
     def publish_soon(
         self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None = None
@@ -48,6 +55,9 @@ class RealtimePublisher:
         """Publish `events` (name, JSON) in order, in the background: the HTTP answer does
         not wait for soketi. `settle` runs once the last of them (the result) went; if it did
         not, what was owed stays owed for a sweep to send (api/sweeper.py)."""
+        if len(self._pending) >= MAX_PUBLISHES_WAITING:
+            log.warning("%d publishes to soketi waiting: %s not sent now", len(self._pending), channel)
+            return
         task = asyncio.create_task(self._publish_then(channel, events, settle))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -69,7 +79,8 @@ class RealtimePublisher:
             extra={"filter_by_prefix": keys.CHANNEL_PREFIX},
         )  # fmt: skip
         try:
-            response = await self._client.get(self._channels_path, params=query)
+            async with self._turns:  # (a connection of the pool, like a publish)
+                response = await self._client.get(self._channels_path, params=query)
             channels = response.json()["channels"] if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("soketi did not list its channels: %s", exc)
@@ -83,7 +94,12 @@ class RealtimePublisher:
         """One request per MAX_BATCH events (soketi keeps a batch's order), so a slow soketi
         costs one timeout, not one per event. After a batch that did not go, only the result
         still goes, if it was not in that batch; the follower sees the gap in `seq` and reads
-        the log. Whether the last request went (soketi took it): the one with the result."""
+        the log. Whether the last request went (soketi took it): the one with the result.
+        At most MAX_PUBLISHING at once: the others wait for their turn."""
+        async with self._turns:
+            return await self._publish(channel, events)
+
+    async def _publish(self, channel: str, events: list[tuple[str, bytes]]) -> bool:
         for start in range(0, len(events), MAX_BATCH):
             if not await self._post(channel, events[start : start + MAX_BATCH]):
                 later = [event for event in events[start + MAX_BATCH :] if event[0] == "result"]

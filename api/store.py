@@ -436,7 +436,8 @@ return 1
 # keys.API_UNPUBLISHED. ARGV: record ttl s (for a record without a TTL of its own), how many
 # of the log's first entries to bring and how many bytes of them at most, this request's
 # claim token ('api:…'), 'unmarked' to do nothing for a job already marked (the sweep's
-# subscriptions, api/sweeper.py), the job id, ms until its publish is owed. Whatever it
+# subscriptions, api/sweeper.py), the job id, ms until its publish is owed, the least ms
+# between two results sent again (KEYS[7], keys.resent_key, marks the last). Whatever it
 # returns to publish is owed until the caller says it went (JobStore.settle_publish).
 # Returns 0 (no such job), 1 (marked), or the log's entries to publish now, each its field/value
 # pairs then '' (its first entries from `liveSeq` on, within both bounds, and its last, the
@@ -464,6 +465,15 @@ if redis.call('GET', KEYS[3]) ~= ARGV[4] then
     if signed then return 1 end
     local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
     if not last then return 1 end
+    -- At most one such result a gap: a client subscribing and unsubscribing in a loop is a new
+    -- first subscriber each time. One within it is owed (NX: not sooner than one in flight),
+    -- and a sweep sends it once due (api/sweeper.py).
+    if not redis.call('SET', KEYS[7], '1', 'PX', ARGV[8], 'NX') then
+      local clock = redis.call('TIME')
+      local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+      redis.call('ZADD', KEYS[6], 'NX', now + math.max(0, redis.call('PTTL', KEYS[7])), ARGV[6])
+      return 1
+    end
     local out = {}
     for j = 1, #last[2] do out[#out + 1] = last[2][j] end
     out[#out + 1] = ''
@@ -706,6 +716,9 @@ SIGNED_MARK_S = 60.0
 # result: a client sees the gap in `seq` and reads the rest from the log.
 LATE_REPLAY_ENTRIES = 256
 LATE_REPLAY_BYTES = 256 * 1024
+# The least time between two results sent again to new first subscribers of an ended job's
+# channel (a page reloaded): one sooner goes when it is over, through a sweep.
+RESEND_GAP_MS = 500
 # How long an API process has to publish what it owes (a queued job's kill, a late replay)
 # before a sweep of another process publishes the result instead: a few of soketi's
 # timeouts (api/app.py sets it from PUSHER_TIMEOUT_MS).
@@ -999,11 +1012,11 @@ class JobStore:
         answer = await self._mark_subscribed(
             keys=[
                 keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id),
-                keys.signed_key(job_id), keys.API_UNPUBLISHED,
+                keys.signed_key(job_id), keys.API_UNPUBLISHED, keys.resent_key(job_id),
             ],
             args=[
                 self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}",
-                "unmarked" if unmarked_only else "", job_id, self._owed_publish_ms,
+                "unmarked" if unmarked_only else "", job_id, self._owed_publish_ms, RESEND_GAP_MS,
             ],
         )  # fmt: skip
         return _entries(answer) if isinstance(answer, list) else []

@@ -62,13 +62,16 @@ async def realtime_webhooks(request: Request) -> Response:
     except RecursionError:
         # (Skipping an unknown field nested a thousand deep recurses that far.)
         raise ValidationError([FieldError("events", "is not a webhook's event list (nested too deep)")]) from None
-    for event in webhook.events:
-        job_id = keys.job_id_from_channel(event.channel) if event.name == OCCUPIED else None
+    # soketi batches what it sends (SOKETI_WEBHOOKS_BATCHING): a client subscribing and
+    # unsubscribing in a loop puts one job's channel in a batch many times. Once is enough.
+    occupied = dict.fromkeys(event.channel for event in webhook.events if event.name == OCCUPIED)
+    for channel in occupied:
+        job_id = keys.job_id_from_channel(channel)
         if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):
             # The job ended before this subscription was known (nobody published it live), or
             # this is a new first subscriber of an ended job's channel (its result). Owed until
             # it went (api/sweeper.py).
             state.realtime.publish_soon(
-                event.channel, missed, settle=lambda job_id=job_id: state.store.settle_publish(job_id)
+                channel, missed, settle=lambda job_id=job_id: state.store.settle_publish(job_id)
             )
     return Response(b'{"ok":true}', media_type="application/json")

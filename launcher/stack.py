@@ -163,6 +163,10 @@ def _dev_token() -> str:
     return token
 
 
+def soketi_guard() -> Path:
+    return REPO_ROOT / "realtime" / "guard.js"
+
+
 def soketi_entry() -> Path:
     return REPO_ROOT / "realtime" / "node_modules" / "@soketi" / "soketi" / "bin" / "server.js"
 
@@ -500,6 +504,10 @@ class Stack:
                 # A job channel's first subscriber tells the API (api/webhooks.py), so jobs whose
                 # subscriptions are signed elsewhere with the app secret are heard live too.
                 "SOKETI_DEFAULT_APP_WEBHOOKS": json.dumps([realtime_webhook(self.webhook_url)]),
+                # One webhook request every 25 ms at most: a client subscribing and
+                # unsubscribing in a loop made one each, and took the API's connections.
+                "SOKETI_WEBHOOKS_BATCHING": "true",
+                "SOKETI_WEBHOOKS_BATCHING_DURATION": "25",
                 # Workers PUBLISH live events where soketi's Redis adapter listens (one hop
                 # less than its HTTP API); several soketi nodes would share them the same way.
                 "SOKETI_ADAPTER_DRIVER": "redis",
@@ -515,7 +523,9 @@ class Stack:
                 "NODE_NO_WARNINGS": "1",
             }
         )
-        self.procs["soketi"] = proc = self._spawn("soketi", [node, str(entry), "start"], env)
+        # realtime/guard.js refuses malformed client messages, each of which stopped soketi.
+        argv = [node, "--require", str(soketi_guard()), str(entry), "start"]
+        self.procs["soketi"] = proc = self._spawn("soketi", argv, env)
         _wait_for(lambda: _http_ok(f"http://127.0.0.1:{self.soketi_port}/ready"), "soketi", timeout_s, proc, self._log("soketi"))
 
     def _start_api(self, timeout_s: float) -> None:

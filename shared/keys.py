@@ -261,6 +261,12 @@ def signed_key(job_id: str) -> str:
     return f"job:{job_id}:signed"
 
 
+def resent_key(job_id: str) -> str:
+    """Set for a moment when the API sends an ended job's result again to a new first
+    subscriber of its channel: one more within it waits until it is gone."""
+    return f"job:{job_id}:resent"
+
+
 def job_id_from_channel(channel: str) -> str | None:
     """The job id of a `private-run-<id>` channel, or None for any other channel."""
     if not channel.startswith(CHANNEL_PREFIX):

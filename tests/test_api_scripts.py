@@ -487,9 +487,9 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     assert (await store.kill(spec.job_id, RESULT_TTL_S)).result is not None  # the result: seq 21
     keys_ = [
         keys.status_key(spec.job_id), keys.audience_key(spec.job_id), keys.late_replay_key(spec.job_id), events,
-        keys.signed_key(spec.job_id), keys.API_UNPUBLISHED,
+        keys.signed_key(spec.job_id), keys.API_UNPUBLISHED, keys.resent_key(spec.job_id),
     ]  # fmt: skip
-    args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one", "", spec.job_id, 10_000]
+    args = [RECORD_TTL_S, store_module.LATE_REPLAY_ENTRIES, store_module.LATE_REPLAY_BYTES, "api:one", "", spec.job_id, 10_000, 500]
     first = await store._mark_subscribed(keys=keys_, args=args)
     replay = store_module._entries(first)
     seqs = [int(msgspec.json.decode(data)["seq"]) for _, data in replay]
@@ -528,6 +528,28 @@ async def test_what_the_api_publishes_itself_is_owed_until_it_went_then_swept_on
     assert await store.take_owed_publishes() == []  # (taken: leased to that sweep)
     await store.settle_publish(followed.job_id)
     assert await redis.zcard(keys.API_UNPUBLISHED) == 0
+
+
+async def test_an_ended_jobs_result_goes_again_at_most_once_a_gap_and_one_sooner_is_owed(store: JobStore, redis: Redis) -> None:
+    # New first subscribers of an ended job's channel (a client subscribing and unsubscribing in
+    # a loop) each got the result published again, thousands a second. One within the gap now
+    # gets nothing at once: it is owed, due when the gap is over, for a sweep to send.
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await store.mark_audience(spec.job_id)
+    await store.kill(spec.job_id, RESULT_TTL_S)
+    await store.settle_publish(spec.job_id)  # (the kill's own publish went)
+    await store.forget_mark(spec.job_id)  # (a page reloaded: its subscription signed after the end)
+    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]
+    await store.settle_publish(spec.job_id)  # (and that one went)
+    for _ in range(50):
+        assert await store.mark_subscribed(spec.job_id) == []
+    due = await redis.zscore(keys.API_UNPUBLISHED, spec.job_id)
+    clock = await redis.time()
+    now_ms = clock[0] * 1000 + clock[1] // 1000
+    assert due is not None and now_ms <= due <= now_ms + store_module.RESEND_GAP_MS
+    await redis.delete(keys.resent_key(spec.job_id))  # (the gap is over)
+    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]
 
 
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:

@@ -35,7 +35,7 @@ def test_environment_names_exist_in_settings() -> None:
         assert "REDIS_URL" in env and "PUSHER_SECRET" in env
     assert "EXECUTOR_API_TOKEN" in services["api"]["environment"]
     soketi = services["soketi"]["environment"]
-    assert all(k.startswith("SOKETI_") for k in soketi)
+    assert all(k.startswith("SOKETI_") for k in soketi if k != "NODE_OPTIONS")
     # The app credentials soketi gets are the ones API and worker sign with.
     assert soketi["SOKETI_DEFAULT_APP_KEY"].startswith("${PUSHER_KEY")
     assert soketi["SOKETI_DEFAULT_APP_SECRET"].startswith("${PUSHER_SECRET")
@@ -146,3 +146,15 @@ def test_a_stopped_worker_container_has_time_to_end_its_jobs() -> None:
     settings = load_settings({"PUSHER_SECRET": "s" * 16, **({"WORKER_SHUTDOWN_GRACE_MS": grace} if grace else {})})
     assert int(period[:-1]) >= worker_stop_s(settings.worker_shutdown_grace_ms)
     assert worker.get("init") is True
+
+
+def test_soketi_runs_with_the_message_guard_and_batched_webhooks_as_the_launcher_does() -> None:
+    # One malformed client message stopped soketi 1.6.1 (realtime/guard.js), and a client
+    # subscribing in a loop made soketi send the API a webhook request each time.
+    soketi = _compose()["services"]["soketi"]
+    env = soketi["environment"]
+    mounted = {inside: host for host, inside, *_ in (volume.split(":") for volume in soketi["volumes"])}
+    required = env["NODE_OPTIONS"].split("--require ", 1)[1].split()[0]
+    assert (REPO_ROOT / mounted[required].removeprefix("./")) == REPO_ROOT / "realtime" / "guard.js"
+    assert env["SOKETI_WEBHOOKS_BATCHING"] == "true" and int(env["SOKETI_WEBHOOKS_BATCHING_DURATION"]) <= 50
+    assert soketi["restart"] == "unless-stopped"
