@@ -722,6 +722,9 @@ def _json_depth_exceeds(body: bytes, limit: int) -> bool:
     return False
 
 
+_CHANNEL_AUTH_FIELDS = ("socket_id", "channel_name", "jobToken", "job_token")
+
+
 def _form_or_json(request: Request, body: bytes) -> dict[str, str]:
     content_type = request.headers.get("content-type", "")
     # (fetch() sends a JSON string as text/plain unless told: an object is JSON all the same.)
@@ -735,6 +738,9 @@ def _form_or_json(request: Request, body: bytes) -> dict[str, str]:
             raise ValidationError([FieldError("body", "is not valid JSON")]) from None
         if not isinstance(data, dict):
             raise ValidationError([FieldError("body", "must be a JSON object")])
+        wrong = [FieldError(k, "must be a string") for k in _CHANNEL_AUTH_FIELDS if k in data and not isinstance(data[k], str)]
+        if wrong:
+            raise ValidationError(wrong)
         return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
     try:
         parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=16)

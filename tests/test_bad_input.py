@@ -110,6 +110,10 @@ def test_channel_auth_rules(api: Api) -> None:
     for odd in ("1.2\n", "\u0661\u0662.\u0663", " 1.2"):  # a trailing newline, non-ASCII digits
         _error(api.post("/v1/channel-auth", data={"socket_id": odd, "channel_name": job["channel"]}), 400)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2"}), 400)
+    for field, odd in (("channel_name", [job["channel"]]), ("socket_id", 1.2)):  # JSON, but no string
+        body = {"socket_id": "1.2", "channel_name": job["channel"], field: odd}
+        named = _error(api.client.post("/v1/channel-auth", json=body, headers=api.headers()), 400)
+        assert [(d["field"], d["message"]) for d in named["details"]] == [(field, "must be a string")], named
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "private-other"}), 403)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "presence-run-" + job["jobId"]}), 403)
     _error(api.post("/v1/channel-auth", data={"socket_id": "1.2", "channel_name": "private-run-" + "0" * 32}), 403)
