@@ -48,6 +48,7 @@ class RealtimePublisher:
         )
         self._pending: set[asyncio.Task[None]] = set()
         self._turns = asyncio.Semaphore(MAX_PUBLISHING)
+        self._listing_failed = False
 
     def publish_soon(
         self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None = None
@@ -82,12 +83,15 @@ class RealtimePublisher:
             async with self._turns:  # (a connection of the pool, like a publish)
                 response = await self._client.get(self._channels_path, params=query)
             channels = response.json()["channels"] if response.status_code == 200 else None
+            why = "" if isinstance(channels, dict) else f"{response.status_code} {response.text[:200]}"
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log.warning("soketi did not list its channels: %s", exc)
-            return None
+            channels, why = None, str(exc) or type(exc).__name__
         if not isinstance(channels, dict):
-            log.warning("soketi did not list its channels: %s %s", response.status_code, response.text[:200])
+            if not self._listing_failed:  # (once until it answers again: asked every sweep)
+                log.warning("soketi did not list its channels: %s", why)
+            self._listing_failed = True
             return None
+        self._listing_failed = False
         return [job_id for name in channels if (job_id := keys.job_id_from_channel(name)) is not None]
 
     async def publish(self, channel: str, events: list[tuple[str, bytes]]) -> bool:
@@ -119,7 +123,7 @@ class RealtimePublisher:
         try:
             response = await self._client.post(path, params=query, content=body, headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
-            log.warning("soketi unreachable while publishing %s on %s: %s", names, channel, exc)
+            log.warning("soketi unreachable while publishing %s on %s: %s", names, channel, str(exc) or type(exc).__name__)
             return False
         if response.status_code >= 400:
             log.warning("soketi refused %s on %s: %s %s", names, channel, response.status_code, response.text[:200])
