@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import httpx
 import msgspec
@@ -22,7 +23,7 @@ from shared import keys
 from shared.pusher import signed_query
 from shared.settings import Settings
 
-__all__ = ["MAX_BATCH", "RealtimePublisher"]
+__all__ = ["MAX_BATCH", "Owed", "RealtimePublisher"]
 
 # Events in one batch_events request (the Pusher HTTP API's own limit, which soketi keeps).
 MAX_BATCH = 10
@@ -33,6 +34,16 @@ MAX_PUBLISHING = 8
 MAX_PUBLISHES_WAITING = 1000
 
 log = logging.getLogger(__name__)
+
+
+class Owed(Protocol):
+    """Events owed a job's channel until soketi took them (api.store.OwedPublish)."""
+
+    events: list[tuple[str, bytes]]
+
+    async def confirm(self, posts: int) -> bool: ...
+
+    async def settle(self) -> None: ...
 
 
 class RealtimePublisher:
@@ -50,25 +61,30 @@ class RealtimePublisher:
         self._turns = asyncio.Semaphore(MAX_PUBLISHING)
         self._listing_failed = False
 
-    def publish_soon(
-        self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None = None
-    ) -> None:
-        """Publish `events` (name, JSON) in order, in the background: the HTTP answer does
-        not wait for soketi. `settle` runs once the last of them (the result) went; if it did
-        not, what was owed stays owed for a sweep to send (api/sweeper.py)."""
+    def publish_soon(self, channel: str, owed: Owed) -> None:
+        """Publish `owed.events` (name, JSON) in order, in the background: the HTTP answer
+        does not wait for soketi. Once its turn comes, only if still owed by this process (a
+        sweep may have taken it meanwhile), and settled once the last of them (the result)
+        went; if it did not, it stays owed for a sweep to send (api/sweeper.py)."""
         if len(self._pending) >= MAX_PUBLISHES_WAITING:
             log.warning("%d publishes to soketi waiting: %s not sent now", len(self._pending), channel)
             return
-        task = asyncio.create_task(self._publish_then(channel, events, settle))
+        task = asyncio.create_task(self._publish_owed(channel, owed))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _publish_then(
-        self, channel: str, events: list[tuple[str, bytes]], settle: Callable[[], Awaitable[None]] | None
-    ) -> None:
-        if await self.publish(channel, events) and settle is not None:
+    async def _publish_owed(self, channel: str, owed: Owed) -> None:
+        async with self._turns:
             try:
-                await settle()
+                if not await owed.confirm(math.ceil(len(owed.events) / MAX_BATCH)):
+                    return  # (a sweep took it: it sends the result)
+            except Exception as exc:  # (Redis away: a sweep sends it once due)
+                log.warning("before publishing on %s: %s", channel, exc)
+                return
+            went = await self._publish(channel, owed.events)
+        if went:
+            try:
+                await owed.settle()
             except Exception as exc:  # (Redis away: a sweep publishes the result once more)
                 log.warning("after publishing on %s: %s", channel, exc)
 
@@ -133,5 +149,11 @@ class RealtimePublisher:
     async def aclose(self) -> None:
         if self._pending:
             await asyncio.wait(self._pending, timeout=self._settings.pusher_timeout_ms / 1000)
+        # Those still waiting for their turn stay owed in Redis (a sweep sends them), and must
+        # not reach the client once it is closed.
+        for task in list(self._pending):
+            task.cancel()
+        if self._pending:
+            await asyncio.wait(self._pending)
         await self._client.aclose()
 

@@ -435,8 +435,7 @@ async def kill_job(request: Request) -> Response:
         # (Owed until it went: should this process die first, a sweep publishes it, api/sweeper.py.)
         state.realtime.publish_soon(
             keys.realtime_channel(status.job_id),
-            [*answer.unpublished, ("result", answer.result)],
-            settle=lambda: state.store.settle_publish(status.job_id),
+            state.store.owed_kill(status.job_id, [*answer.unpublished, ("result", answer.result)]),
         )
     return _json({"ok": True}, 202)
 

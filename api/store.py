@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -318,23 +319,46 @@ return {1}
 """
 )
 
-# Puts job `id` on the API's owed publishes (keys.API_UNPUBLISHED), due `grace_ms`
-# from now by Redis's clock (the API processes' clocks may disagree).
+# Puts `debt` ('<job id>:<what>', one per publish: see OwedPublish) on the API's owed
+# publishes (keys.API_UNPUBLISHED), due `grace_ms` from now by Redis's clock (the API
+# processes' clocks may disagree); with `nx`, not if it is there already.
 _OWE_PUBLISH_LUA = """
-local function owe_publish(key, id, grace_ms)
+local function owe_publish(key, debt, grace_ms, nx)
   local clock = redis.call('TIME')
-  redis.call('ZADD', key, tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(grace_ms), id)
+  local due = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(grace_ms)
+  if nx then redis.call('ZADD', key, 'NX', due, debt) else redis.call('ZADD', key, due, debt) end
 end
 """
 
-# KEYS: keys.API_UNPUBLISHED. ARGV: lease ms, most to take. The job ids of the owed publishes
-# now due, each put off by the lease: taken, another API process's sweep leaves it meanwhile.
+# KEYS: keys.API_UNPUBLISHED, keys.API_UNPUBLISHED_TAKEN. ARGV: lease ms, most to take.
+# The owed publishes now due, moved to the taken set for the lease (their owner, should it
+# still be about to send one, finds it gone and leaves it: OwedPublish.confirm), and those a
+# sweep took whose lease ran out (it died, or soketi did not take them), leased again.
 _TAKE_OWED = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-for _, id in ipairs(due) do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id) end
-return due
+local until_ms = now + tonumber(ARGV[1])
+local taken = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+for _, debt in ipairs(taken) do
+  redis.call('ZREM', KEYS[1], debt)
+  redis.call('ZADD', KEYS[2], until_ms, debt)
+end
+if #taken < tonumber(ARGV[2]) then
+  for _, debt in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]) - #taken)) do
+    redis.call('ZADD', KEYS[2], until_ms, debt)
+    taken[#taken + 1] = debt
+  end
+end
+return taken
+"""
+
+# KEYS: keys.API_UNPUBLISHED. ARGV: the debt, ms. 1 and the debt put off by `ms` if it is
+# still owed there (no sweep took it), else 0.
+_CONFIRM_OWED = """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local clock = redis.call('TIME')
+redis.call('ZADD', KEYS[1], 'XX', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[2]), ARGV[1])
+return 1
 """
 
 # A kill request. A job still in the queue (no worker holds it) ends here and now; any other
@@ -409,7 +433,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   result_landed(KEYS[9], ARGV[3])
   unstarted_gone(KEYS[1])
   local heard = redis.call('EXISTS', KEYS[10])
-  if heard == 1 then owe_publish(KEYS[12], ARGV[1], ARGV[9]) end
+  if heard == 1 then owe_publish(KEYS[12], ARGV[1] .. ':kill', ARGV[9], false) end
   return {2, seq, data, earlier, heard}
 end
 local recent = {ARGV[8]}
@@ -466,18 +490,16 @@ if redis.call('GET', KEYS[3]) ~= ARGV[4] then
     local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
     if not last then return 1 end
     -- At most one such result a gap: a client subscribing and unsubscribing in a loop is a new
-    -- first subscriber each time. One within it is owed (NX: not sooner than one in flight),
-    -- and a sweep sends it once due (api/sweeper.py).
+    -- first subscriber each time. One within it is owed (one such at a time), and a sweep
+    -- sends it once the gap is over (api/sweeper.py).
     if not redis.call('SET', KEYS[7], '1', 'PX', ARGV[8], 'NX') then
-      local clock = redis.call('TIME')
-      local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-      redis.call('ZADD', KEYS[6], 'NX', now + math.max(0, redis.call('PTTL', KEYS[7])), ARGV[6])
+      owe_publish(KEYS[6], ARGV[6] .. ':gap', math.max(0, redis.call('PTTL', KEYS[7])), true)
       return 1
     end
     local out = {}
     for j = 1, #last[2] do out[#out + 1] = last[2][j] end
     out[#out + 1] = ''
-    owe_publish(KEYS[6], ARGV[6], ARGV[7])
+    owe_publish(KEYS[6], ARGV[6] .. ':' .. ARGV[4], ARGV[7], false)
     return out
   end
 end
@@ -505,7 +527,7 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', ARGV[2])
 end
 local tail = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
 if tail then add(tail, true) end
-if #out > 0 then owe_publish(KEYS[6], ARGV[6], ARGV[7]) end
+if #out > 0 then owe_publish(KEYS[6], ARGV[6] .. ':' .. ARGV[4], ARGV[7], false) end
 return out
 """
 )
@@ -725,6 +747,28 @@ RESEND_GAP_MS = 500
 OWED_PUBLISH_MS = 10_000
 
 
+@dataclass(frozen=True)
+class OwedPublish:
+    """Events a request of this process is to publish itself, owed in Redis until they went
+    (keys.API_UNPUBLISHED, as `debt`: '<job id>:kill' or '<job id>:<the script's token>', one
+    per publish, so that settling one never settles another). Nothing is owed when `debt` is
+    ''. `confirm` just before sending (False: a sweep took it and sends the result itself),
+    `settle` once soketi took the last event."""
+
+    store: JobStore
+    events: list[tuple[str, bytes]]
+    debt: str
+
+    async def confirm(self, posts: int) -> bool:
+        if not self.debt:
+            return True
+        return await self.store.confirm_owed(self.debt, self.store.owed_publish_ms + posts * self.store.owed_publish_ms // 5)
+
+    async def settle(self) -> None:
+        if self.debt:
+            await self.store.settle_owed(self.debt)
+
+
 class JobStore:
     def __init__(
         self,
@@ -739,8 +783,9 @@ class JobStore:
         self._waits = waits or self._streams
         self._record_ttl_s = record_ttl_s
         # How long a publish this process owes (keys.API_UNPUBLISHED) is its own, to finish
-        # or give up on, before another process's sweep takes it.
-        self._owed_publish_ms = owed_publish_ms
+        # or give up on, before another process's sweep takes it (a fifth of it: soketi's
+        # timeout, for each request a publish may take).
+        self.owed_publish_ms = self._owed_publish_ms = owed_publish_ms
         # New input: refused at Redis's maxmemory (a 503), even when the script would delete
         # something (an expired ledger entry) before it writes.
         self._enqueue = OomRefusedScript(redis, _ENQUEUE)
@@ -752,6 +797,7 @@ class JobStore:
         self._mark_subscribed = OomTolerantScript(redis, _MARK_SUBSCRIBED)
         self._start = OomTolerantScript(redis, _START)
         self._take_owed = OomTolerantScript(redis, _TAKE_OWED)
+        self._confirm_owed = OomTolerantScript(redis, _CONFIRM_OWED)
         self._idempotent_lookup = redis.register_script(_IDEMPOTENT_LOOKUP)
         self._receipts = redis.register_script(_RECEIPTS)
         self._seek = redis.register_script(_SEEK)
@@ -988,7 +1034,7 @@ class JobStore:
         self._recent_marks.pop(job_id, None)
         await self._redis.delete(keys.signed_key(job_id))
 
-    async def mark_subscribed(self, job_id: str, unmarked_only: bool = False) -> list[tuple[str, bytes]]:
+    async def mark_subscribed(self, job_id: str, unmarked_only: bool = False) -> OwedPublish:
         """mark_audience, for a subscription soketi's webhook reports (for a job that has a
         record: a webhook may name any channel). Returns the events to publish now: those of
         a job that ended before the mark, which no worker published live (soketi sends the
@@ -998,8 +1044,8 @@ class JobStore:
         comes as the job starts, and a read costs the start less than the script's writes.
 
         With `unmarked_only`, a job already marked is left alone (the sweep's subscriptions,
-        api/sweeper.py). What it returns is owed (keys.API_UNPUBLISHED): settle_publish
-        once it went.
+        api/sweeper.py). What it returns is owed (keys.API_UNPUBLISHED) until its publish
+        settles it.
         """
         marked_at = self._recent_marks.get(job_id)
         if (
@@ -1008,42 +1054,56 @@ class JobStore:
             and time.monotonic() - marked_at < RECENT_MARK_S
             and await self._redis.exists(keys.signed_key(job_id))
         ):
-            return []
+            return OwedPublish(self, [], "")
+        token = f"api:{uuid.uuid4().hex}"
         answer = await self._mark_subscribed(
             keys=[
                 keys.status_key(job_id), keys.audience_key(job_id), keys.late_replay_key(job_id), keys.events_key(job_id),
                 keys.signed_key(job_id), keys.API_UNPUBLISHED, keys.resent_key(job_id),
             ],
             args=[
-                self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, f"api:{uuid.uuid4().hex}",
+                self._record_ttl_s, LATE_REPLAY_ENTRIES, LATE_REPLAY_BYTES, token,
                 "unmarked" if unmarked_only else "", job_id, self._owed_publish_ms, RESEND_GAP_MS,
             ],
         )  # fmt: skip
-        return _entries(answer) if isinstance(answer, list) else []
+        if not isinstance(answer, list) or not answer:
+            return OwedPublish(self, [], "")
+        return OwedPublish(self, _entries(answer), f"{job_id}:{token}")
 
-    async def settle_publish(self, job_id: str) -> None:
-        """What this process owed the job's channel went (or was given up on)."""
-        await self._redis.zrem(keys.API_UNPUBLISHED, job_id)
+    def owed_kill(self, job_id: str, events: list[tuple[str, bytes]]) -> OwedPublish:
+        """The publish a kill that ended a queued job someone follows owes (see _KILL)."""
+        return OwedPublish(self, events, f"{job_id}:kill")
 
-    async def take_owed_publishes(self, most: int = 64) -> list[tuple[str, tuple[str, bytes] | None]]:
-        """Publishes owed by API processes and now due (their process died, or took far too
-        long), each taken for OWED_PUBLISH_MS: the job id and its log's last entry (its
-        result; None once the log has expired)."""
-        ids = await self._take_owed(keys=[keys.API_UNPUBLISHED], args=[self._owed_publish_ms, most])
-        if not ids:
+    async def confirm_owed(self, debt: str, ms: int) -> bool:
+        """Whether `debt` is still this process's to send (no sweep took it); if so, it is put
+        off by `ms`, the time its publish may take."""
+        return bool(await self._confirm_owed(keys=[keys.API_UNPUBLISHED], args=[debt, ms]))
+
+    async def settle_owed(self, debt: str, taken: bool = False) -> None:
+        """`debt` went (`taken`: one a sweep took)."""
+        await self._redis.zrem(keys.API_UNPUBLISHED_TAKEN if taken else keys.API_UNPUBLISHED, debt)
+
+    async def take_owed_publishes(self, most: int = 8) -> list[tuple[str, tuple[str, bytes] | None]]:
+        """Publishes owed by API processes and now due (their process died, or soketi did not
+        take them), at most `most`, each taken for long enough to send them all one by one: the
+        debt (settle_owed with `taken` once it went) and its job's last log entry (its result;
+        None once the log has expired)."""
+        lease_ms = 2 * self._owed_publish_ms + most * self._owed_publish_ms // 5
+        taken = await self._take_owed(keys=[keys.API_UNPUBLISHED, keys.API_UNPUBLISHED_TAKEN], args=[lease_ms, most])
+        debts = [raw.decode() for raw in taken]
+        if not debts:
             return []
-        job_ids = [raw.decode() for raw in ids]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.xrevrange(keys.events_key(job_id), count=1)
+            for debt in debts:
+                pipe.xrevrange(keys.events_key(debt.split(":", 1)[0]), count=1)
             tails = await pipe.execute()
         owed: list[tuple[str, tuple[str, bytes] | None]] = []
-        for job_id, tail in zip(job_ids, tails, strict=True):
+        for debt, tail in zip(debts, tails, strict=True):
             entry = None
             if tail:
                 fields = tail[0][1]
                 entry = (fields[b"name"].decode(), entry_json(int(fields[b"seq"]), fields))
-            owed.append((job_id, entry))
+            owed.append((debt, entry))
         return owed
 
     async def unmarked(self, job_ids: list[str]) -> list[str]:

@@ -69,12 +69,13 @@ class RealtimeSweeper:
         await self.mark_unheard()
 
     async def publish_owed(self) -> None:
-        for job_id, entry in await self._store.take_owed_publishes():
+        for debt, entry in await self._store.take_owed_publishes():
+            job_id = debt.split(":", 1)[0]
             if entry is not None and entry[0] == "result":
                 log.info("job %s: publishing the result an API process owed its channel", job_id)
                 if not await self._realtime.publish(keys.realtime_channel(job_id), [entry]):
                     continue  # (taken for a while: then any sweep tries again)
-            await self._store.settle_publish(job_id)
+            await self._store.settle_owed(debt, taken=True)
 
     async def mark_unheard(self) -> None:
         occupied = await self._realtime.occupied_jobs()
@@ -84,7 +85,6 @@ class RealtimeSweeper:
         for job_id in sorted(unmarked & self._unmarked):
             log.info("job %s: followed with no audience mark (a lost webhook): marking it", job_id)
             missed = await self._store.mark_subscribed(job_id, unmarked_only=True)
-            if missed:
-                channel = keys.realtime_channel(job_id)
-                self._realtime.publish_soon(channel, missed, settle=lambda job_id=job_id: self._store.settle_publish(job_id))
+            if missed.events:
+                self._realtime.publish_soon(keys.realtime_channel(job_id), missed)
         self._unmarked = unmarked

@@ -36,8 +36,10 @@ __all__ = ["realtime_webhooks"]
 
 log = logging.getLogger(__name__)
 
-# soketi sends one event per webhook unless batching is on; a batch stays far below this.
-MAX_WEBHOOK_BODY = 64 * 1024
+# soketi batches its webhooks (SOKETI_WEBHOOKS_BATCHING, 25 ms): about 14,000 events a batch
+# fit, far past what a subscribe loop makes. A batch refused for its size is lost whole,
+# other subscribers' with the loop's (the sweep would mark them 2-4 s later).
+MAX_WEBHOOK_BODY = 1024 * 1024
 OCCUPIED = "channel_occupied"
 
 _decoder = msgspec.json.Decoder(Webhook)
@@ -67,11 +69,9 @@ async def realtime_webhooks(request: Request) -> Response:
     occupied = dict.fromkeys(event.channel for event in webhook.events if event.name == OCCUPIED)
     for channel in occupied:
         job_id = keys.job_id_from_channel(channel)
-        if job_id is not None and (missed := await state.store.mark_subscribed(job_id)):
+        if job_id is not None and (missed := await state.store.mark_subscribed(job_id)).events:
             # The job ended before this subscription was known (nobody published it live), or
             # this is a new first subscriber of an ended job's channel (its result). Owed until
             # it went (api/sweeper.py).
-            state.realtime.publish_soon(
-                channel, missed, settle=lambda job_id=job_id: state.store.settle_publish(job_id)
-            )
+            state.realtime.publish_soon(channel, missed)
     return Response(b'{"ok":true}', media_type="application/json")

@@ -234,6 +234,8 @@ def worker_unpublished_key(worker_id: str) -> str:
 # late subscriber's replay), by when (ms, Redis's clock) it should have gone: should the
 # process die first, another API process (or it, restarted) publishes the result once due.
 API_UNPUBLISHED = "api:unpublished"
+# Of those, what a sweep took, until its lease runs out (then any sweep may take it again).
+API_UNPUBLISHED_TAKEN = "api:unpublished:taken"
 
 
 def realtime_channel(job_id: str) -> str:

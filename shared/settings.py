@@ -356,7 +356,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "API_HEADER_TIMEOUT_MS": ("api_header_timeout_ms", _positive_int),
     "API_BODY_TIMEOUT_MS": ("api_body_timeout_ms", _positive_int),
     "API_SEND_TIMEOUT_MS": ("api_send_timeout_ms", _positive_int),
-    "API_SHUTDOWN_GRACE_MS": ("api_shutdown_grace_ms", _non_negative_int),
+    "API_SHUTDOWN_GRACE_MS": ("api_shutdown_grace_ms", _positive_int),
     "API_MAX_CONNECTIONS": ("api_max_connections", _positive_int),
     "STDIN_MAX_FRAMES_PER_S": ("stdin_max_frames_per_s", _positive_int),
     "STDIN_MAX_PENDING_BYTES": ("stdin_max_pending_bytes", _positive_int),

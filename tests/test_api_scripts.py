@@ -496,18 +496,18 @@ async def test_a_late_subscription_to_an_ended_job_replays_its_log_once_within_b
     assert seqs == [0, 1, 2, 3, 4, 5, 6, 7, 21], seqs  # 64 KiB: the stage and 7 chunks, then the result
     assert replay[-1][0] == "result"
     assert await store._mark_subscribed(keys=keys_, args=args) == first  # re-sent: the same
-    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]  # replayed already
+    assert [name for name, _ in (await store.mark_subscribed(spec.job_id)).events] == ["result"]  # replayed already
     assert await redis.get(keys.late_replay_key(spec.job_id)) == b"api:one"
     await redis.set(keys.signed_key(spec.job_id), "1", ex=60)
-    assert await store.mark_subscribed(spec.job_id) == []
+    assert (await store.mark_subscribed(spec.job_id)).events == []
     assert not await redis.exists(keys.signed_key(spec.job_id))  # (consumed)
 
 
 async def test_what_the_api_publishes_itself_is_owed_until_it_went_then_swept_once_due(store: JobStore, redis: Redis) -> None:
     # An API process killed a queued job someone follows, or took a late replay, and died
-    # before publishing: the follower never heard the result. Each is now owed in Redis until
-    # the publish went; once due, a sweep takes it (leased, so no other sweep takes it too)
-    # with the job's result from its log.
+    # before publishing: the follower never heard the result. Each is now owed in Redis, one
+    # debt per publish, until it went; once due, a sweep takes it (moved aside: its owner,
+    # should it still be about to send, then leaves it) with the job's result from its log.
     followed, unheard, replayed = _spec(), _spec(), _spec()
     for spec in (followed, unheard, replayed):
         await store.enqueue(spec, 100, 100, RESULT_TTL_S)
@@ -515,41 +515,49 @@ async def test_what_the_api_publishes_itself_is_owed_until_it_went_then_swept_on
     killed = await store.kill(followed.job_id, RESULT_TTL_S)
     assert killed.heard and killed.result is not None
     assert not (await store.kill(unheard.job_id, RESULT_TTL_S)).heard
-    assert await redis.zscore(keys.API_UNPUBLISHED, unheard.job_id) is None  # (nobody to tell)
     assert await store.take_owed_publishes() == []  # (not due yet)
     await store.kill(replayed.job_id, RESULT_TTL_S)
-    assert [name for name, _ in await store.mark_subscribed(replayed.job_id)] == ["result"]  # (the late replay)
-    assert await store.mark_subscribed(replayed.job_id, unmarked_only=True) == []  # (marked now: left alone)
-    owed = await redis.zrange(keys.API_UNPUBLISHED, 0, -1)
-    assert sorted(owed) == sorted([followed.job_id.encode(), replayed.job_id.encode()])
-    await store.settle_publish(replayed.job_id)  # (it went)
-    await redis.zadd(keys.API_UNPUBLISHED, {followed.job_id: 0})  # (its process died: due)
-    assert await store.take_owed_publishes() == [(followed.job_id, ("result", killed.result))]
+    replay = await store.mark_subscribed(replayed.job_id)
+    assert [name for name, _ in replay.events] == ["result"]  # (the late replay)
+    assert (await store.mark_subscribed(replayed.job_id, unmarked_only=True)).events == []  # (marked now: left alone)
+    owed = sorted(debt.decode() for debt in await redis.zrange(keys.API_UNPUBLISHED, 0, -1))
+    assert owed == sorted([f"{followed.job_id}:kill", replay.debt]) and replay.debt.startswith(f"{replayed.job_id}:api:")
+    assert await replay.confirm(posts=1)
+    await replay.settle()  # (it went)
+    kill = store.owed_kill(followed.job_id, [])
+    await redis.zadd(keys.API_UNPUBLISHED, {kill.debt: 0})  # (its process died, or is slow: due)
+    assert await store.take_owed_publishes() == [(kill.debt, ("result", killed.result))]
+    assert not await kill.confirm(posts=1)  # (its owner, late, leaves it to the sweep)
     assert await store.take_owed_publishes() == []  # (taken: leased to that sweep)
-    await store.settle_publish(followed.job_id)
-    assert await redis.zcard(keys.API_UNPUBLISHED) == 0
+    await redis.zadd(keys.API_UNPUBLISHED_TAKEN, {kill.debt: 0})  # (that sweep died: its lease ran out)
+    assert await store.take_owed_publishes() == [(kill.debt, ("result", killed.result))]
+    await store.settle_owed(kill.debt, taken=True)
+    assert await redis.zcard(keys.API_UNPUBLISHED) == 0 and await redis.zcard(keys.API_UNPUBLISHED_TAKEN) == 0
 
 
 async def test_an_ended_jobs_result_goes_again_at_most_once_a_gap_and_one_sooner_is_owed(store: JobStore, redis: Redis) -> None:
     # New first subscribers of an ended job's channel (a client subscribing and unsubscribing in
     # a loop) each got the result published again, thousands a second. One within the gap now
-    # gets nothing at once: it is owed, due when the gap is over, for a sweep to send.
+    # gets nothing at once: it is owed, due when the gap is over, for a sweep to send; and
+    # settling the publish in flight does not settle it.
     spec = _spec()
     await store.enqueue(spec, 100, 100, RESULT_TTL_S)
     await store.mark_audience(spec.job_id)
     await store.kill(spec.job_id, RESULT_TTL_S)
-    await store.settle_publish(spec.job_id)  # (the kill's own publish went)
+    await store.owed_kill(spec.job_id, []).settle()  # (the kill's own publish went)
     await store.forget_mark(spec.job_id)  # (a page reloaded: its subscription signed after the end)
-    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]
-    await store.settle_publish(spec.job_id)  # (and that one went)
-    for _ in range(50):
-        assert await store.mark_subscribed(spec.job_id) == []
-    due = await redis.zscore(keys.API_UNPUBLISHED, spec.job_id)
     clock = await redis.time()
-    now_ms = clock[0] * 1000 + clock[1] // 1000
-    assert due is not None and now_ms <= due <= now_ms + store_module.RESEND_GAP_MS
+    before_ms = clock[0] * 1000 + clock[1] // 1000
+    first = await store.mark_subscribed(spec.job_id)
+    assert [name for name, _ in first.events] == ["result"]
+    for _ in range(50):
+        assert (await store.mark_subscribed(spec.job_id)).events == []
+    await first.settle()  # (that one went)
+    due = await redis.zscore(keys.API_UNPUBLISHED, f"{spec.job_id}:gap")
+    assert due is not None and before_ms <= due <= before_ms + store_module.RESEND_GAP_MS + 50, (before_ms, due)
+    assert await redis.zcard(keys.API_UNPUBLISHED) == 1
     await redis.delete(keys.resent_key(spec.job_id))  # (the gap is over)
-    assert [name for name, _ in await store.mark_subscribed(spec.job_id)] == ["result"]
+    assert [name for name, _ in (await store.mark_subscribed(spec.job_id)).events] == ["result"]
 
 
 async def test_kill_flag_twice_publishes_once(store: JobStore, redis: Redis) -> None:

@@ -158,3 +158,15 @@ def test_soketi_runs_with_the_message_guard_and_batched_webhooks_as_the_launcher
     assert (REPO_ROOT / mounted[required].removeprefix("./")) == REPO_ROOT / "realtime" / "guard.js"
     assert env["SOKETI_WEBHOOKS_BATCHING"] == "true" and int(env["SOKETI_WEBHOOKS_BATCHING_DURATION"]) <= 50
     assert soketi["restart"] == "unless-stopped"
+
+
+def test_a_stopped_api_container_has_time_to_close_cleanly() -> None:
+    # Docker SIGKILLs after 10 s unless told: the API's own default grace for requests under
+    # way, so its shutdown (the sweep stopped, the publisher closed) never ran.
+    from shared.settings import load_settings
+
+    api = _compose()["services"]["api"]
+    period = api.get("stop_grace_period", "10s")
+    assert period.endswith("s") and period[:-1].isdigit(), period
+    settings = load_settings({"PUSHER_SECRET": "s" * 16})
+    assert int(period[:-1]) * 1000 >= settings.api_shutdown_grace_ms + settings.pusher_timeout_ms + 2000

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import redis
 
+from api.webhooks import MAX_WEBHOOK_BODY
 from shared import keys
 from shared.pusher import webhook_signature
 from tests.conftest import StackFactory
@@ -47,7 +48,7 @@ def test_the_webhook_route_marks_known_jobs_and_only_for_soketi(make_stack: Stac
         assert bad.status_code == 400 and bad.json()["details"][0]["field"] == "events", bad.text
         deep = post(b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b', "events": []}')  # (an unknown field, skipped by recursion)
         assert deep.status_code == 400 and deep.json()["details"][0]["field"] == "events", deep.text
-        too_big = post(b" " * (65 * 1024))
+        too_big = post(b" " * (MAX_WEBHOOK_BODY + 1))
         assert too_big.status_code == 413, too_big.text
         # Other events, other channels and unknown jobs mark nothing.
         stranger = "0" * 32
