@@ -3,22 +3,25 @@
 Two gaps a request leaves, each closed by a sweep every REALTIME_SWEEP_MS in every API
 process:
 
-- **Owed publishes.** The API publishes a result itself in two cases: a kill that ended a
-  queued job, and a late subscriber's replay (api/webhooks.py). It does so after answering,
-  and a process that dies in between would leave the follower without a result for good.
-  The script that ends the job (or takes the replay) also puts it on keys.API_UNPUBLISHED;
-  the publish takes it off once soketi took the result. One left there past its time (the
-  process died, soketi was away or took far too long) is taken by the next sweep of any API
-  process, which publishes the job's result from its log; if soketi does not take it, it
-  stays owed, and a sweep tries again a while later, until its log expires. A follower then
-  sees a gap in `seq` and reads the log. (A result whose request timed out may have gone all
-  the same: then it goes twice, where before it was lost.)
+- **Owed publishes.** The API publishes a result itself in a few cases: a kill that ended a
+  queued job, a late subscriber's replay, an ended job's result sent again to a new first
+  subscriber (api/webhooks.py). It does so after answering, and a process that dies in
+  between would leave the follower without a result for good. The script that ends the job
+  (or takes the replay) also puts a debt of that one publish on keys.API_UNPUBLISHED
+  (api.store.OwedPublish); the publish confirms it when its turn comes and takes it off
+  once soketi took the result. One left there past its time (the process died, soketi was
+  away or took far too long) is taken by the next sweep of any API process (moved to
+  keys.API_UNPUBLISHED_TAKEN, so a late owner leaves it), which publishes the job's result
+  from its log; if soketi does not take it, the sweep's lease runs out and a sweep tries
+  again, until the log expires. A follower then sees a gap in `seq` and reads the log. (A
+  result whose request timed out may have gone all the same: then it goes twice, where
+  before it was lost.)
 - **Lost webhooks.** Workers publish a job's events only once its audience is marked, and a
   subscription signed outside the API is marked only by soketi's `channel_occupied` webhook,
   which soketi sends once and never again: one that found the API down or restarting is
   lost, and so was every live event of that job. The sweep asks soketi which job channels
   have subscribers and marks those that stay unmarked across two sweeps (one sweep apart:
-  a webhook on its way lands first, and a job is never replayed twice), as the webhook
+  a webhook on its way lands first, and its replay is not sent twice), as the webhook
   would have, replay included.
 """
 
