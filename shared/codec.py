@@ -35,10 +35,12 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {
 
 # A \u escape of a high surrogate not followed by one of a low surrogate, or of a low
 # surrogate not preceded by a high one (an escaped backslash before it is not told apart:
-# this only words the error for a body msgspec has refused already).
+# this only words the error for a body msgspec has refused already). It starts with the
+# literal `\u`, which the regex engine looks for first: a pattern that could start with a
+# look-behind was tried at every byte, 0.3-0.45 s of the API's loop for a 16 MiB body cut short.
 _LONE_SURROGATE = re.compile(
-    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    rb"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD])[c-fC-F][0-9a-fA-F]{2})"
 )
 _PATH = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 
 import msgspec
 import pytest
@@ -470,3 +471,26 @@ async def test_logged_streams_read_each_stream_of_a_log_in_pages() -> None:
         assert got == expected
         assert await logged(name.decode(), 0, 10) == expected[:10]  # (from the start again)
     assert max(pages) <= len(entries) and len(pages) <= 4 * (len(entries) // LOG_PAGE + 1) + 2
+
+
+@pytest.mark.parametrize(
+    ("tail", "named"),
+    [
+        (b'\\ud83d"}', "\\ud83d at byte"),  # a high half, alone
+        (b'ab\\uDE00"}', "surrogate"),  # a low half, alone (msgspec's own words)
+        (b'\\ud83d\\ude00\\ud800"}', "\\ud800 at byte"),  # a pair, then a lone half
+        (b'\\\\', None),  # cut short, no surrogate: msgspec's own words
+    ],
+)
+def test_a_lone_surrogate_is_named_and_a_big_body_cut_short_is_judged_fast(tail: bytes, named: str | None) -> None:
+    # The search that words the error for a lone surrogate could start with a look-behind, so
+    # the regex engine tried it at every byte: 0.24-0.45 s of the API's loop for a 16 MiB
+    # body cut short, every other request waiting. It now starts from the literal `\u`.
+    body = b'{"language":"python","files":[{"name":"main.py","content":"' + b"a" * (16 << 20) + tail
+    began = time.perf_counter()
+    with pytest.raises(ValidationError) as caught:
+        decode_request(ExecuteRequest, body)
+    took = time.perf_counter() - began
+    message = caught.value.details[0].message
+    assert (named in message) if named else ("surrogate" not in message), message
+    assert took < 0.1, f"{took * 1000:.0f} ms to word the error"
