@@ -11,12 +11,24 @@ from starlette.requests import Request
 from api.errors import ApiError
 from shared.errors import FieldError
 
-__all__ = ["SMALL_BODY_BYTES", "BodyBudget", "read_body"]
+__all__ = ["ANONYMOUS", "SMALL_BODY_BYTES", "BodyBudget", "read_body"]
 
 # Bodies up to this size are counted apart from bigger ones: big uploads under way never
 # keep an IDE's job or a stdin frame out.
 SMALL_BODY_BYTES = 256 * 1024
 RETRY_AFTER_MS = 1000
+# Whom a body is counted against besides its pool (BodyBudget.body's `holder`): None for the
+# API token's holder (the deployment's own backend), which may use either pool whole; a job
+# token's caller ("job:<id>"); or ANONYMOUS, a body read before any token (soketi's signed
+# webhooks, a channel auth with its token in the body).
+ANONYMOUS = "anonymous"
+# Of each pool: what all job tokens' bodies may hold together, and one job token's; what all
+# bodies read before a token may hold. A browser's stdin frames trickled in over a few hundred
+# connections held the whole small pool (every execute a 503), and their request heads alone,
+# declaring 512 KiB each, the whole big one.
+JOB_TOKENS_SHARE = 2
+ONE_JOB_TOKEN_SHARE = 16
+ANONYMOUS_SHARE = 16
 
 
 class BodyBudget:
@@ -27,19 +39,25 @@ class BodyBudget:
 
     Two pools: big bodies (past SMALL_BODY_BYTES) count what they declare from their first
     byte; small ones count what has arrived. Either is counted until its handler returns
-    (`body`) or until it is read (`read`), and a body that would pass its pool is a 503 with
-    `retryAfterMs`, read no further. A small body is in one read, so counting it costs
-    nothing when nobody is trickling bodies in."""
+    (`body`) or until it is read (`read`), and a body that would pass its pool, or its
+    holder's share of it (see JOB_TOKENS_SHARE), is a 503 with `retryAfterMs`, read no
+    further. A small body is in one read, so counting it costs nothing when nobody is
+    trickling bodies in."""
 
     def __init__(self, max_bytes: int, small_max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.small_max_bytes = small_max_bytes
         self.held = 0
         self.small_held = 0
+        # (pool, "job tokens" / a job token's caller / ANONYMOUS) -> bytes held.
+        self._shares: dict[tuple[bool, str], int] = {}
 
     @contextlib.asynccontextmanager
-    async def body(self, request: Request, limit: int, too_big: ApiError | None = None) -> AsyncIterator[bytes]:
-        """The whole body (read_body's checks), counted until the block ends."""
+    async def body(
+        self, request: Request, limit: int, too_big: ApiError | None = None, holder: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """The whole body (read_body's checks), counted until the block ends, against
+        `holder`'s share too (see ANONYMOUS)."""
         big = small = 0
 
         def count(size: int, arrived: bool) -> None:
@@ -47,33 +65,68 @@ class BodyBudget:
             if size > SMALL_BODY_BYTES or big:
                 wanted = size - big
                 if wanted > 0:
-                    self._take_big(wanted)
+                    self._take(True, wanted, holder, limit)
                     big += wanted
                 if small:
                     # (A body of no declared size that grew big moves to the other pool.)
-                    self.small_held -= small
+                    self._give(False, small, holder)
                     small = 0
             elif arrived and size > small:
-                if self.small_held + size - small > self.small_max_bytes:
-                    raise _busy()
-                self.small_held += size - small
+                self._take(False, size - small, holder, limit)
                 small = size
 
         try:
             yield await read_body(request, limit, count, too_big)
         finally:
-            self.held -= big
-            self.small_held -= small
+            self._give(True, big, holder)
+            self._give(False, small, holder)
 
-    async def read(self, request: Request, limit: int, too_big: ApiError | None = None) -> bytes:
+    async def read(
+        self, request: Request, limit: int, too_big: ApiError | None = None, holder: str | None = None
+    ) -> bytes:
         """The whole body, counted while it arrives: for bodies handled at once once read."""
-        async with self.body(request, limit, too_big) as body:
+        async with self.body(request, limit, too_big, holder) as body:
             return body
 
-    def _take_big(self, wanted: int) -> None:
-        if self.held + wanted > self.max_bytes:
-            raise _busy("large ")
-        self.held += wanted
+    def _limits(self, big: bool, holder: str | None, body_limit: int = 0) -> list[tuple[str, int]]:
+        """The shares a holder's body counts against, each at least one body of the largest
+        size the route takes (`body_limit`), so that one always gets in when nothing else of
+        that holder's is in flight."""
+        pool = self.max_bytes if big else self.small_max_bytes
+        if holder is None:
+            return []
+        if holder == ANONYMOUS:
+            return [(ANONYMOUS, max(pool // ANONYMOUS_SHARE, body_limit))]
+        return [
+            ("job tokens", max(pool // JOB_TOKENS_SHARE, body_limit)),
+            (holder, max(pool // ONE_JOB_TOKEN_SHARE, body_limit)),
+        ]
+
+    def _take(self, big: bool, wanted: int, holder: str | None, body_limit: int) -> None:
+        held, most = (self.held, self.max_bytes) if big else (self.small_held, self.small_max_bytes)
+        shares = self._limits(big, holder, body_limit)
+        if held + wanted > most or any(self._shares.get((big, name), 0) + wanted > cap for name, cap in shares):
+            raise _busy("large " if big else "")
+        if big:
+            self.held += wanted
+        else:
+            self.small_held += wanted
+        for name, _cap in shares:
+            self._shares[(big, name)] = self._shares.get((big, name), 0) + wanted
+
+    def _give(self, big: bool, size: int, holder: str | None) -> None:
+        if not size:
+            return
+        if big:
+            self.held -= size
+        else:
+            self.small_held -= size
+        for name, _cap in self._limits(big, holder):
+            left = self._shares[(big, name)] - size
+            if left:
+                self._shares[(big, name)] = left
+            else:
+                del self._shares[(big, name)]
 
 
 def _busy(kind: str = "") -> ApiError:

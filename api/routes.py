@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from api.artifacts import download_artifact
 from api.blobs import check_blobs, finalize_blobs, upload_blob
-from api.body import SMALL_BODY_BYTES, BodyBudget
+from api.body import ANONYMOUS, SMALL_BODY_BYTES, BodyBudget
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -364,7 +364,7 @@ async def send_stdin(request: Request) -> Response:
         details=[FieldError("body", f"must carry at most {cap} bytes of input")],
         capBytes=cap,
     )
-    async with budget.body(request, MAX_STDIN_BODY, too_big) as body:
+    async with budget.body(request, MAX_STDIN_BODY, too_big, state.body_holder(request)) as body:
         data, field = _stdin_bytes(body)
         if len(data) > cap:
             raise ApiError(
@@ -404,7 +404,7 @@ async def close_stdin(request: Request) -> Response:
     state = _state(request)
     status = await state.visible_job(request)
     budget: BodyBudget = request.app.state.request_bodies
-    async with budget.body(request, MAX_STDIN_BODY) as body:
+    async with budget.body(request, MAX_STDIN_BODY, holder=state.body_holder(request)) as body:
         sent = _bytes_sent_along(body)
         if sent is not None:
             raise ValidationError([FieldError(sent, "is not taken here: POST the bytes to /stdin, then close")])
@@ -670,10 +670,11 @@ async def channel_auth_route(request: Request) -> Response:
     budget: BodyBudget = request.app.state.request_bodies
     if state.auth.has_bearer(request):
         principal = state.auth.principal(request)
-        fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY))
+        holder = principal.caller if principal.job_id is not None else None
+        fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=holder))
     else:
         try:
-            fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY))
+            fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=ANONYMOUS))
         except (ValidationError, ApiError) as exc:
             if isinstance(exc, ApiError) and exc.status >= 500:
                 raise  # (too many bodies at once: a retry may pass, unlike a missing token)

@@ -54,3 +54,9 @@ class AppState:
         if status is None or not principal.may_access(job_id, status.owner):
             raise ApiError(404, "Job not found")
         return status
+
+    def body_holder(self, request: Request) -> str | None:
+        """Whom a request's body counts against (api.body.BodyBudget): its job token's caller,
+        or None for the API token's holder. (After visible_job, which has authenticated it.)"""
+        principal = self.auth.principal(request)
+        return principal.caller if principal.job_id is not None else None

@@ -980,3 +980,52 @@ def _gauge(client: httpx.Client, name: str) -> int:
         if line.startswith(name + " "):
             return int(float(line.split()[1]))
     raise AssertionError(f"no {name} in /metrics")
+
+
+def test_job_tokens_and_unsigned_bodies_cannot_take_the_body_pools_from_the_api_token(make_stack: StackFactory) -> None:
+    """A red team: a browser's job token trickling stdin frames over a few hundred connections
+    held the whole small-body pool (every execute a 503), its request heads alone (declaring
+    512 KiB each) the whole big one, and unsigned webhook bodies (read before the signature
+    can be checked) the small one again, with no token at all. Each now counts against a
+    share of the pool (all job tokens half of it, one a sixteenth, bodies read before any
+    token a sixteenth; each share at least one body of its route's largest size)."""
+    stack = make_stack(
+        with_worker=False, MAX_SMALL_BODIES_IN_FLIGHT_MB="4", MAX_BODIES_IN_FLIGHT_MB="8", MAX_REQUEST_BYTES=str(1 << 20)
+    )
+    with Api(stack) as api:
+        job = api.execute(py_job("print(input())"))
+
+    def head(path: str, length: int, token: str | None) -> bytes:
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: {stack.api_host}\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n"
+        ).encode()
+
+    stdin = f"/v1/jobs/{job['jobId']}/stdin"
+    attacks = {
+        "stdin trickled by a job token": (head(stdin, 200_000, job["jobToken"]), b'{"data":"' + b"a" * 150_000),
+        "unsigned webhooks": (head("/v1/realtime/webhooks", 200_000, None), b'{"events":[' + b" " * 150_000),
+        "a job token's big heads": (head(stdin, 500_000, job["jobToken"]), b""),
+    }
+    small = json.dumps(py_job("print(1)", files=[{"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 150_000}]))
+    big = json.dumps(py_job("print(1)", files=[{"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 900_000}]))
+    for what, (request_head, part) in attacks.items():
+        held = []
+        try:
+            for _ in range(40):
+                sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
+                sock.sendall(request_head + part)
+                held.append(sock)
+            time.sleep(0.5)
+            with Api(stack) as api:  # (the API token's executes, small and big, get in)
+                for body in (small, big):
+                    answer = api.post("/v1/execute", content=body, headers={"Content-Type": "application/json"})
+                    assert answer.status_code == 202, (what, answer.text)
+            refused = [sock for sock in held if _answered(sock, 0)]
+            assert len(refused) >= 30, f"{what}: only {len(refused)} of 40 refused"
+            assert all(_reply(sock)[0] == 503 for sock in refused[:3])
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.3)
