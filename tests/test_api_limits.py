@@ -862,6 +862,16 @@ def _answered(sock: socket.socket, wait_s: float) -> bool:
     return bool(select.select([sock], [], [], wait_s)[0])
 
 
+def _connect_sending(stack: Stack, data: bytes, into: list[socket.socket], count: int, pause_s: float = 0.0) -> None:
+    """`count` connections to the API, each sent `data` (a request's start) and added to `into`
+    (the caller closes them)."""
+    for _ in range(count):
+        sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
+        sock.sendall(data)
+        into.append(sock)
+        time.sleep(pause_s)
+
+
 def test_bodies_trickled_in_over_many_connections_hold_bounded_memory(make_stack: StackFactory) -> None:
     """Small bodies (up to 256 KiB) trickled in over hundreds of connections: refused ones
     (a 401 on the head) let go of what uvicorn had buffered of them, and accepted ones count
@@ -877,10 +887,7 @@ def test_bodies_trickled_in_over_many_connections_hold_bounded_memory(make_stack
     before = _rss_mb(pid)
     socks: list[socket.socket] = []
     try:
-        for _ in range(600):
-            sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
-            sock.sendall(anonymous + part)
-            socks.append(sock)
+        _connect_sending(stack, anonymous + part, socks, 600)
         time.sleep(1.5)
         grown = _rss_mb(pid) - before
         assert all(_reply(sock)[0] == 401 for sock in socks[:5])
@@ -891,11 +898,7 @@ def test_bodies_trickled_in_over_many_connections_hold_bounded_memory(make_stack
             sock.close()
     held: list[socket.socket] = []
     try:
-        for _ in range(24):  # 60 kB each: about 17 fill the 1 MiB pool
-            sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
-            sock.sendall(_big_execute_head(stack, 200_000) + part)
-            held.append(sock)
-            time.sleep(0.02)
+        _connect_sending(stack, _big_execute_head(stack, 200_000) + part, held, 24, pause_s=0.02)  # (about 17 fill the pool)
         refused = [sock for sock in held if _answered(sock, 0.3)]
         assert 5 <= len(refused) <= 9, f"{len(refused)} of 24 refused"
         status, answer = _reply(refused[0])
@@ -1011,12 +1014,9 @@ def test_job_tokens_and_unsigned_bodies_cannot_take_the_body_pools_from_the_api_
     small = json.dumps(py_job("print(1)", files=[{"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 150_000}]))
     big = json.dumps(py_job("print(1)", files=[{"name": "main.py", "content": "print(1)"}, {"name": "d.txt", "content": "q" * 900_000}]))
     for what, (request_head, part) in attacks.items():
-        held = []
+        held: list[socket.socket] = []
         try:
-            for _ in range(40):
-                sock = socket.create_connection((stack.api_host, stack.api_port), timeout=10)
-                sock.sendall(request_head + part)
-                held.append(sock)
+            _connect_sending(stack, request_head + part, held, 40)
             time.sleep(0.5)
             with Api(stack) as api:  # (the API token's executes, small and big, get in)
                 for body in (small, big):
