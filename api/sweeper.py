@@ -45,8 +45,9 @@ class RealtimeSweeper:
         self._store = store
         self._realtime = realtime
         self._interval_s = interval_ms / 1000
-        # Occupied job channels the last sweep found unmarked.
+        # Occupied job channels the last sweep found unmarked, and those known marked.
         self._unmarked: set[str] = set()
+        self._marked: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -84,10 +85,16 @@ class RealtimeSweeper:
         occupied = await self._realtime.occupied_jobs()
         if occupied is None:
             return
-        unmarked = set(await self._store.unmarked(occupied))
-        for job_id in sorted(unmarked & self._unmarked):
+        # A mark, once there, stays as long as its job's record: only channels not known
+        # marked are looked up, so an IDE's thousand open channels cost one look each, once.
+        now = set(occupied)
+        new = now - self._marked
+        unmarked = set(await self._store.unmarked(sorted(new)))
+        marking = unmarked & self._unmarked
+        for job_id in sorted(marking):
             log.info("job %s: followed with no audience mark (a lost webhook): marking it", job_id)
             missed = await self._store.mark_subscribed(job_id, unmarked_only=True)
             if missed.events:
                 self._realtime.publish_soon(keys.realtime_channel(job_id), missed)
-        self._unmarked = unmarked
+        self._marked = (self._marked & now) | (new - unmarked) | marking
+        self._unmarked = unmarked - marking
