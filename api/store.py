@@ -331,20 +331,23 @@ end
 """
 
 # KEYS: keys.API_UNPUBLISHED, keys.API_UNPUBLISHED_TAKEN. ARGV: lease ms, most to take.
-# The owed publishes now due, moved to the taken set for the lease (their owner, should it
-# still be about to send one, finds it gone and leaves it: OwedPublish.confirm), and those a
-# sweep took whose lease ran out (it died, or soketi did not take them), leased again.
+# Those a sweep took whose lease ran out (it died, or soketi did not take them), leased again,
+# at most half of `most` (so that new debts always get in, and retries too); then the owed
+# publishes now due, moved to the taken set for the lease (their owner, should it still be
+# about to send one, finds it gone and leaves it: OwedPublish.confirm). A due debt of the same
+# name as one a sweep holds (a result resent within the gap, '<job id>:gap', owed again while
+# the last one is being sent) waits where it is until that one is settled.
 _TAKE_OWED = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local until_ms = now + tonumber(ARGV[1])
-local taken = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-for _, debt in ipairs(taken) do
-  redis.call('ZREM', KEYS[1], debt)
-  redis.call('ZADD', KEYS[2], until_ms, debt)
-end
-if #taken < tonumber(ARGV[2]) then
-  for _, debt in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]) - #taken)) do
+local most = tonumber(ARGV[2])
+local taken = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, math.max(1, math.floor(most / 2)))
+for _, debt in ipairs(taken) do redis.call('ZADD', KEYS[2], until_ms, debt) end
+for _, debt in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 2 * most)) do
+  if #taken >= most then break end
+  if not redis.call('ZSCORE', KEYS[2], debt) then
+    redis.call('ZREM', KEYS[1], debt)
     redis.call('ZADD', KEYS[2], until_ms, debt)
     taken[#taken + 1] = debt
   end
@@ -371,8 +374,8 @@ return 1
 # Returns {0, state} (already ended), {1} (flagged) or {2, seq, result, unpublished, heard}
 # (ended here; `unpublished`: the log's earlier entries nobody published, each its
 # field/value pairs then ''; `heard`: 1 when someone was allowed to subscribe, see
-# keys.audience_key, and then the publish is owed until settle_publish, else nothing need be
-# published).
+# keys.audience_key, and then the publish is owed ('<job id>:kill', see OwedPublish), else
+# nothing need be published).
 # The status remembers the request that ended the job (`killEndedBy`) and the last few that
 # flagged it (`killRequests`), so this script re-sent after its reply was lost gives the same
 # answer again and neither writes nor publishes anything twice.
@@ -462,7 +465,7 @@ return 1
 # claim token ('api:…'), 'unmarked' to do nothing for a job already marked (the sweep's
 # subscriptions, api/sweeper.py), the job id, ms until its publish is owed, the least ms
 # between two results sent again (KEYS[7], keys.resent_key, marks the last). Whatever it
-# returns to publish is owed until the caller says it went (JobStore.settle_publish).
+# returns to publish is owed ('<job id>:<token>') until the caller settles it (OwedPublish).
 # Returns 0 (no such job), 1 (marked), or the log's entries to publish now, each its field/value
 # pairs then '' (its first entries from `liveSeq` on, within both bounds, and its last, the
 # result): the job ended before it was marked, so nobody published its events live, and this

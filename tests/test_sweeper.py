@@ -72,9 +72,12 @@ async def test_the_sweep_marks_a_channel_unmarked_two_sweeps_running_and_looks_u
     realtime.occupied = ["b", "c"]
     await sweeper.sweep()
     assert store.asked[2] == ["c"] and store.subscribed == ["b", "c"]
+    realtime.occupied = ["a", "b", "c"]  # (a came back: forgotten while gone, looked up again)
+    await sweeper.sweep()
+    assert store.asked[3] == ["a"]
     realtime.occupied = None  # (soketi did not say: nothing changes)
     await sweeper.sweep()
-    assert len(store.asked) == 3
+    assert len(store.asked) == 4
 
 
 async def test_the_sweep_settles_an_owed_result_only_once_soketi_took_it() -> None:
