@@ -96,8 +96,8 @@ def test_a_subscribe_storm_on_an_ended_jobs_channel_costs_little_and_breaks_noth
 
     def read() -> None:
         try:
-            while True:
-                message = json.loads(attacker.recv())
+            while raw := attacker.recv():  # ('' once the socket is closed)
+                message = json.loads(raw)
                 if message.get("event") == "result":
                     results.append(message)
         except (websocket.WebSocketException, OSError):
