@@ -112,9 +112,8 @@ def create_app(settings: Settings) -> Starlette:
         # Long-polls for a result block on the job's done stream: a pool of their own, so
         # however many wait, event streams keep theirs (each side is admitted, api/streams.py).
         waits = _blocking_pool(settings, settings.max_output_waits, OUTPUT_WAIT_SLICE_MS)
-        # A publish this process owes has a few of soketi's timeouts before a sweep takes it.
         store = JobStore(
-            redis, settings.job_record_ttl_s, streams=streams, waits=waits, owed_publish_ms=5 * settings.pusher_timeout_ms
+            redis, settings.job_record_ttl_s, streams=streams, waits=waits, publish_timeout_ms=settings.pusher_timeout_ms
         )
         realtime = RealtimePublisher(settings)
         sweeper = RealtimeSweeper(store, realtime, settings.realtime_sweep_ms)

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
+from api.auth import Principal
 from api.errors import ApiError
 from shared.errors import FieldError
 
-__all__ = ["ANONYMOUS", "SMALL_BODY_BYTES", "BodyBudget", "read_body"]
+__all__ = ["ANONYMOUS", "SMALL_BODY_BYTES", "BodyBudget", "holder_of", "read_body"]
 
 # Bodies up to this size are counted apart from bigger ones: big uploads under way never
 # keep an IDE's job or a stdin frame out.
@@ -29,6 +30,11 @@ ANONYMOUS = "anonymous"
 JOB_TOKENS_SHARE = 2
 ONE_JOB_TOKEN_SHARE = 16
 ANONYMOUS_SHARE = 16
+
+
+def holder_of(principal: Principal) -> str | None:
+    """Whom a body sent with `principal`'s token counts against (see ANONYMOUS)."""
+    return principal.caller if principal.job_id is not None else None
 
 
 class BodyBudget:

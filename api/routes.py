@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from api.artifacts import download_artifact
 from api.blobs import check_blobs, finalize_blobs, upload_blob
-from api.body import ANONYMOUS, SMALL_BODY_BYTES, BodyBudget
+from api.body import ANONYMOUS, SMALL_BODY_BYTES, BodyBudget, holder_of
 from api.callbacks import check_callback_url
 from api.errors import ApiError
 from api.events import job_events
@@ -350,7 +350,7 @@ async def _write_stdin(
 async def send_stdin(request: Request) -> Response:
     """Bytes for the program's stdin, kept durably. 200 {ok:true}; 429 past the caps; 409 once ended."""
     state = _state(request)
-    status = await state.visible_job(request)
+    principal, status = await state.caller_and_job(request)
     # A job token (a browser's) sends these: a big one counts against the bodies' budget like
     # any other, or connections sending them slowly hold memory without a bound.
     budget: BodyBudget = request.app.state.request_bodies
@@ -364,7 +364,7 @@ async def send_stdin(request: Request) -> Response:
         details=[FieldError("body", f"must carry at most {cap} bytes of input")],
         capBytes=cap,
     )
-    async with budget.body(request, MAX_STDIN_BODY, too_big, state.body_holder(request)) as body:
+    async with budget.body(request, MAX_STDIN_BODY, too_big, holder_of(principal)) as body:
         data, field = _stdin_bytes(body)
         if len(data) > cap:
             raise ApiError(
@@ -402,9 +402,9 @@ async def close_stdin(request: Request) -> Response:
     """EOF after every byte accepted so far. 200 {ok:true}; 409 once ended or already closed;
     400 for bytes sent along (they would be dropped: they go to /stdin first)."""
     state = _state(request)
-    status = await state.visible_job(request)
+    principal, status = await state.caller_and_job(request)
     budget: BodyBudget = request.app.state.request_bodies
-    async with budget.body(request, MAX_STDIN_BODY, holder=state.body_holder(request)) as body:
+    async with budget.body(request, MAX_STDIN_BODY, holder=holder_of(principal)) as body:
         sent = _bytes_sent_along(body)
         if sent is not None:
             raise ValidationError([FieldError(sent, "is not taken here: POST the bytes to /stdin, then close")])
@@ -670,8 +670,7 @@ async def channel_auth_route(request: Request) -> Response:
     budget: BodyBudget = request.app.state.request_bodies
     if state.auth.has_bearer(request):
         principal = state.auth.principal(request)
-        holder = principal.caller if principal.job_id is not None else None
-        fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=holder))
+        fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=holder_of(principal)))
     else:
         try:
             fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=ANONYMOUS))

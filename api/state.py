@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from starlette.requests import Request
 
-from api.auth import Authenticator
+from api.auth import Authenticator, Principal
 from api.blobs import BlobStore
 from api.catalog import Catalog
 from api.errors import ApiError
@@ -48,15 +48,13 @@ class AppState:
 
         With `url_token`, a job token may also come as `?token=` (see Authenticator).
         """
+        return (await self.caller_and_job(request, url_token))[1]
+
+    async def caller_and_job(self, request: Request, url_token: bool = False) -> tuple[Principal, StoredStatus]:
+        """visible_job, with who asked."""
         job_id = request.path_params["job_id"]
         principal = self.auth.principal(request, url_token=request.query_params.get("token") if url_token else None)
         status = await self.store.status(job_id) if keys.is_job_id(job_id) else None
         if status is None or not principal.may_access(job_id, status.owner):
             raise ApiError(404, "Job not found")
-        return status
-
-    def body_holder(self, request: Request) -> str | None:
-        """Whom a request's body counts against (api.body.BodyBudget): its job token's caller,
-        or None for the API token's holder. (After visible_job, which has authenticated it.)"""
-        principal = self.auth.principal(request)
-        return principal.caller if principal.job_id is not None else None
+        return principal, status

@@ -320,15 +320,25 @@ return {1}
 )
 
 # Puts `debt` ('<job id>:<what>', one per publish: see OwedPublish) on the API's owed
-# publishes (keys.API_UNPUBLISHED), due `grace_ms` from now by Redis's clock (the API
-# processes' clocks may disagree); with `nx`, not if it is there already.
-_OWE_PUBLISH_LUA = """
-local function owe_publish(key, debt, grace_ms, nx)
+# publishes (keys.API_UNPUBLISHED), due `grace_ms` from now by Redis's clock; with `nx`, not
+# if it is there already.
+# Redis's clock in ms (the API processes' clocks may disagree).
+_NOW_MS_LUA = """
+local function now_ms()
   local clock = redis.call('TIME')
-  local due = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(grace_ms)
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+"""
+
+_OWE_PUBLISH_LUA = (
+    _NOW_MS_LUA
+    + """
+local function owe_publish(key, debt, grace_ms, nx)
+  local due = now_ms() + tonumber(grace_ms)
   if nx then redis.call('ZADD', key, 'NX', due, debt) else redis.call('ZADD', key, due, debt) end
 end
 """
+)
 
 # KEYS: keys.API_UNPUBLISHED, keys.API_UNPUBLISHED_TAKEN. ARGV: lease ms, most to take.
 # Those a sweep took whose lease ran out (it died, or soketi did not take them), leased again,
@@ -337,9 +347,10 @@ end
 # about to send one, finds it gone and leaves it: OwedPublish.confirm). A due debt of the same
 # name as one a sweep holds (a result resent within the gap, '<job id>:gap', owed again while
 # the last one is being sent) waits where it is until that one is settled.
-_TAKE_OWED = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+_TAKE_OWED = (
+    _NOW_MS_LUA
+    + """
+local now = now_ms()
 local until_ms = now + tonumber(ARGV[1])
 local most = tonumber(ARGV[2])
 local taken = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, math.max(1, math.floor(most / 2)))
@@ -354,15 +365,18 @@ for _, debt in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT',
 end
 return taken
 """
+)
 
 # KEYS: keys.API_UNPUBLISHED. ARGV: the debt, ms. 1 and the debt put off by `ms` if it is
 # still owed there (no sweep took it), else 0.
-_CONFIRM_OWED = """
+_CONFIRM_OWED = (
+    _NOW_MS_LUA
+    + """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-local clock = redis.call('TIME')
-redis.call('ZADD', KEYS[1], 'XX', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', KEYS[1], 'XX', now_ms() + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
+)
 
 # A kill request. A job still in the queue (no worker holds it) ends here and now; any other
 # live job gets a durable kill flag (a worker checks it on claim and while it holds the job)
@@ -745,9 +759,9 @@ LATE_REPLAY_BYTES = 256 * 1024
 # channel (a page reloaded): one sooner goes when it is over, through a sweep.
 RESEND_GAP_MS = 500
 # How long an API process has to publish what it owes (a queued job's kill, a late replay)
-# before a sweep of another process publishes the result instead: a few of soketi's
-# timeouts (api/app.py sets it from PUSHER_TIMEOUT_MS).
-OWED_PUBLISH_MS = 10_000
+# before a sweep of another process publishes the result instead, in soketi's timeouts
+# (PUSHER_TIMEOUT_MS), besides one for each request the publish takes.
+OWED_PUBLISH_TIMEOUTS = 5
 
 
 @dataclass(frozen=True)
@@ -763,9 +777,7 @@ class OwedPublish:
     debt: str
 
     async def confirm(self, posts: int) -> bool:
-        if not self.debt:
-            return True
-        return await self.store.confirm_owed(self.debt, self.store.owed_publish_ms + posts * self.store.owed_publish_ms // 5)
+        return not self.debt or await self.store.confirm_owed(self.debt, posts)
 
     async def settle(self) -> None:
         if self.debt:
@@ -779,16 +791,17 @@ class JobStore:
         record_ttl_s: int,
         streams: Redis | None = None,
         waits: Redis | None = None,
-        owed_publish_ms: int = OWED_PUBLISH_MS,
+        publish_timeout_ms: int = 2000,
     ) -> None:
         self._redis = redis
         self._streams = streams or redis
         self._waits = waits or self._streams
         self._record_ttl_s = record_ttl_s
-        # How long a publish this process owes (keys.API_UNPUBLISHED) is its own, to finish
-        # or give up on, before another process's sweep takes it (a fifth of it: soketi's
-        # timeout, for each request a publish may take).
-        self.owed_publish_ms = self._owed_publish_ms = owed_publish_ms
+        # soketi's timeout (PUSHER_TIMEOUT_MS): how long a publish this process owes
+        # (keys.API_UNPUBLISHED) stays its own, to finish or give up on, before another
+        # process's sweep takes it, is counted in it (OWED_PUBLISH_TIMEOUTS).
+        self._publish_timeout_ms = publish_timeout_ms
+        self._owed_publish_ms = OWED_PUBLISH_TIMEOUTS * publish_timeout_ms
         # New input: refused at Redis's maxmemory (a 503), even when the script would delete
         # something (an expired ledger entry) before it writes.
         self._enqueue = OomRefusedScript(redis, _ENQUEUE)
@@ -1077,9 +1090,10 @@ class JobStore:
         """The publish a kill that ended a queued job someone follows owes (see _KILL)."""
         return OwedPublish(self, events, f"{job_id}:kill")
 
-    async def confirm_owed(self, debt: str, ms: int) -> bool:
+    async def confirm_owed(self, debt: str, posts: int) -> bool:
         """Whether `debt` is still this process's to send (no sweep took it); if so, it is put
-        off by `ms`, the time its publish may take."""
+        off by the time its publish may take, `posts` requests to soketi."""
+        ms = self._owed_publish_ms + posts * self._publish_timeout_ms
         return bool(await self._confirm_owed(keys=[keys.API_UNPUBLISHED], args=[debt, ms]))
 
     async def settle_owed(self, debt: str, taken: bool = False) -> None:
@@ -1091,7 +1105,7 @@ class JobStore:
         take them), at most `most`, each taken for long enough to send them all one by one: the
         debt (settle_owed with `taken` once it went) and its job's last log entry (its result;
         None once the log has expired)."""
-        lease_ms = 2 * self._owed_publish_ms + most * self._owed_publish_ms // 5
+        lease_ms = 2 * self._owed_publish_ms + most * self._publish_timeout_ms
         taken = await self._take_owed(keys=[keys.API_UNPUBLISHED, keys.API_UNPUBLISHED_TAKEN], args=[lease_ms, most])
         debts = [raw.decode() for raw in taken]
         if not debts:
