@@ -109,5 +109,3 @@ Module._load = function loadGuarded(request, parent, isMain) {
   }
   return exported;
 };
-
-module.exports = { fault };
