@@ -32,7 +32,8 @@
  * profile was reviewed against get ENOSYS, as on a kernel that lacks them, until someone
  * reviews them and raises REVIEWED_SYSCALL_MAX (kept equal to the number in base.cfg).
  *
- * Built statically by the worker at start-up; it runs as the job's unprivileged uid.
+ * Built by the worker at start-up without a C library (bare.h); it runs as the job's
+ * unprivileged uid.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -42,13 +43,11 @@
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
-#include <unistd.h>
+
+#include "bare.h"
 
 #define MAX_ITEMS 4096
 #define MAX_ITEM_BYTES (1u << 20)
@@ -63,15 +62,13 @@
 #endif
 #define X32_SYSCALL_BIT 0x40000000u
 
-extern char **environ;
-
 static int read_exact(void *buf, size_t n) {
     char *p = buf;
     while (n > 0) {
-        ssize_t got = read(0, p, n);
+        long got = SYS3(SYS_read, 0, p, n);
         if (got == 0) return -1;
         if (got < 0) {
-            if (errno == EINTR) continue;
+            if (got == -EINTR) continue;
             return -1;
         }
         p += got;
@@ -97,12 +94,12 @@ static int read_u64(uint64_t *out) {
 
 static char **read_strings(uint32_t *count) {
     if (read_u32(count) || *count > MAX_ITEMS) return NULL;
-    char **items = calloc((size_t)*count + 1, sizeof(char *));
+    char **items = bare_alloc(((size_t)*count + 1) * sizeof(char *));
     if (!items) return NULL;
     for (uint32_t i = 0; i < *count; i++) {
         uint32_t len;
         if (read_u32(&len) || len > MAX_ITEM_BYTES) return NULL;
-        items[i] = malloc((size_t)len + 1);
+        items[i] = bare_alloc((size_t)len + 1);
         if (!items[i] || read_exact(items[i], len)) return NULL;
         items[i][len] = '\0';
     }
@@ -116,10 +113,10 @@ static void limit(int resource, uint64_t value) {
     if (value == 0) return;
     struct rlimit rl = {.rlim_cur = value, .rlim_max = value};
     struct rlimit now;
-    if (getrlimit(resource, &now) == 0 && now.rlim_max != RLIM_INFINITY && value > now.rlim_max) {
+    if (SYS2(SYS_getrlimit, resource, &now) == 0 && now.rlim_max != RLIM_INFINITY && value > now.rlim_max) {
         rl.rlim_cur = rl.rlim_max = now.rlim_max; /* never try to raise */
     }
-    if (setrlimit(resource, &rl) != 0) _exit(124);
+    if (SYS2(SYS_setrlimit, resource, &rl) != 0) bare_exit(124);
 }
 
 /* Returns 0, or -1 when the kernel refused the filter (the gate then ends: no program
@@ -142,8 +139,8 @@ static int seal_syscalls(void) {
     struct sock_fprog prog = {.len = sizeof code / sizeof code[0], .filter = code};
     /* nsjail already set no_new_privs; setting it again is harmless and makes the
      * filter installable even for a gate started some other way. */
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
-    return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0);
+    if (SYS5(SYS_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
+    return SYS5(SYS_prctl, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) == 0 ? 0 : -1;
 }
 
 /* The program has ended: so does everything it left running, before the report. As the
@@ -156,42 +153,68 @@ static int seal_syscalls(void) {
  * the next round. */
 static void end_the_rest(void) {
     for (;;) {
-        kill(-1, SIGKILL);
-        if (waitpid(-1, NULL, 0) < 0 && errno == ECHILD) return;
+        SYS2(SYS_kill, -1, SIGKILL);
+        if (SYS4(SYS_wait4, -1, NULL, 0, NULL) == -ECHILD) return;
     }
 }
 
 static void report(int status_fd, int status) {
     char line[32];
-    int n = WIFSIGNALED(status) ? snprintf(line, sizeof line, "signal %d\n", WTERMSIG(status))
-                                : snprintf(line, sizeof line, "exit %d\n", WEXITSTATUS(status));
-    if (status_fd >= 0 && n > 0) {
-        ssize_t ignored = write(status_fd, line, (size_t)n);
-        (void)ignored;
-    }
+    const char *what = WIFSIGNALED(status) ? "signal " : "exit ";
+    size_t n = bare_strlen(what);
+    memcpy(line, what, n);
+    n += bare_utoa((unsigned)(WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status)), line + n);
+    line[n++] = '\n';
+    if (status_fd >= 0) SYS3(SYS_write, status_fd, line, n);
 }
 
-int main(int gate_argc, char **gate_argv) {
-    int status_fd = gate_argc > 1 ? atoi(gate_argv[1]) : -1;
-    if (status_fd >= 0) fcntl(status_fd, F_SETFD, FD_CLOEXEC);
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+/* The environment the program gets: the gate's own, with each "NAME=value" of `added`
+ * replacing the entry of that name or appended (and a bare "NAME" removing it), as
+ * putenv(3) would have made it. NULL if memory ran out. */
+static char **environment(char **inherited, char **added, uint32_t addc) {
+    size_t have = 0;
+    while (inherited[have]) have++;
+    char **env = bare_alloc((have + addc + 1) * sizeof(char *));
+    if (!env) return NULL;
+    memcpy(env, inherited, have * sizeof(char *));
+    for (uint32_t i = 0; i < addc; i++) {
+        char *entry = added[i];
+        size_t name = 0;
+        while (entry[name] && entry[name] != '=') name++;
+        if (entry[name] == '\0') { /* unsetenv: every entry of that name goes */
+            size_t kept = 0;
+            for (size_t j = 0; j < have; j++)
+                if (!(memcmp(env[j], entry, name) == 0 && env[j][name] == '=')) env[kept++] = env[j];
+            have = kept;
+            continue;
+        }
+        size_t j = 0;
+        while (j < have && !(memcmp(env[j], entry, name + 1) == 0)) j++;
+        env[j] = entry; /* the first of that name, or a new one at the end */
+        if (j == have) have++;
+    }
+    env[have] = NULL;
+    return env;
+}
+
+int main(int gate_argc, char **gate_argv, char **gate_envp) {
+    long status_fd = -1;
+    if (gate_argc < 2 || bare_atol(gate_argv[1], &status_fd) || status_fd > INT32_MAX) status_fd = -1;
+    if (status_fd >= 0) SYS3(SYS_fcntl, status_fd, F_SETFD, FD_CLOEXEC);
+    SYS5(SYS_prctl, PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* The jail is built and this process is in it, cgroups included: said first, so the
      * worker can move nsjail out of the job's cgroups (nsjail runs quiet, so its log no
      * longer says when it executes the gate). */
     if (status_fd >= 0) {
         static const char ready[] = "ready\n";
-        ssize_t ignored = write(status_fd, ready, sizeof ready - 1);
-        (void)ignored;
+        SYS3(SYS_write, status_fd, ready, sizeof ready - 1);
     }
     if (seal_syscalls() != 0) {
         /* Said on the status pipe, so a job that took this jail is an internal error, not
          * a program that "exited 126". */
         static const char fault[] = "fault seccomp\n";
-        if (status_fd >= 0) {
-            ssize_t ignored = write(status_fd, fault, sizeof fault - 1);
-            (void)ignored;
-        }
-        _exit(126);
+        if (status_fd >= 0) SYS3(SYS_write, status_fd, fault, sizeof fault - 1);
+        bare_exit(126);
     }
 
     /* Queued signals and POSIX message queues are counted per user at every user-namespace
@@ -206,9 +229,9 @@ int main(int gate_argc, char **gate_argv) {
      * start a root process outside the jail's cgroups, fed with the job's memory. Exactly 1
      * is the one value that stops those too, and is below any core file's size. */
     struct rlimit core = {.rlim_cur = 1, .rlim_max = 1};
-    if (setrlimit(RLIMIT_SIGPENDING, &sigpending) != 0 || setrlimit(RLIMIT_MSGQUEUE, &msgqueue) != 0 ||
-        setrlimit(RLIMIT_CORE, &core) != 0)
-        _exit(124);
+    if (SYS2(SYS_setrlimit, RLIMIT_SIGPENDING, &sigpending) != 0 || SYS2(SYS_setrlimit, RLIMIT_MSGQUEUE, &msgqueue) != 0 ||
+        SYS2(SYS_setrlimit, RLIMIT_CORE, &core) != 0)
+        bare_exit(124);
 
     char magic[4];
     if (read_exact(magic, 4) || memcmp(magic, "CRG1", 4) != 0) return 0;
@@ -220,33 +243,32 @@ int main(int gate_argc, char **gate_argv) {
     uint64_t cpu_s, fsize, nofile;
     if (read_u64(&cpu_s) || read_u64(&fsize) || read_u64(&nofile)) return 0;
 
-    for (uint32_t i = 0; i < envc; i++) {
-        if (putenv(env[i]) != 0) _exit(124);
-    }
+    char **program_env = environment(gate_envp, env, envc);
+    if (!program_env) bare_exit(124);
     limit(RLIMIT_CPU, cpu_s);
     limit(RLIMIT_FSIZE, fsize);
     limit(RLIMIT_NOFILE, nofile);
 
-    pid_t child = fork();
-    if (child < 0) _exit(125);
+    long child = SYS5(SYS_clone, SIGCHLD, 0, NULL, NULL, 0); /* fork(2), as glibc makes it */
+    if (child < 0) bare_exit(125);
     if (child == 0) {
-        execve(argv[0], argv, environ);
+        SYS3(SYS_execve, argv[0], argv, program_env);
         /* 127 like a shell: the program could not be executed at all. */
-        _exit(127);
+        bare_exit(127);
     }
     /* The gate needs nothing more from stdin, and must not keep the pipe open. */
-    close(0);
+    SYS1(SYS_close, 0);
     for (;;) {
         int status;
-        pid_t pid = waitpid(-1, &status, 0);
+        long pid = SYS4(SYS_wait4, -1, &status, 0, NULL);
         if (pid < 0) {
-            if (errno == EINTR) continue;
-            _exit(125);
+            if (pid == -EINTR) continue;
+            bare_exit(125);
         }
         if (pid == child) {
             end_the_rest();
-            report(status_fd, status);
-            _exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
+            report((int)status_fd, status);
+            bare_exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
         }
         /* An orphan the program left behind: reaped, nothing more. */
     }

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 GATE_SOURCE = Path(__file__).with_name("gate.c")
 ENTER_SOURCE = Path(__file__).with_name("enter.c")
+BARE_HEADER = Path(__file__).with_name("bare.h")
 # A sandbox left idle this long is replaced before use (it also bounds nsjail's backstop).
 MAX_IDLE_S = 1200.0
 # CPU a prestarted runtime may spend starting, on top of the largest CPU limit (a JVM in
@@ -230,27 +231,35 @@ async def _compile_shim(
         return [_stage_file(path, gate_dir, prefix + path.name, 0o644) for path in made]
 
 
+# The C helpers are built without a C library (bare.h says why): no start files, no libc,
+# nothing the compiler would quietly call that bare.h does not define.
+_BARE_FLAGS = (
+    "-O2", "-static", "-nostdlib", "-ffreestanding", "-fno-builtin", "-fno-stack-protector",
+    "-fno-tree-loop-distribute-patterns", "-fno-asynchronous-unwind-tables", "-fno-pie", "-no-pie",
+)  # fmt: skip
+
+
 async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
-    """Compile one of the C helpers once per source version; returns the binary's path."""
-    source = source_path.read_bytes()
-    dest = work_root / f".{name}-{hashlib.sha256(source).hexdigest()[:16]}"
+    """Compile one of the C helpers once per version of its source and of bare.h; returns
+    the binary's path."""
+    digest = hashlib.sha256(source_path.read_bytes() + BARE_HEADER.read_bytes() + " ".join(_BARE_FLAGS).encode())
+    dest = work_root / f".{name}-{digest.hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise GateBuildError(f"a C compiler (cc) is needed once at start-up to build the jail {name} (apt install gcc)")
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
-    for static in (["-static"], []):  # static needs libc.a; the dynamic build works too (the jail has /lib)
-        proc = await asyncio.create_subprocess_exec(
-            compiler, "-O2", *static, "-o", str(tmp), str(source_path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        out, _ = await proc.communicate()
-        if proc.returncode == 0:
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, dest)
-            return dest
-    raise GateBuildError(f"building the jail {name} failed: {out.decode(errors='replace')[-400:]}")
+    proc = await asyncio.create_subprocess_exec(
+        compiler, *_BARE_FLAGS, "-o", str(tmp), str(source_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise GateBuildError(f"building the jail {name} failed: {out.decode(errors='replace')[-400:]}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)
+    return dest
 
 
 @dataclass(frozen=True)
