@@ -499,21 +499,20 @@ def _runtime_pid(cgroup: JobCgroup) -> int:
     raise JailError("the prestarted runtime is gone")
 
 
-def _after_warm_up(cgroup: JobCgroup, workspace: Workspace, shim_files: list[str]) -> int:
-    """The runtime is up: its shim's files leave the workspace (the job's go in alone);
-    returns the runtime's host pid."""
+def _after_warm_up(
+    cgroup: JobCgroup, workspace: Workspace, shim_files: list[str], cpu_at_go_us: int, wall_ms: int
+) -> tuple[int, StartupCost]:
+    """The runtime is up: its shim's files leave the workspace (the job's go in alone).
+    Returns the runtime's host pid and its start-up cost: what it holds, and the CPU its
+    jail spent since the gate let it go (what a plain run's clock, which starts there too,
+    would count for it). One trip to the isolation threads for both."""
     workspace.remove(shim_files)
-    return _runtime_pid(cgroup)
-
-
-def _startup_cost(cgroup: JobCgroup, cpu_at_go_us: int, wall_ms: int) -> StartupCost:
-    """What a runtime just started holds, and the CPU its jail spent since the gate let it
-    go: what a plain run's clock, which starts there too, would count for it."""
-    return StartupCost(
+    cost = StartupCost(
         resident_bytes=cgroup.memory_resident_bytes(),
         cpu_ms=max(0, cgroup.cpu_us() - cpu_at_go_us) // 1000,
         wall_ms=wall_ms,
     )
+    return _runtime_pid(cgroup), cost
 
 
 def _cpu_used_s(pid: int) -> float:
@@ -727,8 +726,8 @@ class SandboxFactory:
                     raise JailError("the jail ended before its runtime was started")
                 await self._await_runtime(jail)
                 wall_ms = round((time.monotonic() - go_at) * 1000)
-                sandbox.runtime_pid = await off_loop(_after_warm_up, cgroup, workspace, names)
-                prime.startup.record(await off_loop(_startup_cost, cgroup, cpu_at_go_us, wall_ms))
+                sandbox.runtime_pid, cost = await off_loop(_after_warm_up, cgroup, workspace, names, cpu_at_go_us, wall_ms)
+                prime.startup.record(cost)
             except Exception as exc:
                 await asyncio.shield(sandbox.destroy())
                 raise RuntimeFailed(f"the prestarted {prime.language} runtime failed: {exc}") from exc
