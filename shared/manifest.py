@@ -33,6 +33,7 @@ __all__ = [
     "CompileStep",
     "HeapLimit",
     "Manifest",
+    "PrestartCache",
     "compiled_shim_name",
     "entry_of",
     "expand_argv",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 SCALARS = ("{entry}", "{entryStem}", "{memoryMb}", "{heapMb}", "{home}")
+PRESTART_CACHE_PLACEHOLDERS = ("{shim}", "{out}", "{inJail}", "{home}")
 LISTS = ("{sources}", "{args}")
 _PLACEHOLDER = re.compile(r"\{[A-Za-z]+\}")
 
@@ -58,6 +60,18 @@ class CompilerArchive(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     no usable file there must go on without it (the JVM does, silently)."""
 
     path: Annotated[str, msgspec.Meta(pattern=r"^/\.coderunner/[A-Za-z0-9._-]{1,64}$")]
+    make: NonEmptyArgv
+
+
+class PrestartCache(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The prestart shim in a form its runtime loads without compiling it (CPython's
+    bytecode), made once at worker start-up by running `make` on the host with the
+    language's own toolchain. {shim} is the shim's source, {out} where to write, {inJail}
+    the path the source has in the jail (for the names the file records). A warm jail then
+    starts the runtime on `file`, bound at PRESTART_DIR_IN_JAIL in the source's stead; if
+    `make` fails, warm jails start on the source as before."""
+
+    file: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}\.[a-z]{1,4}$")]
     make: NonEmptyArgv
 
 
@@ -114,6 +128,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # runtime already started (the interpreter part of `run`, before {entry}, plus the shim)
     # until the job's start; see prestart_argv_for.
     prestart: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}\.[a-z]{1,4}$")] | None = None
+    prestart_cache: PrestartCache | None = None
     heap_limit: HeapLimit | None = None
 
     @property
@@ -186,6 +201,16 @@ def _check_templates(manifest: Manifest, origin: str) -> None:
             for found in _PLACEHOLDER.findall(item):
                 if found not in SCALARS:
                     raise ManifestError(f"{origin}: unknown placeholder {found} in {where}")
+    cache = manifest.prestart_cache
+    if cache is not None:
+        if manifest.prestart is None:
+            raise ManifestError(f"{origin}: prestart_cache needs a prestart shim")
+        if cache.file == manifest.prestart:
+            raise ManifestError(f"{origin}: prestart_cache.file must differ from the prestart shim's name")
+        for item in cache.make:
+            for found in _PLACEHOLDER.findall(item):
+                if found not in PRESTART_CACHE_PLACEHOLDERS:
+                    raise ManifestError(f"{origin}: unknown placeholder {found} in prestart_cache.make")
 
 
 def parse_manifest(text: str, origin: str) -> Manifest:
@@ -229,8 +254,12 @@ def with_home(manifest: Manifest, home: str) -> Manifest:
             argv=fill(compile_step.argv),
             env={k: v.replace("{home}", home) for k, v in compile_step.env.items()},
         )
+    cache = manifest.prestart_cache
+    if cache is not None:
+        cache = msgspec.structs.replace(cache, make=fill(cache.make))
     return msgspec.structs.replace(
         manifest,
+        prestart_cache=cache,
         run=fill(manifest.run),
         version_probe=fill(manifest.version_probe),
         mounts=fill(manifest.mounts),

@@ -737,9 +737,10 @@ def test_nothing_of_another_job_reaches_a_prestarted_one(stacks: tuple[Api, Api]
 
 
 def waiting_runtimes() -> list[int]:
-    """Prestarted runtimes that have finished starting: blocked reading the frame on fd 0."""
+    """Prestarted runtimes that have finished starting (on the shim's bytecode, python.toml's
+    prestart_cache): blocked reading the frame on fd 0."""
     ps = subprocess.run(
-        ["pgrep", "-f", f"^/usr/bin/python3 -u {SHIM}python.py"], capture_output=True, text=True, check=False
+        ["pgrep", "-f", f"^/usr/bin/python3 -u {SHIM}python\\.pyc$"], capture_output=True, text=True, check=False
     )
     waiting = []
     for pid in (int(p) for p in ps.stdout.split()):

@@ -19,7 +19,7 @@ from shared.chunking import Utf8Chunker, split_utf8
 from shared.codec import decode_request, encode
 from shared.errors import ConfigError, ValidationError
 from shared.limits import DEFAULT_LIMITS, DEFAULT_MAXIMA, RequestedLimits, resolve_limits, with_overrides
-from shared.manifest import compiled_shim_name, expand_argv, names_compiled_shim, parse_manifest
+from shared.manifest import compiled_shim_name, expand_argv, names_compiled_shim, parse_manifest, with_home
 from shared.messages import ExecuteRequest, FileSpec, JobSpec, RealtimeInfo, ResultEvent
 from shared.paths import REPO_ROOT
 from shared.pusher import channel_auth, signed_query, valid_socket_id
@@ -321,6 +321,22 @@ def test_a_heap_limit_must_say_how_the_runtime_ends() -> None:
     with pytest.raises(Exception, match=r"h\.toml: heap_limit must name the exit_code or the signal"):
         parse_manifest(base + '[heap_limit]\nmessages = ["out of heap space"]\n', "h.toml")
     assert parse_manifest(base + '[heap_limit]\nmessages = ["out of heap space"]\nexit_code = 3\n', "h.toml").heap_limit
+
+
+def test_a_prestart_cache_needs_a_shim_another_name_and_known_placeholders() -> None:
+    base = 'language = "x"\nsource_file = "m.x"\nversion_probe = ["x"]\nversion_pattern = "(1)"\nrun = ["x", "{entry}"]\n'
+    cache = 'prestart_cache = { file = "s.xc", make = ["{home}/x", "{shim}", "{out}", "{inJail}"] }\n'
+    manifest = with_home(parse_manifest(base + 'prestart = "s.x"\n' + cache, "c.toml"), "/opt/x")
+    assert manifest.prestart_cache is not None
+    assert manifest.prestart_cache.make == ["/opt/x/x", "{shim}", "{out}", "{inJail}"]
+    with pytest.raises(Exception, match=r"c\.toml: prestart_cache needs a prestart shim"):
+        parse_manifest(base + cache, "c.toml")
+    with pytest.raises(Exception, match=r"c\.toml: prestart_cache.file must differ"):
+        parse_manifest(base + 'prestart = "s.xc"\n' + cache, "c.toml")
+    with pytest.raises(Exception, match=r"c\.toml: unknown placeholder \{entry\} in prestart_cache.make"):
+        parse_manifest(base + 'prestart = "s.x"\n' + cache.replace("{out}", "{entry}"), "c.toml")
+    with pytest.raises(Exception, match=r"c\.toml: .*prestart_cache.file"):
+        parse_manifest(base + 'prestart = "s.x"\n' + cache.replace("s.xc", "../s.xc"), "c.toml")
 
 
 # ------------------------------------------------------------------ boundaries

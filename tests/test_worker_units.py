@@ -211,6 +211,70 @@ async def test_the_jail_helpers_link_no_c_library(tmp_path: Path) -> None:
         assert b"/lib64/ld-linux" not in data  # no interpreter: nothing is loaded before _start
 
 
+async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: Path) -> None:
+    """The bytecode made at start-up (python.toml's prestart_cache) serves a job exactly as
+    the source does: same output, exit status, argv, and a traceback that starts at the
+    job's file (the shim's frames are named by the source's path in the jail)."""
+    from shared.manifest import parse_manifest
+    from shared.paths import REPO_ROOT
+    from worker.isolation.sandbox import build_prestart_caches
+
+    pdir = REPO_ROOT / "sandbox-profiles"
+    manifest = parse_manifest((pdir / "languages" / "python.toml").read_text(), "python.toml")
+    assert manifest.prestart == "python.py" and manifest.prestart_cache is not None
+    (tmp_path / ".gate").mkdir()
+    made = await build_prestart_caches(pdir, tmp_path, {"python.py": (manifest.prestart_cache, "3")})
+    name, cached = made["python.py"]
+    assert name == "python.pyc" and cached.parent == tmp_path / ".gate"
+    again = await build_prestart_caches(pdir, tmp_path, {"python.py": (manifest.prestart_cache, "3")})
+    assert again == made and cached.stat().st_mtime_ns == again["python.py"][1].stat().st_mtime_ns  # made once
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "main.py").write_text("import sys\nprint(sys.argv, __name__, input())\ndef f():\n    1 / 0\nf()\n")
+    env = {**manifest.env, "PATH": "/usr/bin:/bin", "HOME": str(job)}
+
+    def run(shim: Path) -> tuple[int, bytes, bytes]:
+        argv = ["/usr/bin/python3", "-u", str(shim)]
+        frame = Program(argv=[*argv[:2], "main.py", "an arg"], env={}).frame()
+        proc = subprocess.run(argv, input=frame + b"typed\n", capture_output=True, cwd=job, env=env, timeout=20)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    code, out, err = run(cached)
+    assert (code, out) == (1, b"['main.py', 'an arg'] __main__ typed\n"), err
+    assert err.startswith(b"\0coderunner-prestart-ready\nTraceback (most recent call last):\n  File \"" + str(job / "main.py").encode())
+    assert b"prestart" not in err.partition(b"ready\n")[2] and err.endswith(b"ZeroDivisionError: division by zero\n")
+    assert run(pdir / "prestart" / "python.py") == (code, out, err)
+
+
+async def test_a_shim_whose_cache_cannot_be_made_is_served_from_its_source(tmp_path: Path) -> None:
+    from shared.limits import DEFAULT_LIMITS
+    from shared.manifest import PrestartCache
+    from worker.isolation.sandbox import SandboxFactory, build_prestart_caches
+
+    pdir = tmp_path / "profiles"
+    (pdir / "prestart").mkdir(parents=True)
+    (pdir / "prestart" / "s.py").write_text("pass\n")
+    (tmp_path / ".gate").mkdir()
+    failing = PrestartCache(file="s.pyc", make=["/bin/sh", "-c", "echo no compiler here; exit 3"])
+    silent = PrestartCache(file="s.pyc", make=["/bin/true"])  # says it worked, made nothing
+    missing = PrestartCache(file="s.pyc", make=["/no/such/compiler"])
+    for cache in (failing, silent, missing):
+        assert await build_prestart_caches(pdir, tmp_path, {"s.py": (cache, "1")}) == {}
+    assert not list((tmp_path / ".gate").iterdir())
+    factory = SandboxFactory(
+        nsjail="nsjail", profiles_dir=pdir, work_root=tmp_path, gate=tmp_path, enter=tmp_path, cgroups=None,  # type: ignore[arg-type]
+        uid_base=60000, max_limits=DEFAULT_LIMITS, prestart_shims={"s.py": pdir / "prestart" / "s.py"},
+    )  # fmt: skip
+    prime = factory.prime_for("py", ["/usr/bin/python3", "-u", "{entry}", "{args}"], "s.py", {}, DEFAULT_LIMITS)
+    assert prime is not None and prime.program.argv[-1] == "/.coderunner/prestart/s.py"
+    assert factory._shim_file("s.py") == pdir / "prestart" / "s.py"
+    made = PrestartCache(file="s.pyc", make=["/bin/sh", "-c", "cp \"$0\" \"$1\"", "{shim}", "{out}"])
+    factory.prestart_caches = await build_prestart_caches(pdir, tmp_path, {"s.py": (made, "1")})
+    prime = factory.prime_for("py", ["/usr/bin/python3", "-u", "{entry}", "{args}"], "s.py", {}, DEFAULT_LIMITS)
+    assert prime is not None and prime.program.argv[-1] == "/.coderunner/prestart/s.pyc"
+    assert factory._shim_file("s.py") == factory.prestart_caches["s.py"][1]
+
+
 async def test_the_gate_gives_the_program_its_frame_in_a_namespace_of_its_own(tmp_path: Path) -> None:
     """The frame's environment is merged into the gate's own as putenv(3) would (replaced
     in place, appended, or removed by a bare name), its rlimits are set, the program's

@@ -22,6 +22,7 @@ from pathlib import Path
 from shared.errors import ConfigError
 from shared.limits import COMPILE_DEFAULTS, with_overrides
 from shared.logs import configure_logging
+from shared.manifest import PrestartCache
 from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
@@ -34,6 +35,7 @@ from worker.isolation.sandbox import (
     build_compiled_shims,
     build_enter,
     build_gate,
+    build_prestart_caches,
     stage_prestart_shims,
 )
 from worker.isolation.selftest import SandboxUnavailable, self_test
@@ -165,6 +167,7 @@ async def _prepare(
             gate = await build_gate(work_root)
             enter = await build_enter(work_root)
             shims = stage_prestart_shims(pdir, work_root)
+            caches = await build_prestart_caches(pdir, work_root, _prestart_caches(runtimes))
             builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes))
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
@@ -183,6 +186,7 @@ async def _prepare(
         gate=gate,
         enter=enter,
         prestart_shims=shims,
+        prestart_caches=caches,
         prestart_builds=builds.files,
         compile_mounts=builds.compile_mounts,
         cgroups=layout,
@@ -207,6 +211,15 @@ async def _work_root_lock(work_root: Path) -> AsyncIterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _prestart_caches(runtimes: dict[str, Runtime]) -> dict[str, tuple[PrestartCache, str]]:
+    """The languages whose prestart shim has a cache to make, with their toolchain's version."""
+    return {
+        r.manifest.prestart: (r.manifest.prestart_cache, r.version)
+        for r in runtimes.values()
+        if r.manifest.prestart is not None and r.manifest.prestart_cache is not None
+    }
 
 
 def _shim_compilers(runtimes: dict[str, Runtime]) -> dict[str, ShimCompiler]:

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -27,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from shared.limits import Limits
-from shared.manifest import CompilerArchive, expand_argv, prestart_argv_for
+from shared.manifest import PRESTART_DIR_IN_JAIL, CompilerArchive, PrestartCache, expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
@@ -50,6 +51,7 @@ __all__ = [
     "build_compiled_shims",
     "build_enter",
     "build_gate",
+    "build_prestart_caches",
     "owner_of",
     "stage_prestart_shims",
 ]
@@ -135,6 +137,57 @@ def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]
             digest = hashlib.sha256(shim.read_bytes()).hexdigest()[:16]
             staged[shim.name] = _stage_file(shim, work_root / ".gate", f"prestart-{digest}-{shim.name}", 0o644)
     return staged
+
+
+async def build_prestart_caches(
+    profiles_dir: Path, work_root: Path, caches: dict[str, tuple[PrestartCache, str]], timeout_s: float = 60.0
+) -> dict[str, tuple[str, Path]]:
+    """Make each shim's PrestartCache (shim -> (the cache, the toolchain's version)) on the
+    host, staged into the gate tmpfs; shim -> (its file name in the jail, the staged path).
+
+    Named by a digest of the shim, the command and the version, so a toolchain upgraded
+    between two starts gets a fresh file (CPython refuses bytecode of another version: the
+    runtime would then fail to start, and its slots build plain). A shim whose cache cannot
+    be made is left out, logged: its warm jails start on the source.
+    """
+    gate_dir = work_root / ".gate"
+    made: dict[str, tuple[str, Path]] = {}
+    for shim, (cache, version) in sorted(caches.items()):
+        source = profiles_dir / "prestart" / shim
+        if not source.is_file():
+            continue
+        in_jail = f"{PRESTART_DIR_IN_JAIL}/{shim}"
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in cache.make), version.encode()]))
+        staged = gate_dir / f"prestart-cache-{key.hexdigest()[:16]}-{cache.file}"
+        if not staged.is_file():
+            with tempfile.TemporaryDirectory(prefix=".prestart-cache-", dir=work_root) as tmp:
+                out = Path(tmp) / cache.file
+                argv = _fill(cache.make, {"{shim}": str(source), "{out}": str(out), "{inJail}": in_jail})
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv, cwd=tmp, stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                    )  # fmt: skip
+                    said, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+                except (OSError, TimeoutError) as exc:
+                    log.warning("prestart shim %s: its cache was not made (%r); warm jails start on the source", shim, exc)
+                    continue
+                if proc.returncode != 0 or not out.is_file():
+                    log.warning(
+                        "prestart shim %s: its cache was not made (%s); warm jails start on the source",
+                        shim, said.decode(errors="replace")[-500:] or f"exit {proc.returncode}",
+                    )  # fmt: skip
+                    continue
+                _stage_file(out, gate_dir, staged.name, 0o644)
+        made[shim] = (cache.file, staged)
+    return made
+
+
+_PLACEHOLDERS = re.compile(r"\{[A-Za-z]+\}")
+
+
+def _fill(template: list[str], values: dict[str, str]) -> list[str]:
+    return [_PLACEHOLDERS.sub(lambda m: values.get(m.group(0), m.group(0)), item) for item in template]
 
 
 @dataclass(frozen=True)
@@ -569,6 +622,8 @@ class SandboxFactory:
     # Staged prestart shims by file name (stage_prestart_shims), and what the compiled ones
     # compiled to (build_compiled_shims).
     prestart_shims: dict[str, Path] = field(default_factory=dict)
+    # Shim -> (file name in the jail, staged path) of its PrestartCache, if one was made.
+    prestart_caches: dict[str, tuple[str, Path]] = field(default_factory=dict)
     prestart_builds: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)
     # Binds every compile jail gets (compiler archives, see build_compiled_shims).
     compile_mounts: list[str] = field(default_factory=list)
@@ -687,6 +742,8 @@ class SandboxFactory:
         argv = prestart_argv_for(manifest_run, shim, limits.memory_mb, compiled=bool(built))
         if argv is None:
             return None
+        if not built and shim in self.prestart_caches:
+            argv[-1] = f"{PRESTART_DIR_IN_JAIL}/{self.prestart_caches[shim][0]}"
         program = Program(
             argv=argv,
             # The language's, which is every job's (Prime.adopts checks): the runtime starts in
@@ -704,7 +761,7 @@ class SandboxFactory:
         name = self._name(owner, slot)
         uid = self.uid_base + slot
         workspace = Workspace(self.work_root, name, uid, uid)
-        mounts = [f"{self.prestart_shims[prime.shim]}:{prime.program.argv[-1]}"] if prime and not prime.workspace_files else []
+        mounts = [f"{self._shim_file(prime.shim)}:{prime.program.argv[-1]}"] if prime and not prime.workspace_files else []
         # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room, and so does
         # the program of a plain jail whose runtime's start-up is left uncharged (Sandbox.load
         # with a stand-in): the gate lowers every program's own to what it may have.
@@ -735,6 +792,11 @@ class SandboxFactory:
                 await asyncio.shield(sandbox.destroy())
                 raise
         return sandbox
+
+    def _shim_file(self, shim: str) -> Path:
+        """What a warm jail binds as its shim: the shim's cache if one was made, else its source."""
+        cached = self.prestart_caches.get(shim)
+        return cached[1] if cached is not None else self.prestart_shims[shim]
 
     async def _await_runtime(self, jail: Jail) -> None:
         """Wait for the prestarted runtime's ready marker: its start-up is over, it waits for
