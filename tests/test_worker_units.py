@@ -211,7 +211,17 @@ async def test_the_jail_helpers_link_no_c_library(tmp_path: Path) -> None:
         assert b"/lib64/ld-linux" not in data  # no interpreter: nothing is loaded before _start
 
 
-async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: Path) -> None:
+@pytest.fixture
+def gate_dir(tmp_path: Path) -> Any:
+    """`<tmp_path>/.gate`, which staging mounts a tmpfs on: unmounted afterwards."""
+    folder = tmp_path / ".gate"
+    folder.mkdir()
+    yield folder
+    if os.path.ismount(folder):
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: Path, gate_dir: Path) -> None:
     """The bytecode made at start-up (python.toml's prestart_cache) serves a job exactly as
     the source does: same output, exit status, argv, and a traceback that starts at the
     job's file (the shim's frames are named by the source's path in the jail)."""
@@ -222,10 +232,9 @@ async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: 
     pdir = REPO_ROOT / "sandbox-profiles"
     manifest = parse_manifest((pdir / "languages" / "python.toml").read_text(), "python.toml")
     assert manifest.prestart == "python.py" and manifest.prestart_cache is not None
-    (tmp_path / ".gate").mkdir()
     made = await build_prestart_caches(pdir, tmp_path, {"python.py": (manifest.prestart_cache, "3")})
     name, cached = made["python.py"]
-    assert name == "python.pyc" and cached.parent == tmp_path / ".gate"
+    assert name == "python.pyc" and cached.parent == gate_dir
     again = await build_prestart_caches(pdir, tmp_path, {"python.py": (manifest.prestart_cache, "3")})
     assert again == made and cached.stat().st_mtime_ns == again["python.py"][1].stat().st_mtime_ns  # made once
     job = tmp_path / "job"
@@ -246,7 +255,7 @@ async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: 
     assert run(pdir / "prestart" / "python.py") == (code, out, err)
 
 
-async def test_a_shim_whose_cache_cannot_be_made_is_served_from_its_source(tmp_path: Path) -> None:
+async def test_a_shim_whose_cache_cannot_be_made_is_served_from_its_source(tmp_path: Path, gate_dir: Path) -> None:
     from shared.limits import DEFAULT_LIMITS
     from shared.manifest import PrestartCache
     from worker.isolation.sandbox import SandboxFactory, build_prestart_caches
@@ -254,13 +263,12 @@ async def test_a_shim_whose_cache_cannot_be_made_is_served_from_its_source(tmp_p
     pdir = tmp_path / "profiles"
     (pdir / "prestart").mkdir(parents=True)
     (pdir / "prestart" / "s.py").write_text("pass\n")
-    (tmp_path / ".gate").mkdir()
     failing = PrestartCache(file="s.pyc", make=["/bin/sh", "-c", "echo no compiler here; exit 3"])
     silent = PrestartCache(file="s.pyc", make=["/bin/true"])  # says it worked, made nothing
     missing = PrestartCache(file="s.pyc", make=["/no/such/compiler"])
     for cache in (failing, silent, missing):
         assert await build_prestart_caches(pdir, tmp_path, {"s.py": (cache, "1")}) == {}
-    assert not list((tmp_path / ".gate").iterdir())
+    assert not list(gate_dir.iterdir())
     factory = SandboxFactory(
         nsjail="nsjail", profiles_dir=pdir, work_root=tmp_path, gate=tmp_path, enter=tmp_path, cgroups=None,  # type: ignore[arg-type]
         uid_base=60000, max_limits=DEFAULT_LIMITS, prestart_shims={"s.py": pdir / "prestart" / "s.py"},
