@@ -211,6 +211,31 @@ async def test_the_jail_helpers_link_no_c_library(tmp_path: Path) -> None:
         assert b"/lib64/ld-linux" not in data  # no interpreter: nothing is loaded before _start
 
 
+async def test_a_gate_that_is_not_init_signals_nothing_but_its_own(tmp_path: Path) -> None:
+    """Outside a pid namespace the gate's end-of-job kill(-1) would reach every process its
+    uid may signal on the host (every process, for root). Run as an unprivileged uid beside
+    another process of that uid, the gate ends and leaves that process alone."""
+    from worker.isolation.sandbox import GATE_SOURCE, _compile
+
+    gate = await _compile(GATE_SOURCE, tmp_path, "gate")
+    uid = "65531"
+    neighbour = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "30"])
+    try:
+        await asyncio.sleep(0.2)  # (setpriv has exec'd sleep as that uid)
+        status_read, status_write = os.pipe()
+        proc = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", str(gate), str(status_write)],
+            input=Program(argv=["/bin/true"], env={}).frame(), capture_output=True, pass_fds=(status_write,), timeout=10,
+        )  # fmt: skip
+        os.close(status_write)
+        with os.fdopen(status_read, "rb") as status:
+            assert (proc.returncode, status.read()) == (0, b"ready\nexit 0\n")
+        assert neighbour.poll() is None, "the gate killed a process it did not start"
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
 @pytest.fixture
 def gate_dir(tmp_path: Path) -> Any:
     """`<tmp_path>/.gate`, which staging mounts a tmpfs on: unmounted afterwards."""

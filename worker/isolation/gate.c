@@ -152,6 +152,11 @@ static int seal_syscalls(void) {
  * for nsjail to tear the jail down. A child forked while the signal went out is caught by
  * the next round. */
 static void end_the_rest(void) {
+    /* Only as a namespace's init: kill(-1) from anywhere else reaches every process this
+     * uid may signal outside the jail (all of them, for root), and orphans go elsewhere. A
+     * gate started outside a pid namespace (by hand, or under a profile without one) ends
+     * only what it started, and leaves the rest to whoever owns it. */
+    if (SYS0(SYS_getpid) != 1) return;
     for (;;) {
         SYS2(SYS_kill, -1, SIGKILL);
         if (SYS4(SYS_wait4, -1, NULL, 0, NULL) == -ECHILD) return;
