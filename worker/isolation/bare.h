@@ -46,11 +46,21 @@ static inline __attribute__((noreturn)) void bare_exit(int code) {
 }
 
 /* The compiler may turn struct copies and zeroing into calls to these, so they exist under
- * the names it expects. */
+ * the names it expects. (Defined here, not static: each helper is one source file.) */
 void *memcpy(void *dst, const void *src, size_t n) {
     unsigned char *d = dst;
     const unsigned char *s = src;
     while (n--) *d++ = *s++;
+    return dst;
+}
+
+void *memmove(void *dst, const void *src, size_t n) {
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    if (d < s)
+        while (n--) *d++ = *s++;
+    else
+        while (n--) d[n] = s[n];
     return dst;
 }
 
@@ -135,14 +145,15 @@ int main(int argc, char **argv, char **envp);
 
 /* The kernel starts the program with argc, argv and envp on the stack; main's return is
  * the exit code. The stack is realigned for the call as the ABI wants. */
-__asm__(".text\n"
+__asm__(".pushsection .text\n"
         ".global _start\n"
         "_start:\n"
         "  xor %ebp, %ebp\n"
         "  mov %rsp, %rdi\n"
         "  and $-16, %rsp\n"
         "  call bare_start\n"
-        "  hlt\n");
+        "  hlt\n"
+        ".popsection\n");
 
 __attribute__((used, noreturn)) void bare_start(long *stack) {
     int argc = (int)stack[0];

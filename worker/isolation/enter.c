@@ -63,7 +63,9 @@ static long exec_program(char **program, char **envp) {
         const char *end = path;
         while (*end && *end != ':') end++;
         size_t dir = (size_t)(end - path);
-        if (dir + 1 + length < sizeof candidate) {
+        if ((dir ? dir : 1) + 2 + length > sizeof candidate) {
+            if (error == -ENOENT) error = -ENAMETOOLONG;
+        } else {
             size_t at = 0;
             if (dir == 0) candidate[at++] = '.'; /* an empty entry is the current folder */
             memcpy(candidate + at, path, dir);
@@ -71,8 +73,11 @@ static long exec_program(char **program, char **envp) {
             candidate[at++] = '/';
             memcpy(candidate + at, file, length + 1);
             long got = SYS3(SYS_execve, candidate, program, envp);
-            if (got == -EACCES) error = got; /* remembered, as execvp does, but the search goes on */
-            else if (got != -ENOENT && got != -ENOTDIR) return got;
+            /* As execvp: EACCES is remembered while the search goes on; a folder that is
+             * missing, not one, stale or unreachable is passed over; anything else ends it. */
+            if (got == -EACCES) error = got;
+            else if (got != -ENOENT && got != -ENOTDIR && got != -ESTALE && got != -ENODEV && got != -ETIMEDOUT)
+                return got;
         }
         if (!*end) return error;
         path = end + 1;

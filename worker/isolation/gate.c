@@ -103,6 +103,7 @@ static char **read_strings(uint32_t *count) {
         if (!items[i] || read_exact(items[i], len)) return NULL;
         items[i][len] = '\0';
     }
+    items[*count] = NULL;
     return items;
 }
 
@@ -186,6 +187,7 @@ static char **environment(char **inherited, char **added, uint32_t addc) {
         char *entry = added[i];
         size_t name = 0;
         while (entry[name] && entry[name] != '=') name++;
+        if (name == 0 && entry[0] == '\0') continue; /* unsetenv("") fails: nothing goes */
         if (entry[name] == '\0') { /* unsetenv: every entry of that name goes */
             size_t kept = 0;
             for (size_t j = 0; j < have; j++)

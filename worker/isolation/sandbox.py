@@ -299,9 +299,11 @@ async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
     dest = work_root / f".{name}-{digest.hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    # gcc by name first: the flags are gcc's (another `cc` may ignore the one that keeps loops
+    # from becoming calls to a C library that is not there; the link would then fail).
+    compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        raise GateBuildError(f"a C compiler (cc) is needed once at start-up to build the jail {name} (apt install gcc)")
+        raise GateBuildError(f"a C compiler (gcc) is needed once at start-up to build the jail {name} (apt install gcc)")
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
     proc = await asyncio.create_subprocess_exec(
         compiler, *_BARE_FLAGS, "-o", str(tmp), str(source_path),
