@@ -66,13 +66,19 @@ class CompilerArchive(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class PrestartCache(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The prestart shim in a form its runtime loads without compiling it (CPython's
     bytecode), made once at worker start-up by running `make` on the host with the
-    language's own toolchain. {shim} is the shim's source, {out} where to write, {inJail}
-    the path the source has in the jail (for the names the file records). A warm jail then
+    language's own toolchain, in a folder of its own holding a copy of the shim. {shim} is
+    that copy, {out} where to write (`file`, in the same folder), {inJail} the path the
+    source has in the jail (for the names the file records). A warm jail then
     starts the runtime on `file`, bound at PRESTART_DIR_IN_JAIL in the source's stead; if
     `make` fails, warm jails start on the source as before."""
 
     file: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}\.[a-z]{1,4}$")]
     make: NonEmptyArgv
+
+    def argv(self, shim: str, in_jail: str) -> list[str]:
+        """`make` for the shim at `shim`, writing `file` (both paths as the command runs)."""
+        values = {"{shim}": shim, "{out}": self.file, "{inJail}": in_jail}
+        return [_PLACEHOLDER.sub(lambda m: values.get(m.group(0), m.group(0)), item) for item in self.make]
 
 
 class CompileStep(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

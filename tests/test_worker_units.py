@@ -236,6 +236,40 @@ async def test_a_gate_that_is_not_init_signals_nothing_but_its_own(tmp_path: Pat
         neighbour.wait()
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_off_loop_answers_raises_and_waits_out_a_cancelled_call(loop_kind: str) -> None:
+    """The isolation threads' contract: the call's result or error reaches the caller on
+    its loop, and a caller cancelled meanwhile returns only once the call is over (a
+    cgroup being made must not be removed under it)."""
+    from worker.isolation.offload import off_loop, off_loop_soon
+
+    ended: list[str] = []
+
+    def slow() -> None:
+        time.sleep(0.2)
+        ended.append("slow")
+
+    def fails() -> None:
+        raise OSError(16, "busy")
+
+    async def main() -> None:
+        assert await off_loop(lambda a, b: (a, b), 1, b=2) == (1, 2)
+        name = await off_loop(lambda: threading.current_thread().name)
+        assert name.startswith("isolation_") and name != threading.current_thread().name
+        assert await asyncio.gather(*(off_loop(pow, 2, n) for n in range(8))) == [2**n for n in range(8)]
+        with pytest.raises(OSError, match="busy"):
+            await off_loop(fails)
+        assert await off_loop_soon(lambda: 7) == 7
+        task = asyncio.ensure_future(off_loop(slow))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended == ["slow"]  # (not before the call was over)
+
+    _run_on(loop_kind, main())
+
+
 @pytest.fixture
 def gate_dir(tmp_path: Path) -> Any:
     """`<tmp_path>/.gate`, which staging mounts a tmpfs on: unmounted afterwards."""
@@ -310,7 +344,7 @@ async def test_a_shim_whose_cache_cannot_be_made_is_served_from_its_source(tmp_p
 
 async def test_the_gate_gives_the_program_its_frame_in_a_namespace_of_its_own(tmp_path: Path) -> None:
     """The frame's environment is merged into the gate's own as putenv(3) would (replaced
-    in place, appended, or removed by a bare name), its rlimits are set, the program's
+    in place, or appended), its rlimits are set, the program's
     end is reported, and what it left running is gone before the report. (Run in a pid
     namespace of its own: the gate, as init, signals every process it can see.)"""
     from worker.isolation.sandbox import GATE_SOURCE, _compile

@@ -16,7 +16,6 @@ import hashlib
 import logging
 import math
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -156,38 +155,13 @@ async def build_prestart_caches(
         source = profiles_dir / "prestart" / shim
         if not source.is_file():
             continue
-        in_jail = f"{PRESTART_DIR_IN_JAIL}/{shim}"
-        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in cache.make), version.encode()]))
-        staged = gate_dir / f"prestart-cache-{key.hexdigest()[:16]}-{cache.file}"
-        if not staged.is_file():
-            with tempfile.TemporaryDirectory(prefix=".prestart-cache-", dir=work_root) as tmp:
-                out = Path(tmp) / cache.file
-                argv = _fill(cache.make, {"{shim}": str(source), "{out}": str(out), "{inJail}": in_jail})
-                try:
-                    proc = await asyncio.create_subprocess_exec(
-                        *argv, cwd=tmp, stdin=asyncio.subprocess.DEVNULL,
-                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                    )  # fmt: skip
-                    said, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-                except (OSError, TimeoutError) as exc:
-                    log.warning("prestart shim %s: its cache was not made (%r); warm jails start on the source", shim, exc)
-                    continue
-                if proc.returncode != 0 or not out.is_file():
-                    log.warning(
-                        "prestart shim %s: its cache was not made (%s); warm jails start on the source",
-                        shim, said.decode(errors="replace")[-500:] or f"exit {proc.returncode}",
-                    )  # fmt: skip
-                    continue
-                _stage_file(out, gate_dir, staged.name, 0o644)
-        made[shim] = (cache.file, staged)
+        argv = cache.argv(shim, f"{PRESTART_DIR_IN_JAIL}/{shim}")
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), version.encode()]))
+        prefix = f"prestart-cache-{key.hexdigest()[:16]}-"
+        staged = gate_dir / (prefix + cache.file)
+        if staged.is_file() or staged in await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix):
+            made[shim] = (cache.file, staged)
     return made
-
-
-_PLACEHOLDERS = re.compile(r"\{[A-Za-z]+\}")
-
-
-def _fill(template: list[str], values: dict[str, str]) -> list[str]:
-    return [_PLACEHOLDERS.sub(lambda m: values.get(m.group(0), m.group(0)), item) for item in template]
 
 
 @dataclass(frozen=True)
@@ -741,11 +715,11 @@ class SandboxFactory:
         if shim not in self.prestart_shims:
             return None
         built = self.prestart_builds.get(shim, [])
-        argv = prestart_argv_for(manifest_run, shim, limits.memory_mb, compiled=bool(built))
+        # A shim with a cache starts the runtime on the cache, bound under the cache's name.
+        started_on = shim if built or shim not in self.prestart_caches else self.prestart_caches[shim][0]
+        argv = prestart_argv_for(manifest_run, started_on, limits.memory_mb, compiled=bool(built))
         if argv is None:
             return None
-        if not built and shim in self.prestart_caches:
-            argv[-1] = f"{PRESTART_DIR_IN_JAIL}/{self.prestart_caches[shim][0]}"
         program = Program(
             argv=argv,
             # The language's, which is every job's (Prime.adopts checks): the runtime starts in
