@@ -3,8 +3,8 @@
 `up` runs the whole stack on this machine: a private redis-server and soketi on free
 ports, the API, and one worker (`--workers N`: N of them); Ctrl-C, SIGTERM or a hangup
 (the terminal closing) stops every child (whole process groups), so nothing is left behind. A worker that dies is restarted
-with backoff and said so (launcher/supervisor.py); Redis, soketi or the API dying stops
-the stack. Its logs go to `.coderunner/logs/<UTC time>/` of this
+with backoff and said so (launcher/supervisor.py), and so are soketi and the API, on
+their ports; Redis dying stops the stack (it keeps no data across a restart here). Its logs go to `.coderunner/logs/<UTC time>/` of this
 checkout (or `CODERUNNER_LOG_ROOT`), and outlive the stack: the last `KEEP_LOG_RUNS` runs
 are kept.
 
@@ -148,6 +148,7 @@ def _up(argv: list[str]) -> int:
         with_worker=workers > 0,
         workers=workers,
         supervise=True,
+        supervise_services=True,
         on_event=on_event,
         log_dir=log_dir,
     )

@@ -53,6 +53,9 @@ __all__ = ["WORKER_UID_STRIDE", "Stack", "StackError", "free_port", "remove_depl
 # the uid past the last slot). A stack's range is 1000 uids: at most 10 workers.
 WORKER_UID_STRIDE = 100
 MAX_WORKERS = 10
+# What supervise_services restarts, and how long one start may take to answer.
+SUPERVISED_SERVICES = ("soketi", "api")
+SERVICE_START_S = 30.0
 
 # ioredis options of soketi's Redis adapter clients (the compose file says the same): commands
 # wait for a Redis that comes back rather than fail after two tries (see _start_soketi).
@@ -270,6 +273,10 @@ class Stack:
     workers: int = 1
     # Restart workers that die (see launcher/supervisor.py); start_supervisor() turns it on later.
     supervise: bool = False
+    # The supervisor also restarts soketi and the API when they die (`coderunner up`), on
+    # their ports, with the workers' backoff. Redis is not: without persistence a fresh one
+    # would have forgotten every job, and the stack stops instead (dead_children says so).
+    supervise_services: bool = False
     # Redis with `appendonly yes` + `appendfsync everysec`, so a restart keeps its data.
     redis_persistence: bool = False
     # Called with each supervisor message (`coderunner up` prints them), from its thread.
@@ -393,6 +400,7 @@ class Stack:
                 start_new_session=True,  # its own process group: stopping kills the whole group
             )
             log_file.close()
+            self._started_at[name] = time.monotonic()
             role = "worker" if name in self._worker_index else "service"
             try:
                 # Not waited for yet, so the child is there to read, a zombie at worst.
@@ -641,8 +649,51 @@ class Stack:
         while not self._supervisor_stop.wait(0.1):
             try:
                 self._supervise_once()
+                if self.supervise_services:
+                    for name in SUPERVISED_SERVICES:
+                        self._supervise_service(name)
             except Exception as exc:  # the supervisor itself must not die
                 self._note(f"supervisor: {exc!r}")
+
+    def _supervise_service(self, name: str) -> None:
+        """Notice `name` (soketi or the API) dead, and start it again once its backoff is over."""
+        now = time.monotonic()
+        with self._lock:
+            pending = self._pending.get(name)
+            if pending is None:
+                proc = self.procs.get(name)
+                if proc is None or proc.poll() is None:
+                    return
+                _kill_group(proc)  # whatever it left in its group goes with it
+                uptime = now - self._started_at.get(name, now)
+                delay = self._backoff.setdefault(name, Backoff()).delay(uptime)
+                record = Restart(name=name, old_id="", returncode=proc.returncode, uptime_s=uptime, delay_s=delay, died_at=now)
+                self._pending[name] = record
+                self.restarts.append(record)
+                self._note(
+                    f"{name} (pid {proc.pid}) {describe_exit(proc.returncode)} after {uptime:.1f} s up; "
+                    f"restarting in {delay:.1f} s",
+                    name,
+                )
+                return
+            if now < pending.died_at + pending.delay_s or self._supervisor_stop.is_set():
+                return
+        # Started outside the lock: the start waits until the service answers.
+        starter = {"soketi": self._start_soketi, "api": self._start_api}[name]
+        try:
+            starter(SERVICE_START_S)
+        except StackError as exc:
+            self.stop_process(name)  # (one that never answered)
+            with self._lock:
+                pending.died_at = time.monotonic()
+                pending.delay_s = self._backoff[name].delay(0.0)
+            self._note(f"{name} did not come back ({exc}); trying again in {pending.delay_s:.1f} s", name)
+            return
+        with self._lock:
+            self._started_at[name] = pending.restarted_at = time.monotonic()
+            del self._pending[name]
+            pid = self.procs[name].pid
+        self._note(f"{name} restarted (pid {pid}), {pending.restarted_at - pending.died_at:.1f} s after it died", name)
 
     def _supervise_once(self) -> None:
         now = time.monotonic()
@@ -797,9 +848,11 @@ class Stack:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def dead_children(self) -> list[str]:
-        """Children that exited; workers the supervisor looks after do not count."""
+        """Children that exited; those the supervisor looks after do not count."""
         with self._lock:
             supervised = set(self._worker_index) if self._supervisor is not None else set()
+            if self._supervisor is not None and self.supervise_services:
+                supervised.update(SUPERVISED_SERVICES)
             return [name for name, proc in self.procs.items() if proc.poll() is not None and name not in supervised]
 
 

@@ -71,15 +71,23 @@ def make_stack() -> Iterator[StackFactory]:
 @pytest.fixture
 def make_fleet() -> Iterator[StackFactory]:
     """Like make_stack, for fault tests: `workers` workers, the stack's supervisor (restart
-    workers that die) on or off, Redis with or without its append-only file."""
+    workers that die; with `supervise_services`, soketi and the API too) on or off, Redis
+    with or without its append-only file."""
     with _stacks() as start:
 
-        def build(workers: int = 2, supervise: bool = True, redis_persistence: bool = False, **env: str) -> Stack:
+        def build(
+            workers: int = 2,
+            supervise: bool = True,
+            redis_persistence: bool = False,
+            supervise_services: bool = False,
+            **env: str,
+        ) -> Stack:
             return start(
                 extra_env={k: str(v) for k, v in env.items()},
                 workers=workers,
                 supervise=supervise,
                 redis_persistence=redis_persistence,
+                supervise_services=supervise_services,
             )
 
         yield build

@@ -32,7 +32,7 @@ from launcher.stack import Stack, free_port
 from launcher.supervisor import Backoff, describe_exit
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, dies_with_the_tests, py_job
+from tests.helpers import Api, Realtime, dies_with_the_tests, py_job, run_job
 
 TERMINAL = {"done", "killed", "error", "expired", "lost"}
 # Short liveness settings so a dead worker is noticed in about a second.
@@ -904,3 +904,36 @@ def test_a_stopping_api_ends_its_long_waits_at_once(make_stack: StackFactory) ->
     assert took < 3, f"the API took {took:.1f} s to stop"
     assert got["output"][0] == 503 and got["output"][1]["retryAfterMs"] == 1000, got["output"]
     assert got["events"] == b"retry: 1000\n\n", got["events"]  # (a queued job's log is empty)
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_up_brings_a_crashed_soketi_or_api_back_on_its_port(make_fleet: StackFactory) -> None:
+    # `coderunner up` supervises soketi and the API as it does workers: one that dies (here
+    # SIGKILLed, whole group, as a crash would end it) is started again on its port after the
+    # backoff, and said so; clients that reconnect are served as before. Redis is not
+    # restarted (a fresh one would have forgotten every job): its death is still reported.
+    stack = make_fleet(workers=1, supervise=True, supervise_services=True)
+    api = Api(stack)
+    try:
+        for name in ("soketi", "api"):
+            old = stack.procs[name]
+            os.killpg(old.pid, signal.SIGKILL)
+            wait_until(lambda name=name: any(n.startswith(f"{name} restarted") for n in stack.notes), 30, f"{name} back")
+            assert stack.procs[name].pid != old.pid and stack.dead_children() == []
+            assert any(n.startswith(f"{name} (pid {old.pid}) killed by SIGKILL") for n in stack.notes), stack.notes
+            # Served again, on the same port: a job followed live from a fresh client.
+            api.close()
+            api, rt = Api(stack), Realtime(stack)
+            try:
+                result, heard = run_job(api, rt, py_job(f"print('after {name}')"))
+            finally:
+                rt.close()
+            assert result["outcome"] == "completed" and heard.text("stdout") == f"after {name}\n", heard.summary()
+        assert [(r.name, r.returncode) for r in stack.restarts] == [("soketi", -9), ("api", -9)]
+        os.killpg(stack.procs["redis"].pid, signal.SIGKILL)
+        wait_until(lambda: "redis" in stack.dead_children(), 10, "redis reported dead")
+        time.sleep(1.0)
+        assert "redis" in stack.dead_children() and all(r.name != "redis" for r in stack.restarts)
+    finally:
+        api.close()
