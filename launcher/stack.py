@@ -642,7 +642,8 @@ class Stack:
         thread = self._supervisor
         if thread is not None:
             self._supervisor_stop.set()
-            thread.join(10)
+            # (a service it is starting again is waited for, so none starts after the stop)
+            thread.join(10 + (SERVICE_START_S if self.supervise_services else 0))
             self._supervisor = None
 
     def _supervise_loop(self) -> None:

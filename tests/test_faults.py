@@ -160,6 +160,19 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_long_run() -> None:
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exited with status 3"
 
 
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (Redis rewrites its environment with its
+    title, so _marked cannot find it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
 def _marked(mark: str) -> list[int]:
     needle = f"CODERUNNER_TEST_MARK={mark}".encode()
     found = []
@@ -190,9 +203,10 @@ def _pid_of_worker(mark: str, worker_id: str) -> int:
 @pytest.mark.stack
 @pytest.mark.sandbox
 @pytest.mark.slow
-def test_up_restarts_a_dead_worker_and_stops_when_the_api_dies(tmp_path: Path) -> None:
+def test_up_restarts_a_dead_worker_or_api_and_stops_when_redis_dies(tmp_path: Path) -> None:
     """`coderunner up --workers 2`: a SIGKILLed worker is restarted (said in the output and
-    the log folder) while the stack keeps serving; the API dying stops everything."""
+    the log folder) while the stack keeps serving, and so is the API; Redis dying stops
+    everything."""
     port = free_port()
     mark = secrets.token_hex(8)
     env = {**os.environ, "CODERUNNER_TEST_MARK": mark, "CODERUNNER_LOG_ROOT": str(tmp_path / "logs")}
@@ -248,13 +262,28 @@ def test_up_restarts_a_dead_worker_and_stops_when_the_api_dies(tmp_path: Path) -
         _pid_of_worker(mark, new_id)
         figure("up_worker_restart", killed_to_ready_s=round(back_after, 2))
 
-        # The API dying is not for the supervisor: the whole stack stops, nothing is left.
+        # The API dying is for the supervisor too: it comes back on its port and serves.
         api_pid = next(p for p in _marked(mark) if b"-m\0api" in Path(f"/proc/{p}/cmdline").read_bytes())
         os.killpg(os.getpgid(api_pid), signal.SIGKILL)
+        wait_until(lambda: any(ln.startswith("coderunner up: api restarted") for ln in lines), 30, "the API's restart")
+        out = "".join(lines)
+        assert f"api (pid {api_pid}) killed by SIGKILL" in out and up.poll() is None, out
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as http:
+            job = http.post("/v1/execute", json=py_job("print('api back')")).json()
+            assert http.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
+            status = wait_until(
+                lambda: (s := http.get(f"/v1/jobs/{job['jobId']}").json())["state"] in TERMINAL and s, 30, "the job"
+            )
+            assert status["result"]["outcome"] == "completed", status
+
+        # Redis dying is not (a fresh one would have forgotten every job): the whole stack
+        # stops, nothing is left.
+        redis_pid = next(p for p in _children(up.pid) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"redis-server"))
+        os.killpg(os.getpgid(redis_pid), signal.SIGKILL)
         assert up.wait(60) == 1
         reader.join(5)
         out = "".join(lines)
-        assert "api exited unexpectedly; stopping" in out, out
+        assert "redis exited unexpectedly; stopping" in out, out
         assert f"logs kept in {log_dir}" in out
     finally:
         if up.poll() is None:
