@@ -656,6 +656,18 @@ class Stack:
             except Exception as exc:  # the supervisor itself must not die
                 self._note(f"supervisor: {exc!r}")
 
+    def _record_death(self, name: str, proc: subprocess.Popen[bytes], old_id: str, now: float) -> None:
+        """A supervised child found dead: its restart is due after its backoff (lock held)."""
+        uptime = now - self._started_at.get(name, now)
+        delay = self._backoff[name].delay(uptime)
+        returncode = proc.returncode
+        assert returncode is not None
+        record = Restart(name=name, old_id=old_id, returncode=returncode, uptime_s=uptime, delay_s=delay, died_at=now)
+        self._pending[name] = record
+        self.restarts.append(record)
+        who = f"{old_id}, pid {proc.pid}" if old_id else f"pid {proc.pid}"
+        self._note(f"{name} ({who}) {describe_exit(returncode)} after {uptime:.1f} s up; restarting in {delay:.1f} s", name)
+
     def _supervise_service(self, name: str) -> None:
         """Notice `name` (soketi or the API) dead, and start it again once its backoff is over."""
         now = time.monotonic()
@@ -666,16 +678,8 @@ class Stack:
                 if proc is None or proc.poll() is None:
                     return
                 _kill_group(proc)  # whatever it left in its group goes with it
-                uptime = now - self._started_at.get(name, now)
-                delay = self._backoff.setdefault(name, Backoff()).delay(uptime)
-                record = Restart(name=name, old_id="", returncode=proc.returncode, uptime_s=uptime, delay_s=delay, died_at=now)
-                self._pending[name] = record
-                self.restarts.append(record)
-                self._note(
-                    f"{name} (pid {proc.pid}) {describe_exit(proc.returncode)} after {uptime:.1f} s up; "
-                    f"restarting in {delay:.1f} s",
-                    name,
-                )
+                self._backoff.setdefault(name, Backoff())
+                self._record_death(name, proc, "", now)
                 return
             if now < pending.died_at + pending.delay_s or self._supervisor_stop.is_set():
                 return
@@ -723,16 +727,7 @@ class Stack:
                     self._retired.add(name)
                     self._note(f"{name} ({old_id}) stopped by itself (status 0); not restarted", name)
                     continue
-                uptime = now - self._started_at[name]
-                delay = self._backoff[name].delay(uptime)
-                record = Restart(name=name, old_id=old_id, returncode=returncode, uptime_s=uptime, delay_s=delay, died_at=now)
-                self._pending[name] = record
-                self.restarts.append(record)
-                self._note(
-                    f"{name} ({old_id}, pid {proc.pid}) {describe_exit(returncode)} after {uptime:.1f} s up; "
-                    f"restarting in {delay:.1f} s",
-                    name,
-                )
+                self._record_death(name, proc, old_id, now)
             awaiting = dict(self._awaiting_ready)
         for name, (worker_id, since) in awaiting.items():
             try:

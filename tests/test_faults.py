@@ -160,6 +160,17 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_long_run() -> None:
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exited with status 3"
 
 
+def _serves_a_job(port: int, token: str) -> None:
+    """A job run through the API at `port` completes."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as http:
+        job = http.post("/v1/execute", json=py_job("print('served')")).json()
+        assert http.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
+        status = wait_until(
+            lambda: (s := http.get(f"/v1/jobs/{job['jobId']}").json())["state"] in TERMINAL and s, 30, "the job"
+        )
+        assert status["result"]["outcome"] == "completed", status
+
+
 def _children(parent: int) -> list[int]:
     """The processes whose parent is `parent` (Redis rewrites its environment with its
     title, so _marked cannot find it)."""
@@ -249,13 +260,7 @@ def test_up_restarts_a_dead_worker_or_api_and_stops_when_redis_dies(tmp_path: Pa
         assert said and new_id in said[0]
         # The stack is still up, with both workers, and serves a job.
         assert up.poll() is None
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as http:
-            job = http.post("/v1/execute", json=py_job("print('still serving')")).json()
-            assert http.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
-            status = wait_until(
-                lambda: (s := http.get(f"/v1/jobs/{job['jobId']}").json())["state"] in TERMINAL and s, 30, "the job"
-            )
-            assert status["result"]["outcome"] == "completed", status
+        _serves_a_job(port, token)
         assert "killed by SIGKILL" in (log_dir / "supervisor.log").read_text()
         assert f"restarted as {new_id}" in (log_dir / "worker1.log").read_text()
         # Both incarnations wrote to worker1.log; a new one is a new process with a new id.
@@ -268,13 +273,7 @@ def test_up_restarts_a_dead_worker_or_api_and_stops_when_redis_dies(tmp_path: Pa
         wait_until(lambda: any(ln.startswith("coderunner up: api restarted") for ln in lines), 30, "the API's restart")
         out = "".join(lines)
         assert f"api (pid {api_pid}) killed by SIGKILL" in out and up.poll() is None, out
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as http:
-            job = http.post("/v1/execute", json=py_job("print('api back')")).json()
-            assert http.post(f"/v1/jobs/{job['jobId']}/start").status_code == 202
-            status = wait_until(
-                lambda: (s := http.get(f"/v1/jobs/{job['jobId']}").json())["state"] in TERMINAL and s, 30, "the job"
-            )
-            assert status["result"]["outcome"] == "completed", status
+        _serves_a_job(port, token)
 
         # Redis dying is not (a fresh one would have forgotten every job): the whole stack
         # stops, nothing is left.
