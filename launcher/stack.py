@@ -544,13 +544,11 @@ class Stack:
     def restart(self, name: str, down_s: float = 0.0, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> float:
         """Take Redis, soketi or the API down (with `sig`, whole group) and start it again on
         the same port after `down_s`; returns how long it was unreachable, in seconds."""
-        starters = {"redis": self._start_redis, "soketi": self._start_soketi, "api": self._start_api}
-        if name not in starters:
-            raise ValueError(f"restart() takes one of {sorted(starters)}, not {name!r}")
+        starter = self._service_starter(name)
         began = time.monotonic()
         self.stop_process(name, sig)
         time.sleep(down_s)
-        starters[name](timeout_s)
+        starter(timeout_s)
         return time.monotonic() - began
 
     # -------------------------------------------------------------- workers
@@ -591,7 +589,6 @@ class Stack:
             self.procs[name] = proc
             self.worker_ids[name] = worker_id
             self.worker_history.setdefault(name, []).append(worker_id)
-            self._started_at[name] = time.monotonic()
             self._launched_at_ms[name] = int(time.time() * 1000)
             return proc
 
@@ -656,6 +653,13 @@ class Stack:
             except Exception as exc:  # the supervisor itself must not die
                 self._note(f"supervisor: {exc!r}")
 
+    def _service_starter(self, name: str) -> Callable[[float], None]:
+        """What starts Redis, soketi or the API (on its port), given how long it may take."""
+        starters = {"redis": self._start_redis, "soketi": self._start_soketi, "api": self._start_api}
+        if name not in starters:
+            raise ValueError(f"restart() takes one of {sorted(starters)}, not {name!r}")
+        return starters[name]
+
     def _record_death(self, name: str, proc: subprocess.Popen[bytes], old_id: str, now: float) -> None:
         """A supervised child found dead: its restart is due after its backoff (lock held)."""
         uptime = now - self._started_at.get(name, now)
@@ -684,9 +688,8 @@ class Stack:
             if now < pending.died_at + pending.delay_s or self._supervisor_stop.is_set():
                 return
         # Started outside the lock: the start waits until the service answers.
-        starter = {"soketi": self._start_soketi, "api": self._start_api}[name]
         try:
-            starter(SERVICE_START_S)
+            self._service_starter(name)(SERVICE_START_S)
         except StackError as exc:
             self.stop_process(name)  # (one that never answered)
             with self._lock:
@@ -695,7 +698,7 @@ class Stack:
             self._note(f"{name} did not come back ({exc}); trying again in {pending.delay_s:.1f} s", name)
             return
         with self._lock:
-            self._started_at[name] = pending.restarted_at = time.monotonic()
+            pending.restarted_at = time.monotonic()
             del self._pending[name]
             pid = self.procs[name].pid
         self._note(f"{name} restarted (pid {pid}), {pending.restarted_at - pending.died_at:.1f} s after it died", name)
