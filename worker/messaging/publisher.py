@@ -406,11 +406,13 @@ class Publisher:
                 log.warning("live events go over HTTP: Redis is unreachable for publishing (%s)", exc)
             return events
         except (RedisError, OSError) as exc:
-            # Unknown whether it got out: sent again (here or over HTTP), it could reach a
-            # client twice (a client drops a seq it has seen; a double result must never be).
-            self.failed += len(events)
-            log.warning("publishing %d live events through Redis failed: %s", len(events), exc)
-            return []
+            # Unknown whether they got out (Redis died with them in flight, most likely before
+            # it passed them on). Output and stages go again over HTTP: each carries its seq,
+            # and a client drops a seq it has (SPEC §5). A result is not sent twice, ever.
+            again = [event for event in events if event.name != "result"]
+            self.failed += len(events) - len(again)
+            log.warning("publishing %d live events through Redis failed (%d go over HTTP): %s", len(events), len(again), exc)
+            return again
         unheard = [event for event, receivers in zip(events, heard, strict=True) if not receivers]
         self.sent += len(events) - len(unheard)
         self.sent_via_redis += len(events) - len(unheard)
