@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -269,3 +270,23 @@ def run_job(api: Api, realtime: Realtime, body: dict[str, Any], timeout_s: float
     followed = realtime.follow(job)
     api.start(job)
     return followed.wait_result(timeout_s=timeout_s), followed
+
+
+@contextlib.contextmanager
+def watched_commands(stack: Stack) -> Iterator[list[str]]:
+    """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
+    seen: list[str] = []
+    with stack.redis() as redis, redis.monitor() as monitor:
+
+        def listen() -> None:
+            try:
+                for command in monitor.listen():
+                    seen.append(command["command"])
+            except Exception:
+                pass  # leaving the block disconnects the monitor: the watch is over
+
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        yield seen
+        time.sleep(0.2)  # what was sent last reaches the monitor
+    thread.join(5)

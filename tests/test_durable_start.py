@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, host_processes, pids_with_cmdline, py_job
+from tests.helpers import Api, Realtime, host_processes, pids_with_cmdline, py_job, watched_commands
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -322,4 +322,79 @@ def test_a_kill_of_a_job_handed_back_unstarted_publishes_what_its_claim_logged(m
         assert sorted((p["seq"], n) for n, p in followed.events) == [(0, "stage"), (1, "result")]
     finally:
         rt.close()
+        api.close()
+
+
+def _writes_of(seen: list[str], job_id: str) -> list[list[str]]:
+    """The commands MONITOR saw naming the job's status record, split into words."""
+    return [command.split() for command in seen if f"job:{job_id}:status" in command]
+
+
+def test_a_job_started_before_its_claim_goes_from_parked_to_running_in_one_write(make_stack: StackFactory) -> None:
+    # A grader's job is often started before any worker claims it (the worker is busy). With
+    # a warm sandbox free at its claim, it is not parked at all: one fenced write takes it
+    # from the claim's `parked` to `running` as its files go in (there was a `starting` write,
+    # a Redis round trip, before the sandbox was even looked for).
+    stack = make_stack(WORKER_MAX_SANDBOXES="2", WORKER_MAX_PARKED="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        # Three unstarted jobs fill the worker's room for claims (one parked plus one a
+        # slot), so the next job waits in the queue, started, until one of them goes.
+        blockers = [api.execute(py_job("print('never')")) for _ in range(3)]
+        for blocker in blockers:
+            _wait_claimed(stack, blocker["jobId"])
+        job = api.execute(py_job("print('straight in')"))
+        followed = rt.follow(job)
+        assert api.start(job).status_code == 202
+        time.sleep(1.0)  # (the worker's warm sandboxes are built meanwhile)
+        assert api.status(job)["state"] == "queued"
+        with watched_commands(stack) as seen:
+            api.post(f"/v1/jobs/{blockers[0]['jobId']}/kill")
+            result = followed.wait_result(timeout_s=15)
+        assert result["outcome"] == "completed", result
+        writes = _writes_of(seen, job["jobId"])
+        assert any("running" in words for words in writes), writes
+        assert not any("starting" in words for words in writes), [w for w in writes if "starting" in w]
+        # The client sees every event from seq 0, in order, as for a job it started parked.
+        live = [(n, p.get("phase")) for n, p in sorted(followed.events, key=lambda e: e[1]["seq"])]
+        assert live == [("stage", "queued"), ("stage", "running"), ("stdout", None), ("result", None)], live
+        assert [p["seq"] for _, p in followed.events] == [0, 1, 2, 3], followed.summary()
+        assert followed.text("stdout") == "straight in\n"
+    finally:
+        for blocker in blockers:
+            api.post(f"/v1/jobs/{blocker['jobId']}/kill")
+        rt.close()
+        api.close()
+
+
+def test_a_started_job_that_waits_for_a_sandbox_says_starting_not_parked(make_stack: StackFactory) -> None:
+    # Started before its claim, but no warm sandbox free (the only one runs another job):
+    # its status says it was started and waits (`starting`), not that it waits for a start.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1", WORKER_MAX_PARKED="1")
+    api = Api(stack)
+    try:
+        busy = api.execute(py_job("import time\ntime.sleep(3)\n"))
+        api.start(busy)
+        api.wait_state(busy, {"running"}, timeout_s=15)
+        blocker = api.execute(py_job("print('never')"))  # (the worker's room for claims is full)
+        _wait_claimed(stack, blocker["jobId"])
+        job = api.execute(py_job("print('after')", collectOutput=True))
+        api.start(job)
+        time.sleep(0.3)
+        assert api.status(job)["state"] == "queued"
+        api.post(f"/v1/jobs/{blocker['jobId']}/kill")
+        _wait_claimed(stack, job["jobId"])
+        deadline = time.monotonic() + 0.5
+        while api.status(job)["state"] == "parked":  # (the claim's own state, for a moment)
+            assert time.monotonic() < deadline, "still parked, though started"
+            time.sleep(0.01)
+        states = set()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            states.add(api.status(job)["state"])
+            time.sleep(0.05)
+        assert states == {"starting"}, states
+        assert api.status(busy)["state"] == "running"
+        assert api.wait_state(job, {"done"}, timeout_s=15)["result"]["outcome"] == "completed"
+    finally:
         api.close()

@@ -8,11 +8,9 @@ and the pullable copy) whatever the bytes are, and `/output` is streamed, not bu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import msgspec
@@ -23,7 +21,7 @@ from launcher.stack import Stack
 from shared import keys
 from shared.messages import Outcome
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job
+from tests.helpers import Api, Realtime, py_job, watched_commands
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox, pytest.mark.slow]
 
@@ -225,26 +223,6 @@ def test_a_full_redis_refuses_new_work_and_ends_what_it_admitted(make_stack: Sta
         assert api.wait_state(job, {"done"}, timeout_s=15)["result"]["outcome"] == "completed"
     finally:
         api.close()
-
-
-@contextlib.contextmanager
-def watched_commands(stack: Stack) -> Iterator[list[str]]:
-    """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
-    seen: list[str] = []
-    with stack.redis() as redis, redis.monitor() as monitor:
-
-        def listen() -> None:
-            try:
-                for command in monitor.listen():
-                    seen.append(command["command"])
-            except Exception:
-                pass  # leaving the block disconnects the monitor: the watch is over
-
-        thread = threading.Thread(target=listen, daemon=True)
-        thread.start()
-        yield seen
-        time.sleep(0.2)  # what was sent last reaches the monitor
-    thread.join(5)
 
 
 def test_waiting_for_output_wakes_when_the_result_lands(api: Api) -> None:

@@ -1092,6 +1092,35 @@ async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() 
     await pool.close()
 
 
+async def test_take_ready_takes_what_take_would_now_or_nothing() -> None:
+    # A job started before its claim takes a warm sandbox at once if one is ready (one fenced
+    # write then takes it to running); otherwise it says `starting` and waits in take().
+    # take_ready must pick as take does, never wait, and never jump a started job waiting.
+    factory = _FakeFactory()
+    pool = SandboxPool(factory, "w", slots=3)  # type: ignore[arg-type]
+    assert pool.take_ready() is None  # (nothing built yet)
+    pool.start()
+    while pool.ready < 3:
+        await asyncio.sleep(0)
+    old, dead, good = factory.built
+    old.idle_s = MAX_IDLE_S + 1
+    dead.jail.proc.returncode = -9
+    assert pool.take_ready() is good  # the stale and the dead are retired on the way
+    assert pool.take_ready() is None  # (their slots are still being rebuilt)
+    await _turns(20)
+    assert old.destroyed and dead.destroyed and pool.ready == 2
+    first = pool.take_ready()
+    assert first is not None and first not in (old, dead, good) and pool.ready == 1
+    second = await pool.take()
+    assert second is not first and pool.take_ready() is None  # (all three held)
+    # A sandbox given back is rebuilt first: nothing is ready until then.
+    pool.give_back(second)
+    assert pool.take_ready() is None
+    await _turns(20)
+    assert pool.take_ready() not in (None, second)
+    await pool.close()
+
+
 def _task_running(name: str) -> asyncio.Task[Any]:
     return next(t for t in asyncio.all_tasks() if t.get_coro().__name__ == name)  # type: ignore[union-attr]
 

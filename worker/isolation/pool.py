@@ -394,12 +394,7 @@ class SandboxPool:
         sandbox that sat idle too long, whose jail died, or whose prestarted runtime cannot
         run `program`, is replaced first (plain, for a runtime mismatch).
         """
-        self._last_demand = asyncio.get_running_loop().time()
-        if language:
-            # The slot that serves this job primes its next sandbox for this language (if
-            # jobs like this one could adopt that runtime).
-            prime = self._prime_to_build(language)
-            demand = prime if prime is not None and program is not None and prime.adopts(program) else None
+        demand = self._demand(program, language)
         first_pass = True
         while True:
             sandbox = self._pick(program) if not self._waiters else None
@@ -419,14 +414,39 @@ class SandboxPool:
                     if waiter.done() and not waiter.cancelled():
                         self._offer(waiter.result())  # served as we were cancelled: pass it on
                     raise
-            if language:
-                self._slot_prime[sandbox.slot] = demand
-            usable = sandbox.prime is None or program is None or sandbox.adopts(program)
-            if usable and _fresh(sandbox):
+            if self._serves(sandbox, program, language, demand):
                 return sandbox
-            plain = not usable
             first_pass = False
-            self._retire(sandbox, plain=plain)
+
+    def take_ready(self, program: Program | None = None, language: str = "") -> Sandbox | None:
+        """`take` without the wait: the sandbox `take` would return now, or None when it would
+        wait (nothing fit to run `program` is ready, or other started jobs wait first)."""
+        demand = self._demand(program, language)
+        while not self._waiters and (sandbox := self._pick(program)) is not None:
+            if self._serves(sandbox, program, language, demand):
+                return sandbox
+        return None
+
+    def _demand(self, program: Program | None, language: str) -> Prime | None:
+        """A job for `program` asks for a sandbox: the runtime its slot should prime next."""
+        self._last_demand = asyncio.get_running_loop().time()
+        if not language:
+            return None
+        # The slot that serves this job primes its next sandbox for this language (if jobs
+        # like this one could adopt that runtime).
+        prime = self._prime_to_build(language)
+        return prime if prime is not None and program is not None and prime.adopts(program) else None
+
+    def _serves(self, sandbox: Sandbox, program: Program | None, language: str, demand: Prime | None) -> bool:
+        """Whether the picked `sandbox` can run `program`; one that cannot (stale, its jail
+        dead, or a runtime that does not adopt it) is retired and its slot rebuilt."""
+        if language:
+            self._slot_prime[sandbox.slot] = demand
+        usable = sandbox.prime is None or program is None or sandbox.adopts(program)
+        if usable and _fresh(sandbox):
+            return True
+        self._retire(sandbox, plain=not usable)
+        return False
 
     def _pick(self, program: Program | None) -> Sandbox | None:
         """The best ready sandbox for `program`: one that adopts it, else a plain one, else any."""

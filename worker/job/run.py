@@ -213,8 +213,9 @@ class JobRun:
                 log.error("job %s: cannot plan the job: %s", self.job_id, exc)
                 await self._finish_without_run(Outcome.INTERNAL_ERROR, f"sandbox preparation failed: {exc}")
                 return
-            if self.ctx.pool.slots > 1 and (plan.compile is not None or not self.spec.tests):
-                # Compile, or (interpreted) just load, in a spare sandbox while parked.
+            if self.ctx.pool.slots > 1 and not self.claim.start_flag and (plan.compile is not None or not self.spec.tests):
+                # Compile, or (interpreted) just load, in a spare sandbox while parked (a job
+                # started before its claim is not parked: it takes a sandbox as any started job).
                 precompile = self._precompile = Precompile(
                     self.job_id,
                     self.ctx.pool,
@@ -246,9 +247,17 @@ class JobRun:
                     self._running_stage = asyncio.create_task(self._mark_running())
                     await self._running_stage
                     early = "ready"
-            if early != "ready":
+            elif plan.compile is None and not self.spec.tests and self._take_ready_sandbox(plan.run):
+                # Started before its claim (a grader's job), and a warm sandbox was free: as
+                # above, one fenced write takes the job from parked to running, here while its
+                # files and limits go in; nothing is published before that write lands.
+                self._running_stage = asyncio.create_task(self._mark_running(then_go_live=True))
+                early = "taken"
+            if early not in ("ready", "taken"):
                 await self.events.state(JobState.STARTING)
-            self.events.go_live_within(LIVE_HOLD_S)
+                self.events.go_live_within(LIVE_HOLD_S)
+            elif early == "ready":
+                self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             if early is None:
                 try:
@@ -261,18 +270,19 @@ class JobRun:
                 assert precompile is not None
                 self.sandbox = precompile.take()  # files and limits went in while parked
                 self._running_stage = asyncio.create_task(self._mark_running())
-            elif early == "gone":
-                signal = await self._acquire_sandbox(sub.ctrl, plan.run)
-                if signal == "broken":
-                    await self._give_up_on_sandboxes()
-                    return
-                if signal != "start":
-                    await self._end_unstarted(signal, "killed before it ran")
-                    return
-                if plan.compile is None and not self.spec.tests:
-                    # Nothing comes between here and the run: log the running stage (a Redis
-                    # round trip) while the files and limits go in, not after.
-                    self._running_stage = asyncio.create_task(self._mark_running())
+            elif early in ("gone", "taken"):
+                if early == "gone":
+                    signal = await self._acquire_sandbox(sub.ctrl, plan.run)
+                    if signal == "broken":
+                        await self._give_up_on_sandboxes()
+                        return
+                    if signal != "start":
+                        await self._end_unstarted(signal, "killed before it ran")
+                        return
+                    if plan.compile is None and not self.spec.tests:
+                        # Nothing comes between here and the run: log the running stage (a
+                        # Redis round trip) while the files and limits go in, not after.
+                        self._running_stage = asyncio.create_task(self._mark_running())
                 try:
                     await self._load(plan)
                 except (JailError, WorkspaceError, OSError) as exc:
@@ -768,10 +778,18 @@ class JobRun:
         left_ms = (self.ctx.grace_ends_at - asyncio.get_running_loop().time()) * 1000
         return left_ms < self.spec.limits.wall_time_ms
 
-    async def _mark_running(self) -> None:
-        """The running stage, and the record's `started` (never re-run from here on)."""
+    async def _mark_running(self, then_go_live: bool = False) -> None:
+        """The running stage, and the record's `started` (never re-run from here on).
+        `then_go_live`: no fenced write came before it at start (see execute)."""
         self._program_started = True  # from here on, never hand it back (it may have run)
         await self.events.stage("running", state=JobState.RUNNING, started=True)
+        if then_go_live:
+            self.events.go_live_within(LIVE_HOLD_S)
+
+    def _take_ready_sandbox(self, program: Program) -> bool:
+        """A started job takes a warm sandbox ready now, if there is one (no wait)."""
+        self.sandbox = self.ctx.pool.take_ready(program, self.spec.language)
+        return self.sandbox is not None
 
     async def _run(
         self,
