@@ -354,7 +354,8 @@ def test_events_whose_publish_lost_redis_midway_go_over_http_but_never_a_result(
     # Redis died with a batch's PUBLISH in flight: the batch was dropped whole, so a live
     # follower missed output that Redis most likely never passed on (one full-suite run in
     # three lost the tail of a job's stdout as Redis was killed). Output and stages now go
-    # again over HTTP (a client drops a seq it already has); the result is not sent twice.
+    # again over HTTP (a client drops a seq it already has); an artifact or the result,
+    # which a client may act on twice, does not.
     stack = make_stack(with_worker=False)
     api, rt = Api(stack), Realtime(stack)
     job = api.execute(py_job("print(1)"))  # no worker: only its channel is used
@@ -366,7 +367,9 @@ def test_events_whose_publish_lost_redis_midway_go_over_http_but_never_a_result(
     batch = [
         _Event(channel, "stdout", '{"chunk":"0\\n","seq":0}'),
         _Event(channel, "stderr", '{"chunk":"1\\n","seq":1}'),
-        _Event(channel, "result", '{"outcome":"completed","seq":2}'),
+        _Event(channel, "artifact", '{"name":"a.txt","mimeType":"text/plain","bytes":1,"url":"/a","seq":2}'),
+        _Event(channel, "stage", '{"phase":"running","seq":3}'),
+        _Event(channel, "result", '{"outcome":"completed","seq":4}'),
     ]
 
     async def main() -> tuple[int, int, int]:
@@ -379,13 +382,19 @@ def test_events_whose_publish_lost_redis_midway_go_over_http_but_never_a_result(
     try:
         sent, via_redis, failed = asyncio.run(main())
         assert proxy.cut == 1, proxy.cut
-        assert (sent, via_redis, failed) == (2, 0, 1), (sent, via_redis, failed)
+        assert (sent, via_redis, failed) == (3, 0, 2), (sent, via_redis, failed)
         deadline = time.monotonic() + 5
         while followed.text("stdout") + followed.text("stderr") != "0\n1\n":
             assert time.monotonic() < deadline, followed.summary()
             time.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while not any(name == "stage" for name, _ in followed.events):
+            assert time.monotonic() < deadline, followed.summary()
+            time.sleep(0.02)
         time.sleep(0.3)
-        assert followed.results() == [], followed.summary()
+        # Output and the stage (a client shows them once, had it had them); never the
+        # artifact or the result a second time.
+        assert sorted(name for name, _ in followed.events) == ["stage", "stderr", "stdout"], followed.summary()
     finally:
         proxy.close()
         rt.close()

@@ -103,6 +103,10 @@ class _AdapterMessage(msgspec.Struct, frozen=True):
     exceptingId: str | None = None
 
 
+# Events a client shows the same when it gets one twice (see _publish_through_redis).
+_SAFE_TWICE = CHUNK_EVENTS | {"stage"}
+
+
 def adapter_channel(prefix: str) -> str:
     """The Redis channel soketi's Redis adapter listens to (SOKETI_ADAPTER_REDIS_PREFIX)."""
     return f"{prefix}#redis-adapter" if prefix else "redis-adapter"
@@ -408,8 +412,11 @@ class Publisher:
         except (RedisError, OSError) as exc:
             # Unknown whether they got out (Redis died with them in flight, most likely before
             # it passed them on). Output and stages go again over HTTP: each carries its seq,
-            # and a client drops a seq it has (SPEC §5). A result is not sent twice, ever.
-            again = [event for event in events if event.name != "result"]
+            # a client drops a seq it has (SPEC §5), and one that does not (the seed's React
+            # hook keys output by seq, and a stage only sets the phase) shows nothing twice.
+            # What such a client appends to a list (an artifact, a test's result) or acts on
+            # once (the result) is not sent twice, ever.
+            again = [event for event in events if event.name in _SAFE_TWICE]
             self.failed += len(events) - len(again)
             log.warning("publishing %d live events through Redis failed (%d go over HTTP): %s", len(events), len(again), exc)
             return again
