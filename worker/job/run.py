@@ -247,10 +247,11 @@ class JobRun:
                     self._running_stage = asyncio.create_task(self._mark_running())
                     await self._running_stage
                     early = "ready"
-            elif plan.compile is None and not self.spec.tests and self._take_ready_sandbox(plan.run):
-                # Started before its claim (a grader's job), and a warm sandbox was free: as
-                # above, one fenced write takes the job from parked to running, here while its
-                # files and limits go in; nothing is published before that write lands.
+            elif precompile is None and plan.compile is None and not self.spec.tests and self._take_ready_sandbox(plan.run):
+                # Nothing loaded for it while parked (started before its claim, as a grader's
+                # job often is, or a worker of one slot), and a warm sandbox is free: as above,
+                # one fenced write takes the job from parked to running, here while its files
+                # and limits go in; nothing is published before that write lands.
                 self._running_stage = asyncio.create_task(self._mark_running(then_go_live=True))
                 early = "taken"
             if early not in ("ready", "taken"):
