@@ -2182,8 +2182,9 @@ def test_a_waiting_runtimes_cpu_rlimit_gives_back_its_start_up(burn_s: float, ad
 
 async def test_a_publish_whose_answer_is_lost_is_not_sent_again() -> None:
     # A PUBLISH whose connection drops before the answer may have gone out: the publisher's
-    # Redis client must not send it again (that could double a result), and the event counts
-    # as failed, not as unheard (which would send it once more over HTTP).
+    # Redis client must not send it again (that could double a result), and a result counts
+    # as failed, not as unheard (which would send it once more over HTTP; only output and
+    # stages go again, see test_publisher's lost-midway test).
     from shared.settings import load_settings
     from worker.messaging.publisher import Publisher, _Event
 
