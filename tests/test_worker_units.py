@@ -1070,17 +1070,24 @@ async def test_slots_in_use_are_the_ones_a_job_holds() -> None:
     assert pool.in_use == 0  # (closed: nothing is anyone's any more)
 
 
-async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() -> None:
-    # nsjail ends a warm jail at its own time limit: one idle past MAX_IDLE_S, or already
-    # dead, would run the job at a dead gate. take() rebuilt such sandboxes; lending did not.
-    factory = _FakeFactory()
+async def _stale_dead_and_good(factory: _FakeFactory) -> tuple[SandboxPool, list[_FakeSandbox]]:
+    """A started pool of three ready sandboxes: one idle past MAX_IDLE_S, one whose jail
+    died, one good (in that order)."""
     pool = SandboxPool(factory, "w", slots=3)  # type: ignore[arg-type]
     pool.start()
     while pool.ready < 3:
         await asyncio.sleep(0)
-    old, dead, good = factory.built
+    old, dead, _good = factory.built
     old.idle_s = MAX_IDLE_S + 1
     dead.jail.proc.returncode = -9
+    return pool, list(factory.built)
+
+
+async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() -> None:
+    # nsjail ends a warm jail at its own time limit: one idle past MAX_IDLE_S, or already
+    # dead, would run the job at a dead gate. take() rebuilt such sandboxes; lending did not.
+    factory = _FakeFactory()
+    pool, (old, dead, good) = await _stale_dead_and_good(factory)
     lent = await asyncio.wait_for(pool.borrow(lambda: None), 1)
     assert lent is good
     for _ in range(10):
@@ -1095,16 +1102,10 @@ async def test_a_parked_job_never_borrows_a_sandbox_that_sat_too_long_or_died() 
 async def test_take_ready_takes_what_take_would_now_or_nothing() -> None:
     # A job started before its claim takes a warm sandbox at once if one is ready (one fenced
     # write then takes it to running); otherwise it says `starting` and waits in take().
-    # take_ready must pick as take does, never wait, and never jump a started job waiting.
+    # take_ready must pick as take does, and never wait.
     factory = _FakeFactory()
-    pool = SandboxPool(factory, "w", slots=3)  # type: ignore[arg-type]
-    assert pool.take_ready() is None  # (nothing built yet)
-    pool.start()
-    while pool.ready < 3:
-        await asyncio.sleep(0)
-    old, dead, good = factory.built
-    old.idle_s = MAX_IDLE_S + 1
-    dead.jail.proc.returncode = -9
+    assert SandboxPool(factory, "w", slots=3).take_ready() is None  # type: ignore[arg-type]  # (nothing built)
+    pool, (old, dead, good) = await _stale_dead_and_good(factory)
     assert pool.take_ready() is good  # the stale and the dead are retired on the way
     assert pool.take_ready() is None  # (their slots are still being rebuilt)
     await _turns(20)
