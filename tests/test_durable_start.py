@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shared import keys
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, host_processes, pids_with_cmdline, py_job, watched_commands
 
@@ -325,6 +326,13 @@ def test_a_kill_of_a_job_handed_back_unstarted_publishes_what_its_claim_logged(m
         api.close()
 
 
+def _sandboxes_ready(stack) -> int:  # type: ignore[no-untyped-def]
+    """Ready warm sandboxes, as the stack's worker last advertised in its heartbeat."""
+    with stack.redis() as redis:
+        info = redis.hget(keys.WORKERS, stack.worker_ids["worker"])
+    return int(((json.loads(info) if info else {}).get("load") or {}).get("sandboxesReady", 0))
+
+
 def _writes_of(seen: list[str], job_id: str) -> list[list[str]]:
     """The commands MONITOR saw naming the job's status record, split into words."""
     return [command.split() for command in seen if f"job:{job_id}:status" in command]
@@ -346,7 +354,11 @@ def test_a_job_started_before_its_claim_goes_from_parked_to_running_in_one_write
         job = api.execute(py_job("print('straight in')"))
         followed = rt.follow(job)
         assert api.start(job).status_code == 202
-        time.sleep(1.0)  # (the worker's warm sandboxes are built meanwhile)
+        # A warm sandbox ready besides the one a blocker may have borrowed (its heartbeat says).
+        deadline = time.monotonic() + 15
+        while _sandboxes_ready(stack) < 1:
+            assert time.monotonic() < deadline, "no warm sandbox ready"
+            time.sleep(0.1)
         assert api.status(job)["state"] == "queued"
         with watched_commands(stack) as seen:
             api.post(f"/v1/jobs/{blockers[0]['jobId']}/kill")
