@@ -247,17 +247,18 @@ class JobRun:
                     self._running_stage = asyncio.create_task(self._mark_running())
                     await self._running_stage
                     early = "ready"
-            elif precompile is None and plan.compile is None and not self.spec.tests and self._take_ready_sandbox(plan.run):
+            elif precompile is None and plan.compile is None and not self.spec.tests:
                 # Nothing loaded for it while parked (started before its claim, as a grader's
-                # job often is, or a worker of one slot), and a warm sandbox is free: as above,
+                # job often is, or a worker of one slot). With a warm sandbox free, as above,
                 # one fenced write takes the job from parked to running, here while its files
                 # and limits go in; nothing is published before that write lands.
-                self._running_stage = asyncio.create_task(self._mark_running(then_go_live=True))
-                early = "taken"
+                self.sandbox = self.ctx.pool.take_ready(plan.run, self.spec.language)
+                if self.sandbox is not None:
+                    self._running_stage = asyncio.create_task(self._mark_running(then_go_live=True))
+                    early = "taken"
             if early not in ("ready", "taken"):
                 await self.events.state(JobState.STARTING)
-                self.events.go_live_within(LIVE_HOLD_S)
-            elif early == "ready":
+            if early != "taken":  # (that one goes live once its running write lands)
                 self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             if early is None:
@@ -271,19 +272,19 @@ class JobRun:
                 assert precompile is not None
                 self.sandbox = precompile.take()  # files and limits went in while parked
                 self._running_stage = asyncio.create_task(self._mark_running())
-            elif early in ("gone", "taken"):
-                if early == "gone":
-                    signal = await self._acquire_sandbox(sub.ctrl, plan.run)
-                    if signal == "broken":
-                        await self._give_up_on_sandboxes()
-                        return
-                    if signal != "start":
-                        await self._end_unstarted(signal, "killed before it ran")
-                        return
-                    if plan.compile is None and not self.spec.tests:
-                        # Nothing comes between here and the run: log the running stage (a
-                        # Redis round trip) while the files and limits go in, not after.
-                        self._running_stage = asyncio.create_task(self._mark_running())
+            elif early == "gone":
+                signal = await self._acquire_sandbox(sub.ctrl, plan.run)
+                if signal == "broken":
+                    await self._give_up_on_sandboxes()
+                    return
+                if signal != "start":
+                    await self._end_unstarted(signal, "killed before it ran")
+                    return
+                if plan.compile is None and not self.spec.tests:
+                    # Nothing comes between here and the run: log the running stage (a Redis
+                    # round trip) while the files and limits go in, not after.
+                    self._running_stage = asyncio.create_task(self._mark_running())
+            if early in ("gone", "taken"):
                 try:
                     await self._load(plan)
                 except (JailError, WorkspaceError, OSError) as exc:
@@ -786,11 +787,6 @@ class JobRun:
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         if then_go_live:
             self.events.go_live_within(LIVE_HOLD_S)
-
-    def _take_ready_sandbox(self, program: Program) -> bool:
-        """A started job takes a warm sandbox ready now, if there is one (no wait)."""
-        self.sandbox = self.ctx.pool.take_ready(program, self.spec.language)
-        return self.sandbox is not None
 
     async def _run(
         self,
