@@ -663,7 +663,7 @@ class Stack:
     def _record_death(self, name: str, proc: subprocess.Popen[bytes], old_id: str, now: float) -> None:
         """A supervised child found dead: its restart is due after its backoff (lock held)."""
         uptime = now - self._started_at.get(name, now)
-        delay = self._backoff[name].delay(uptime)
+        delay = self._backoff.setdefault(name, Backoff()).delay(uptime)  # (a service's: made here)
         returncode = proc.returncode
         assert returncode is not None
         record = Restart(name=name, old_id=old_id, returncode=returncode, uptime_s=uptime, delay_s=delay, died_at=now)
@@ -682,7 +682,6 @@ class Stack:
                 if proc is None or proc.poll() is None:
                     return
                 _kill_group(proc)  # whatever it left in its group goes with it
-                self._backoff.setdefault(name, Backoff())
                 self._record_death(name, proc, "", now)
                 return
             if now < pending.died_at + pending.delay_s or self._supervisor_stop.is_set():
