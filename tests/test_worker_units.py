@@ -1077,7 +1077,7 @@ async def _stale_dead_and_good(factory: _FakeFactory) -> tuple[SandboxPool, list
     pool.start()
     while pool.ready < 3:
         await asyncio.sleep(0)
-    old, dead, _good = factory.built
+    old, dead, _ = factory.built
     old.idle_s = MAX_IDLE_S + 1
     dead.jail.proc.returncode = -9
     return pool, list(factory.built)
