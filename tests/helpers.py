@@ -273,8 +273,9 @@ def run_job(api: Api, realtime: Realtime, body: dict[str, Any], timeout_s: float
 
 
 @contextlib.contextmanager
-def watched_commands(stack: Stack) -> Iterator[list[str]]:
-    """Every command the stack's Redis runs meanwhile (MONITOR), as text."""
+def watched_commands(stack: Stack, scripted: list[str] | None = None) -> Iterator[list[str]]:
+    """Every command the stack's Redis runs meanwhile (MONITOR), as text; those a Lua script
+    ran are also added to `scripted`."""
     seen: list[str] = []
     with stack.redis() as redis, redis.monitor() as monitor:
 
@@ -282,6 +283,8 @@ def watched_commands(stack: Stack) -> Iterator[list[str]]:
             try:
                 for command in monitor.listen():
                     seen.append(command["command"])
+                    if scripted is not None and command.get("client_type") == "lua":
+                        scripted.append(command["command"])
             except Exception:
                 pass  # leaving the block disconnects the monitor: the watch is over
 

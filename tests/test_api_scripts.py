@@ -266,9 +266,10 @@ async def test_at_maxmemory_an_enqueue_is_refused_even_when_it_forgets_something
 async def _advance(redis: Redis, job_id: str, state: str) -> None:
     """A worker's mark of the job's new state, as its claim would send it (attempt 0)."""
     answer = await redis.eval(
-        _ADVANCE, 2, keys.status_key(job_id), keys.events_key(job_id), "0", 60, state, int(time.time() * 1000), "", "token"
-    )
-    assert answer == 1, answer
+        _ADVANCE, 2, keys.status_key(job_id), keys.events_key(job_id), "0", 60, state, int(time.time() * 1000), "", "token",
+        "", "", 0,
+    )  # fmt: skip
+    assert answer == [1, 0], answer
 
 
 async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: JobStore, redis: Redis) -> None:

@@ -16,7 +16,7 @@ import redis
 from launcher.stack import free_port
 from shared.settings import load_settings
 from tests.conftest import StackFactory
-from tests.helpers import Api, Realtime, py_job, run_job
+from tests.helpers import Api, Realtime, py_job, run_job, watched_commands
 from worker.messaging import publisher as publisher_module
 from worker.messaging.publisher import Publisher, _Event, adapter_channel
 
@@ -402,7 +402,8 @@ def test_events_whose_publish_lost_redis_midway_go_over_http_but_never_a_result(
 def test_the_stacks_workers_publish_through_redis(make_stack: StackFactory) -> None:
     # `make up` and every test stack run soketi on its Redis adapter and the workers with
     # PUSHER_PUBLISH=redis: a followed job's events all appear on the adapter's channel,
-    # published by the worker.
+    # published by the worker, each once and in order. Its output is published by the very
+    # script that logs it (JobLane.direct_mode), with the stages held back before it.
     stack = make_stack()
     seen: list[dict[str, object]] = []
     listening = threading.Event()
@@ -423,13 +424,17 @@ def test_the_stacks_workers_publish_through_redis(make_stack: StackFactory) -> N
     listener.start()
     assert listening.wait(5)
     api, rt = Api(stack), Realtime(stack)
+    scripted: list[str] = []
     try:
         job = api.execute(py_job("print(1)"))
         followed = rt.follow(job)
-        api.start(job)
-        result = followed.wait_result()
+        with watched_commands(stack, scripted):
+            api.start(job)
+            result = followed.wait_result()
         listener.join(10)
         assert result["outcome"] == "completed" and followed.text("stdout") == "1\n"
+        published = [command for command in scripted if command.startswith("PUBLISH") and job["channel"] in command]
+        assert any("stdout" in command and "result" not in command for command in published), (published, scripted[-20:])
         # (soketi itself also PUBLISHes there what reaches it over HTTP, for its other nodes,
         # under its own uuid.)
         ours = [m for m in seen if str(m["uuid"]).startswith("coderunner-worker-") and m["channel"] == job["channel"]]

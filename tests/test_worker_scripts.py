@@ -38,7 +38,7 @@ from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
 from worker.messaging.control import ControlBus
 from worker.messaging.flagsweep import BATCH, FlagSweep
-from worker.messaging.queue import QUEUED_STAGE, Fenced, LogAhead, WorkerQueue, WorkerSuperseded
+from worker.messaging.queue import QUEUED_STAGE, Advanced, Fenced, LivePublish, LogAhead, WorkerQueue, WorkerSuperseded
 from worker.worker import Worker
 
 pytestmark = [pytest.mark.stack]
@@ -133,12 +133,56 @@ async def test_advance_sent_twice_appends_once(redis: Redis, queue: WorkerQueue)
     events = [(1, "stage", "data", b'{"phase":"running","seq":1}'), (2, "stdout", "chunk", b"hello\n")]
     await queue.advance(job, claim.attempt, events, state=JobState.RUNNING, started=True)
     after_one = await snapshot(redis)
-    assert await queue._advance.again() == 1  # type: ignore[attr-defined]
+    assert await queue._advance.again() == [1, 0]  # type: ignore[attr-defined]
     assert_same_state(after_one, await snapshot(redis))
     assert [int(f[b"seq"]) for _, f in await redis.xrange(keys.events_key(job))] == [0, 1, 2]
     # The next batch still goes in.
     await queue.advance(job, claim.attempt, [(3, "stdout", "chunk", b"more\n")])
     assert await redis.xlen(keys.events_key(job)) == 4
+
+
+async def test_an_append_publishes_what_it_logged_in_order_and_once(redis: Redis, queue: WorkerQueue) -> None:
+    # A LivePublish rides on the append: its messages reach the adapter's subscribers in
+    # order, after the append, and a re-run of the same append (its reply lost) tells how
+    # many went out without sending any again.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    listener = redis.pubsub()
+    await listener.subscribe("adapter")
+    await listener.get_message(timeout=1.0)  # (the subscription's confirmation)
+
+    async def heard() -> list[bytes]:
+        out = []
+        while (message := await listener.get_message(timeout=0.2)) is not None:
+            out.append(message["data"])
+        return out
+
+    events = [(1, "stage", "data", b'{"phase":"running","seq":1}'), (2, "stdout", "chunk", b"hi\n")]
+    publish = LivePublish("adapter", only_if_followed=False, logged=[b"m0"], messages=[b"m1", b"m2"])
+    answer = await queue.advance(job, claim.attempt, events, state=JobState.RUNNING, started=True, publish=publish)
+    assert answer == Advanced(heard=False, published=3)
+    assert await heard() == [b"m0", b"m1", b"m2"]
+    after_one = await snapshot(redis)
+    assert await queue._advance.again() == [1, 3]  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    assert await heard() == []
+    # Only if followed: nothing goes out without the audience mark, all once it is there.
+    followed = LivePublish("adapter", only_if_followed=True, logged=[], messages=[b"m3"])
+    answer = await queue.advance(job, claim.attempt, [(3, "stdout", "chunk", b"a")], publish=followed)
+    assert answer == Advanced(heard=False, published=0) and await heard() == []
+    await redis.set(keys.audience_key(job), "1")
+    followed = LivePublish("adapter", only_if_followed=True, logged=[], messages=[b"m4"])
+    answer = await queue.advance(job, claim.attempt, [(4, "stdout", "chunk", b"b")], publish=followed)
+    assert answer == Advanced(heard=True, published=1) and await heard() == [b"m4"]
+    # A channel nobody listens to: the first message reaches nobody, and the script stops.
+    await listener.aclose()
+    nobody = LivePublish("adapter", only_if_followed=False, logged=[], messages=[b"m5", b"m6"])
+    answer = await queue.advance(job, claim.attempt, [(5, "stdout", "chunk", b"c"), (6, "stdout", "chunk", b"d")], publish=nobody)
+    assert answer.published == 0
+    assert [int(f[b"seq"]) for _, f in await redis.xrange(keys.events_key(job))] == [0, 1, 2, 3, 4, 5, 6]
+    # Fenced off: neither logged nor published.
+    with pytest.raises(Fenced):
+        await queue.advance(job, claim.attempt + 1, [(7, "stdout", "chunk", b"e")], publish=followed)
 
 
 async def test_finish_refuses_a_seq_the_log_already_holds(redis: Redis, queue: WorkerQueue) -> None:
@@ -161,6 +205,7 @@ class _Lane:
     """What a job publishes live, recorded (no soketi)."""
 
     followed = True
+    adapter = None
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes]] = []
@@ -1262,7 +1307,7 @@ async def test_an_append_from_a_count_behind_the_log_is_renumbered_not_dropped(r
     assert status[b"state"] == b"running" and status[b"started"] == b"1" and status[b"nextSeq"] == b"3"
     assert [(name, json.loads(data)["seq"]) for name, data in lane.sent] == [("stage", 0), ("stage", 2)]
     # A retry of an append that did land (its reply lost) is still recognised as itself.
-    assert await queue._advance.again() == 1  # type: ignore[attr-defined]
+    assert await queue._advance.again() == [1, 0]  # type: ignore[attr-defined]
     assert await redis.xlen(keys.events_key(job)) == 3
 
 

@@ -37,7 +37,7 @@ from worker.job.output import StreamTail
 from worker.job.precompile import Precompile, PrecompileState
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import COALESCE_S, Activity, Clocks, StepFacts, _pump, cpu_clock_due_at, supervise
-from worker.messaging.queue import StoredFrame
+from worker.messaging.queue import Advanced, LivePublish, StoredFrame
 from worker.worker import Worker
 
 HYBRID = """\
@@ -904,12 +904,13 @@ async def test_a_capped_step_reads_its_cpu_counter_at_the_slower_pace_until_its_
 class _LogOnly:
     """The queue's append, always accepted."""
 
-    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False, token="") -> bool:  # type: ignore[no-untyped-def, type-arg]
-        return True
+    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False, token="", publish=None) -> Advanced:  # type: ignore[no-untyped-def, type-arg]
+        return Advanced(heard=False)
 
 
 class _SentLane:
     followed = True
+    adapter = None
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict[str, object]]] = []
@@ -932,6 +933,64 @@ async def test_a_held_go_live_publishes_the_backlog_with_the_first_output() -> N
     assert [(name, data["seq"]) for name, data in lane.sent] == [("stage", 0), ("stage", 1), ("stdout", 2)]
     await events.chunk_runs([("stderr", "x")])
     assert [(name, data["seq"]) for name, data in lane.sent][-1] == ("stderr", 3)
+
+
+class _DirectLane(_SentLane):
+    """A lane that lets appends publish for it (JobLane.direct_mode says `mode`)."""
+
+    adapter = "redis-adapter"
+
+    def __init__(self, mode: str | None) -> None:
+        super().__init__()
+        self.mode = mode
+        self.direct: list[tuple[int, bool]] = []
+
+    def direct_mode(self, size: int) -> str | None:
+        return self.mode
+
+    def adapter_message(self, name: str, data: bytes) -> bytes:
+        return json.dumps([name, json.loads(data)["seq"]]).encode()
+
+    def published_directly(self, count: int, size: int, followed: bool) -> None:
+        self.direct.append((count, followed))
+
+
+class _PublishingLog(_LogOnly):
+    """An append whose script publishes the first `reach` messages it is given (the next one
+    found no soketi node, so it stopped there)."""
+
+    def __init__(self, reach: int) -> None:
+        self.reach = reach
+        self.published: list[tuple[str, int]] = []
+
+    async def advance(self, job_id: str, attempt: int, events: list, state=None, started=False, audience=False, token="", publish: LivePublish | None = None) -> Advanced:  # type: ignore[no-untyped-def, type-arg]
+        if publish is None:
+            return Advanced(heard=False)
+        went = [*publish.logged, *publish.messages][: self.reach]
+        self.published += [tuple(json.loads(message)) for message in went]  # type: ignore[misc]
+        return Advanced(heard=publish.only_if_followed, published=len(went))
+
+
+async def test_the_append_ending_a_held_go_live_publishes_the_backlog_and_itself_in_order() -> None:
+    # The script publishes the first two (the backlog's stages) and stops: the output goes
+    # through the lane, after them; later output is published by its own append.
+    lane, log = _DirectLane("followed"), _PublishingLog(reach=2)
+    events = JobEvents(log, lane, "job", 1, 1, [(0, "stage", b'{"phase":"queued","seq":0}')])  # type: ignore[arg-type]
+    events.go_live_within(10.0)
+    await events.stage("running")
+    assert log.published == [] and lane.sent == [] and not events.live  # a stage does not end the hold
+    await events.chunk_runs([("stdout", "1\n")])
+    assert events.live
+    assert log.published == [("stage", 0), ("stage", 1)]
+    assert [(name, data["seq"]) for name, data in lane.sent] == [("stdout", 2)]
+    assert lane.direct == [(2, True)]
+    log.reach = 10
+    await events.chunk_runs([("stdout", "2\n"), ("stderr", "3")])
+    assert log.published[2:] == [("stdout", 3), ("stderr", 4)] and len(lane.sent) == 1
+    lane.mode = None  # (the lane is busy: through it, as before)
+    await events.chunk_runs([("stdout", "4")])
+    assert [(name, data["seq"]) for name, data in lane.sent] == [("stdout", 2), ("stdout", 5)]
+    assert len(log.published) == 4
 
 
 async def test_a_held_go_live_ends_on_its_timer_without_output() -> None:

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from shared.messages import ChunkEvent, JobState, StageEvent
 from worker.messaging.publisher import JobLane
-from worker.messaging.queue import LogAhead, WorkerQueue
+from worker.messaging.queue import Advanced, LivePublish, LogAhead, WorkerQueue
 from worker.tasks import cancel_and_wait
 
 __all__ = ["JobEvents"]
@@ -80,7 +80,13 @@ class JobEvents:
         # What this worker put in the log, as Redis keeps it (see LOG_ENTRY_BYTES).
         self.stored_bytes = 0
 
-    async def _advance(self, stored: list[tuple[int, str, str, bytes]], state: JobState | None, started: bool) -> None:
+    async def _advance(
+        self,
+        stored: list[tuple[int, str, str, bytes]],
+        state: JobState | None,
+        started: bool,
+        publish: LivePublish | None = None,
+    ) -> Advanced:
         """Append to the log, waiting out a Redis outage (up to REDIS_OUTAGE_S).
 
         The program goes on meanwhile (its pipe fills, then it blocks on output); losing
@@ -94,13 +100,14 @@ class JobEvents:
         while True:
             try:
                 # The lane's "is anyone following?" rides along when it wants an answer.
-                ask = self._lane.wants_audience()
-                heard = await self._queue.advance(
-                    self.job_id, self.attempt, stored, state=state, started=started, audience=ask, token=token
-                )
+                ask = self._lane.wants_audience() and publish is None
+                answer = await self._queue.advance(
+                    self.job_id, self.attempt, stored, state=state, started=started, audience=ask, token=token,
+                    publish=publish,
+                )  # fmt: skip
                 if ask:
-                    self._lane.learned_audience(heard)
-                return
+                    self._lane.learned_audience(answer.heard)
+                return answer
             except (RedisError, OSError) as exc:
                 if loop.time() + delay > deadline:
                     raise
@@ -205,8 +212,10 @@ class JobEvents:
                         stored.append((seq, name, "data", data))
                     stored_bytes += logged_bytes(len(stored[-1][3]))
                     seq += 1
+                ends_hold = self._live_timer is not None and any(kind == "chunk" for _, _, kind, _ in stored)
+                publish, offered = self._publish_with_append(encoded, ends_hold)
                 try:
-                    await self._advance(stored, state, started)
+                    answer = await self._advance(stored, state, started, publish)
                 except LogAhead as ahead:
                     # An append whose caller was cancelled after sending it did land (its
                     # events are in the log, never published live): number these after it.
@@ -217,13 +226,50 @@ class JobEvents:
                 break
             self.stored_bytes += stored_bytes
             self.next_seq = seq
+            if publish is not None:
+                if not self.live:  # (the hold ended with this append, which published the backlog)
+                    self._stop_hold_timer()
+                    self._backlog = []
+                    self.live = True
+                went = offered[: answer.published]
+                self._lane.published_directly(len(went), sum(len(data) for _, _, data in went), answer.heard)
+                for _, name, data in offered[answer.published :]:
+                    self._lane.send(name, data)
+                return
             if not self.live:
                 self._backlog += encoded
-                if self._live_timer is not None and any(kind == "chunk" for _, _, kind, _ in stored):
+                if ends_hold:
                     await self._go_live_locked()  # a held go_live: the first output ends the hold
                 return
             for _, name, data in encoded:
                 self._lane.send(name, data)
+
+    def _publish_with_append(
+        self, encoded: list[tuple[int, str, bytes]], ends_hold: bool
+    ) -> tuple[LivePublish | None, list[tuple[int, str, bytes]]]:
+        """What the append of `encoded` may PUBLISH itself (see JobLane.direct_mode), saving
+        the live view a round trip to Redis: these events once the job is live, or, when they
+        end a held go_live, the backlog before them too. Returns the LivePublish, if any, and
+        the events it offers, in order."""
+        if self._lane.adapter is None or not encoded:
+            return None, []
+        if self.live:
+            logged: list[tuple[int, str, bytes]] = []
+        elif ends_hold and not self._log_has_more:
+            backlog = [] if self._published_before >= self.next_seq else self._backlog
+            logged = [event for event in backlog if event[1] != "result" and event[0] >= self._published_before]
+        else:
+            return None, []
+        offered = logged + encoded
+        mode = self._lane.direct_mode(sum(len(data) for _, _, data in offered))
+        if mode is None:
+            return None, []
+        return LivePublish(
+            channel=self._lane.adapter,
+            only_if_followed=mode == "followed",
+            logged=[self._lane.adapter_message(name, data) for _, name, data in logged],
+            messages=[self._lane.adapter_message(name, data) for _, name, data in encoded],
+        ), offered
 
     async def _read_log(self) -> list[tuple[int, str, bytes]]:
         loop = asyncio.get_running_loop()

@@ -379,20 +379,26 @@ class Publisher:
             return
         self.sent += len(events)
 
+    @property
+    def adapter(self) -> str | None:
+        """soketi's adapter channel, when events go through Redis (else None)."""
+        return self._adapter
+
+    def adapter_message(self, channel: str, name: str, data: str) -> bytes:
+        """An event as a PUBLISH on the adapter channel carries it (see _AdapterMessage)."""
+        return _encoder.encode(
+            _AdapterMessage(
+                uuid=self._uuid,
+                appId=self._app_id,
+                channel=channel,
+                data=_encoder.encode(_Message(name, channel, data)).decode(),
+            )
+        )
+
     async def _publish_through_redis(self, redis: Redis, events: list[_Event]) -> list[_Event]:
         """PUBLISH each event to soketi's adapter channel; returns those no node heard."""
         assert self._adapter is not None
-        messages = [
-            _encoder.encode(
-                _AdapterMessage(
-                    uuid=self._uuid,
-                    appId=self._app_id,
-                    channel=event.channel,
-                    data=_encoder.encode(_Message(event.name, event.channel, event.data)).decode(),
-                )
-            )
-            for event in events
-        ]
+        messages = [self.adapter_message(event.channel, event.name, event.data) for event in events]
         try:
             if len(messages) == 1:
                 heard = [await redis.publish(self._adapter, messages[0])]
@@ -484,10 +490,13 @@ class JobLane:
             kept.append((event, size))
         self._pending = kept
 
-    async def _pace(self, size: int) -> None:
+    def _refill(self) -> None:
         now = time.monotonic()
         self._tokens = min(LANE_BURST_BYTES, self._tokens + (now - self._refilled_at) * LANE_RATE_BYTES_S)
         self._refilled_at = now
+
+    async def _pace(self, size: int) -> None:
+        self._refill()
         if self._tokens < size:
             await asyncio.sleep((size - self._tokens) / LANE_RATE_BYTES_S)
             self._tokens = float(size)
@@ -594,6 +603,41 @@ class JobLane:
                 return
             self._unheard.append((event, size))
             self._unheard_bytes += size
+
+    @property
+    def adapter(self) -> str | None:
+        return self._publisher.adapter
+
+    def direct_mode(self, size: int) -> Literal["always", "followed"] | None:
+        """Whether events of `size` bytes may skip this lane: PUBLISHed to soketi's adapter by
+        the very script that logs them (one Redis round trip, not two), "followed" meaning
+        only if the script finds the job's audience mark. Only when that keeps the lane's
+        rules: events go through Redis, nothing waits here or is under way (so nothing is
+        overtaken), no event went by unheard unless this lane holds the late-replay claim,
+        and the pacing has room for them. The caller holds its log's lock, and sends the
+        lane nothing else until it reports back (published_directly)."""
+        if self._publisher.adapter is None or self._closing or self._pending or self._unheard:
+            return None
+        if not self._idle.is_set() or self._task.done():
+            return None
+        if self._cleared is False or (self._must_claim and self._cleared is not True):
+            return None
+        self._refill()
+        if self._tokens < size:
+            return None
+        return "always" if self._audience else "followed"
+
+    def adapter_message(self, name: str, data: bytes) -> bytes:
+        return self._publisher.adapter_message(self._channel, name, data.decode())
+
+    def published_directly(self, count: int, size: int, followed: bool) -> None:
+        """`count` events (`size` bytes) went out through the script that logged them, which
+        found the audience mark (`followed`) or, asked "followed", did not; the caller sends
+        the rest of what it offered through send(), in order."""
+        self.learned_audience(followed)
+        self._tokens -= size
+        self._publisher.sent += count
+        self._publisher.sent_via_redis += count
 
     def wants_audience(self) -> bool:
         """Whether an append to the job's log should read the audience mark: as long as

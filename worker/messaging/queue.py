@@ -38,7 +38,8 @@ from shared.messages import (
 )
 
 __all__ = [
-    "QUEUED_STAGE", "Claim", "Fenced", "LogAhead", "StoredFrame", "WorkerQueue", "WorkerSuperseded", "Written", "now_ms"
+    "QUEUED_STAGE", "Advanced", "Claim", "Fenced", "LivePublish", "LogAhead", "StoredFrame", "WorkerQueue",
+    "WorkerSuperseded", "Written", "now_ms",
 ]
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,16 @@ return 1
 )
 
 # KEYS: status, events, and (optional) the job's audience mark. ARGV: attempt, ttl s, new
-# state or '', now ms, started ('1' or ''), the append's token, then (seq, name, field,
-# value) quadruples, field 'data' (JSON) or 'chunk' (raw text; see shared/eventlog.py).
-# Returns 0 when fenced off or already finished, {3, next seq} when the log is already past
-# the first seq (nothing done), else 2 when the audience mark was asked for and is there,
-# else 1.
+# state or '', now ms, started ('1' or ''), the append's token, soketi's adapter channel (''
+# publishes nothing), '1' to publish only when the audience mark is there, a count B, B
+# adapter messages of events already logged, then (seq, name, field, value, message)
+# quintuples: field 'data' (JSON) or 'chunk' (raw text; see shared/eventlog.py), message the
+# event's adapter message or ''. Those messages are PUBLISHed in order after the append,
+# stopping at the first that no soketi node heard. Returns 0 when fenced off or already
+# finished, {3, next seq} when the log is already past the first seq (nothing done), else
+# {heard, published}: heard 2 when the audience mark was asked for and is there, else 1;
+# published how many messages went out (for a re-run of an append that had landed, how many
+# went out when it did: the record keeps that count with the append's token).
 _ADVANCE = (
     _TERMINAL_LUA
     + keys.UNSTARTED_GONE_LUA
@@ -172,28 +178,49 @@ _ADVANCE = (
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state] then return 0 end
 local heard = (KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1) and 2 or 1
+local first = 10 + tonumber(ARGV[9])
 -- Append only if the log's next seq is the one being written. A re-run of this very append
 -- (its reply lost with a connection; the same token) finds it there and changes nothing.
 -- Any other append whose seqs the log has passed comes from a count that fell behind (an
 -- earlier append its caller stopped waiting for did land): it is told where the log is.
 local next_seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
-if #ARGV >= 7 and tonumber(ARGV[7]) < next_seq then
-  if redis.call('HGET', KEYS[1], 'lastAppend') == ARGV[6] then return heard end
+if #ARGV >= first and tonumber(ARGV[first]) < next_seq then
+  local last_append = redis.call('HMGET', KEYS[1], 'lastAppend', 'lastPublished')
+  if last_append[1] == ARGV[6] then return {heard, tonumber(last_append[2] or '0')} end
   return {3, next_seq}
 end
 local last = nil
-for i = 7, #ARGV, 4 do
+for i = first, #ARGV, 5 do
   redis.call('XADD', KEYS[2], '*', 'seq', ARGV[i], 'name', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
   last = tonumber(ARGV[i])
-end
-if last then
-  redis.call('HSET', KEYS[1], 'nextSeq', last + 1, 'lastAppend', ARGV[6])
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updatedAtMs', ARGV[4]) end
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'started', '1') end
 if ARGV[5] == '1' or ARGV[3] == 'starting' or ARGV[3] == 'running' then unstarted_gone(KEYS[1]) end
-return heard
+local published = 0
+if ARGV[7] ~= '' and (ARGV[8] ~= '1' or heard == 2) then
+  local function publish(message)
+    if message == '' then return true end
+    if redis.call('PUBLISH', ARGV[7], message) == 0 then return false end
+    published = published + 1
+    return true
+  end
+  local going = true
+  for i = 10, first - 1 do
+    going = publish(ARGV[i])
+    if not going then break end
+  end
+  if going then
+    for i = first + 4, #ARGV, 5 do
+      if not publish(ARGV[i]) then break end
+    end
+  end
+end
+if last then
+  redis.call('HSET', KEYS[1], 'nextSeq', last + 1, 'lastAppend', ARGV[6], 'lastPublished', published)
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+return {heard, published}
 """
 )
 
@@ -395,6 +422,25 @@ def now_ms() -> int:
 
 class Fenced(Exception):
     """This worker no longer holds the job (its lease was taken over, or the job ended)."""
+
+
+class LivePublish(msgspec.Struct, frozen=True):
+    """What an append also PUBLISHes to soketi's adapter `channel` (Publisher.adapter_message):
+    `logged`, messages of events already in the log, then `messages`, one per appended event;
+    with `only_if_followed`, only if the job's audience mark is there."""
+
+    channel: str
+    only_if_followed: bool
+    logged: list[bytes]
+    messages: list[bytes]
+
+
+class Advanced(msgspec.Struct, frozen=True):
+    """An append's answer: whether the audience mark was asked for and is there, and how many
+    of its LivePublish messages went out (in order: the rest found no soketi node)."""
+
+    heard: bool
+    published: int = 0
 
 
 class LogAhead(Exception):
@@ -599,10 +645,13 @@ class WorkerQueue:
         started: bool = False,
         audience: bool = False,
         token: str = "",
-    ) -> bool:
+        publish: LivePublish | None = None,
+    ) -> Advanced:
         """Append events to the durable log and/or move the job's state, fenced by attempt.
         With `audience`, also tell whether the job's audience mark is set (else False).
         `token` names this append, the same on every retry of it (a new one if not given).
+        With `publish`, the same script then PUBLISHes their adapter messages (see
+        LivePublish): nothing is published unless it is logged, and never twice.
 
         Raises:
             Fenced: the job is no longer this worker's to write.
@@ -612,17 +661,24 @@ class WorkerQueue:
         args: list[object] = [
             attempt, self._record_ttl_s, state.value if state else "", now_ms(), "1" if started else "", token,
         ]  # fmt: skip
-        for seq, name, field, value in events:
-            args.extend((seq, name, field, value))
+        if publish is None:
+            args.extend(("", "", 0))
+            messages: list[bytes] = [b""] * len(events)
+        else:
+            args.extend((publish.channel, "1" if publish.only_if_followed else "", len(publish.logged)))
+            args.extend(publish.logged)
+            messages = publish.messages
+        for (seq, name, field, value), message in zip(events, messages, strict=True):
+            args.extend((seq, name, field, value, message))
         script_keys = [keys.status_key(job_id), keys.events_key(job_id)]
-        if audience:
+        if audience or (publish is not None and publish.only_if_followed):
             script_keys.append(keys.audience_key(job_id))
         answer = await self._advance(keys=script_keys, args=args)
-        if isinstance(answer, list):
-            raise LogAhead(int(answer[1]))
         if not answer:
             raise Fenced(job_id)
-        return answer == 2
+        if answer[0] == 3:
+            raise LogAhead(int(answer[1]))
+        return Advanced(heard=answer[0] == 2, published=int(answer[1]))
 
     async def finish(
         self,
