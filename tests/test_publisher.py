@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from launcher.stack import free_port
+from shared import keys
 from shared.settings import load_settings
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job, run_job, watched_commands
@@ -403,7 +404,8 @@ def test_the_stacks_workers_publish_through_redis(make_stack: StackFactory) -> N
     # `make up` and every test stack run soketi on its Redis adapter and the workers with
     # PUSHER_PUBLISH=redis: a followed job's events all appear on the adapter's channel,
     # published by the worker, each once and in order. Its output is published by the very
-    # script that logs it (JobLane.direct_mode), with the stages held back before it.
+    # script that logs it (JobLane.direct_mode), with the stages held back before it, and
+    # its result by the script that stores it.
     stack = make_stack()
     seen: list[dict[str, object]] = []
     listening = threading.Event()
@@ -435,6 +437,9 @@ def test_the_stacks_workers_publish_through_redis(make_stack: StackFactory) -> N
         assert result["outcome"] == "completed" and followed.text("stdout") == "1\n"
         published = [command for command in scripted if command.startswith("PUBLISH") and job["channel"] in command]
         assert any("stdout" in command and "result" not in command for command in published), (published, scripted[-20:])
+        assert any("result" in command for command in published), (published, scripted[-20:])
+        with stack.redis() as r:
+            assert r.keys(keys.worker_unpublished_key("*")) == []  # (not owed: it went)
         # (soketi itself also PUBLISHes there what reaches it over HTTP, for its other nodes,
         # under its own uuid.)
         ours = [m for m in seen if str(m["uuid"]).startswith("coderunner-worker-") and m["channel"] == job["channel"]]

@@ -175,6 +175,8 @@ async def test_an_append_publishes_what_it_logged_in_order_and_once(redis: Redis
     answer = await queue.advance(job, claim.attempt, [(4, "stdout", "chunk", b"b")], publish=followed)
     assert answer == Advanced(heard=True, published=1) and await heard() == [b"m4"]
     # A channel nobody listens to: the first message reaches nobody, and the script stops.
+    await listener.unsubscribe("adapter")
+    assert (await listener.get_message(timeout=1.0) or {}).get("type") == "unsubscribe"
     await listener.aclose()
     nobody = LivePublish("adapter", only_if_followed=False, logged=[], messages=[b"m5", b"m6"])
     answer = await queue.advance(job, claim.attempt, [(5, "stdout", "chunk", b"c"), (6, "stdout", "chunk", b"d")], publish=nobody)
@@ -581,6 +583,51 @@ async def test_finish_says_whether_someone_follows_the_job(redis: Redis, queue: 
     assert written is not None and not written.heard
 
 
+async def test_a_result_its_write_published_is_published_once_and_not_owed(redis: Redis, queue: WorkerQueue) -> None:
+    # The lane was idle: the result's write PUBLISHes it. Heard by a soketi node, it is not
+    # put on the worker's unpublished set (nothing is left to publish it again), and a
+    # re-run of the write (its reply lost) publishes nothing more and says it went.
+    followed, nobody_listens, unfollowed = [await _claimed(redis, queue) for _ in range(3)]
+    for claim in (followed, nobody_listens):
+        await redis.set(keys.audience_key(claim.spec.job_id), "1", ex=60)
+    listener = redis.pubsub()
+    await listener.subscribe("adapter")
+    await listener.get_message(timeout=1.0)
+
+    async def heard() -> list[bytes]:
+        out = []
+        while (message := await listener.get_message(timeout=0.2)) is not None:
+            out.append(message["data"])
+        return out
+
+    unpublished = keys.worker_unpublished_key(queue.worker_id)
+    publish = LivePublish("adapter", only_if_followed=True, logged=[], messages=[b"the result"])
+    result = b'{"seq":1,"outcome":"completed"}'
+    written = await queue.finish(followed.spec.job_id, followed.attempt, JobState.DONE, 1, result, None, publish=publish)
+    assert written is not None and written.heard and written.published
+    assert await heard() == [b"the result"]
+    assert not await redis.exists(unpublished)
+    after_one = await snapshot(redis)
+    assert await queue._finish.again() == [3, 1]  # type: ignore[attr-defined]
+    assert_same_state(after_one, await snapshot(redis))
+    assert await heard() == []
+    # Not followed: nothing is published (and nothing owed).
+    written = await queue.finish(unfollowed.spec.job_id, unfollowed.attempt, JobState.DONE, 1, result, None, publish=publish)
+    assert written is not None and not written.heard and not written.published
+    assert await heard() == [] and not await redis.exists(unpublished)
+    # Followed, but no soketi node listens: owed, as a result published by the lane is.
+    await listener.unsubscribe("adapter")
+    assert (await listener.get_message(timeout=1.0) or {}).get("type") == "unsubscribe"
+    await listener.aclose()
+    job = nobody_listens.spec.job_id
+    written = await queue.finish(job, nobody_listens.attempt, JobState.DONE, 1, result, None, publish=publish)
+    assert written is not None and written.heard and not written.published
+    assert await redis.smembers(unpublished) == {job.encode()}
+    assert await queue._finish.again() == [3, 0]  # type: ignore[attr-defined]
+    assert await queue.stored_result(job) == (result, False)
+    assert await queue.stored_result(followed.spec.job_id) == (result, True)
+
+
 async def test_a_followed_jobs_result_is_owed_live_until_its_worker_says_it_went(redis: Redis, queue: WorkerQueue) -> None:
     # Stored, a followed job's result is on the worker's unpublished set (a grader's is not);
     # a heartbeat after delivered() takes it off; a reaper of a worker that died before that
@@ -631,7 +678,7 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     result = b'{"outcome":"completed","seq":1}'
     assert await queue.finish(job, claim.attempt, JobState.DONE, 1, result, b'{"x":1}', (b"out", b"err"), "owner-a", 10)
     after_one = await snapshot(redis)
-    assert await queue._finish.again() == 1  # type: ignore[attr-defined]
+    assert await queue._finish.again() == [1, 0]  # type: ignore[attr-defined]
     assert_same_state(after_one, await snapshot(redis))
     names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
     assert names.count(b"result") == 1

@@ -306,6 +306,21 @@ class JobEvents:
         self.next_seq = next_seq + 1
         return next_seq
 
+    def result_publish(self, result_json: bytes) -> LivePublish | None:
+        """What the result's write may PUBLISH itself (see JobLane.direct_mode): only when the
+        job is live already (a job that ends without going live publishes its log first)."""
+        if not self.live or self._lane.adapter is None:
+            return None
+        mode = self._lane.direct_mode(len(result_json))
+        if mode is None:
+            return None
+        message = self._lane.adapter_message("result", result_json)
+        return LivePublish(channel=self._lane.adapter, only_if_followed=mode == "followed", logged=[], messages=[message])
+
+    def published_result(self, result_json: bytes) -> None:
+        """The result's write published it, and soketi heard it."""
+        self._lane.published_directly(1, len(result_json), True)
+
     def publish(self, name: str, data: bytes, heard: bool = False) -> None:
         """Publish an event another script logged (the result); the caller went live first.
         `heard`: the script saw that someone follows the job. The lane's own answer may be

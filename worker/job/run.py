@@ -67,7 +67,7 @@ from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, StepFacts, StepStopped, supervise
 from worker.messaging.control import Subscription
-from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead
+from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead, Written
 from worker.tasks import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["JobRun"]
@@ -1066,7 +1066,7 @@ class JobRun:
                 log.error("job %s: the worker stopped before the result could be stored", self.job_id)
                 raise asyncio.CancelledError from None
         if stored is not None:
-            result_json, event, heard = stored
+            result_json, event, written = stored
             if self.spec.callback_url:
                 self.ctx.callback_due()  # the result write queued its delivery
             # The result is stored: a cancel now (the worker told twice to stop) must not
@@ -1084,15 +1084,16 @@ class JobRun:
                     live.cancel()
                     log.warning("job %s: its earlier events did not go live before the stop", self.job_id)
             finally:
-                self._publish_result(outcome, result_json, event, heard)
+                self._publish_result(outcome, result_json, event, written)
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[bytes, ResultEvent, bool] | None:
+    async def _store_result(self, outcome: Outcome, event: ResultEvent) -> tuple[bytes, ResultEvent, Written] | None:
         """Number and write the result (retrying through Redis outages up to FINISH_RETRY_S).
-        Returns its JSON, its event (the seq in it) and whether anyone followed the job as it
-        was written, once written; None if it was not (the claim is then left to recovery, or
-        the job is no longer this worker's)."""
+        Returns its JSON, its event (the seq in it) and what the write said (whether anyone
+        followed the job as it was written, and whether the write published the result),
+        once written; None if it was not (the claim is then left to recovery, or the job is
+        no longer this worker's)."""
         seq = await self.events.take_result_seq()
         output = (bytes(self.budget.data["stdout"]), bytes(self.budget.data["stderr"]))
         loop = asyncio.get_running_loop()
@@ -1103,6 +1104,7 @@ class JobRun:
                 msgspec.structs.replace(event, seq=seq), self.ctx.settings.pusher_max_payload_kb * 1024
             )
             output_json = _encoder.encode(self._stored_output(event)) if self.spec.collect_output else None
+            publish = self.events.result_publish(result_json)
             write = self.ctx.queue.finish(
                 self.job_id,
                 self.claim.attempt,
@@ -1119,6 +1121,7 @@ class JobRun:
                 # (the pullable result's own JSON: a batch's cases keep their output in it)
                 + (len(output_json) if output_json else 0)
                 + sum(meta.bytes for meta in self._artifacts),
+                publish=publish,
             )
             try:
                 # Told twice to stop, the worker gives each write a moment, not minutes.
@@ -1129,10 +1132,11 @@ class JobRun:
                 seq = self.events.result_seq_from(ahead.next_seq)
                 continue
             except (RedisError, OSError, TimeoutError) as exc:
-                if self.ctx.hard_stop.is_set() and await self._stored_already(result_json):
+                stored = await self._stored_already(result_json) if self.ctx.hard_stop.is_set() else None
+                if stored is not None:
                     # The write landed and only its answer was lost or late: no retry comes
                     # under a hard stop to find that out, so look.
-                    return result_json, event, True  # (unknown: publish, at the cost of a request)
+                    return result_json, event, Written(heard=True, published=stored)  # (heard: unknown, so publish)
                 if loop.time() > deadline or self.ctx.hard_stop.is_set():
                     # The claim stays in this worker's list: whoever recovers it (this worker
                     # restarted with its id, or any other once this one's lease is gone)
@@ -1146,14 +1150,16 @@ class JobRun:
             if written is None:
                 log.warning("job %s: result not written (lease lost or job already ended)", self.job_id)
                 return None
-            return result_json, event, written.heard
+            return result_json, event, written
 
-    async def _stored_already(self, result_json: bytes) -> bool:
-        """Whether the job's record holds this very result (one quick read, or False)."""
+    async def _stored_already(self, result_json: bytes) -> bool | None:
+        """Whether the job's record holds this very result (one quick read): None if not (or
+        unknown), else whether its write published it."""
         try:
-            return await asyncio.wait_for(self.ctx.queue.stored_result(self.job_id), 1.0) == result_json
+            stored, published = await asyncio.wait_for(self.ctx.queue.stored_result(self.job_id), 1.0)
         except (RedisError, OSError, TimeoutError):
-            return False
+            return None
+        return published if stored == result_json else None
 
     async def _go_live_with_result(self) -> None:
         """A job that ends without having started (expired, killed) has its parked events
@@ -1164,10 +1170,13 @@ class JobRun:
         except (RedisError, OSError) as exc:
             log.warning("job %s: could not read its event log to publish it: %s", self.job_id, exc)
 
-    def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent, heard: bool) -> None:
-        self.events.publish("result", result_json, heard)
-        # (The write put it on this worker's unpublished set: see the lane's close below.)
-        self._owes_result_live = heard
+    def _publish_result(self, outcome: Outcome, result_json: bytes, event: ResultEvent, written: Written) -> None:
+        if written.published:
+            self.events.published_result(result_json)
+        else:
+            self.events.publish("result", result_json, written.heard)
+            # (The write put it on this worker's unpublished set: see the lane's close below.)
+            self._owes_result_live = written.heard
         log.info(
             "job %s: %s exit=%s signal=%s %dms cpu=%dms mem=%dKiB",
             self.job_id, outcome.value, event.exit_code, event.signal, event.duration_ms, event.cpu_ms, event.memory_kb,

@@ -228,7 +228,11 @@ return {heard, published}
 # retained set and sizes, the job's callback record, the callbacks' due set, done, the audience
 # mark, the ended counts, this worker's unpublished set (keys.worker_unpublished_key). ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
-# bytes of output this job keeps.
+# bytes of output this job keeps, soketi's adapter channel ('' publishes nothing), '1' to
+# publish only when the audience mark is there, the result's adapter message. Returns 0 (not
+# this worker's, or ended), {2, next seq} when the log holds the seq already, else {written,
+# published}: written 3 when the audience mark is there, else 1; published 1 when the result
+# was PUBLISHed here and a soketi node heard it (it is then not owed: see below).
 _FINISH = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
@@ -252,8 +256,9 @@ end
 if mine and state and terminal[state] and redis.call('HGET', KEYS[1], 'result') == ARGV[5] then
   -- Our own earlier write, whose reply was lost with the connection.
   redis.call('LREM', KEYS[6], 1, ARGV[8])
+  if redis.call('HGET', KEYS[1], 'resultPublished') == '1' then return {written, 1} end
   owed()
-  return written
+  return {written, 0}
 end
 if (not mine) or (not state) or terminal[state] then
   -- Our claim's entry goes, but never a newer attempt's: a job reaped from this worker while
@@ -296,8 +301,14 @@ if kept > 0 then
   redis.call('EXPIRE', KEYS[10], ARGV[2])
   redis.call('EXPIRE', KEYS[11], ARGV[2])
 end
+-- The result goes live from here when the worker asked (its lane idle): at once, and never
+-- twice (a re-run finds resultPublished).
+if ARGV[12] ~= '' and (ARGV[13] ~= '1' or written == 3) and redis.call('PUBLISH', ARGV[12], ARGV[14]) > 0 then
+  redis.call('HSET', KEYS[1], 'resultPublished', '1')
+  return {written, 1}
+end
 owed()
-return written
+return {written, 0}
 """
 )
 
@@ -452,9 +463,11 @@ class LogAhead(Exception):
 
 
 class Written(msgspec.Struct, frozen=True):
-    """A result the job's record now holds; `heard`: someone followed the job as it landed."""
+    """A result the job's record now holds; `heard`: someone followed the job as it landed;
+    `published`: the write PUBLISHed it to soketi, which heard it."""
 
     heard: bool
+    published: bool = False
 
 
 class Claim(msgspec.Struct, frozen=True):
@@ -691,13 +704,15 @@ class WorkerQueue:
         output: tuple[bytes, bytes] = (b"", b""),
         owner: str = "",
         kept_bytes: int = 0,
+        publish: LivePublish | None = None,
     ) -> Written | None:
         """Write the terminal state, the result event and the pullable output in one step.
 
         `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
         `kept_bytes` (the output in the log and beside the result) goes on `owner`'s ledger
-        of retained output until the job's records expire. None: the job is not this
-        worker's any more (or has ended).
+        of retained output until the job's records expire. With `publish` (its one message:
+        the result's), the same step PUBLISHes the result to soketi's adapter. None: the job
+        is not this worker's any more (or has ended).
 
         Raises:
             LogAhead: the log already holds `seq` (nothing was written).
@@ -725,15 +740,24 @@ class WorkerQueue:
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
                 output[0], output[1], kept_bytes if owner else 0,
+                *(
+                    (publish.channel, "1" if publish.only_if_followed else "", publish.messages[0])
+                    if publish is not None
+                    else ("", "", "")
+                ),
             ],
         )
-        if isinstance(answer, list):
+        if not answer:
+            return None
+        if answer[0] == 2:
             raise LogAhead(int(answer[1]))
-        return Written(heard=answer == 3) if answer else None
+        return Written(heard=answer[0] == 3, published=answer[1] == 1)
 
-    async def stored_result(self, job_id: str) -> bytes | None:
-        """The result JSON the job's record holds, if it has ended."""
-        return await self.redis.hget(keys.status_key(job_id), "result")
+    async def stored_result(self, job_id: str) -> tuple[bytes | None, bool]:
+        """The result JSON the job's record holds, if it has ended, and whether its write
+        published it (see finish)."""
+        result, published = await self.redis.hmget(keys.status_key(job_id), ["result", "resultPublished"])
+        return result, published == b"1"
 
     async def hand_back(self, job_id: str, attempt: int, to_back: bool = False, published_to: int = 0) -> bool:
         """Return a job that never started to the queue, its start flag kept: to the head
