@@ -218,7 +218,8 @@ class JobEvents:
                     answer = await self._advance(stored, state, started, publish)
                 except LogAhead as ahead:
                     # An append whose caller was cancelled after sending it did land (its
-                    # events are in the log, never published live): number these after it.
+                    # events are in the log, and live only if it published them itself):
+                    # number these after it.
                     log.warning("job %s: the log is at seq %d, not %d; renumbering", self.job_id, ahead.next_seq, self.next_seq)
                     self.next_seq = ahead.next_seq
                     self._log_has_more = True  # (the backlog lacks what landed: go_live reads the log)
