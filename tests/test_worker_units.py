@@ -2270,6 +2270,31 @@ async def test_a_publish_whose_answer_is_lost_is_not_sent_again() -> None:
     assert (publisher.sent, publisher.failed) == (0, 1)
 
 
+async def test_a_lane_lets_an_append_publish_only_when_that_keeps_its_rules() -> None:
+    from worker.messaging.publisher import LANE_BURST_BYTES, Publisher
+
+    env = {"REDIS_URL": "redis://127.0.0.1:9/0", "PUSHER_PORT": "9"}  # (nothing is sent)
+    over_http = Publisher(load_settings({**env, "PUSHER_PUBLISH": "http"})).lane("private-run-x")
+    publisher = Publisher(load_settings({**env, "PUSHER_PUBLISH": "redis"}))
+    lane = publisher.lane("private-run-x")
+    await asyncio.sleep(0)  # (its drain waits, idle)
+    assert over_http.direct_mode(10) is None  # (events go through HTTP: no script publishes)
+    assert lane.direct_mode(10) == "followed"  # never looked: the script looks for the mark
+    assert lane.direct_mode(LANE_BURST_BYTES + 1) is None  # past what the pacing allows now
+    lane.learned_audience(False)
+    assert lane.direct_mode(10) is None  # nobody at the last look: no messages built in vain
+    lane.learned_audience(True)
+    assert lane.direct_mode(10) == "always"
+    lane.published_directly(2, LANE_BURST_BYTES, True)  # (what went out spends the pacing's room)
+    assert lane.direct_mode(100_000) is None and (publisher.sent, publisher.sent_via_redis) == (2, 2)
+    lane._tokens = float(LANE_BURST_BYTES)
+    lane.send("stdout", b'{"chunk":"x","seq":3}')
+    assert lane.direct_mode(10) is None  # something waits in the lane: it goes first
+    for each in (lane, over_http):
+        await each.close(0.1)
+    await publisher.aclose()
+
+
 class _LendingPool:
     """Lends one sandbox at once to a parked compile; records what is kept or given back."""
 

@@ -614,13 +614,19 @@ class JobLane:
         only if the script finds the job's audience mark. Only when that keeps the lane's
         rules: events go through Redis, nothing waits here or is under way (so nothing is
         overtaken), no event went by unheard unless this lane holds the late-replay claim,
-        and the pacing has room for them. The caller holds its log's lock, and sends the
-        lane nothing else until it reports back (published_directly)."""
+        and the pacing has room for them. "followed" only while the lane has never looked
+        for a follower. The caller holds its log's lock, and sends the lane nothing else
+        until it reports back (published_directly)."""
         if self._publisher.adapter is None or self._closing or self._pending or self._unheard:
             return None
         if not self._idle.is_set() or self._task.done():
             return None
         if self._cleared is False or (self._must_claim and self._cleared is not True):
+            return None
+        if not self._audience and self._audience_checked_at is not None:
+            # Nobody followed at the last look (a grader's job, nearly always): the lane
+            # takes these, and their messages are not built for a script that would find no
+            # mark. A follower who subscribed since is heard through the lane's own look.
             return None
         self._refill()
         if self._tokens < size:
