@@ -261,16 +261,23 @@ class JobEvents:
             logged = [event for event in backlog if event[1] != "result" and event[0] >= self._published_before]
         else:
             return None, []
-        offered = logged + encoded
-        mode = self._lane.direct_mode(sum(len(data) for _, _, data in offered))
-        if mode is None:
-            return None, []
+        publish = self._live_publish(logged, encoded)
+        return (publish, logged + encoded) if publish is not None else (None, [])
+
+    def _live_publish(
+        self, logged: list[tuple[int, str, bytes]], appended: list[tuple[int, str, bytes]]
+    ) -> LivePublish | None:
+        """The LivePublish of these events, if the lane lets a script publish them now."""
+        adapter = self._lane.adapter
+        mode = self._lane.direct_mode(sum(len(data) for _, _, data in logged + appended)) if adapter else None
+        if adapter is None or mode is None:
+            return None
         return LivePublish(
-            channel=self._lane.adapter,
+            channel=adapter,
             only_if_followed=mode == "followed",
             logged=[self._lane.adapter_message(name, data) for _, name, data in logged],
-            messages=[self._lane.adapter_message(name, data) for _, name, data in encoded],
-        ), offered
+            messages=[self._lane.adapter_message(name, data) for _, name, data in appended],
+        )
 
     async def _read_log(self) -> list[tuple[int, str, bytes]]:
         loop = asyncio.get_running_loop()
@@ -310,13 +317,7 @@ class JobEvents:
     def result_publish(self, result_json: bytes) -> LivePublish | None:
         """What the result's write may PUBLISH itself (see JobLane.direct_mode): only when the
         job is live already (a job that ends without going live publishes its log first)."""
-        if not self.live or self._lane.adapter is None:
-            return None
-        mode = self._lane.direct_mode(len(result_json))
-        if mode is None:
-            return None
-        message = self._lane.adapter_message("result", result_json)
-        return LivePublish(channel=self._lane.adapter, only_if_followed=mode == "followed", logged=[], messages=[message])
+        return self._live_publish([], [(self.next_seq - 1, "result", result_json)]) if self.live else None
 
     def published_result(self, result_json: bytes) -> None:
         """The result's write published it, and soketi heard it."""
