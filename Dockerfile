@@ -7,6 +7,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /build
 COPY scripts/build-nsjail.sh scripts/
+COPY worker/isolation/forkserver.c worker/isolation/
 RUN scripts/build-nsjail.sh
 
 # pusher-js for the playground page the API serves (its version pinned by the lock file).
@@ -31,7 +32,7 @@ COPY launcher launcher
 COPY sandbox-profiles sandbox-profiles
 COPY web web
 RUN pip install --no-cache-dir -e .
-COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /usr/local/bin/nsjail
+COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /build/.tools/nsjail/bin/nsjail-forkserver /usr/local/bin/
 COPY --from=clients /build/clients/js/node_modules/pusher-js/dist/web/pusher.min.js \
      clients/js/node_modules/pusher-js/dist/web/pusher.min.js
 ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles NSJAIL_PATH=/usr/local/bin/nsjail

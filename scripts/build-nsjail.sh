@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build nsjail with its C++ libraries (protobuf, libnl, libstdc++) linked into the binary,
-# into .tools/nsjail/bin/nsjail of this checkout. bootstrap.sh runs it; a second run costs a
+# into .tools/nsjail/bin/nsjail of this checkout, and next to it nsjail-forkserver: the same
+# objects with worker/isolation/forkserver.c in front, which workers fork instead of exec'ing
+# nsjail for every jail (see that file). bootstrap.sh runs it; a second run costs a
 # stat. Workers started from this checkout use it unless NSJAIL_PATH names another
 # (worker/__main__.py), and so does the benchmarks' bare-nsjail baseline.
 #
@@ -28,10 +30,11 @@ OUT=.tools/nsjail
 LINKED=(libprotobuf-dev libnl-route-3-dev zlib1g-dev g++)
 # Changes whenever the source, the way it is built or what is linked in changes, so an old
 # build is redone.
+FORKSERVER=worker/isolation/forkserver.c
 build_id() {
-    echo "$SDIST_SHA256 static-libs 1 $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
+    echo "$SDIST_SHA256 static-libs 1 forkserver $(sha256sum <"$FORKSERVER" | cut -c1-16) $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
 }
-up_to_date() { [ -x "$OUT/bin/nsjail" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$(build_id)" ]; }
+up_to_date() { [ -x "$OUT/bin/nsjail" ] && [ -x "$OUT/bin/nsjail-forkserver" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$(build_id)" ]; }
 
 up_to_date && exit 0
 # One build at a time (make up and make test may bootstrap together); the second finds the
@@ -61,10 +64,24 @@ find "$src" \( -name '*.o' -o -name '*.a' -o -name '*.so' -o -name '*.pb.cc' -o 
 log=$work/build.log
 jobs=$(nproc)
 # kafel's own makefile is not safe in parallel with nsjail's, so it goes first.
+ldflags="-pie -Wl,-z,noexecstack -Wl,-z,relro -Wl,-z,now -static-libstdc++ -static-libgcc \
+    -Wl,-Bstatic -lprotobuf -lnl-route-3 -lnl-3 -lz -Wl,-Bdynamic -lpthread"
+# The fork server: nsjail's objects with its main() renamed, linked behind forkserver.c.
+link_forkserver() {
+    (
+        cd "$src" || return 1
+        # Every object the nsjail binary was linked from (the tree had none before the build).
+        objects=(*.o)
+        # (&&: errexit does not apply inside the `if !` that runs this)
+        objcopy --redefine-sym main=nsjail_main nsjail.o nsjail_as_library.o &&
+            gcc -O2 -std=gnu11 -Wall -Wextra -Werror -fPIE -c "$OLDPWD/$FORKSERVER" -o forkserver.o &&
+            # shellcheck disable=SC2086 # ($ldflags is a list of flags)
+            g++ -o nsjail-forkserver forkserver.o "${objects[@]/#nsjail.o/nsjail_as_library.o}" kafel/libkafel.a $ldflags
+    )
+}
 if ! { make -C "$src" kafel/libkafel.a >"$log" 2>&1 &&
-    make -C "$src" -j"$jobs" nsjail \
-        LDFLAGS="-pie -Wl,-z,noexecstack -Wl,-z,relro -Wl,-z,now -static-libstdc++ -static-libgcc \
-            -Wl,-Bstatic -lprotobuf -lnl-route-3 -lnl-3 -lz -Wl,-Bdynamic -lpthread" >>"$log" 2>&1; }; then
+    make -C "$src" -j"$jobs" nsjail LDFLAGS="$ldflags" >>"$log" 2>&1 &&
+    link_forkserver >>"$log" 2>&1; }; then
     tail -30 "$log" >&2
     echo "build-nsjail: the build failed" >&2
     exit 1
@@ -78,10 +95,18 @@ if ldd "$binary" | grep -E 'libprotobuf|libnl|libstdc\+\+' >/dev/null; then
 fi
 "$binary" --help >/dev/null 2>&1 || { echo "build-nsjail: the binary does not run" >&2; exit 1; }
 
+forkserver=$src/nsjail-forkserver
+if ldd "$forkserver" | grep -E 'libprotobuf|libnl|libstdc\+\+' >/dev/null; then
+    echo "build-nsjail: the fork server still loads shared C++ libraries" >&2
+    exit 1
+fi
+
 # Renamed into place, so a worker starting a jail meanwhile finds the old binary or the new
 # one, never a part of either; the stamp goes last.
 mkdir -p "$OUT/bin"
 install -m 755 "$binary" "$OUT/bin/nsjail.new"
+install -m 755 "$forkserver" "$OUT/bin/nsjail-forkserver.new"
 mv -f "$OUT/bin/nsjail.new" "$OUT/bin/nsjail"
+mv -f "$OUT/bin/nsjail-forkserver.new" "$OUT/bin/nsjail-forkserver"
 build_id >"$OUT/.build.new"
 mv -f "$OUT/.build.new" "$OUT/.build"

@@ -158,6 +158,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     sandbox_mounts_file: str = "/proc/self/mounts"
     sandbox_swaps_file: str = "/proc/swaps"
     nsjail_path: str = ""
+    # Fork each jail's nsjail from the fork server built next to nsjail (nsjail-forkserver,
+    # scripts/build-nsjail.sh), when there is one; off: exec nsjail for every jail.
+    nsjail_forkserver: bool = True
 
     # Callbacks (`callbackUrl`): results are POSTed signed with this secret (HMAC-SHA256);
     # without one, a request with a callbackUrl is refused (503) and workers send nothing.
@@ -393,6 +396,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "SANDBOX_MOUNTS_FILE": ("sandbox_mounts_file", _str),
     "SANDBOX_SWAPS_FILE": ("sandbox_swaps_file", _str),
     "NSJAIL_PATH": ("nsjail_path", _str),
+    "NSJAIL_FORKSERVER": ("nsjail_forkserver", _bool),
     "CALLBACK_SECRET": ("callback_secret", _str),
     "CALLBACK_ALLOW_HTTP": ("callback_allow_http", _bool),
     "CALLBACK_ALLOW_PRIVATE": ("callback_allow_private", _bool),

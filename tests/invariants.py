@@ -281,8 +281,9 @@ class HostWatch:
         stack's work root) that its workers do not own. They run as root, so the job-uid scan
         never sees them: a jail orphaned by its worker, still holding its gate and workspace.
 
-        Owned: the worker's own child (the launcher shell, then nsjail after its exec), and
-        that nsjail's child for the moment before it execs the gate.
+        Owned: a child of a worker (nsjail exec'd behind `enter`) or of a worker's fork
+        server (nsjail forked from it: worker/isolation/forkserver.c), and that nsjail's
+        child for the moment before it execs the gate.
         """
         marker = f"{self.work_root}/"
         ours: dict[int, tuple[int, str]] = {}
@@ -294,11 +295,20 @@ class HostWatch:
                 stat = _read_vanishing(entry / "stat")
                 if stat:
                     ours[int(entry.name)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), " ".join(argv)[:160])
-        workers = self.worker_pids()
+        workers = self.worker_pids() | self.fork_servers()
         return {
             pid: text
             for pid, (ppid, text) in ours.items()
             if ppid not in workers and not (ppid in ours and ours[ppid][0] in workers)
+        }
+
+    def fork_servers(self) -> set[int]:
+        """The nsjail fork servers this stack's workers started (their children)."""
+        workers = {str(pid) for pid in self.worker_pids()}
+        return {
+            pid
+            for pid, cmdline, status in host_processes()
+            if status.get("PPid") in workers and cmdline.split(b"\0")[0].endswith(b"/nsjail-forkserver")
         }
 
     def cgroup_trees(self) -> dict[str, Path]:
@@ -344,9 +354,16 @@ class HostWatch:
     # ---------------------------------------------------------------- checks
 
     def sandboxes_alive(self) -> int:
-        """The worker's nsjail children: its pool's sandboxes, ready or in use."""
+        """The worker's nsjail processes (its children, or its fork server's): its pool's
+        sandboxes, ready or in use."""
         worker = str(self.worker_pid())
-        return sum(1 for _, cmdline, status in host_processes() if status.get("PPid") == worker and b"nsjail" in cmdline)
+        processes = list(host_processes())
+        servers = {str(pid) for pid in self.fork_servers() if any(p == pid and st.get("PPid") == worker for p, _, st in processes)}
+        return sum(
+            1
+            for pid, cmdline, status in processes
+            if status.get("PPid") in {worker, *servers} and b"nsjail" in cmdline and str(pid) not in servers
+        )
 
     def baseline(self, settle_s: float = 5.0) -> Baseline:
         """What the checks compare with, taken once the worker's pool is whole again: a

@@ -48,14 +48,19 @@ async def _factory(**env: str) -> AsyncIterator[SandboxFactory]:
     try:
         yield built
     finally:
+        if built.forkserver is not None:
+            built.forkserver.close()
         if built.uid_lease is not None:
             built.uid_lease.close()
         remove_deployment(name)
 
 
-@pytest.fixture
-async def factory() -> AsyncIterator[SandboxFactory]:
-    async with _factory() as built:
+@pytest.fixture(params=["forked", "exec"])
+async def factory(request: pytest.FixtureRequest) -> AsyncIterator[SandboxFactory]:
+    """Jails forked by nsjail's fork server (what workers use), and exec'd behind `enter`
+    (NSJAIL_FORKSERVER=0, or an nsjail built without one)."""
+    async with _factory(NSJAIL_FORKSERVER="1" if request.param == "forked" else "0") as built:
+        assert (built.forkserver is not None) == (request.param == "forked")
         yield built
 
 

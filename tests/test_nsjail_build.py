@@ -19,6 +19,9 @@ from launcher.stack import Stack
 from shared.paths import LOCAL_NSJAIL
 from shared.settings import Settings
 from worker.__main__ import find_nsjail
+from worker.isolation.forkserver import FORKSERVER_NAME
+
+LOCAL_FORKSERVER = LOCAL_NSJAIL.with_name(FORKSERVER_NAME)
 
 
 def _option_lines(binary: str | Path) -> list[str]:
@@ -73,15 +76,37 @@ def _children(pid: int) -> dict[int, str]:
 
 
 @pytest.mark.sandbox
-def test_the_stacks_workers_run_the_local_build(stack: Stack) -> None:
-    """The session stack's warm jails are nsjail processes of the local build."""
+def test_the_stacks_workers_fork_their_jails_from_the_local_builds_fork_server(stack: Stack) -> None:
+    """The session stack's warm jails are nsjail run by forks of the local build's fork server
+    (nsjail's own code with worker/isolation/forkserver.c in front), the worker's child."""
     worker = stack.procs[stack.worker_names()[0]].pid
+    servers = [pid for pid, exe in _children(worker).items() if exe == str(LOCAL_FORKSERVER)]
+    assert len(servers) == 1, f"the worker's children: {_children(worker)}"
     deadline = time.monotonic() + 20
     jails: dict[int, str] = {}
     while time.monotonic() < deadline:
-        jails = {pid: exe for pid, exe in _children(worker).items() if os.path.basename(exe) == "nsjail"}
+        jails = _children(servers[0])
         if jails:
             break
         time.sleep(0.1)
     assert jails, "the worker has no warm jails"
-    assert set(jails.values()) == {str(LOCAL_NSJAIL)}
+    assert set(jails.values()) == {str(LOCAL_FORKSERVER)}  # forked, never exec'd again
+    host = os.readlink("/proc/self/ns/pid")
+    for pid in jails:  # ... each one nsjail supervising its jail: one process in a pid namespace of its own
+        jailed = list(_children(pid))
+        assert len(jailed) == 1 and os.readlink(f"/proc/{jailed[0]}/ns/pid") != host
+        # ... and shown as the nsjail run it is (ps, the invariants), not as the server
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[0] == os.fsencode(LOCAL_NSJAIL) and b"--config" in argv and b"/.coderunner/gate" in argv, argv
+    assert not any(os.path.basename(exe) == "nsjail" for exe in _children(worker).values())
+
+
+def test_bootstrap_built_the_fork_server_from_the_same_nsjail() -> None:
+    """nsjail-forkserver is the same objects as nsjail (its main renamed), so it runs the same
+    nsjail: forked with --help, it prints the same options."""
+    assert os.access(LOCAL_FORKSERVER, os.X_OK), "scripts/build-nsjail.sh did not build nsjail-forkserver"
+    linked = subprocess.run(["ldd", str(LOCAL_FORKSERVER)], capture_output=True, text=True, check=True).stdout
+    for library in ("libprotobuf", "libnl-", "libstdc++"):
+        assert library not in linked
+    symbols = subprocess.run(["nm", str(LOCAL_FORKSERVER)], capture_output=True, text=True, check=True).stdout
+    assert " T nsjail_main" in symbols and " T main" in symbols

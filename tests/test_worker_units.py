@@ -2056,6 +2056,7 @@ async def test_a_jail_is_ready_at_the_gates_first_line_and_ends_as_nsjail_says()
         wait=exited,
         on_exit=lambda callback: None,
         hold_reap=lambda: None,
+        reaping=False,
         allow_reap=lambda: None,
         stdout=None,
         stderr=None,
@@ -2107,7 +2108,7 @@ async def test_an_end_the_gate_did_not_report_is_read_from_nsjails_exit(
     log, log_write = _log_pipe()
     os.close(log_write)
     proc = SimpleNamespace(
-        wait=exited, on_exit=lambda callback: None, hold_reap=lambda: None, allow_reap=lambda: None,
+        wait=exited, on_exit=lambda callback: None, hold_reap=lambda: None, allow_reap=lambda: None, reaping=False,
         stdout=None, stderr=None, pid=5, returncode=None,
     )  # fmt: skip
     jail = Jail(proc, log, status_read, cgroup, backstop_s=30)  # type: ignore[arg-type]
@@ -2166,7 +2167,7 @@ async def test_nsjail_reaped_before_its_ready_line_is_read_is_not_released_by_pi
     status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     log, log_write = _log_pipe()
     proc = SimpleNamespace(
-        on_exit=lambda callback: None, hold_reap=lambda: None, allow_reap=lambda: None,
+        on_exit=lambda callback: None, hold_reap=lambda: None, allow_reap=lambda: None, reaping=False,
         stdout=None, stderr=None, pid=5, returncode=-9, close=lambda: None,
     )  # fmt: skip
     jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]

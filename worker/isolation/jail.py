@@ -36,6 +36,7 @@ from pathlib import Path
 
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.child import Child, PipeReader
+from worker.isolation.forkserver import ForkServer
 from worker.isolation.offload import off_loop_soon
 
 __all__ = ["BACKSTOP_MARGIN_S", "Jail", "JailError", "JailExit", "JailSpec"]
@@ -119,8 +120,10 @@ class JailExit:
 
 
 def build_argv(
-    nsjail: str, profile: Path, spec: JailSpec, log_fd: int, status_fd: int, procs_files: list[str]
+    nsjail: str, profile: Path, spec: JailSpec, log_fd: int, status_fd: int, procs_files: list[str], enter: bool = True
 ) -> list[str]:
+    """nsjail's argv behind `enter`'s; without `enter`, nsjail's alone (for the fork server,
+    which joins the cgroups itself)."""
     flags = [
         "--config", str(profile),
         "--quiet",
@@ -137,10 +140,10 @@ def build_argv(
     ]  # fmt: skip
     for mount in spec.extra_mounts:
         flags += ["--bindmount_ro", mount]
-    return [
-        str(spec.enter), str(os.getpid()), str(len(procs_files)), *procs_files,
-        nsjail, *flags, "--", GATE_IN_JAIL, str(status_fd),
-    ]  # fmt: skip
+    argv = [nsjail, *flags, "--", GATE_IN_JAIL, str(status_fd)]
+    if not enter:
+        return argv
+    return [str(spec.enter), str(os.getpid()), str(len(procs_files)), *procs_files, *argv]
 
 
 def _signal_name(number: int) -> str:
@@ -199,16 +202,26 @@ class Jail:
         cgroup: JobCgroup,
         merge_stderr: bool = False,
         before: Callable[[], None] | None = None,
+        forkserver: ForkServer | None = None,
     ) -> Jail:
         """Start nsjail; with `merge_stderr` the program's stderr shares stdout's pipe (compilers).
-        `before` (e.g. making the cgroups) runs just before the spawn, on the same thread."""
+        `before` (e.g. making the cgroups) runs just before the spawn, on the isolation threads.
+        With a `forkserver`, nsjail is a fork of it rather than an exec behind `enter`."""
         launched_at = time.monotonic()  # (before nsjail can start its time limit's count)
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)  # (our end only: nsjail writes its log blocking)
         status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            argv = build_argv(nsjail, profile, spec, write_fd, status_write, cgroup.procs_files())
-            proc = await Child.spawn(argv, merge_stderr=merge_stderr, pass_fds=(write_fd, status_write), before=before)
+            procs = cgroup.procs_files()
+            argv = build_argv(nsjail, profile, spec, write_fd, status_write, procs, enter=forkserver is None)
+            proc = await Child.spawn(
+                argv,
+                merge_stderr=merge_stderr,
+                pass_fds=(write_fd, status_write),
+                before=before,
+                server=forkserver,
+                procs_files=procs,
+            )
         except BaseException:
             os.close(read_fd)
             os.close(status_read)
@@ -238,8 +251,8 @@ class Jail:
         nsjail itself out of them so only jailed code is limited, and see (same trip to the
         isolation threads) that the jail stayed in them."""
         self._gate_started = True
-        if self._releasing or self.proc.returncode is not None:
-            return  # (reaped already: its pid may be another's now)
+        if self._releasing or self.proc.returncode is not None or self.proc.reaping:
+            return  # (reaped already, or being reaped: its pid may be another's now)
         self._releasing = True
         self.proc.hold_reap()  # (the release names nsjail by its pid)
         off_loop_soon(self._release).add_done_callback(self._released)

@@ -29,6 +29,7 @@ import msgspec
 from shared.limits import Limits
 from shared.manifest import PRESTART_DIR_IN_JAIL, CompilerArchive, PrestartCache, expand_argv, prestart_argv_for
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
+from worker.isolation.forkserver import ForkServer
 from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
@@ -603,6 +604,9 @@ class SandboxFactory:
     prestart_builds: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)
     # Binds every compile jail gets (compiler archives, see build_compiled_shims).
     compile_mounts: list[str] = field(default_factory=list)
+    # nsjail's fork server (worker/isolation/forkserver.py), when nsjail was built with one:
+    # jails are then forks of it, not execs of nsjail.
+    forkserver: ForkServer | None = None
     workspace_bytes: int = 64 * 1024 * 1024
     workspace_inodes: int = 4096
     rlimit_fsize_mb: int = 16
@@ -678,7 +682,9 @@ class SandboxFactory:
                 make = functools.partial(self._make_workspace_and_cgroup, workspace, cgroup, limits)
             else:
                 make = functools.partial(self._make_cgroup, cgroup, limits)
-            jail = await Jail.launch(self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr, before=make)
+            jail = await Jail.launch(
+                self.nsjail, self.profile(), spec, cgroup, merge_stderr=merge_stderr, before=make, forkserver=self.forkserver
+            )
             await jail.wait_ready(self.ready_timeout_s)
         except BaseException:
             try:

@@ -1,0 +1,276 @@
+"""nsjail's fork server (worker/isolation/forkserver.c and .py), driven as the worker does.
+
+Every jail of a worker is a fork of it that runs nsjail's main(): these check the child's
+descriptors, its cgroups, the reaping on request, and that nothing outlives its owner (a
+cancelled spawn, a lost server, a killed worker). The jails' own isolation is the hostile
+suite's business, which runs on the fork server like every stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.paths import LOCAL_NSJAIL
+from worker.isolation.forkserver import FORKSERVER_NAME, ForkServer, ForkServerError, find_forkserver
+
+pytestmark = [pytest.mark.sandbox]
+
+SERVER = str(LOCAL_NSJAIL.with_name(FORKSERVER_NAME))
+# A plain nsjail run of a shell: enough to drive the server's mechanics.
+NSJAIL = [
+    str(LOCAL_NSJAIL), "-Mo", "--quiet", "--chroot", "/", "--disable_proc",
+    "--user", "65534:65534:1", "--group", "65534:65534:1", "--",
+]  # fmt: skip
+
+
+def _sh(script: str) -> list[str]:
+    return [*NSJAIL, "/bin/sh", "-c", script]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+async def _exited(pid: int, timeout_s: float = 10) -> None:
+    pidfd = os.pidfd_open(pid)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await asyncio.wait_for(done, timeout_s)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+async def _read_all(fd: int) -> bytes:
+    return await asyncio.to_thread(_read_blocking, fd)
+
+
+def _read_blocking(fd: int) -> bytes:
+    parts = []
+    while chunk := os.read(fd, 65536):
+        parts.append(chunk)
+    os.close(fd)
+    return b"".join(parts)
+
+
+@pytest.fixture
+async def server() -> ForkServer:
+    assert find_forkserver(str(LOCAL_NSJAIL)) == SERVER, "scripts/build-nsjail.sh did not build the fork server"
+    forks = ForkServer(SERVER)
+    yield forks
+    forks.close()
+
+
+async def test_a_fork_runs_nsjail_with_the_descriptors_it_was_given_at_their_numbers(server: ForkServer) -> None:
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    extra_r, extra_w = os.pipe()
+    pid = await server.spawn(
+        [*NSJAIL[:-1], "--pass_fd", "9", "--", "/bin/sh", "-c", "read line; echo got $line; echo side >&9; ls /proc/self/fd"],
+        {0: stdin_r, 1: out_w, 2: out_w, 9: extra_w},
+        [],
+    )
+    for fd in (stdin_r, out_w, extra_w):
+        os.close(fd)
+    # The fork keeps exactly what it was given: 0, 1, 2 and 9, plus what nsjail opens itself,
+    # and none of the server's (its socket) or the worker's.
+    given = {name: os.readlink(f"/proc/{pid}/fd/{name}") for name in os.listdir(f"/proc/{pid}/fd")}
+    ours = {os.readlink(f"/proc/self/fd/{fd}") for fd in (stdin_w, out_r, extra_r)}
+    assert {"0", "1", "2", "9"} <= set(given)
+    assert given["9"] in ours and given["0"] in ours and given["1"] == given["2"] and given["1"] in ours
+    assert not any(link.startswith("socket:") for link in given.values()), given
+    os.write(stdin_w, b"hello\n")
+    os.close(stdin_w)
+    out, side = await asyncio.gather(_read_all(out_r), _read_all(extra_r))
+    assert out.splitlines()[0] == b"got hello" and side == b"side\n"
+    assert sorted(out.splitlines()[1:]) == [b"0", b"1", b"2", b"3", b"9"]  # (3: ls's own listing)
+    await _exited(pid)
+    assert os.waitstatus_to_exitcode(await server.reap(pid)) == 0
+
+
+async def test_the_fork_joins_each_cgroup_before_nsjail_runs_or_exits_125_saying_why(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    procs = [tmp_path / "a.procs", tmp_path / "b.procs"]
+    for path in procs:
+        path.write_text("")
+    out_r, out_w = os.pipe()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    pid = await server.spawn(_sh("echo ran"), {0: devnull, 1: out_w, 2: out_w}, [str(p) for p in procs])
+    os.close(out_w)
+    assert await _read_all(out_r) == b"ran\n"
+    await _exited(pid)
+    assert os.waitstatus_to_exitcode(await server.reap(pid)) == 0
+    assert [p.read_text() for p in procs] == [f"{pid}\n", f"{pid}\n"]  # its own pid, before nsjail forked
+
+    out_r, out_w = os.pipe()
+    missing = tmp_path / "gone" / "cgroup.procs"
+    pid = await server.spawn(_sh("echo must-not-run"), {0: devnull, 1: out_w, 2: out_w}, [str(procs[0]), str(missing)])
+    os.close(out_w)
+    os.close(devnull)
+    said = await _read_all(out_r)
+    assert said == f"enter: {missing}: No such file or directory\n".encode()
+    await _exited(pid)
+    assert os.waitstatus_to_exitcode(await server.reap(pid)) == 125
+
+
+async def test_a_fork_stays_a_zombie_of_the_server_until_the_worker_asks_it_reaped(server: ForkServer) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    pid = await server.spawn(_sh("exit 7"), {0: devnull, 1: devnull, 2: devnull}, [])
+    os.close(devnull)
+    await _exited(pid)
+    await asyncio.sleep(0.2)
+    assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # its pid is still its own
+    assert pid in _children(server.pid)
+    assert os.waitstatus_to_exitcode(await server.reap(pid)) == 7
+    assert not Path(f"/proc/{pid}").exists()
+    assert await server.reap(pid) is None  # (reaped once: nothing left to reap)
+
+
+async def test_a_cancelled_spawn_leaves_no_child_behind(server: ForkServer) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])  # (server up)
+    task = asyncio.ensure_future(server.spawn(_sh("sleep 30"), {0: devnull, 1: devnull, 2: devnull}, []))
+    await asyncio.sleep(0)  # the request is out; the answer is not in yet
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    os.close(devnull)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(child) for child in _children(server.pid)):
+        await asyncio.sleep(0.05)
+    assert not any(_alive(child) for child in _children(server.pid))
+
+
+async def test_a_lost_server_takes_its_children_and_the_next_spawn_starts_another(server: ForkServer) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    pid = await server.spawn(_sh("sleep 30"), {0: devnull, 1: devnull, 2: devnull}, [])
+    first = server.pid
+    assert first is not None and _alive(pid)
+    os.kill(first, signal.SIGKILL)
+    await _exited(pid)  # its parent-death signal
+    status = await server.reap(pid)
+    assert status is None  # (its status went with the server)
+    for _ in range(100):
+        if server.pid is None:
+            break
+        await asyncio.sleep(0.02)
+    assert server.pid is None
+    again = await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])
+    os.close(devnull)
+    assert server.pid not in (None, first)
+    await _exited(again)
+    assert os.waitstatus_to_exitcode(await server.reap(again)) == 0
+
+
+async def test_a_spawn_beyond_the_servers_limits_is_refused_before_it_is_sent(server: ForkServer) -> None:
+    with pytest.raises(ValueError):
+        await server.spawn(_sh("true"), {n: 0 for n in range(17)}, [])
+    with pytest.raises(ValueError):
+        await server.spawn(["x" * (1 << 20)], {}, [])
+    assert server.pid is None  # nothing was started for them
+
+
+async def test_a_failed_fork_is_an_error_not_a_pid(server: ForkServer) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])
+    server_pid = server.pid
+    assert server_pid is not None
+    # One more descriptor than the request says: the server refuses it, naming the request.
+    request = b"S" + (1).to_bytes(4, "little") + (0).to_bytes(4, "little") * 2 + (1).to_bytes(4, "little") + b"x\0"
+    sock = server._sock
+    assert sock is not None
+    answer = asyncio.get_running_loop().create_future()
+    server._spawns[1] = answer
+    import array
+    import socket
+
+    sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [devnull]))])
+    with pytest.raises(ForkServerError):
+        await asyncio.wait_for(answer, 5)
+    os.close(devnull)
+    assert server.pid == server_pid  # (still serving)
+
+
+def test_a_killed_worker_takes_the_server_and_every_jail_with_it(tmp_path: Path) -> None:
+    """The worker SIGKILLed: its fork server dies (its socket's end, or else the parent-death
+    signal of the thread that started it), and with it each fork, and with each nsjail its jail."""
+    marker = f"forkserver-test-{os.getpid()}-{time.monotonic_ns()}"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from worker.isolation.forkserver import ForkServer
+
+        async def main():
+            server = ForkServer({SERVER!r})
+            devnull = os.open(os.devnull, os.O_RDWR)
+            argv = {NSJAIL!r} + ["/bin/sh", "-c", "sleep 300; : {marker}"]
+            for _ in range(3):
+                await server.spawn(argv, {{0: devnull, 1: devnull, 2: devnull}}, [])
+            print(server.pid, flush=True)
+            await asyncio.sleep(300)
+
+        asyncio.run(main())
+        """
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert worker.stdout is not None
+        server_pid = int(worker.stdout.readline())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_with_marker(marker, worker.pid)) < 6:
+            time.sleep(0.05)
+        assert len(_with_marker(marker, worker.pid)) == 6  # three nsjail, each with its jail's shell
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (_alive(server_pid) or _with_marker(marker)):
+            time.sleep(0.05)
+        assert not _alive(server_pid)
+        assert _with_marker(marker) == []
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def _with_marker(marker: str, but: int = 0) -> list[int]:
+    """Live processes whose command line holds `marker` (other than `but`)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != but:
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes() and _alive(int(entry)):
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
