@@ -7,7 +7,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /build
 COPY scripts/build-nsjail.sh scripts/
-COPY worker/isolation/forkserver.c worker/isolation/
+COPY worker/isolation/forkserver.c worker/isolation/forkserver_warm.cc worker/isolation/
 RUN scripts/build-nsjail.sh
 
 # pusher-js for the playground page the API serves (its version pinned by the lock file).

@@ -30,9 +30,9 @@ OUT=.tools/nsjail
 LINKED=(libprotobuf-dev libnl-route-3-dev zlib1g-dev g++)
 # Changes whenever the source, the way it is built or what is linked in changes, so an old
 # build is redone.
-FORKSERVER=worker/isolation/forkserver.c
+FORKSERVER=(worker/isolation/forkserver.c worker/isolation/forkserver_warm.cc)
 build_id() {
-    echo "$SDIST_SHA256 static-libs 1 forkserver $(sha256sum <"$FORKSERVER" | cut -c1-16) $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
+    echo "$SDIST_SHA256 static-libs 1 forkserver $(cat "${FORKSERVER[@]}" | sha256sum | cut -c1-16) $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
 }
 up_to_date() { [ -x "$OUT/bin/nsjail" ] && [ -x "$OUT/bin/nsjail-forkserver" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$(build_id)" ]; }
 
@@ -74,9 +74,13 @@ link_forkserver() {
         objects=(*.o)
         # (&&: errexit does not apply inside the `if !` that runs this)
         objcopy --redefine-sym main=nsjail_main nsjail.o nsjail_as_library.o &&
-            gcc -O2 -std=gnu11 -Wall -Wextra -Werror -fPIE -c "$OLDPWD/$FORKSERVER" -o forkserver.o &&
+            gcc -O2 -std=gnu11 -Wall -Wextra -Werror -fPIE -c "$OLDPWD/${FORKSERVER[0]}" -o forkserver.o &&
+            # shellcheck disable=SC2046 # (pkg-config's flags are a list)
+            g++ -O2 -std=c++20 -Wall -Wextra -Werror -fPIE -I. $(pkg-config --cflags protobuf) \
+                -c "$OLDPWD/${FORKSERVER[1]}" -o forkserver_warm.o &&
             # shellcheck disable=SC2086 # ($ldflags is a list of flags)
-            g++ -o nsjail-forkserver forkserver.o "${objects[@]/#nsjail.o/nsjail_as_library.o}" kafel/libkafel.a $ldflags
+            g++ -o nsjail-forkserver forkserver.o forkserver_warm.o "${objects[@]/#nsjail.o/nsjail_as_library.o}" \
+                kafel/libkafel.a $ldflags
     )
 }
 if ! { make -C "$src" kafel/libkafel.a >"$log" 2>&1 &&

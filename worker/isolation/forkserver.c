@@ -7,7 +7,9 @@
  * Every jail used to cost an exec of nsjail: the kernel mapping a 5 MB binary, the dynamic
  * loader relocating it, glibc asking the CPU about its caches (some 80 CPUID instructions,
  * each a trip to the hypervisor on a virtual machine: about 0.6 ms of CPU here on its own)
- * and protobuf registering its descriptors. This program is linked from the same objects
+ * and protobuf registering its descriptors (and building more of them, and a JSON type
+ * resolver, when nsjail parses its config: forkserver_warm.cc does that part once, before
+ * any fork). This program is linked from the same objects
  * as the nsjail binary (scripts/build-nsjail.sh renames nsjail's main() to nsjail_main()),
  * pays all of that once, then waits. For each spawn request the worker sends, it forks; the
  * child does what `enter` (worker/isolation/enter.c) does before its exec of nsjail, and
@@ -47,6 +49,7 @@
 #include <unistd.h>
 
 int nsjail_main(int argc, char **argv);
+void nsjail_warm_config_parsers(void); /* forkserver_warm.cc */
 
 #define SOCKET_FD 0
 #define MAX_MESSAGE (1 << 20)
@@ -232,6 +235,7 @@ int main(int argc, char **argv) {
         return 125;
     }
     server_pid = getpid();
+    nsjail_warm_config_parsers();
     signal(SIGCHLD, SIG_DFL); /* (children stay zombies until reaped on request) */
     for (;;) {
         union {
