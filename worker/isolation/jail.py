@@ -2,11 +2,13 @@
 
 Launch path (all argv, never a shell string built from user data):
 
-    enter <worker pid> <n> <cgroup.procs files...>  nsjail --config base.cfg <flags> -- /.coderunner/gate
+    nsjail --config base.cfg <flags> -- /.coderunner/gate     forked by nsjail's fork server
+    enter <worker pid> <n> <cgroup.procs files...>  nsjail ...  without one (exec'd)
 
-`enter` (worker/isolation/enter.c) asks to be killed with the worker, writes its own pid
-into the sandbox's cgroups and execs nsjail, so the jail is born inside them and dies with
-the worker even if the worker is SIGKILLed. The gate (worker/isolation/gate.c) says
+The fork server's child (worker/isolation/forkserver.c), or else `enter`
+(worker/isolation/enter.c), asks to be killed with the worker (through the server, for a
+fork), writes its own pid into the sandbox's cgroups and runs nsjail, so the jail is born
+inside them and dies with the worker even if the worker is SIGKILLed. The gate (worker/isolation/gate.c) says
 "ready" on its status pipe as it starts, inside the finished jail; the worker then moves
 nsjail itself out, leaving only jailed processes in those cgroups. The gate blocks on stdin
 until `go()` sends it the program's argv, environment and rlimits as one binary frame; it
