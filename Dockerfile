@@ -32,7 +32,9 @@ COPY launcher launcher
 COPY sandbox-profiles sandbox-profiles
 COPY web web
 RUN pip install --no-cache-dir -e .
-COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /build/.tools/nsjail/bin/nsjail-forkserver /usr/local/bin/
+COPY --from=nsjail /build/.tools/nsjail/bin/nsjail /usr/local/bin/nsjail
+# (beside nsjail, where workers look for it: worker/isolation/forkserver.py)
+COPY --from=nsjail /build/.tools/nsjail/bin/nsjail-forkserver /usr/local/bin/nsjail-forkserver
 COPY --from=clients /build/clients/js/node_modules/pusher-js/dist/web/pusher.min.js \
      clients/js/node_modules/pusher-js/dist/web/pusher.min.js
 ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles NSJAIL_PATH=/usr/local/bin/nsjail

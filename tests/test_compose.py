@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 import yaml
 
 from shared.limits import Limits
 from shared.paths import REPO_ROOT
 from shared.settings import ENV_NAMES, maximum_env_name
+from worker.isolation.forkserver import FORKSERVER_NAME
 
 
 def _compose() -> dict:  # type: ignore[type-arg]
@@ -76,13 +78,18 @@ def test_dockerfile_copies_every_package_the_project_installs() -> None:
 
 def test_dockerfile_workers_run_the_nsjail_it_builds() -> None:
     """The build stage runs scripts/build-nsjail.sh (its output lands in .tools/nsjail of
-    the stage's folder) and the image points NSJAIL_PATH at the copy it takes."""
+    the stage's folder) and the image points NSJAIL_PATH at the copy it takes, with the fork
+    server next to it."""
     text = (REPO_ROOT / "Dockerfile").read_text()
     workdir = re.search(r"AS nsjail\n(?:.*\n)*?WORKDIR (\S+)", text)
     assert workdir and "RUN scripts/build-nsjail.sh" in text
     copied = re.search(r"COPY --from=nsjail (\S+) (\S+)", text)
     assert copied and copied.group(1) == f"{workdir.group(1)}/.tools/nsjail/bin/nsjail"
     assert re.search(r"ENV .*NSJAIL_PATH=" + re.escape(copied.group(2)) + r"\b", text)
+    # ... and the fork server built with it, beside it, where workers look for it
+    server = f"{workdir.group(1)}/.tools/nsjail/bin/{FORKSERVER_NAME}"
+    assert f"COPY --from=nsjail {server} {Path(copied.group(2)).with_name(FORKSERVER_NAME)}\n" in text
+    assert "COPY worker/isolation/forkserver.c worker/isolation/forkserver_warm.cc" in text  # (what it builds from)
 
 
 def test_the_image_holds_the_playgrounds_pusher_js() -> None:
