@@ -62,8 +62,11 @@ def find_forkserver(nsjail: str) -> str | None:
 class ForkServer:
     """Spawns nsjail processes by forking the server; see the module's docstring."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, answer_timeout_s: float = 10.0) -> None:
         self.path = path
+        # A fork answers in about a millisecond; one that has not in this long never will
+        # (the server is stopped or stuck), and its jails go with it (see spawn).
+        self.answer_timeout_s = answer_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -111,11 +114,14 @@ class ForkServer:
             self._spawns.pop(request_id, None)
             raise
         try:
-            return await asyncio.shield(answer)
+            return await asyncio.wait_for(asyncio.shield(answer), self.answer_timeout_s)
         except asyncio.CancelledError:
             # The child may exist already: it must not outlive a caller that left.
             answer.add_done_callback(self._abandon)
             raise
+        except TimeoutError:
+            self._lost(f"no answer to a spawn in {self.answer_timeout_s:g} s")
+            raise ForkServerError(f"the nsjail fork server did not answer in {self.answer_timeout_s:g} s") from None
 
     def reap(self, pid: int) -> asyncio.Future[int | None]:
         """Reap a child seen to exit; its wait status (None when it was not there to reap:
