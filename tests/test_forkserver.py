@@ -299,6 +299,8 @@ def test_a_killed_worker_takes_the_server_and_every_jail_with_it(tmp_path: Path)
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+        if worker.stdout is not None:
+            worker.stdout.close()
         for pid in _with_marker(marker):
             os.kill(pid, signal.SIGKILL)
 

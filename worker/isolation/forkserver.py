@@ -120,6 +120,7 @@ class ForkServer:
             answer.add_done_callback(self._abandon)
             raise
         except TimeoutError:
+            self._spawns.pop(request_id, None)  # (failed here, not by _lost: nobody would read that)
             self._lost(f"no answer to a spawn in {self.answer_timeout_s:g} s")
             raise ForkServerError(f"the nsjail fork server did not answer in {self.answer_timeout_s:g} s") from None
 
