@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from shared.paths import LOCAL_NSJAIL
+from tests.helpers import alive, host_processes, pids_with_cmdline
 from worker.isolation.forkserver import FORKSERVER_NAME, ForkServer, ForkServerError, find_forkserver
 
 pytestmark = [pytest.mark.sandbox]
@@ -36,25 +37,8 @@ def _sh(script: str) -> list[str]:
     return [*NSJAIL, "/bin/sh", "-c", script]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+    return [child for child, _, status in host_processes() if status.get("PPid") == str(pid)]
 
 
 async def _exited(pid: int, timeout_s: float = 10) -> None:
@@ -172,16 +156,16 @@ async def test_a_cancelled_spawn_leaves_no_child_behind(server: ForkServer) -> N
         await task
     os.close(devnull)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(child) for child in _children(server.pid)):
+    while time.monotonic() < deadline and any(alive(child) for child in _children(server.pid)):
         await asyncio.sleep(0.05)
-    assert not any(_alive(child) for child in _children(server.pid))
+    assert not any(alive(child) for child in _children(server.pid))
 
 
 async def test_a_lost_server_takes_its_children_and_the_next_spawn_starts_another(server: ForkServer) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     pid = await server.spawn(_sh("sleep 30"), {0: devnull, 1: devnull, 2: devnull}, [])
     first = server.pid
-    assert first is not None and _alive(pid)
+    assert first is not None and alive(pid)
     os.kill(first, signal.SIGKILL)
     await _exited(pid)  # its parent-death signal
     status = await server.reap(pid)
@@ -230,7 +214,7 @@ async def test_a_spawn_beyond_the_servers_limits_is_refused_before_it_is_sent(se
     assert server.pid is None  # nothing was started for them
 
 
-async def test_a_failed_fork_is_an_error_not_a_pid(server: ForkServer) -> None:
+async def test_a_malformed_request_is_answered_with_an_error_not_a_pid(server: ForkServer) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])
     server_pid = server.pid
@@ -290,9 +274,9 @@ def test_a_killed_worker_takes_the_server_and_every_jail_with_it(tmp_path: Path)
         worker.kill()
         worker.wait()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (_alive(server_pid) or any(_argv0(p) == os.fsencode(LOCAL_NSJAIL) for p in _with_marker(marker))):
+        while time.monotonic() < deadline and (alive(server_pid) or any(_argv0(p) == os.fsencode(LOCAL_NSJAIL) for p in _with_marker(marker))):
             time.sleep(0.05)
-        assert not _alive(server_pid)
+        assert not alive(server_pid)
         nsjails = [pid for pid in _with_marker(marker) if _argv0(pid) == os.fsencode(LOCAL_NSJAIL)]
         assert nsjails == []
     finally:
@@ -314,12 +298,4 @@ def _argv0(pid: int) -> bytes:
 
 def _with_marker(marker: str, but: int = 0) -> list[int]:
     """Live processes whose command line holds `marker` (other than `but`)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != but:
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes() and _alive(int(entry)):
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
+    return [pid for pid in pids_with_cmdline(marker.encode()) if pid != but and alive(pid)]

@@ -91,10 +91,12 @@ class ForkServer:
         if len(fds) > _MAX_FDS or len(procs_files) > _MAX_CGROUPS or not argv:
             raise ValueError("spawn request beyond the fork server's limits")
         targets = list(fds)
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        request_id = self._next_id
         request = b"".join(
             [
                 b"S",
-                struct.pack(f"=II{len(targets)}III", 0, len(targets), *targets, len(procs_files), len(argv)),
+                struct.pack(f"=II{len(targets)}III", request_id, len(targets), *targets, len(procs_files), len(argv)),
                 *(os.fsencode(path) + b"\0" for path in procs_files),
                 *(os.fsencode(arg) + b"\0" for arg in argv),
             ]
@@ -102,9 +104,6 @@ class ForkServer:
         if len(request) > _MAX_REQUEST:
             raise ValueError("spawn request beyond the fork server's limits")
         await self._ensure_running()
-        self._next_id = self._next_id % 0xFFFFFFFF + 1
-        request_id = self._next_id
-        request = request[:1] + struct.pack("=I", request_id) + request[5:]
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int] = loop.create_future()
         self._spawns[request_id] = answer

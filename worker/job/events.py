@@ -269,8 +269,10 @@ class JobEvents:
     ) -> LivePublish | None:
         """The LivePublish of these events, if the lane lets a script publish them now."""
         adapter = self._lane.adapter
-        mode = self._lane.direct_mode(sum(len(data) for _, _, data in logged + appended)) if adapter else None
-        if adapter is None or mode is None:
+        if adapter is None:
+            return None  # (events go over HTTP: no script publishes them)
+        mode = self._lane.direct_mode(sum(len(data) for _, _, data in logged + appended))
+        if mode is None:
             return None
         return LivePublish(
             channel=adapter,
