@@ -20,7 +20,7 @@ import pytest
 from launcher.stack import Stack
 from shared.paths import REPO_ROOT
 from tests.conftest import StackFactory
-from tests.helpers import Api, Followed, Realtime, pids_with_cmdline, py_job
+from tests.helpers import Api, Followed, Realtime, pids_with_cmdline, py_job, watched_commands
 
 pytestmark = pytest.mark.slow
 
@@ -199,6 +199,38 @@ def test_a_parked_python_job_is_loaded_before_its_start(stack: Stack, clients: t
     assert followed.text("stdout") == "['main.py'] ['a b'] /workspace\n"
     assert phases(followed) == ["queued", "running"]
     assert names_in_order(followed)[-1] == "result"
+
+
+def test_a_start_that_comes_while_the_load_goes_on_takes_the_job_straight_to_running(
+    stack: Stack, clients: tuple[Api, Realtime]
+) -> None:
+    # A grader sends its start right after its execute, while the job's files still go into
+    # the spare sandbox (many of them here, so the load is sure to be under way). The job
+    # waits for the load and then takes one fenced write to `running`: it never says
+    # `starting`, which was a round trip more to Redis for every such job. (A start that
+    # wins the race to the claim takes another path, with no load while parked: such a job
+    # is tried again.)
+    api, rt = clients
+    files = [{"name": "main.py", "content": "import os\nprint(len(os.listdir('data/a/b/c')))\n"}]
+    files += [{"name": f"data/a/b/c/f{n}.txt", "content": "x" * 16384} for n in range(99)]
+    loaded_while_parked = 0
+    for _ in range(5):
+        both_slots_serve(api, rt, "print('ok')")  # (both slots have a sandbox ready after this)
+        time.sleep(0.5)
+        with watched_commands(stack) as seen:
+            job = api.execute({"language": "python", "files": files, "collectOutput": True})
+            assert api.start(job).status_code in (200, 202)
+            output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "30000"}).json()
+        assert output["outcome"] == "completed" and output["stdout"] == "99\n", output
+        if f"job {job['jobId']}: loaded while parked" not in stack.log("worker"):
+            continue
+        loaded_while_parked += 1
+        writes = [command for command in seen if job["jobId"] in command and "EVALSHA" in command]
+        assert any("running" in command.split() for command in writes), writes
+        assert not any("starting" in command.split() for command in writes), writes
+        if loaded_while_parked == 2:
+            break
+    assert loaded_while_parked, "no job was claimed before its start"
 
 
 def test_a_loaded_sandbox_that_ended_while_parked_is_replaced_at_start(stack: Stack, clients: tuple[Api, Realtime]) -> None:

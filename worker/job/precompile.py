@@ -171,6 +171,13 @@ class Precompile:
             self.state = PrecompileState.FAILED
             self._release()
 
+    async def load_within(self, timeout_s: float) -> None:
+        """Give a load under way (an interpreted job's; never a compile) up to `timeout_s`
+        to end. Nothing is cancelled, and the job's control messages are not read: a kill
+        meanwhile waits in its queue for `settle` and the run."""
+        if self._compile is None and self.state is PrecompileState.COMPILING:
+            await asyncio.wait({self._task}, timeout=timeout_s)
+
     def _release(self) -> None:
         if self.sandbox is not None:
             sandbox, self.sandbox = self.sandbox, None

@@ -113,6 +113,9 @@ CLOSE_PARK_RETRY_S = 1.0
 # At start, the events logged while parked wait this long for the program's first output,
 # to reach soketi with it in one request (see JobEvents.go_live_within).
 LIVE_HOLD_S = 0.005
+# How long a job started while its sandbox is being loaded waits for that load before it
+# says `starting` (see execute): a load takes a few milliseconds here.
+LOAD_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,13 @@ class JobRun:
             # started, sees every event from here on, starting with the ones logged while
             # the job was parked.
             early: str | None = None
+            if precompile is not None:
+                # A start sent right after its execute (a grader's) comes while the load is
+                # still under way (a few milliseconds). Waiting that out lets the one fenced
+                # write below take the job from parked to running, where `starting` first
+                # was a round trip more to Redis for every such job; a load slower than
+                # LOAD_WAIT_S says `starting` as before.
+                await precompile.load_within(LOAD_WAIT_S)
             if precompile is not None and precompile.state is PrecompileState.LOADED:
                 # Loaded while parked: nothing lies between start and run, so one fenced
                 # write takes the job from parked straight to running (settle keeps the
