@@ -186,6 +186,34 @@ async def test_a_config_parsed_once_in_the_server_acts_as_each_jails_own_parse(
     assert status != 0 and b"must-not-run" not in said, said
 
 
+def _nss_modules(databases: tuple[str, ...] = ("passwd", "group")) -> set[str]:
+    """The NSS module libraries nsswitch.conf names for `databases` that exist here."""
+    names: set[str] = set()
+    for line in Path("/etc/nsswitch.conf").read_text().splitlines():
+        database, _, sources = line.partition("#")[0].partition(":")
+        if database.strip() in databases:
+            # (files and dns are part of glibc itself since 2.34: nothing to load)
+            names.update(word for word in sources.split() if not word.startswith("[") and word not in ("files", "dns"))
+    return {
+        f"libnss_{name}.so.2" for name in names
+        if Path(f"/lib/x86_64-linux-gnu/libnss_{name}.so.2").exists() or Path(f"/usr/lib/libnss_{name}.so.2").exists()
+    }  # fmt: skip
+
+
+async def test_the_server_loads_the_user_lookup_modules_every_jail_would_load_again(server: ForkServer) -> None:
+    # nsjail looks its --user and --group up by name: each exec'd nsjail read nsswitch.conf
+    # and loaded its modules (libnss_systemd and two libraries more, here). The server has
+    # them loaded before its first fork, so no child loads them again.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    pid = await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])
+    os.close(devnull)
+    await _exited(pid)
+    await server.reap(pid)
+    assert server.pid is not None
+    maps = Path(f"/proc/{server.pid}/maps").read_text()
+    assert {name for name in _nss_modules() if name not in maps} == set()
+
+
 async def test_a_cancelled_spawn_leaves_no_child_behind(server: ForkServer) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     first = await server.spawn(_sh("true"), {0: devnull, 1: devnull, 2: devnull}, [])  # (server up)
