@@ -15,7 +15,9 @@
  * child does what `enter` (worker/isolation/enter.c) does before its exec of nsjail, and
  * then calls nsjail_main() with the request's argv, in a process no other jail ever touched:
  * the server itself never parses a flag or builds a jail, so each child starts from
- * nsjail's pristine state, and its namespaces, mounts and jail are its own, as with an exec.
+ * nsjail's pristine state (but for what forkserver_warm.cc keeps: a config file's parse and
+ * its seccomp program, taken only for the same bytes, and glibc's lookup modules), and its
+ * namespaces, mounts and jail are its own, as with an exec.
  *
  * Requests (one datagram each; integers are native u32/i32):
  *   'S' id nfds target[nfds] ncgroups argc, then ncgroups cgroup.procs paths and argc
