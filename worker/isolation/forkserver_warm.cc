@@ -7,14 +7,15 @@
 // resolver: about 0.4 ms of CPU here), then the two parses and the compile themselves
 // (about 0.7 ms more, measured with perf over 150 forks of /bin/true in the jobs' profile).
 //
-// nsjail_warm_config_parsers() does the set-up once (and loads glibc's user and group
-// lookup modules, which nsjail's --user and --group lookups would load in every child). nsjail_cache_config(path), called by
-// the server before it forks for a request naming `--config path`, keeps that file's bytes,
-// what parsing them gives, and the seccomp program the parsed policy compiles to. A child
-// then reads the file as it always does, and only when the bytes are the ones kept does it
-// take the kept message (through nsjail's own parseInternal, which puts it into the jail's
-// settings and applies its log settings, exactly as after a parse) and a copy of the kept
-// program (for the exact policy text nsjail would compile, after every flag has had its
+// nsjail_warm_config_parsers() does the set-up once, and loads glibc's user and group lookup
+// modules, which nsjail's --user and --group lookups would load again in every child.
+// nsjail_cache_config(path), called by the server before it forks for a request naming
+// `--config path`, keeps that file's bytes, what parsing them gives, and the seccomp program
+// the parsed policy compiles to (it reads the file again only when stat says it changed).
+// A child then reads the file as it always does, and only when the bytes are the ones kept
+// does it take the kept message (through nsjail's own parseInternal, which puts it into the
+// jail's settings and applies its log settings, exactly as after a parse) and a copy of the
+// kept program (for the exact policy text nsjail would compile, after every flag has had its
 // say). Any other file, or a changed one, is parsed and compiled in the child as before.
 // The wrapped functions are nsjail's own, renamed by the linker for the fork server only
 // (scripts/build-nsjail.sh: --wrap); the nsjail binary is untouched.
@@ -23,6 +24,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -50,20 +52,33 @@ extern "C" bool __real__ZN7sandbox13preparePolicyEP5nsj_t(nsj_t* nsj);
 namespace {
 
 struct KeptConfig {
+	struct stat seen;  // the file when its bytes were read
 	std::string bytes;
 	nsjail::NsJailConfig config;
+	std::string policy;  // the text kafel compiled to `program` (none: no policy, or none compiled)
+	std::vector<sock_filter> program;
 };
 
 std::map<std::string, KeptConfig> configs;  // by the path as the request names it
-std::map<std::string, std::vector<sock_filter>> policies;  // by the policy text kafel gets
 
 class Quiet : public google::protobuf::io::ErrorCollector {
 	void AddError(int, int, const std::string&) override {}
 };
 
-bool read_file(const char* path, std::string* bytes) {
+bool unchanged(const struct stat& a, const struct stat& b) {
+	return a.st_dev == b.st_dev && a.st_ino == b.st_ino && a.st_size == b.st_size &&
+	       a.st_mtim.tv_sec == b.st_mtim.tv_sec && a.st_mtim.tv_nsec == b.st_mtim.tv_nsec &&
+	       a.st_ctim.tv_sec == b.st_ctim.tv_sec && a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
+}
+
+// The file's bytes, and (with `seen`) its stat as read.
+bool read_file(const char* path, std::string* bytes, struct stat* seen = nullptr) {
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0) return false;
+	if (seen != nullptr && fstat(fd, seen) != 0) {
+		close(fd);
+		return false;
+	}
 	bytes->clear();
 	char chunk[65536];
 	ssize_t got;
@@ -86,16 +101,17 @@ bool policy_from_strings(const nsjail::NsJailConfig& config) {
 	return config.seccomp_policy_file().empty() && !config.seccomp_string().empty();
 }
 
-void compile_policy(const std::string& text) {
-	if (policies.count(text)) return;
+bool compile_policy(const std::string& text, std::vector<sock_filter>* program) {
 	kafel_ctxt_t ctxt = kafel_ctxt_create();
 	kafel_set_input_string(ctxt, text.c_str());
-	sock_fprog program{};
-	if (kafel_compile(ctxt, &program) == 0) {
-		policies[text].assign(program.filter, program.filter + program.len);
-		free(program.filter);
+	sock_fprog compiled{};
+	bool ok = kafel_compile(ctxt, &compiled) == 0;
+	if (ok) {
+		program->assign(compiled.filter, compiled.filter + compiled.len);
+		free(compiled.filter);
 	}
 	kafel_ctxt_destroy(&ctxt);
+	return ok;
 }
 
 }  // namespace
@@ -113,27 +129,35 @@ extern "C" void nsjail_warm_config_parsers(void) {
 }
 
 extern "C" void nsjail_cache_config(const char* path) {
-	std::string bytes;
-	if (!read_file(path, &bytes) || bytes.empty()) {
+	struct stat now;
+	auto kept = configs.find(path);
+	if (kept != configs.end() && stat(path, &now) == 0 && unchanged(kept->second.seen, now)) return;
+	KeptConfig entry;
+	if (!read_file(path, &entry.bytes, &entry.seen) || entry.bytes.empty()) {
 		configs.erase(path);
 		return;
 	}
-	auto kept = configs.find(path);
-	if (kept != configs.end() && kept->second.bytes == bytes) return;
+	if (kept != configs.end() && kept->second.bytes == entry.bytes) {
+		kept->second.seen = entry.seen;  // (touched, not changed)
+		return;
+	}
 	// Accepted as config::parseFile accepts it: as exactly one of the two formats. Anything
 	// else is not kept, and the child's own parse says what is wrong (once, in its log).
-	nsjail::NsJailConfig json, text;
-	bool json_ok = google::protobuf::util::JsonStringToMessage(bytes, &json).ok();
+	nsjail::NsJailConfig json;
+	bool json_ok = google::protobuf::util::JsonStringToMessage(entry.bytes, &json).ok();
 	Quiet quiet;
 	google::protobuf::TextFormat::Parser parser;
 	parser.RecordErrorsTo(&quiet);
-	bool text_ok = parser.ParseFromString(bytes, &text);
+	bool text_ok = parser.ParseFromString(entry.bytes, &entry.config);
 	if (json_ok == text_ok) {
 		configs.erase(path);
 		return;
 	}
-	KeptConfig entry{std::move(bytes), json_ok ? std::move(json) : std::move(text)};
-	if (policy_from_strings(entry.config)) compile_policy(policy_text(entry.config));
+	if (json_ok) entry.config = std::move(json);
+	if (policy_from_strings(entry.config)) {
+		entry.policy = policy_text(entry.config);
+		if (!compile_policy(entry.policy, &entry.program)) entry.policy.clear();
+	}
 	configs[path] = std::move(entry);
 }
 
@@ -150,16 +174,16 @@ extern "C" bool __wrap__ZN6config9parseFileEP5nsj_tPKc(nsj_t* nsj, const char* f
 // sandbox::preparePolicy, in the fork server's children.
 extern "C" bool __wrap__ZN7sandbox13preparePolicyEP5nsj_t(nsj_t* nsj) {
 	if (policy_from_strings(nsj->njc)) {
-		auto kept = policies.find(policy_text(nsj->njc));
-		if (kept != policies.end()) {
-			size_t bytes = kept->second.size() * sizeof(sock_filter);
+		std::string text = policy_text(nsj->njc);
+		for (const auto& [path, kept] : configs) {
+			if (kept.policy.empty() || kept.policy != text) continue;
+			size_t bytes = kept.program.size() * sizeof(sock_filter);
 			auto* filter = static_cast<sock_filter*>(malloc(bytes));
-			if (filter != nullptr) {
-				memcpy(filter, kept->second.data(), bytes);
-				nsj->seccomp_fprog.filter = filter;
-				nsj->seccomp_fprog.len = static_cast<unsigned short>(kept->second.size());
-				return true;
-			}
+			if (filter == nullptr) break;
+			memcpy(filter, kept.program.data(), bytes);
+			nsj->seccomp_fprog.filter = filter;
+			nsj->seccomp_fprog.len = static_cast<unsigned short>(kept.program.size());
+			return true;
 		}
 	}
 	return __real__ZN7sandbox13preparePolicyEP5nsj_t(nsj);
