@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,16 +81,20 @@ def bare_argv(workspace: Path, sandboxed: bool) -> list[str]:
 
 def bench_bare(n: int, warmup: int, sandboxed: bool, program: str = PROGRAM, expect: bytes = b"1\n") -> list[float]:
     """The same program under bare nsjail (same profile) or no sandbox, its output piped."""
-    argv = bare_argv(bare_workspace(program), sandboxed)
+    workspace = bare_workspace(program)
+    argv = bare_argv(workspace, sandboxed)
     times: list[float] = []
-    for i in range(n + warmup):
-        t0 = time.perf_counter()
-        out = subprocess.run(argv, capture_output=True, check=False)
-        t1 = time.perf_counter()
-        if out.stdout != expect:
-            raise SystemExit(f"bare run misbehaved: {out}")
-        if i >= warmup:
-            times.append((t1 - t0) * 1000)
+    try:
+        for i in range(n + warmup):
+            t0 = time.perf_counter()
+            out = subprocess.run(argv, capture_output=True, check=False)
+            t1 = time.perf_counter()
+            if out.stdout != expect:
+                raise SystemExit(f"bare run misbehaved: {out}")
+            if i >= warmup:
+                times.append((t1 - t0) * 1000)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
     return times
 
 
