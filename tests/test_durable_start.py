@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -379,9 +380,92 @@ def test_a_job_started_before_its_claim_goes_from_parked_to_running_in_one_write
         api.close()
 
 
+def _state_writes(seen: list[str], job_ids: list[str]) -> list[tuple[str, str]]:
+    """(job id, state) of every command MONITOR saw set one of these jobs' `state`, in order."""
+    found = []
+    for words in (command.split() for command in seen):
+        if len(words) > 3 and words[0].upper() == "HSET" and "state" in words[2:-1:2]:
+            job_id = words[1].removeprefix("job:").removesuffix(":status")
+            if job_id in job_ids:
+                found.append((job_id, words[words.index("state", 2) + 1]))
+    return found
+
+
+def test_a_started_job_that_waits_a_moment_for_a_sandbox_goes_from_parked_to_running_in_one_write(
+    make_stack: StackFactory,
+) -> None:
+    # A busy worker (one slot here) has started jobs wait their turn. A wait as short as a
+    # job's run says nothing: like a job that finds a sandbox free, the waiting one goes
+    # from the claim's `parked` to `running` in one fenced write, where it wrote `starting`
+    # first (a Redis round trip more for every job of a saturated worker).
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        deadline = time.monotonic() + 15
+        while _sandboxes_ready(stack) < 1:
+            assert time.monotonic() < deadline, "no warm sandbox ready"
+            time.sleep(0.1)
+        with watched_commands(stack) as seen:
+            jobs = []
+            for n in range(3):
+                jobs.append(api.execute(py_job(f"print({n})", collectOutput=True)))
+                if n == 2:
+                    followed = rt.follow(jobs[-1])
+                assert api.start(jobs[-1]).status_code == 202
+            for n, job in enumerate(jobs):
+                output = api.get(f"/v1/jobs/{job['jobId']}/output", params={"waitMs": "15000"}).json()
+                assert output["outcome"] == "completed" and output["stdout"] == f"{n}\n", output
+            followed.wait_result(timeout_s=15)
+        ids = [job["jobId"] for job in jobs]
+        order = _state_writes(seen, ids)
+        # The last two were claimed while the one before them held the only sandbox...
+        waited = [job for before, job in itertools.pairwise(ids) if order.index((job, "parked")) < order.index((before, "done"))]
+        assert waited, order
+        # ...and none of the three ever said `starting`.
+        for job in jobs:
+            writes = _writes_of(seen, job["jobId"])
+            assert not any("starting" in words for words in writes), [w for w in writes if "starting" in w]
+        # The last one's follower sees every event, in order, from when its running write landed.
+        live = [(n, p.get("phase")) for n, p in sorted(followed.events, key=lambda e: e[1]["seq"])]
+        assert live == [("stage", "queued"), ("stage", "running"), ("stdout", None), ("result", None)], live
+        assert [p["seq"] for _, p in followed.events] == [0, 1, 2, 3], followed.summary()
+    finally:
+        rt.close()
+        api.close()
+
+
+def test_a_job_killed_while_it_waits_for_a_sandbox_ends_killed_before_it_ran(make_stack: StackFactory) -> None:
+    # Started, waiting its turn for the only sandbox (and still quiet about it): a kill ends
+    # it then, with nothing of it run, and the busy job goes on.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api = Api(stack)
+    try:
+        busy = api.execute(py_job("import time\ntime.sleep(30)\n"))
+        api.start(busy)
+        api.wait_state(busy, {"running"}, timeout_s=15)
+        quiet = 0
+        for _ in range(3):
+            with watched_commands(stack) as seen:
+                job = api.execute(py_job("open('ran', 'w')\nprint('ran')", collectOutput=True))
+                api.start(job)
+                _wait_claimed(stack, job["jobId"])
+                assert api.post(f"/v1/jobs/{job['jobId']}/kill").status_code in (200, 202)
+                result = api.wait_state(job, {"killed"}, timeout_s=15)["result"]
+            assert result["outcome"] == "killed" and result["message"] == "killed before it ran", result
+            if not any("starting" in words for words in _writes_of(seen, job["jobId"])):
+                quiet += 1  # (killed within its quiet wait, as meant: a slow VM may miss it)
+                break
+        assert quiet, "no kill reached a job in its quiet wait"
+        assert api.status(busy)["state"] == "running"
+        api.post(f"/v1/jobs/{busy['jobId']}/kill")
+    finally:
+        api.close()
+
+
 def test_a_started_job_that_waits_for_a_sandbox_says_starting_not_parked(make_stack: StackFactory) -> None:
-    # Started before its claim, but no warm sandbox free (the only one runs another job):
-    # its status says it was started and waits (`starting`), not that it waits for a start.
+    # Started before its claim, but no warm sandbox free (the only one runs another job for
+    # seconds): once it has waited a moment (run.QUIET_WAIT_S) its status says it was started
+    # and waits (`starting`), not that it waits for a start.
     stack = make_stack(WORKER_MAX_SANDBOXES="1", WORKER_MAX_PARKED="1")
     api = Api(stack)
     try:

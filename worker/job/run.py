@@ -116,6 +116,10 @@ LIVE_HOLD_S = 0.005
 # How long a job started while its sandbox is being loaded waits for that load before it
 # says `starting` (see execute): a load takes a few milliseconds here.
 LOAD_WAIT_S = 0.2
+# How long a started job that waits for a warm sandbox (a busy worker) stays `parked`
+# before it says `starting` (see _acquire_sandbox): a saturated worker frees one about
+# every job's run time, a few tens of milliseconds here.
+QUIET_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,8 @@ class JobRun:
         # A test batch under way (its cases so far), and the compile's verdict it follows.
         self._batch: BatchProgress | None = None
         self._compiled: CompileInfo | None = None
+        # A started job that waited quietly for its sandbox said `starting` after all.
+        self._said_starting = False
 
     # ------------------------------------------------------------------ entry point
 
@@ -266,10 +272,26 @@ class JobRun:
                 if self.sandbox is not None:
                     self._running_stage = asyncio.create_task(self._mark_running(then_go_live=True))
                     early = "taken"
-            if early not in ("ready", "taken"):
-                await self.events.state(JobState.STARTING)
-            if early != "taken":  # (that one goes live once its running write lands)
-                self.events.go_live_within(LIVE_HOLD_S)
+            # Nothing to load or compile for it ahead of a sandbox (none was free for its
+            # load while parked, or it started before its claim): it waits its turn saying
+            # nothing, as a job that found a sandbox free says nothing before its running
+            # write. Most such waits are short (a saturated worker's), and each would have
+            # cost a fenced `starting` write; one that lasts QUIET_WAIT_S says it then.
+            quiet = (
+                early is None
+                and plan.compile is None
+                and not self.spec.tests
+                and (precompile is None or precompile.state in (PrecompileState.WAITING, PrecompileState.GONE))
+            )
+            if quiet:
+                if precompile is not None:
+                    await precompile.discard()  # (what settle does with one that got nothing)
+                early = "gone"
+            else:
+                if early not in ("ready", "taken"):
+                    await self.events.state(JobState.STARTING)
+                if early != "taken":  # (that one goes live once its running write lands)
+                    self.events.go_live_within(LIVE_HOLD_S)
             kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
             if early is None:
                 try:
@@ -283,7 +305,7 @@ class JobRun:
                 self.sandbox = precompile.take()  # files and limits went in while parked
                 self._running_stage = asyncio.create_task(self._mark_running())
             elif early == "gone":
-                signal = await self._acquire_sandbox(sub.ctrl, plan.run)
+                signal = await self._acquire_sandbox(sub.ctrl, plan.run, quiet_s=QUIET_WAIT_S if quiet else None)
                 if signal == "broken":
                     await self._give_up_on_sandboxes()
                     return
@@ -292,8 +314,9 @@ class JobRun:
                     return
                 if plan.compile is None and not self.spec.tests:
                     # Nothing comes between here and the run: log the running stage (a Redis
-                    # round trip) while the files and limits go in, not after.
-                    self._running_stage = asyncio.create_task(self._mark_running())
+                    # round trip) while the files and limits go in, not after. A job that
+                    # waited quietly goes live once that write lands (the fence, as "taken").
+                    self._running_stage = asyncio.create_task(self._mark_running(then_go_live=quiet and not self._said_starting))
             if early in ("gone", "taken"):
                 try:
                     await self._load(plan)
@@ -472,11 +495,17 @@ class JobRun:
         else:
             await self._finish_without_run(Outcome.EXPIRED, None)
 
-    async def _acquire_sandbox(self, ctrl: asyncio.Queue[CtrlMessage], program: Program) -> str:
+    async def _acquire_sandbox(self, ctrl: asyncio.Queue[CtrlMessage], program: Program, quiet_s: float | None = None) -> str:
         """Take a warm sandbox (first started, first served; one whose prestarted runtime
         can run `program` if there is one). Returns "start" once it holds one, "kill" if a
-        kill came first, "handback" if the worker is stopping."""
+        kill came first, "handback" if the worker is stopping.
+
+        `quiet_s`: the job has written nothing since its start; should no sandbox come in
+        that long, it says `starting` (and goes live) then, and waits on.
+        """
         pool = self.ctx.pool
+        loop = asyncio.get_running_loop()
+        say_at = loop.time() + quiet_s if quiet_s is not None else None
         take = asyncio.ensure_future(pool.take(program, self.spec.language))
         stopping = asyncio.ensure_future(self.ctx.stopping.wait())
         message: asyncio.Future[CtrlMessage] | None = None
@@ -486,11 +515,10 @@ class JobRun:
             while True:
                 if message is None:
                     message = asyncio.ensure_future(ctrl.get())
-                # The timeout only looks at the pool's builds; a started job normally has
-                # its sandbox at once.
-                done, _ = await asyncio.wait(
-                    {take, stopping, message}, timeout=BUILD_CHECK_S, return_when=asyncio.FIRST_COMPLETED
-                )
+                # The timeout only looks at the pool's builds (and at saying `starting`); a
+                # started job normally has its sandbox at once.
+                timeout = BUILD_CHECK_S if say_at is None else max(0.0, min(BUILD_CHECK_S, say_at - loop.time()))
+                done, _ = await asyncio.wait({take, stopping, message}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if take in done:
                     message.cancel()
                     if message.done() and not message.cancelled():
@@ -504,6 +532,11 @@ class JobRun:
                     message = None
                 if stopping in done:
                     return "handback"
+                if say_at is not None and loop.time() >= say_at:
+                    say_at = None
+                    self._said_starting = True
+                    await self.events.state(JobState.STARTING)
+                    self.events.go_live_within(LIVE_HOLD_S)
                 if pool.failing(mark):
                     # Every sandbox this worker tried to build since the job began waiting
                     # failed (a full disk, a broken cgroup tree...): waiting on would leave
