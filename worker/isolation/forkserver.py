@@ -93,14 +93,9 @@ class ForkServer:
         targets = list(fds)
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         request_id = self._next_id
-        request = b"".join(
-            [
-                b"S",
-                struct.pack(f"=II{len(targets)}III", request_id, len(targets), *targets, len(procs_files), len(argv)),
-                *(os.fsencode(path) + b"\0" for path in procs_files),
-                *(os.fsencode(arg) + b"\0" for arg in argv),
-            ]
-        )
+        # Every string NUL-terminated, encoded in one call (not one per argument).
+        strings = os.fsencode("\0".join([*procs_files, *argv]) + "\0")
+        request = b"S" + struct.pack(f"=II{len(targets)}III", request_id, len(targets), *targets, len(procs_files), len(argv)) + strings
         if len(request) > _MAX_REQUEST:
             raise ValueError("spawn request beyond the fork server's limits")
         await self._ensure_running()
