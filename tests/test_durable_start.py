@@ -14,6 +14,7 @@ import pytest
 from shared import keys
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, host_processes, pids_with_cmdline, py_job, watched_commands
+from worker.job.run import QUIET_WAIT_S
 
 pytestmark = [pytest.mark.stack, pytest.mark.sandbox]
 
@@ -469,7 +470,7 @@ def test_a_started_job_that_waits_for_a_sandbox_says_starting_not_parked(make_st
     stack = make_stack(WORKER_MAX_SANDBOXES="1", WORKER_MAX_PARKED="1")
     api = Api(stack)
     try:
-        busy = api.execute(py_job("import time\ntime.sleep(3)\n"))
+        busy = api.execute(py_job("import time\ntime.sleep(4)\n"))
         api.start(busy)
         api.wait_state(busy, {"running"}, timeout_s=15)
         blocker = api.execute(py_job("print('never')"))  # (the worker's room for claims is full)
@@ -480,8 +481,8 @@ def test_a_started_job_that_waits_for_a_sandbox_says_starting_not_parked(make_st
         assert api.status(job)["state"] == "queued"
         api.post(f"/v1/jobs/{blocker['jobId']}/kill")
         _wait_claimed(stack, job["jobId"])
-        deadline = time.monotonic() + 0.5
-        while api.status(job)["state"] == "parked":  # (the claim's own state, for a moment)
+        deadline = time.monotonic() + QUIET_WAIT_S + 0.5
+        while api.status(job)["state"] == "parked":  # (the claim's own state, and its quiet wait)
             assert time.monotonic() < deadline, "still parked, though started"
             time.sleep(0.01)
         states = set()
