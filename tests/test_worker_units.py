@@ -270,6 +270,39 @@ def test_off_loop_answers_raises_and_waits_out_a_cancelled_call(loop_kind: str) 
     _run_on(loop_kind, main())
 
 
+def _raise_busy() -> None:
+    raise OSError(16, "busy")
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_jobs_short_steps_have_a_thread_that_slow_isolation_work_never_holds_up(loop_kind: str) -> None:
+    """off_loop_quick runs on its own thread, one call at a time and in order, with the
+    same contract as off_loop; every general thread busy (a teardown waiting out
+    stragglers, say) leaves it free."""
+    from worker.isolation.offload import off_loop, off_loop_quick, off_loop_soon
+
+    release = threading.Event()
+    order: list[int] = []
+
+    async def main() -> None:
+        held = [asyncio.ensure_future(off_loop(release.wait, 10)) for _ in range(4)]
+        try:
+            await asyncio.sleep(0.05)
+            name = await asyncio.wait_for(off_loop_quick(lambda: threading.current_thread().name), 2)
+            assert name == "isolation-quick_0", name
+            assert await asyncio.wait_for(off_loop_soon(lambda: 7, quick=True), 2) == 7
+            await asyncio.gather(*(off_loop_quick(order.append, n) for n in range(20)))
+            assert order == list(range(20))
+            with pytest.raises(OSError, match="busy"):
+                await off_loop_quick(_raise_busy)
+            assert not any(task.done() for task in held)
+        finally:
+            release.set()
+        assert await asyncio.gather(*held) == [True] * 4
+
+    _run_on(loop_kind, main())
+
+
 @pytest.fixture
 def gate_dir(tmp_path: Path) -> Any:
     """`<tmp_path>/.gate`, which staging mounts a tmpfs on: unmounted afterwards."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from worker.isolation.forkserver import ForkServer, kill_session
-from worker.isolation.offload import off_loop
+from worker.isolation.offload import off_loop, off_loop_quick
 
 __all__ = ["Child", "PipeReader"]
 
@@ -327,7 +327,7 @@ class Child:
                 popen = await off_loop(_spawn, before, list(argv), stdin_r, stdout_w, stderr_w, tuple(pass_fds))
             else:
                 if before is not None:
-                    await off_loop(before)
+                    await off_loop_quick(before)
                 fds = {0: stdin_r, 1: stdout_w, 2: stderr_w, **{fd: fd for fd in pass_fds}}
                 pid = await server.spawn(argv, fds, procs_files)
         except BaseException:

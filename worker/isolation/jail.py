@@ -257,7 +257,7 @@ class Jail:
             return  # (reaped already, or being reaped: its pid may be another's now)
         self._releasing = True
         self.proc.hold_reap()  # (the release names nsjail by its pid)
-        off_loop_soon(self._release).add_done_callback(self._released)
+        off_loop_soon(self._release, quick=True).add_done_callback(self._released)
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)

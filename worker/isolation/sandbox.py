@@ -33,7 +33,7 @@ from worker.isolation.forkserver import ForkServer
 from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
-from worker.isolation.offload import off_loop
+from worker.isolation.offload import off_loop, off_loop_quick
 from worker.isolation.uids import UidLease
 from worker.isolation.workspace import Workspace
 
@@ -419,7 +419,9 @@ class Sandbox:
         have adopted is charged alike: its limits and figures leave out what that
         language's runtimes measured their start-up at (StartupCosts).
         """
-        await off_loop(self._load, files, limits, program, executable, stand_in)
+        # A job's files are usually a few kilobytes: their copy is one of the job's short steps.
+        small = sum(len(data) for _, data in files) <= QUICK_LOAD_BYTES
+        await (off_loop_quick if small else off_loop)(self._load, files, limits, program, executable, stand_in)
 
     def _load(
         self,
@@ -482,14 +484,17 @@ class Sandbox:
                 finally:
                     jail.close()
         finally:
-            # One trip to the isolation threads for all of it.
-            left = await off_loop(self._remove_all, [cgroup for cgroup, _ in pairs])
+            # One short trip for all of it when nothing is left alive (every process is
+            # dead by now, as a rule); cgroups that still hold some wait on the other threads.
+            left = await off_loop_quick(self._remove_all, [cgroup for cgroup, _ in pairs])
+            if left:
+                left = [cgroup for cgroup in left if not await off_loop(cgroup.remove_blocking)]
             await self._remove_stragglers(left)
 
     def _remove_all(self, cgroups: list[JobCgroup]) -> list[JobCgroup]:
-        """Remove the cgroups (2 s each at most) and the workspace; the cgroups left."""
+        """Remove the empty cgroups and the workspace; the cgroups left (no waiting here)."""
         try:
-            return [cgroup for cgroup in cgroups if not cgroup.remove_blocking()]
+            return [cgroup for cgroup in cgroups if not cgroup.try_remove()]
         finally:
             self.workspace.destroy()
 
@@ -513,6 +518,8 @@ class Sandbox:
 
 
 PRESTART_READY = b"\0coderunner-prestart-ready\n"
+# Files up to this many bytes in all are written on the thread for short steps (offload.py).
+QUICK_LOAD_BYTES = 256 * 1024
 # How long a slot waits for killed processes that linger in its cgroups before it is rebuilt.
 STRAGGLER_WAIT_S = 60.0
 
