@@ -1047,6 +1047,35 @@ async def test_a_held_go_live_is_dropped_when_the_job_is_over() -> None:
     assert lane.sent == [] and not events.live
 
 
+async def test_a_go_live_under_way_is_not_scheduled_again_and_the_end_of_the_job_stops_it() -> None:
+    # The hold's timer fired while an append held the log's lock (a quiet job's running
+    # write): its go-live waits for the lock, and a go_live_within meanwhile (that running
+    # write's own) must not start a second one, which drop_hold would not know of.
+    gate = asyncio.Event()
+
+    class _SlowLog(_LogOnly):
+        async def advance(self, *args, **kwargs) -> Advanced:  # type: ignore[no-untyped-def]
+            await gate.wait()
+            return Advanced(heard=False)
+
+    lane = _SentLane()
+    events = JobEvents(_SlowLog(), lane, "job", 1, 0)  # type: ignore[arg-type]
+    events.go_live_within(0.001)
+    running = asyncio.ensure_future(events.stage("running"))
+    await asyncio.sleep(0.02)  # (the timer fired; its go-live waits for the append's lock)
+    first = events._live_task
+    assert first is not None and not first.done() and not events.live
+    events.go_live_within(0.001)
+    await asyncio.sleep(0.02)
+    assert events._live_task is first  # no second go-live
+    await events.drop_hold()
+    assert first.done()
+    gate.set()
+    await running
+    await asyncio.sleep(0.02)
+    assert lane.sent == [] and not events.live
+
+
 async def test_a_hand_back_says_the_log_was_published_only_once_it_was() -> None:
     # A job stopped while its go_live was still held back (or never started) published
     # nothing of this claim: the hand-back must not tell the next claim otherwise.

@@ -162,8 +162,8 @@ class JobEvents:
         and the two requests compete with the program for this machine's CPU. Held back a
         moment, both go out as one request. Nothing is reordered: the backlog goes first.
         """
-        if self.live or self._live_timer is not None:
-            return
+        if self.live or self._live_timer is not None or (self._live_task is not None and not self._live_task.done()):
+            return  # (live, or going live already)
         self._live_timer = asyncio.get_running_loop().call_later(hold_s, self._live_timer_fired)
 
     async def drop_hold(self) -> None:

@@ -175,8 +175,6 @@ class JobRun:
         # A test batch under way (its cases so far), and the compile's verdict it follows.
         self._batch: BatchProgress | None = None
         self._compiled: CompileInfo | None = None
-        # A started job that waited quietly for its sandbox said `starting` after all.
-        self._said_starting = False
 
     # ------------------------------------------------------------------ entry point
 
@@ -315,8 +313,9 @@ class JobRun:
                 if plan.compile is None and not self.spec.tests:
                     # Nothing comes between here and the run: log the running stage (a Redis
                     # round trip) while the files and limits go in, not after. A job that
-                    # waited quietly goes live once that write lands (the fence, as "taken").
-                    self._running_stage = asyncio.create_task(self._mark_running(then_go_live=quiet and not self._said_starting))
+                    # waited quietly goes live once that write lands (the fence, as "taken";
+                    # one that said `starting` after all went live then, and this is a no-op).
+                    self._running_stage = asyncio.create_task(self._mark_running(then_go_live=quiet))
             if early in ("gone", "taken"):
                 try:
                     await self._load(plan)
@@ -534,7 +533,6 @@ class JobRun:
                     return "handback"
                 if say_at is not None and loop.time() >= say_at:
                     say_at = None
-                    self._said_starting = True
                     await self.events.state(JobState.STARTING)
                     self.events.go_live_within(LIVE_HOLD_S)
                 if pool.failing(mark):
