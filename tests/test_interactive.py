@@ -344,6 +344,28 @@ def test_frames_survive_the_workers_pubsub_connection_dropping(make_stack: Stack
         api.close()
 
 
+def test_a_kill_lost_with_the_pubsub_connection_still_ends_a_running_job_quickly(make_stack: StackFactory) -> None:
+    # A running job's kill watch is its entry in the worker's flag sweep, which reads the
+    # stored kill flag as soon as the connection that lost the message is replaced.
+    stack = make_stack(WORKER_MAX_SANDBOXES="1")
+    api, rt = Api(stack), Realtime(stack)
+    try:
+        job = api.execute(py_job("import time\nprint('up', flush=True)\ntime.sleep(30)\n"))
+        followed = rt.follow(job)
+        api.start(job)
+        wait_for_text(followed, "stdout", "up\n")
+        with stack.redis() as redis:
+            redis.hset(f"job:{job['jobId']}:status", "kill", "1")  # stored; its message never sent
+            assert redis.client_kill_filter(_type="pubsub") >= 1
+        t0 = time.monotonic()
+        result = followed.wait_result(timeout_s=8)
+        assert result["outcome"] == "killed", result
+        assert time.monotonic() - t0 < 4.0  # at the replacement, not at the 10 s sweep
+    finally:
+        rt.close()
+        api.close()
+
+
 # ------------------------------------------------------------------------ kill
 
 

@@ -1073,27 +1073,52 @@ async def test_a_claimed_id_that_vanished_leaves_no_subscription_behind(
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == []
 
 
-async def test_a_running_jobs_kill_watch_reads_only_when_pubsub_may_have_lost_the_kill(
+async def test_a_started_jobs_lost_kill_is_found_by_the_sweep_and_its_start_flag_is_not_news(
     redis: Redis, redis_stack: Any, queue: WorkerQueue, claiming_worker: tuple[Worker, Any]
 ) -> None:
-    # A healthy pub/sub connection loses nothing: the watch reads the stored kill flag when
-    # the connection was replaced, and on a slow safety poll, not every second.
+    # A started job's kill watch is an entry in the worker's flag sweep: no task, timer or
+    # read of its own while the connection is healthy, its start flag (set: it started)
+    # told to nobody, and a kill whose message was lost with the connection delivered.
     worker, ctx = claiming_worker
-    run, sub = await _claimed_run(redis, worker, ctx, queue)
+    run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
+    swept = _Counted(queue, "flags_of")
     reads = _Counted(queue, "kill_requested")
     ctrl: asyncio.Queue[Any] = asyncio.Queue()
-    watching = asyncio.create_task(run._watch_kill(ctrl))
     try:
-        await asyncio.sleep(2.5)
+        assert run._watch_kills(ctrl) is None and len(ctx.flag_sweep) == 1
+        assert await ctx.flag_sweep.sweep() and swept.calls == 1
+        assert ctrl.empty() and len(ctx.flag_sweep) == 1  # a start flag is no news to it
+        await asyncio.sleep(1.0)
         assert reads.calls == 0 and ctrl.empty()
         # A kill whose message was lost: stored, never published; then the connection goes.
         await redis.hset(keys.status_key(run.job_id), "kill", "1")
         await redis.client_kill_filter(_type="pubsub")
         message = await asyncio.wait_for(ctrl.get(), 3)
-        assert message.type == "kill" and reads.calls >= 1
+        assert message.type == "kill" and swept.calls >= 2 and reads.calls == 0
+        assert len(ctx.flag_sweep) == 0  # told once
     finally:
-        watching.cancel()
-        await asyncio.gather(watching, return_exceptions=True)
+        ctx.flag_sweep.discard(run.job_id, ctrl)
+        await ctx.control.unsubscribe(sub)
+
+    # The connection replaced between the subscription and the watch: the sweep at that
+    # replacement may have missed the job, so it reads its kill flag itself, once.
+    run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
+    await redis.hset(keys.status_key(run.job_id), "kill", "1")  # stored; its message lost
+    seen = ctx.control.generation
+    await redis.client_kill_filter(_type="pubsub")
+    deadline = time.monotonic() + 3
+    while ctx.control.generation == seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the sweep at the replacement has come and gone
+    ctrl = asyncio.Queue()
+    try:
+        reading = run._watch_kills(ctrl)
+        assert reading is not None
+        await asyncio.wait_for(reading, 3)
+        message = await asyncio.wait_for(ctrl.get(), 1)
+        assert message.type == "kill" and reads.calls == 1
+    finally:
+        ctx.flag_sweep.discard(run.job_id, ctrl)
         await ctx.control.unsubscribe(sub)
 
 

@@ -303,6 +303,56 @@ def test_a_jobs_short_steps_have_a_thread_that_slow_isolation_work_never_holds_u
     _run_on(loop_kind, main())
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_an_inbox_hands_its_items_in_order_to_futures_that_are_no_tasks(loop_kind: str) -> None:
+    """Inbox.next() is `ensure_future(get())` without the task: items in order, each to one
+    taker; what a taker took stays taken; a taker cancelled while it waited takes nothing;
+    get(), get_nowait() and a drain that puts back (supervise's _take_kill) still work."""
+    from worker.job.supervise import _has_kill, _take_kill
+    from worker.messaging.inbox import Inbox, next_item
+
+    async def main() -> None:
+        inbox: Inbox[object] = Inbox()
+        tasks_before = len(asyncio.all_tasks())
+        inbox.put_nowait("a")
+        first = next_item(inbox)
+        assert first.done() and first.result() == "a" and inbox.empty()
+        second, third = inbox.next(), inbox.next()
+        assert not isinstance(second, asyncio.Task) and len(asyncio.all_tasks()) == tasks_before
+        assert not second.done()
+        inbox.put_nowait("b")
+        inbox.put_nowait("c")
+        inbox.put_nowait("d")
+        assert second.result() == "b" and third.result() == "c" and inbox.qsize() == 1
+        assert await asyncio.wait_for(inbox.get(), 1) == "d"
+        gone = inbox.next()
+        gone.cancel()
+        after = inbox.next()
+        inbox.put_nowait("e")
+        assert gone.cancelled() and after.result() == "e" and inbox.empty()
+        cancelled_alone = inbox.next()
+        cancelled_alone.cancel()
+        inbox.put_nowait("f")  # (nobody waits: it stays queued)
+        assert inbox.get_nowait() == "f"
+        # A get() waiting while the item goes to a taker waits on for the next one.
+        getter = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)
+        taker = inbox.next()
+        inbox.put_nowait("g")
+        await asyncio.sleep(0)
+        assert taker.result() == "g" and not getter.done()
+        inbox.put_nowait("h")
+        assert await asyncio.wait_for(getter, 1) == "h"
+        # A kill among queued messages: found and left in place, then taken alone.
+        inbox.put_nowait(CtrlMessage(type="start"))
+        inbox.put_nowait(CtrlMessage(type="kill"))
+        assert _has_kill(inbox) and inbox.qsize() == 2
+        assert _take_kill(inbox) and inbox.qsize() == 1 and not _has_kill(inbox)
+        assert inbox.next().result() == CtrlMessage(type="start")
+
+    _run_on(loop_kind, main())
+
+
 @pytest.fixture
 def gate_dir(tmp_path: Path) -> Any:
     """`<tmp_path>/.gate`, which staging mounts a tmpfs on: unmounted afterwards."""

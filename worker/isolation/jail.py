@@ -307,7 +307,9 @@ class Jail:
             JailError: nsjail failed (with its own error lines) or took too long.
         """
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            if not self._ready.is_set():
+                async with asyncio.timeout(timeout_s):  # (wait_for would make a task of the wait)
+                    await self._ready.wait()
         except TimeoutError:
             raise JailError(f"nsjail did not become ready within {timeout_s:.1f}s") from None
         if self._release_error is not None:

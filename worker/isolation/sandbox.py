@@ -473,7 +473,8 @@ class Sandbox:
                         if not jail.reported:
                             await off_loop(cgroup.kill)
                         try:
-                            await asyncio.wait_for(jail.wait(), exit_grace_s)
+                            async with asyncio.timeout(exit_grace_s):  # (wait_for: a task more)
+                                await jail.wait()
                         except TimeoutError:
                             log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
                             jail.terminate_supervisor()
@@ -792,7 +793,8 @@ class SandboxFactory:
         its frame, and the marker is off its stderr before any job can write there."""
         assert jail.stderr is not None
         try:
-            marker = await asyncio.wait_for(jail.stderr.readexactly(len(PRESTART_READY)), self.ready_timeout_s)
+            async with asyncio.timeout(self.ready_timeout_s):  # (wait_for would make a task of the read)
+                marker = await jail.stderr.readexactly(len(PRESTART_READY))
         except (TimeoutError, asyncio.IncompleteReadError) as exc:
             raise JailError(f"the prestarted runtime did not come up: {exc!r}") from None
         if marker != PRESTART_READY:

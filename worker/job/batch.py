@@ -54,6 +54,7 @@ from worker.job.outcome import judge_run
 from worker.job.output import StreamTail, output_encoding
 from worker.job.stdin import write_to_program
 from worker.job.supervise import Activity, Clocks, StepFacts, StepNotStarted, StepStopped, supervise
+from worker.messaging.inbox import Inbox
 from worker.messaging.queue import Fenced
 
 __all__ = ["BatchProgress", "BatchResult", "run_batch", "summarize"]
@@ -233,7 +234,7 @@ async def run_batch(
             # its sandbox: it is not run, so it is not left running past the kill.
             pool.give_back(sandbox)
             return
-        inbox: asyncio.Queue[object] = asyncio.Queue()
+        inbox: Inbox[object] = Inbox()
         running.append(inbox)
         output = _CaseOutput(limits.output_kb * 1024)
         stdin = (case.stdin or "").encode()

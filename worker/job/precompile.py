@@ -34,6 +34,7 @@ from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Sandbox
 from worker.job.outcome import compile_succeeded
 from worker.job.supervise import StepFacts
+from worker.messaging.inbox import next_item
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Precompile", "PrecompileState", "RecordedEvents"]
@@ -200,7 +201,7 @@ class Precompile:
         await self.events.forward_to(events)
         kept: list[CtrlMessage] = []
         while not self._task.done():
-            message = asyncio.ensure_future(ctrl.get())
+            message = next_item(ctrl)
             try:
                 done, _ = await asyncio.wait({self._task, message}, return_when=asyncio.FIRST_COMPLETED)
             finally:

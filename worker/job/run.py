@@ -67,8 +67,9 @@ from worker.job.precompile import Precompile, PrecompileState, RecordedEvents
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import Activity, Clocks, StepFacts, StepStopped, supervise
 from worker.messaging.control import Subscription
+from worker.messaging.inbox import next_item
 from worker.messaging.queue import QUEUED_STAGE, Claim, Fenced, LogAhead, Written
-from worker.tasks import cancel_and_wait, raise_if_cancelled
+from worker.tasks import cancel_and_wait
 
 __all__ = ["JobRun"]
 
@@ -102,11 +103,6 @@ HAND_BACK_FLUSH_S = 0.5
 # After handing a job on, this worker claims nothing for this long, so the job reaches a
 # worker that can run it instead of coming straight back.
 HANDOVER_PAUSE_S = 1.0
-
-# A parked or running job reads its stored start and kill flags when the pub/sub
-# connection was replaced (the message that carried one may have been lost with it), and
-# this often besides, in case a loss went unnoticed.
-FLAG_POLL_S = 10.0
 
 # How soon a parked job whose warm-up ran out looks again when its last look failed.
 CLOSE_PARK_RETRY_S = 1.0
@@ -290,7 +286,7 @@ class JobRun:
                     await self.events.state(JobState.STARTING)
                 if early != "taken":  # (that one goes live once its running write lands)
                     self.events.go_live_within(LIVE_HOLD_S)
-            kill_watch = asyncio.create_task(self._watch_kill(sub.ctrl))
+            kill_watch = self._watch_kills(sub.ctrl)
             if early is None:
                 try:
                     early = await precompile.settle(sub.ctrl, self.events) if precompile is not None else "gone"
@@ -388,6 +384,7 @@ class JobRun:
                 self._held_blobs.clear()
                 self._precompile = None
                 if sub is not None:
+                    self.ctx.flag_sweep.discard(self.job_id, sub.ctrl)
                     await self.ctx.control.unsubscribe(sub)
                 await self.events.drop_hold()
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
@@ -503,6 +500,12 @@ class JobRun:
         that long, it says `starting` (and goes live) then, and waits on.
         """
         pool = self.ctx.pool
+        ready = pool.take_ready(program, self.spec.language)
+        if ready is not None:
+            # (What the wait below returns first when a sandbox is ready, before a kill or a
+            # stop that came at the same time: without its three tasks.)
+            self.sandbox = ready
+            return "start"
         loop = asyncio.get_running_loop()
         say_at = loop.time() + quiet_s if quiet_s is not None else None
         take = asyncio.ensure_future(pool.take(program, self.spec.language))
@@ -513,7 +516,7 @@ class JobRun:
         try:
             while True:
                 if message is None:
-                    message = asyncio.ensure_future(ctrl.get())
+                    message = next_item(ctrl)
                 # The timeout only looks at the pool's builds (and at saying `starting`); a
                 # started job normally has its sandbox at once.
                 timeout = BUILD_CHECK_S if say_at is None else max(0.0, min(BUILD_CHECK_S, say_at - loop.time()))
@@ -547,23 +550,25 @@ class JobRun:
             if not taken:
                 await call_off(take, pool.put_back)
 
-    async def _watch_kill(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
-        """Turn a stored kill flag into a kill message, should the live one have been lost:
-        read when the pub/sub connection was replaced, and every FLAG_POLL_S besides."""
+    def _watch_kills(self, ctrl: asyncio.Queue[CtrlMessage]) -> asyncio.Task[None] | None:
+        """Have a stored kill flag turned into a kill message on `ctrl`, should the live one
+        have been lost: the worker's FlagSweep reads it, with every other watched job's
+        flags, when the pub/sub connection is replaced and every SWEEP_S besides (no task
+        or timer of the job's own). A connection replaced since the subscription was made
+        may have been swept before this job was watched: then the job reads its flag itself,
+        once, in the task returned."""
         assert self.sub is not None
-        watch = self.ctx.control.watch(self.sub.generation)
-        while True:
-            replacement = watch.look()
-            if replacement is not None:
-                await asyncio.wait({replacement}, timeout=FLAG_POLL_S)
-                watch.replaced()  # taken in: the read comes now
-            raise_if_cancelled()
-            try:
-                if await self.ctx.queue.kill_requested(self.job_id):
-                    ctrl.put_nowait(CtrlMessage(type="kill"))
-                    return
-            except RedisError as exc:
-                log.warning("job %s: reading the kill flag failed: %s", self.job_id, exc)
+        self.ctx.flag_sweep.add(self.job_id, ctrl, kill_only=True)  # before the look below
+        if self.ctx.control.generation == self.sub.generation:
+            return None
+        return asyncio.create_task(self._read_kill_flag(ctrl), name=f"kill-flag:{self.job_id}")
+
+    async def _read_kill_flag(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
+        try:
+            if await self.ctx.queue.kill_requested(self.job_id):
+                ctrl.put_nowait(CtrlMessage(type="kill"))
+        except RedisError as exc:  # (the sweep reads it again)
+            log.warning("job %s: reading the kill flag failed: %s", self.job_id, exc)
 
     @staticmethod
     async def _discard(task: asyncio.Task[None] | None) -> None:
@@ -731,7 +736,7 @@ class JobRun:
                         return signal
                     deadline, left = loop.time() + CLOSE_PARK_RETRY_S, CLOSE_PARK_RETRY_S
                 if getter is None:
-                    getter = asyncio.ensure_future(inbox.get())
+                    getter = next_item(inbox)
                 done, _ = await asyncio.wait({getter, stopping}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     item, getter = getter.result(), None

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from shared.messages import StdinFrame
 from worker.job.supervise import Activity
 from worker.messaging.control import ConnectionWatch
+from worker.messaging.inbox import next_item
 from worker.messaging.queue import WorkerQueue
 
 __all__ = ["StdinFeed", "write_to_program"]
@@ -132,7 +133,7 @@ class StdinFeed:
                     if catch_up:
                         continue
                 if getter is None:
-                    getter = asyncio.ensure_future(self._inbox.get())
+                    getter = next_item(self._inbox)
                 waits: set[asyncio.Future[Any]] = {getter}
                 if self._watch is not None:
                     replacement = self._watch.look()

@@ -30,6 +30,7 @@ from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import Uncharged
 from worker.job.output import StreamTail
+from worker.messaging.inbox import next_item
 from worker.tasks import cancel_and_wait
 
 __all__ = ["Activity", "Clocks", "StepFacts", "StepNotStarted", "StepStopped", "cpu_clock_due_at", "supervise"]
@@ -474,7 +475,7 @@ async def supervise(
         if starts and on_go is not None:
             on_go(go_at)
         stdin_task = asyncio.create_task(feed_stdin(activity)) if feed_stdin is not None and starts else None
-        inbox_task: asyncio.Future[object] = asyncio.ensure_future(inbox.get())
+        inbox_task: asyncio.Future[object] = next_item(inbox)
         children = [*readers, *([stdin_task] if stdin_task else [])]
         ended_at = go_at
         idle_s = clocks.idle_ms / 1000 if clocks.idle_ms is not None else None
@@ -524,7 +525,7 @@ async def supervise(
                     break
                 if inbox_task in done:
                     item = inbox_task.result()
-                    inbox_task = asyncio.ensure_future(inbox.get())
+                    inbox_task = next_item(inbox)
                     if isinstance(item, CtrlMessage) and item.type == "kill":
                         fired = "user"
                         ended_at = loop.time()
@@ -538,7 +539,8 @@ async def supervise(
                 await off_loop(cgroup.kill)
             killed = True
             try:
-                exit_info = await asyncio.wait_for(jail.wait_program(), EXIT_GRACE_S)
+                # (A gate that reported told how the program ended: no wait, and no task for one.)
+                exit_info = await (jail.wait_program() if jail.reported else asyncio.wait_for(jail.wait_program(), EXIT_GRACE_S))
             except TimeoutError:
                 log.error("nsjail did not exit after the kill; killing it")
                 jail.terminate_supervisor()

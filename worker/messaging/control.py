@@ -25,6 +25,7 @@ from leanredis.subscriber import Subscriber
 from shared import keys
 from shared.codec import decode_stored
 from shared.messages import CtrlMessage, StdinFrame
+from worker.messaging.inbox import Inbox
 
 __all__ = ["ConnectionWatch", "ControlBus", "Subscription"]
 
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 class Subscription:
     def __init__(self, job_id: str, generation: int) -> None:
         self.job_id = job_id
-        self.ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
-        self.stdin: asyncio.Queue[StdinFrame] = asyncio.Queue()
+        self.ctrl: Inbox[CtrlMessage] = Inbox()
+        self.stdin: Inbox[StdinFrame] = Inbox()
         self._confirmed: dict[str, asyncio.Future[None]] = {}
         # ControlBus.generation when the subscription was asked for: a different one later
         # means the connection was replaced since, and messages may have been lost.

@@ -1,12 +1,14 @@
-"""The stored start and kill flags of every parked job, read in one round trip.
+"""The stored start and kill flags of every parked job, and the kill flag of every started
+one, read in one round trip.
 
-A parked job hears its start or kill on its ctrl subscription. The flags stored in Redis are
-the durable copy, for a message the subscription lost: one lost with a replaced connection,
-or one that went unnoticed (a half-open connection lives until its health check). Read by
-each job on a timer of its own, a thousand parked jobs made a hundred round trips and a
-hundred wake-ups a second. The sweep reads them all in one pipelined trip: at once when the
-connection has been replaced, and every SWEEP_S besides. A job whose flag is set gets it as
-the message it missed, in its ctrl inbox.
+A job hears its start or kill on its ctrl subscription. The flags stored in Redis are the
+durable copy, for a message the subscription lost: one lost with a replaced connection, or
+one that went unnoticed (a half-open connection lives until its health check). Read by each
+job on a timer of its own, a thousand parked jobs made a hundred round trips and a hundred
+wake-ups a second, and every started job cost a task and its waits. The sweep reads them
+all in one pipelined trip: at once when the connection has been replaced, and every SWEEP_S
+besides. A job whose flag is set gets it as the message it missed, in its ctrl inbox (a
+started job only its kill: its start flag stays set).
 """
 
 from __future__ import annotations
@@ -36,19 +38,22 @@ class FlagSweep:
         self._queue = queue
         self._control = control
         self._every_s = every_s
-        self._parked: dict[str, asyncio.Queue[CtrlMessage]] = {}
+        # Each watched job's inbox, and whether only its kill counts (a started job's).
+        self._watched: dict[str, tuple[asyncio.Queue[CtrlMessage], bool]] = {}
 
     def __len__(self) -> int:
-        return len(self._parked)
+        return len(self._watched)
 
-    def add(self, job_id: str, inbox: asyncio.Queue[CtrlMessage]) -> None:
-        """Watch `job_id`'s flags for the job parked on `inbox` (from the next sweep on)."""
-        self._parked[job_id] = inbox
+    def add(self, job_id: str, inbox: asyncio.Queue[CtrlMessage], kill_only: bool = False) -> None:
+        """Watch `job_id`'s flags for the job parked on `inbox` (from the next sweep on);
+        with `kill_only`, its kill flag alone, for a job that has started."""
+        self._watched[job_id] = (inbox, kill_only)
 
     def discard(self, job_id: str, inbox: asyncio.Queue[CtrlMessage]) -> None:
-        """Stop watching; a newer park of the same job (claimed again) keeps its entry."""
-        if self._parked.get(job_id) is inbox:
-            del self._parked[job_id]
+        """Stop watching; a newer watch of the same job (claimed again) keeps its entry."""
+        entry = self._watched.get(job_id)
+        if entry is not None and entry[0] is inbox:
+            del self._watched[job_id]
 
     async def run(self) -> None:
         """Sweep when the pub/sub connection is replaced and every `every_s` (`RETRY_S` after
@@ -70,10 +75,10 @@ class FlagSweep:
             pause_s = self._every_s if complete else min(RETRY_S, self._every_s)
 
     async def sweep(self) -> bool:
-        """Read the flags of every job parked now; hand each job with one set its message.
-        Whether every job's flags were read (a batch Redis failed stays parked, looked at
+        """Read the flags of every job watched now; hand each job with one set its message.
+        Whether every job's flags were read (a batch Redis failed stays watched, looked at
         again by the next sweep)."""
-        ids = list(self._parked)
+        ids = list(self._watched)
         failed = 0
         for first in range(0, len(ids), BATCH):
             batch = ids[first : first + BATCH]
@@ -84,9 +89,12 @@ class FlagSweep:
                 log.warning("reading the flags of %d parked jobs failed: %s", len(batch), exc)
                 continue
             for job_id, (start, kill) in zip(batch, found, strict=True):
-                inbox = self._parked.get(job_id)
-                if inbox is not None and (start or kill):
-                    # Told once: its park ends now (a kill wins, as on the channel).
-                    del self._parked[job_id]
+                entry = self._watched.get(job_id)
+                if entry is None:
+                    continue
+                inbox, kill_only = entry
+                if kill or (start and not kill_only):
+                    # Told once: its park or its run ends now (a kill wins, as on the channel).
+                    del self._watched[job_id]
                     inbox.put_nowait(CtrlMessage(type="kill" if kill else "start"))
         return failed == 0
