@@ -455,12 +455,18 @@ def print_table(b: Bench) -> None:
         print(f"note: {note}")
 
 
+# What the API and the worker run on (the stack starts them with this interpreter): a plain
+# source build costs them several per cent more CPU than a distribution's optimised one.
+INTERPRETER = f"Python {sys.version.split()[0]} ({sys.base_prefix})"
+
+
 def to_json(b: Bench, baseline: str) -> dict[str, Any]:
     def clean(values: list[float]) -> list[float | None]:
         return [None if math.isinf(v) else round(v, 2) for v in values]
 
     return {
         "baseline": baseline,
+        "interpreter": INTERPRETER,
         "settings": {k: v for k, v in vars(b.args).items() if k != "json"},
         "rows": {
             key: {
@@ -517,6 +523,7 @@ def main() -> int:
     piston = piston_from_env()
     baseline = piston.describe() if piston else "bare nsjail, sandbox-profiles/base.cfg"
     print(f"baseline: {baseline}", flush=True)
+    print(f"stack's interpreter: {INTERPRETER}", flush=True)
     stack = Stack(extra_env={"LOG_LEVEL": "WARNING"})
     stack.start()
     api = Api(stack)
