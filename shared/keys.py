@@ -279,4 +279,5 @@ def job_id_from_channel(channel: str) -> str | None:
 
 def is_job_id(value: str) -> bool:
     """Job ids are 32 lowercase hex digits (uuid4().hex)."""
-    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    # (strip, in C: a generator over the 32 characters cost the API ~10 us a request.)
+    return len(value) == 32 and not value.strip("0123456789abcdef")

@@ -510,3 +510,13 @@ def test_a_lone_surrogate_is_named_and_a_big_body_cut_short_is_judged_fast(tail:
     message = caught.value.details[0].message
     assert (named in message) if named else ("surrogate" not in message), message
     assert took < 0.1, f"{took * 1000:.0f} ms to word the error"
+
+
+@given(st.text(max_size=40))
+def test_a_job_id_is_exactly_32_lowercase_hex_digits(value: str) -> None:
+    from shared.keys import is_job_id
+
+    assert is_job_id(value) == (len(value) == 32 and all(c in "0123456789abcdef" for c in value))
+    for bad in ("A" * 32, "g" * 32, "a" * 31, "a" * 33, "ab-" + "a" * 29, " " + "a" * 31, "a" * 31 + "\n", "ä" * 32):
+        assert not is_job_id(bad), bad
+    assert is_job_id("0123456789abcdef" * 2)
