@@ -976,6 +976,17 @@ async def _claimed_run(redis: Redis, worker: Worker, ctx: Any, queue: WorkerQueu
     return JobRun(ctx, *claimed), claimed[1]
 
 
+async def _replace_the_pubsub_connection(redis: Redis, ctx: Any) -> None:
+    """Kill the worker's pub/sub connection; return once it has been replaced and the flag
+    sweep at that replacement has come and gone."""
+    seen = ctx.control.generation
+    await redis.client_kill_filter(_type="pubsub")
+    deadline = time.monotonic() + 3
+    while ctx.control.generation == seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+
+
 @pytest.fixture
 async def claiming_worker(redis_stack: Any, queue: WorkerQueue) -> AsyncIterator[tuple[Worker, Any]]:
     """A Worker (no sandboxes) and the context its claims use: the queue, a real ControlBus."""
@@ -1104,12 +1115,7 @@ async def test_a_started_jobs_lost_kill_is_found_by_the_sweep_and_its_start_flag
     # replacement may have missed the job, so it reads its kill flag itself, once.
     run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
     await redis.hset(keys.status_key(run.job_id), "kill", "1")  # stored; its message lost
-    seen = ctx.control.generation
-    await redis.client_kill_filter(_type="pubsub")
-    deadline = time.monotonic() + 3
-    while ctx.control.generation == seen and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # the sweep at the replacement has come and gone
+    await _replace_the_pubsub_connection(redis, ctx)
     ctrl = asyncio.Queue()
     try:
         reading = run._watch_kills(ctrl)
@@ -1237,12 +1243,7 @@ async def test_a_parked_job_reads_its_flags_only_when_its_claim_may_have_missed_
     # replacement ran before the job was parked, so the job reads its flags itself, once.
     run, sub = await _claimed_run(redis, worker, ctx, queue)
     await redis.set(keys.start_flag_key(run.job_id), "1")  # stored; its message lost with the old connection
-    seen = ctx.control.generation
-    await redis.client_kill_filter(_type="pubsub")
-    deadline = time.monotonic() + 3
-    while ctx.control.generation == seen and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # the sweep at the replacement has come and gone
+    await _replace_the_pubsub_connection(redis, ctx)
     assert await asyncio.wait_for(run._park(sub.ctrl), 3) == "start" and reads.calls == 1
     await ctx.control.unsubscribe(sub)
 
