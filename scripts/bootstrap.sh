@@ -49,7 +49,7 @@ system_node() {
 
 # The interpreter .venv is made from: $PYTHON when set; else the distribution's python3 when
 # it is 3.11 or newer, since Debian builds it with profile-guided optimisation and LTO (the
-# worker and the API spend 5-8 % less CPU a job on it than on a plain source build, such as
+# worker spends about 5 % less CPU a job on it, the API 8 %, than on a plain source build, such as
 # the one pyenv puts first on PATH on these VMs); else the first python3 on PATH. With no
 # python3 at all, Debian's is installed.
 new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
