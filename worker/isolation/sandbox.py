@@ -473,8 +473,11 @@ class Sandbox:
                         if not jail.reported:
                             await off_loop(cgroup.kill)
                         try:
-                            async with asyncio.timeout(exit_grace_s):  # (wait_for: a task more)
-                                await jail.wait()
+                            # (wait_for, though it makes a task: on Debian's 3.11.2, which the
+                            # venv runs on, asyncio.timeout expiring in a task already being
+                            # cancelled raises CancelledError, and a teardown must reach
+                            # terminate_supervisor whoever awaits it.)
+                            await asyncio.wait_for(jail.wait(), exit_grace_s)
                         except TimeoutError:
                             log.error("sandbox %s: nsjail did not exit after the kill; killing it", self.name)
                             jail.terminate_supervisor()
