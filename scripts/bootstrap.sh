@@ -63,10 +63,12 @@ if [ -z "${PYTHON:-}" ]; then
     fi
 fi
 base_prefix() { "$1" -c 'import sys; print(sys.base_prefix)' 2>/dev/null || true; }
+wanted_prefix=""
 venv_ready() {
     [ -x .venv/bin/python ] && [ -x .venv/bin/pip ] || return 1
     # A .venv made from another interpreter than the one chosen above is made again.
-    [ "$(base_prefix .venv/bin/python)" = "$(base_prefix "$PYTHON")" ]
+    [ -n "$wanted_prefix" ] || wanted_prefix=$(base_prefix "$PYTHON")
+    [ "$(base_prefix .venv/bin/python)" = "$wanted_prefix" ]
 }
 
 # --- system packages -------------------------------------------------------------------

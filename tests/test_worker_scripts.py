@@ -1093,7 +1093,7 @@ async def test_a_started_jobs_lost_kill_is_found_by_the_sweep_and_its_start_flag
     worker, ctx = claiming_worker
     run, sub = await _claimed_run(redis, worker, ctx, queue, started=True)
     swept = _Counted(queue, "flags_of")
-    reads = _Counted(queue, "kill_requested")
+    reads = _Counted(queue, "flags")  # a job's own
     ctrl: asyncio.Queue[Any] = asyncio.Queue()
     try:
         assert run._watch_kills(ctrl) is None and len(ctx.flag_sweep) == 1

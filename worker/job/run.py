@@ -564,11 +564,9 @@ class JobRun:
         return asyncio.create_task(self._read_kill_flag(ctrl), name=f"kill-flag:{self.job_id}")
 
     async def _read_kill_flag(self, ctrl: asyncio.Queue[CtrlMessage]) -> None:
-        try:
-            if await self.ctx.queue.kill_requested(self.job_id):
-                ctrl.put_nowait(CtrlMessage(type="kill"))
-        except RedisError as exc:  # (the sweep reads it again)
-            log.warning("job %s: reading the kill flag failed: %s", self.job_id, exc)
+        # (A failed read is logged there, and the sweep reads the flag again.)
+        if await self._durable_signal() == "kill":
+            ctrl.put_nowait(CtrlMessage(type="kill"))
 
     @staticmethod
     async def _discard(task: asyncio.Task[None] | None) -> None:

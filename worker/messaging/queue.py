@@ -617,9 +617,6 @@ class WorkerQueue:
             replies = await pipe.execute()
         return [(bool(replies[i]), replies[i + 1] == b"1") for i in range(0, len(replies), 2)]
 
-    async def kill_requested(self, job_id: str) -> bool:
-        return await self.redis.hget(keys.status_key(job_id), "kill") == b"1"
-
     # -- stdin -------------------------------------------------------------------------
 
     async def stdin_frames(self, job_id: str, after_id: str | None, count: int = 64) -> list[StoredFrame]:
