@@ -4,7 +4,10 @@ redis-py's PubSub costs a worker more than its commands do: a task polling get_m
 retry wrapper and a timeout context per read, and a round of its own for every SUBSCRIBE
 (py-spy: close to a fifth of the worker's busy time at 4 grader clients, for five messages
 a job). Here the connection's protocol parses what arrives and calls `on_message` at once,
-and SUBSCRIBE / UNSUBSCRIBE are plain writes whose confirmations arrive as messages.
+and SUBSCRIBE / UNSUBSCRIBE are plain writes whose confirmations arrive as messages. An owner
+that drops channels as often as it subscribes new ones (a worker: two a job) can have each
+UNSUBSCRIBE wait to go out with the next SUBSCRIBE (`unsubscribe_within_s`): one write and
+one answer to wake for instead of two.
 
 The connection is kept: a keeper task re-dials one that was lost (backing off up to a
 second), subscribes again to every channel still wanted, and counts the connections
@@ -123,11 +126,17 @@ class _Pushes(asyncio.Protocol):
 
     def send(self, *command: bytes | str) -> None:
         """Write a SUBSCRIBE, UNSUBSCRIBE or PING, and expect its answers."""
-        name = command[0].encode() if isinstance(command[0], str) else command[0]
-        channels = [c for c in command[1:] if isinstance(c, bytes)] if name != b"PING" else []
-        if self.transport is not None and not self.transport.is_closing():
+        self.send_all([command])
+
+    def send_all(self, commands: list[tuple[bytes | str, ...]]) -> None:
+        """Write these commands in one go (one send), and expect their answers."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        for command in commands:
+            name = command[0].encode() if isinstance(command[0], str) else command[0]
+            channels = [c for c in command[1:] if isinstance(c, bytes)] if name != b"PING" else []
             self._sent.append((name, channels))
-            self.transport.write(_pack(command))
+        self.transport.write(b"".join(_pack(command) for command in commands))
 
     def mark(self) -> None:
         """Ask for the ready mark (answered once everything written before it is done)."""
@@ -152,7 +161,13 @@ class _Pushes(asyncio.Protocol):
 class Subscriber:
     """Subscriptions to channels, messages to `on_message`, on a connection kept alive."""
 
-    def __init__(self, client: LeanRedis, on_message: OnMessage, on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        client: LeanRedis,
+        on_message: OnMessage,
+        on_ready: Callable[[], None] | None = None,
+        unsubscribe_within_s: float = 0.0,
+    ) -> None:
         self._client = client
         self._on_message = on_message
         # Called once each connection (the first included) is subscribed to every channel
@@ -162,6 +177,11 @@ class Subscriber:
         # Channels whose SUBSCRIBE Redis refused, to be written again (see _refused).
         self._refused_again: set[bytes] = set()
         self._again: asyncio.TimerHandle | None = None
+        # Channels dropped but not yet unsubscribed (see unsubscribe), and the timer that
+        # writes their UNSUBSCRIBE if no SUBSCRIBE takes it along first.
+        self._unsubscribe_within_s = unsubscribe_within_s
+        self._dropped: dict[bytes, None] = {}
+        self._drop_timer: asyncio.TimerHandle | None = None
         self._pushes: _Pushes | None = None
         self._keeper: asyncio.Task[None] | None = None
         options = client.connection_pool.connection_kwargs
@@ -184,6 +204,7 @@ class Subscriber:
     async def aclose(self) -> None:
         if self._again is not None:
             self._again.cancel()
+        self._stop_drop_timer()
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -196,14 +217,44 @@ class Subscriber:
         once, or once the connection is back)."""
         names = [c.encode() for c in channels]
         self._wanted.update(names)
+        for name in names:
+            self._dropped.pop(name, None)  # (subscribed still, and confirmed again below)
         if self._pushes is not None:
-            self._pushes.send("SUBSCRIBE", *names)
+            self._pushes.send_all([*self._take_dropped(), ("SUBSCRIBE", *names)])
 
     def unsubscribe(self, *channels: str) -> None:
+        """Drop channels. Their UNSUBSCRIBE goes along with the next SUBSCRIBE (one send,
+        one answer to wake for), or `unsubscribe_within_s` from now, whichever comes first;
+        the owner ignores what they carry meanwhile."""
         names = [c.encode() for c in channels]
         self._wanted.difference_update(names)
-        if self._pushes is not None:
+        if self._pushes is None:
+            return
+        if self._unsubscribe_within_s <= 0:
             self._pushes.send("UNSUBSCRIBE", *names)
+            return
+        self._dropped.update(dict.fromkeys(names))
+        if self._drop_timer is None:
+            self._drop_timer = asyncio.get_running_loop().call_later(self._unsubscribe_within_s, self._write_dropped)
+
+    def _take_dropped(self) -> list[tuple[bytes | str, ...]]:
+        """The UNSUBSCRIBE owed for dropped channels (none if none), taken."""
+        self._stop_drop_timer()
+        if not self._dropped:
+            return []  # (never a bare UNSUBSCRIBE: that drops every channel)
+        names, self._dropped = list(self._dropped), {}
+        return [("UNSUBSCRIBE", *names)]
+
+    def _write_dropped(self) -> None:
+        self._drop_timer = None
+        owed = self._take_dropped()
+        if owed and self._pushes is not None:
+            self._pushes.send_all(owed)
+
+    def _stop_drop_timer(self) -> None:
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+            self._drop_timer = None
 
     async def _connect(self) -> _Pushes:
         # The handshake (AUTH, SELECT) as a plain RESP2 connection, then the transport goes
@@ -213,6 +264,8 @@ class Subscriber:
         pushes.transport = plain.hand_over(pushes)
         self.connections += 1
         self._refused_again.clear()
+        self._dropped.clear()  # (a new connection holds only the channels wanted)
+        self._stop_drop_timer()
         if self._wanted:
             pushes.send("SUBSCRIBE", *self._wanted)
         pushes.mark()

@@ -330,10 +330,12 @@ class Heard:
 
 
 @contextlib.asynccontextmanager
-async def subscribed(client: LeanRedis) -> AsyncIterator[tuple[Subscriber, Heard]]:
+async def subscribed(client: LeanRedis, unsubscribe_within_s: float = 0.0) -> AsyncIterator[tuple[Subscriber, Heard]]:
     """A started Subscriber on `client`, and what it hears; closed on the way out."""
     heard = Heard()
-    subscriber = Subscriber(client, heard, on_ready=lambda: heard(b"ready", b"", 0))
+    subscriber = Subscriber(
+        client, heard, on_ready=lambda: heard(b"ready", b"", 0), unsubscribe_within_s=unsubscribe_within_s
+    )
     await subscriber.start()
     try:
         yield subscriber, heard
@@ -370,6 +372,61 @@ async def test_a_channel_is_confirmed_by_its_last_subscribe_only(lean: LeanRedis
         assert kinds == [b"unsubscribe", b"subscribe"], heard.items
         assert await lean.publish("a", "at once") == 1
         await heard.wait_for((b"message", b"a", b"at once"))
+
+
+async def test_a_dropped_channel_is_unsubscribed_with_the_next_subscribe_or_after_a_while(
+    lean: LeanRedis, plain: Redis
+) -> None:
+    async with subscribed(lean, unsubscribe_within_s=0.5) as (subscriber, heard):
+        await heard.wait_for((b"ready", b"", 0))
+        subscriber.subscribe("a", "b")
+        await heard.wait_for((b"subscribe", b"b", 2))
+        assert subscriber._pushes is not None
+        transport = subscriber._pushes.transport
+        assert transport is not None
+        writes: list[bytes] = []
+        write = transport.write
+        transport.write = lambda data: (writes.append(data), write(data))[-1]  # type: ignore[method-assign]
+
+        # Dropped: nothing is written yet, and what the channel carries meanwhile reaches
+        # the owner (who ignores it).
+        subscriber.unsubscribe("a")
+        await asyncio.sleep(0.05)
+        assert writes == []
+        assert await plain.publish("a", "late") == 1
+        # The next SUBSCRIBE takes the UNSUBSCRIBE along: one write, answered in order.
+        subscriber.subscribe("c")
+        await heard.wait_for((b"subscribe", b"c", 2))
+        assert len(writes) == 1 and writes[0].count(b"UNSUBSCRIBE") == 1 and writes[0].count(b"SUBSCRIBE") == 2
+        kinds = [item[:2] for item in heard.items if item[0] != b"message"]
+        assert kinds[-2:] == [(b"unsubscribe", b"a"), (b"subscribe", b"c")], heard.items
+        assert await plain.publish("a", "gone") == 0
+
+        # With no SUBSCRIBE to go along with, it is written on its own, within the time.
+        del writes[:]
+        subscriber.unsubscribe("b")
+        await heard.wait_for((b"unsubscribe", b"b", 1))
+        assert writes == [b"*2\r\n$11\r\nUNSUBSCRIBE\r\n$1\r\nb\r\n"]
+        assert await plain.publish("b", "gone") == 0
+
+        # Dropped and wanted again before it went: it was never unsubscribed, and is
+        # confirmed again (the owner may be waiting for that).
+        del writes[:], heard.items[:]
+        subscriber.unsubscribe("c")
+        subscriber.subscribe("c")
+        await heard.wait_for((b"subscribe", b"c", 1))
+        await asyncio.sleep(0.7)  # (past the time: no UNSUBSCRIBE was left owed)
+        assert [item[:2] for item in heard.items] == [(b"subscribe", b"c")], heard.items
+        assert b"UNSUBSCRIBE" not in b"".join(writes)
+        assert await plain.publish("c", "still") == 1
+
+        # A channel dropped just before the connection is replaced is not subscribed again,
+        # and its UNSUBSCRIBE is not written on the new connection.
+        subscriber.unsubscribe("c")
+        await plain.client_kill_filter(_type="pubsub")
+        await heard.wait_for((b"ready", b"", 0))
+        assert subscriber._drop_timer is None and not subscriber._dropped
+        assert await plain.publish("c", "gone") == 0
 
 
 async def test_a_subscribe_refused_while_a_script_runs_is_written_again(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from worker.isolation.sandbox import Uncharged
 from worker.job.artifacts import RedisArtifactStore
 from worker.job.run import JobRun
 from worker.job.supervise import StepFacts
-from worker.messaging.control import ControlBus
+from worker.messaging.control import UNSUBSCRIBE_WITHIN_S, ControlBus
 from worker.messaging.flagsweep import BATCH, FlagSweep
 from worker.messaging.queue import QUEUED_STAGE, Advanced, Fenced, LivePublish, LogAhead, WorkerQueue, WorkerSuperseded
 from worker.worker import Worker
@@ -1176,6 +1176,10 @@ async def test_a_jobs_first_run_ending_late_leaves_its_second_claims_channels_al
     finally:
         await ctx.control.unsubscribe(second)
     assert ctx.control._subs == {}
+    # (the UNSUBSCRIBE waits for a next SUBSCRIBE to go along with, or UNSUBSCRIBE_WITHIN_S)
+    async with asyncio.timeout(UNSUBSCRIBE_WITHIN_S + 2):
+        while (await redis.pubsub_numsub(keys.ctrl_channel("twice")))[0][1]:
+            await asyncio.sleep(0.02)
     assert await redis.publish(keys.ctrl_channel("twice"), b'{"type":"start"}') == 0
 
 

@@ -32,6 +32,11 @@ __all__ = ["ConnectionWatch", "ControlBus", "Subscription"]
 log = logging.getLogger(__name__)
 
 
+# A finished job's channels are unsubscribed along with the next job's SUBSCRIBE (one write
+# and one answer instead of two), or this long after, if no job comes.
+UNSUBSCRIBE_WITHIN_S = 0.25
+
+
 class Subscription:
     def __init__(self, job_id: str, generation: int) -> None:
         self.job_id = job_id
@@ -74,7 +79,9 @@ class ConnectionWatch:
 
 class ControlBus:
     def __init__(self, redis: LeanRedis) -> None:
-        self._subscriber = Subscriber(redis, self._on_message, on_ready=self._on_ready)
+        self._subscriber = Subscriber(
+            redis, self._on_message, on_ready=self._on_ready, unsubscribe_within_s=UNSUBSCRIBE_WITHIN_S
+        )
         self._subs: dict[str, Subscription] = {}
         self._ready = 0
         # The futures next_replacement handed out, done at the next replacement; a reader
