@@ -3149,3 +3149,41 @@ def test_a_prime_adopts_only_a_program_with_its_environment() -> None:
     assert not prime.adopts(Program(argv=job, env={**env, "C": "3"}))
     assert not prime.adopts(Program(argv=job, env={"B": "2", "A": "1"}))
     assert not prime.adopts(Program(argv=job, env=dict(env), adoptable=False))
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_leaving_with_redis_away_still_unregisters_from_a_run_cancelled_into_its_clean_up(loop_kind: str) -> None:
+    """Worker.run's clean-up may run in a task cancelled once already (its cancel taken as
+    the way out). The recovery of stray claims waits at most its bound there too, and the
+    unregister after it is still tried: on Python 3.11.2 an asyncio.timeout expiring in
+    such a task raised CancelledError, which skipped the rest of the clean-up."""
+    unregistered: list[bool] = []
+
+    async def never_answers(_worker_id: str) -> list[str]:
+        await asyncio.sleep(3600)  # (Redis away: the read waits out its own bound)
+        return []
+
+    async def unregister() -> None:
+        unregistered.append(True)
+
+    worker = Worker.__new__(Worker)
+    worker.worker_id, worker._jobs, worker._claiming = "w", {}, None
+    ctx: Any = SimpleNamespace(queue=SimpleNamespace(claimed_ids=never_answers, unregister=unregister))
+
+    async def cancelled_run() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # (a run() cancelled: its finally goes on)
+        assert asyncio.current_task().cancelling() == 1  # type: ignore[union-attr]
+        await worker._leave(ctx, timeout_s=0.1)
+        return "cleaned up"
+
+    async def main() -> None:
+        task = asyncio.ensure_future(cancelled_run())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        assert await asyncio.wait_for(task, 5) == "cleaned up"
+        assert unregistered == [True]
+
+    _run_on(loop_kind, main())

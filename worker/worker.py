@@ -257,9 +257,11 @@ class Worker:
         claimed after that (a job task that would not end) keeps this worker listed, so
         the others reap it once the liveness key is gone.
         """
+        # (wait_for, not asyncio.timeout: on Debian's 3.11.2, which the venv runs on, a
+        # timeout expiring in a task already cancelled once, as a run() cancelled into its
+        # clean-up is, raises CancelledError, and the clean-up after this would be skipped.)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._recover(ctx, await self._strays(ctx))
+            await asyncio.wait_for(self._recover_strays(ctx), timeout_s)
         except (RedisError, OSError, TimeoutError):
             pass  # what is left is reaped by the others once the lease is gone
         # A bound of its own: a slow recovery must not keep the liveness key alive a lease.
@@ -267,6 +269,9 @@ class Worker:
             await asyncio.wait_for(ctx.queue.unregister(), timeout_s)
         except (RedisError, OSError, TimeoutError):
             pass
+
+    async def _recover_strays(self, ctx: WorkerContext) -> None:
+        await self._recover(ctx, await self._strays(ctx))
 
     async def _strays(self, ctx: WorkerContext) -> set[str]:
         """Ids in this worker's claimed list that no job task holds."""
