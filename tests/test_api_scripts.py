@@ -436,6 +436,8 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     assert [fields[b"name"] for _, fields in events] == [b"result"]
     assert await redis.xlen(keys.done_key(spec.job_id)) == 1
     assert 0 < await redis.ttl(keys.done_key(spec.job_id)) <= RESULT_TTL_S
+    for key in (keys.events_key(spec.job_id), keys.done_key(spec.job_id)):
+        assert await redis.memory_usage(key) < 1500  # compacted (shared.eventlog): 4.7 KB if not
     assert await redis.lrange(keys.QUEUE, 0, -1) == []
     assert await redis.hget(keys.status_key(spec.job_id), "state") == b"killed"
     assert not await redis.exists(keys.spec_key(spec.job_id))  # an ended job's input goes

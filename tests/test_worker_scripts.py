@@ -20,11 +20,12 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from api.store import JobStore
 from leanredis import LeanRedis
 from shared import keys
+from shared.eventlog import COMPACT_MAX_ENTRIES
 from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, TestCase, WorkerInfo, result_without_run
 from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test class)
 from shared.settings import load_settings
@@ -687,6 +688,82 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     assert await redis.hget(keys.status_key(job), "outcome") == b"completed"  # (what receipts read)
 
 
+# What a short stream takes once compacted (shared.eventlog.RESULT_LANDED_LUA), and what a
+# new one took before: Redis 7 gives each stream node 4 KiB up front.
+COMPACT_BYTES = 1500
+UNCOMPACTED_BYTES = 4096
+
+
+async def test_a_finished_jobs_short_log_and_done_stream_are_compacted_for_their_readers(
+    redis: Redis, queue: WorkerQueue, redis_stack: Any
+) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    log_key, done_key = keys.events_key(job), keys.done_key(job)
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+    await queue.advance(job, claim.attempt, [(2, "stdout", "chunk", b"1\n")])
+    assert await redis.memory_usage(log_key) >= UNCOMPACTED_BYTES  # (control: the slack is there)
+    await redis.xadd(keys.stdin_key(job), {"n": 1, "kind": "data", "data": "x"})  # (as the API's stdin script)
+    before = await redis.xrange(log_key)
+    last_id = before[-1][0]
+    # Readers blocked on both streams, as a waiting GET /output and a live event stream are.
+    readers = [Redis.from_url(redis_stack.redis_url) for _ in range(2)]
+    try:
+        woke_done = asyncio.ensure_future(readers[0].xread({done_key: "0-0"}, count=1, block=5000))
+        woke_log = asyncio.ensure_future(readers[1].xread({log_key: last_id}, block=5000))
+        async with asyncio.timeout(5):
+            while int((await redis.info("clients"))["blocked_clients"]) < 2:
+                await asyncio.sleep(0.01)
+        result = b'{"outcome":"completed","seq":3}'
+        assert await queue.finish(job, claim.attempt, JobState.DONE, 3, result, None)
+        async with asyncio.timeout(5):
+            done_entries, log_entries = await woke_done, await woke_log
+    finally:
+        for reader in readers:
+            await reader.aclose()
+    assert done_entries[0][1][0][1] == {b"result": b"1"}
+    assert log_entries[0][1][0][1][b"data"] == result
+    after = await redis.xrange(log_key)
+    assert after[:-1] == before and after[-1][1][b"name"] == b"result"  # ids and entries kept
+    info = await redis.xinfo_stream(log_key)
+    assert info["last-generated-id"] == after[-1][0] and info["entries-added"] == 4
+    for key in (log_key, done_key, keys.stdin_key(job)):
+        assert await redis.memory_usage(key) < COMPACT_BYTES, key
+        assert RESULT_TTL_S - 5 < await redis.ttl(key) <= RESULT_TTL_S
+
+
+async def test_a_long_log_is_not_compacted_and_a_redis_that_refuses_dump_still_takes_the_result(
+    redis: Redis, queue: WorkerQueue, redis_stack: Any
+) -> None:
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    chunks = [(seq, "stdout", "chunk", b"x\n") for seq in range(1, COMPACT_MAX_ENTRIES + 1)]
+    await queue.advance(job, claim.attempt, chunks, started=True)
+    assert await queue.finish(job, claim.attempt, JobState.DONE, len(chunks) + 1, b'{"seq":%d}' % (len(chunks) + 1), None)
+    assert await redis.xlen(keys.events_key(job)) == COMPACT_MAX_ENTRIES + 2
+    assert await redis.memory_usage(keys.events_key(job)) >= UNCOMPACTED_BYTES  # left as it was
+    assert await redis.memory_usage(keys.done_key(job)) < COMPACT_BYTES
+
+    # A deployment whose ACL (or managed Redis) refuses DUMP and RESTORE: nothing is
+    # compacted, and nothing else changes.
+    password = uuid.uuid4().hex
+    await redis.execute_command("ACL", "SETUSER", "nodump", "on", f">{password}", "~*", "&*", "+@all", "-dump", "-restore")
+    limited = Redis.from_url(f"redis://nodump:{password}@" + redis_stack.redis_url.split("@")[1])
+    try:
+        with pytest.raises(ResponseError):
+            await limited.dump(keys.events_key(job))  # (control: it is refused)
+        other = await _claimed(redis, queue)
+        plain = WorkerQueue(limited, queue.worker_id, RECORD_TTL_S, RESULT_TTL_S)
+        assert await plain.finish(other.spec.job_id, other.attempt, JobState.DONE, 1, b'{"seq":1}', None)
+    finally:
+        await limited.aclose()
+        await redis.execute_command("ACL", "DELUSER", "nodump")
+    assert [f[b"name"] for _, f in await redis.xrange(keys.events_key(other.spec.job_id))] == [b"stage", b"result"]
+    assert await redis.hget(keys.status_key(other.spec.job_id), "state") == b"done"
+    for key in (keys.events_key(other.spec.job_id), keys.done_key(other.spec.job_id)):
+        assert await redis.memory_usage(key) >= UNCOMPACTED_BYTES
+
+
 async def test_a_stale_finish_leaves_the_newer_claim_listed(redis: Redis, queue: WorkerQueue) -> None:
     # This worker stalled past its lease: its parked job went back to the queue and it
     # claimed the job again. The old run's finish (its warm-up ran out) writes nothing, and
@@ -792,6 +869,8 @@ async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -
     assert names.count(b"result") == 1
     assert await redis.xlen(keys.done_key(job)) == 1
     assert await redis.hget(keys.status_key(job), "outcome") == b"lost"
+    for key in (keys.events_key(job), keys.done_key(job)):  # (compacted, as a finish's)
+        assert await redis.memory_usage(key) < COMPACT_BYTES
 
 
 async def test_stdin_written_sent_twice_is_the_same_count_and_drops_the_written_frames(
