@@ -219,6 +219,9 @@ class _Lane:
     def wants_audience(self) -> bool:
         return False
 
+    def knows_nobody_follows(self) -> bool:
+        return False
+
     def learned_audience(self, present: bool) -> None:
         pass
 

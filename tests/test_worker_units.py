@@ -169,8 +169,9 @@ async def test_what_enter_became_dies_with_the_process_that_spawned_it(tmp_path:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", worker, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     child = int(await asyncio.wait_for(proc.stdout.readline(), 10))
-    await asyncio.sleep(0.2)  # past the exec: the pid is sleep's now
-    assert Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"/bin/sleep\0")
+    async with asyncio.timeout(5):  # past the exec: the pid is sleep's now (a busy host takes a while)
+        while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"/bin/sleep\0"):
+            await asyncio.sleep(0.02)
     proc.kill()
     await asyncio.wait_for(proc.wait(), 5)
     deadline = time.monotonic() + 5
@@ -1004,6 +1005,9 @@ class _SentLane:
     def wants_audience(self) -> bool:
         return False
 
+    def knows_nobody_follows(self) -> bool:
+        return False
+
 
 async def test_a_held_go_live_publishes_the_backlog_with_the_first_output() -> None:
     lane = _SentLane()
@@ -1074,6 +1078,44 @@ async def test_the_append_ending_a_held_go_live_publishes_the_backlog_and_itself
     await events.chunk_runs([("stdout", "4")])
     assert [(name, data["seq"]) for name, data in lane.sent] == [("stdout", 2), ("stdout", 5)]
     assert len(log.published) == 4
+
+
+async def test_a_job_its_running_append_found_unfollowed_goes_live_at_once_without_a_hold() -> None:
+    """A grader's job: the running stage's append read no audience mark, so there is nothing
+    to send together with the first output. It goes live at start, with no timer and no
+    task; the lane (a real one, its publisher never reached) keeps the backlog for a
+    follower who may still come. A lane that has not looked yet, or knows of a follower,
+    holds the go-live as before."""
+    from worker.messaging.publisher import Publisher
+
+    publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http"}))
+    try:
+        for learned in (None, True, False):
+            lane = publisher.lane(f"private-run-{learned}")
+            assert not lane.knows_nobody_follows()
+            events = JobEvents(_LogOnly(), lane, "job", 1, 1, [(0, "stage", b'{"phase":"queued","seq":0}')])  # type: ignore[arg-type]
+            await events.stage("running")  # (_LogOnly's append answers "nobody follows")
+            if learned is not None:
+                lane.learned_audience(learned)
+            else:
+                lane._audience_checked_at = None  # (an append that did not ask)
+            tasks_before = len(asyncio.all_tasks())
+            await events.go_live_at_start(10.0)
+            if learned is False:
+                assert lane.knows_nobody_follows()
+                assert events.live and events._live_timer is None and events._live_task is None
+                assert len(asyncio.all_tasks()) == tasks_before  # (no task made for it)
+                async with asyncio.timeout(2):
+                    while len(lane._unheard) < 2:  # the drain keeps both stages for a late follower
+                        await asyncio.sleep(0.01)
+                assert [event.name for event, _ in lane._unheard] == ["stage", "stage"]
+            else:
+                assert not lane.knows_nobody_follows()
+                assert not events.live and events._live_timer is not None  # held, as before
+                await events.drop_hold()
+            await lane.close(0.5)
+    finally:
+        await publisher.aclose()
 
 
 async def test_a_held_go_live_ends_on_its_timer_without_output() -> None:

@@ -166,6 +166,17 @@ class JobEvents:
             return  # (live, or going live already)
         self._live_timer = asyncio.get_running_loop().call_later(hold_s, self._live_timer_fired)
 
+    async def go_live_at_start(self, hold_s: float) -> None:
+        """go_live_within(hold_s), unless the append just made (the running stage's) told the
+        lane that nobody follows: a grader's job, nearly always. Its events then go to the
+        lane now, which keeps them for a follower who may still come; holding them back
+        would only cost a timer and a task, as its first output seldom comes within the
+        hold on a busy worker."""
+        if self._lane.knows_nobody_follows():
+            await self.go_live()
+        else:
+            self.go_live_within(hold_s)
+
     async def drop_hold(self) -> None:
         """The job is over: a held go_live that has not happened will not (a job that ended
         went live with its result; one lost to another worker publishes nothing more)."""

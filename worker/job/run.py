@@ -830,7 +830,7 @@ class JobRun:
         self._program_started = True  # from here on, never hand it back (it may have run)
         await self.events.stage("running", state=JobState.RUNNING, started=True)
         if then_go_live:
-            self.events.go_live_within(LIVE_HOLD_S)
+            await self.events.go_live_at_start(LIVE_HOLD_S)
 
     async def _run(
         self,

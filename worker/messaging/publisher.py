@@ -651,6 +651,10 @@ class JobLane:
         trip), so every event logged after a subscription was signed is published."""
         return not self._audience
 
+    def knows_nobody_follows(self) -> bool:
+        """Whether the lane has looked for a follower (or an append did) and found none."""
+        return not self._audience and self._audience_checked_at is not None
+
     def learned_audience(self, present: bool) -> None:
         """The answer, read along with an append to the job's log (saves _heard a look)."""
         self._audience_checked_at = time.monotonic()
