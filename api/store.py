@@ -447,7 +447,7 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[11], 'killed', 1)
   redis.call('DEL', KEYS[5])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
-  result_landed(KEYS[9], ARGV[3], KEYS[3])
+  result_landed(KEYS[9], ARGV[3], KEYS[3], KEYS[6])
   unstarted_gone(KEYS[1])
   local heard = redis.call('EXISTS', KEYS[10])
   if heard == 1 then owe_publish(KEYS[12], ARGV[1] .. ':kill', ARGV[9], false) end

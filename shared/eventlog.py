@@ -35,7 +35,8 @@ COMPACT_MAX_BYTES = 64 * 1024
 # "done" stream (keys.done_key), which is what a waiting `GET /output` blocks on, so the
 # wait wakes when the result lands and not for every event before it.
 #
-# Then it compacts the done stream and the job's log, which take no more entries. Redis 7
+# Then it compacts the done stream and the job's other streams (its log, its stdin), which
+# take no more entries. Redis 7
 # gives a stream's node 4 KiB up front (at most `stream-node-max-bytes`) and keeps it until
 # the node is full, so a grader's log of four events took 4.7 KB, and the done stream's one
 # entry as much: 85 % of what a finished job kept. DUMP and RESTORE (which allocates
@@ -43,7 +44,7 @@ COMPACT_MAX_BYTES = 64 * 1024
 # readers are served from the restored stream. Only short ones: a long log's slack is small
 # beside it, and its DUMP would hold Redis up. Where DUMP or RESTORE is refused (an ACL, a
 # managed Redis), the streams stay as they are.
-# result_landed(done stream key, ttl s, log key).
+# result_landed(done stream key, ttl s, the job's other streams: its log, its stdin).
 RESULT_LANDED_LUA = f"""
 local function compacted(key)
   if redis.call('XLEN', key) > {COMPACT_MAX_ENTRIES} then return end
@@ -52,11 +53,11 @@ local function compacted(key)
   local ttl_ms = redis.call('PTTL', key)
   redis.pcall('RESTORE', key, ttl_ms > 0 and ttl_ms or 0, dump, 'REPLACE')
 end
-local function result_landed(done, ttl, log)
+local function result_landed(done, ttl, ...)
   redis.call('XADD', done, 'MAXLEN', '1', '*', 'result', '1')
   redis.call('EXPIRE', done, ttl)
   compacted(done)
-  compacted(log)
+  for _, stream in ipairs({{...}}) do compacted(stream) end
 end
 """
 

@@ -426,6 +426,7 @@ async def test_stdin_request_ids_are_bounded(store: JobStore, redis: Redis) -> N
 async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: Redis) -> None:
     spec = _spec()
     await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    await redis.xadd(keys.stdin_key(spec.job_id), {"n": 1, "kind": "data", "data": "x"})  # (stored while queued)
     call = store.kill_call(spec.job_id, RESULT_TTL_S, request_id="kill-1")
     async with Published(redis, keys.ctrl_channel(spec.job_id)) as published:
         first, second, after_one, after_two = await twice(redis, call)
@@ -436,7 +437,7 @@ async def test_kill_of_a_queued_job_twice_ends_it_once(store: JobStore, redis: R
     assert [fields[b"name"] for _, fields in events] == [b"result"]
     assert await redis.xlen(keys.done_key(spec.job_id)) == 1
     assert 0 < await redis.ttl(keys.done_key(spec.job_id)) <= RESULT_TTL_S
-    for key in (keys.events_key(spec.job_id), keys.done_key(spec.job_id)):
+    for key in (keys.events_key(spec.job_id), keys.done_key(spec.job_id), keys.stdin_key(spec.job_id)):
         assert await redis.memory_usage(key) < 1500  # compacted (shared.eventlog): 4.7 KB if not
     assert await redis.lrange(keys.QUEUE, 0, -1) == []
     assert await redis.hget(keys.status_key(spec.job_id), "state") == b"killed"

@@ -47,6 +47,12 @@ pytestmark = [pytest.mark.stack]
 __all__ = ["redis_stack"]  # the module-scoped stack fixture, shared with the API's script tests
 
 
+# What a short stream takes once compacted (shared.eventlog.RESULT_LANDED_LUA), and what a
+# new one took before: Redis 7 gives each stream node 4 KiB up front.
+COMPACT_BYTES = 1500
+UNCOMPACTED_BYTES = 4096
+
+
 class Recorded:
     """A registered script that remembers how it was called, to send the same call again."""
 
@@ -689,12 +695,6 @@ async def test_finish_sent_twice_writes_one_result(redis: Redis, queue: WorkerQu
     assert await redis.xlen(keys.done_key(job)) == 1  # what a waiting /output wakes on
     assert int(await redis.hget(keys.retained_sizes_key("owner-a"), "_total")) == 10
     assert await redis.hget(keys.status_key(job), "outcome") == b"completed"  # (what receipts read)
-
-
-# What a short stream takes once compacted (shared.eventlog.RESULT_LANDED_LUA), and what a
-# new one took before: Redis 7 gives each stream node 4 KiB up front.
-COMPACT_BYTES = 1500
-UNCOMPACTED_BYTES = 4096
 
 
 async def test_a_finished_jobs_short_log_and_done_stream_are_compacted_for_their_readers(

@@ -1109,6 +1109,12 @@ async def test_a_job_its_running_append_found_unfollowed_goes_live_at_once_witho
                     while len(lane._unheard) < 2:  # the drain keeps both stages for a late follower
                         await asyncio.sleep(0.01)
                 assert [event.name for event, _ in lane._unheard] == ["stage", "stage"]
+                # A job claimed again reads its backlog from the log: not before its program
+                # starts, so it holds as before.
+                claimed_again = JobEvents(_LogOnly(), lane, "job", 1, 3, [])  # type: ignore[arg-type]
+                await claimed_again.go_live_at_start(10.0)
+                assert not claimed_again.live and claimed_again._live_timer is not None
+                await claimed_again.drop_hold()
             else:
                 assert not lane.knows_nobody_follows()
                 assert not events.live and events._live_timer is not None  # held, as before

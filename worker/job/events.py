@@ -171,8 +171,9 @@ class JobEvents:
         lane that nobody follows: a grader's job, nearly always. Its events then go to the
         lane now, which keeps them for a follower who may still come; holding them back
         would only cost a timer and a task, as its first output seldom comes within the
-        hold on a busy worker."""
-        if self._lane.knows_nobody_follows():
+        hold on a busy worker. (Not when the backlog must be read from the log first, a
+        job claimed again: that read must not delay the program's start.)"""
+        if self._lane.knows_nobody_follows() and not self._log_has_more:
             await self.go_live()
         else:
             self.go_live_within(hold_s)

@@ -290,8 +290,7 @@ redis.call('EXPIRE', KEYS[15], ARGV[2])
 redis.call('DEL', KEYS[5])
 redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
-result_landed(KEYS[14], ARGV[2], KEYS[2])
-compacted(KEYS[7])  -- (its stdin frames, if it had any: no more come)
+result_landed(KEYS[14], ARGV[2], KEYS[2], KEYS[7])
 unstarted_gone(KEYS[1])
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
@@ -397,7 +396,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   redis.call('EXPIRE', KEYS[11], ARGV[3])
   redis.call('DEL', KEYS[6])
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
-  result_landed(KEYS[9], ARGV[3], KEYS[4])
+  result_landed(KEYS[9], ARGV[3], KEYS[4], KEYS[10])
   unstarted_gone(KEYS[1])
   return {2, seq, data}
 end
