@@ -554,6 +554,67 @@ def _check_kept_descriptors(job: JobCgroup, children: list[subprocess.Popen[byte
 
 
 @pytest.mark.sandbox
+def test_making_loading_and_releasing_sandboxes_opens_each_cgroup_file_once_on_this_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hybrid, for real: a sandbox's limits are written when it is made and rewritten when its
+    job is loaded, through one descriptor a file; a new memory cgroup's limit is known, not
+    read; the supervisor folders' process lists are opened once for every sandbox the worker
+    makes. Each open of a cgroup file waits behind other sandboxes' cgroup churn. The files
+    hold what was written last, and a released nsjail (a stand-in) is in the supervisor
+    cgroups."""
+    opened: list[str] = []
+    read: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: str | Path, flags: int, mode: int = 0o777, **kwargs: object) -> int:
+        opened.append(os.fspath(path))
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            read.append(os.fspath(path))
+        return real_open(path, flags, mode, **kwargs)  # type: ignore[arg-type]
+
+    with _host_cgroup("opens") as (layout, job, children):
+        second = layout.job("w.0.2")
+        try:
+            monkeypatch.setattr(os, "open", counting_open)
+            for each in (job, second):
+                each.create()
+                each.set_limits(memory_bytes=256 << 20, pids=16, background=True)
+                each.set_limits(memory_bytes=128 << 20, pids=33)
+                monkeypatch.setattr(os, "open", real_open)
+                stand_in = _spawn_into(each.procs_files(), "time.sleep(30)")
+                children.append(stand_in)
+                deadline = time.monotonic() + 10
+                while each.pids() != [stand_in.pid]:
+                    assert time.monotonic() < deadline, "the stand-in never joined"
+                    time.sleep(0.01)
+                monkeypatch.setattr(os, "open", counting_open)
+                each.release_supervisor(stand_in.pid)
+            monkeypatch.setattr(os, "open", real_open)
+            twice = sorted({path for path in opened if opened.count(path) > 1})
+            assert not twice, twice
+            assert sum(path in layout.supervisor_procs_files for path in opened) == len(layout.supervisor_procs_files)
+            assert not [path for path in read if path.endswith("/memory.limit_in_bytes")]
+            for each in (job, second):
+                memory = Path(each.v1_dirs["memory"])
+                assert (memory / "memory.limit_in_bytes").read_text().strip() == str(128 << 20)
+                if (memory / "memory.memsw.limit_in_bytes").exists():
+                    assert (memory / "memory.memsw.limit_in_bytes").read_text().strip() == str(128 << 20)
+                assert (Path(each.v1_dirs["pids"]) / "pids.max").read_text().strip() == "33"
+                assert (Path(each.v1_dirs["cpu"]) / "cpu.shares").read_text().strip() == "1024"
+                assert each.pids() == []  # released: only jailed processes stay limited
+            for procs in layout.supervisor_procs_files:
+                listed = Path(procs).read_text().split()
+                assert all(str(child.pid) in listed for child in children), procs
+        finally:
+            monkeypatch.setattr(os, "open", real_open)
+            for child in children:
+                child.kill()
+                child.wait()
+            second.remove_blocking()
+
+
+@pytest.mark.sandbox
 def test_resident_memory_leaves_out_the_file_cache_charged_to_the_job(tmp_path: Path) -> None:
     """A prestarted runtime's memory base (what its job's limit is raised by) is its
     resident memory, not the file cache charged to its cgroup: that cache is reclaimable,

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 ROOT_MOVE_ATTEMPTS = 5
 
 CPU_PERIOD_US = 100_000
+# A v1 memory cgroup's limit before one is written (PAGE_COUNTER_MAX in 4 KiB pages).
+_V1_NO_MEMORY_LIMIT = str((2**63 - 1) // 4096 * 4096)
 # The memory high-water mark's file in each layout (v1, v2).
 _PEAK_FILES = ("memory.max_usage_in_bytes", "memory.peak")
 # CPU weight of a sandbox being built (nsjail setting up, a runtime starting) against one that
@@ -122,13 +124,34 @@ def _close_fds(fds: dict[str, int]) -> None:
     fds.clear()
 
 
+# The flags open(path, "wb") uses, so errors stay what they were.
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+
 def _write(path: str | Path, value: str) -> None:
-    # The flags open(path, "wb") uses, so errors stay what they were.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, _WRITE_FLAGS, 0o666)
     try:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
+
+
+class _KeptWriters:
+    """Files opened to write on first use and kept open (closed when dropped)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # two isolation threads may ask first at once
+        weakref.finalize(self, _close_fds, self._fds)
+
+    def fds(self) -> list[int]:
+        if len(self._fds) < len(self.paths):
+            with self._lock:
+                for path in self.paths:
+                    if path not in self._fds:
+                        self._fds[path] = os.open(path, _WRITE_FLAGS, 0o666)
+        return [self._fds[path] for path in self.paths]
 
 
 def _keyed(text: str) -> dict[str, int]:
@@ -335,6 +358,12 @@ class CgroupLayout:
         ]
         return [f"{folder}/cgroup.procs" for folder in folders]
 
+    @functools.cached_property
+    def supervisor_procs(self) -> _KeptWriters:
+        """The supervisor folders' cgroup.procs, opened once for the worker's life: every
+        sandbox writes to them, and an open waits behind other sandboxes' cgroup churn."""
+        return _KeptWriters(self.supervisor_procs_files)
+
     def v1_roots(self) -> list[Path]:
         """Each v1 hierarchy sandboxes use, once (cpuacct is usually co-mounted with cpu)."""
         roots: list[Path] = []
@@ -452,8 +481,12 @@ class JobCgroup:
         return found
 
     def _limit(self, path: str, value: str) -> None:
+        # Through a kept descriptor: a sandbox's limits are written when it is made and again
+        # when its job is loaded into it, and each open waits behind other sandboxes' churn.
+        # A cgroup file takes each write whole, whatever the offset; at 0 for a plain file.
         if self._written.get(path) != value:
-            _write(path, value)
+            with self._fds_lock:
+                os.pwrite(self._kept_fd(path, write=True), value.encode(), 0)
             self._written[path] = value
 
     def paths(self) -> list[Path]:
@@ -472,6 +505,9 @@ class JobCgroup:
         """Make the cgroup folders. Raises OSError on failure."""
         for d in self._all_dirs():
             os.mkdir(d)
+        if "memory" in self.v1_dirs:
+            # What a new v1 memory cgroup starts with (no limit), known without reading it.
+            self._written[f"{self.v1_dirs['memory']}/memory.limit_in_bytes"] = _V1_NO_MEMORY_LIMIT
 
     def open_counters(self) -> None:
         """Open the files a running job's clocks and end read (the counters, the cgroup2
@@ -493,7 +529,7 @@ class JobCgroup:
         fd = self._fds.get(key)
         if fd is None:
             if write:
-                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                fd = os.open(path, _WRITE_FLAGS, 0o666)
             elif os.path.basename(path) in _PEAK_FILES:
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -595,9 +631,10 @@ class JobCgroup:
 
     def release_supervisor(self, pid: int) -> None:
         """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
-        for procs in self.layout.supervisor_procs_files:
+        pid_bytes = str(pid).encode()
+        for procs in self.layout.supervisor_procs.fds():
             try:
-                _write(procs, str(pid))
+                os.write(procs, pid_bytes)
             except ProcessLookupError:
                 return
             except OSError as exc:
