@@ -343,13 +343,14 @@ class HostWatch:
             out[label] = found
         return out
 
-    def workspace_mounts(self) -> set[str]:
+    def workspace_mounts(self) -> list[str]:
+        """Where workspace tmpfs are mounted, once per mount (two on one folder: one hides the other)."""
         prefix = str(self.work_root) + "/"
-        return {
+        return [
             line.split()[1]
             for line in _read("/proc/self/mounts").splitlines()
             if line.startswith("coderunner-ws ") and line.split()[1].startswith(prefix)
-        }
+        ]
 
     # ---------------------------------------------------------------- checks
 
@@ -420,13 +421,15 @@ class HostWatch:
         for path, print_ in base.canaries.items():
             if _fingerprint(path) != print_:
                 found.append(f"I4 {path} changed")
-        # I5: only warm sandboxes' workspaces stay mounted.
+        # I5: only warm sandboxes' workspaces stay mounted. A workspace is mounted on its
+        # slot's folder (`<worker>.<slot>.<n>`, n of its own), a sandbox's cgroups are named
+        # `<worker>.<slot>.<n>`: matched by worker and slot.
         mounts = self.workspace_mounts()
-        warm_mounts = {
-            str(self.work_root / name) for cgroups in trees.values() for name, pids in cgroups.items() if warm(pids)
-        }
-        if mounts - warm_mounts:
-            found.append(f"I5 workspace mounts left: {sorted(mounts - warm_mounts)}")
+        warm_slots = {name.rsplit(".", 1)[0] for cgroups in trees.values() for name, pids in cgroups.items() if warm(pids)}
+        left = sorted(m for m in mounts if Path(m).name.rsplit(".", 1)[0] not in warm_slots)
+        left += sorted({m for m in mounts if mounts.count(m) > 1})
+        if left:
+            found.append(f"I5 workspace mounts left: {left}")
         # I6: root's queued signals and the host's shared memory back near their baselines.
         # (A jail's SysV IPC objects live in its own IPC namespace: none can reach the host's.)
         if self.root_signals_queued() > base.root_signals_queued + ROOT_SIGNALS_SLACK:

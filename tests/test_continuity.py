@@ -194,8 +194,12 @@ def test_a_worker_declares_its_lease_settings_on_its_host_while_it_runs(make_sta
     while not declared.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert declared.read_text() == "6000 500\n", "declared again within an upkeep round"
+    # Its slots' workspace folders (kept between their sandboxes) go with it too.
+    folders = list(Path(f"/run/{stack.deployment}").glob(f"{stack.worker_ids[name]}.*"))
+    assert folders and all(owner_of(folder.name) == stack.worker_ids[name] for folder in folders)
     stack.stop_process(name)
     assert not declared.exists()
+    assert not [folder for folder in folders if folder.exists()]
 
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused() -> None:

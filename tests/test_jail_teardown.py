@@ -25,6 +25,7 @@ from tests.helpers import pids_with_cmdline
 from worker.__main__ import preflight
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError, Program
+from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
 from worker.isolation.sandbox import SandboxFactory
 from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 
@@ -93,6 +94,41 @@ async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothin
     sandbox = await factory.prepare("teardown", 0)  # and the next one builds as usual
     await sandbox.destroy()
     assert _open_fds() == before
+
+
+def _mounts_on(path: str) -> int:
+    return [line.split()[1] for line in open("/proc/self/mounts").read().splitlines()].count(path)
+
+
+async def test_each_sandbox_of_a_slot_gets_a_fresh_tmpfs_on_the_slots_kept_mount_point(factory: SandboxFactory) -> None:
+    """A slot's sandboxes mount their workspaces on one folder, kept between them (removing
+    a folder just unmounted waits on the host's mount locks): each gets a tmpfs of its own,
+    the teardown leaves nothing mounted there, a tmpfs some failed teardown left on it is
+    taken off before the next goes on, another slot has another folder, and the folders go
+    when the worker is done with them."""
+    first = await factory.prepare("slots", 0)
+    where = str(first.workspace.path)
+    try:
+        first.workspace.stage([("mine.txt", b"the first sandbox's")])
+        assert _mounts_on(where) == 1
+    finally:
+        await first.destroy()
+    assert os.path.isdir(where) and _mounts_on(where) == 0
+    # As if a teardown's detach had failed: a tmpfs still on the folder, with a file in it.
+    mount("coderunner-ws", where, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m")
+    with open(f"{where}/stale.txt", "w") as f:
+        f.write("left over")
+    second = await factory.prepare("slots", 0)
+    other = await factory.prepare("slots", 1)
+    try:
+        assert str(second.workspace.path) == where
+        assert _mounts_on(where) == 1 and os.listdir(where) == []  # nothing of before, nothing beneath
+        assert str(other.workspace.path) != where and _mounts_on(str(other.workspace.path)) == 1
+    finally:
+        await second.destroy()
+        await other.destroy()
+    factory.remove_mount_points()
+    assert not os.path.exists(where) and not other.workspace.path.exists()
 
 
 # Writes more than a pipe holds, leaves a child that would print later (its command line

@@ -42,6 +42,7 @@ from worker.isolation.janitor import (
     sandbox_owners,
     sweep_orphans,
 )
+from worker.isolation.offload import off_loop
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import Prime, SandboxFactory
 from worker.job.run import JobRun
@@ -230,6 +231,7 @@ class Worker:
             await self._drain(ctx)
             await cancel_and_wait(background)
             await self.pool.close()
+            await off_loop(self.sandboxes.remove_mount_points)
             # Bounded: a worker told twice to stop must stop even while Redis is away (its
             # lease then simply expires, and others recover its claims). One taken over
             # leaves everything under its id to the process that took it.

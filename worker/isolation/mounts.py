@@ -33,9 +33,12 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
         raise MountError(f"mount {source} on {target}: {os.strerror(ctypes.get_errno())}")
 
 
-def detach(target: str) -> None:
-    """Lazily unmount `target` (already gone or not a mount point: nothing to do)."""
+def detach(target: str) -> bool:
+    """Lazily unmount `target`; False if there was nothing to unmount (already gone, or not
+    a mount point)."""
     if _libc.umount2(target.encode(), MNT_DETACH) != 0:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOENT):
             raise MountError(f"umount {target}: {os.strerror(err)}")
+        return False
+    return True

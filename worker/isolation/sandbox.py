@@ -636,6 +636,8 @@ class SandboxFactory:
     # because the janitor reads a sandbox's age from it (one counted on by one a name ran
     # ahead of the clock by hours on a busy worker, and its orphans looked that much younger).
     _counter: int = 0
+    # Each slot's kept workspace mount point (see Workspace), by owner and slot.
+    _mount_points: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def backstop_s(self, limits: Limits) -> int:
         """nsjail's own time limit, only a backstop behind the worker's clocks: it covers the
@@ -661,6 +663,27 @@ class SandboxFactory:
     def _name(self, owner: str, slot: int) -> str:
         self._counter = max(self._counter + 1, time.time_ns() // 1_000_000)
         return f"{owner}.{slot}.{self._counter}"
+
+    def _workspace(self, owner: str, slot: int, uid: int) -> Workspace:
+        """A fresh workspace on `slot`'s kept mount point. The folder is named as a sandbox
+        is, with a number of its own: the janitor finds a dead worker's by its id and reads
+        its age from the number, as for the sandboxes."""
+        name = self._mount_points.get((owner, slot))
+        if name is None:
+            name = self._mount_points[(owner, slot)] = self._name(owner, slot)
+        return Workspace(self.work_root, name, uid, uid, keep_mount_point=True)
+
+    def remove_mount_points(self) -> None:
+        """Remove the slots' mount points (blocking: isolation threads only). One a tmpfs is
+        still on (a teardown that never finished) stays, for the janitor or the next start."""
+        for name in self._mount_points.values():
+            try:
+                os.rmdir(self.work_root / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("workspace mount point %s stays: %s", name, exc)
+        self._mount_points.clear()
 
     async def _launch(
         self,
@@ -753,7 +776,7 @@ class SandboxFactory:
         `prime`, the gate is released at once into the waiting runtime."""
         name = self._name(owner, slot)
         uid = self.uid_base + slot
-        workspace = Workspace(self.work_root, name, uid, uid)
+        workspace = self._workspace(owner, slot, uid)
         mounts = [f"{self._shim_file(prime.shim)}:{prime.program.argv[-1]}"] if prime and not prime.workspace_files else []
         # The jail's CPU rlimit caps the gate's: a waiting runtime needs the room, and so does
         # the program of a plain jail whose runtime's start-up is left uncharged (Sandbox.load

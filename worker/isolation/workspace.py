@@ -35,19 +35,43 @@ class SnapshotTooBig(WorkspaceError):
     files, or levels of folders): the submission's doing, not the platform's."""
 
 
+# How many mounts a kept mount point may have stacked on it before a fresh tmpfs goes on
+# top (each a teardown whose detach failed): the next mount detaches them all first.
+MAX_STACKED_MOUNTS = 8
+
+
 class Workspace:
-    def __init__(self, root: Path, job_id: str, uid: int, gid: int) -> None:
+    """A job's tmpfs, mounted on `<root>/<name>`.
+
+    With `keep_mount_point`, the folder is a slot's, made once and used by every sandbox the
+    slot builds (as the slot's uid is): each gets a fresh tmpfs on it, and `destroy` only
+    detaches that. Removing a folder a mount was just detached from waits on the host's
+    mount locks, which every jail's new mount namespace takes too: it cost more than the
+    mount and the detach together, on every job.
+    """
+
+    def __init__(self, root: Path, job_id: str, uid: int, gid: int, keep_mount_point: bool = False) -> None:
         self.path = root / job_id
         self._where = f"{root}/{job_id}"  # for os calls: pathlib's conversions cost more than some of them
         self.uid = uid
         self.gid = gid
+        self.keep_mount_point = keep_mount_point
         self._mounted = False
 
     def create(self, size_bytes: int, inodes: int) -> None:
         try:
             os.mkdir(self._where, 0o700)
         except FileExistsError:
-            raise WorkspaceError(f"workspace {self.path} already exists") from None
+            if not self.keep_mount_point:
+                raise WorkspaceError(f"workspace {self.path} already exists") from None
+            # The slot's folder: nothing should be mounted on it, but a teardown whose detach
+            # failed would have left its tmpfs, and a new one must not go on top of it.
+            try:
+                for _ in range(MAX_STACKED_MOUNTS):
+                    if not detach(self._where):
+                        break
+            except MountError as exc:
+                raise WorkspaceError(str(exc)) from None
         try:
             mount("coderunner-ws", self._where, "tmpfs", MS_NOSUID | MS_NODEV,
                   f"size={size_bytes},nr_inodes={inodes},mode=0700,uid={self.uid},gid={self.gid}")  # fmt: skip
@@ -160,10 +184,13 @@ class Workspace:
             os.close(dir_fd)
 
     def destroy(self) -> None:
-        """Detach the tmpfs (its pages are freed once no jail holds it) and remove the mount point."""
+        """Detach the tmpfs (its pages are freed once no jail holds it) and remove the mount
+        point, unless it is kept."""
         if self._mounted:
             detach(self._where)
             self._mounted = False
+        if self.keep_mount_point:
+            return
         try:
             os.rmdir(self._where)
         except FileNotFoundError:
