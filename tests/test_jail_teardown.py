@@ -96,6 +96,42 @@ async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothin
     assert _open_fds() == before
 
 
+async def test_a_jail_is_seen_inside_its_cgroups_after_the_release_by_one_listing(
+    factory: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once nsjail is moved out of the job's cgroups, the jail must still be in them: one
+    listing says so (its launcher joined every folder before nsjail's exec, or nothing ran),
+    the cgroup2 one through its kept descriptor, no v1 listing opened afresh. A release that
+    took the jail out with nsjail (here, by the test) fails the build."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: str | os.PathLike[str], flags: int, mode: int = 0o777, **kwargs: object) -> int:
+        opened.append(os.fspath(path))
+        return real_open(path, flags, mode, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", counting_open)
+    sandbox = await factory.prepare("listing", 0)
+    monkeypatch.setattr(os, "open", real_open)
+    try:
+        listings = [path for path in opened if path.endswith("/cgroup.procs") and "/supervisor/" not in path]
+        assert sandbox.cgroup.v2_dir is not None  # (this host: hybrid, with cgroup2)
+        assert listings == [f"{sandbox.cgroup.v2_dir}/cgroup.procs"], listings
+    finally:
+        await sandbox.destroy()
+
+    released = JobCgroup.release_supervisor
+
+    def release_all(self: JobCgroup, pid: int) -> None:
+        for other in self.pids():
+            released(self, other)
+        released(self, pid)
+
+    monkeypatch.setattr(JobCgroup, "release_supervisor", release_all)
+    with pytest.raises(JailError, match="jail is not inside the job's cgroups"):
+        await factory.prepare("listing", 0)
+
+
 def _mounts_on(path: str) -> int:
     return [line.split()[1] for line in open("/proc/self/mounts").read().splitlines()].count(path)
 

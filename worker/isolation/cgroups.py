@@ -791,13 +791,19 @@ class JobCgroup:
         return sorted(seen)
 
     def holds(self, pid: int) -> bool:
-        """Whether `pid` is in the job's cgroups: one listing is enough, a jail's processes
-        are in all of its folders (pids() reads every one)."""
-        d = self.v2_dir if self.v2_dir is not None else next(iter(self.v1_dirs.values()))
+        """Whether `pid` is in the job's cgroups (see `listed`)."""
         try:
-            return str(pid) in self._procs(d).split()
+            return pid in self.listed()
         except OSError:
             return False
+
+    def listed(self) -> list[int]:
+        """The job's processes by one listing: enough, a jail's processes are in all of its
+        folders (its launcher joined every one before nsjail's exec, or nothing ran). The
+        cgroup2 one where there is one, read through its kept descriptor (pids() reads every
+        listing, each v1 one opened afresh). Raises OSError."""
+        d = self.v2_dir if self.v2_dir is not None else next(iter(self.v1_dirs.values()))
+        return [int(p) for p in self._procs(d).split()]
 
     def may_hold_leftovers(self) -> bool:
         """After the jail has exited: whether a kill is needed to be sure nothing is left.

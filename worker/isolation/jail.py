@@ -261,7 +261,7 @@ class Jail:
 
     def _release(self) -> list[int]:
         self._cgroup.release_supervisor(self.proc.pid)
-        return self._cgroup.pids()
+        return self._cgroup.listed()
 
     def _released(self, done: asyncio.Future[list[int]]) -> None:
         self.proc.allow_reap()
