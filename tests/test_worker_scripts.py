@@ -1018,7 +1018,8 @@ async def test_a_worker_whose_start_fails_after_taking_its_id_gives_the_id_back(
 
     monkeypatch.setattr("worker.worker.sweep_orphans", sweep_fails)
     settings = load_settings({"REDIS_URL": redis_stack.redis_url, "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
-    worker = Worker(settings, "w-restarted", SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
+    sandboxes = SimpleNamespace(cgroups=None, work_root=None, memory=MemoryAdmission(UNBOUNDED_BYTES), remove_mount_points=lambda: None)
+    worker = Worker(settings, "w-restarted", sandboxes, {})  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="the sweep failed"):
         await asyncio.wait_for(worker.run(), 10)
     assert not await redis.exists(keys.worker_alive_key("w-restarted"))

@@ -2205,7 +2205,7 @@ async def test_a_jail_is_ready_at_the_gates_first_line_and_ends_as_nsjail_says()
     # jail runs; without a report from the gate, nsjail's exit status (128 + the signal)
     # says how the gate ended, and the log keeps nsjail's warnings and errors.
     released: list[int] = []
-    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [8])
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, listed=lambda: [8])
     status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     async def exited() -> int:
@@ -2264,7 +2264,7 @@ async def test_an_end_the_gate_did_not_report_is_read_from_nsjails_exit(
     async def exited() -> int:
         return returncode
 
-    cgroup = SimpleNamespace(job_id="x", release_supervisor=lambda pid: None, pids=lambda: [8])
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=lambda pid: None, listed=lambda: [8])
     log, log_write = _log_pipe()
     os.close(log_write)
     proc = SimpleNamespace(
@@ -2292,7 +2292,7 @@ async def test_nsjail_stays_unreaped_while_it_is_moved_out_of_the_jobs_cgroups()
         writing.set()
         may_finish.wait(10)
 
-    cgroup = SimpleNamespace(job_id="x", release_supervisor=release, pids=lambda: [proc.pid])
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=release, listed=lambda: [proc.pid])
     status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     log, log_write = _log_pipe()
     jail = Jail(proc, log, status_read, cgroup)  # type: ignore[arg-type]
@@ -2323,7 +2323,7 @@ async def test_nsjail_reaped_before_its_ready_line_is_read_is_not_released_by_pi
     # nsjail died just after the gate said it runs, and its exit was handled first:
     # its pid may be another process's now, so nothing is written into a cgroup by it.
     released: list[int] = []
-    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [8])
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, listed=lambda: [8])
     status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     log, log_write = _log_pipe()
     proc = SimpleNamespace(
@@ -2345,7 +2345,7 @@ async def test_a_jail_that_never_executes_fails_with_nsjails_own_errors() -> Non
     # nsjail ended (its log at EOF) before the gate said it runs: wait_ready()
     # reports nsjail's error lines, and nsjail is never moved out of cgroups it was not in.
     released: list[int] = []
-    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, pids=lambda: [])
+    cgroup = SimpleNamespace(job_id="x", release_supervisor=released.append, listed=lambda: [])
     status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     os.close(status_write)
     log, log_write = _log_pipe()
