@@ -13,6 +13,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -73,6 +74,41 @@ def test_pure_v2_limits_counters_and_kill(tmp_path: Path) -> None:
     (d / "cgroup.procs").write_text("")
     job.kill()
     assert (d / "cgroup.kill").read_text() == "1"
+
+
+def test_a_limit_write_that_waits_never_holds_up_the_clocks_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pump raising a job's memory limit writes on an isolation thread (a v1 limit's write
+    may wait on the host's memory cgroups) while the clocks read the counters on the event
+    loop through the same kept descriptors: the read must not wait for the write."""
+    layout = detect_layout("coderunner", _fake_v2(tmp_path))
+    layout.prepare(jobs_memory_bytes=3 << 30)
+    job = layout.job("w.0.1")
+    job.create()
+    (tmp_path / "coderunner" / "jobs" / "w.0.1" / "cpu.stat").write_text("usage_usec 2500000\n")
+    job.set_limits(memory_bytes=128 << 20, pids=33)
+    assert job.cpu_us() == 2_500_000
+    writing, release = threading.Event(), threading.Event()
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd: int, data: bytes, offset: int) -> int:
+        writing.set()
+        release.wait(10)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    raising = threading.Thread(target=job.raise_memory_limit, args=(1 << 20,))
+    raising.start()
+    try:
+        assert writing.wait(5)
+        read: list[int] = []
+        reader = threading.Thread(target=lambda: read.append(job.cpu_us()), daemon=True)
+        reader.start()
+        reader.join(2)
+        assert read == [2_500_000], "the counters' read waited for the limit's write"
+    finally:
+        release.set()
+        raising.join(5)
+    assert job.memory_limit_bytes == (128 << 20) + (1 << 20)
 
 
 @pytest.mark.parametrize("kernel", ["no memory.peak (before 5.19)", "memory.peak not resettable (before 6.12)"])
@@ -612,6 +648,41 @@ def test_making_loading_and_releasing_sandboxes_opens_each_cgroup_file_once_on_t
                 child.kill()
                 child.wait()
             second.remove_blocking()
+
+
+@pytest.mark.sandbox
+def test_a_supervisor_folder_made_again_is_written_to_afresh_on_this_host() -> None:
+    """The supervisor folders' process lists stay open for the worker's life; when one is
+    removed and made again (another worker of the deployment starting, an operator), the
+    next release opens it afresh instead of failing every build from then on."""
+    with _host_cgroup("supervisor-again") as (layout, job, children):
+        job.create()
+        first = _spawn_into(job.procs_files(), "time.sleep(30)")
+        children.append(first)
+        deadline = time.monotonic() + 10
+        while job.pids() != [first.pid]:
+            assert time.monotonic() < deadline, "the first stand-in never joined"
+            time.sleep(0.01)
+        job.release_supervisor(first.pid)
+        first.kill()
+        first.wait()
+        for procs in layout.supervisor_procs_files:
+            deadline = time.monotonic() + 10
+            while Path(procs).read_text().split():
+                assert time.monotonic() < deadline, f"{procs} never emptied"
+                time.sleep(0.01)
+            os.rmdir(os.path.dirname(procs))
+        layout.prepare()  # the folders, made again
+        second = _spawn_into(job.procs_files(), "time.sleep(30)")
+        children.append(second)
+        deadline = time.monotonic() + 10
+        while job.pids() != [second.pid]:
+            assert time.monotonic() < deadline, "the second stand-in never joined"
+            time.sleep(0.01)
+        job.release_supervisor(second.pid)
+        for procs in layout.supervisor_procs_files:
+            assert Path(procs).read_text().split() == [str(second.pid)], procs
+        assert job.pids() == []
 
 
 @pytest.mark.sandbox

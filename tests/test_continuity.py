@@ -256,6 +256,28 @@ def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_can
     assert not (work_root / "w-old.0.1").exists() and (work_root / "w-young.0.1").exists()
 
 
+def test_a_slots_kept_workspace_folder_is_as_young_as_the_slots_youngest_sandbox(tmp_path: Path) -> None:
+    # A slot's workspace folder is named when the slot first builds and kept between its
+    # sandboxes: the tmpfs on it is its newest sandbox's, so its age is that sandbox's.
+    layout = CgroupLayout(mode=CgroupMode.V2, name="deployment", v2=tmp_path / "cgroup")
+    work_root = tmp_path / "work"
+    now = time.time()
+    jobs = tmp_path / "cgroup" / "deployment" / "jobs"
+    (work_root / "w-busy.0.1").mkdir(parents=True)  # the folder: old by its name
+    (jobs / "w-busy.0.7").mkdir(parents=True)  # the slot's sandbox, built just now
+    (jobs / "w-idle.0.5").mkdir(parents=True)  # another worker's, long ago
+    os.utime(jobs / "w-idle.0.5", (now - 60, now - 60))
+    (work_root / "w-idle.0.1").mkdir()
+    assert _owners(layout, work_root, "w-me", min_age_s=10) == {"w-idle"}
+    removed = _remove(layout, work_root, {"w-busy.0.7", "w-idle.0.5"}, {"w-busy.0.1", "w-idle.0.1"}, 10, "w-me")
+    assert removed == {"w-idle.0.5", "w-idle.0.1"}
+    assert (work_root / "w-busy.0.1").exists() and not (work_root / "w-idle.0.1").exists()
+    # A sandbox's own cgroups date it, not its slot's others (a compile jail's, a stale one).
+    os.utime(jobs / "w-busy.0.7", (now - 60, now - 60))
+    (jobs / "w-busy.0.8").mkdir()
+    assert _remove(layout, work_root, {"w-busy.0.7"}, set(), 10, "w-me") == {"w-busy.0.7"}
+
+
 async def test_a_sandbox_whose_cgroup_will_not_go_is_not_reported_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError, Program
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
 from worker.isolation.sandbox import SandboxFactory
+from worker.isolation.workspace import detach_workspace
 from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 
 pytestmark = [pytest.mark.sandbox]
@@ -133,7 +135,7 @@ async def test_a_jail_is_seen_inside_its_cgroups_after_the_release_by_one_listin
 
 
 def _mounts_on(path: str) -> int:
-    return [line.split()[1] for line in open("/proc/self/mounts").read().splitlines()].count(path)
+    return [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()].count(path)
 
 
 async def test_each_sandbox_of_a_slot_gets_a_fresh_tmpfs_on_the_slots_kept_mount_point(factory: SandboxFactory) -> None:
@@ -142,6 +144,9 @@ async def test_each_sandbox_of_a_slot_gets_a_fresh_tmpfs_on_the_slots_kept_mount
     the teardown leaves nothing mounted there, a tmpfs some failed teardown left on it is
     taken off before the next goes on, another slot has another folder, and the folders go
     when the worker is done with them."""
+    # The start-up self-test's slot (one past the last: WORKER_MAX_SANDBOXES is 2 here) is
+    # never used again, so its folder went with it.
+    assert not list(factory.work_root.glob("teardown.2.*"))
     first = await factory.prepare("slots", 0)
     where = str(first.workspace.path)
     try:
@@ -165,6 +170,12 @@ async def test_each_sandbox_of_a_slot_gets_a_fresh_tmpfs_on_the_slots_kept_mount
         await other.destroy()
     factory.remove_mount_points()
     assert not os.path.exists(where) and not other.workspace.path.exists()
+    # A dead worker's folder with tmpfs stacked on it goes whole in the janitor's sweep.
+    os.mkdir(where)
+    for _ in range(3):
+        mount("coderunner-ws", where, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m")
+    detach_workspace(Path(where), Path("/proc/self/mounts").read_text())
+    assert not os.path.exists(where) and _mounts_on(where) == 0
 
 
 # Writes more than a pipe holds, leaves a child that would print later (its command line

@@ -142,16 +142,27 @@ class _KeptWriters:
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
         self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()  # two isolation threads may ask first at once
+        self._lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)
 
-    def fds(self) -> list[int]:
-        if len(self._fds) < len(self.paths):
-            with self._lock:
-                for path in self.paths:
-                    if path not in self._fds:
-                        self._fds[path] = os.open(path, _WRITE_FLAGS, 0o666)
-        return [self._fds[path] for path in self.paths]
+    def write_all(self, data: bytes) -> None:
+        """Write `data` to each file, in order. A descriptor whose folder was removed (and
+        perhaps made again since) is opened afresh, once; other errors are raised."""
+        with self._lock:  # (a descriptor reopened meanwhile must not be written through)
+            try:
+                self._write_all(data)
+            except OSError as exc:
+                if exc.errno not in (errno.ENODEV, errno.ENOENT, errno.EBADF):
+                    raise
+                _close_fds(self._fds)
+                self._write_all(data)
+
+    def _write_all(self, data: bytes) -> None:
+        for path in self.paths:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, _WRITE_FLAGS, 0o666)
+            os.write(fd, data)
 
 
 def _keyed(text: str) -> dict[str, int]:
@@ -455,6 +466,7 @@ class JobCgroup:
         # and a read through it would see another file (pids to kill, say).
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
+        self._writes_lock = threading.Lock()  # (see _limit; taken before _fds_lock)
         weakref.finalize(self, _close_fds, self._fds)
         # Where the kernel cannot tell the job's own memory peak (cgroup2 before 5.19 has no
         # memory.peak; before 6.12 it cannot be reset, so it holds a prestarted runtime's
@@ -484,9 +496,13 @@ class JobCgroup:
         # Through a kept descriptor: a sandbox's limits are written when it is made and again
         # when its job is loaded into it, and each open waits behind other sandboxes' churn.
         # A cgroup file takes each write whole, whatever the offset; at 0 for a plain file.
+        # The write is under a lock of its own: a v1 memory limit's write may wait on the
+        # host's memory cgroups, and the clocks' reads on the event loop must not wait for it.
         if self._written.get(path) != value:
-            with self._fds_lock:
-                os.pwrite(self._kept_fd(path, write=True), value.encode(), 0)
+            with self._writes_lock:
+                with self._fds_lock:
+                    fd = self._kept_fd(path, write=True)
+                os.pwrite(fd, value.encode(), 0)
             self._written[path] = value
 
     def paths(self) -> list[Path]:
@@ -546,7 +562,7 @@ class JobCgroup:
 
     def close_files(self) -> None:
         """Close the descriptors kept open (a later read opens its file again)."""
-        with self._fds_lock:
+        with self._writes_lock, self._fds_lock:
             fds = list(self._fds.values())
             self._fds.clear()  # the same dict the finaliser holds: nothing is closed twice
         for fd in fds:
@@ -631,16 +647,14 @@ class JobCgroup:
 
     def release_supervisor(self, pid: int) -> None:
         """Move nsjail (pid) out of the job's cgroups, after it has created the jail."""
-        pid_bytes = str(pid).encode()
-        for procs in self.layout.supervisor_procs.fds():
-            try:
-                os.write(procs, pid_bytes)
-            except ProcessLookupError:
+        try:
+            self.layout.supervisor_procs.write_all(str(pid).encode())
+        except ProcessLookupError:
+            return
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
                 return
-            except OSError as exc:
-                if exc.errno == errno.ESRCH:
-                    return
-                raise
+            raise
 
     def counters(self, judge_ceiling: bool = True) -> JobCounters:
         """The counters, through the kept descriptors. After an OOM kill, `judge_ceiling`

@@ -39,20 +39,26 @@ log = logging.getLogger(__name__)
 _TIMINGS = ".timings"
 
 
-def _created(layout: CgroupLayout, work_root: Path, name: str) -> float:
+def _created(layout: CgroupLayout, work_root: Path, name: str, cgroups: Collection[str] = ()) -> float:
     """When a sandbox was made: the newest timestamp of its cgroups, or at least the time in
-    its name (`<worker>.<slot>.<n>`, n counting on from the factory's start in ms).
+    its name (`<worker>.<slot>.<n>`, n counting on from the factory's start in ms). A slot's
+    workspace folder (named alike, but with no cgroups of its name among `cgroups`: it is
+    kept between the slot's sandboxes) is as young as the youngest sandbox of its slot
+    there, whose tmpfs is the one on it.
 
     Never its workspace's timestamp: the job owns the tmpfs root (a `touch -d 2100-01-01
     /workspace` would make the sandbox look forever young, and no sweep would remove it).
     """
+    slot = name.rsplit(".", 1)[0]
     counter = name.rsplit(".", 1)[-1]
     stamps = [int(counter) / 1000 if counter.isdigit() else 0.0]
-    for path in layout.job(name).paths():
-        try:
-            stamps.append(path.stat().st_mtime)
-        except OSError:
-            continue
+    siblings = [] if name in cgroups else [c for c in cgroups if c.rsplit(".", 1)[0] == slot]
+    for other in [name, *siblings]:
+        for path in layout.job(other).paths():
+            try:
+                stamps.append(path.stat().st_mtime)
+            except OSError:
+                continue
     return max(stamps)
 
 
@@ -72,7 +78,7 @@ def _remove(
     orphans = {
         name
         for name in cgroups | workspaces
-        if owner_of(name) == me or now - _created(layout, work_root, name) >= min_age_s
+        if owner_of(name) == me or now - _created(layout, work_root, name, cgroups) >= min_age_s
     }
     for name in orphans & cgroups:
         cgroup = layout.job(name)
@@ -92,7 +98,7 @@ def _owners(layout: CgroupLayout, work_root: Path, me: str, min_age_s: float) ->
     return {
         owner
         for name in cgroups | workspaces
-        if (owner := owner_of(name)) not in (None, me) and now - _created(layout, work_root, name) >= min_age_s
+        if (owner := owner_of(name)) not in (None, me) and now - _created(layout, work_root, name, cgroups) >= min_age_s
     }
 
 

@@ -6,6 +6,7 @@ import asyncio
 
 from shared.limits import DEFAULT_LIMITS
 from worker.isolation.jail import JailError, Program
+from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import Sandbox, SandboxFactory
 from worker.isolation.workspace import WorkspaceError
 
@@ -39,3 +40,6 @@ async def self_test(factory: SandboxFactory, owner: str, slot: int) -> None:
     finally:
         if sandbox is not None:
             await sandbox.destroy()
+        # Its slot (one past the last) is never used again: its workspace folder goes now,
+        # not at the worker's stop, which a failed test or a check-only run never reaches.
+        await off_loop(factory.remove_mount_points)

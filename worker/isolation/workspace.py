@@ -202,7 +202,9 @@ class Workspace:
 def detach_workspace(path: Path, mounts_text: str) -> None:
     """Detach a workspace tmpfs left behind by a dead worker and remove its mount point."""
     if any(line.split()[1:2] == [str(path)] for line in mounts_text.splitlines()):
-        detach(str(path))
+        for _ in range(MAX_STACKED_MOUNTS):  # (every layer: a kept mount point may have several)
+            if not detach(str(path)):
+                break
     try:
         path.rmdir()
     except FileNotFoundError:
