@@ -489,6 +489,17 @@ def _spawn_into(files: list[str], program: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", f"import os, time\n{join}{program}"])
 
 
+def _joined(job: JobCgroup, children: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """A sleeping stand-in (kept in `children`) that has joined `job`'s cgroups, and is all they hold."""
+    child = _spawn_into(job.procs_files(), "time.sleep(30)")
+    children.append(child)
+    deadline = time.monotonic() + 10
+    while job.pids() != [child.pid]:
+        assert time.monotonic() < deadline, "the stand-in never joined"
+        time.sleep(0.01)
+    return child
+
+
 @contextmanager
 def _host_cgroup(label: str) -> Iterator[tuple[CgroupLayout, JobCgroup, list[subprocess.Popen[bytes]]]]:
     """A job cgroup on this host's real hierarchies, in a deployment of its own, and a list
@@ -618,12 +629,7 @@ def test_making_loading_and_releasing_sandboxes_opens_each_cgroup_file_once_on_t
                 each.set_limits(memory_bytes=256 << 20, pids=16, background=True)
                 each.set_limits(memory_bytes=128 << 20, pids=33)
                 monkeypatch.setattr(os, "open", real_open)
-                stand_in = _spawn_into(each.procs_files(), "time.sleep(30)")
-                children.append(stand_in)
-                deadline = time.monotonic() + 10
-                while each.pids() != [stand_in.pid]:
-                    assert time.monotonic() < deadline, "the stand-in never joined"
-                    time.sleep(0.01)
+                stand_in = _joined(each, children)
                 monkeypatch.setattr(os, "open", counting_open)
                 each.release_supervisor(stand_in.pid)
             monkeypatch.setattr(os, "open", real_open)
@@ -657,12 +663,7 @@ def test_a_supervisor_folder_made_again_is_written_to_afresh_on_this_host() -> N
     next release opens it afresh instead of failing every build from then on."""
     with _host_cgroup("supervisor-again") as (layout, job, children):
         job.create()
-        first = _spawn_into(job.procs_files(), "time.sleep(30)")
-        children.append(first)
-        deadline = time.monotonic() + 10
-        while job.pids() != [first.pid]:
-            assert time.monotonic() < deadline, "the first stand-in never joined"
-            time.sleep(0.01)
+        first = _joined(job, children)
         job.release_supervisor(first.pid)
         first.kill()
         first.wait()
@@ -673,12 +674,7 @@ def test_a_supervisor_folder_made_again_is_written_to_afresh_on_this_host() -> N
                 time.sleep(0.01)
             os.rmdir(os.path.dirname(procs))
         layout.prepare()  # the folders, made again
-        second = _spawn_into(job.procs_files(), "time.sleep(30)")
-        children.append(second)
-        deadline = time.monotonic() + 10
-        while job.pids() != [second.pid]:
-            assert time.monotonic() < deadline, "the second stand-in never joined"
-            time.sleep(0.01)
+        second = _joined(job, children)
         job.release_supervisor(second.pid)
         for procs in layout.supervisor_procs_files:
             assert Path(procs).read_text().split() == [str(second.pid)], procs
