@@ -67,9 +67,7 @@ class Workspace:
             # The slot's folder: nothing should be mounted on it, but a teardown whose detach
             # failed would have left its tmpfs, and a new one must not go on top of it.
             try:
-                for _ in range(MAX_STACKED_MOUNTS):
-                    if not detach(self._where):
-                        break
+                _detach_every_layer(self._where)
             except MountError as exc:
                 raise WorkspaceError(str(exc)) from None
         try:
@@ -199,12 +197,17 @@ class Workspace:
             log.error("workspace %s could not be removed: %s", self.path, exc)
 
 
+def _detach_every_layer(where: str) -> None:
+    """Detach what is mounted on `where`, layer by layer (up to MAX_STACKED_MOUNTS)."""
+    for _ in range(MAX_STACKED_MOUNTS):
+        if not detach(where):
+            return
+
+
 def detach_workspace(path: Path, mounts_text: str) -> None:
     """Detach a workspace tmpfs left behind by a dead worker and remove its mount point."""
     if any(line.split()[1:2] == [str(path)] for line in mounts_text.splitlines()):
-        for _ in range(MAX_STACKED_MOUNTS):  # (every layer: a kept mount point may have several)
-            if not detach(str(path)):
-                break
+        _detach_every_layer(str(path))
     try:
         path.rmdir()
     except FileNotFoundError:
