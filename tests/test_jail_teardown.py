@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.stack import remove_deployment
+from shared.limits import DEFAULT_LIMITS
 from shared.messages import CtrlMessage
 from shared.settings import load_settings
 from tests.helpers import pids_with_cmdline
@@ -238,6 +239,57 @@ async def test_a_step_ends_at_the_gates_report_without_waiting_for_nsjail(factor
     assert facts.duration_ms < 10000
     # The child it left was dead when the gate reported (the gate kills and reaps first).
     assert len(left) == 1 and alive_at_report == [False]
+
+
+async def test_a_reported_gate_stays_until_it_is_let_go_and_only_then_is_the_jail_torn_down(
+    factory: SandboxFactory,
+) -> None:
+    # The jail's teardown (its mount namespace goes with the gate, then nsjail exits) took
+    # the CPU the worker needed to read the job's figures and store its result: the gate now
+    # waits, idle and alone in the job's cgroups, until let_go (after the result), then goes.
+    sandbox = await factory.prepare("linger", 0)
+    jail = sandbox.jail
+    try:
+        facts = await asyncio.wait_for(
+            supervise(
+                jail,
+                sandbox.cgroup,
+                Program(argv=["/bin/sh", "-c", "exit 3"], env={}),
+                Clocks(wall_ms=30000, cpu_ms=30000, idle_ms=None),
+                [(jail.stdout, _discard), (jail.stderr, _discard)],
+                asyncio.Queue(),
+                feed_stdin=_no_stdin,
+            ),
+            15,
+        )
+        assert (facts.exit.exit_code, facts.exit.signal) == (3, None) and jail.reported
+        await asyncio.sleep(0.3)
+        gate = sandbox.cgroup.listed()
+        assert len(gate) == 1 and not jail.exited and jail.proc.returncode is None, gate
+        jail.let_go()
+        ended = await asyncio.wait_for(jail.wait(), 5)
+        assert (ended.exit_code, ended.signal) == (3, None)
+        assert sandbox.cgroup.listed() == []
+    finally:
+        await sandbox.destroy()
+    # wait() asked before the report lets the gate go as the report comes (the self-test's
+    # way), and a destroy right after a report does the same: neither waits out a clock.
+    for slot in (1, 2):
+        sandbox = await factory.prepare("linger", slot)
+        try:
+            program = Program(argv=["/bin/sh", "-c", "exit 5"], env={})
+            await sandbox.load([("main.sh", b":")], DEFAULT_LIMITS, program)
+            assert sandbox.start(program)
+            assert sandbox.jail.proc.stdin is not None
+            sandbox.jail.proc.stdin.close()
+            if slot == 1:
+                ended = await asyncio.wait_for(sandbox.jail.wait(), 5)
+                assert (ended.exit_code, ended.signal) == (5, None)
+            else:
+                await asyncio.wait_for(asyncio.shield(sandbox.jail.ended), 5)
+        finally:
+            await asyncio.wait_for(sandbox.destroy(), 5)
+        assert sandbox.jail.exited
 
 
 async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: SandboxFactory) -> None:

@@ -18,8 +18,9 @@
  * process: the kernel drops signals a namespace's init sends itself, which would turn
  * abort() into SIGSEGV and make kill(getpid(), SIGTERM) a no-op. As init, the gate reaps
  * orphans, and when the program ends it kills and reaps every process left in the
- * namespace, then reports and exits. The program's wait status goes to the worker over the
- * status pipe whose descriptor number is argv[1]: "exit N" or "signal N", after the line
+ * namespace, then reports, and exits once the worker lets it go (see linger). The program's
+ * wait status goes to the worker over the status socket whose descriptor number is argv[1]:
+ * "exit N" or "signal N", after the line
  * "ready" the gate writes as it starts. The program never holds that descriptor
  * (close-on-exec) and cannot reach it through /proc/1/fd (the gate is not dumpable), so
  * what the worker reads there is the truth about how the program ended, and when it reads
@@ -164,6 +165,19 @@ static void end_the_rest(void) {
     }
 }
 
+/* After its report the gate stays, idle in a read, until the worker shuts its end of the
+ * status socket (Jail.let_go) or dies. The jail's teardown (its mount namespace goes with
+ * the gate's exit, then nsjail's own) then comes after the worker has read the job's
+ * figures and stored its result, instead of taking the CPU they wait for. Nothing of the
+ * job runs any more (end_the_rest). A status pipe (a gate started some other way) cannot
+ * be read from this end: no wait. */
+static void linger(int status_fd) {
+    char byte;
+    if (status_fd < 0) return;
+    while (SYS3(SYS_read, status_fd, &byte, 1) == -EINTR) {
+    }
+}
+
 static void report(int status_fd, int status) {
     char line[32];
     const char *what = WIFSIGNALED(status) ? "signal " : "exit ";
@@ -275,6 +289,7 @@ int main(int gate_argc, char **gate_argv, char **gate_envp) {
         if (pid == child) {
             end_the_rest();
             report((int)status_fd, status);
+            linger((int)status_fd);
             bare_exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
         }
         /* An orphan the program left behind: reaped, nothing more. */

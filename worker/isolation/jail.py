@@ -9,14 +9,16 @@ The fork server's child (worker/isolation/forkserver.c), or else `enter`
 (worker/isolation/enter.c), asks to be killed with the worker (through the server, for a
 fork), writes its own pid into the sandbox's cgroups and runs nsjail, so the jail is born
 inside them and dies with the worker even if the worker is SIGKILLed. The gate (worker/isolation/gate.c) says
-"ready" on its status pipe as it starts, inside the finished jail; the worker then moves
+"ready" on its status socket as it starts, inside the finished jail; the worker then moves
 nsjail itself out, leaving only jailed processes in those cgroups. The gate blocks on stdin
 until `go()` sends it the program's argv, environment and rlimits as one binary frame; it
 then execs the program in its place. All the costly work (namespaces, mounts, cgroups, uid
 maps) therefore happens before a job even exists, and start costs one pipe write.
 
-The gate stays pid 1 and reports the program's wait status on that status pipe, which the
-program cannot reach. nsjail runs quiet (warnings and errors only: its info lines, some 45
+The gate stays pid 1 and reports the program's wait status on that status socket, which the
+program cannot reach, then waits there, idle, until `let_go()` (or the worker's death): the
+jail's teardown comes after the job's figures are read and its result is stored, not while
+they wait for the CPU it takes. nsjail runs quiet (warnings and errors only: its info lines, some 45
 a jail, one per mount, woke the worker a dozen times a job) and logs to another pipe
 only the worker holds, never mixed with the program's stderr; without a report from the
 gate, nsjail's own exit status says how the gate ended. Exit status and signal come from
@@ -30,6 +32,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 
 GATE_IN_JAIL = "/.coderunner/gate"
 
-# The gate's first line on the status pipe: it runs, inside the finished jail.
+# The gate's first line on the status socket: it runs, inside the finished jail.
 _GATE_READY = b"ready\n"
 # What nsjail exits with when it fails itself (the gate never exits so without a report).
 _NSJAIL_FAILED = 255
@@ -191,6 +194,8 @@ class Jail:
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._reported: JailExit | None = None
         self._gate_started = False
+        self._let_go = False
+        self._exit_wanted = False  # (someone waits for nsjail's exit: see wait)
         # Watched from the start: the gate's "ready" comes first, its report at the end.
         asyncio.get_running_loop().add_reader(status_fd, self._on_status)
         proc.on_exit(self._mark_ended)
@@ -212,7 +217,10 @@ class Jail:
         launched_at = time.monotonic()  # (before nsjail can start its time limit's count)
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)  # (our end only: nsjail writes its log blocking)
-        status_read, status_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # A socket, not a pipe: the gate waits on its end for ours to be shut (let_go).
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        status_read, status_write = ours.detach(), theirs.detach()
         try:
             procs = cgroup.procs_files()
             argv = build_argv(nsjail, profile, spec, write_fd, status_write, procs, enter=forkserver is None)
@@ -344,11 +352,11 @@ class Jail:
             self.ended.set_result(None)
 
     def _on_status(self) -> None:
-        """The status pipe is readable: keep what came. Its first line is the gate's
+        """The status socket is readable: keep what came. Its first line is the gate's
         "ready"; a whole line after it is the gate's report.
 
         The gate writes the report once the program and everything it left are dead
-        (gate.c), while nsjail still has the jail to tear down, a few milliseconds more.
+        (gate.c); the jail's teardown waits for `let_go()`.
         """
         try:
             chunk = os.read(self._status_fd, 256)
@@ -364,6 +372,8 @@ class Jail:
         if chunk:
             self._reported = self._parse_report(self._status)
         if self._reported is not None:
+            if self._exit_wanted:
+                self.let_go()
             self._mark_ended()  # else nsjail's exit tells (at EOF, it has exited already)
 
     @property
@@ -387,8 +397,31 @@ class Jail:
             if isinstance(reader, PipeReader):
                 reader.take_rest()
 
+    def let_go(self) -> None:
+        """Let a gate that reported end (it waits for this: gate.c, linger), and nsjail with
+        it. Once the job's figures are read and its result stored; `wait()` does it too."""
+        if self._status_fd < 0 or self._let_go:
+            return
+        self._let_go = True
+        try:
+            status = socket.socket(fileno=self._status_fd)
+        except OSError:
+            return  # (a pipe: its gate cannot wait for this)
+        try:
+            # A shutdown, not a close: the report may still be read, and a copy of this
+            # descriptor a fork holds for a moment (an exec'd launch) cannot keep it open.
+            status.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # (the gate is gone already)
+        finally:
+            status.detach()
+
     async def wait(self) -> JailExit:
         if self._exit is None:
+            # A gate that reports waits for let_go: now, or as its report comes.
+            self._exit_wanted = True
+            if self._reported is not None:
+                self.let_go()
             await self.proc.wait()
             try:
                 await asyncio.shield(self._log_ended)  # the last of the log: nsjail has exited
@@ -399,7 +432,7 @@ class Jail:
 
     def close(self) -> None:
         """Close every pipe to the jail (once its output has been read, or is not wanted, and
-        after `wait()`, which reads the status pipe, if it is to be called at all)."""
+        after `wait()`, which reads the status socket, if it is to be called at all)."""
         self.proc.close()
         self._close_log()
         if self._status_fd >= 0:

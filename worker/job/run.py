@@ -804,6 +804,7 @@ class JobRun:
             await flusher.close()
         finally:
             flusher.abort()
+            jail.let_go()  # (its gate waits after its report; this jail has done its part)
         return facts, compile_info(facts, output)
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
