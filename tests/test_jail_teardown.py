@@ -246,7 +246,7 @@ async def test_a_reported_gate_stays_until_it_is_let_go_and_only_then_is_the_jai
 ) -> None:
     # The jail's teardown (its mount namespace goes with the gate, then nsjail exits) took
     # the CPU the worker needed to read the job's figures and store its result: the gate now
-    # waits, idle and alone in the job's cgroups, until let_go (after the result), then goes.
+    # waits, idle and alone in the job's cgroups, until let_go (as the result is written), then goes.
     sandbox = await factory.prepare("linger", 0)
     jail = sandbox.jail
     try:

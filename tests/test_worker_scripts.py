@@ -362,7 +362,7 @@ async def test_a_run_cut_short_reports_what_is_known_of_it(redis: Redis, queue: 
     start_up_s = 0.0
     if ending == "failure-plain":
         ending, start_up_s = "failure", 0.3
-        run.sandbox = SimpleNamespace(uncharged=Uncharged(wall_ms=300))  # type: ignore[assignment]
+        run.sandbox = SimpleNamespace(uncharged=Uncharged(wall_ms=300), jail=_stand_in_jail())  # type: ignore[assignment]
     run._compiled = CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=40, output="ok\n")
     run._program_started = True
     run._program_started_at = asyncio.get_running_loop().time() - 0.4 - start_up_s
@@ -391,12 +391,19 @@ async def _collecting_run_on_a_stand_in_jail(redis: Redis, queue: WorkerQueue) -
     claim = await queue.claim(1.0, 0.0)
     run = _job_run(queue, claim)
     run.ctx.sandboxes = SimpleNamespace(memory=None)  # type: ignore[attr-defined]
-    run.sandbox = SimpleNamespace(  # type: ignore[assignment]
-        jail=SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None)),
-        cgroup=None,
-        uncharged=Uncharged(),
-    )
+    run.sandbox = SimpleNamespace(jail=_stand_in_jail(), cgroup=None, uncharged=Uncharged())  # type: ignore[assignment]
     return claim, run
+
+
+def _stand_in_jail() -> SimpleNamespace:
+    """A jail that is only a name; `let_go` counts its calls in `let_gone`."""
+    jail = SimpleNamespace(stdout=None, stderr=None, proc=SimpleNamespace(stdin=None), let_gone=0)
+
+    def let_go() -> None:
+        jail.let_gone += 1
+
+    jail.let_go = let_go
+    return jail
 
 
 async def test_a_run_cut_short_stores_only_the_output_its_log_has(
@@ -457,6 +464,27 @@ async def test_a_stop_during_a_finished_runs_last_flush_keeps_its_verdict(
     result = json.loads(await redis.hget(keys.status_key(job), "result"))
     assert (result["outcome"], result["exitCode"]) == ("completed", 3), result
     assert await redis.get(keys.output_stream_key(job, "stdout")) == b"last words\n"
+
+
+async def test_a_runs_gate_is_let_go_as_its_result_is_written(redis: Redis, queue: WorkerQueue) -> None:
+    # The jail's teardown waits for let_go (gate.c, linger): it comes as the result goes out,
+    # its figures read, so it takes no CPU from them, nor waits for the write's answer.
+    claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
+    jail = run.sandbox.jail  # type: ignore[union-attr]
+    finish = queue.finish
+    let_gone_at_write: list[int] = []
+
+    async def finishing(*args: Any, **kwargs: Any) -> Any:
+        let_gone_at_write.append(jail.let_gone)
+        return await finish(*args, **kwargs)
+
+    queue.finish = finishing  # type: ignore[method-assign]
+    run._program_started = True
+    exit_ = JailExit(exit_code=0, signal=None, backstop_fired=False)
+    await run._finish_run(StepFacts(exit=exit_, fired=None, duration_ms=12, cpu_ms=5, memory_kb=2048, oom_kills=0), None)
+    assert let_gone_at_write == [1] and jail.let_gone == 1
+    result = json.loads(await redis.hget(keys.status_key(claim.spec.job_id), "result"))
+    assert (result["outcome"], result["exitCode"]) == ("completed", 0), result
 
 
 @pytest.mark.parametrize("failure", ["sandbox", "after the run"])

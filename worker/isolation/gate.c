@@ -167,8 +167,8 @@ static void end_the_rest(void) {
 
 /* After its report the gate stays, idle in a read, until the worker shuts its end of the
  * status socket (Jail.let_go) or dies. The jail's teardown (its mount namespace goes with
- * the gate's exit, then nsjail's own) then comes after the worker has read the job's
- * figures and stored its result, instead of taking the CPU they wait for. Nothing of the
+ * the gate's exit, then nsjail's own) then comes as the worker writes the job's result,
+ * once it has read the job's figures, instead of taking the CPU those wait for. Nothing of the
  * job runs any more (end_the_rest). A status pipe (a gate started some other way) cannot
  * be read from this end: no wait. */
 static void linger(int status_fd) {

@@ -17,8 +17,8 @@ maps) therefore happens before a job even exists, and start costs one pipe write
 
 The gate stays pid 1 and reports the program's wait status on that status socket, which the
 program cannot reach, then waits there, idle, until `let_go()` (or the worker's death): the
-jail's teardown comes after the job's figures are read and its result is stored, not while
-they wait for the CPU it takes. nsjail runs quiet (warnings and errors only: its info lines, some 45
+jail's teardown comes as the job's result is written, not while the worker reads the job's
+figures and builds that result and waits for the CPU the teardown takes. nsjail runs quiet (warnings and errors only: its info lines, some 45
 a jail, one per mount, woke the worker a dozen times a job) and logs to another pipe
 only the worker holds, never mixed with the program's stderr; without a report from the
 gate, nsjail's own exit status says how the gate ended. Exit status and signal come from
@@ -399,7 +399,7 @@ class Jail:
 
     def let_go(self) -> None:
         """Let a gate that reported end (it waits for this: gate.c, linger), and nsjail with
-        it. Once the job's figures are read and its result stored; `wait()` does it too."""
+        it: as the job's result is written (its figures are read), and by `wait()`."""
         if self._status_fd < 0 or self._let_go:
             return
         self._let_go = True

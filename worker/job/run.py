@@ -1168,6 +1168,10 @@ class JobRun:
                 + sum(meta.bytes for meta in self._artifacts),
                 publish=publish,
             )
+            if self.sandbox is not None:
+                # The jail's teardown (gate.c, linger) starts as the result goes out: after
+                # the figures were read and the result built, beside its write and publish.
+                self.sandbox.jail.let_go()
             try:
                 # Told twice to stop, the worker gives each write a moment, not minutes.
                 written = await (asyncio.wait_for(write, 2.0) if self.ctx.hard_stop.is_set() else write)
