@@ -277,19 +277,39 @@ async def test_a_reported_gate_stays_until_it_is_let_go_and_only_then_is_the_jai
     for slot in (1, 2):
         sandbox = await factory.prepare("linger", slot)
         try:
-            program = Program(argv=["/bin/sh", "-c", "exit 5"], env={})
+            program = Program(argv=["/bin/sh", "-c", "sleep 0.3; exit 5"], env={})
             await sandbox.load([("main.sh", b":")], DEFAULT_LIMITS, program)
             assert sandbox.start(program)
             assert sandbox.jail.proc.stdin is not None
             sandbox.jail.proc.stdin.close()
             if slot == 1:
+                assert not sandbox.jail.reported
                 ended = await asyncio.wait_for(sandbox.jail.wait(), 5)
                 assert (ended.exit_code, ended.signal) == (5, None)
             else:
                 await asyncio.wait_for(asyncio.shield(sandbox.jail.ended), 5)
         finally:
-            await asyncio.wait_for(sandbox.destroy(), 5)
-        assert sandbox.jail.exited
+            started = time.monotonic()
+            await asyncio.wait_for(sandbox.destroy(), 10)
+        assert sandbox.jail.exited and time.monotonic() - started < 2
+
+
+async def test_a_prestarted_runtime_that_dies_in_its_warm_up_fails_the_build_at_once(factory: SandboxFactory) -> None:
+    # Review: its gate reports and waits to be let go, nsjail keeps the pipes, so no EOF ends
+    # the read of the ready marker: the build waited out ready_timeout_s (10 s) instead.
+    from worker.isolation.sandbox import Prime, RuntimeFailed
+
+    dies = Prime(
+        language="sh",
+        shim="sh",
+        prefix=("/bin/sh", "-c"),
+        program=Program(argv=["/bin/sh", "-c", "echo no runtime here >&2; exit 4"], env={}),
+        workspace_files=(("unused", b""),),
+    )
+    started = time.monotonic()
+    with pytest.raises(RuntimeFailed, match="no runtime here"):
+        await asyncio.wait_for(factory.prepare("dies", 0, prime=dies), 20)
+    assert time.monotonic() - started < 3
 
 
 async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: SandboxFactory) -> None:

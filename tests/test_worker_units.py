@@ -1223,13 +1223,23 @@ async def test_a_held_go_live_that_fires_after_the_result_is_logged_leaves_the_r
     assert [(name, data["seq"]) for name, data in lane.sent] == [("stage", 0), ("result", 1)]
 
 
+class _Ended:
+    """A jail's `ended` as the pool reads it."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+
+    def done(self) -> bool:
+        return self.is_done
+
+
 class _FakeSandbox:
     """What the warm pool looks at: a slot, an age, a jail that may have died."""
 
     def __init__(self, slot: int, serial: int) -> None:
         self.slot, self.name, self.prime = slot, f"s{slot}-{serial}", None
         self.idle_s = 0.0
-        self.jail = SimpleNamespace(proc=SimpleNamespace(returncode=None))
+        self.jail = SimpleNamespace(ended=_Ended())
         self.destroyed = False
 
     def adopts(self, _program: object) -> bool:
@@ -1298,7 +1308,7 @@ async def _stale_dead_and_good(factory: _FakeFactory) -> tuple[SandboxPool, list
         await asyncio.sleep(0)
     old, dead, _ = factory.built
     old.idle_s = MAX_IDLE_S + 1
-    dead.jail.proc.returncode = -9
+    dead.jail.ended.is_done = True  # (its gate reported, or nsjail exited: Jail.ended)
     return pool, list(factory.built)
 
 
@@ -2463,7 +2473,7 @@ class _LendingPool:
         self.kept: list[object] = []
         self.given_back: list[object] = []
         # (A sandbox whose jail is alive.)
-        self.sandbox = SimpleNamespace(jail=SimpleNamespace(proc=SimpleNamespace(returncode=None)))
+        self.sandbox = SimpleNamespace(jail=SimpleNamespace(ended=_Ended()))
 
     async def borrow(self, recall: Any, program: Program, language: str) -> object:
         return self.sandbox

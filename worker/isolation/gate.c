@@ -231,7 +231,7 @@ int main(int gate_argc, char **gate_argv, char **gate_envp) {
         SYS3(SYS_write, status_fd, ready, sizeof ready - 1);
     }
     if (seal_syscalls() != 0) {
-        /* Said on the status pipe, so a job that took this jail is an internal error, not
+        /* Said on the status socket, so a job that took this jail is an internal error, not
          * a program that "exited 126". */
         static const char fault[] = "fault seccomp\n";
         if (status_fd >= 0) SYS3(SYS_write, status_fd, fault, sizeof fault - 1);

@@ -220,6 +220,7 @@ class Jail:
         # A socket, not a pipe: the gate waits on its end for ours to be shut (let_go).
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.setblocking(False)
+        theirs.setblocking(True)  # (the gate's: it blocks there for its let-go)
         status_read, status_write = ours.detach(), theirs.detach()
         try:
             procs = cgroup.procs_files()
@@ -362,6 +363,8 @@ class Jail:
             chunk = os.read(self._status_fd, 256)
         except BlockingIOError:
             return
+        except OSError:
+            chunk = b""  # (a reset socket: its writers are gone, as at EOF)
         self._status += chunk
         if not self._gate_started and self._status.startswith(_GATE_READY):
             self._status = self._status[len(_GATE_READY) :]

@@ -519,5 +519,6 @@ async def call_off(take: asyncio.Future[Sandbox], keep: Callable[[Sandbox], None
 
 
 def _fresh(sandbox: Sandbox) -> bool:
-    """Its jail is alive and has time left before nsjail's own limit."""
-    return sandbox.idle_s < MAX_IDLE_S and sandbox.jail.proc.returncode is None
+    """Its jail is alive and has time left before nsjail's own limit. (A prestarted runtime
+    that died there is seen at its gate's report: the gate then waits to be let go.)"""
+    return sandbox.idle_s < MAX_IDLE_S and not sandbox.jail.ended.done()

@@ -468,7 +468,7 @@ class Sandbox:
                     # A jail seen to exit (after every run: the step saw its cgroup empty or
                     # killed it, and waited) has nothing left alive; any straggler dies in
                     # the removal below. One whose gate reported has only the gate and
-                    # nsjail left, both on their way out by themselves.
+                    # nsjail left: the wait lets the gate go (it waits for that: gate.c).
                     if not jail.exited:
                         if not jail.reported:
                             await off_loop(cgroup.kill)
@@ -818,11 +818,23 @@ class SandboxFactory:
         """Wait for the prestarted runtime's ready marker: its start-up is over, it waits for
         its frame, and the marker is off its stderr before any job can write there."""
         assert jail.stderr is not None
+
+        def ended(_: object) -> None:
+            # A runtime that died: its gate reported and waits to be let go, nsjail holds the
+            # pipes, and no EOF would come. What it wrote is all there is.
+            jail.end_output()
+
+        jail.ended.add_done_callback(ended)
         try:
             async with asyncio.timeout(self.ready_timeout_s):  # (wait_for would make a task of the read)
                 marker = await jail.stderr.readexactly(len(PRESTART_READY))
-        except (TimeoutError, asyncio.IncompleteReadError) as exc:
-            raise JailError(f"the prestarted runtime did not come up: {exc!r}") from None
+        except TimeoutError:
+            raise JailError(f"the prestarted runtime did not come up within {self.ready_timeout_s:g} s") from None
+        except asyncio.IncompleteReadError as exc:
+            said = exc.partial[:300].decode(errors="replace").strip()
+            raise JailError(f"the prestarted runtime ended before it was ready, saying {said!r}") from None
+        finally:
+            jail.ended.remove_done_callback(ended)
         if marker != PRESTART_READY:
             raise JailError(f"the prestarted runtime said {marker!r} instead of being ready")
 

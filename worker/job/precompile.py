@@ -224,7 +224,7 @@ class Precompile:
             # The job ends as a compile that breaks after start does.
             raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
-            if self.sandbox.jail.proc.returncode is not None:
+            if self.sandbox.jail.ended.done():
                 # Its jail ended while the job waited (the host's OOM killer, say): loaded,
                 # the job loads again after start; compiled, its compile went out already
                 # (compiling again would show it twice), so it fails as the platform's.

@@ -785,26 +785,28 @@ class JobRun:
 
         limits = plan.compile_limits
         try:
-            facts = await supervise(
-                jail,
-                cgroup,
-                plan.compile,
-                Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
-                [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
-                inbox,
-                feed_stdin=close_stdin,
-                sink=flusher.task,
-                memory=self.ctx.sandboxes.memory,
-                # Compiling while parked: the job may never start, so started jobs go first
-                # (until it starts).
-                parked_until=events.started if isinstance(events, RecordedEvents) else None,
-                output_spent=output.spent,
-            )
+            try:
+                facts = await supervise(
+                    jail,
+                    cgroup,
+                    plan.compile,
+                    Clocks(wall_ms=limits.wall_time_ms, cpu_ms=limits.cpu_ms, idle_ms=limits.idle_ms),
+                    [(jail.stdout, on_stdout), (jail.stderr, on_stderr)],
+                    inbox,
+                    feed_stdin=close_stdin,
+                    sink=flusher.task,
+                    memory=self.ctx.sandboxes.memory,
+                    # Compiling while parked: the job may never start, so started jobs go
+                    # first (until it starts).
+                    parked_until=events.started if isinstance(events, RecordedEvents) else None,
+                    output_spent=output.spent,
+                )
+            finally:
+                jail.let_go()  # (its gate waits after its report: this jail has done its part)
             flusher.add("compile_output", output.flush())
             await flusher.close()
         finally:
             flusher.abort()
-            jail.let_go()  # (its gate waits after its report; this jail has done its part)
         return facts, compile_info(facts, output)
 
     async def _finish_compile_failure(self, facts: StepFacts, compiled: CompileInfo) -> None:
