@@ -580,7 +580,7 @@ print("UIDMAP", " ".join(open("/proc/self/uid_map").read().split()))
 print("GIDMAP", " ".join(open("/proc/self/gid_map").read().split()))
 """
 
-# The worker reads how a jail ended from the gate's status pipe and nsjail's own exit and
+# The worker reads how a jail ended from the gate's status socket and nsjail's own exit and
 # log, never from the program's output: nsjail's log phrases, written by the program,
 # change nothing.
 FORGED_SUPERVISOR_SH = (

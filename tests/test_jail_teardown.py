@@ -76,7 +76,7 @@ async def test_a_jail_that_cannot_leave_its_cgroups_fails_fast_and_leaves_nothin
     factory: SandboxFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Moving nsjail out of the job's cgroups failed: the build must end with a JailError at
-    # once (not at the ready timeout), and the jail, its pipes, its status pipe and its
+    # once (not at the ready timeout), and the jail, its pipes, its status socket and its
     # cgroups must all go.
     sandbox = await factory.prepare("teardown", 0)  # warm the paths: descriptors opened once stay out of the count
     await sandbox.destroy()

@@ -2,7 +2,7 @@
 
 The exit code alone cannot tell a timeout from an OOM kill (both are SIGKILL), so the
 verdict comes from channels the program cannot write: which of the worker's clocks fired,
-the gate's report on its status pipe (or, without one, nsjail's exit status and the jail's
+the gate's report on its status socket (or, without one, nsjail's exit status and the jail's
 age), and the cgroup's OOM-kill counter.
 """
 
