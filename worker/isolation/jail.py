@@ -18,7 +18,8 @@ maps) therefore happens before a job even exists, and start costs one pipe write
 The gate stays pid 1 and reports the program's wait status on that status socket, which the
 program cannot reach, then waits there, idle, until `let_go()` (or the worker's death): the
 jail's teardown comes as the job's result is written, not while the worker reads the job's
-figures and builds that result and waits for the CPU the teardown takes. nsjail runs quiet (warnings and errors only: its info lines, some 45
+figures and builds that result and waits for the CPU the teardown takes. nsjail runs quiet
+(warnings and errors only: its info lines, some 45
 a jail, one per mount, woke the worker a dozen times a job) and logs to another pipe
 only the worker holds, never mixed with the program's stderr; without a report from the
 gate, nsjail's own exit status says how the gate ended. Exit status and signal come from
