@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1224,13 +1225,27 @@ async def test_a_held_go_live_that_fires_after_the_result_is_logged_leaves_the_r
 
 
 class _Ended:
-    """A jail's `ended` as the pool reads it."""
+    """A jail's `ended` as the pool and a parked compile read it."""
 
     def __init__(self) -> None:
         self.is_done = False
+        self.callbacks: list[Callable[[object], None]] = []
 
     def done(self) -> bool:
         return self.is_done
+
+    def add_done_callback(self, callback: Callable[[object], None]) -> None:
+        self.callbacks.append(callback)
+
+    def remove_done_callback(self, callback: Callable[[object], None]) -> int:
+        kept = [each for each in self.callbacks if each != callback]
+        removed, self.callbacks = len(self.callbacks) - len(kept), kept
+        return removed
+
+    def end(self) -> None:
+        self.is_done = True
+        for callback in self.callbacks:
+            callback(self)
 
 
 class _FakeSandbox:
@@ -2511,6 +2526,46 @@ async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_
     assert await precompile.settle(ctrl, _LoggedEvents()) == "compiled"
     assert ctrl.qsize() == 1 and ctrl.get_nowait() is kill
     assert precompile.take() is pool.sandbox and pool.kept == [pool.sandbox]
+
+
+@pytest.mark.parametrize("ends", ["while-parked", "as-it-starts", "after-start"])
+async def test_a_compiled_sandbox_whose_jail_ends_while_parked_is_given_back_at_once(ends: str) -> None:
+    # The host's OOM killer, say, ends the held sandbox's jail while the job waits: the
+    # sandbox goes back at once (its slot rebuilds, not at the job's start or expiry), and at
+    # start the job compiles again, its first compile's recorded events dropped (none went
+    # out). Once started, the jail's end is no longer the parked compile's to act on.
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        await events.stage("compiling")
+        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
+        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    pool = _LendingPool()
+    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert precompile.state is PrecompileState.COMPILED
+    ended = pool.sandbox.jail.ended
+    sent = _SentEvents()
+    if ends == "while-parked":
+        ended.end()
+        assert pool.given_back == [pool.sandbox] and precompile.state is PrecompileState.GONE
+        assert ended.callbacks == []
+        assert await precompile.settle(asyncio.Queue(), sent) == "gone"
+        assert sent.calls == []
+    elif ends == "as-it-starts":
+        # Ended, its callbacks not yet run (a future's run a turn later): settle sees it after
+        # the recorded compile went out, so the job fails as the platform's.
+        ended.is_done = True
+        with pytest.raises(JailError, match="ended before it could run"):
+            await precompile.settle(asyncio.Queue(), sent)
+        assert sent.calls == [("stage", "compiling")] and pool.given_back == [pool.sandbox]
+    else:
+        assert await precompile.settle(asyncio.Queue(), sent) == "compiled"
+        assert precompile.take() is pool.sandbox and ended.callbacks == []
+        ended.end()
+        assert pool.given_back == [] and sent.calls == [("stage", "compiling")]
 
 
 class _LoggedEvents:

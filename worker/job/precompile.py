@@ -18,7 +18,7 @@ job a millisecond or two, not worth holding a slot for.
 A parked job whose sandbox a started job needs (none ready) is recalled: its compile is
 stopped, its sandbox destroyed (the slot rebuilds), and it compiles (or loads) after its
 start like any other. A kill, an expiry or a hand-back while parked discards the borrowed
-sandbox.
+sandbox; so does its jail's end (the job then compiles, or loads, after its start).
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ class Precompile:
             if self._compile is None:
                 self.state = PrecompileState.LOADED
                 log.info("job %s: loaded while parked", self.job_id)
+                self._watch_the_jail()
                 return
             facts = await self._compile(self._inbox, self.sandbox, self.events)
         except asyncio.CancelledError:
@@ -168,9 +169,24 @@ class Precompile:
         log.info("job %s: compiled while parked (%d ms)", self.job_id, facts[0].duration_ms)
         if compile_succeeded(facts[0]):
             self.state = PrecompileState.COMPILED
+            self._watch_the_jail()
         else:
             self.state = PrecompileState.FAILED
             self._release()
+
+    def _watch_the_jail(self) -> None:
+        assert self.sandbox is not None
+        self.sandbox.jail.ended.add_done_callback(self._jail_ended)
+
+    def _jail_ended(self, _: object) -> None:
+        """The held sandbox's jail ended while the job waited (the host's OOM killer, say):
+        give it back now, so its slot rebuilds, and the job compiles (or loads) after start
+        like a recalled one. (Its compile's events were only recorded: nothing went out.)"""
+        if self.events.started.is_set() or self.state not in (PrecompileState.COMPILED, PrecompileState.LOADED):
+            return  # started: `settle` decides
+        log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
+        self.state = PrecompileState.GONE
+        self._release()
 
     async def load_within(self, timeout_s: float) -> None:
         """Give a load under way (an interpreted job's; never a compile) up to `timeout_s`
@@ -182,6 +198,7 @@ class Precompile:
     def _release(self) -> None:
         if self.sandbox is not None:
             sandbox, self.sandbox = self.sandbox, None
+            sandbox.jail.ended.remove_done_callback(self._jail_ended)
             self._pool.give_back(sandbox)
 
     async def settle(self, ctrl: asyncio.Queue[CtrlMessage], events) -> str:  # type: ignore[no-untyped-def]
@@ -225,9 +242,10 @@ class Precompile:
             raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
             if self.sandbox.jail.ended.done():
-                # Its jail ended while the job waited (the host's OOM killer, say): loaded,
-                # the job loads again after start; compiled, its compile went out already
-                # (compiling again would show it twice), so it fails as the platform's.
+                # Its jail ended as the job started, before `_jail_ended` could give it back:
+                # loaded, the job loads again after start; compiled, its compile went out
+                # just now (compiling again would show it twice), so it fails as the
+                # platform's.
                 log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
                 sent = self.events.sent
                 await self.discard()
@@ -241,6 +259,7 @@ class Precompile:
         """The sandbox the compile ran in, now the started job's."""
         assert self.sandbox is not None
         sandbox, self.sandbox = self.sandbox, None
+        sandbox.jail.ended.remove_done_callback(self._jail_ended)
         return sandbox
 
     async def discard(self) -> None:
