@@ -493,11 +493,18 @@ def _joined(job: JobCgroup, children: list[subprocess.Popen[bytes]]) -> subproce
     """A sleeping stand-in (kept in `children`) that has joined `job`'s cgroups, and is all they hold."""
     child = _spawn_into(job.procs_files(), "time.sleep(30)")
     children.append(child)
+    _wait_joined_everywhere(job, child.pid)
+    return child
+
+
+def _wait_joined_everywhere(job: JobCgroup, pid: int) -> None:
+    """Until `pid` is all that every one of `job`'s folders lists. (pids() names it once the
+    first folder does: a kill through cgroup.kill before its move into the cgroup2 one would
+    miss it.)"""
     deadline = time.monotonic() + 10
-    while job.pids() != [child.pid]:
+    while not all(job._procs(d).split() == [str(pid)] for d in job._all_dirs()):
         assert time.monotonic() < deadline, "the stand-in never joined"
         time.sleep(0.01)
-    return child
 
 
 @contextmanager
@@ -742,10 +749,7 @@ def test_kill_ends_the_job_and_never_a_process_its_listing_no_longer_holds(with_
         inside = _spawn_into(job.procs_files(), "time.sleep(30)")
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         children += [inside, bystander]
-        deadline = time.monotonic() + 10
-        while job.pids() != [inside.pid]:
-            assert time.monotonic() < deadline, "the job's process never joined"
-            time.sleep(0.01)
+        _wait_joined_everywhere(job, inside.pid)
         real_listing = job.pids
         listings = 0
 
