@@ -30,12 +30,13 @@ from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, TestCas
 from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test class)
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
-from worker.isolation.jail import JailExit
+from shared.limits import Limits
+from worker.isolation.jail import JailExit, Program
 from worker.isolation.janitor import _declare
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import Uncharged
 from worker.job.artifacts import RedisArtifactStore
-from worker.job.run import JobRun
+from worker.job.run import JobRun, Plan
 from worker.job.supervise import StepFacts
 from worker.messaging.control import UNSUBSCRIBE_WITHIN_S, ControlBus
 from worker.messaging.flagsweep import BATCH, FlagSweep
@@ -485,6 +486,52 @@ async def test_a_runs_gate_is_let_go_as_its_result_is_written(redis: Redis, queu
     assert let_gone_at_write == [1] and jail.let_gone == 1
     result = json.loads(await redis.hget(keys.status_key(claim.spec.job_id), "result"))
     assert (result["outcome"], result["exitCode"]) == ("completed", 0), result
+
+
+@pytest.mark.parametrize("step", ["ends", "breaks"])
+async def test_a_compiles_gate_is_let_go_as_its_step_ends(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    # A compile jail's gate waits after its report (gate.c, linger) until it is let go: that
+    # comes as the step ends, whatever ended it, before the compiler's last output is flushed,
+    # not at the sandbox's destroy after the run.
+    claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
+    compile_jail = _stand_in_jail()
+    run.sandbox.compile_jail, run.sandbox.compile_cgroup = compile_jail, SimpleNamespace()  # type: ignore[union-attr]
+    let_gone_at_appends: list[int] = []
+    chunk_runs = run.events.chunk_runs
+
+    async def appending(runs: list[tuple[str, str]]) -> None:
+        let_gone_at_appends.append(compile_jail.let_gone)
+        await chunk_runs(runs)
+
+    run.events.chunk_runs = appending  # type: ignore[method-assign]
+
+    async def supervise(jail: Any, cgroup: Any, program: Any, clocks: Any, pumps: Any, inbox: Any, **_: Any) -> Any:
+        assert jail is compile_jail
+        # A character cut in two by the pipe: its first byte waits for the step's end.
+        await pumps[1][1](b"main.c:1: warning: caf\xc3")
+        if step == "breaks":
+            raise OSError("the jail broke")
+        return StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
+
+    monkeypatch.setattr("worker.job.run.supervise", supervise)
+    limits = Limits(
+        wall_time_ms=10000, idle_ms=5000, cpu_ms=10000, memory_mb=256, pids=64, output_kb=64,
+        max_artifacts=0, max_artifact_bytes=0,
+    )  # fmt: skip
+    plan = Plan(
+        files=[], run=Program(argv=["./main"], env={}), manifest=None, entry="main.c", sources=["main.c"],  # type: ignore[arg-type]
+        compile=Program(argv=["cc", "main.c"], env={}), compile_limits=limits,
+    )  # fmt: skip
+    if step == "breaks":
+        with pytest.raises(OSError, match="the jail broke"):
+            await run._compile(asyncio.Queue(), plan)
+    else:
+        facts, compiled = await run._compile(asyncio.Queue(), plan)
+        assert compiled.output == "main.c:1: warning: caf\ufffd"
+        assert let_gone_at_appends and let_gone_at_appends[-1] == 1, let_gone_at_appends  # (the last flush's)
+    assert compile_jail.let_gone == 1
 
 
 @pytest.mark.parametrize("failure", ["sandbox", "after the run"])
