@@ -26,11 +26,11 @@ from api.store import JobStore
 from leanredis import LeanRedis
 from shared import keys
 from shared.eventlog import COMPACT_MAX_ENTRIES
+from shared.limits import Limits
 from shared.messages import CompileInfo, CtrlMessage, JobState, Outcome, TestCase, WorkerInfo, result_without_run
 from shared.messages import TestResultEvent as CaseVerdictEvent  # (not a test class)
 from shared.settings import load_settings
 from tests.test_api_scripts import RECORD_TTL_S, RESULT_TTL_S, _spec, assert_same_state, redis_stack, snapshot
-from shared.limits import Limits
 from worker.isolation.jail import JailExit, Program
 from worker.isolation.janitor import _declare
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
@@ -495,7 +495,7 @@ async def test_a_compiles_gate_is_let_go_as_its_step_ends(
     # A compile jail's gate waits after its report (gate.c, linger) until it is let go: that
     # comes as the step ends, whatever ended it, before the compiler's last output is flushed,
     # not at the sandbox's destroy after the run.
-    claim, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
+    _, run = await _collecting_run_on_a_stand_in_jail(redis, queue)
     compile_jail = _stand_in_jail()
     run.sandbox.compile_jail, run.sandbox.compile_cgroup = compile_jail, SimpleNamespace()  # type: ignore[union-attr]
     let_gone_at_appends: list[int] = []
@@ -528,7 +528,7 @@ async def test_a_compiles_gate_is_let_go_as_its_step_ends(
         with pytest.raises(OSError, match="the jail broke"):
             await run._compile(asyncio.Queue(), plan)
     else:
-        facts, compiled = await run._compile(asyncio.Queue(), plan)
+        _, compiled = await run._compile(asyncio.Queue(), plan)
         assert compiled.output == "main.c:1: warning: caf\ufffd"
         assert let_gone_at_appends and let_gone_at_appends[-1] == 1, let_gone_at_appends  # (the last flush's)
     assert compile_jail.let_gone == 1
