@@ -2528,7 +2528,7 @@ async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_
     assert precompile.take() is pool.sandbox and pool.kept == [pool.sandbox]
 
 
-@pytest.mark.parametrize("ends", ["while-parked", "as-it-starts", "after-start"])
+@pytest.mark.parametrize("ends", ["while-parked", "as-it-starts", "while-its-start-logs", "after-start"])
 async def test_a_compiled_sandbox_whose_jail_ends_while_parked_is_given_back_at_once(ends: str) -> None:
     # The host's OOM killer, say, ends the held sandbox's jail while the job waits: the
     # sandbox goes back at once (its slot rebuilds, not at the job's start or expiry), and at
@@ -2558,6 +2558,14 @@ async def test_a_compiled_sandbox_whose_jail_ends_while_parked_is_given_back_at_
         # Ended, its callbacks not yet run (a future's run a turn later): settle sees it after
         # the recorded compile went out, so the job fails as the platform's.
         ended.is_done = True
+        with pytest.raises(JailError, match="ended before it could run"):
+            await precompile.settle(asyncio.Queue(), sent)
+        assert sent.calls == [("stage", "compiling")] and pool.given_back == [pool.sandbox]
+    elif ends == "while-its-start-logs":
+        # Ended while the start logs the recorded compile (a Redis round trip): what went out
+        # cannot be taken back, so the job must not compile again (the client would see two
+        # compiles): it fails as the platform's, as above.
+        sent.during_stage = ended.end
         with pytest.raises(JailError, match="ended before it could run"):
             await precompile.settle(asyncio.Queue(), sent)
         assert sent.calls == [("stage", "compiling")] and pool.given_back == [pool.sandbox]
@@ -2620,9 +2628,13 @@ async def test_a_parked_compile_that_breaks_is_compiled_again_only_if_nothing_we
 class _SentEvents:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
+        self.during_stage: Callable[[], None] | None = None  # (called while a stage's write waits)
 
     async def stage(self, phase: str) -> None:
         self.calls.append(("stage", phase))
+        if self.during_stage is not None:
+            self.during_stage()
+            await asyncio.sleep(0)
 
     async def chunk_runs(self, runs: list[tuple[str, str]]) -> None:
         self.calls.append(("chunks", runs))

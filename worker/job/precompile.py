@@ -120,6 +120,7 @@ class Precompile:
         self.sandbox: Sandbox | None = None
         self.facts: tuple[StepFacts, CompileInfo] | None = None
         self._failure: Exception | None = None
+        self._settling = False  # (from here the start decides what a jail's end means)
         # The compile's own control queue: a kill after start reaches it here.
         self._inbox: asyncio.Queue[CtrlMessage] = asyncio.Queue()
         self._task = asyncio.create_task(self._work(), name=f"precompile:{job_id}")
@@ -182,8 +183,8 @@ class Precompile:
         """The held sandbox's jail ended while the job waited (the host's OOM killer, say):
         give it back now, so its slot rebuilds, and the job compiles (or loads) after start
         like a recalled one. (Its compile's events were only recorded: nothing went out.)"""
-        if self.events.started.is_set() or self.state not in (PrecompileState.COMPILED, PrecompileState.LOADED):
-            return  # started: `settle` decides
+        if self._settling or self.state not in (PrecompileState.COMPILED, PrecompileState.LOADED):
+            return  # started: `settle` decides (its recorded events may be going out already)
         log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
         self.state = PrecompileState.GONE
         self._release()
@@ -208,6 +209,7 @@ class Precompile:
         (nothing was sent on: the job compiles after start, as after a break before any of
         its events went on). A compile that breaks once some of its events went on raises
         what broke it."""
+        self._settling = True
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
