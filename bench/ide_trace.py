@@ -100,7 +100,7 @@ def logged_marks(lines: list[tuple[float, str]]) -> dict[str, float]:
             marks.setdefault("running_logged", stamp)
         if any("stdout" in word for word in words) and "running_logged" in marks:
             marks.setdefault("stdout_logged", stamp)
-        if any('"outcome' in word or "outcome" in word for word in words):
+        if any("outcome" in word for word in words):
             marks.setdefault("result_logged", stamp)
     return marks
 
