@@ -1225,27 +1225,20 @@ async def test_a_held_go_live_that_fires_after_the_result_is_logged_leaves_the_r
 
 
 class _Ended:
-    """A jail's `ended` as the pool and a parked compile read it."""
+    """A jail's `ended` as the pool reads it (a parked compile only adds and removes its
+    callback on it; the tests of what that callback does use a real future)."""
 
     def __init__(self) -> None:
         self.is_done = False
-        self.callbacks: list[Callable[[object], None]] = []
 
     def done(self) -> bool:
         return self.is_done
 
     def add_done_callback(self, callback: Callable[[object], None]) -> None:
-        self.callbacks.append(callback)
+        pass
 
     def remove_done_callback(self, callback: Callable[[object], None]) -> int:
-        kept = [each for each in self.callbacks if each != callback]
-        removed, self.callbacks = len(self.callbacks) - len(kept), kept
-        return removed
-
-    def end(self) -> None:
-        self.is_done = True
-        for callback in self.callbacks:
-            callback(self)
+        return 0
 
 
 class _FakeSandbox:
@@ -2528,12 +2521,16 @@ async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_
     assert precompile.take() is pool.sandbox and pool.kept == [pool.sandbox]
 
 
-@pytest.mark.parametrize("ends", ["while-parked", "as-it-starts", "while-its-start-logs", "after-start"])
-async def test_a_compiled_sandbox_whose_jail_ends_while_parked_is_given_back_at_once(ends: str) -> None:
+@pytest.mark.parametrize(
+    "ends", ["while-parked", "then-recalled", "as-it-starts", "while-its-start-logs", "after-start", "loaded"]
+)
+async def test_a_held_sandbox_whose_jail_ends_while_parked_is_given_back_once(ends: str) -> None:
     # The host's OOM killer, say, ends the held sandbox's jail while the job waits: the
     # sandbox goes back at once (its slot rebuilds, not at the job's start or expiry), and at
-    # start the job compiles again, its first compile's recorded events dropped (none went
-    # out). Once started, the jail's end is no longer the parked compile's to act on.
+    # start the job compiles (or loads) again, its first compile's recorded events dropped
+    # (none went out). Once the start has begun, the jail's end is the start's to judge. In
+    # every case the sandbox goes back once at most (the jail's `ended` is a real future: its
+    # callbacks run a turn after it is set, removed or not).
     async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
         await events.stage("compiling")
         facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
@@ -2542,38 +2539,82 @@ async def test_a_compiled_sandbox_whose_jail_ends_while_parked_is_given_back_at_
     async def load(sandbox: Any) -> None:
         pass
 
+    loop = asyncio.get_running_loop()
     pool = _LendingPool()
-    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
-    await asyncio.sleep(0.01)
-    assert precompile.state is PrecompileState.COMPILED
-    ended = pool.sandbox.jail.ended
+    ended: asyncio.Future[None] = loop.create_future()
+    pool.sandbox.jail.ended = ended
+    if ends == "loaded":
+        pool.lend_ready = lambda recall, program, language: pool.sandbox  # type: ignore[attr-defined]
+    precompile = Precompile("job", pool, load, None if ends == "loaded" else compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    held = PrecompileState.LOADED if ends == "loaded" else PrecompileState.COMPILED
+    for _ in range(100):
+        if precompile.state is held:
+            break
+        await asyncio.sleep(0)
+    assert precompile.state is held
     sent = _SentEvents()
-    if ends == "while-parked":
-        ended.end()
+    if ends in ("while-parked", "loaded"):
+        ended.set_result(None)
+        await asyncio.sleep(0)
         assert pool.given_back == [pool.sandbox] and precompile.state is PrecompileState.GONE
-        assert ended.callbacks == []
         assert await precompile.settle(asyncio.Queue(), sent) == "gone"
         assert sent.calls == []
+    elif ends == "then-recalled":
+        # Recalled by a started job in the turn the jail ended, before its give-back ran.
+        ended.set_result(None)
+        precompile._recall()
+        await asyncio.sleep(0)
+        assert pool.given_back == [pool.sandbox]
     elif ends == "as-it-starts":
-        # Ended, its callbacks not yet run (a future's run a turn later): settle sees it after
-        # the recorded compile went out, so the job fails as the platform's.
-        ended.is_done = True
-        with pytest.raises(JailError, match="ended before it could run"):
-            await precompile.settle(asyncio.Queue(), sent)
-        assert sent.calls == [("stage", "compiling")] and pool.given_back == [pool.sandbox]
+        # Ended, its give-back not yet run: nothing has gone out, so the job compiles again.
+        ended.set_result(None)
+        assert await precompile.settle(asyncio.Queue(), sent) == "gone"
+        await asyncio.sleep(0)
+        assert sent.calls == [] and pool.given_back == [pool.sandbox]
     elif ends == "while-its-start-logs":
         # Ended while the start logs the recorded compile (a Redis round trip): what went out
-        # cannot be taken back, so the job must not compile again (the client would see two
-        # compiles): it fails as the platform's, as above.
-        sent.during_stage = ended.end
+        # cannot be taken back, and compiling again would show the client two compiles: the
+        # job fails as the platform's.
+        sent.during_stage = lambda: ended.set_result(None)
         with pytest.raises(JailError, match="ended before it could run"):
             await precompile.settle(asyncio.Queue(), sent)
+        await asyncio.sleep(0)
         assert sent.calls == [("stage", "compiling")] and pool.given_back == [pool.sandbox]
     else:
         assert await precompile.settle(asyncio.Queue(), sent) == "compiled"
-        assert precompile.take() is pool.sandbox and ended.callbacks == []
-        ended.end()
+        assert precompile.take() is pool.sandbox
+        ended.set_result(None)
+        await asyncio.sleep(0)
         assert pool.given_back == [] and sent.calls == [("stage", "compiling")]
+    await asyncio.sleep(0)
+    assert len(pool.given_back) <= 1
+
+
+async def test_a_recalled_compile_that_swallows_its_cancel_still_gives_its_sandbox_back_once() -> None:
+    # A compile step that swallows the recall's cancel and returns: what it did is not the
+    # job's any more, and the sandbox goes back once (before, the compile's end set the job
+    # COMPILED again over the recall's GONE, and never gave the sandbox back).
+    compiling = asyncio.Event()
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        compiling.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
+        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+
+    async def load(sandbox: Any) -> None:
+        pass
+
+    pool = _LendingPool()
+    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await compiling.wait()
+    precompile._recall()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert precompile.state is PrecompileState.GONE and pool.given_back == [pool.sandbox]
+    assert await precompile.settle(asyncio.Queue(), _SentEvents()) == "gone"
+    assert pool.given_back == [pool.sandbox]
 
 
 class _LoggedEvents:

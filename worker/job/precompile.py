@@ -150,12 +150,18 @@ class Precompile:
                 self.sandbox = await self._pool.borrow(self._recall, self._program, self._language)
             self.state = PrecompileState.COMPILING
             await self._load(self.sandbox)
+            if self._given_back():
+                self._release()  # (a recall's: it leaves the release to this task)
+                return
             if self._compile is None:
                 self.state = PrecompileState.LOADED
                 log.info("job %s: loaded while parked", self.job_id)
                 self._watch_the_jail()
                 return
             facts = await self._compile(self._inbox, self.sandbox, self.events)
+            if self._given_back():
+                self._release()  # (a recall's: it leaves the release to this task)
+                return
         except asyncio.CancelledError:
             self.state = PrecompileState.GONE
             self._release()
@@ -175,14 +181,26 @@ class Precompile:
             self.state = PrecompileState.FAILED
             self._release()
 
+    def _given_back(self) -> bool:
+        """Whether the sandbox went back while the load or the compile went on (a recall, a
+        kill or an expiry whose cancel came too late for them, the step having swallowed
+        it): what they did is not this job's any more."""
+        return self.state is PrecompileState.GONE or self.sandbox is None
+
     def _watch_the_jail(self) -> None:
         assert self.sandbox is not None
         self.sandbox.jail.ended.add_done_callback(self._jail_ended)
 
-    def _jail_ended(self, _: object) -> None:
+    def _jail_ended(self, ended: object) -> None:
         """The held sandbox's jail ended while the job waited (the host's OOM killer, say):
         give it back now, so its slot rebuilds, and the job compiles (or loads) after start
-        like a recalled one. (Its compile's events were only recorded: nothing went out.)"""
+        like a recalled one. (Its compile's events were only recorded: nothing went out.)
+
+        Removing this callback (`_release`, `take`) does not stop one already scheduled (a
+        future's callbacks run a turn after it is set): each call checks that the sandbox it
+        was about is still the one held, and that the start has not begun."""
+        if self.sandbox is None or ended is not self.sandbox.jail.ended:
+            return  # (that sandbox went back, or went to the started job, meanwhile)
         if self._settling or self.state not in (PrecompileState.COMPILED, PrecompileState.LOADED):
             return  # started: `settle` decides (its recorded events may be going out already)
         log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
@@ -210,6 +228,12 @@ class Precompile:
         its events went on). A compile that breaks once some of its events went on raises
         what broke it."""
         self._settling = True
+        if self._held_jail_ended():
+            # Ended before the start, its give-back not yet run (it comes a turn later):
+            # nothing recorded has gone out, so the job compiles (or loads) after start.
+            log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
+            await self.discard()
+            return "gone"
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
@@ -244,9 +268,9 @@ class Precompile:
             raise self._failure
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
             if self.sandbox.jail.ended.done():
-                # Its jail ended as the job started, before `_jail_ended` could give it back:
-                # loaded, the job loads again after start; compiled, its compile went out
-                # just now (compiling again would show it twice), so it fails as the
+                # Its jail ended as the job started, while the recorded compile went out (or
+                # the compile still ran): loaded, the job loads again after start; compiled,
+                # compiling again would show the compile twice, so it fails as the
                 # platform's.
                 log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
                 sent = self.events.sent
@@ -256,6 +280,13 @@ class Precompile:
                 return "gone"
             return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
+
+    def _held_jail_ended(self) -> bool:
+        return (
+            self.state in (PrecompileState.COMPILED, PrecompileState.LOADED)
+            and self.sandbox is not None
+            and self.sandbox.jail.ended.done()
+        )
 
     def take(self) -> Sandbox:
         """The sandbox the compile ran in, now the started job's."""
