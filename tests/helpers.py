@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -254,10 +255,31 @@ class Realtime:
             raise AssertionError(f"subscription to {job['channel']} did not succeed")
         return followed
 
+    def _shut_down_socket(self) -> None:
+        connection = self.pusher.connection
+        connection.needs_reconnect, connection.disconnect_called = False, True  # (no reconnect)
+        app = connection.socket
+        if app is None:
+            return
+        app.keep_running = False  # (the reader, woken, stops rather than reads)
+        websocket = app.sock
+        raw = getattr(websocket, "sock", None)
+        if websocket is None or raw is None:
+            return
+        with contextlib.suppress(Exception):
+            websocket.send_close()
+        with contextlib.suppress(OSError):
+            raw.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Disconnect; fails if any job followed here got more than one result live."""
-        # pysher joins its socket thread without a timeout; a closing websocket-client loop can
-        # linger, and the thread is a daemon, so do not wait on it.
+        # websocket-client's close() (1.9) marks the connection closed before it sends its
+        # close frame, so the send fails, the socket is closed without a shutdown, and the
+        # reader thread stays in its select on the closed descriptor: pysher's disconnect then
+        # waited out its whole join timeout (a second a close, about 200 s of the suite) for a
+        # thread that never ended. Said goodbye to and shut down here first, the socket wakes
+        # that select, the reader sees it is to stop, and the thread ends at once.
+        self._shut_down_socket()
         self.pusher.disconnect(timeout=1)
         doubled = {f.job["jobId"]: len(f.results()) for f in self._followed if len(f.results()) > 1}
         if doubled:
