@@ -58,7 +58,8 @@ def _read_vanishing(path: str | Path) -> str:
     except (FileNotFoundError, ProcessLookupError):
         return ""
     except OSError as exc:
-        if exc.errno == errno.ESRCH:
+        # ENODEV: a cgroup v1 file opened just before its cgroup was removed.
+        if exc.errno in (errno.ESRCH, errno.ENODEV):
             return ""
         raise
 
