@@ -2474,6 +2474,12 @@ async def test_a_lane_lets_an_append_publish_only_when_that_keeps_its_rules() ->
     await publisher.aclose()
 
 
+def _compiled() -> tuple[StepFacts, CompileInfo]:
+    """What a compile that succeeded in 5 ms returns."""
+    facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
+    return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+
+
 class _LendingPool:
     """Lends one sandbox at once to a parked compile; records what is kept or given back."""
 
@@ -2502,8 +2508,7 @@ async def test_a_kill_sent_on_to_a_compile_that_ends_without_reading_it_reaches_
     async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
         compiling.set()
         await finish.wait()
-        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
-        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+        return _compiled()
 
     async def load(sandbox: Any) -> None:
         pass
@@ -2533,8 +2538,7 @@ async def test_a_held_sandbox_whose_jail_ends_while_parked_is_given_back_once(en
     # callbacks run a turn after it is set, removed or not).
     async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
         await events.stage("compiling")
-        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
-        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+        return _compiled()
 
     async def load(sandbox: Any) -> None:
         pass
@@ -2600,8 +2604,7 @@ async def test_a_recalled_compile_that_swallows_its_cancel_still_gives_its_sandb
         compiling.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.Event().wait()
-        facts = StepFacts(JailExit(exit_code=0, signal=None, backstop_fired=False), None, 5, 5, 1024, 0)
-        return facts, CompileInfo(exit_code=0, signal=None, timed_out=False, duration_ms=5, output="")
+        return _compiled()
 
     async def load(sandbox: Any) -> None:
         pass
