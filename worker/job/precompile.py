@@ -266,18 +266,17 @@ class Precompile:
             # Its events went out: compiling again would show the client the compile twice.
             # The job ends as a compile that breaks after start does.
             raise self._failure
+        if self._held_jail_ended():
+            # Its jail ended as the job started, while the recorded compile went out (or the
+            # compile still ran): loaded, the job loads again after start; compiled,
+            # compiling again would show the compile twice, so it fails as the platform's.
+            log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
+            sent = self.events.sent
+            await self.discard()
+            if sent:
+                raise JailError("the sandbox the job was compiled in ended before it could run")
+            return "gone"
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
-            if self.sandbox.jail.ended.done():
-                # Its jail ended as the job started, while the recorded compile went out (or
-                # the compile still ran): loaded, the job loads again after start; compiled,
-                # compiling again would show the compile twice, so it fails as the
-                # platform's.
-                log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
-                sent = self.events.sent
-                await self.discard()
-                if sent:
-                    raise JailError("the sandbox the job was compiled in ended before it could run")
-                return "gone"
             return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
 
