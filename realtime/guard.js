@@ -12,6 +12,12 @@
 //   stayed, with nothing else dropped or told; a few dozen such sockets held a hundred MB and
 //   slowed every other follower. Its connection is now closed once that much waits (uWS's
 //   closeOnBackpressureLimit); a client that reconnects reads what it missed from the log.
+// - Its Redis adapter's clients wait for Redis rather than give a command up
+//   (SOKETI_ADAPTER_REDIS_*_OPTIONS), and soketi's stop waits on them: it evicts every
+//   socket (each unsubscribe asks Redis how many listeners are left) and then QUITs. With
+//   Redis gone or frozen it never ended, and `coderunner up` SIGKILLed it 15 s later. Its
+//   stop now ends STOP_BOUND_MS after its grace at the latest: soketi keeps nothing that
+//   a cut stop could lose (clients are told to reconnect before anything waits on Redis).
 //
 // soketi is not patched on disk (the compose file runs its published image): this wraps what
 // soketi's modules export as it loads them.
@@ -20,6 +26,7 @@
 const Module = require("module");
 
 const MAX_CLIENT_MESSAGE_BYTES = 64 * 1024;
+const STOP_BOUND_MS = 2000;
 
 const STRING_FIELDS = {
   "pusher:subscribe": { required: ["channel"], optional: ["auth", "channel_data"] },
@@ -91,6 +98,19 @@ function bound(Server) {
   };
 }
 
+// Armed beside soketi's own handlers (cli.js), which begin its stop on the same signals.
+function boundStop() {
+  const graceMs = Number(process.env.SOKETI_SHUTDOWN_GRACE_PERIOD) || 3000;
+  const leave = () => {
+    const timer = setTimeout(() => {
+      console.error(`soketi had not stopped ${graceMs + STOP_BOUND_MS} ms after the signal (Redis away?): exiting`);
+      process.exit(0);
+    }, graceMs + STOP_BOUND_MS);
+    timer.unref();
+  };
+  for (const signal of ["SIGTERM", "SIGINT", "SIGHUP"]) process.once(signal, leave);
+}
+
 const load = Module._load;
 Module._load = function loadGuarded(request, parent, isMain) {
   const exported = load.apply(this, arguments);
@@ -105,6 +125,7 @@ Module._load = function loadGuarded(request, parent, isMain) {
     !exported.Server.coderunnerGuarded
   ) {
     bound(exported.Server);
+    boundStop();
     exported.Server.coderunnerGuarded = true;
   }
   return exported;

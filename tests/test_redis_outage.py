@@ -7,12 +7,16 @@ the job running through the outage ends `completed` with all its output, not `lo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import httpx
 import pytest
+import websocket
 
+from shared.pusher import signed_query
 from tests.conftest import StackFactory
 from tests.helpers import Api, Realtime, py_job, run_job
 
@@ -87,6 +91,55 @@ def test_a_second_sigterm_during_an_outage_stops_the_worker_promptly(make_stack:
         assert len([n for n, _ in api.replay(job) if n == "result"]) == 1
     finally:
         api.close()
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_soketi_stops_promptly_while_redis_is_away(make_stack: StackFactory, how: str) -> None:
+    # soketi's Redis adapter waits for Redis rather than drop a command, and its stop waits
+    # on the adapter: a subscriber's eviction asks Redis for the channel's listeners, and
+    # the QUIT queues behind a waiting PUBLISH. With Redis away soketi ran until its SIGKILL;
+    # realtime/guard.js bounds the stop.
+    stack = make_stack(with_worker=False)
+    follower = websocket.create_connection(
+        f"ws://127.0.0.1:{stack.soketi_port}/app/{stack.pusher_key}?protocol=7", timeout=5
+    )
+    redis = stack.procs["redis"]
+    try:
+        assert json.loads(follower.recv())["event"] == "pusher:connection_established"
+        follower.send(json.dumps({"event": "pusher:subscribe", "data": {"channel": "anyone"}}))
+        assert json.loads(follower.recv())["event"] == "pusher_internal:subscription_succeeded"
+        if how == "killed":
+            os.killpg(redis.pid, signal.SIGKILL)
+            redis.wait(timeout=5)
+        else:
+            os.kill(redis.pid, signal.SIGSTOP)
+        # An event soketi must PUBLISH for its other nodes: it waits for Redis.
+        path = f"/apps/{stack.pusher_app_id}/events"
+        body = json.dumps({"name": "ping", "channel": "anyone", "data": "{}"}).encode()
+        query = signed_query("POST", path, body, stack.pusher_key, stack.pusher_secret, int(time.time()))
+        with httpx.Client(timeout=5) as client:
+            sent = client.post(
+                f"http://127.0.0.1:{stack.soketi_port}{path}",
+                params=query,
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+        assert sent.status_code == 200, sent.text
+        assert json.loads(follower.recv())["event"] == "ping"  # (delivered here all the same)
+        t0 = time.monotonic()
+        stack.stop_process("soketi", timeout_s=10)
+        took = time.monotonic() - t0
+        # The follower was told to come back later before soketi waited on anything.
+        told = json.loads(follower.recv())
+        assert told["event"] == "pusher:error" and told["data"]["code"] == 4200, told
+    finally:
+        follower.close()
+        if how == "frozen":
+            os.kill(redis.pid, signal.SIGCONT)
+    # (its grace of 200 ms, then 2 s at most)
+    assert took < 4, f"soketi took {took:.1f}s to stop"
+    log = stack.log("soketi")
+    assert "(Redis away?): exiting" in log and "process uncaughtException" not in log, log[-2000:]
 
 
 def test_a_program_that_ended_keeps_its_verdict_and_output_when_the_grace_ends_mid_hand_over(
