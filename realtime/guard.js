@@ -27,6 +27,7 @@ const Module = require("module");
 
 const MAX_CLIENT_MESSAGE_BYTES = 64 * 1024;
 const STOP_BOUND_MS = 2000;
+const MAX_TIMER_MS = 2 ** 31 - 1; // (setTimeout fires at once past this)
 
 const STRING_FIELDS = {
   "pusher:subscribe": { required: ["channel"], optional: ["auth", "channel_data"] },
@@ -98,17 +99,23 @@ function bound(Server) {
   };
 }
 
-// Armed beside soketi's own handlers (cli.js), which begin its stop on the same signals.
-function boundStop() {
-  const graceMs = Number(process.env.SOKETI_SHUTDOWN_GRACE_PERIOD) || 3000;
-  const leave = () => {
-    const timer = setTimeout(() => {
-      console.error(`soketi had not stopped ${graceMs + STOP_BOUND_MS} ms after the signal (Redis away?): exiting`);
-      process.exit(0);
-    }, graceMs + STOP_BOUND_MS);
-    timer.unref();
+// Whatever began the stop (a signal, or soketi's own handler of an uncaught exception),
+// the process ends STOP_BOUND_MS after soketi's shutdown grace.
+function stopWithin(Server) {
+  const stop = Server.prototype.stop;
+  if (typeof stop !== "function") return;
+  Server.prototype.stop = function boundedStop() {
+    if (!this.coderunnerStopBound) {
+      this.coderunnerStopBound = true;
+      const graceMs = Math.min(Math.max(Number(this.options.shutdownGracePeriod) || 0, 0), MAX_TIMER_MS - STOP_BOUND_MS);
+      const timer = setTimeout(() => {
+        console.error(`soketi had not stopped ${graceMs + STOP_BOUND_MS} ms after its stop began (Redis away?): exiting`);
+        process.exit(0);
+      }, graceMs + STOP_BOUND_MS);
+      timer.unref();
+    }
+    return stop.apply(this, arguments);
   };
-  for (const signal of ["SIGTERM", "SIGINT", "SIGHUP"]) process.once(signal, leave);
 }
 
 const load = Module._load;
@@ -125,7 +132,7 @@ Module._load = function loadGuarded(request, parent, isMain) {
     !exported.Server.coderunnerGuarded
   ) {
     bound(exported.Server);
-    boundStop();
+    stopWithin(exported.Server);
     exported.Server.coderunnerGuarded = true;
   }
   return exported;
