@@ -229,11 +229,8 @@ class Precompile:
         what broke it."""
         self._settling = True
         if self._held_jail_ended():
-            # Ended before the start, its give-back not yet run (it comes a turn later):
-            # nothing recorded has gone out, so the job compiles (or loads) after start.
-            log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
-            await self.discard()
-            return "gone"
+            # Ended before the start, its give-back not yet run (it comes a turn later).
+            return await self._drop_ended_sandbox()
         if self.state in (PrecompileState.WAITING, PrecompileState.GONE):
             # Never got a sandbox, or gave it back: compile after start as usual (what a
             # recalled compile recorded is dropped with it).
@@ -267,18 +264,22 @@ class Precompile:
             # The job ends as a compile that breaks after start does.
             raise self._failure
         if self._held_jail_ended():
-            # Its jail ended as the job started, while the recorded compile went out (or the
-            # compile still ran): loaded, the job loads again after start; compiled,
-            # compiling again would show the compile twice, so it fails as the platform's.
-            log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
-            sent = self.events.sent
-            await self.discard()
-            if sent:
-                raise JailError("the sandbox the job was compiled in ended before it could run")
-            return "gone"
+            # Ended as the job started, while the recorded compile went out (or still ran).
+            return await self._drop_ended_sandbox()
         if self.state in (PrecompileState.COMPILED, PrecompileState.LOADED) and self.sandbox is not None:
             return self.state.value
         return "failed" if self.state is PrecompileState.FAILED else "gone"
+
+    async def _drop_ended_sandbox(self) -> str:
+        """The held sandbox's jail ended. With nothing of its compile sent on, "gone": the
+        job loads or compiles again after start. Its compile's events sent, compiling again
+        would show the client the compile twice, so the job fails as the platform's."""
+        log.warning("job %s: the sandbox it %s in while parked has ended", self.job_id, self.state.value)
+        sent = self.events.sent
+        await self.discard()
+        if sent:
+            raise JailError("the sandbox the job was compiled in ended before it could run")
+        return "gone"
 
     def _held_jail_ended(self) -> bool:
         return (
