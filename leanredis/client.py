@@ -291,6 +291,17 @@ class LeanRedis(Redis):
             return await self._send(data, count)
         return await self._retry.call_with_retry(lambda: self._send(data, count), _no_op)
 
+    async def ping_once(self) -> None:
+        """One PING outside the retry policy (sent again once, on a new connection, if the
+        kept one had broken): whether Redis answers now, for a caller that would rather give
+        up than wait out the retries, such as a worker on its way out."""
+        try:
+            await self._send(_pack(("PING",)))
+        except NeverSent:
+            raise
+        except RedisConnectionError:
+            await self._send(_pack(("PING",)))
+
     def _send(self, data: bytes, count: int | None = None) -> asyncio.Future[Any]:
         lean = self._lean
         if lean is not None and lean.broken is None:

@@ -276,6 +276,33 @@ async def test_a_lost_connection_is_dialled_again_under_the_retry_policy(server:
         await bare.aclose()
 
 
+async def test_ping_once_answers_at_once_and_never_retries(server: Server, plain: Redis) -> None:
+    # A worker on its way out asks once whether Redis is there before its last writes: the
+    # client's retry policy (several seconds of backoff) must not apply, but a connection
+    # that broke while Redis stayed up must not pass for Redis being down either.
+    client = LeanRedis.from_url(server.url, socket_timeout=2, retry=Retry(ConstantBackoff(1.0), 5))
+    try:
+        await client.ping_once()
+        assert await plain.client_kill_filter(_type="normal", skipme=True) >= 1
+        await client.ping_once()  # the kept connection had broken: a new one answers
+        server.stop()
+        began = time.monotonic()
+        with pytest.raises(RedisConnectionError):
+            await client.ping_once()
+        assert time.monotonic() - began < 0.5  # refused: no backoff, no second dial's wait
+        server.start()
+        await client.ping_once()
+        server.pause()
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.ping_once(), 0.3)  # frozen: the caller's bound
+        finally:
+            server.resume()
+        await client.ping_once()
+    finally:
+        await client.aclose()
+
+
 async def test_password_db_and_unix_socket_from_the_url(tmp_path: Path) -> None:
     server = Server(tmp_path, "--requirepass", "s3cret")
     server.start()

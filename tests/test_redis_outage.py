@@ -94,6 +94,45 @@ def test_a_second_sigterm_during_an_outage_stops_the_worker_promptly(make_stack:
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_worker_stops_promptly_while_redis_is_away(make_stack: StackFactory, how: str) -> None:
+    # A stop's last words to Redis (hand back stray claims, unregister) each have a bound
+    # that a stop with Redis away used to wait out in retries: 4 s in all, for nothing, as
+    # the worker's claims are recovered by the others once its lease is gone either way.
+    stack = make_stack(WORKER_HEARTBEAT_MS="300", WORKER_LEASE_TTL_MS=str(LEASE_MS))
+    api = Api(stack)
+    redis = stack.procs["redis"]
+    try:
+        job = api.execute(py_job("print('parked through it')"))
+        api.wait_state(job, {"parked"}, timeout_s=10)
+        worker = stack.procs["worker"]
+        if how == "killed":
+            os.killpg(redis.pid, signal.SIGKILL)
+            redis.wait(timeout=5)
+        else:
+            os.kill(redis.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            if how == "frozen":
+                os.kill(redis.pid, signal.SIGCONT)
+        # Killed: nothing waits on Redis. Frozen: the one unretried question's 1 s bound.
+        assert took < (1.5 if how == "killed" else 2.5), f"the worker took {took:.1f}s to stop"
+        if how == "frozen":
+            # Nothing was lost: the parked job (claimed, never started) goes back to the
+            # queue once the stopped worker's lease is gone, and a new worker runs it.
+            stack.start_worker()
+            api.start(job)
+            status = api.wait_state(job, {"done", "killed", "lost", "error"}, timeout_s=30)
+            assert status["result"]["outcome"] == "completed", status
+            assert "".join(p["chunk"] for n, p in api.replay(job) if n == "stdout") == "parked through it\n"
+    finally:
+        api.close()
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_soketi_stops_promptly_while_redis_is_away(make_stack: StackFactory, how: str) -> None:
     # soketi's Redis adapter waits for Redis rather than drop a command, and its stop waits
     # on the adapter: a subscriber's eviction asks Redis for the channel's listeners, and

@@ -236,17 +236,29 @@ class _Lane:
         pass
 
 
-def _job_run(queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_stop: bool = False) -> JobRun:
+async def _answers() -> bool:
+    """A worker's probe finding Redis there (worker.messaging.probe)."""
+    return True
+
+
+def _job_run(
+    queue: WorkerQueue, claim: Any, lane: _Lane | None = None, hard_stop: bool = False, redis_answers: bool = True
+) -> JobRun:
     """A JobRun on a real queue, its live events recorded in `lane`: what _finish and the
     park/hand-back paths use of a worker, without sandboxes or soketi."""
     stop = asyncio.Event()
     if hard_stop:
         stop.set()
+
+    async def answers() -> bool:
+        return redis_answers
+
     ctx = SimpleNamespace(
         queue=queue,
         publisher=SimpleNamespace(lane=lambda _channel: lane or _Lane()),
         settings=SimpleNamespace(pusher_max_payload_kb=100, pusher_timeout_ms=1000),
         hard_stop=stop,
+        redis_answers=answers,
     )
     return JobRun(ctx, claim, None)  # type: ignore[arg-type]
 
@@ -607,6 +619,39 @@ async def test_a_hand_back_that_redis_refuses_leaves_the_claim_for_recovery(
     status = await redis.hgetall(keys.status_key(claim.spec.job_id))
     assert status[b"state"] == b"parked" and b"result" not in status
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+
+
+@pytest.mark.parametrize("path", ["parked", "cancelled before its run"])
+async def test_a_stopping_worker_that_redis_does_not_answer_leaves_its_unstarted_job_to_recovery(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # Redis down or frozen at the stop (the worker's probe says so): no hand-back is tried
+    # at all, where each used to wait out the client's retries, and the claim stays where
+    # recovery finds it.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim, redis_answers=False)
+    tried: list[str] = []
+
+    async def recorded(job_id: str, *_args: Any, **_kwargs: Any) -> bool:
+        tried.append(job_id)
+        return True
+
+    monkeypatch.setattr(queue, "hand_back", recorded)
+    if path == "parked":
+        await run._end_unstarted("handback")
+    else:
+        await run._give_back_unstarted()
+    assert tried == []
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"state"] == b"parked" and b"result" not in status
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [claim.spec.job_id.encode()]
+    # Redis answering, the same paths hand it back as before.
+    again = _job_run(queue, claim)
+    if path == "parked":
+        await again._end_unstarted("handback")
+    else:
+        await again._give_back_unstarted()
+    assert tried == [claim.spec.job_id]
 
 
 async def test_a_job_cancelled_while_its_result_is_retried_still_stores_and_publishes_it(
@@ -979,7 +1024,7 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     held = await _claimed(redis, queue)  # its task would not end in time
     stuck = asyncio.create_task(asyncio.sleep(60))
     worker._jobs[stuck] = held.spec.job_id
-    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()))
+    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()), redis_answers=_answers)
     try:
         await worker._leave(ctx)  # type: ignore[arg-type]
     finally:
@@ -1002,6 +1047,24 @@ async def test_a_stopping_worker_hands_back_claims_no_task_holds_and_leaves_the_
     assert not await redis.exists(keys.worker_alive_key(queue.worker_id))
 
 
+async def test_a_stopping_worker_that_redis_does_not_answer_writes_nothing_more(redis: Redis, queue: WorkerQueue) -> None:
+    # Its probe found Redis down or frozen: leaving tries no write (each would wait out its
+    # bound on retries), so the worker stays listed with its claim, for the others to reap.
+    settings = load_settings({"REDIS_URL": "redis://unused", "PUSHER_SECRET": "x", "WORKER_PRESTART": "off"})
+    worker = Worker(settings, queue.worker_id, SimpleNamespace(memory=MemoryAdmission(UNBOUNDED_BYTES)), {})  # type: ignore[arg-type]
+    await queue.heartbeat(worker.info(), 60_000)
+    orphan = await _claimed(redis, queue)
+
+    async def away() -> bool:
+        return False
+
+    ctx = SimpleNamespace(queue=queue, publisher=SimpleNamespace(lane=lambda _channel: _Lane()), redis_answers=away)
+    await worker._leave(ctx)  # type: ignore[arg-type]
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [orphan.spec.job_id.encode()]
+    assert await redis.exists(keys.worker_alive_key(queue.worker_id))
+    assert await redis.hexists(keys.WORKERS, queue.worker_id)
+
+
 async def test_a_stopping_worker_publishes_the_lost_results_it_recovers(redis: Redis, queue: WorkerQueue) -> None:
     # A started job whose result write failed under a hard stop: leaving ends it lost, and
     # its follower must still hear that result live.
@@ -1013,7 +1076,10 @@ async def test_a_stopping_worker_publishes_the_lost_results_it_recovers(redis: R
     await queue.advance(job, started.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
     lanes: dict[str, _Lane] = {}
     ctx = SimpleNamespace(
-        queue=queue, publisher=SimpleNamespace(lane=lambda channel: lanes.setdefault(channel, _Lane())), callback_due=lambda: None
+        queue=queue,
+        publisher=SimpleNamespace(lane=lambda channel: lanes.setdefault(channel, _Lane())),
+        callback_due=lambda: None,
+        redis_answers=_answers,
     )
     await worker._leave(ctx)  # type: ignore[arg-type]
     await asyncio.gather(*worker._background)

@@ -3337,7 +3337,10 @@ def test_leaving_with_redis_away_still_unregisters_from_a_run_cancelled_into_its
 
     worker = Worker.__new__(Worker)
     worker.worker_id, worker._jobs, worker._claiming = "w", {}, None
-    ctx: Any = SimpleNamespace(queue=SimpleNamespace(claimed_ids=never_answers, unregister=unregister))
+    async def answers() -> bool:
+        return True  # (the probe's PING went through; the read after it does not)
+
+    ctx: Any = SimpleNamespace(queue=SimpleNamespace(claimed_ids=never_answers, unregister=unregister), redis_answers=answers)
 
     async def cancelled_run() -> str:
         try:

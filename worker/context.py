@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shared.settings import Settings
@@ -17,6 +17,10 @@ from worker.messaging.queue import WorkerQueue
 from worker.runtimes import Runtime
 
 __all__ = ["WorkerContext"]
+
+
+async def _answers_always() -> bool:
+    return True
 
 
 @dataclass
@@ -43,3 +47,6 @@ class WorkerContext:
     callback_due: Callable[[], None] = lambda: None
     # Uploaded blobs' bytes, one copy for all the jobs that name each (worker.job.blobs).
     blobs: SharedBlobs = field(default_factory=SharedBlobs)
+    # Whether Redis answers now, asked without retries: a stop's last writes are left to
+    # recovery when it does not (worker.messaging.probe).
+    redis_answers: Callable[[], Awaitable[bool]] = _answers_always

@@ -49,6 +49,7 @@ from worker.job.run import JobRun
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.control import ControlBus, Subscription
 from worker.messaging.flagsweep import FlagSweep
+from worker.messaging.probe import RedisProbe
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import Claim, WorkerQueue, WorkerSuperseded, now_ms
 from worker.runtimes import Runtime
@@ -188,6 +189,7 @@ class Worker:
         )
         if self._callback_due is not None:
             ctx.callback_due = self._callback_due
+        ctx.redis_answers = RedisProbe(redis).answers
         self._install_signal_handlers(ctx)
         if not await queue.take_id(settings.worker_lease_ttl_ms):
             await asyncio.gather(publisher.aclose(), claim_redis.aclose(), redis.aclose(), return_exceptions=True)
@@ -259,6 +261,8 @@ class Worker:
         claimed after that (a job task that would not end) keeps this worker listed, so
         the others reap it once the liveness key is gone.
         """
+        if not await ctx.redis_answers():
+            return  # (each step would wait out its bound on retries: see RedisProbe)
         # (wait_for, not asyncio.timeout: on Debian's 3.11.2, which the venv runs on, a
         # timeout expiring in a task already cancelled once, as a run() cancelled into its
         # clean-up is, raises CancelledError, and the clean-up after this would be skipped.)

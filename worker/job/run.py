@@ -429,6 +429,9 @@ class JobRun:
             return
         await self._deliver_before_hand_back()
         self._finished = True
+        if not await self.ctx.redis_answers():
+            log.warning("job %s: could not hand it back (Redis does not answer); recovery will re-queue it", self.job_id)
+            return
         try:
             await asyncio.wait_for(
                 self.ctx.queue.hand_back(self.job_id, self.claim.attempt, published_to=self.events.published_to), 2.0
@@ -484,7 +487,9 @@ class JobRun:
         if signal == "handback":
             await self._deliver_before_hand_back()
             self._finished = True
-            if await self._hand_back():
+            if not await self.ctx.redis_answers():
+                log.warning("job %s: could not hand it back (Redis does not answer); recovery will re-queue it", self.job_id)
+            elif await self._hand_back():
                 log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
         elif signal == "kill":
             await self._finish_without_run(Outcome.KILLED, killed_message)
