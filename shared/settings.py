@@ -147,6 +147,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     sandbox_profiles_dir: str = ""
     sandbox_work_root: str = "/run/coderunner"
+    # Where a worker keeps what it compiles at start-up (its C helpers, the prestart shims)
+    # for the next deployment on the host or the next boot; "" keeps nothing.
+    sandbox_build_cache: str = "/var/cache/coderunner"
     sandbox_cgroup_name: str = "coderunner"
     sandbox_uid_base: int = 61000
     # The memory all of this deployment's jails may use together (its cgroup's ceiling), so
@@ -390,6 +393,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "JOB_RECORD_TTL": ("job_record_ttl_s", _positive_int),
     "SANDBOX_PROFILES_DIR": ("sandbox_profiles_dir", _str),
     "SANDBOX_WORK_ROOT": ("sandbox_work_root", _str),
+    "SANDBOX_BUILD_CACHE": ("sandbox_build_cache", _str),
     "SANDBOX_CGROUP_NAME": ("sandbox_cgroup_name", _str),
     "SANDBOX_UID_BASE": ("sandbox_uid_base", _positive_int),
     "SANDBOX_MEMORY_TOTAL_MB": ("sandbox_memory_total_mb", _non_negative_int),

@@ -26,6 +26,7 @@ from shared.manifest import PrestartCache
 from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
+from worker.isolation.buildcache import BuildCache
 from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.forkserver import ForkServer, find_forkserver
 from worker.isolation.memory import MemoryAdmission
@@ -172,13 +173,14 @@ async def _prepare(
         raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
     # Workers starting together on one host share the work root's gate and toolchain
     # mounts: each looks, then mounts what is missing, one at a time.
+    cache = BuildCache(Path(settings.sandbox_build_cache) if settings.sandbox_build_cache else None)
     async with _work_root_lock(work_root):
         try:
-            gate = await build_gate(work_root)
-            enter = await build_enter(work_root)
+            gate = await build_gate(work_root, cache)
+            enter = await build_enter(work_root, cache)
             shims = stage_prestart_shims(pdir, work_root)
-            caches = await build_prestart_caches(pdir, work_root, _prestart_caches(runtimes))
-            builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes))
+            caches = await build_prestart_caches(pdir, work_root, _prestart_caches(runtimes), cache=cache)
+            builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes), cache=cache)
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
         manifest_mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})

@@ -11,6 +11,7 @@
     janitor    removing sandboxes of workers that died
     uids       this worker's job uids, locked on the host for its life
     selftest   one real jail at start-up, or a clear refusal
+    buildcache what start-up compiles (gate, helpers, shims), kept once per host
 
 The job lifecycle (park, run, clocks, events, result) lives beside it, in worker/job/,
 and uses only `SandboxFactory`, `SandboxPool`, `Sandbox`, `Jail` and `Program`.

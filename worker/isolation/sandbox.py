@@ -28,6 +28,7 @@ import msgspec
 
 from shared.limits import Limits
 from shared.manifest import PRESTART_DIR_IN_JAIL, CompilerArchive, PrestartCache, expand_argv, prestart_argv_for
+from worker.isolation.buildcache import NO_CACHE, BuildCache
 from worker.isolation.cgroups import CgroupLayout, JobCgroup
 from worker.isolation.forkserver import ForkServer
 from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
@@ -85,19 +86,19 @@ def owner_of(name: str) -> str | None:
     return parts[0]
 
 
-async def build_gate(work_root: Path) -> Path:
+async def build_gate(work_root: Path, cache: BuildCache = NO_CACHE) -> Path:
     """Compile worker/gate.c once per source version; returns the path jails bind it from.
 
     The binary is copied into a small tmpfs of its own (`<work root>/.gate`), so the bind
     a jail's /proc/self/mountinfo shows is `/gate-<hash>` of that tmpfs, not a host path.
     """
-    built = await _compile(GATE_SOURCE, work_root, "gate")
+    built = await _compile(GATE_SOURCE, work_root, "gate", cache)
     return _stage_gate(built, work_root / ".gate")
 
 
-async def build_enter(work_root: Path) -> Path:
+async def build_enter(work_root: Path, cache: BuildCache = NO_CACHE) -> Path:
     """Compile worker/isolation/enter.c once per source version; it runs on the host only."""
-    return await _compile(ENTER_SOURCE, work_root, "enter")
+    return await _compile(ENTER_SOURCE, work_root, "enter", cache)
 
 
 _GATE_TMPFS = "size=4m,nr_inodes=256,mode=755"
@@ -140,7 +141,11 @@ def stage_prestart_shims(profiles_dir: Path, work_root: Path) -> dict[str, Path]
 
 
 async def build_prestart_caches(
-    profiles_dir: Path, work_root: Path, caches: dict[str, tuple[PrestartCache, str]], timeout_s: float = 60.0
+    profiles_dir: Path,
+    work_root: Path,
+    caches: dict[str, tuple[PrestartCache, str]],
+    timeout_s: float = 60.0,
+    cache: BuildCache = NO_CACHE,
 ) -> dict[str, tuple[str, Path]]:
     """Make each shim's PrestartCache (shim -> (the cache, the toolchain's version)) on the
     host, staged into the gate tmpfs; shim -> (its file name in the jail, the staged path).
@@ -152,17 +157,43 @@ async def build_prestart_caches(
     """
     gate_dir = work_root / ".gate"
     made: dict[str, tuple[str, Path]] = {}
-    for shim, (cache, version) in sorted(caches.items()):
+    for shim, (wanted, version) in sorted(caches.items()):
         source = profiles_dir / "prestart" / shim
         if not source.is_file():
             continue
-        argv = cache.argv(shim, f"{PRESTART_DIR_IN_JAIL}/{shim}")
+        argv = wanted.argv(shim, f"{PRESTART_DIR_IN_JAIL}/{shim}")
         key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), version.encode()]))
         prefix = f"prestart-cache-{key.hexdigest()[:16]}-"
-        staged = gate_dir / (prefix + cache.file)
-        if staged.is_file() or staged in await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix):
-            made[shim] = (cache.file, staged)
+        staged = gate_dir / (prefix + wanted.file)
+        if not staged.is_file() and not _fetch_staged(cache, [staged.name], gate_dir, work_root):
+            built = await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix)
+            if staged in built:
+                _keep_staged(cache, [staged])
+        if staged.is_file():
+            made[shim] = (wanted.file, staged)
     return made
+
+
+def _fetch_staged(cache: BuildCache, names: list[str], gate_dir: Path, work_root: Path) -> bool:
+    """Stage the cached files `names` into the gate tmpfs, all of them or none (False)."""
+    fetched: list[Path] = []
+    try:
+        for name in names:
+            path = work_root / f".fetched-{name}"
+            if not cache.fetch(name, path, 0o644):
+                return False
+            fetched.append(path)
+        for path, name in zip(fetched, names, strict=True):
+            _stage_file(path, gate_dir, name, 0o644)
+        return True
+    finally:
+        for path in fetched:
+            path.unlink(missing_ok=True)
+
+
+def _keep_staged(cache: BuildCache, staged: list[Path]) -> None:
+    for path in staged:
+        cache.keep(path.name, path)
 
 
 @dataclass(frozen=True)
@@ -186,7 +217,11 @@ class ShimBuilds:
 
 
 async def build_compiled_shims(
-    profiles_dir: Path, work_root: Path, compilers: dict[str, ShimCompiler], timeout_s: float = 120.0
+    profiles_dir: Path,
+    work_root: Path,
+    compilers: dict[str, ShimCompiler],
+    timeout_s: float = 120.0,
+    cache: BuildCache = NO_CACHE,
 ) -> ShimBuilds:
     """Compile the shims of compiled languages the way a job's entry file is compiled,
     staged into the gate tmpfs. A warm jail copies a shim's files into its workspace for the
@@ -214,6 +249,8 @@ async def build_compiled_shims(
         fresh = archive.with_name(f"{archive.name}.tmp{os.getpid()}")
         kept = sorted(p for p in gate_dir.glob(f"{prefix}*") if p.is_file())
         if not kept or (how.archive is not None and not archive.is_file()):
+            kept = _fetch_build(cache, prefix, gate_dir, work_root, archive if how.archive is not None else None)
+        if not kept or (how.archive is not None and not archive.is_file()):
             making = argv if how.archive is None else _archive_making(argv, how.archive, fresh)
             kept = await _compile_shim(source, making, work_root, timeout_s, gate_dir, prefix)
             if fresh.is_file():
@@ -221,11 +258,43 @@ async def build_compiled_shims(
                     os.replace(fresh, archive)
                 else:
                     fresh.unlink()
+            if kept and (how.archive is None or archive.is_file()):
+                _keep_build(cache, prefix, kept, archive if how.archive is not None else None)
         if kept:
             builds.files[shim] = [(path.name.removeprefix(prefix), path.read_bytes()) for path in kept]
         if how.archive is not None and archive.is_file():
             builds.compile_mounts.append(f"{archive}:{how.archive.path}")
     return builds
+
+
+def _fetch_build(cache: BuildCache, prefix: str, gate_dir: Path, work_root: Path, archive: Path | None) -> list[Path]:
+    """A compiled shim's files (and its compiler archive) from the cache, staged; [] if the
+    cache has not all of them. Its list of files is kept last, so a build kept half-way
+    (a worker stopped mid-keep) is never taken for a whole one."""
+    listing = work_root / f".fetched-{prefix}files"
+    if not cache.fetch(f"{prefix}files", listing, 0o600):
+        return []
+    try:
+        names = [prefix + name for name in listing.read_text().split()]
+    finally:
+        listing.unlink(missing_ok=True)
+    if not names or (archive is not None and not cache.fetch(archive.name.lstrip("."), archive, 0o444)):
+        return []
+    if not _fetch_staged(cache, names, gate_dir, work_root):
+        return []
+    return sorted(gate_dir / name for name in names)
+
+
+def _keep_build(cache: BuildCache, prefix: str, staged: list[Path], archive: Path | None) -> None:
+    if archive is not None:
+        cache.keep(archive.name.lstrip("."), archive)
+    _keep_staged(cache, staged)
+    with tempfile.NamedTemporaryFile("w", dir=staged[0].parent.parent, prefix=".files-", delete=False) as listing:
+        listing.write("\n".join(path.name.removeprefix(prefix) for path in staged) + "\n")
+    try:
+        cache.keep(f"{prefix}files", Path(listing.name))
+    finally:
+        os.unlink(listing.name)
 
 
 def _archive_making(argv: list[str], archive: CompilerArchive, dest: Path) -> list[str]:
@@ -267,12 +336,14 @@ _BARE_FLAGS = (
 )  # fmt: skip
 
 
-async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
+async def _compile(source_path: Path, work_root: Path, name: str, cache: BuildCache = NO_CACHE) -> Path:
     """Compile one of the C helpers once per version of its source and of bare.h; returns
     the binary's path."""
     digest = hashlib.sha256(source_path.read_bytes() + BARE_HEADER.read_bytes() + " ".join(_BARE_FLAGS).encode())
     dest = work_root / f".{name}-{digest.hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
+        return dest
+    if cache.fetch(dest.name.lstrip("."), dest, 0o755):
         return dest
     # gcc by name first: the flags are gcc's (another `cc` may ignore the one that keeps loops
     # from becoming calls to a C library that is not there; the link would then fail).
@@ -289,6 +360,7 @@ async def _compile(source_path: Path, work_root: Path, name: str) -> Path:
         raise GateBuildError(f"building the jail {name} failed: {out.decode(errors='replace')[-400:]}")
     os.chmod(tmp, 0o755)
     os.replace(tmp, dest)
+    cache.keep(dest.name.lstrip("."), dest)
     return dest
 
 

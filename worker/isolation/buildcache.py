@@ -1,0 +1,111 @@
+"""What a worker builds at start-up, kept for the next deployment on the same host.
+
+A worker compiles its C helpers (the jail gate, the cgroup entry helper) and the shims of
+the languages it prestarts (Java's with javac) once per work root: about a second of CPU,
+most of a worker's start. Each deployment has a work root of its own under /run, so every
+new deployment on a host, and every deployment after a reboot, paid it again. The outputs
+are named by a digest of everything that went into them (source, flags, command, the
+toolchain's version), so one made for another deployment is the same file: the cache
+(SANDBOX_BUILD_CACHE) keeps a copy of each under that name, and a worker copies it into
+its work root instead of building it again.
+
+The gate runs inside every jail and the entry helper as root on the host, so a cached file
+is used only if this process could have written it itself and nobody else could have: the
+cache folder and the file must be owned by this process's user and writable by nobody
+else, and the file must be a plain file (not a link). Anything else is not used (and said
+once in the log); the worker then builds as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+__all__ = ["NO_CACHE", "BuildCache"]
+
+log = logging.getLogger(__name__)
+
+
+class BuildCache:
+    """A folder of built files, each under a name that says what it was built from."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self._usable: bool | None = None
+
+    def fetch(self, name: str, dest: Path, mode: int) -> bool:
+        """Copy the cached `name` to `dest` (whole or not at all) with `mode`; False if the
+        cache has no usable copy of it."""
+        if not self._ready():
+            return False
+        assert self.folder is not None
+        source = self.folder / name
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:  # a link (ELOOP), or unreadable
+            log.warning("build cache: %s is not used (%s)", source, exc)
+            return False
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or not _owned_by_me_alone(info):
+                log.warning("build cache: %s is not used (not a plain file that only this user could have written)", source)
+                return False
+            tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+            with open(fd, "rb", closefd=False) as src, open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out)
+            os.chmod(tmp, mode)
+            os.replace(tmp, dest)
+            return True
+        finally:
+            os.close(fd)
+
+    def keep(self, name: str, built: Path) -> None:
+        """Keep a copy of `built` as `name` (best effort: a cache that cannot take it costs
+        the next deployment a build, nothing more)."""
+        if not self._ready():
+            return
+        assert self.folder is not None
+        tmp = self.folder / f".{name}.tmp{os.getpid()}"
+        try:
+            shutil.copyfile(built, tmp)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.folder / name)
+        except OSError as exc:
+            log.warning("build cache: could not keep %s (%s)", name, exc)
+            tmp.unlink(missing_ok=True)
+
+    def _ready(self) -> bool:
+        """Whether the folder exists (made if need be) and only this user can write to it."""
+        if self._usable is None:
+            self._usable = self._check()
+        return self._usable
+
+    def _check(self) -> bool:
+        if self.folder is None:
+            return False
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = os.lstat(self.folder)
+        except OSError as exc:
+            log.warning("build cache %s is not used: %s", self.folder, exc)
+            return False
+        if not stat.S_ISDIR(info.st_mode) or not _owned_by_me_alone(info):
+            log.warning(
+                "build cache %s is not used: it must be a folder owned by this user and writable by nobody else",
+                self.folder,
+            )
+            return False
+        return True
+
+
+def _owned_by_me_alone(info: os.stat_result) -> bool:
+    return info.st_uid == os.geteuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+# No cache: every build is made (the helpers' own tests, SANDBOX_BUILD_CACHE empty).
+NO_CACHE = BuildCache(None)
