@@ -452,12 +452,18 @@ class Stack:
     def start(self, timeout_s: float = 30.0) -> None:
         try:
             self._start_redis(timeout_s)
-            self._start_soketi(timeout_s)
-            self._start_api(timeout_s)
-            if self.with_worker and self.workers > 0:
+            # soketi, the API and the first worker need only Redis, and each spends most of
+            # its start-up on its own CPU-bound work (node loading soketi, imports, the
+            # worker's builds and self-test): started together, a stack is up about a
+            # second sooner than one after the other.
+            ready = [self._spawn_soketi(), self._spawn_api()]
+            first = self._add_worker() if self.with_worker and self.workers > 0 else None
+            for wait in ready:
+                wait(timeout_s)
+            if first is not None:
                 # The first worker alone (it mounts the folders the deployment's workers
                 # share), then the others at once, then wait for each.
-                self.start_worker(timeout_s)
+                self._wait_worker_ready(first, timeout_s)
                 names = [self._add_worker() for _ in range(self.workers - 1)]
                 for name in names:
                     self._wait_worker_ready(name, timeout_s)
@@ -488,6 +494,10 @@ class Stack:
         _wait_for(lambda: self._redis_call("ping"), "redis-server", timeout_s, proc, self._log("redis"))
 
     def _start_soketi(self, timeout_s: float) -> None:
+        self._spawn_soketi()(timeout_s)
+
+    def _spawn_soketi(self) -> Callable[[float], None]:
+        """Start soketi; returns what waits (up to its argument, in seconds) until it is ready."""
         entry = soketi_entry()
         if not entry.exists():
             raise StackError(f"soketi is not installed ({entry} missing): run `make deps`")
@@ -534,12 +544,18 @@ class Stack:
         # realtime/guard.js refuses malformed client messages, each of which stopped soketi.
         argv = [node, "--require", str(soketi_guard()), str(entry), "start"]
         self.procs["soketi"] = proc = self._spawn("soketi", argv, env)
-        _wait_for(lambda: _http_ok(f"http://127.0.0.1:{self.soketi_port}/ready"), "soketi", timeout_s, proc, self._log("soketi"))
+        url = f"http://127.0.0.1:{self.soketi_port}/ready"
+        return lambda timeout_s: _wait_for(lambda: _http_ok(url), "soketi", timeout_s, proc, self._log("soketi"))
 
     def _start_api(self, timeout_s: float) -> None:
+        self._spawn_api()(timeout_s)
+
+    def _spawn_api(self) -> Callable[[float], None]:
+        """Start the API; returns what waits (up to its argument, in seconds) until it answers."""
         argv = [sys.executable, "-m", "api", "--host", self.api_host, "--port", str(self.api_port)]
         self.procs["api"] = proc = self._spawn("api", argv)
-        _wait_for(lambda: _http_ok(f"{self.api_url}/health"), "API", timeout_s, proc, self._log("api"))
+        url = f"{self.api_url}/health"
+        return lambda timeout_s: _wait_for(lambda: _http_ok(url), "API", timeout_s, proc, self._log("api"))
 
     def restart(self, name: str, down_s: float = 0.0, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> float:
         """Take Redis, soketi or the API down (with `sig`, whole group) and start it again on
