@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -191,19 +192,36 @@ def test_stack_runs_soketi_with_the_chosen_node(tmp_path: Path, monkeypatch: pyt
     assert os.path.isdir(tmp_path / "logs2")
 
 
-def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("how", ["cannot be started", "never gets ready"])
+def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """`with Stack(...)` stops what it started and removes its files when the start fails
-    half-way, as when the block ends."""
+    half-way, as when the block ends: Redis, started first, and the API, started beside
+    soketi."""
     from launcher.stack import Stack
 
-    def soketi_fails(self: Stack, timeout_s: float) -> None:
-        raise RuntimeError("soketi would not start")
+    started: list[str] = []
+    spawn_api = Stack._spawn_api
 
-    monkeypatch.setattr(Stack, "_start_soketi", soketi_fails)
+    def api_noted(self: Stack) -> Any:
+        started.append("api")
+        return spawn_api(self)
+
+    def soketi_fails(self: Stack) -> Any:
+        if how == "cannot be started":
+            raise RuntimeError("soketi would not start")
+
+        def wait(timeout_s: float) -> None:
+            raise RuntimeError("soketi would not start")
+
+        return wait
+
+    monkeypatch.setattr(Stack, "_spawn_soketi", soketi_fails)
+    monkeypatch.setattr(Stack, "_spawn_api", api_noted)
     stack = Stack(with_worker=False, log_dir=tmp_path / "logs")
     with pytest.raises(RuntimeError, match="soketi would not start"), stack:
         pass
-    assert stack.procs == {}  # redis, started first, was stopped
+    assert started == ([] if how == "cannot be started" else ["api"])
+    assert stack.procs == {}  # all stopped
     assert not stack.data_dir.exists()
 
 
