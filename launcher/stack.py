@@ -810,10 +810,11 @@ class Stack:
             self._pending.clear()
             workers = [proc for name, proc in self.procs.items() if name in self._worker_index]
         # Workers first, all at once (they hand parked jobs back and let running ones finish
-        # within their grace), then the API, soketi, and Redis last.
+        # within their grace), then the API and soketi together (each waits out a short
+        # grace of its own), and Redis last.
         _terminate(workers, signal.SIGTERM, self.worker_stop_s)
-        for name in ("api", "soketi", "redis"):
-            self.stop_process(name)
+        _terminate([self.procs[name] for name in ("api", "soketi") if name in self.procs], signal.SIGTERM, 15.0)
+        self.stop_process("redis")
         self.procs.clear()
 
     def hurry_workers(self) -> None:
