@@ -25,6 +25,7 @@ from leanredis import BlockingLeanRedis, LeanRedis
 from leanredis.scripts import FLAGS_RECHECK_S, OomTolerantScript
 from leanredis.subscriber import Subscriber
 from tests.helpers import dies_with_the_tests, self_signed_certificate
+from worker.messaging.probe import RedisProbe
 
 
 class Server:
@@ -299,6 +300,60 @@ async def test_ping_once_answers_at_once_and_never_retries(server: Server, plain
         finally:
             server.resume()
         await client.ping_once()
+    finally:
+        await client.aclose()
+
+
+# The worker's probe (worker/messaging/probe.py), built on ping_once: a stopping worker's
+# one question to Redis.
+def _probe_client(server: Server) -> LeanRedis:
+    # The worker's command client retries for seconds; the probe must not.
+    return LeanRedis.from_url(server.url, socket_timeout=5, retry=Retry(ConstantBackoff(1.0), 8))
+
+
+async def test_redis_up_answers_and_redis_down_does_not_at_once(server: Server) -> None:
+    client = _probe_client(server)
+    try:
+        probe = RedisProbe(client, timeout_s=1.0, remember_away_s=0.2)
+        assert await probe.answers()
+        server.stop()
+        began = time.monotonic()
+        assert not await probe.answers()
+        assert time.monotonic() - began < 0.5
+        server.start()
+        assert not await probe.answers()  # "away" stands a moment: the stop's next steps
+        await asyncio.sleep(0.25)
+        assert await probe.answers()  # then Redis is asked again
+    finally:
+        await client.aclose()
+
+
+async def test_callers_asking_together_share_one_ping_and_a_frozen_redis_costs_its_bound_once(server: Server) -> None:
+    client = _probe_client(server)
+    pings = 0
+    ping_once = client.ping_once
+
+    async def counted() -> None:
+        nonlocal pings
+        pings += 1
+        await ping_once()
+
+    client.ping_once = counted  # type: ignore[method-assign]
+    try:
+        probe = RedisProbe(client, timeout_s=0.3, remember_away_s=5.0)
+        assert await probe.answers()
+        server.pause()
+        try:
+            began = time.monotonic()
+            # A stop hands back every parked job at once, then recovers and unregisters.
+            answers = await asyncio.gather(*(probe.answers() for _ in range(50)))
+            assert answers == [False] * 50
+            assert not await probe.answers()
+            took = time.monotonic() - began
+        finally:
+            server.resume()
+        assert pings == 2
+        assert 0.25 < took < 1.0
     finally:
         await client.aclose()
 
