@@ -222,14 +222,17 @@ def remove_deployment(deployment: str) -> None:
         if not root.is_dir():
             continue
         walk = sorted(os.walk(root), key=lambda w: -w[0].count("/"))
+        killed = False
         for dirpath, _dirs, _files in walk:
             kill = Path(dirpath) / "cgroup.kill"
             if kill.exists() and dirpath != str(root):
                 try:
                     kill.write_text("1")
+                    killed = True
                 except OSError:
                     pass
-        time.sleep(0.05)
+        if killed:
+            time.sleep(0.05)  # (what the kill reached is gone before its folder is removed)
         for dirpath, _dirs, _files in walk:
             try:
                 os.rmdir(dirpath)
