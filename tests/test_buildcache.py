@@ -114,6 +114,29 @@ def test_a_cached_file_others_could_have_written_is_not_used(tmp_path: Path, how
     assert not (tmp_path / "out").exists()
 
 
+def test_a_read_only_cache_is_read_and_never_fails_a_start(tmp_path: Path) -> None:
+    # A host whose /var/cache is read-only to the worker (a systemd ProtectSystem=strict
+    # unit, a container's read-only root): what is there is used, nothing new is kept, and
+    # neither raises (keeping used to fail the start on its clean-up's unlink, EROFS).
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "cachefs", str(ro)], check=True)
+    try:
+        cache = BuildCache(ro / "cache")
+        built = tmp_path / "built"
+        built.write_bytes(b"kept while writable")
+        cache.keep("tool-1", built)
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        late = BuildCache(ro / "cache")  # (a worker started after the remount)
+        assert late.fetch("tool-1", tmp_path / "out", 0o755)
+        assert (tmp_path / "out").read_bytes() == b"kept while writable"
+        late.keep("tool-2", built)
+        assert not late.fetch("tool-2", tmp_path / "out2", 0o755)
+        assert not (ro / "cache" / "tool-2").exists()
+    finally:
+        subprocess.run(["umount", "--lazy", str(ro)], check=True)
+
+
 async def test_the_c_helpers_are_compiled_once_per_host(
     tmp_path: Path, roots: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,7 +216,9 @@ async def test_a_compiled_shim_kept_half_way_is_compiled_again(tmp_path: Path, r
     assert listing.exists()  # and kept again
 
 
-async def test_the_java_shim_from_the_cache_is_the_one_javac_made(tmp_path: Path, roots: list[Path]) -> None:
+async def test_the_java_shim_from_the_cache_is_the_one_javac_made(
+    tmp_path: Path, roots: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     manifest = parse_manifest((REPO_ROOT / "sandbox-profiles" / "languages" / "java.toml").read_text(), "java.toml")
     if manifest.prestart is None or manifest.compile is None:
         pytest.skip("java.toml prestarts no compiled shim")
@@ -210,6 +235,8 @@ async def test_the_java_shim_from_the_cache_is_the_one_javac_made(tmp_path: Path
     pdir = REPO_ROOT / "sandbox-profiles"
     builds = await build_compiled_shims(pdir, first, {manifest.prestart: compiler}, cache=cache)
     assert builds.files[manifest.prestart], "javac made nothing"
+    started = _no_builds(monkeypatch)
     again = await build_compiled_shims(pdir, second, {manifest.prestart: compiler}, cache=cache)
+    assert started == []
     assert again.files == builds.files
     assert [m.partition(":")[2] for m in again.compile_mounts] == [m.partition(":")[2] for m in builds.compile_mounts]

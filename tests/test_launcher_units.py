@@ -201,10 +201,13 @@ def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, m
 
     started: list[str] = []
     spawn_api = Stack._spawn_api
+    api: list[subprocess.Popen[bytes]] = []
 
     def api_noted(self: Stack) -> Any:
         started.append("api")
-        return spawn_api(self)
+        wait = spawn_api(self)
+        api.append(self.procs["api"])
+        return wait
 
     def soketi_fails(self: Stack) -> Any:
         if how == "cannot be started":
@@ -221,7 +224,8 @@ def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, m
     with pytest.raises(RuntimeError, match="soketi would not start"), stack:
         pass
     assert started == ([] if how == "cannot be started" else ["api"])
-    assert stack.procs == {}  # all stopped
+    assert all(proc.poll() is not None for proc in api)  # the API spawned beside soketi ended too
+    assert stack.procs == {}
     assert not stack.data_dir.exists()
 
 

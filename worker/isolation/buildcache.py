@@ -5,7 +5,7 @@ the languages it prestarts (Java's with javac) once per work root: about a secon
 most of a worker's start. Each deployment has a work root of its own under /run, so every
 new deployment on a host, and every deployment after a reboot, paid it again. The outputs
 are named by a digest of everything that went into them (source, flags, command, the
-toolchain's version), so one made for another deployment is the same file: the cache
+compiler or toolchain and its version), so one made for another deployment is the same file: the cache
 (SANDBOX_BUILD_CACHE) keeps a copy of each under that name, and a worker copies it into
 its work root instead of building it again.
 
@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 __all__ = ["NO_CACHE", "BuildCache"]
@@ -50,19 +51,25 @@ class BuildCache:
         except OSError as exc:  # a link (ELOOP), or unreadable
             log.warning("build cache: %s is not used (%s)", source, exc)
             return False
+        tmp: str | None = None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or not _owned_by_me_alone(info):
                 log.warning("build cache: %s is not used (not a plain file that only this user could have written)", source)
                 return False
-            tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-            with open(fd, "rb", closefd=False) as src, open(tmp, "wb") as out:
+            out_fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+            with open(fd, "rb", closefd=False) as src, open(out_fd, "wb") as out:
                 shutil.copyfileobj(src, out)
             os.chmod(tmp, mode)
             os.replace(tmp, dest)
+            tmp = None
             return True
+        except OSError as exc:  # (a full or failing disk: built instead)
+            log.warning("build cache: %s could not be copied out (%s)", source, exc)
+            return False
         finally:
             os.close(fd)
+            _discard(tmp)
 
     def keep(self, name: str, built: Path) -> None:
         """Keep a copy of `built` as `name` (best effort: a cache that cannot take it costs
@@ -70,14 +77,23 @@ class BuildCache:
         if not self._ready():
             return
         assert self.folder is not None
-        tmp = self.folder / f".{name}.tmp{os.getpid()}"
+        tmp: str | None = None
         try:
-            shutil.copyfile(built, tmp)
-            os.chmod(tmp, 0o600)
+            # A name of its own (workers of other pid namespaces may keep the same file at
+            # once), synced before the rename: a crash never leaves a cut-off file under
+            # the final name, which nothing would ever build again.
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.")
+            with open(fd, "wb") as out, open(built, "rb") as src:
+                shutil.copyfileobj(src, out)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, self.folder / name)
-        except OSError as exc:
+            tmp = None
+            _sync_folder(self.folder)
+        except OSError as exc:  # (read-only, full: the next deployment builds it again)
             log.warning("build cache: could not keep %s (%s)", name, exc)
-            tmp.unlink(missing_ok=True)
+        finally:
+            _discard(tmp)
 
     def _ready(self) -> bool:
         """Whether the folder exists (made if need be) and only this user can write to it."""
@@ -105,6 +121,22 @@ class BuildCache:
 
 def _owned_by_me_alone(info: os.stat_result) -> bool:
     return info.st_uid == os.geteuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _discard(tmp: str | None) -> None:
+    if tmp is not None:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass  # (read-only: nothing was made there either)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # No cache: every build is made (the helpers' own tests, SANDBOX_BUILD_CACHE empty).

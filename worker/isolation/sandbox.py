@@ -242,7 +242,8 @@ async def build_compiled_shims(
         if not source.is_file():
             continue
         argv = expand_argv(how.argv, entry=shim, sources=[shim], args=[], memory_mb=how.memory_mb)
-        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), how.version.encode()]))
+        archive_make = [] if how.archive is None else how.archive.make
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in [*argv, *archive_make]), how.version.encode()]))
         prefix = f"prestart-build-{key.hexdigest()[:16]}-"
         archive = work_root / f".compiler-archive-{key.hexdigest()[:16]}"
         # Written under another name first: a half-written archive must never be used.
@@ -337,17 +338,20 @@ _BARE_FLAGS = (
 
 
 async def _compile(source_path: Path, work_root: Path, name: str, cache: BuildCache = NO_CACHE) -> Path:
-    """Compile one of the C helpers once per version of its source and of bare.h; returns
-    the binary's path."""
+    """Compile one of the C helpers once per version of its source, of bare.h and of the
+    compiler; returns the binary's path."""
+    # gcc by name first: the flags are gcc's (another `cc` may ignore the one that keeps loops
+    # from becoming calls to a C library that is not there; the link would then fail).
+    compiler = shutil.which("gcc") or shutil.which("cc")
     digest = hashlib.sha256(source_path.read_bytes() + BARE_HEADER.read_bytes() + " ".join(_BARE_FLAGS).encode())
+    # The compiler by its installed file (an upgrade replaces it): a build kept in the cache
+    # outlives reboots, where one in the work root (under /run) never did.
+    digest.update(_file_identity(compiler).encode())
     dest = work_root / f".{name}-{digest.hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
     if cache.fetch(dest.name.lstrip("."), dest, 0o755):
         return dest
-    # gcc by name first: the flags are gcc's (another `cc` may ignore the one that keeps loops
-    # from becoming calls to a C library that is not there; the link would then fail).
-    compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise GateBuildError(f"a C compiler (gcc) is needed once at start-up to build the jail {name} (apt install gcc)")
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
@@ -362,6 +366,18 @@ async def _compile(source_path: Path, work_root: Path, name: str, cache: BuildCa
     os.replace(tmp, dest)
     cache.keep(dest.name.lstrip("."), dest)
     return dest
+
+
+def _file_identity(path: str | None) -> str:
+    """Which file `path` resolves to, and which version of it (size and change time)."""
+    if path is None:
+        return "none"
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+    except OSError:
+        return real
+    return f"{real}:{info.st_size}:{info.st_mtime_ns}"
 
 
 @dataclass(frozen=True)
