@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -286,6 +287,19 @@ async def test_ping_once_answers_at_once_and_never_retries(server: Server, plain
         await client.ping_once()
         assert await plain.client_kill_filter(_type="normal", skipme=True) >= 1
         await client.ping_once()  # the kept connection had broken: a new one answers
+        # The connection lost with the PING itself in flight: sent once more, on a new one.
+        lean = client._lean
+        assert lean is not None
+        send = lean.send
+
+        def lost_in_flight(data: bytes, count: int | None = None) -> asyncio.Future[Any]:
+            future = send(data, count)
+            lean._end(RedisConnectionError("lost with the PING in flight"))
+            return future
+
+        lean.send = lost_in_flight  # type: ignore[method-assign]
+        await client.ping_once()
+        assert client._lean is not lean
         server.stop()
         began = time.monotonic()
         with pytest.raises(RedisConnectionError):
