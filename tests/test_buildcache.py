@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,34 @@ def test_a_read_only_cache_is_read_and_never_fails_a_start(tmp_path: Path) -> No
         assert not (ro / "cache" / "tool-2").exists()
     finally:
         subprocess.run(["umount", "--lazy", str(ro)], check=True)
+
+
+def test_builds_nobody_used_for_a_month_and_crash_leftovers_are_pruned(tmp_path: Path) -> None:
+    cache = BuildCache(tmp_path / "cache")
+    built = tmp_path / "built"
+    built.write_bytes(b"x")
+    for name in ("used-lately", "used-long-ago", "fetched-today"):
+        cache.keep(name, built)
+    folder = tmp_path / "cache"
+    (folder / ".kept-half-way.abc").write_bytes(b"cut off")
+    (folder / ".keeping-now.def").write_bytes(b"being written")
+    now = time.time()
+    for name, age_s in [
+        ("used-lately", 29 * 86400),
+        ("used-long-ago", 31 * 86400),
+        ("fetched-today", 40 * 86400),
+        (".kept-half-way.abc", 2 * 3600),
+        (".keeping-now.def", 10),
+    ]:
+        os.utime(folder / name, (now - age_s, now - age_s))
+    assert cache.fetch("fetched-today", tmp_path / "out", 0o755)  # a use renews it
+    assert sorted(cache.prune()) == [".kept-half-way.abc", "used-long-ago"]
+    assert sorted(p.name for p in folder.iterdir()) == [".keeping-now.def", "fetched-today", "used-lately"]
+    # A folder that is not the worker's alone is left as it is.
+    os.utime(folder / "used-lately", (now - 90 * 86400, now - 90 * 86400))
+    os.chmod(folder, 0o770)
+    assert BuildCache(folder).prune() == []
+    assert (folder / "used-lately").exists()
 
 
 async def test_the_c_helpers_are_compiled_once_per_host(

@@ -14,6 +14,10 @@ is used only if this process could have written it itself and nobody else could 
 cache folder and the file must be owned by this process's user and writable by nobody
 else, and the file must be a plain file (not a link). Anything else is not used (and said
 once in the log); the worker then builds as before.
+
+Each use renews a file's time; a worker's start removes what no worker has used for
+UNUSED_FOR_S (builds of sources, compilers and toolchains long replaced) and temporary
+files a crash left.
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["NO_CACHE", "BuildCache"]
 
 log = logging.getLogger(__name__)
+
+# A cached build nobody has fetched or kept for this long is removed at a worker's start.
+UNUSED_FOR_S = 30 * 86400
+# A temporary file this old is a crash's leftover (a keep takes well under a second).
+LEFTOVER_AFTER_S = 3600
 
 
 class BuildCache:
@@ -63,6 +73,10 @@ class BuildCache:
             os.chmod(tmp, mode)
             os.replace(tmp, dest)
             tmp = None
+            try:
+                os.utime(fd)  # (in use: kept by prune)
+            except OSError:
+                pass  # a read-only cache: nothing is pruned there either
             return True
         except OSError as exc:  # (a full or failing disk: built instead)
             log.warning("build cache: %s could not be copied out (%s)", source, exc)
@@ -94,6 +108,29 @@ class BuildCache:
             log.warning("build cache: could not keep %s (%s)", name, exc)
         finally:
             _discard(tmp)
+
+    def prune(self, unused_for_s: float = UNUSED_FOR_S, leftover_after_s: float = LEFTOVER_AFTER_S) -> list[str]:
+        """Remove the builds nobody used for `unused_for_s` and temporary files older than
+        `leftover_after_s`; returns their names."""
+        if not self._ready():
+            return []
+        assert self.folder is not None
+        now = time.time()
+        removed: list[str] = []
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError:
+            return []
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+                age = now - info.st_mtime
+                if age > (leftover_after_s if entry.name.startswith(".") else unused_for_s):
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+            except OSError:
+                continue  # (gone meanwhile, or a read-only cache)
+        return removed
 
     def _ready(self) -> bool:
         """Whether the folder exists (made if need be) and only this user can write to it."""
