@@ -56,6 +56,8 @@ MAX_WORKERS = 10
 # What supervise_services restarts, and how long one start may take to answer.
 SUPERVISED_SERVICES = ("soketi", "api")
 SERVICE_START_S = 30.0
+# How long a service (the API, soketi, Redis) is given to stop before SIGKILL.
+SERVICE_STOP_S = 15.0
 
 # ioredis options of soketi's Redis adapter clients (the compose file says the same): commands
 # wait for a Redis that comes back rather than fail after two tries (see _start_soketi).
@@ -793,9 +795,9 @@ class Stack:
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int | None:
         """Stop one child (its whole process group); a supervised worker stays stopped. A
-        worker is given worker_stop_s before SIGKILL unless told otherwise, a service 15 s."""
+        worker is given worker_stop_s before SIGKILL unless told otherwise, a service SERVICE_STOP_S."""
         if timeout_s is None:
-            timeout_s = self.worker_stop_s if name in self._worker_index else 15.0
+            timeout_s = self.worker_stop_s if name in self._worker_index else SERVICE_STOP_S
         with self._lock:
             proc = self.procs.get(name)
             if name in self._worker_index:
@@ -816,7 +818,7 @@ class Stack:
         # within their grace), then the API and soketi together (each waits out a short
         # grace of its own), and Redis last.
         _terminate(workers, signal.SIGTERM, self.worker_stop_s)
-        _terminate([self.procs[name] for name in ("api", "soketi") if name in self.procs], signal.SIGTERM, 15.0)
+        _terminate([self.procs[name] for name in ("api", "soketi") if name in self.procs], signal.SIGTERM, SERVICE_STOP_S)
         self.stop_process("redis")
         self.procs.clear()
 

@@ -50,44 +50,67 @@ class BuildCache:
     def fetch(self, name: str, dest: Path, mode: int) -> bool:
         """Copy the cached `name` to `dest` (whole or not at all) with `mode`; False if the
         cache has no usable copy of it."""
-        if not self._ready():
-            return False
-        assert self.folder is not None
-        source = self.folder / name
-        try:
-            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:  # a link (ELOOP), or unreadable
-            log.warning("build cache: %s is not used (%s)", source, exc)
+        fd = self._open_trusted(name)
+        if fd is None:
             return False
         tmp: str | None = None
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or not _owned_by_me_alone(info):
-                log.warning("build cache: %s is not used (not a plain file that only this user could have written)", source)
-                return False
             out_fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
             with open(fd, "rb", closefd=False) as src, open(out_fd, "wb") as out:
                 shutil.copyfileobj(src, out)
             os.chmod(tmp, mode)
             os.replace(tmp, dest)
             tmp = None
-            try:
-                os.utime(fd)  # (in use: kept by prune)
-            except OSError:
-                pass  # a read-only cache: nothing is pruned there either
             return True
         except OSError as exc:  # (a full or failing disk: built instead)
-            log.warning("build cache: %s could not be copied out (%s)", source, exc)
+            log.warning("build cache: %s could not be copied out (%s)", name, exc)
             return False
         finally:
             os.close(fd)
             _discard(tmp)
 
-    def keep(self, name: str, built: Path) -> None:
-        """Keep a copy of `built` as `name` (best effort: a cache that cannot take it costs
-        the next deployment a build, nothing more)."""
+    def read(self, name: str) -> bytes | None:
+        """The cached `name`'s bytes (a small file), or None if the cache has no usable copy."""
+        fd = self._open_trusted(name)
+        if fd is None:
+            return None
+        try:
+            with open(fd, "rb", closefd=False) as src:
+                return src.read()
+        except OSError as exc:
+            log.warning("build cache: %s could not be read (%s)", name, exc)
+            return None
+        finally:
+            os.close(fd)
+
+    def _open_trusted(self, name: str) -> int | None:
+        """A descriptor of the cached `name` if it is a plain file only this user could
+        have written (see the module docstring), else None."""
+        if not self._ready():
+            return None
+        assert self.folder is not None
+        source = self.folder / name
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # a link (ELOOP), or unreadable
+            log.warning("build cache: %s is not used (%s)", source, exc)
+            return None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or not _owned_by_me_alone(info):
+            os.close(fd)
+            log.warning("build cache: %s is not used (not a plain file that only this user could have written)", source)
+            return None
+        try:
+            os.utime(fd)  # (in use: kept by prune)
+        except OSError:
+            pass  # a read-only cache: nothing is pruned there either
+        return fd
+
+    def keep(self, name: str, built: Path | bytes) -> None:
+        """Keep a copy of `built` (a file, or its bytes) as `name` (best effort: a cache
+        that cannot take it costs the next deployment a build, nothing more)."""
         if not self._ready():
             return
         assert self.folder is not None
@@ -97,8 +120,12 @@ class BuildCache:
             # once), synced before the rename: a crash never leaves a cut-off file under
             # the final name, which nothing would ever build again.
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.")
-            with open(fd, "wb") as out, open(built, "rb") as src:
-                shutil.copyfileobj(src, out)
+            with open(fd, "wb") as out:
+                if isinstance(built, bytes):
+                    out.write(built)
+                else:
+                    with open(built, "rb") as src:
+                        shutil.copyfileobj(src, out)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.folder / name)

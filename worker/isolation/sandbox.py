@@ -272,13 +272,8 @@ def _fetch_build(cache: BuildCache, prefix: str, gate_dir: Path, work_root: Path
     """A compiled shim's files (and its compiler archive) from the cache, staged; [] if the
     cache has not all of them. Its list of files is kept last, so a build kept half-way
     (a worker stopped mid-keep) is never taken for a whole one."""
-    listing = work_root / f".fetched-{prefix}files"
-    if not cache.fetch(f"{prefix}files", listing, 0o600):
-        return []
-    try:
-        names = [prefix + name for name in listing.read_text().split()]
-    finally:
-        listing.unlink(missing_ok=True)
+    listing = cache.read(f"{prefix}files")
+    names = [prefix + name for name in listing.decode(errors="replace").split()] if listing else []
     if not names or (archive is not None and not cache.fetch(archive.name.lstrip("."), archive, 0o444)):
         return []
     if not _fetch_staged(cache, names, gate_dir, work_root):
@@ -290,12 +285,7 @@ def _keep_build(cache: BuildCache, prefix: str, staged: list[Path], archive: Pat
     if archive is not None:
         cache.keep(archive.name.lstrip("."), archive)
     _keep_staged(cache, staged)
-    with tempfile.NamedTemporaryFile("w", dir=staged[0].parent.parent, prefix=".files-", delete=False) as listing:
-        listing.write("\n".join(path.name.removeprefix(prefix) for path in staged) + "\n")
-    try:
-        cache.keep(f"{prefix}files", Path(listing.name))
-    finally:
-        os.unlink(listing.name)
+    cache.keep(f"{prefix}files", "".join(f"{path.name.removeprefix(prefix)}\n" for path in staged).encode())
 
 
 def _archive_making(argv: list[str], archive: CompilerArchive, dest: Path) -> list[str]:

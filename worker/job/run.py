@@ -429,8 +429,7 @@ class JobRun:
             return
         await self._deliver_before_hand_back()
         self._finished = True
-        if not await self.ctx.redis_answers():
-            log.warning("job %s: could not hand it back (Redis does not answer); recovery will re-queue it", self.job_id)
+        if not await self._redis_answers_at_stop():
             return
         try:
             await asyncio.wait_for(
@@ -438,6 +437,14 @@ class JobRun:
             )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("job %s: could not hand it back (%s); recovery will re-queue it", self.job_id, exc)
+
+    async def _redis_answers_at_stop(self) -> bool:
+        """Whether a stopping worker's hand-back is worth trying (worker.messaging.probe);
+        if not, the claim stays for recovery to re-queue."""
+        if await self.ctx.redis_answers():
+            return True
+        log.warning("job %s: could not hand it back (Redis does not answer); recovery will re-queue it", self.job_id)
+        return False
 
     async def _deliver_before_hand_back(self) -> None:
         """A job that went live has its events delivered before it goes back to the queue:
@@ -487,9 +494,7 @@ class JobRun:
         if signal == "handback":
             await self._deliver_before_hand_back()
             self._finished = True
-            if not await self.ctx.redis_answers():
-                log.warning("job %s: could not hand it back (Redis does not answer); recovery will re-queue it", self.job_id)
-            elif await self._hand_back():
+            if await self._redis_answers_at_stop() and await self._hand_back():
                 log.info("job %s: handed back to the queue (worker stopping)", self.job_id)
         elif signal == "kill":
             await self._finish_without_run(Outcome.KILLED, killed_message)
