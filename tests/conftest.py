@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import os
 import threading
@@ -56,7 +57,17 @@ def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
 
 
 def _end_the_run(out: Any, nodeid: str) -> None:
-    out.write(f"\nwatchdog: {nodeid} has run for {WATCHDOG_S:g} s, setup to teardown; every thread's stack:\n")
+    out.write(f"\nwatchdog: {nodeid} has run for {WATCHDOG_S:g} s, setup to teardown\n")
+    # A hung loop shows only its select() in the threads' stacks: what it waits for is in
+    # its tasks. (Read from this thread while the loop's waits, which is all it does then.)
+    try:
+        pending = [task for task in list(getattr(asyncio.tasks, "_all_tasks", ())) if not task.done()]
+    except RuntimeError:  # (the set changed while being read: the loop is not hung after all)
+        pending = []
+    for task in pending:
+        out.write(f"pending: {task!r}\n")
+        task.print_stack(limit=12, file=out)
+    out.write("every thread's stack:\n")
     faulthandler.dump_traceback(out, all_threads=True)
     out.flush()
     os._exit(1)
