@@ -30,6 +30,7 @@ from worker.isolation.buildcache import BuildCache
 from worker.isolation.cgroups import CgroupError, detect_layout
 from worker.isolation.forkserver import ForkServer, find_forkserver
 from worker.isolation.memory import MemoryAdmission
+from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import (
     GateBuildError,
     SandboxFactory,
@@ -181,7 +182,7 @@ async def _prepare(
             shims = stage_prestart_shims(pdir, work_root)
             caches = await build_prestart_caches(pdir, work_root, _prestart_caches(runtimes), cache=cache)
             builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes), cache=cache)
-            cache.prune()
+            await off_loop(cache.prune)
         except GateBuildError as exc:
             raise SandboxUnavailable(str(exc)) from None
         manifest_mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})

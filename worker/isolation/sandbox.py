@@ -165,10 +165,10 @@ async def build_prestart_caches(
         key = hashlib.sha256(b"\0".join([source.read_bytes(), *(a.encode() for a in argv), version.encode()]))
         prefix = f"prestart-cache-{key.hexdigest()[:16]}-"
         staged = gate_dir / (prefix + wanted.file)
-        if not staged.is_file() and not _fetch_staged(cache, [staged.name], gate_dir, work_root):
+        if not staged.is_file() and not await off_loop(_fetch_staged, cache, [staged.name], gate_dir, work_root):
             built = await _compile_shim(source, argv, work_root, timeout_s, gate_dir, prefix)
             if staged in built:
-                _keep_staged(cache, [staged])
+                await off_loop(_keep_staged, cache, [staged])
         if staged.is_file():
             made[shim] = (wanted.file, staged)
     return made
@@ -250,7 +250,7 @@ async def build_compiled_shims(
         fresh = archive.with_name(f"{archive.name}.tmp{os.getpid()}")
         kept = sorted(p for p in gate_dir.glob(f"{prefix}*") if p.is_file())
         if not kept or (how.archive is not None and not archive.is_file()):
-            kept = _fetch_build(cache, prefix, gate_dir, work_root, archive if how.archive is not None else None)
+            kept = await off_loop(_fetch_build, cache, prefix, gate_dir, work_root, archive if how.archive is not None else None)
         if not kept or (how.archive is not None and not archive.is_file()):
             making = argv if how.archive is None else _archive_making(argv, how.archive, fresh)
             kept = await _compile_shim(source, making, work_root, timeout_s, gate_dir, prefix)
@@ -260,7 +260,7 @@ async def build_compiled_shims(
                 else:
                     fresh.unlink()
             if kept and (how.archive is None or archive.is_file()):
-                _keep_build(cache, prefix, kept, archive if how.archive is not None else None)
+                await off_loop(_keep_build, cache, prefix, kept, archive if how.archive is not None else None)
         if kept:
             builds.files[shim] = [(path.name.removeprefix(prefix), path.read_bytes()) for path in kept]
         if how.archive is not None and archive.is_file():
@@ -340,7 +340,7 @@ async def _compile(source_path: Path, work_root: Path, name: str, cache: BuildCa
     dest = work_root / f".{name}-{digest.hexdigest()[:16]}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
-    if cache.fetch(dest.name.lstrip("."), dest, 0o755):
+    if await off_loop(cache.fetch, dest.name.lstrip("."), dest, 0o755):
         return dest
     if compiler is None:
         raise GateBuildError(f"a C compiler (gcc) is needed once at start-up to build the jail {name} (apt install gcc)")
@@ -354,7 +354,7 @@ async def _compile(source_path: Path, work_root: Path, name: str, cache: BuildCa
         raise GateBuildError(f"building the jail {name} failed: {out.decode(errors='replace')[-400:]}")
     os.chmod(tmp, 0o755)
     os.replace(tmp, dest)
-    cache.keep(dest.name.lstrip("."), dest)
+    await off_loop(cache.keep, dest.name.lstrip("."), dest)
     return dest
 
 
