@@ -27,7 +27,7 @@ from shared.paths import LOCAL_NSJAIL, profiles_dir
 from shared.settings import Settings, load_settings
 from worker.callbacks import callback_sender
 from worker.isolation.buildcache import BuildCache
-from worker.isolation.cgroups import CgroupError, detect_layout
+from worker.isolation.cgroups import CgroupError, CgroupLayout, detect_layout
 from worker.isolation.forkserver import ForkServer, find_forkserver
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.offload import off_loop
@@ -144,6 +144,32 @@ def _swaps(path: str) -> str:
         return ""
 
 
+def _host_cgroups(settings: Settings) -> tuple[CgroupLayout, int]:
+    """The host's cgroup layout, made ready for this deployment's jails, and the memory they
+    may use together (blocking: reads /proc, writes cgroup files)."""
+    layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
+    layout.check_namespace(Path("/proc/self/mountinfo").read_text())
+    ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text(), layout.root_memory_limit_bytes())
+    layout.prepare(ceiling)
+    if layout.swap_unbounded(_swaps(settings.sandbox_swaps_file)):
+        # A job could swap past its memoryMb, and every slot thrash the host: the
+        # contract is an OOM kill at the limit, never thrashing.
+        raise CgroupError(
+            "swap is on, but this host's cgroup memory controller cannot bound a job's swap "
+            "(no memory.memsw.* on v1, no memory.swap.max on v2): turn swap off, or boot with swapaccount=1"
+        )
+    return layout, ceiling
+
+
+def _toolchain_mounts(pdir: Path, work_root: Path, manifest_mounts: list[str]) -> list[str]:
+    """The manifests' toolchain folders, checked and exposed under the work root (blocking:
+    reads the mount tables, mounts)."""
+    check_no_writable_submounts(
+        bind_sources((pdir / "base.cfg").read_text(), manifest_mounts), Path("/proc/self/mountinfo").read_text()
+    )
+    return expose_mounts(manifest_mounts, work_root, Path("/proc/self/mounts").read_text())
+
+
 async def _prepare(
     settings: Settings, worker_id: str, uids: UidLease | None
 ) -> tuple[SandboxFactory, dict[str, Runtime]]:
@@ -154,22 +180,12 @@ async def _prepare(
     if not (pdir / "base.cfg").is_file():
         raise SandboxUnavailable(f"sandbox profile {pdir / 'base.cfg'} is missing (set SANDBOX_PROFILES_DIR)")
     try:
-        layout = detect_layout(settings.sandbox_cgroup_name, Path(settings.sandbox_mounts_file).read_text())
-        layout.check_namespace(Path("/proc/self/mountinfo").read_text())
-        ceiling = jobs_memory_bytes(settings, Path("/proc/meminfo").read_text(), layout.root_memory_limit_bytes())
-        layout.prepare(ceiling)
-        if layout.swap_unbounded(_swaps(settings.sandbox_swaps_file)):
-            # A job could swap past its memoryMb, and every slot thrash the host: the
-            # contract is an OOM kill at the limit, never thrashing.
-            raise CgroupError(
-                "swap is on, but this host's cgroup memory controller cannot bound a job's swap "
-                "(no memory.memsw.* on v1, no memory.swap.max on v2): turn swap off, or boot with swapaccount=1"
-            )
+        layout, ceiling = await off_loop(_host_cgroups, settings)
     except (CgroupError, OSError) as exc:
         raise SandboxUnavailable(str(exc)) from None
     work_root = Path(settings.sandbox_work_root)
-    work_root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    runtimes = await discover_runtimes(load_manifests(pdir))
+    await off_loop(work_root.mkdir, parents=True, exist_ok=True, mode=0o711)
+    runtimes = await discover_runtimes(await off_loop(load_manifests, pdir))
     if not runtimes:
         raise SandboxUnavailable(f"no language toolchain found for the manifests in {pdir / 'languages'}")
     # Workers starting together on one host share the work root's gate and toolchain
@@ -179,7 +195,7 @@ async def _prepare(
         try:
             gate = await build_gate(work_root, cache)
             enter = await build_enter(work_root, cache)
-            shims = stage_prestart_shims(pdir, work_root)
+            shims = await off_loop(stage_prestart_shims, pdir, work_root)
             caches = await build_prestart_caches(pdir, work_root, _prestart_caches(runtimes), cache=cache)
             builds = await build_compiled_shims(pdir, work_root, _shim_compilers(runtimes), cache=cache)
             await off_loop(cache.prune)
@@ -187,10 +203,7 @@ async def _prepare(
             raise SandboxUnavailable(str(exc)) from None
         manifest_mounts = sorted({m for r in runtimes.values() for m in r.manifest.mounts})
         try:
-            check_no_writable_submounts(
-                bind_sources((pdir / "base.cfg").read_text(), manifest_mounts), Path("/proc/self/mountinfo").read_text()
-            )
-            mounts = expose_mounts(manifest_mounts, work_root, Path("/proc/self/mounts").read_text())
+            mounts = await off_loop(_toolchain_mounts, pdir, work_root, manifest_mounts)
         except ToolchainError as exc:
             raise SandboxUnavailable(str(exc)) from None
     factory = SandboxFactory(
