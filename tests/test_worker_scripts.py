@@ -36,6 +36,7 @@ from worker.isolation.janitor import _declare
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import Uncharged
 from worker.job.artifacts import RedisArtifactStore
+from worker.job.batch import BatchProgress
 from worker.job.run import JobRun, Plan
 from worker.job.supervise import StepFacts
 from worker.messaging.control import UNSUBSCRIBE_WITHIN_S, ControlBus
@@ -568,6 +569,26 @@ async def test_a_failure_once_the_program_ran_is_never_internal_error(
         assert (result["outcome"], result["message"]) == ("lost", "sandbox failure: nsjail exited with 255"), result
     else:
         assert (result["outcome"], result["exitCode"]) == ("completed", 3), result
+
+
+@pytest.mark.parametrize("where", ["before the go", "a batch under way"])
+async def test_a_failure_between_the_running_mark_and_the_go_is_internal_error(
+    redis: Redis, queue: WorkerQueue, where: str
+) -> None:
+    # Marked running (never handed back from there), then a failure before the program's go
+    # (the mark's append given up in an outage, a cgroup read that failed): nothing of the
+    # user's ran, so the job is safe to submit again, as a stop at that point is judged
+    # (review: it ended `lost`). A batch whose cases had begun is lost.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim)
+    await run._mark_running()
+    if where == "a batch under way":
+        run._batch = BatchProgress([TestCase()], asyncio.get_running_loop().time())
+    await run._abort("internal error in the worker")
+    status = await redis.hgetall(keys.status_key(claim.spec.job_id))
+    assert status[b"started"] == b"1"
+    result = json.loads(status[b"result"])
+    assert result["outcome"] == ("internal_error" if where == "before the go" else "lost"), result
 
 
 async def test_a_job_whose_count_fell_behind_its_log_numbers_its_result_after_it(

@@ -1271,8 +1271,12 @@ class JobRun:
                 return  # (its sandbox goes in the run's own teardown)
         if outcome is None:
             # SPEC: internal_error says no user code ran, so the job is safe to submit again;
-            # past the program's start that is no longer true, and the job is lost.
-            outcome = Outcome.LOST if self._program_started else Outcome.INTERNAL_ERROR
+            # past the program's go (or a batch's first case) that is no longer true, and the
+            # job is lost. Marked running is not enough: a failure between that mark and the
+            # go (the mark's own append given up in an outage, a cgroup read before the go)
+            # ran nothing of the user's, as a stop there is judged (_cancelled).
+            ran = self._program_started_at is not None or self._batch is not None
+            outcome = Outcome.LOST if ran else Outcome.INTERNAL_ERROR
         result = self._result_so_far(outcome, message)  # (its time: not the teardown's)
         try:
             await self._destroy()
