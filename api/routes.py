@@ -524,8 +524,10 @@ async def job_output(request: Request) -> Response:
     raw_wait = request.query_params.get("waitMs", "0")
     if not re.fullmatch(r"[0-9]+", raw_wait):
         raise ValidationError([FieldError("waitMs", "must be a non-negative integer")])
-    # Any longer wait is the longest one (read without int(): thousands of digits are slow).
-    wait_ms = MAX_WAIT_MS if len(raw_wait.lstrip("0")) > 9 else min(int(raw_wait), MAX_WAIT_MS)
+    # Any longer wait is the longest one (read without int(): thousands of digits are slow,
+    # and past 4300 of them, leading zeros included, int() refuses the text).
+    digits = raw_wait.lstrip("0") or "0"
+    wait_ms = MAX_WAIT_MS if len(digits) > 9 else min(int(digits), MAX_WAIT_MS)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_ms / 1000
     store = state.store
