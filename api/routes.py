@@ -51,7 +51,7 @@ from shared.messages import (
     output_without_run,
 )
 from shared.pusher import channel_auth, valid_socket_id
-from shared.runresult import OutputGone, run_result_pieces
+from shared.runresult import SLICE_BYTES, OutputGone, run_result_pieces
 from shared.validation import check_args, check_files, check_stdin, check_tests, file_refs, spec_files
 
 __all__ = ["routes"]
@@ -622,14 +622,36 @@ async def _output_response(
     that never read a 16 MiB job's output held 620 MB of the API (each its slice and the
     slice's encoded copies, until the send timeout), and the loop stalled for seconds."""
     if not found.apart:
-        return Response(found.meta, media_type="application/json")
+        return _built_output(request, job_id, caller, slot, found.meta)
     if found.streams is not None:
         # Small: assembled from what came with the result, no further reads.
         try:
-            return Response(await whole_run_result(found.meta, *found.streams), media_type="application/json")
+            body = await whole_run_result(found.meta, *found.streams)
         except OutputGone:
             raise ApiError(404, NO_OUTPUT) from None
+        return _built_output(request, job_id, caller, slot, body)
     return _streamed_output(request, job_id, caller, slot, stream_run_result(state.store, job_id, found.meta))
+
+
+# A body built whole is sent as it is up to this size; past it, it holds an output slot.
+BUILT_BODY_MAX_BYTES = 256 * 1024
+
+
+def _built_output(request: Request, job_id: str, caller: str, slot: StreamSlot | None, body: bytes) -> Response:
+    """An output body already built: a big one holds one of the output slots until it is
+    sent, as a streamed one does. Streams under 64 KiB can still make a body of 786 KB
+    (JSON writes a control byte as six), and a batch's result holds its cases' output
+    itself (up to outputKb, 16 MiB): sent without a slot, connections that never read such
+    a body each held it until the send timeout (review)."""
+    if len(body) <= BUILT_BODY_MAX_BYTES:
+        return Response(body, media_type="application/json")
+    return _streamed_output(request, job_id, caller, slot, _slices_of(body))
+
+
+async def _slices_of(body: bytes) -> AsyncIterator[bytes]:
+    view = memoryview(body)
+    for at in range(0, len(body), SLICE_BYTES):
+        yield bytes(view[at : at + SLICE_BYTES])
 
 
 def _streamed_output(

@@ -356,6 +356,44 @@ def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: Sta
     assert not _error_lines(stack.log("api"))
 
 
+def test_a_big_output_built_whole_holds_an_output_slot_until_it_is_sent(make_stack: StackFactory) -> None:
+    # Review: a body built whole was sent without a slot. A batch's result holds its cases'
+    # output itself (up to outputKb), and streams under 64 KiB each can make a body six
+    # times their size (control bytes): connections that never read one each held it until
+    # the send timeout. Past 256 KiB such a body now holds an output slot.
+    stack = make_stack(MAX_OUTPUT_WAITS="3", MAX_OUTPUT_WAITS_PER_PRINCIPAL="2", MAX_OUTPUT_KB="16384")
+    api = Api(stack)
+    code = "import os\nfor _ in range(1024):\n    os.write(1, b'c' * 8192)\n"
+    job = api.execute(py_job(code, collectOutput=True, tests=[{"name": "big"}], limits={"outputKb": 16384}))
+    api.start(job)
+    assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
+    stalled = []
+    try:
+        stalled = _stalled_output_readers(stack, job, 2)
+        time.sleep(1.0)
+        with httpx.Client(base_url=api.url, timeout=30) as client:
+            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
+            assert "waits for output" in _refusal(refused, 429)["error"]
+            for conn in stalled:
+                conn.close()
+            stalled.clear()
+            (case,) = _output_once_the_slots_free(client, job).json()["tests"]
+            assert case["stdout"] == "c" * (8 << 20) and not case.get("outputCut"), {k: v for k, v in case.items() if k != "stdout"}
+        # One small enough is sent as it is, without a slot: all at once, never refused.
+        small = api.execute(py_job("print(1)", collectOutput=True))
+        api.start(small)
+        assert api.wait_state(small, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
+        stalled = _stalled_output_readers(stack, small, 3)
+        with httpx.Client(base_url=api.url, timeout=30) as client:
+            answer = client.get(f"/v1/jobs/{small['jobId']}/output", headers={"Authorization": f"Bearer {small['jobToken']}"})
+            assert answer.status_code == 200 and answer.json()["stdout"] == "1\n", answer.text
+    finally:
+        for conn in stalled:
+            conn.close()
+        api.close()
+    assert stack.procs["api"].poll() is None and not _error_lines(stack.log("api"))
+
+
 def test_a_lost_jobs_output_is_streamed_from_its_log_holding_a_slot(make_stack: StackFactory) -> None:
     # A collecting job lost with its worker answers what its log holds: that body was built
     # whole from the log, with no slot taken, so 20 connections that never read 16 MiB of it
