@@ -109,6 +109,15 @@ async def _resolve(target: CallbackTarget) -> list[IPAddress]:
         raise _refused(f"host {target.host} could not be resolved within {RESOLVE_TIMEOUT_S:.0f} s") from None
     except (socket.gaierror, UnicodeError) as exc:
         raise _refused(f"host {target.host} could not be resolved ({exc.args[-1] if exc.args else exc})") from None
+    except OSError:
+        # getaddrinfo's EAI_SYSTEM comes as a plain OSError (the lookup itself failed here,
+        # descriptors run out, say): this server's trouble, not the URL's.
+        raise ApiError(
+            503,
+            "callbackUrl's host could not be looked up right now; retry shortly",
+            headers={"Retry-After": "1"},
+            retryAfterMs=RESOLVE_RETRY_AFTER_MS,
+        ) from None
     found = {
         ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)
     }

@@ -354,6 +354,12 @@ async def test_submit_check_resolves_off_the_loop(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValidationError):
         await check_callback_url("https://10.0.0.1/", settings)
     assert asked == ["public.test", "mixed.test", "meta.test", "nowhere.test"]
+    # A failure of the lookup itself (EAI_SYSTEM is a plain OSError: descriptors run out) is
+    # the server's, not the URL's: a 503 to retry, not a 500 (review) nor a 400.
+    monkeypatch.setattr(api_callbacks, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    with pytest.raises(ApiError) as failed:
+        await check_callback_url("https://broken.test/", settings)
+    assert failed.value.status == 503 and "retry" in str(failed.value)
 
 
 async def test_names_that_never_resolve_hold_only_the_checks_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
