@@ -79,8 +79,10 @@ end
 _V4 = ipaddress.IPv4Network
 _V6 = ipaddress.IPv6Network
 
+# (168.63.129.16: Azure's host agent, WireServer, a public address only its VMs reach.)
 _METADATA = frozenset(
-    ipaddress.ip_address(a) for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254")
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "168.63.129.16", "fd00:ec2::254")
 )
 # (network, why) in the order they are judged. `private` ones yield to CALLBACK_ALLOW_PRIVATE.
 _ALWAYS_V4: tuple[tuple[_V4, str], ...] = (

@@ -194,7 +194,7 @@ REFUSED_ALWAYS = [
     "224.0.0.1", "239.255.255.250", "255.255.255.255", "240.0.0.1", "192.0.2.1", "198.51.100.7",
     "203.0.113.9", "198.18.0.1", "::", "fd00:ec2::254", "fe80::1", "ff02::1", "2001:db8::1",
     "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "2001:0:4136:e378::1", "::7f00:1",
-    "100::1",
+    "100::1", "168.63.129.16", "::ffff:168.63.129.16",
 ]  # fmt: skip
 REFUSED_UNLESS_PRIVATE = [
     "127.0.0.1", "127.255.0.9", "10.0.0.1", "172.16.0.1", "172.31.255.255", "192.168.1.1", "100.64.0.1",
@@ -229,6 +229,7 @@ def test_policy_allows_public(address: str) -> None:
 def test_policy_names_metadata() -> None:
     assert address_refusal(ipaddress.ip_address("169.254.169.254"), True) == "a cloud metadata address"
     assert address_refusal(ipaddress.ip_address("fd00:ec2::254"), True) == "a cloud metadata address"
+    assert address_refusal(ipaddress.ip_address("168.63.129.16"), False) == "a cloud metadata address"
     assert "embedded" in (address_refusal(ipaddress.ip_address("::ffff:10.1.2.3"), False) or "")
 
 
