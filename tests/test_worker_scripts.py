@@ -2166,6 +2166,38 @@ async def test_a_lost_reply_is_only_looked_up_never_run_again(redis: Redis, queu
     assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
 
 
+async def test_a_recovery_sent_again_after_its_lost_reply_leaves_the_job_claimed_again(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # The same stray as above, but the client itself sends the script again (its retry on a
+    # dropped connection), after the job was claimed into the same list and started (review):
+    # the second run must answer as the first did and touch nothing, not end the run `lost`.
+    first = await _claimed(redis, queue)
+    job = first.spec.job_id
+    real = queue._reap
+    sent: list[tuple[list[Any], list[Any]]] = []
+
+    async def reply_lost(keys: list[Any], args: list[Any]) -> Any:
+        sent.append((keys, args))
+        await real(keys=keys, args=args)
+        raise RedisConnectionError("the connection dropped before the reply")
+
+    queue._reap = reply_lost  # type: ignore[assignment]
+    with pytest.raises(RedisConnectionError):
+        await queue.recover_claims(queue.worker_id, only={job})
+    queue._reap = real  # type: ignore[assignment]
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job
+    await queue.advance(job, again.attempt, [(again.next_seq, "stage", "data", b'{"phase":"running"}')], started=True)
+    ((keys_sent, args_sent),) = sent
+    assert await real(keys=keys_sent, args=args_sent) == 1  # (re-queued, as the first run did)
+    status = await redis.hgetall(keys.status_key(job))
+    assert status[b"state"] == b"parked" and status[b"started"] == b"1", status  # (not lost)
+    assert int(status[b"attempt"]) == again.attempt and b"result" not in status
+    assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
+    assert await redis.llen(keys.QUEUE) == 0
+
+
 async def test_the_lanes_audience_look_and_late_replay_claim(redis: Redis, redis_stack: Any) -> None:
     # The look reads the mark, then the claim: the API's webhook script sets both at once, so a
     # look that finds its mark finds its claim. The claim is the lane's by its token, so a SET

@@ -370,11 +370,14 @@ _REAP = (
     + keys.UNSTARTED_GONE_LUA
     + keys.OUTCOME_OF_LUA
     + """
+-- This very script run again (its reply lost with a connection, the client sends it once
+-- more) answers as it did and does nothing else: the job it re-queued may have been claimed
+-- again since, into this same list (a worker's own stray), and started; and the result
+-- of one it ended is still published live.
+local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
+if mine[1] == ARGV[8] .. '/requeued' then return 1 end
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
-  -- This very script run again (its reply lost with a connection) answers as it did, so the
-  -- result it wrote is still published live.
-  local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
   if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3]} end
   return 0
 end
@@ -400,7 +403,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   unstarted_gone(KEYS[1])
   return {2, seq, data}
 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2], 'reapedBy', ARGV[8] .. '/requeued')
 redis.call('RPUSH', KEYS[3], ARGV[1])
 return 1
 """
