@@ -775,7 +775,12 @@ class WorkerQueue:
     async def take_id(self, lease_ms: int) -> bool:
         """Take this worker's id for a first lease, unless a live worker holds it (one atomic
         SET NX: two workers started together with one WORKER_ID cannot both pass)."""
-        return bool(await self.redis.set(keys.worker_alive_key(self.worker_id), self.incarnation, px=lease_ms, nx=True))
+        alive = keys.worker_alive_key(self.worker_id)
+        if await self.redis.set(alive, self.incarnation, px=lease_ms, nx=True):
+            return True
+        # The client sends a command again when its connection drops before the reply: a
+        # SET that landed the first time then finds its own value, which is this worker's.
+        return await self.redis.get(alive) == self.incarnation.encode()
 
     async def heartbeat(self, info: WorkerInfo, lease_ms: int) -> bytes:
         """Renew the lease; returns the dataset token (keys.DATASET), which changes when Redis
