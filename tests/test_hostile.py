@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import atexit
 import base64
+import ctypes
 import hashlib
+import mmap
 import os
 import re
 import signal
@@ -1372,6 +1374,12 @@ def test_jail_filter_stack(hostile_stack: Stack, clients: tuple[Api, Realtime]) 
     assert action(101) == action(321) == action(467) == KILL_PROCESS  # ptrace, bpf, open_tree_attr
     assert action(41, args=(2,)) == ERRNO | 1 and action(41, args=(1,)) == ALLOW  # socket: AF_INET, AF_UNIX
     assert action(435) == ENOSYS  # clone3
+    # What reaches past the jail into the host's caches and disks: told it worked, not done.
+    assert action(162) == action(306) == ERRNO | 0  # sync, syncfs
+    assert action(221, args=(3, 0, 0, 4)) == ERRNO | 0  # fadvise64 DONTNEED
+    assert action(221, args=(3, 0, 0, 2)) == action(221, args=(3, 0, 0, 3)) == ALLOW  # SEQUENTIAL, WILLNEED
+    assert action(28, args=(0, 4096, 20)) == action(28, args=(0, 4096, 21)) == ERRNO | 0  # madvise COLD, PAGEOUT
+    assert action(28, args=(0, 4096, 4)) == action(28, args=(0, 4096, 8)) == ALLOW  # DONTNEED, FREE (malloc's)
     # Past the reviewed numbers, up to where x32's begin, and the negative ones.
     for nr in [*range(REVIEWED_SYSCALL_MAX + 1, 1024), 4096, 0x3FFFFFFF, 0x80000000, 0xFFFFFFFF]:
         assert action(nr) == ENOSYS, f"call {nr:#x}: {action(nr):#x}"
@@ -1381,6 +1389,52 @@ def test_jail_filter_stack(hostile_stack: Stack, clients: tuple[Api, Realtime]) 
     # The 32-bit ABI, whatever the number.
     for nr in (0, 1, 20, 26, 102, 310):
         assert action(nr, arch=AUDIT_ARCH_I386) == KILL_PROCESS
+
+
+def _cached_pages(path: str) -> tuple[int, int]:
+    """(pages of the file in the page cache, pages it has): mincore on a mapping of it, which
+    itself brings none in."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vector = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vector) == 0, os.strerror(ctypes.get_errno())
+            return sum(byte & 1 for byte in vector.raw), pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_program_cannot_drop_the_shared_page_cache(hostile_stack: Stack, clients: tuple[Api, Realtime]) -> None:
+    """Review: fadvise's DONTNEED on a toolchain file every job reads dropped its pages from
+    the host's cache (other jobs then start cold, reading from disk), and sync reached the
+    host's disks. The program is told both worked; the file stays cached."""
+    shared = "/usr/lib/python3.11/turtle.py"  # (read, never mapped: the cache alone holds it)
+    Path(shared).read_bytes()
+    cached, pages = _cached_pages(shared)
+    assert cached == pages > 10
+    api, realtime = clients
+    code = (
+        f"import os\nfd = os.open({shared!r}, os.O_RDONLY)\nos.read(fd, 1 << 20)\n"
+        "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\nimport ctypes\nassert ctypes.CDLL(None).syncfs(fd) == 0\n"
+        "os.sync()\nprint('told it worked')\n"
+    )
+    job = api.execute({"language": "python", "files": [{"name": "main.py", "content": code}], "limits": LIMITS})
+    followed = realtime.follow(job)
+    api.start(job)
+    result = followed.wait_result(timeout_s=60)
+    assert (result["outcome"], followed.text("stdout")) == ("completed", "told it worked\n"), followed.summary()
+    assert _cached_pages(shared) == (pages, pages)
 
 
 EVIL_PROCESSOR_JAVA = """
