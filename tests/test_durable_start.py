@@ -482,7 +482,9 @@ def test_a_started_job_that_waits_for_a_sandbox_says_starting_not_parked(make_st
         api.post(f"/v1/jobs/{blocker['jobId']}/kill")
         _wait_claimed(stack, job["jobId"])
         deadline = time.monotonic() + QUIET_WAIT_S + 0.5
-        while api.status(job)["state"] == "parked":  # (the claim's own state, and its quiet wait)
+        # (queued until the claim's script, which follows the move into the claimed list that
+        # _wait_claimed saw; then parked, the claim's own state, through its quiet wait)
+        while api.status(job)["state"] in ("queued", "parked"):
             assert time.monotonic() < deadline, "still parked, though started"
             time.sleep(0.01)
         states = set()
