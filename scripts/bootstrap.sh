@@ -101,7 +101,9 @@ command -v cc >/dev/null 2>&1 || apt_missing+=(gcc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || apt_missing+=(libc6-dev)
 # nsjail is built here with its C++ libraries linked in (scripts/build-nsjail.sh says why).
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
-for pkg in make pkg-config protobuf-compiler libprotobuf-dev libnl-route-3-dev bison flex; do
+# (ca-certificates: the nsjail source and the packages come over https, and a minimal image
+# may lack it; curl installed without its recommendations does not bring it.)
+for pkg in ca-certificates make pkg-config protobuf-compiler libprotobuf-dev libnl-route-3-dev bison flex; do
     have_pkg "$pkg" || apt_missing+=("$pkg")
 done
 # Browser tests drive Debian's chromium through Playwright (never a downloaded browser).

@@ -281,10 +281,22 @@ def _log_level(raw: str) -> str:
 
 def _redis_url(raw: str) -> str:
     url = raw.strip()
-    if urllib.parse.urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises here, as the client would later)
+    except ValueError:
+        # (A password with a `/` or `?` in it ends the host part early: percent-encode it.)
+        raise ValueError("has a port that is not a number (percent-encode a password holding / ? # or @)") from None
+    path = parts.path.lstrip("/")
+    if parts.scheme != "unix" and path and not path.isdigit():
+        raise ValueError("must name its database by number (redis://host:6379/0)")
     return url
 
+
+# Settings whose value an error names but never shows.
+_NOT_SHOWN = frozenset({"REDIS_URL"})
 
 _ORIGIN = re.compile(r"https?://(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?", re.I)
 
@@ -439,7 +451,9 @@ def load_settings(environ: Mapping[str, str], **overrides: Any) -> Settings:
         try:
             values[field] = parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{env_name}={raw!r} is invalid: {exc}") from None
+            # (REDIS_URL may hold a password: an error on the terminal or in a log never shows it.)
+            shown = f"{env_name} (its value not shown)" if env_name in _NOT_SHOWN else f"{env_name}={raw!r}"
+            raise ConfigError(f"{shown} is invalid: {exc}") from None
     maxima: dict[str, int] = {}
     for field in Limits.__struct_fields__:
         env_name = maximum_env_name(field)

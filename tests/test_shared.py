@@ -237,7 +237,11 @@ def test_settings_that_would_misbehave_once_running_are_refused_at_start() -> No
         ({"RUN_RESULT_TTL": "10000000000000000"}, "RUN_RESULT_TTL=.*at most 12 digits"),
         ({"JOB_RECORD_TTL": "400000000"}, "JOB_RECORD_TTL must be at most 315360000"),
         ({"BLOB_TTL_S": "999999999999"}, "BLOB_TTL_S must be at most"),
-        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL=.*redis://"),
+        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL .*redis://"),
+        # Review: a password holding `/` (openssl rand -base64) cut the host part short: the
+        # client failed later, naming no setting. And no error shows the password.
+        ({"REDIS_URL": "redis://:ab/cd@redis:6379/0"}, r"^REDIS_URL \(its value not shown\) is invalid: has a port that is not a number"),
+        ({"REDIS_URL": "redis://redis:6379/zero"}, "REDIS_URL .*database by number"),
         ({"MAX_QUEUE_DEPTH": "1_000"}, "MAX_QUEUE_DEPTH=.*ASCII digits"),
         ({"MAX_QUEUE_DEPTH": "\u0661\u0662"}, "MAX_QUEUE_DEPTH=.*ASCII digits"),
         ({"PUSHER_APP_ID": "\u0661\u0662"}, "PUSHER_APP_ID must be numeric"),
@@ -249,6 +253,8 @@ def test_settings_that_would_misbehave_once_running_are_refused_at_start() -> No
     assert load_settings({"LOG_LEVEL": "warn"}).log_level == "WARNING"
     assert load_settings({"LOG_LEVEL": " debug "}).log_level == "DEBUG"
     assert load_settings({"REDIS_URL": "unix:///run/redis.sock"}).redis_url == "unix:///run/redis.sock"
+    for fine_url in ("redis://:p%2Fw@redis:6379/0", "rediss://redis", "redis://[::1]:6380/2"):
+        assert load_settings({"REDIS_URL": fine_url}).redis_url == fine_url
     assert load_settings({"MAX_QUEUE_DEPTH": "+0010"}).max_queue_depth == 10
     fine = load_settings({"JOB_RECORD_TTL": "930", "STDIN_MAX_PENDING_BYTES": "392192", "JOB_TOKEN_TTL": "315360000"})
     # The biggest frame allowed fits the stdin body as base64 in JSON.
