@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import socket
 import sys
 
@@ -14,7 +15,7 @@ from api.app import create_app
 from api.server import guarded_protocol
 from shared.errors import ConfigError
 from shared.logs import configure_logging
-from shared.settings import load_settings
+from shared.settings import Settings, load_settings
 
 __all__ = ["main"]
 
@@ -35,6 +36,34 @@ class _DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+# Descriptors besides the connections and the pools' Redis connections: the listening
+# socket, the event loop's, the command connection to Redis, logs, the playground's files.
+OPEN_FILES_MARGIN = 256
+
+
+def raise_open_files(settings: Settings) -> int:
+    """Raise this process's soft limit on open files to what the settings let it hold at
+    once (every connection API_MAX_CONNECTIONS admits, and a Redis connection for each
+    event stream and output wait); the limit it then has. Under Debian's usual 1024 the
+    connection cap was never reached: accept() failed first, before its 503 could be sent.
+
+    Raises:
+        ConfigError: the hard limit is below that (lower the caps, or raise `ulimit -Hn`).
+    """
+    needed = settings.api_max_connections + settings.max_event_streams + settings.max_output_waits + OPEN_FILES_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigError(
+            f"API_MAX_CONNECTIONS ({settings.api_max_connections}), MAX_EVENT_STREAMS ({settings.max_event_streams}) "
+            f"and MAX_OUTPUT_WAITS ({settings.max_output_waits}) need {needed} open files, but this process may "
+            f"open at most {hard} (ulimit -Hn): lower them, or raise the limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coderunner api", description="Serve the coderunner HTTP API.")
     parser.add_argument("--host", help="bind address (default API_HOST or 127.0.0.1)")
@@ -43,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(os.environ)
         configure_logging(settings.log_level)
+        raise_open_files(settings)
         app = create_app(settings)
     except ConfigError as exc:
         print(f"coderunner api: {exc}", file=sys.stderr)

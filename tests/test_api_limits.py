@@ -988,6 +988,39 @@ def test_connections_past_the_cap_are_answered_503_unread_and_the_cap_frees_up(m
         load_settings({"PUSHER_SECRET": "x", "API_MAX_CONNECTIONS": "500"})  # under 256 streams + 256 waits
 
 
+def test_the_api_raises_its_open_files_limit_to_what_its_caps_hold() -> None:
+    """Review: under Debian's usual soft limit of 1024 open files, API_MAX_CONNECTIONS (2048
+    by default) was never reached: accept() failed first, before the cap's 503 could be sent.
+    The API raises its soft limit to the caps' need at start, and refuses to start when the
+    hard limit is below it."""
+    import resource
+    import subprocess
+    import sys
+
+    from shared.paths import REPO_ROOT
+
+    probe = (
+        "import resource\nfrom api.__main__ import raise_open_files\nfrom shared.settings import load_settings\n"
+        "print(raise_open_files(load_settings({})), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+
+    def run(soft: int, hard: int, *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+        )  # fmt: skip
+
+    needed = 2048 + 256 + 256 + 256
+    raised = run(1024, 4096, "-c", probe)
+    assert raised.returncode == 0 and raised.stdout.split() == [str(needed)] * 2, raised.stderr
+    kept = run(8192, 8192, "-c", probe)
+    assert kept.stdout.split() == ["8192", "8192"], kept.stderr
+    refused = run(1024, 2048, "-m", "api", "--port", "1")
+    assert refused.returncode == 2, refused.stderr
+    assert f"need {needed} open files, but this process may open at most 2048 (ulimit -Hn)" in refused.stderr
+    assert "API_MAX_CONNECTIONS (2048)" in refused.stderr
+
+
 def test_a_request_pipelined_behind_an_event_stream_ends_both_cleanly(slow_stack: Stack) -> None:
     # An event stream, then on the same connection a request whose body never comes. Its
     # body timeout closes the connection: the stream's handler must hear of it (and give its
