@@ -777,6 +777,69 @@ def test_the_example_pusher_js_client_reads_what_an_outage_hid_from_the_log(make
     assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "".join(f"{i}\n" for i in range(lines))
 
 
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_the_example_pusher_js_client_runs_a_job_while_soketi_is_down(make_stack: StackFactory, tmp_path: Path) -> None:
+    """Review: with soketi down at submit, the subscription never succeeded, so the client
+    never started the job (it expired) and gave up after its whole wait. It now starts the
+    job when the subscription has not come within a few seconds, and reads every event
+    from the job's log."""
+    stack = make_stack()
+    program = tmp_path / "hello.py"
+    program.write_text("print('hello')\n")
+    stack.stop_process("soketi", signal.SIGKILL)
+    try:
+        done = subprocess.run(
+            [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        stack.restart("soketi")
+    assert done.returncode == 0, done.stderr
+    assert "following the event log" in done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
+    assert events[-1]["event"] == "result" and events[-1]["data"]["outcome"] == "completed", events
+    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "hello\n"
+
+
+@pytest.mark.stack
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_the_example_pusher_js_client_ends_a_run_whose_live_view_went_silent(make_stack: StackFactory, tmp_path: Path) -> None:
+    """Review: soketi gone for good in mid-run leaves no reconnect and no gap to notice, and
+    the client waited out its whole wait for a result the log already held. A silence of a
+    few seconds now has it ask the job's status, and read the rest from the log once the
+    job has ended."""
+    stack = make_stack()
+    program = tmp_path / "two.py"
+    program.write_text("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')\n")
+    client = subprocess.Popen(
+        [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout is not None
+        seen = []
+        while not seen or json.loads(seen[-1])["event"] != "stdout":
+            seen.append(client.stdout.readline())
+            assert seen[-1], seen
+        stack.stop_process("soketi", signal.SIGKILL)  # (not back before the run ends)
+        started = time.monotonic()
+        rest, errors = client.communicate(timeout=40)
+        took_s = time.monotonic() - started
+    finally:
+        client.kill()
+        stack.restart("soketi")
+    assert client.returncode == 0, errors
+    assert took_s < 15, took_s  # (a silence check, not the client's whole wait)
+    events = [json.loads(line) for line in [*seen, *rest.splitlines()]]
+    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
+    assert events[-1]["event"] == "result" and events[-1]["data"]["outcome"] == "completed", events
+    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "first\nsecond\n"
+
+
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_soketi_down_mid_run_loses_only_the_live_view(make_fleet: StackFactory) -> None:

@@ -1,8 +1,9 @@
 // Run one program through coderunner and follow it with pusher-js, the way a browser IDE
 // does: submit, subscribe to the private channel (authorised with the job token), call
-// start once, after the subscription succeeded, print every event as a JSON line in `seq`
-// order (each once: what live delivery missed is read from the job's event log), and exit
-// after the single `result` event.
+// start once, after the subscription succeeded (or without it, should it neither succeed
+// nor fail within 4 s, or fail), print every event as a JSON line in `seq` order (each
+// once: what live delivery missed, or a silence that outlasted the run, is read from the
+// job's event log), and exit after the single `result` event.
 //
 //   node run-job.mjs [--wall-ms N] [--limits JSON] <apiUrl> <apiToken> <language> <file> [stdin]
 //
@@ -128,15 +129,24 @@ function follow(realtime) {
   // that does not fill within GAP_MS, or a reconnect, reads the rest from the job's durable
   // event log (GET /v1/jobs/:id/events, Server-Sent Events) from the first seq missing.
   const GAP_MS = 1000;
+  // Live delivery is best effort, so a run's last events can be missed with no gap to see
+  // (the worker drops an event soketi's HTTP API timed out on): a job silent this long has
+  // its status asked, and once it has ended the log brings the rest. A subscription that
+  // neither succeeds nor fails this long after the submit (soketi down) starts the job all
+  // the same, and the log brings everything.
+  const SILENCE_MS = 5000;
+  const SUBSCRIBE_WAIT_MS = 4000;
   let next = 0;
   let started = false;
   let ended = false;
   let catchingUp = null;
   let gapTimer = null;
+  let lastEventAt = Date.now();
   const early = new Map();
 
   function take(event, data) {
     if (ended || typeof data?.seq !== "number" || data.seq < next || early.has(data.seq)) return;
+    lastEventAt = Date.now();
     early.set(data.seq, { event, data });
     while (early.has(next)) {
       const item = early.get(next);
@@ -206,26 +216,50 @@ function follow(realtime) {
     }
   }
 
+  async function checkSilence() {
+    if (ended || catchingUp || Date.now() - lastEventAt < SILENCE_MS) return;
+    lastEventAt = Date.now();
+    try {
+      const status = await call("GET", `/v1/jobs/${job.jobId}`, job.jobToken);
+      if (status.result || ["done", "killed", "error", "expired", "lost"].includes(status.state)) catchUp();
+    } catch {} // (asked again after the next silence)
+  }
+
+  async function start(followLog) {
+    if (started) return;
+    started = true;
+    clearTimeout(subscribeTimer);
+    lastEventAt = Date.now();
+    setInterval(checkSilence, SILENCE_MS / 2);
+    try {
+      await call("POST", `/v1/jobs/${job.jobId}/start`, job.jobToken);
+    } catch (error) {
+      // Ended already (expired, killed): its events, the result last, are in the log.
+      console.error(error.message);
+      followLog = true;
+    }
+    if (followLog) catchUp();
+  }
+
+  const subscribeTimer = setTimeout(() => {
+    console.error("live updates are slow to connect: starting, and following the event log");
+    start(true);
+  }, SUBSCRIBE_WAIT_MS);
   const channel = pusher.subscribe(job.channel);
   channel.bind("pusher:subscription_error", (error) => {
-    console.error("subscription failed", JSON.stringify(error));
-    process.exit(1);
+    // The log has every event: a run is never given up for its live view alone.
+    console.error("subscription failed", JSON.stringify(error), "; following the event log");
+    if (started) catchUp();
+    else start(true);
   });
-  channel.bind("pusher:subscription_succeeded", async () => {
+  channel.bind("pusher:subscription_succeeded", () => {
     if (started) {
       // pusher-js subscribed again after a reconnect: the job was started already, and
       // what was published while the connection was down is only in the log.
       catchUp();
       return;
     }
-    started = true;
-    try {
-      await call("POST", `/v1/jobs/${job.jobId}/start`, job.jobToken);
-    } catch (error) {
-      // Ended already (expired, killed): its events, the result last, are in the log.
-      console.error(error.message);
-      catchUp();
-    }
+    start(false);
   });
   channel.bind_global((event, data) => {
     if (!event.startsWith("pusher:")) take(event, data);
