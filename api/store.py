@@ -464,7 +464,13 @@ return {1}
 )
 
 # KEYS: status, audience mark. ARGV: record ttl s (for a record without a TTL of its own).
-_MARK_AUDIENCE = """
+_MARK_AUDIENCE = _TERMINAL_LUA + """
+if terminal[redis.call('HGET', KEYS[1], 'state') or ''] then
+  -- It ended since the caller looked (its result written with nobody marked, so published to
+  -- nobody): no note that this subscription heard it live, so its webhook brings the result.
+  redis.call('DEL', KEYS[3])
+  return 0
+end
 local ttl = redis.call('TTL', KEYS[1])
 if ttl <= 0 then ttl = tonumber(ARGV[1]) end
 redis.call('SET', KEYS[2], '1', 'EX', ttl)
@@ -1034,10 +1040,15 @@ class JobStore:
         lives as long as the job's record: a day while it runs, only what is left of its
         result's time once it ended (a client re-subscribing to read the result must not
         renew it for a day; the scripts that end a job shorten it likewise)."""
-        await self._mark_audience(
+        marked = await self._mark_audience(
             keys=[keys.status_key(job_id), keys.audience_key(job_id), keys.signed_key(job_id)],
             args=[self._record_ttl_s, int(SIGNED_MARK_S)],
         )
+        if marked == 0:
+            # It ended since the caller read it running: as a subscription signed after the
+            # end (forget_mark), so that its webhook brings the result.
+            self._recent_marks.pop(job_id, None)
+            return
         self._recent_marks[job_id] = time.monotonic()
         self._recent_marks.move_to_end(job_id)
         while len(self._recent_marks) > RECENT_MARKS:

@@ -539,6 +539,21 @@ async def test_what_the_api_publishes_itself_is_owed_until_it_went_then_swept_on
     assert await redis.zcard(keys.API_UNPUBLISHED) == 0 and await redis.zcard(keys.API_UNPUBLISHED_TAKEN) == 0
 
 
+async def test_a_subscription_signed_as_its_job_ends_gets_the_result(store: JobStore, redis: Redis) -> None:
+    # Review: channel-auth read the job running; the job then ended, its result written with
+    # nobody marked (so published to nobody); then the mark and the note that this
+    # subscription was signed while the job ran landed. The subscription's webhook took the
+    # note for "heard it live" and sent nothing: the follower never learned how it ended.
+    # The mark now looks at the state in its own script.
+    spec = _spec()
+    await store.enqueue(spec, 100, 100, RESULT_TTL_S)
+    assert not (await store.kill(spec.job_id, RESULT_TTL_S)).heard  # (it ends, followed by nobody)
+    await store.mark_audience(spec.job_id)  # (channel-auth, which had read it running)
+    assert not await redis.exists(keys.signed_key(spec.job_id))
+    replay = await store.mark_subscribed(spec.job_id)  # (the subscription's webhook)
+    assert replay.events and replay.events[-1][0] == "result", replay.events
+
+
 async def test_an_ended_jobs_result_goes_again_at_most_once_a_gap_and_one_sooner_is_owed(store: JobStore, redis: Redis) -> None:
     # New first subscribers of an ended job's channel (a client subscribing and unsubscribing in
     # a loop) each got the result published again, thousands a second. One within the gap now
