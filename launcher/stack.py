@@ -485,11 +485,16 @@ class Stack:
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
         else:
             persistence = ["--appendonly", "no"]
+        # The password goes in a file only this user reads, never on a command line (which
+        # any local user sees in /proc until redis-server rewrites its title).
+        config = self.data_dir / "redis-auth.conf"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f'requirepass "{self.redis_password}"\n')
         argv = [
-            "redis-server",
+            "redis-server", str(config),
             "--port", str(self.redis_port),
             "--bind", "127.0.0.1",
-            "--requirepass", self.redis_password,
             "--save", "",
             *persistence,
             "--dir", str(self.data_dir),

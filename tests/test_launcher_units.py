@@ -192,6 +192,29 @@ def test_stack_runs_soketi_with_the_chosen_node(tmp_path: Path, monkeypatch: pyt
     assert os.path.isdir(tmp_path / "logs2")
 
 
+def test_the_stacks_redis_password_is_never_on_a_command_line(tmp_path: Path) -> None:
+    """Review: `redis-server --requirepass <password>` showed it to every local user in
+    /proc/<pid>/cmdline until Redis rewrote its title. It goes in a file of the stack's own
+    (mode 0600) now, and Redis still refuses a client without it."""
+    import redis as redis_py
+
+    from launcher.stack import Stack
+
+    stack = Stack(with_worker=False, log_dir=tmp_path / "logs")
+    try:
+        stack.start()
+        argv = [str(arg) for arg in stack.procs["redis"].args]
+        assert argv[0].endswith("redis-server") and not any(stack.redis_password in arg for arg in argv), argv
+        config = Path(argv[1])
+        assert config.stat().st_mode & 0o777 == 0o600 and stack.redis_password in config.read_text()
+        with stack.redis() as client:
+            assert client.ping()
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=stack.redis_port, socket_connect_timeout=5).set("k", "v")
+    finally:
+        stack.cleanup()
+
+
 @pytest.mark.parametrize("how", ["cannot be started", "never gets ready"])
 def test_a_stack_used_with_with_cleans_up_after_a_failed_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """`with Stack(...)` stops what it started and removes its files when the start fails
