@@ -326,6 +326,23 @@ def _output_once_the_slots_free(client: httpx.Client, job: dict[str, Any]) -> ht
     return answer
 
 
+def _output_past_two_stalled_readers(stack: Stack, job: dict[str, Any]) -> dict[str, Any]:
+    """Two connections ask for the job's output and never read it, holding its caller's two
+    output slots: a third GET is refused (429) while they stay; once they close, the output."""
+    stalled = _stalled_output_readers(stack, job, 2)
+    try:
+        time.sleep(1.0)
+        with httpx.Client(base_url=stack.api_url, timeout=30) as client:
+            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
+            assert "waits for output" in _refusal(refused, 429)["error"]
+            for conn in stalled:
+                conn.close()
+            return _output_once_the_slots_free(client, job).json()  # type: ignore[no-any-return]
+    finally:
+        for conn in stalled:
+            conn.close()
+
+
 def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: StackFactory) -> None:
     # Amplification review: GET /output with no wait took no slot, so connections that never
     # read a 16 MiB job's output each held a slice of it and its encoded copies until the
@@ -337,21 +354,9 @@ def test_a_streamed_output_holds_an_output_slot_until_it_is_sent(make_stack: Sta
     job = api.execute(py_job(code, collectOutput=True, limits={"outputKb": 16384}))
     api.start(job)
     assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
-    stalled = []
     try:
-        # Its caller's bound: they read nothing, so the bodies stay unsent.
-        stalled = _stalled_output_readers(stack, job, 2)
-        time.sleep(1.0)
-        with httpx.Client(base_url=api.url, timeout=30) as client:
-            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
-            assert "waits for output" in _refusal(refused, 429)["error"]
-            for conn in stalled:
-                conn.close()
-            stalled.clear()
-            assert _output_once_the_slots_free(client, job).json()["stdout"] == "a" * (16 << 20)
+        assert _output_past_two_stalled_readers(stack, job)["stdout"] == "a" * (16 << 20)
     finally:
-        for conn in stalled:
-            conn.close()
         api.close()
     assert not _error_lines(stack.log("api"))
 
@@ -369,16 +374,8 @@ def test_a_big_output_built_whole_holds_an_output_slot_until_it_is_sent(make_sta
     assert api.wait_state(job, {"done"}, timeout_s=60)["result"]["outcome"] == "completed"
     stalled = []
     try:
-        stalled = _stalled_output_readers(stack, job, 2)
-        time.sleep(1.0)
-        with httpx.Client(base_url=api.url, timeout=30) as client:
-            refused = client.get(f"/v1/jobs/{job['jobId']}/output", headers={"Authorization": f"Bearer {job['jobToken']}"})
-            assert "waits for output" in _refusal(refused, 429)["error"]
-            for conn in stalled:
-                conn.close()
-            stalled.clear()
-            (case,) = _output_once_the_slots_free(client, job).json()["tests"]
-            assert case["stdout"] == "c" * (8 << 20) and not case.get("outputCut"), {k: v for k, v in case.items() if k != "stdout"}
+        (case,) = _output_past_two_stalled_readers(stack, job)["tests"]
+        assert case["stdout"] == "c" * (8 << 20) and not case.get("outputCut"), {k: v for k, v in case.items() if k != "stdout"}
         # One small enough is sent as it is, without a slot: all at once, never refused.
         small = api.execute(py_job("print(1)", collectOutput=True))
         api.start(small)

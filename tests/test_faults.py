@@ -743,6 +743,21 @@ def test_redis_restart_with_aof_keeps_queue_flags_logs_and_results(make_fleet: S
 # ------------------------------------------------------------------ soketi down
 
 
+def _run_job_argv(stack: Stack, program: Path) -> list[str]:
+    """clients/js/run-job.mjs running `program` (Python) against the stack."""
+    return [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)]
+
+
+def _assert_whole_run(lines: list[str], stdout: str) -> None:
+    """run-job.mjs printed every event once, in `seq` order, one `result` last (completed),
+    and the stdout chunks make `stdout`."""
+    events = [json.loads(line) for line in lines]
+    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
+    assert [e["event"] for e in events].count("result") == 1 and events[-1]["event"] == "result", events
+    assert events[-1]["data"]["outcome"] == "completed", events
+    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == stdout
+
+
 @pytest.mark.stack
 @pytest.mark.sandbox
 @pytest.mark.slow
@@ -756,7 +771,7 @@ def test_the_example_pusher_js_client_reads_what_an_outage_hid_from_the_log(make
     lines = 40
     program.write_text(f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.1)\n")
     client = subprocess.Popen(
-        [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+        _run_job_argv(stack, program),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -770,11 +785,7 @@ def test_the_example_pusher_js_client_reads_what_an_outage_hid_from_the_log(make
     finally:
         client.kill()
     assert client.returncode == 0, errors
-    events = [json.loads(line) for line in [*seen, *rest.splitlines()]]
-    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
-    assert [e["event"] for e in events].count("result") == 1 and events[-1]["event"] == "result", events
-    assert events[-1]["data"]["outcome"] == "completed"
-    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "".join(f"{i}\n" for i in range(lines))
+    _assert_whole_run([*seen, *rest.splitlines()], "".join(f"{i}\n" for i in range(lines)))
 
 
 @pytest.mark.stack
@@ -791,17 +802,14 @@ def test_the_example_pusher_js_client_runs_a_job_while_soketi_is_down(make_stack
     stack.stop_process("soketi", signal.SIGKILL)
     try:
         done = subprocess.run(
-            [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+            _run_job_argv(stack, program),
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     finally:
         stack.restart("soketi")
     assert done.returncode == 0, done.stderr
     assert "following the event log" in done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
-    assert events[-1]["event"] == "result" and events[-1]["data"]["outcome"] == "completed", events
-    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "hello\n"
+    _assert_whole_run(done.stdout.splitlines(), "hello\n")
 
 
 @pytest.mark.stack
@@ -816,7 +824,7 @@ def test_the_example_pusher_js_client_ends_a_run_whose_live_view_went_silent(mak
     program = tmp_path / "two.py"
     program.write_text("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')\n")
     client = subprocess.Popen(
-        [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)],
+        _run_job_argv(stack, program),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -834,10 +842,7 @@ def test_the_example_pusher_js_client_ends_a_run_whose_live_view_went_silent(mak
         stack.restart("soketi")
     assert client.returncode == 0, errors
     assert took_s < 15, took_s  # (a silence check, not the client's whole wait)
-    events = [json.loads(line) for line in [*seen, *rest.splitlines()]]
-    assert [e["data"]["seq"] for e in events] == list(range(len(events))), events
-    assert events[-1]["event"] == "result" and events[-1]["data"]["outcome"] == "completed", events
-    assert "".join(e["data"]["chunk"] for e in events if e["event"] == "stdout") == "first\nsecond\n"
+    _assert_whole_run([*seen, *rest.splitlines()], "first\nsecond\n")
 
 
 @pytest.mark.sandbox

@@ -2151,26 +2151,40 @@ async def test_results_recovered_in_a_round_that_failed_half_way_are_still_publi
         assert await redis.hget(keys.status_key(job), "state") == b"lost"
 
 
-async def test_a_lost_reply_is_only_looked_up_never_run_again(redis: Redis, queue: WorkerQueue) -> None:
-    # A stray re-queued by recovery whose reply was lost; the job is then claimed again into
-    # the same list and started. Looking up the lost reply must not touch it: running the
-    # recovery again would find the id in the list and end a healthy run `lost`.
-    first = await _claimed(redis, queue)
-    job = first.spec.job_id
+async def _stray_requeued_with_its_reply_lost_then_started(
+    redis: Redis, queue: WorkerQueue
+) -> tuple[str, Any, tuple[list[Any], list[Any]]]:
+    """A claim of this worker's recovered as a stray (re-queued) with the reply lost, then
+    claimed again into the same list and started: (its job id, the new claim, what the
+    recovery sent: its keys and args)."""
+    job = (await _claimed(redis, queue)).spec.job_id
     real = queue._reap
+    sent: list[tuple[list[Any], list[Any]]] = []
 
     async def reply_lost(keys: list[Any], args: list[Any]) -> Any:
+        sent.append((keys, args))
         await real(keys=keys, args=args)
         raise RedisConnectionError("the connection dropped before the reply")
 
     queue._reap = reply_lost  # type: ignore[assignment]
-    with pytest.raises(RedisConnectionError):
-        await queue.recover_claims(queue.worker_id, only={job})
-    queue._reap = real  # type: ignore[assignment]
+    try:
+        with pytest.raises(RedisConnectionError):
+            await queue.recover_claims(queue.worker_id, only={job})
+    finally:
+        queue._reap = real  # type: ignore[assignment]
     assert await redis.hget(keys.status_key(job), "state") == b"queued"
     again = await queue.claim(1.0, 0.0)
     assert again is not None and again.spec.job_id == job
     await queue.advance(job, again.attempt, [(again.next_seq, "stage", "data", b'{"phase":"running"}')], started=True)
+    (call,) = sent
+    return job, again, call
+
+
+async def test_a_lost_reply_is_only_looked_up_never_run_again(redis: Redis, queue: WorkerQueue) -> None:
+    # A stray re-queued by recovery whose reply was lost; the job is then claimed again into
+    # the same list and started. Looking up the lost reply must not touch it: running the
+    # recovery again would find the id in the list and end a healthy run `lost`.
+    job, again, _ = await _stray_requeued_with_its_reply_lost_then_started(redis, queue)
     assert await queue.check_unanswered() == [] and queue.take_recovered() == []
     status = await redis.hgetall(keys.status_key(job))
     assert status[b"state"] != b"lost" and int(status[b"attempt"]) == again.attempt
@@ -2183,25 +2197,8 @@ async def test_a_recovery_sent_again_after_its_lost_reply_leaves_the_job_claimed
     # The same stray as above, but the client itself sends the script again (its retry on a
     # dropped connection), after the job was claimed into the same list and started (review):
     # the second run must answer as the first did and touch nothing, not end the run `lost`.
-    first = await _claimed(redis, queue)
-    job = first.spec.job_id
-    real = queue._reap
-    sent: list[tuple[list[Any], list[Any]]] = []
-
-    async def reply_lost(keys: list[Any], args: list[Any]) -> Any:
-        sent.append((keys, args))
-        await real(keys=keys, args=args)
-        raise RedisConnectionError("the connection dropped before the reply")
-
-    queue._reap = reply_lost  # type: ignore[assignment]
-    with pytest.raises(RedisConnectionError):
-        await queue.recover_claims(queue.worker_id, only={job})
-    queue._reap = real  # type: ignore[assignment]
-    again = await queue.claim(1.0, 0.0)
-    assert again is not None and again.spec.job_id == job
-    await queue.advance(job, again.attempt, [(again.next_seq, "stage", "data", b'{"phase":"running"}')], started=True)
-    ((keys_sent, args_sent),) = sent
-    assert await real(keys=keys_sent, args=args_sent) == 1  # (re-queued, as the first run did)
+    job, again, (keys_sent, args_sent) = await _stray_requeued_with_its_reply_lost_then_started(redis, queue)
+    assert await queue._reap(keys=keys_sent, args=args_sent) == 1  # (re-queued, as the first run did)
     status = await redis.hgetall(keys.status_key(job))
     assert status[b"state"] == b"parked" and status[b"started"] == b"1", status  # (not lost)
     assert int(status[b"attempt"]) == again.attempt and b"result" not in status
