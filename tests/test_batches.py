@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import signal
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ from tests.conftest import StackFactory
 from tests.helpers import Api, Followed, Realtime, run_job
 from worker.isolation.jail import JailExit
 from worker.isolation.sandbox import Uncharged
+from worker.isolation.workspace import Packed
 from worker.job import batch
 from worker.job.supervise import StepFacts
 from worker.messaging.queue import Fenced
@@ -208,6 +210,35 @@ def test_a_c_batch_compiles_once_and_judges_every_case_in_a_fresh_jail(api: Api,
     out = api.get(f"/v1/jobs/{followed.job['jobId']}/output").json()
     assert [case["stdout"] for case in out["tests"]] == ["3\n", "4\n", "", "", "total: 10\n", "8\n"]
     assert "dirty" not in "".join(case["stdout"] for case in out["tests"])
+
+
+C_BIG = r"""
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+static volatile char pad[4 << 20] = {1, [(4 << 20) - 1] = 2};  /* a 4 MiB program */
+int main(void) {
+    struct stat st;
+    if (stat("/proc/self/exe", &st) != 0) return 2;
+    if (access("made.txt", F_OK) == 0) { puts("dirty"); return 0; }
+    FILE *f = fopen("made.txt", "w"); if (!f) return 4; fclose(f);
+    printf("%d %o %d %d\n", pad[0] + pad[sizeof pad - 1], (int)(st.st_mode & 0777), st.st_uid == getuid(), st.st_size > (4 << 20));
+    return 0;
+}
+"""
+
+
+@pytest.mark.slow
+def test_a_big_compiled_program_is_copied_into_every_case_whole_and_its_own(api: Api, realtime: Realtime) -> None:
+    # Past PACKED_FROM_BYTES the cases get their copy from a copier in their own jail's
+    # cgroups (test_jail_teardown checks the charge): each runs the whole program, mode
+    # 0755 and owned by the case, in a workspace it may write to, and no case's memory
+    # figure holds the copy (case 0 runs where the compile left it).
+    body = {"language": "c", "files": [{"name": "main.c", "content": C_BIG}], "tests": [{"expectedOutput": "3 755 1 1\n"}] * 3}
+    result, followed = run(api, realtime, body | {"collectOutput": True})
+    assert [case["verdict"] for case in result["tests"]] == ["accepted"] * 3, followed.summary()
+    figures = [case["memoryKb"] for case in result["tests"]]
+    assert max(figures) - min(figures) < 2048, figures
 
 
 def test_a_silent_case_is_judged_by_its_wall_and_cpu_clocks_unless_it_names_an_idle_one(
@@ -420,9 +451,14 @@ class _Sandbox:
         self.jail = SimpleNamespace(name=name, proc=SimpleNamespace(stdin=None), stdout=None, stderr=None)
         self.cgroup = None
         self.uncharged = Uncharged()
+        self.loaded: tuple[Any, ...] = ()
+        self.copied: list[Packed] = []
 
-    async def load(self, *_args: Any) -> None:
-        pass
+    async def load(self, *args: Any) -> None:
+        self.loaded = args
+
+    def copy_in(self, packed: Packed) -> None:
+        self.copied.append(packed)
 
 
 class _Pool:
@@ -737,6 +773,84 @@ async def test_a_case_the_workers_stop_caught_waiting_for_memory_never_ran() -> 
     assert emitted == [] and progress.results[0] is None and progress.killed_cases == 0
     (case,) = batch.summarize(progress, asyncio.get_running_loop().time(), stopped=True).cases
     assert (case.outcome, case.signal, case.duration_ms, case.verdict) == ("killed", None, 0, "skipped"), case
+
+
+def _batch_with_packed(spec: JobSpec, pool: Any, packed: Packed, emitted: list[str]) -> asyncio.Task[batch.BatchResult]:
+    return asyncio.create_task(
+        batch.run_batch(
+            spec=spec, manifest=SimpleNamespace(run=["cc-out"], env={}, heap_limit=None), entry="main.c",  # type: ignore[arg-type]
+            sources=["main.c"], program_rlimits={}, first=_Sandbox("first"), files=[], executable=frozenset(),  # type: ignore[arg-type]
+            pool=pool, events=_RecordingEvents(emitted), ctrl=asyncio.Queue(), keep_output=False, budget_ms=60000,
+            packed=packed,
+        )
+    )  # fmt: skip
+
+
+async def test_every_case_but_the_first_gets_the_packed_program_copied_in_before_its_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its load is told the copy's charge (its limit holds it), and the copy runs once the
+    # step's memory is held, before the go; case 0 runs where the compile left it.
+    sandboxes: dict[str, _Sandbox] = {}
+    order: list[str] = []
+
+    async def supervise(jail: Any, *_a: Any, before_go: Any = None, **_k: Any) -> StepFacts:
+        if before_go is not None:
+            await before_go()
+        order.append(f"go {jail.name}")
+        return _completed()
+
+    class Pool(_ReadyPool):
+        async def take_unless_failing(self, *args: Any) -> _Sandbox:
+            sandbox = await super().take_unless_failing(*args)
+            sandboxes[sandbox.name] = sandbox
+            return sandbox
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    packed = Packed(archive=b"tar", charge_bytes=5 << 20)
+    emitted: list[str] = []
+    result = await _batch_with_packed(_spec(3), Pool(), packed, emitted)
+    assert [case.verdict for case in result.cases] == ["accepted"] * 3
+    assert sorted(sandboxes) == ["s1", "s2"]
+    for sandbox in sandboxes.values():
+        assert sandbox.copied == [packed] and sandbox.loaded[0] == [] and sandbox.loaded[-1] == 5 << 20
+
+
+async def test_a_case_the_workers_stop_caught_copying_its_program_in_never_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy comes before the go: a stop during it ends the case as one that never ran
+    # (the copy itself is waited for, as every isolation step is, then the gate stays shut).
+    from worker.job import supervise as supervision
+
+    copying = threading.Event()
+
+    class Cgroup:
+        memory_limit_bytes = 1 << 30
+        oom_kills_whole_job = True
+
+        def cpu_us(self) -> int:
+            raise AssertionError("the gate was reached")
+
+    class Pool(_ReadyPool):
+        async def take_unless_failing(self, *args: Any) -> _Sandbox:
+            sandbox = await super().take_unless_failing(*args)
+            sandbox.cgroup = Cgroup()  # type: ignore[assignment]
+            sandbox.copy_in = lambda packed: (copying.set(), time.sleep(0.3))  # type: ignore[method-assign]
+            return sandbox
+
+    async def supervise(jail: Any, *args: Any, **kwargs: Any) -> StepFacts:
+        if jail.name == "first":
+            return _completed()
+        return await supervision.supervise(jail, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "supervise", supervise)
+    spec = _spec(2)
+    emitted: list[str] = []
+    running = _batch_with_packed(spec, Pool(), Packed(archive=b"tar", charge_bytes=1), emitted)
+    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, copying.wait, 5), 6)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert emitted == ["test_result"]  # case 0's only: case 1 is no run-and-killed case
 
 
 def _completing_every_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from launcher.stack import remove_deployment
@@ -27,9 +28,11 @@ from tests.helpers import pids_with_cmdline
 from worker.__main__ import preflight
 from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError, Program
+from worker.isolation.memory import MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
+from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import SandboxFactory
-from worker.isolation.workspace import detach_workspace
+from worker.isolation.workspace import detach_workspace, pack
 from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 
 pytestmark = [pytest.mark.sandbox]
@@ -351,6 +354,53 @@ async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: 
         assert cpu_clock_due_at(t0, used_s, 1.0) <= at, (at - t0, used_s)
     # The spinners did saturate the cap: the bound was tested, not idled under.
     assert facts.cpu_ms >= 0.85 * facts.duration_ms, facts
+
+
+async def test_a_cases_copy_of_a_compiled_program_is_charged_to_its_own_jail_once_its_memory_is_held(
+    factory: SandboxFactory,
+) -> None:
+    # A test case's copy of a big compiled program is written by a copier that runs as the
+    # job's uid in the case's own cgroups, after the step's memory is admitted: its pages
+    # count under the ceiling and inside what the admission holds, not in the worker's own
+    # memory. The program gets its whole memory limit on top, and its figure leaves it out.
+    sandbox = await factory.prepare("teardown", 0)
+    cgroup = sandbox.cgroup
+    script = b'#!/bin/sh\necho ran "$@"\nexit 0\n' + b"#" * (8 << 20) + b"\n"
+    packed = pack([("bin/prog", script), ("notes/a b.txt", b"hello")], frozenset({"bin/prog"}))
+    limits = msgspec.structs.replace(DEFAULT_LIMITS, memory_mb=64)
+    shell = "bin/prog 1 && stat -c '%a %u %s %n' bin/prog 'notes/a b.txt' && id -u && echo x > bin/new && cat 'notes/a b.txt'"
+    program = Program(argv=["/bin/sh", "-c", shell], env={"PATH": "/usr/bin:/bin"})
+    memory = MemoryAdmission(1 << 40)
+    seen: dict[str, int] = {}
+    out: list[bytes] = []
+
+    async def collect(data: bytes) -> None:
+        out.append(data)
+
+    async def copy_in() -> None:
+        seen["held"] = memory.held_bytes
+        seen["before"] = cgroup.memory_current_bytes()
+        await off_loop(sandbox.copy_in, packed)
+        seen["after"] = cgroup.memory_current_bytes()
+
+    try:
+        await sandbox.load([], limits, program, copied_in_bytes=packed.charge_bytes)
+        facts = await supervise(
+            sandbox.jail, cgroup, program, Clocks(wall_ms=10000, cpu_ms=5000, idle_ms=None),
+            [(sandbox.jail.stdout, collect), (sandbox.jail.stderr, collect)], asyncio.Queue(),
+            memory=memory, uncharged=sandbox.uncharged, before_go=copy_in,
+        )  # fmt: skip
+    finally:
+        await sandbox.destroy()
+    assert (facts.exit.exit_code, facts.fired) == (0, None), (facts, out)
+    assert packed.charge_bytes >= len(script) + 5
+    assert seen["held"] == (64 << 20) + packed.charge_bytes
+    # (v1's usage lags what was charged by the per-CPU batches of a few hundred KiB.)
+    assert seen["after"] - seen["before"] >= len(script) - (1 << 20), seen
+    ran, prog, notes, uid, hello = b"".join(out).decode().splitlines()
+    assert (ran, hello) == ("ran 1", "hello")
+    assert prog == f"755 {uid} {len(script)} bin/prog" and notes == f"644 {uid} 5 notes/a b.txt"
+    assert facts.memory_kb < 6 << 10, facts
 
 
 async def test_a_kill_waiting_before_the_release_ends_a_real_jail_at_its_gate(factory: SandboxFactory) -> None:

@@ -21,7 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -36,7 +36,7 @@ from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
 from worker.isolation.offload import off_loop, off_loop_quick
 from worker.isolation.uids import UidLease
-from worker.isolation.workspace import Workspace
+from worker.isolation.workspace import Packed, Workspace
 
 __all__ = [
     "GateBuildError",
@@ -486,8 +486,13 @@ class Sandbox:
         program: Program,
         executable: frozenset[str] = frozenset(),
         stand_in: Prime | None = None,
+        copied_in_bytes: int = 0,
     ) -> None:
         """Write the job's files and set its limits (before start).
+
+        `copied_in_bytes` is what a copy in the jail's own cgroups will add before the go
+        (`copy_in`: a test case's compiled program): the limit holds it on top, and the
+        figures leave it out, as a run's compiled program is not its own.
 
         With a prestarted runtime that adopts `program`, what the runtime already holds is
         added to the memory limit and subtracted from the figures, and the program's
@@ -499,7 +504,7 @@ class Sandbox:
         """
         # A job's files are usually a few kilobytes: their copy is one of the job's short steps.
         small = sum(len(data) for _, data in files) <= QUICK_LOAD_BYTES
-        await (off_loop_quick if small else off_loop)(self._load, files, limits, program, executable, stand_in)
+        await (off_loop_quick if small else off_loop)(self._load, files, limits, program, executable, stand_in, copied_in_bytes)
 
     def _load(
         self,
@@ -508,9 +513,10 @@ class Sandbox:
         program: Program,
         executable: frozenset[str],
         stand_in: Prime | None,
+        copied_in_bytes: int = 0,
     ) -> None:
         self.workspace.stage(files, executable)
-        memory = limits.memory_mb * 1024 * 1024
+        memory = limits.memory_mb * 1024 * 1024 + copied_in_bytes
         startup = stand_in.startup.typical() if stand_in is not None and stand_in.adopts(program) else None
         if self.prime is None and startup is not None:
             # The figure leaves out the resident part only: what of the runtime's files is
@@ -528,8 +534,18 @@ class Sandbox:
             self.uncharged = Uncharged(memory_bytes=self.cgroup.memory_current_bytes())
             memory += self.cgroup.memory_resident_bytes()
             _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
+        if copied_in_bytes:
+            self.uncharged = replace(self.uncharged, memory_bytes=self.uncharged.memory_bytes + copied_in_bytes)
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
+        self.cgroup.reset_memory_peak()
+
+    def copy_in(self, packed: Packed) -> None:
+        """Unpack `packed` into the workspace, charged to the jail's cgroups (load said how
+        much with `copied_in_bytes`). After the step's memory is admitted, before its go:
+        blocking, for the isolation threads."""
+        self.workspace.unpack(packed, self.cgroup.procs_files())
+        # The copier's own memory is gone with it; its files stay, and are left out.
         self.cgroup.reset_memory_peak()
 
     def start(self, program: Program) -> bool:

@@ -2,28 +2,75 @@
 
 Every file is written before any untrusted step runs (compilers included), through
 descriptors opened with O_NOFOLLOW relative to the workspace's own descriptor, and owned
-by the job's uid from the moment it exists. After launch the worker only unmounts the
-tmpfs (a detach needs no walk of a tree the job could have booby-trapped) and reads files
-through no-follow descriptors (defence R1). Mounting, staging and unmounting take kernel
+by the job's uid from the moment it exists. (A test case's copy of a big compiled program
+is written by a copier in the case's own cgroup, as the job's uid: `Workspace.unpack`.)
+After launch the worker only unmounts the tmpfs (a detach needs no walk of a tree the job
+could have booby-trapped) and reads files through no-follow descriptors (defence R1). Mounting, staging and unmounting take kernel
 locks, so the sandbox calls these methods on the isolation threads (offload.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
+import shutil
 import stat
+import subprocess
+import tarfile
 from pathlib import Path
 
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
 
-__all__ = ["SnapshotTooBig", "Workspace", "WorkspaceError", "detach_workspace"]
+__all__ = ["PACKED_FROM_BYTES", "Packed", "SnapshotTooBig", "Workspace", "WorkspaceError", "detach_workspace", "pack"]
 
 log = logging.getLogger(__name__)
 
 # How deep the folders a compile left may nest for a test batch to copy them (a Java
 # package of 1,500 components fits the workspace's inodes; 64 is far past any real one).
 MAX_SNAPSHOT_DEPTH = 64
+
+
+# From this many bytes on, what a compile left is copied into each test case by a copier
+# in the case's own cgroup (Workspace.unpack), so its tmpfs pages are charged to the case,
+# under the ceiling all jobs share and within what the case's memory admission holds.
+# Below it the worker writes the files itself: their pages are charged to the worker, at
+# most this much for each case running, and a copier's start would cost more than the copy.
+PACKED_FROM_BYTES = 1 << 20
+# What a tmpfs file costs in memory past its pages (its inode and dentry), rounded up.
+_FILE_OVERHEAD_BYTES = 4096
+_PAGE_BYTES = 4096
+# How long a copier may take (64 MiB copies in well under a second).
+UNPACK_TIMEOUT_S = 60.0
+_TAR = shutil.which("tar") or "/bin/tar"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Packed:
+    """What a compile left, packed once for every test case's copy (a tar archive)."""
+
+    archive: bytes
+    # What the unpacked files take of a tmpfs (pages and inodes), charged to the case.
+    charge_bytes: int
+
+
+def pack(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed:
+    """`files` (as `Workspace.snapshot` read them) as a tar of regular files only."""
+    buffer = io.BytesIO()
+    charge = 0
+    folders: set[str] = set()
+    # (Names as the listing gave them, undecodable bytes included: GNU tar keeps them.)
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tar:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o755 if name in executable else 0o644
+            tar.addfile(info, io.BytesIO(data))
+            charge += -(-len(data) // _PAGE_BYTES) * _PAGE_BYTES + _FILE_OVERHEAD_BYTES
+            parts = name.split("/")
+            folders.update("/".join(parts[:depth]) for depth in range(1, len(parts)))
+    return Packed(archive=buffer.getvalue(), charge_bytes=charge + len(folders) * _FILE_OVERHEAD_BYTES)
 
 
 class WorkspaceError(Exception):
@@ -88,6 +135,43 @@ class Workspace:
             raise WorkspaceError(f"cannot stage {len(files)} files: {exc}") from None
         finally:
             os.close(root_fd)
+
+    def unpack(self, packed: Packed, procs_files: list[str], timeout_s: float = UNPACK_TIMEOUT_S) -> None:
+        """Write `packed` into the fresh workspace by a copier (tar) that runs as the job's
+        uid and is moved into `procs_files` (the case's cgroups) before it is given a byte,
+        so every page it writes is charged to the case.
+
+        Raises:
+            WorkspaceError: the copier could not be started or moved, or it failed.
+        """
+        try:
+            copier = subprocess.Popen(
+                # -p: the archive's modes as they are; -m: modified now, as a staged file is;
+                # -k: a file already there is an error, as staging's O_EXCL makes it.
+                [_TAR, "-x", "-p", "-m", "-k", "--no-same-owner", "-f", "-", "-C", self._where],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                user=self.uid, group=self.gid, extra_groups=[], cwd="/",
+                env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, close_fds=True,
+            )  # fmt: skip
+        except OSError as exc:
+            raise WorkspaceError(f"the copier for the compiled program could not start: {exc}") from None
+        try:
+            try:
+                for procs in procs_files:
+                    with open(procs, "w") as file:
+                        file.write(str(copier.pid))
+            except OSError as exc:
+                raise WorkspaceError(f"the copier could not be moved into the case's cgroup: {exc}") from None
+            _, errors = copier.communicate(packed.archive, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise WorkspaceError(f"copying the compiled program took over {timeout_s:g} s") from None
+        finally:
+            if copier.returncode is None:
+                copier.kill()
+                copier.wait()
+        if copier.returncode != 0:
+            detail = errors.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {copier.returncode}"]
+            raise WorkspaceError(f"copying the compiled program failed: {detail[0]}")
 
     def remove(self, names: list[str]) -> None:
         """Remove top-level files (not folders) by name; a missing one is fine."""

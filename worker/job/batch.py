@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ from shared.messages import (
 )
 from worker.isolation.jail import Program
 from worker.isolation.memory import MemoryAdmission
+from worker.isolation.offload import off_loop
 from worker.isolation.pool import SandboxPool, call_off
 from worker.isolation.sandbox import Sandbox
+from worker.isolation.workspace import Packed
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import StreamTail, output_encoding
@@ -177,10 +180,14 @@ async def run_batch(
     budget_ms: int,
     progress: BatchProgress | None = None,
     memory: MemoryAdmission | None = None,
+    packed: Packed | None = None,
 ) -> BatchResult:
     """Run every case of `spec.tests`; `first` (already loaded) serves case 0 and is
     destroyed like every other case's sandbox (the caller must not reuse it). `budget_ms`
     after the batch began, the cases still running are stopped and the rest skipped.
+
+    Every other case gets `files`, and `packed` (a big compiled program) copied in by its
+    own jail's copier once its memory is admitted (Sandbox.copy_in).
 
     Raises:
         Fenced: the job stopped being this worker's (its running cases are stopped first).
@@ -217,6 +224,8 @@ async def run_batch(
 
     async def one(index: int, case: TestCase, sandbox: Sandbox | None) -> None:
         prog = program(case)
+        # (`first` holds the compiled program already: the others get a copy.)
+        copy_in = packed if sandbox is None else None
         if sandbox is None:
             # A worker whose builds all fail ends this case internal_error, not never. A kill
             # or the batch's budget ends the wait: a case stopped then takes no sandbox a
@@ -225,7 +234,8 @@ async def run_batch(
             if sandbox is None:
                 return
             try:
-                await sandbox.load(files, limits, prog, executable, pool.prime_for(spec.language))
+                charge = packed.charge_bytes if packed is not None else 0
+                await sandbox.load(files, limits, prog, executable, pool.prime_for(spec.language), charge)
             except BaseException:
                 pool.give_back(sandbox)
                 raise
@@ -265,6 +275,7 @@ async def run_batch(
                 uncharged=sandbox.uncharged,
                 output_spent=output.spent,
                 on_go=went_at.append,
+                before_go=functools.partial(off_loop, sandbox.copy_in, copy_in) if copy_in is not None else None,
             )
         except StepNotStarted:
             raise  # (the stop came while it waited for memory: it never ran, and says so)

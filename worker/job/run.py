@@ -54,7 +54,7 @@ from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
 from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
-from worker.isolation.workspace import SnapshotTooBig, WorkspaceError
+from worker.isolation.workspace import PACKED_FROM_BYTES, Packed, SnapshotTooBig, WorkspaceError, pack
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, run_batch, summarize
 from worker.job.blobs import Blob
@@ -987,9 +987,14 @@ class JobRun:
         first = self.sandbox
         assert first is not None
         files, executable = plan.files, frozenset[str]()
+        packed: Packed | None = None
         if plan.compile is not None:
             try:
                 files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
+                if sum(len(data) for _, data in files) >= PACKED_FROM_BYTES:
+                    # Copied into each case by its own jail (charged to it), from one archive.
+                    packed = await off_loop(pack, files, executable)
+                    files = []
             except SnapshotTooBig as exc:
                 # (A Java package of 70 components, say: it compiled, but cannot be copied.)
                 await self._finish_without_run(Outcome.COMPILE_ERROR, f"the compiled program cannot be copied into the test cases: {exc}")
@@ -1020,6 +1025,7 @@ class JobRun:
             budget_ms=self.ctx.settings.worker_batch_wall_ms,
             progress=self._batch,
             memory=self.ctx.sandboxes.memory,
+            packed=packed,
         )
         await self._finish_batch(batch, compiled)
 

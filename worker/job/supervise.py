@@ -417,6 +417,7 @@ async def supervise(
     output_spent: Callable[[], bool] | None = None,
     drain_on_stop_s: float = 0.0,
     on_go: Callable[[float], None] | None = None,
+    before_go: Callable[[], Awaitable[object]] | None = None,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -444,6 +445,9 @@ async def supervise(
     `on_go` is told when the program is started (the loop's time of its go, its runtime's
     uncharged start-up included), and only if it is: a caller reporting a step cut short
     counts its time from there, not from a wait for memory before it.
+
+    `before_go` runs once the step's memory is held and before its clocks start (a test
+    case's copy of the compiled program, charged to its jail), unless a kill came first.
     """
     if uncharged.cpu_ms and program.rlimit_cpu_s:
         room_s = cpu_backstop_room_s(uncharged.cpu_ms / 1000)
@@ -451,6 +455,11 @@ async def supervise(
     cpu_budget_ms = clocks.cpu_ms + uncharged.cpu_ms
     start_up_s = uncharged.wall_ms / 1000
     async with _memory_for(memory, cgroup, inbox, parked_until):
+        if before_go is not None and not _has_kill(inbox):
+            try:
+                await before_go()
+            except asyncio.CancelledError as exc:
+                raise StepNotStarted(*exc.args) from None
         loop = asyncio.get_running_loop()
         cpu_base = cgroup.cpu_us()
         # Without the kernel's group OOM kill (cgroup v1), one OOM kill leaves the rest of the
