@@ -1,13 +1,26 @@
-"""docker-compose.yml cannot run here (no Docker engine), so check it against the code."""
+"""docker-compose.yml cannot run here (no Docker engine), so check it against the code (and
+run the one script of its own it holds, the redis service's start)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pwd
 import re
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 
+import pytest
+import redis
 import yaml
 
+from launcher.stack import free_port
 from shared.limits import Limits
 from shared.paths import REPO_ROOT
 from shared.settings import ENV_NAMES, maximum_env_name
@@ -23,8 +36,10 @@ def test_services_and_commands() -> None:
     assert set(services) == {"redis", "soketi", "api", "worker"}
     assert services["api"]["command"][:2] == ["coderunner", "api"]
     assert services["worker"]["command"] == ["coderunner", "worker"]
-    assert services["redis"]["command"][0] == "redis-server"
-    assert "--requirepass" in services["redis"]["command"]  # no unauthenticated Redis (CVE-2024-29021 class)
+    # No unauthenticated Redis (CVE-2024-29021 class), and no password on a command line.
+    redis_start = services["redis"]["entrypoint"][2]
+    assert "requirepass" in redis_start and "exec docker-entrypoint.sh redis-server" in redis_start
+    assert "command" not in services["redis"] and "--requirepass" not in redis_start
 
 
 def test_environment_names_exist_in_settings() -> None:
@@ -177,3 +192,75 @@ def test_a_stopped_api_container_has_time_to_close_cleanly() -> None:
     assert period.endswith("s") and period[:-1].isdigit(), period
     settings = load_settings({"PUSHER_SECRET": "s" * 16})
     assert int(period[:-1]) * 1000 >= settings.api_shutdown_grace_ms + settings.pusher_timeout_ms + 2000
+
+
+def test_the_redis_container_gets_its_password_from_a_file_only_its_user_reads() -> None:
+    # The redis service's own entrypoint script, run here as compose would run it (its `$$`
+    # is compose's escape for `$`), with a stand-in for the image's docker-entrypoint.sh that
+    # drops to the redis user as that one does, and a private /tmp. A password of quotes,
+    # backslashes, `$`, spaces and non-ASCII bytes is the one Redis asks for; it is on no
+    # command line and in no environment of redis-server, and its file is 0600, redis's own.
+    script = _compose()["services"]["redis"]["entrypoint"][2].replace("$$", "$")
+    # (Outside /tmp, which the private one hides.)
+    where = Path(tempfile.mkdtemp(prefix="coderunner-compose-", dir="/run"))
+    where.chmod(0o755)  # (redis-server, as the redis user, works in a folder of it)
+    try:
+        _run_redis_start(script, where)
+    finally:
+        shutil.rmtree(where)
+
+
+def _run_redis_start(script: str, where: Path) -> None:
+    bin_dir = where / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "docker-entrypoint.sh"
+    seen = where / "seen"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        # What redis-server is started with (it overwrites both with its title once it runs).
+        f'printf "%s\\0" "$@" > {seen}.argv && env > {seen}.env\n'
+        'exec setpriv --reuid=redis --regid=redis --init-groups "$@"'
+        ' --port "$TEST_PORT" --bind 127.0.0.1 --dir "$TEST_DIR" --appendonly no --save ""\n'
+    )
+    stand_in.chmod(0o755)
+    data = where / "data"
+    data.mkdir()
+    shutil.chown(data, "redis", "redis")
+    password = "pa\"ss\\word $HOME 'q' /+=?#@ \u00e9t\u00e9"
+    port = free_port()
+    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "REDIS_PASSWORD": password, "TEST_PORT": str(port), "TEST_DIR": str(data)}
+    private_tmp = 'mount -t tmpfs -o mode=1777 coderunner-test /tmp && exec /bin/sh -c "$0"'
+    server = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", private_tmp, script],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                assert time.monotonic() < deadline, "redis-server never answered"
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, password=password + "x").ping()
+        # Every exec kept the pid: the one started is redis-server, as the redis user.
+        proc = Path(f"/proc/{server.pid}")
+        assert (proc / "comm").read_text().strip() == "redis-server"
+        assert proc.stat().st_uid == pwd.getpwnam("redis").pw_uid
+        argv = Path(f"{seen}.argv").read_bytes().split(b"\0")[:-1]
+        assert argv == [b"redis-server", b"/tmp/redis-auth.conf", b"--appendonly", b"yes"], argv
+        assert b"REDIS_PASSWORD" not in Path(f"{seen}.env").read_bytes()
+        for exposed in ("cmdline", "environ"):
+            assert password.encode() not in (proc / exposed).read_bytes(), exposed
+        conf = Path(f"/proc/{server.pid}/root/tmp/redis-auth.conf")
+        info = conf.stat()
+        assert (stat.S_IMODE(info.st_mode), info.st_uid) == (0o600, pwd.getpwnam("redis").pw_uid)
+        client.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
