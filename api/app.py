@@ -145,7 +145,7 @@ def create_app(settings: Settings) -> Starlette:
             await redis.aclose()
 
     app = Starlette(
-        routes=[*routes, *playground_routes()],
+        routes=[*routes, *playground_routes(settings)],
         exception_handlers=exception_handlers,
         lifespan=lifespan,
         middleware=_cors(settings),

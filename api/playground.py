@@ -1,36 +1,106 @@
 """The playground: a single page (web/index.html) plus the pusher-js browser build.
 
 It holds no secret: the visitor pastes the API token (or opens the URL `coderunner up`
-prints, which carries it in the fragment, never sent to the server).
+prints, which carries it in the fragment, never sent to the server). But the page holds
+that token while it shows what untrusted programs print, so it is served with a Content
+Security Policy that runs only its own scripts: the inline ones it was written with (by
+their hashes, taken from the file as it is served), pusher-js from this server, nothing
+injected. It may talk only to this server and to soketi, and no other page may frame it.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import ipaddress
+import re
+
+from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from shared.paths import REPO_ROOT
+from shared.settings import Settings
 
-__all__ = ["playground_routes"]
+__all__ = ["content_security_policy", "playground_routes"]
 
 _PAGE = REPO_ROOT / "web" / "index.html"
 _PUSHER_JS = REPO_ROOT / "clients" / "js" / "node_modules" / "pusher-js" / "dist" / "web" / "pusher.min.js"
 
-
-async def _page(request: object) -> Response:
-    if not _PAGE.exists():
-        return Response("playground not installed", status_code=404)
-    return FileResponse(_PAGE, media_type="text/html", headers={"cache-control": "no-cache"})
-
-
-async def _pusher(request: object) -> Response:
-    if not _PUSHER_JS.exists():
-        return Response("pusher-js not installed (run `make deps`)", status_code=404)
-    return FileResponse(_PUSHER_JS, media_type="application/javascript")
+# An element's text runs to the first `</script` or `</style` (HTML's raw text elements).
+_INLINE = re.compile(r"<(script|style)(\s[^>]*)?>(.*?)</\1", re.DOTALL | re.IGNORECASE)
+_ATTRIBUTE = re.compile(r"""\b(src|type)\s*=\s*("[^"]*"|'[^']*'|[^\s>]+)""", re.IGNORECASE)
+_SCRIPT_TYPES = {"", "text/javascript", "module", "application/javascript"}
 
 
-def playground_routes() -> list[BaseRoute]:
+def _hash(text: str) -> str:
+    # (Over the text as the browser parsed it: HTML reads every CR LF and lone CR as LF.)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def _realtime_source(settings: Settings) -> str:
+    """Where the page's pusher-js connects (GET /v1/realtime says the same)."""
+    host, port = settings.realtime_host, settings.realtime_port
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            # (A policy cannot name an IPv6 address: any WebSocket server then.)
+            return "wss:" if settings.realtime_tls else "ws: wss:"
+    except ValueError:
+        pass
+    return f"{'wss' if settings.realtime_tls else 'ws'}://{host}:{port}"
+
+
+def content_security_policy(page: str, settings: Settings) -> str:
+    scripts: list[str] = []
+    styles: list[str] = []
+    for match in _INLINE.finditer(page):
+        tag, attributes, text = match.group(1).lower(), match.group(2) or "", match.group(3)
+        found = {name.lower(): value.strip("'\"").strip().lower() for name, value in _ATTRIBUTE.findall(attributes)}
+        if tag == "style":
+            styles.append(_hash(text))
+        elif "src" not in found and found.get("type", "") in _SCRIPT_TYPES:
+            scripts.append(_hash(text))  # (a text/plain sample is data, never run)
+    return "; ".join(
+        [
+            "default-src 'none'",
+            " ".join(["script-src 'self'", *scripts]),
+            " ".join(["style-src", *styles]) if styles else "style-src 'none'",
+            f"connect-src 'self' {_realtime_source(settings)}",
+            "img-src 'self' data:",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
+
+
+def playground_routes(settings: Settings) -> list[BaseRoute]:
+    policies: dict[tuple[int, int], str] = {}  # by the page's (mtime, size): edits are seen
+
+    async def page(request: Request) -> Response:
+        try:
+            info = _PAGE.stat()
+        except FileNotFoundError:
+            return Response("playground not installed", status_code=404)
+        key = (info.st_mtime_ns, info.st_size)
+        if key not in policies:
+            policies.clear()
+            policies[key] = content_security_policy(_PAGE.read_text(encoding="utf-8"), settings)
+        headers = {
+            "cache-control": "no-cache",
+            "content-security-policy": policies[key],
+            "x-content-type-options": "nosniff",
+            "referrer-policy": "no-referrer",
+        }
+        return FileResponse(_PAGE, media_type="text/html", headers=headers, stat_result=info)
+
+    async def pusher(request: Request) -> Response:
+        if not _PUSHER_JS.exists():
+            return Response("pusher-js not installed (run `make deps`)", status_code=404)
+        return FileResponse(_PUSHER_JS, media_type="application/javascript", headers={"x-content-type-options": "nosniff"})
+
     return [
-        Route("/", _page, methods=["GET"]),
-        Route("/static/pusher.min.js", _pusher, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Route("/static/pusher.min.js", pusher, methods=["GET"]),
     ]

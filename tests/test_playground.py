@@ -52,6 +52,16 @@ def page(browser: Any, stack: Stack) -> Iterator[Any]:
     p.set_default_timeout(RUN_TIMEOUT_MS)
     errors: list[str] = []
     p.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Anything of the page's own its Content Security Policy refused (an inline script whose
+    # hash changed, a connection to a place the policy does not name) is an error too, but
+    # for what a test says it expects (`page.refusals_expected`).
+
+    def refused(message: Any) -> None:
+        text = message.text
+        if "Content Security Policy" in text and not any(part in text for part in getattr(p, "refusals_expected", ())):
+            errors.append(text)
+
+    p.on("console", refused)
     yield p
     context.close()
     assert not errors, f"uncaught errors in the page: {errors}"
@@ -100,6 +110,17 @@ def run_and_wait(page: Any, timeout_ms: int = RUN_TIMEOUT_MS) -> dict[str, Any]:
     }
 
 
+def without_realtime(page: Any, stack: Stack) -> None:
+    """Send the page's pusher-js to a port nothing listens on (9): soketi unreachable. The
+    page's policy refuses that connection before it is tried, which is what the test stands
+    in for, so that refusal is expected."""
+    page.refusals_expected = ["'ws://127.0.0.1:9/", "'wss://127.0.0.1:9/"]
+    page.route(
+        re.compile(r".*/v1/realtime$"),
+        lambda route: route.fulfill(json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}),
+    )
+
+
 def test_token_link_then_reload_asks_again(page: Any, stack: Stack) -> None:
     open_playground(page, stack)
     # The picker starts on the editor's sample language; every runtime is offered.
@@ -122,6 +143,39 @@ def test_token_link_then_reload_asks_again(page: Any, stack: Stack) -> None:
     expect()(page.locator("#status")).to_have_text(re.compile("ready"))
     assert page.input_value("#token") == ""  # the field keeps no copy
     shot(page, "0-token")
+
+
+def test_a_script_injected_into_the_page_does_not_run(browser: Any, stack: Stack) -> None:
+    # The page's Content Security Policy runs its own inline scripts (the `page` fixture fails
+    # every other test on any it refused) and nothing added later: an inline script, an event
+    # handler attribute or one from another place never runs, and no other page may frame it.
+    context = browser.new_context()
+    page = context.new_page()
+    response = page.goto(f"{stack.api_url}/")
+    policy = response.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "'unsafe-inline'" not in policy, policy
+    expect()(page.locator("#status")).to_contain_text("API token")
+    refused = page.evaluate(
+        """async () => {
+            const seen = [];
+            document.addEventListener("securitypolicyviolation", (e) => seen.push(e.effectiveDirective));
+            const inline = document.createElement("script");
+            inline.textContent = "window.ranInline = true";
+            document.body.appendChild(inline);
+            const handler = document.createElement("img");
+            handler.setAttribute("onerror", "window.ranHandler = true");
+            handler.src = "data:,not-an-image";
+            document.body.appendChild(handler);
+            const outside = document.createElement("script");
+            outside.src = "data:text/javascript,window.ranOutside=true";
+            document.body.appendChild(outside);
+            await new Promise((done) => setTimeout(done, 300));
+            return {seen, ran: [window.ranInline, window.ranHandler, window.ranOutside]};
+        }"""
+    )
+    context.close()
+    assert refused["ran"] == [None, None, None], refused
+    assert sorted(set(refused["seen"])) == ["script-src-attr", "script-src-elem"], refused
 
 
 def test_the_sqlite_sample_reads_a_name_from_stdin(page: Any, stack: Stack) -> None:
@@ -282,12 +336,7 @@ def test_lost_websocket_frames_are_recovered_from_the_event_log(page: Any, stack
 
 def test_without_realtime_the_event_log_carries_the_run(page: Any, stack: Stack) -> None:
     """soketi unreachable: the page starts anyway and follows the SSE log, input included."""
-    page.route(
-        re.compile(r".*/v1/realtime$"),
-        lambda route: route.fulfill(
-            json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}
-        ),
-    )
+    without_realtime(page, stack)
     open_playground(page, stack)
     page.click("#run")
     output = page.locator("#output")
@@ -597,10 +646,7 @@ def test_stop_pressed_while_the_run_is_still_being_submitted_kills_it(page: Any,
 def test_an_event_log_refused_once_is_opened_again(page: Any, stack: Stack) -> None:
     """Without the WebSocket the event log is the output's only way in: one 503 from it
     (every stream slot busy) used to leave the run to status polls, its output unseen."""
-    page.route(
-        re.compile(r".*/v1/realtime$"),
-        lambda route: route.fulfill(json={"key": stack.pusher_key, "wsHost": "127.0.0.1", "wsPort": 9, "forceTLS": False}),
-    )
+    without_realtime(page, stack)
     refused: list[str] = []
     full = {"error": "All event streams are in use", "details": [], "retryAfterMs": 1000}
     page.route(re.compile(r".*/v1/jobs/[0-9a-f]+/events\?.*"), first_time(lambda route: route.fulfill(status=503, json=full), refused))
