@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import signal
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -457,7 +456,7 @@ class _Sandbox:
     async def load(self, *args: Any) -> None:
         self.loaded = args
 
-    def copy_in(self, packed: Packed) -> None:
+    async def copy_in(self, packed: Packed) -> None:
         self.copied.append(packed)
 
 
@@ -789,15 +788,15 @@ def _batch_with_packed(spec: JobSpec, pool: Any, packed: Packed, emitted: list[s
 async def test_every_case_but_the_first_gets_the_packed_program_copied_in_before_its_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Its load is told the copy's charge (its limit holds it), and the copy runs once the
-    # step's memory is held, before the go; case 0 runs where the compile left it.
+    # The step holds the copy's charge of the ceiling on top of its limit, and the copy runs
+    # once that is held, before the go; case 0 runs where the compile left it.
     sandboxes: dict[str, _Sandbox] = {}
-    order: list[str] = []
+    held: dict[str, int] = {}
 
-    async def supervise(jail: Any, *_a: Any, before_go: Any = None, **_k: Any) -> StepFacts:
+    async def supervise(jail: Any, *_a: Any, before_go: Any = None, extra_memory_bytes: int = 0, **_k: Any) -> StepFacts:
+        held[jail.name] = extra_memory_bytes
         if before_go is not None:
             await before_go()
-        order.append(f"go {jail.name}")
         return _completed()
 
     class Pool(_ReadyPool):
@@ -811,17 +810,17 @@ async def test_every_case_but_the_first_gets_the_packed_program_copied_in_before
     emitted: list[str] = []
     result = await _batch_with_packed(_spec(3), Pool(), packed, emitted)
     assert [case.verdict for case in result.cases] == ["accepted"] * 3
-    assert sorted(sandboxes) == ["s1", "s2"]
+    assert sorted(sandboxes) == ["s1", "s2"] and held == {"first": 0, "s1": 5 << 20, "s2": 5 << 20}
     for sandbox in sandboxes.values():
-        assert sandbox.copied == [packed] and sandbox.loaded[0] == [] and sandbox.loaded[-1] == 5 << 20
+        assert sandbox.copied == [packed] and sandbox.loaded[0] == []
 
 
 async def test_a_case_the_workers_stop_caught_copying_its_program_in_never_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     # The copy comes before the go: a stop during it ends the case as one that never ran
-    # (the copy itself is waited for, as every isolation step is, then the gate stays shut).
+    # (Sandbox.copy_in kills its copier then), the gate still shut.
     from worker.job import supervise as supervision
 
-    copying = threading.Event()
+    copying = asyncio.Event()
 
     class Cgroup:
         memory_limit_bytes = 1 << 30
@@ -834,7 +833,12 @@ async def test_a_case_the_workers_stop_caught_copying_its_program_in_never_ran(m
         async def take_unless_failing(self, *args: Any) -> _Sandbox:
             sandbox = await super().take_unless_failing(*args)
             sandbox.cgroup = Cgroup()  # type: ignore[assignment]
-            sandbox.copy_in = lambda packed: (copying.set(), time.sleep(0.3))  # type: ignore[method-assign]
+
+            async def copy_in(packed: Packed) -> None:
+                copying.set()
+                await asyncio.sleep(0.3)
+
+            sandbox.copy_in = copy_in  # type: ignore[method-assign]
             return sandbox
 
     async def supervise(jail: Any, *args: Any, **kwargs: Any) -> StepFacts:
@@ -846,7 +850,7 @@ async def test_a_case_the_workers_stop_caught_copying_its_program_in_never_ran(m
     spec = _spec(2)
     emitted: list[str] = []
     running = _batch_with_packed(spec, Pool(), Packed(archive=b"tar", charge_bytes=1), emitted)
-    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, copying.wait, 5), 6)
+    await asyncio.wait_for(copying.wait(), 5)
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running

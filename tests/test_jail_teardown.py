@@ -30,9 +30,8 @@ from worker.isolation.cgroups import JobCgroup
 from worker.isolation.jail import JailError, Program
 from worker.isolation.memory import MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, mount
-from worker.isolation.offload import off_loop
 from worker.isolation.sandbox import SandboxFactory
-from worker.isolation.workspace import detach_workspace, pack
+from worker.isolation.workspace import Packed, Unpacking, detach_workspace, pack
 from worker.job.supervise import Clocks, cpu_clock_due_at, supervise
 
 pytestmark = [pytest.mark.sandbox]
@@ -356,15 +355,18 @@ async def test_a_capped_step_never_gets_cpu_faster_than_its_cap_grants(factory: 
     assert facts.cpu_ms >= 0.85 * facts.duration_ms, facts
 
 
-async def test_a_cases_copy_of_a_compiled_program_is_charged_to_its_own_jail_once_its_memory_is_held(
+async def test_a_cases_copy_of_a_compiled_program_is_charged_under_the_ceiling_not_to_the_case(
     factory: SandboxFactory,
 ) -> None:
-    # A test case's copy of a big compiled program is written by a copier that runs as the
-    # job's uid in the case's own cgroups, after the step's memory is admitted: its pages
-    # count under the ceiling and inside what the admission holds, not in the worker's own
-    # memory. The program gets its whole memory limit on top, and its figure leaves it out.
+    # A test case's copy of a big compiled program is written by a copier, as the job's uid,
+    # in a memory cgroup of its own beside the case's, after the step's memory (and the
+    # copy's) is admitted: its pages count under the ceiling all jobs share and in what the
+    # admission holds, not in the worker's memory, nor in the case's own limit, which would
+    # then hold room the program could free (by deleting the copy) and use itself.
     sandbox = await factory.prepare("teardown", 0)
     cgroup = sandbox.cgroup
+    layout = cgroup.layout
+    ceiling, usage = (f"{layout.v1_memory}/{layout.name}", "memory.usage_in_bytes") if layout.v1_memory else (f"{layout.v2}/{layout.name}", "memory.current")
     script = b'#!/bin/sh\necho ran "$@"\nexit 0\n' + b"#" * (8 << 20) + b"\n"
     packed = pack([("bin/prog", script), ("notes/a b.txt", b"hello")], frozenset({"bin/prog"}))
     limits = msgspec.structs.replace(DEFAULT_LIMITS, memory_mb=64)
@@ -377,26 +379,39 @@ async def test_a_cases_copy_of_a_compiled_program_is_charged_to_its_own_jail_onc
     async def collect(data: bytes) -> None:
         out.append(data)
 
+    unpack = sandbox.workspace.unpack
+
+    def unpack_and_look(packed: Packed, procs_files: list[str], unpacking: Unpacking | None = None) -> None:
+        unpack(packed, procs_files, unpacking)
+        folder = procs_files[0].rpartition("/")[0]  # (what the copier's folder holds, before it goes)
+        seen["copier's"] = int(Path(folder, usage).read_text()) if folder.startswith(f"{ceiling}/") else -1
+
+    sandbox.workspace.unpack = unpack_and_look  # type: ignore[method-assign]
+
     async def copy_in() -> None:
         seen["held"] = memory.held_bytes
-        seen["before"] = cgroup.memory_current_bytes()
-        await off_loop(sandbox.copy_in, packed)
-        seen["after"] = cgroup.memory_current_bytes()
+        seen["case before"] = cgroup.memory_current_bytes()
+        await sandbox.copy_in(packed)
+        seen["case after"] = cgroup.memory_current_bytes()
+        seen["folder left"] = os.path.exists(cgroup.copier_folder())
 
     try:
-        await sandbox.load([], limits, program, copied_in_bytes=packed.charge_bytes)
+        await sandbox.load([], limits, program)
         facts = await supervise(
             sandbox.jail, cgroup, program, Clocks(wall_ms=10000, cpu_ms=5000, idle_ms=None),
             [(sandbox.jail.stdout, collect), (sandbox.jail.stderr, collect)], asyncio.Queue(),
-            memory=memory, uncharged=sandbox.uncharged, before_go=copy_in,
+            memory=memory, uncharged=sandbox.uncharged, before_go=copy_in, extra_memory_bytes=packed.charge_bytes,
         )  # fmt: skip
+        limit = cgroup.memory_limit_bytes
     finally:
         await sandbox.destroy()
     assert (facts.exit.exit_code, facts.fired) == (0, None), (facts, out)
-    assert packed.charge_bytes >= len(script) + 5
-    assert seen["held"] == (64 << 20) + packed.charge_bytes
+    assert len(script) + 5 <= packed.charge_bytes < len(script) + (64 << 10)
+    assert seen["held"] == (64 << 20) + packed.charge_bytes and limit == 64 << 20
     # (v1's usage lags what was charged by the per-CPU batches of a few hundred KiB.)
-    assert seen["after"] - seen["before"] >= len(script) - (1 << 20), seen
+    assert seen["copier's"] >= len(script) - (1 << 20), seen
+    assert seen["case after"] - seen["case before"] < 1 << 20, seen
+    assert not seen["folder left"]
     ran, prog, notes, uid, hello = b"".join(out).decode().splitlines()
     assert (ran, hello) == ("ran 1", "hello")
     assert prog == f"755 {uid} {len(script)} bin/prog" and notes == f"644 {uid} 5 notes/a b.txt"

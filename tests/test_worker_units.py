@@ -10,6 +10,7 @@ import math
 import os
 import random
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, 
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, StartupCost, StartupCosts, Uncharged, build_enter
-from worker.isolation.workspace import Workspace, WorkspaceError
+from worker.isolation.workspace import SnapshotTooBig, Unpacking, Workspace, WorkspaceError, pack, tmpfs_charge
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import StreamTail
@@ -1643,6 +1644,58 @@ def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tm
     with pytest.raises(WorkspaceError, match="deeper than"):
         workspace.snapshot(1 << 20)
     assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_snapshot_refuses_a_path_longer_than_the_copier_can_open(tmp_path: Path) -> None:
+    # A batch's copier opens each path whole (PATH_MAX): a longer one (each of its parts
+    # allowed) is the submission's compile_error, not every case's internal_error.
+    workspace = Workspace(tmp_path.parent, tmp_path.name, os.getuid(), os.getgid())
+    fd = os.open(tmp_path, os.O_DIRECTORY)
+    for _ in range(17):  # 17 x 251 bytes below the workspace (made level by level: PATH_MAX)
+        os.mkdir("d" * 250, dir_fd=fd)
+        fd, parent = os.open("d" * 250, os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.close(fd)
+    with pytest.raises(SnapshotTooBig, match="longer than 4095 bytes"):
+        workspace.snapshot(1 << 20)
+
+
+def test_a_stopped_unpacking_kills_its_copier_and_never_lets_one_start() -> None:
+    unpacking = Unpacking()
+    copier = subprocess.Popen(["sleep", "30"])
+    assert unpacking.began(copier)
+    unpacking.stop()
+    assert copier.wait(5) == -signal.SIGKILL
+    late = subprocess.Popen(["sleep", "30"])
+    assert not unpacking.began(late)  # stopped before it began: killed at once
+    assert late.wait(5) == -signal.SIGKILL
+
+
+async def test_a_stoppable_isolation_step_is_stopped_by_a_cancel_and_still_waited_for() -> None:
+    from worker.isolation.offload import off_loop_stoppable
+
+    stop = threading.Event()
+    ended: list[str] = []
+
+    def step() -> None:
+        stop.wait(30)
+        time.sleep(0.05)  # (its clean-up, which the cancelled caller must still wait for)
+        ended.append("ended")
+
+    task = asyncio.create_task(off_loop_stoppable(step, stop.set))
+    await asyncio.sleep(0.05)
+    began = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended == ["ended"] and time.monotonic() - began < 5
+
+
+def test_tmpfs_charge_counts_whole_pages_and_an_inode_for_each_file_and_folder() -> None:
+    files = [("a/b/c.class", b"x"), ("a/d", b"y" * 4097), ("top", b"")]
+    assert tmpfs_charge(files) == 4096 + 8192 + 0 + (3 + 2) * 1024  # folders a and a/b
+    assert pack(files, frozenset()).charge_bytes == tmpfs_charge(files)
 
 
 async def _swallows_a_cancel() -> None:

@@ -44,6 +44,7 @@ from worker.isolation.sandbox import (
 from worker.isolation.selftest import SandboxUnavailable, self_test
 from worker.isolation.toolchains import ToolchainError, bind_sources, check_no_writable_submounts, expose_mounts
 from worker.isolation.uids import UidLease, UidsInUse, accounts_in, uids_held
+from worker.isolation.workspace import missing_copier_tools
 from worker.runtimes import Runtime, discover_runtimes, load_manifests
 
 __all__ = ["main", "preflight"]
@@ -88,6 +89,11 @@ async def preflight(
     if os.geteuid() != 0:
         raise SandboxUnavailable(
             "the worker must run as root: nsjail maps jobs to unprivileged uids and the worker owns their cgroups"
+        )
+    missing = missing_copier_tools()
+    if missing:
+        raise SandboxUnavailable(
+            f"this host lacks {', '.join(missing)}: test batches copy a big compiled program into their cases with them"
         )
     count = settings.worker_max_sandboxes + 1  # the slots, and the self-test's uid past them
     try:

@@ -634,6 +634,11 @@ class JobCgroup:
             self.cpu_cap_cores = quota / CPU_PERIOD_US
             self._limit(f"{cpu}/cpu.shares", str(max(2, round(1024 * share))))
 
+    def copier_folder(self) -> str:
+        """A memory cgroup beside this job's, under the ceiling all jobs share, for a copy
+        into the job's workspace that the job's own limit must not hold (Sandbox.copy_in)."""
+        return (self.v1_dirs.get("memory") or self.v2_dir or "") + ".copy"
+
     def procs_files(self) -> list[str]:
         """Files a launcher writes its own pid into before it execs nsjail.
 

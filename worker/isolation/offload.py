@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["off_loop", "off_loop_quick", "off_loop_soon"]
+__all__ = ["off_loop", "off_loop_quick", "off_loop_soon", "off_loop_stoppable"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -109,10 +109,18 @@ async def off_loop_quick(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) 
     return await _finished(off_loop_soon(lambda: fn(*args, **kwargs), quick=True))
 
 
-async def _finished(future: asyncio.Future[T]) -> T:
+async def off_loop_stoppable(fn: Callable[[], T], stop: Callable[[], object]) -> T:
+    """`off_loop` for a long step that can be cut short: a cancel calls `stop` (on the loop;
+    it must make `fn` end soon), then still waits for `fn` to finish."""
+    return await _finished(off_loop_soon(fn), stop)
+
+
+async def _finished(future: asyncio.Future[T], stop: Callable[[], object] | None = None) -> T:
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
+        if stop is not None:
+            stop()
         while not future.done():
             try:
                 await asyncio.shield(future)

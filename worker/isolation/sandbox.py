@@ -21,7 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -34,9 +34,9 @@ from worker.isolation.forkserver import ForkServer
 from worker.isolation.jail import Jail, JailError, JailSpec, Program, cpu_backstop_room_s
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MS_REMOUNT, mount
-from worker.isolation.offload import off_loop, off_loop_quick
+from worker.isolation.offload import off_loop, off_loop_quick, off_loop_stoppable
 from worker.isolation.uids import UidLease
-from worker.isolation.workspace import Packed, Workspace
+from worker.isolation.workspace import Packed, Unpacking, Workspace, WorkspaceError
 
 __all__ = [
     "GateBuildError",
@@ -486,13 +486,8 @@ class Sandbox:
         program: Program,
         executable: frozenset[str] = frozenset(),
         stand_in: Prime | None = None,
-        copied_in_bytes: int = 0,
     ) -> None:
         """Write the job's files and set its limits (before start).
-
-        `copied_in_bytes` is what a copy in the jail's own cgroups will add before the go
-        (`copy_in`: a test case's compiled program): the limit holds it on top, and the
-        figures leave it out, as a run's compiled program is not its own.
 
         With a prestarted runtime that adopts `program`, what the runtime already holds is
         added to the memory limit and subtracted from the figures, and the program's
@@ -504,7 +499,7 @@ class Sandbox:
         """
         # A job's files are usually a few kilobytes: their copy is one of the job's short steps.
         small = sum(len(data) for _, data in files) <= QUICK_LOAD_BYTES
-        await (off_loop_quick if small else off_loop)(self._load, files, limits, program, executable, stand_in, copied_in_bytes)
+        await (off_loop_quick if small else off_loop)(self._load, files, limits, program, executable, stand_in)
 
     def _load(
         self,
@@ -513,10 +508,9 @@ class Sandbox:
         program: Program,
         executable: frozenset[str],
         stand_in: Prime | None,
-        copied_in_bytes: int = 0,
     ) -> None:
         self.workspace.stage(files, executable)
-        memory = limits.memory_mb * 1024 * 1024 + copied_in_bytes
+        memory = limits.memory_mb * 1024 * 1024
         startup = stand_in.startup.typical() if stand_in is not None and stand_in.adopts(program) else None
         if self.prime is None and startup is not None:
             # The figure leaves out the resident part only: what of the runtime's files is
@@ -534,19 +528,37 @@ class Sandbox:
             self.uncharged = Uncharged(memory_bytes=self.cgroup.memory_current_bytes())
             memory += self.cgroup.memory_resident_bytes()
             _set_rlimits(self.runtime_pid, program, _cpu_used_s(self.runtime_pid))
-        if copied_in_bytes:
-            self.uncharged = replace(self.uncharged, memory_bytes=self.uncharged.memory_bytes + copied_in_bytes)
         # +1 pid: nsjail's clone of the gate is counted once before the program replaces it.
         self.cgroup.set_limits(memory_bytes=memory, pids=limits.pids + 1)
         self.cgroup.reset_memory_peak()
 
-    def copy_in(self, packed: Packed) -> None:
-        """Unpack `packed` into the workspace, charged to the jail's cgroups (load said how
-        much with `copied_in_bytes`). After the step's memory is admitted, before its go:
-        blocking, for the isolation threads."""
-        self.workspace.unpack(packed, self.cgroup.procs_files())
-        # The copier's own memory is gone with it; its files stay, and are left out.
-        self.cgroup.reset_memory_peak()
+    async def copy_in(self, packed: Packed) -> None:
+        """Unpack `packed` (a test case's compiled program) into the workspace, charged to a
+        memory cgroup of its own under the ceiling: not to the jail's, whose limit would
+        then hold what the program may delete to use the room itself. Its caller holds
+        `packed.charge_bytes` of the ceiling for the step. A cancel kills the copier."""
+        unpacking = Unpacking()
+        await off_loop_stoppable(lambda: self._copy_in(packed, unpacking), unpacking.stop)
+
+    def _copy_in(self, packed: Packed, unpacking: Unpacking) -> None:
+        folder = self.cgroup.copier_folder()
+        try:
+            try:
+                os.mkdir(folder)
+            except FileExistsError:
+                os.rmdir(folder)  # (left by a copy whose worker died: empty, or this fails)
+                os.mkdir(folder)
+        except OSError as exc:
+            raise WorkspaceError(f"no cgroup for copying the compiled program: {exc}") from None
+        try:
+            self.workspace.unpack(packed, [f"{folder}/cgroup.procs"], unpacking)
+        finally:
+            # Its pages stay charged under the ceiling (to the folder's parent once it is
+            # gone) until the workspace goes; the copier has been waited for.
+            try:
+                os.rmdir(folder)
+            except OSError as exc:
+                log.warning("sandbox %s: cannot remove %s: %s", self.name, folder, exc)
 
     def start(self, program: Program) -> bool:
         return self.jail.go(program)

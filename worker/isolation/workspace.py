@@ -3,7 +3,7 @@
 Every file is written before any untrusted step runs (compilers included), through
 descriptors opened with O_NOFOLLOW relative to the workspace's own descriptor, and owned
 by the job's uid from the moment it exists. (A test case's copy of a big compiled program
-is written by a copier in the case's own cgroup, as the job's uid: `Workspace.unpack`.)
+is written by a copier, as the job's uid, in a cgroup of its own: `Workspace.unpack`.)
 After launch the worker only unmounts the tmpfs (a detach needs no walk of a tree the job
 could have booby-trapped) and reads files through no-follow descriptors (defence R1). Mounting, staging and unmounting take kernel
 locks, so the sandbox calls these methods on the isolation threads (offload.py).
@@ -19,11 +19,15 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 from pathlib import Path
 
 from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mount
 
-__all__ = ["PACKED_FROM_BYTES", "Packed", "SnapshotTooBig", "Workspace", "WorkspaceError", "detach_workspace", "pack"]
+__all__ = [
+    "PACKED_FROM_BYTES", "Packed", "SnapshotTooBig", "Unpacking", "Workspace", "WorkspaceError", "detach_workspace",
+    "missing_copier_tools", "pack", "tmpfs_charge",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +36,44 @@ log = logging.getLogger(__name__)
 MAX_SNAPSHOT_DEPTH = 64
 
 
-# From this many bytes on, what a compile left is copied into each test case by a copier
-# in the case's own cgroup (Workspace.unpack), so its tmpfs pages are charged to the case,
-# under the ceiling all jobs share and within what the case's memory admission holds.
-# Below it the worker writes the files itself: their pages are charged to the worker, at
-# most this much for each case running, and a copier's start would cost more than the copy.
+# From this much (tmpfs_charge) on, what a compile left is copied into each test case by a
+# copier in a memory cgroup of its own under the ceiling all jobs share (Workspace.unpack),
+# and the case's memory admission holds it. Below it the worker writes the files itself:
+# their pages are charged to the worker, at most this much for each case running, and a
+# copier's start would cost more than the copy.
 PACKED_FROM_BYTES = 1 << 20
-# What a tmpfs file costs in memory past its pages (its inode and dentry), rounded up.
-_FILE_OVERHEAD_BYTES = 4096
+# What a tmpfs file or folder costs in memory past its pages (its inode and dentry).
+_INODE_BYTES = 1024
 _PAGE_BYTES = 4096
+# Longer paths cannot be opened whole (PATH_MAX), as the copier opens them.
+MAX_SNAPSHOT_PATH_BYTES = 4095
 # How long a copier may take (64 MiB copies in well under a second).
-UNPACK_TIMEOUT_S = 60.0
-_TAR = shutil.which("tar") or "/bin/tar"
+UNPACK_TIMEOUT_S = 20.0
+# The copier joins its cgroups as root, then becomes the job's uid and gid (no other group)
+# and extracts: a process that is the job's uid is never moved into a cgroup from outside.
+_COPIER = (
+    'uid=$1 gid=$2 into=$3; shift 3; for procs; do echo $$ > "$procs" || exit 125; done; '
+    'exec setpriv --reuid="$uid" --regid="$gid" --clear-groups -- '
+    # -p: the archive's modes as they are; -m: modified now, as a staged file is; -k: a
+    # file already there is an error, as staging's O_EXCL makes it.
+    'tar -x -p -m -k --no-same-owner -f - -C "$into"'
+)
+_COPIER_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# The host tools the copier needs, and the Debian package of each.
+COPIER_TOOLS = {"tar": "tar", "setpriv": "util-linux (or setpriv)"}
+
+
+def missing_copier_tools() -> list[str]:
+    """The copier's tools this host lacks, each with its package."""
+    return [f"{tool} ({package})" for tool, package in COPIER_TOOLS.items() if shutil.which(tool, path=_COPIER_PATH) is None]
+
+
+def tmpfs_charge(files: list[tuple[str, bytes]]) -> int:
+    """What `files` take of a tmpfs's memory: whole pages, and an inode for each file and
+    folder."""
+    folders = {"/".join(parts[:depth]) for name, _ in files for parts in [name.split("/")] for depth in range(1, len(parts))}
+    pages = sum(-(-len(data) // _PAGE_BYTES) * _PAGE_BYTES for _, data in files)
+    return pages + (len(files) + len(folders)) * _INODE_BYTES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,15 +81,13 @@ class Packed:
     """What a compile left, packed once for every test case's copy (a tar archive)."""
 
     archive: bytes
-    # What the unpacked files take of a tmpfs (pages and inodes), charged to the case.
+    # What the unpacked files take of a tmpfs (tmpfs_charge): the copy's cgroup holds it.
     charge_bytes: int
 
 
 def pack(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed:
     """`files` (as `Workspace.snapshot` read them) as a tar of regular files only."""
     buffer = io.BytesIO()
-    charge = 0
-    folders: set[str] = set()
     # (Names as the listing gave them, undecodable bytes included: GNU tar keeps them.)
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tar:
         for name, data in files:
@@ -67,10 +95,31 @@ def pack(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed:
             info.size = len(data)
             info.mode = 0o755 if name in executable else 0o644
             tar.addfile(info, io.BytesIO(data))
-            charge += -(-len(data) // _PAGE_BYTES) * _PAGE_BYTES + _FILE_OVERHEAD_BYTES
-            parts = name.split("/")
-            folders.update("/".join(parts[:depth]) for depth in range(1, len(parts)))
-    return Packed(archive=buffer.getvalue(), charge_bytes=charge + len(folders) * _FILE_OVERHEAD_BYTES)
+    return Packed(archive=buffer.getvalue(), charge_bytes=tmpfs_charge(files))
+
+
+class Unpacking:
+    """A copy under way, which another thread may stop (the worker stopping): its copier
+    is killed, and one not started yet is never started."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copier: subprocess.Popen[bytes] | None = None
+        self.stopped = False
+
+    def began(self, copier: subprocess.Popen[bytes]) -> bool:
+        """Note the copier; False (and it is killed) if the copy was stopped already."""
+        with self._lock:
+            self._copier = copier
+            if self.stopped:
+                copier.kill()
+            return not self.stopped
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            if self._copier is not None and self._copier.returncode is None:
+                self._copier.kill()
 
 
 class WorkspaceError(Exception):
@@ -136,41 +185,43 @@ class Workspace:
         finally:
             os.close(root_fd)
 
-    def unpack(self, packed: Packed, procs_files: list[str], timeout_s: float = UNPACK_TIMEOUT_S) -> None:
-        """Write `packed` into the fresh workspace by a copier (tar) that runs as the job's
-        uid and is moved into `procs_files` (the case's cgroups) before it is given a byte,
-        so every page it writes is charged to the case.
+    def unpack(
+        self, packed: Packed, procs_files: list[str], unpacking: Unpacking | None = None, timeout_s: float = UNPACK_TIMEOUT_S
+    ) -> None:
+        """Write `packed` into the fresh workspace by a copier (tar) that joins `procs_files`
+        before it reads a byte, so every page it writes is charged there, and runs as the
+        job's uid and gid. Blocking: for the isolation threads.
 
         Raises:
-            WorkspaceError: the copier could not be started or moved, or it failed.
+            WorkspaceError: the copier could not start or join its cgroups, it failed, or
+                it was stopped (`unpacking`).
         """
+        unpacking = unpacking or Unpacking()
         try:
+            # (No uid change in Popen itself: that would fork the whole worker; this can vfork.)
             copier = subprocess.Popen(
-                # -p: the archive's modes as they are; -m: modified now, as a staged file is;
-                # -k: a file already there is an error, as staging's O_EXCL makes it.
-                [_TAR, "-x", "-p", "-m", "-k", "--no-same-owner", "-f", "-", "-C", self._where],
+                ["/bin/sh", "-c", _COPIER, "copier", str(self.uid), str(self.gid), self._where, *procs_files],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                user=self.uid, group=self.gid, extra_groups=[], cwd="/",
-                env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, close_fds=True,
+                cwd="/", env={"PATH": _COPIER_PATH, "LC_ALL": "C"}, close_fds=True,
             )  # fmt: skip
         except OSError as exc:
             raise WorkspaceError(f"the copier for the compiled program could not start: {exc}") from None
         try:
+            if not unpacking.began(copier):
+                raise WorkspaceError("the copy of the compiled program was stopped")
             try:
-                for procs in procs_files:
-                    with open(procs, "w") as file:
-                        file.write(str(copier.pid))
-            except OSError as exc:
-                raise WorkspaceError(f"the copier could not be moved into the case's cgroup: {exc}") from None
-            _, errors = copier.communicate(packed.archive, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise WorkspaceError(f"copying the compiled program took over {timeout_s:g} s") from None
+                _, errors = copier.communicate(packed.archive, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise WorkspaceError(f"copying the compiled program took over {timeout_s:g} s") from None
         finally:
             if copier.returncode is None:
                 copier.kill()
                 copier.wait()
+        if unpacking.stopped:
+            raise WorkspaceError("the copy of the compiled program was stopped")
         if copier.returncode != 0:
-            detail = errors.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {copier.returncode}"]
+            why = "could not join its cgroup" if copier.returncode == 125 else f"exit {copier.returncode}"
+            detail = errors.decode(errors="replace").strip().splitlines()[-1:] or [why]
             raise WorkspaceError(f"copying the compiled program failed: {detail[0]}")
 
     def remove(self, names: list[str]) -> None:
@@ -219,6 +270,8 @@ class Workspace:
                     if stat.S_ISDIR(info.st_mode):
                         walk(fd, f"{prefix}{entry}/", depth + 1)
                     elif stat.S_ISREG(info.st_mode):
+                        if len(os.fsencode(prefix + entry)) > MAX_SNAPSHOT_PATH_BYTES:
+                            raise SnapshotTooBig(f"a path in it is longer than {MAX_SNAPSHOT_PATH_BYTES} bytes")
                         total += info.st_size
                         if total > max_bytes or len(files) >= max_files:
                             raise SnapshotTooBig(f"it is over {max_bytes} bytes or {max_files} files (each hard link in full)")

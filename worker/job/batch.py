@@ -48,7 +48,6 @@ from shared.messages import (
 )
 from worker.isolation.jail import Program
 from worker.isolation.memory import MemoryAdmission
-from worker.isolation.offload import off_loop
 from worker.isolation.pool import SandboxPool, call_off
 from worker.isolation.sandbox import Sandbox
 from worker.isolation.workspace import Packed
@@ -186,8 +185,8 @@ async def run_batch(
     destroyed like every other case's sandbox (the caller must not reuse it). `budget_ms`
     after the batch began, the cases still running are stopped and the rest skipped.
 
-    Every other case gets `files`, and `packed` (a big compiled program) copied in by its
-    own jail's copier once its memory is admitted (Sandbox.copy_in).
+    Every other case gets `files`, and `packed` (a big compiled program) copied in once its
+    memory, and the copy's, is admitted (Sandbox.copy_in).
 
     Raises:
         Fenced: the job stopped being this worker's (its running cases are stopped first).
@@ -234,8 +233,7 @@ async def run_batch(
             if sandbox is None:
                 return
             try:
-                charge = packed.charge_bytes if packed is not None else 0
-                await sandbox.load(files, limits, prog, executable, pool.prime_for(spec.language), charge)
+                await sandbox.load(files, limits, prog, executable, pool.prime_for(spec.language))
             except BaseException:
                 pool.give_back(sandbox)
                 raise
@@ -275,7 +273,8 @@ async def run_batch(
                 uncharged=sandbox.uncharged,
                 output_spent=output.spent,
                 on_go=went_at.append,
-                before_go=functools.partial(off_loop, sandbox.copy_in, copy_in) if copy_in is not None else None,
+                before_go=functools.partial(sandbox.copy_in, copy_in) if copy_in is not None else None,
+                extra_memory_bytes=copy_in.charge_bytes if copy_in is not None else 0,
             )
         except StepNotStarted:
             raise  # (the stop came while it waited for memory: it never ran, and says so)

@@ -54,7 +54,7 @@ from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
 from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
-from worker.isolation.workspace import PACKED_FROM_BYTES, Packed, SnapshotTooBig, WorkspaceError, pack
+from worker.isolation.workspace import PACKED_FROM_BYTES, Packed, SnapshotTooBig, WorkspaceError, pack, tmpfs_charge
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, run_batch, summarize
 from worker.job.blobs import Blob
@@ -991,8 +991,8 @@ class JobRun:
         if plan.compile is not None:
             try:
                 files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
-                if sum(len(data) for _, data in files) >= PACKED_FROM_BYTES:
-                    # Copied into each case by its own jail (charged to it), from one archive.
+                if tmpfs_charge(files) >= PACKED_FROM_BYTES:
+                    # Copied into each case from one archive, charged under the ceiling.
                     packed = await off_loop(pack, files, executable)
                     files = []
             except SnapshotTooBig as exc:

@@ -418,6 +418,7 @@ async def supervise(
     drain_on_stop_s: float = 0.0,
     on_go: Callable[[float], None] | None = None,
     before_go: Callable[[], Awaitable[object]] | None = None,
+    extra_memory_bytes: int = 0,
 ) -> StepFacts:
     """Release the jail's gate with `program` and watch it to the end.
 
@@ -447,14 +448,15 @@ async def supervise(
     counts its time from there, not from a wait for memory before it.
 
     `before_go` runs once the step's memory is held and before its clocks start (a test
-    case's copy of the compiled program, charged to its jail), unless a kill came first.
+    case's copy of the compiled program), unless a kill came first; `extra_memory_bytes` is
+    what the step holds of the ceiling past its jail's limit (that copy's).
     """
     if uncharged.cpu_ms and program.rlimit_cpu_s:
         room_s = cpu_backstop_room_s(uncharged.cpu_ms / 1000)
         program = dataclasses.replace(program, rlimit_cpu_s=program.rlimit_cpu_s + room_s)
     cpu_budget_ms = clocks.cpu_ms + uncharged.cpu_ms
     start_up_s = uncharged.wall_ms / 1000
-    async with _memory_for(memory, cgroup, inbox, parked_until):
+    async with _memory_for(memory, cgroup, extra_memory_bytes, inbox, parked_until):
         if before_go is not None and not _has_kill(inbox):
             try:
                 await before_go()
@@ -633,14 +635,19 @@ async def _read_to_the_end(readers: list[asyncio.Task[None]], activity: Activity
 
 @contextlib.asynccontextmanager
 async def _memory_for(
-    memory: MemoryAdmission | None, cgroup: JobCgroup, inbox: asyncio.Queue[object], parked_until: asyncio.Event | None
+    memory: MemoryAdmission | None,
+    cgroup: JobCgroup,
+    extra_bytes: int,
+    inbox: asyncio.Queue[object],
+    parked_until: asyncio.Event | None,
 ) -> AsyncIterator[None]:
-    """Hold the step's memory limit of `memory` for the step (nothing without `memory`, nor
-    when a kill came first: the step then ends with the gate shut)."""
+    """Hold the step's memory limit, and `extra_bytes` past it, of `memory` for the step
+    (nothing without `memory`, nor when a kill came first: the step then ends with the gate
+    shut)."""
     if memory is None:
         yield
         return
-    size = cgroup.memory_limit_bytes
+    size = cgroup.memory_limit_bytes + extra_bytes
     if not await _admitted(memory, size, inbox, parked_until):
         yield
         return
