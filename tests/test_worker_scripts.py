@@ -1017,6 +1017,27 @@ async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -
         assert await redis.memory_usage(key) < COMPACT_BYTES
 
 
+async def test_a_reap_sent_again_after_its_worker_came_back_still_answers_that_it_ended_the_job(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # A dead worker's started job is ended lost, the reply is lost, and the worker renews its
+    # lease before the client sends the script again. The second run answered "came back"
+    # (3): the reaper stopped there and published nothing, and the worker's own finish was
+    # fenced, so a follower never heard a result.
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"running","seq":1}')], started=True)
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    reaper._reap = Recorded(reaper._reap)  # type: ignore[method-assign]
+    ended = await reaper.recover_claims(queue.worker_id, dead=True)
+    assert [job_id for job_id, _ in ended] == [job]
+    await redis.set(keys.worker_alive_key(queue.worker_id), "back")
+    again = await reaper._reap.again()  # type: ignore[attr-defined]
+    assert again[0] == 2 and bytes(again[2]) == ended[0][1], again
+    names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(job))]
+    assert names.count(b"result") == 1
+
+
 async def test_stdin_written_sent_twice_is_the_same_count_and_drops_the_written_frames(
     redis: Redis, queue: WorkerQueue
 ) -> None:

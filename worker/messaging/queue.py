@@ -374,13 +374,13 @@ _REAP = (
 -- more) answers as it did and does nothing else: the job it re-queued may have been claimed
 -- again since, into this same list (a worker's own stray), and started; and the result
 -- of one it ended is still published live.
+-- Before the look at the worker's lease: one that came back since the first run must not
+-- turn its answer into "came back", or the result it ended the job with is never published.
 local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
 if mine[1] == ARGV[8] .. '/requeued' then return 1 end
+if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3]} end
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
-if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
-  if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3]} end
-  return 0
-end
+if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or terminal[state] then return 0 end
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
