@@ -416,9 +416,10 @@ async def kill_job(request: Request) -> Response:
     state = _state(request)
     status = await state.visible_job(request)
     result = None
-    if status.test_cases and status.state in (JobState.QUEUED, JobState.PARKED):
+    if status.test_cases:
         # Should it end here, in the queue, a grader still finds every case and the summary.
-        # (A parked job too: its worker may hand it back to the queue before the kill lands.)
+        # Whatever state was read: a worker may hand the job back to the queue (a parked or
+        # starting batch, at its stop) before the kill lands. (An ended one's spec is gone.)
         spec = await state.store.spec(status.job_id)
         if spec is not None and spec.tests:
             result = killed_batch_before_start(spec.tests)

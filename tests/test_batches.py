@@ -1064,3 +1064,33 @@ def test_a_batch_killed_in_the_queue_lists_every_case(make_stack: StackFactory) 
     finally:
         api.close()
 
+
+
+async def test_a_batch_whose_kill_ends_it_in_the_queue_lists_every_case_whatever_state_was_read() -> None:
+    # The kill route read `starting`, then the worker (stopping) handed the batch back to the
+    # queue, where the kill ended it: with no case list, for a template was built only for a
+    # state read as queued or parked. (The queue itself: test_a_batch_killed_in_the_queue_...)
+    from api import routes
+    from api.store import KillAnswer
+    from shared.grading import killed_batch_before_start
+    from shared.messages import JobState
+
+    spec = _spec(2)
+    asked: list[object] = []
+
+    class Store:
+        async def spec(self, _job_id: str) -> JobSpec:
+            return spec
+
+        async def kill(self, _job_id: str, _ttl_s: int, result: object = None) -> KillAnswer:
+            asked.append(result)
+            return KillAnswer(result=b"{}", heard=False)
+
+    async def visible_job(_request: object) -> object:
+        return SimpleNamespace(job_id="j", test_cases=2, state=JobState.STARTING)
+
+    state = SimpleNamespace(store=Store(), settings=SimpleNamespace(run_result_ttl_s=60), visible_job=visible_job)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(coderunner=state)))
+    response = await routes.kill_job(request)  # type: ignore[arg-type]
+    assert response.status_code == 202
+    assert asked == [killed_batch_before_start(spec.tests or [])]
