@@ -995,6 +995,23 @@ async def test_a_hand_back_keeps_how_far_the_jobs_log_was_published(redis: Redis
     assert await redis.hget(keys.status_key(job), "liveSeq") == b"2"
 
 
+async def test_a_claim_gives_the_record_its_whole_life_again_after_a_long_wait_in_the_queue(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # JOB_RECORD_TTL is checked to outlast a warm-up and the longest run, counted from the
+    # submit: a job that waited in a backed-up queue could lose its record mid-run and end
+    # with no result at all (its finish fenced, its reap finding nothing).
+    spec = _spec()
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    record = [keys.status_key(spec.job_id), keys.spec_key(spec.job_id), keys.callback_key(spec.job_id)]
+    await redis.hset(record[2], "state", "pending")
+    for key in record:
+        await redis.expire(key, 5)  # (as if it had waited nearly its whole life)
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.spec.job_id == spec.job_id
+    assert [await redis.ttl(key) >= RECORD_TTL_S - 5 for key in record] == [True, True, True]
+
+
 async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:
     claim = await _claimed(redis, queue)
     job = claim.spec.job_id
