@@ -119,9 +119,15 @@ class Bench:
         return self.rows.setdefault(key, Row(label, unit, goal, baseline_name))
 
 
+# A pause before each side: what the side before it left behind (our worker rebuilding its
+# warm jails and removing cgroups, some 20 ms of CPU a slot) is not charged to the next.
+SETTLE_S = 0.5
+
+
 def interleaved(rep: int, *sides: Callable[[], None]) -> None:
     """Run each side once, in order on even repetitions and reversed on odd ones."""
     for side in sides if rep % 2 == 0 else reversed(sides):
+        time.sleep(SETTLE_S)
         side()
 
 
