@@ -14,9 +14,10 @@ import base64
 import hashlib
 import ipaddress
 import re
+from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from shared.paths import REPO_ROOT
@@ -75,30 +76,52 @@ def content_security_policy(page: str, settings: Settings) -> str:
     )
 
 
+class _Served:
+    """A small file read once and again whenever it changes (its mtime and size), sent
+    whole: a Range header is ignored (as HTTP allows), so no malformed one can earn a
+    plain-text error outside the API's JSON envelope."""
+
+    def __init__(self, path: Path, with_policy: Settings | None = None) -> None:
+        self._path = path
+        self._settings = with_policy
+        self._key: tuple[int, int] | None = None
+        self.body = b""
+        self.policy = ""
+
+    def fresh(self) -> bool:
+        """Whether the file is there (read again if it changed)."""
+        try:
+            info = self._path.stat()
+        except FileNotFoundError:
+            return False
+        key = (info.st_mtime_ns, info.st_size)
+        if key != self._key:
+            self.body = self._path.read_bytes()
+            if self._settings is not None:
+                self.policy = content_security_policy(self.body.decode("utf-8"), self._settings)
+            self._key = key
+        return True
+
+
 def playground_routes(settings: Settings) -> list[BaseRoute]:
-    policies: dict[tuple[int, int], str] = {}  # by the page's (mtime, size): edits are seen
+    page_file = _Served(_PAGE, with_policy=settings)
+    pusher_file = _Served(_PUSHER_JS)
 
     async def page(request: Request) -> Response:
-        try:
-            info = _PAGE.stat()
-        except FileNotFoundError:
+        if not page_file.fresh():
             return Response("playground not installed", status_code=404)
-        key = (info.st_mtime_ns, info.st_size)
-        if key not in policies:
-            policies.clear()
-            policies[key] = content_security_policy(_PAGE.read_text(encoding="utf-8"), settings)
         headers = {
             "cache-control": "no-cache",
-            "content-security-policy": policies[key],
+            "content-security-policy": page_file.policy,
             "x-content-type-options": "nosniff",
             "referrer-policy": "no-referrer",
         }
-        return FileResponse(_PAGE, media_type="text/html", headers=headers, stat_result=info)
+        return Response(page_file.body, media_type="text/html", headers=headers)
 
     async def pusher(request: Request) -> Response:
-        if not _PUSHER_JS.exists():
+        if not pusher_file.fresh():
             return Response("pusher-js not installed (run `make deps`)", status_code=404)
-        return FileResponse(_PUSHER_JS, media_type="application/javascript", headers={"x-content-type-options": "nosniff"})
+        return Response(pusher_file.body, media_type="application/javascript", headers={"x-content-type-options": "nosniff"})
 
     return [
         Route("/", page, methods=["GET"]),
