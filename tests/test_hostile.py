@@ -849,6 +849,13 @@ print("deep")
 
 CONTROL_SEQUENCES = "\x1b]0;owned\x07\x1b[2J\x1b[H\x1b[31mRED\x1b[0m\rHIDDEN\r\x1b[2K\x1b]8;;https://example.invalid\x1b\\click\x1b]8;;\x1b\\\n"
 
+# B5: 1 MiB files, then empty ones, until the place refuses more.
+FLOOD_PY = (
+    "import os\nn = 0\ntry:\n    while True:\n        with open(f'{where}/blk{{n}}', 'wb') as f:\n"
+    "            f.write(os.urandom(1 << 20))\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n"
+)
+INODE_FLOOD_SH = 'cd {where} || exit 1\ni=0; while : > "f$i"; do i=$((i+1)); done 2>/dev/null; echo "created $i files"\n'
+
 CASES = [
     # ---- A. CPU, time, process table
     Case("A1-bash-fork-bomb", "bash", "b(){ b | b & }; b; sleep 30\n",
@@ -920,6 +927,25 @@ CASES = [
          '            f.write(os.urandom(1 << 20))\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n',
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: o["stdout"].split()[1] == "28" and int(o["stdout"].split()[0]) <= 16, "ENOSPC at 16 MiB"))),
+    # The job's own workspace (64 MiB, 4,096 inodes) and /dev/shm (16 MiB, 256) are capped
+    # by their tmpfs, not only by the memory limit (256 MiB here, past both): without their
+    # size= and nr_inodes= the floods would run on to memory_exceeded or past the caps.
+    Case("B5-python-workspace-flood", "python", FLOOD_PY.format(where="."),
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: o["stdout"].split()[1] == "28" and 56 <= int(o["stdout"].split()[0]) <= 64, "ENOSPC at 64 MiB")),
+         limits={"memoryMb": 256}),
+    Case("B5-bash-workspace-inode-flood", "bash", INODE_FLOOD_SH.format(where="."),
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: 4000 <= int(o["stdout"].split()[1]) <= 4096, "stops at the workspace's inode cap")),
+         limits={"memoryMb": 256}),
+    Case("B5-python-shm-flood", "python", FLOOD_PY.format(where="/dev/shm"),
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: o["stdout"].split()[1] == "28" and 12 <= int(o["stdout"].split()[0]) <= 16, "ENOSPC at 16 MiB")),
+         limits={"memoryMb": 256}),
+    Case("B5-bash-shm-inode-flood", "bash", INODE_FLOOD_SH.format(where="/dev/shm"),
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: 200 <= int(o["stdout"].split()[1]) <= 256, "stops at /dev/shm's inode cap")),
+         limits={"memoryMb": 256}),
     Case("B6-python-fd-exhaustion", "python",
          'fds = []\ntry:\n    while True:\n        fds.append(open("/dev/null"))\nexcept OSError as e:\n    print(len(fds), e.errno)\n',
          both(expect(outcome="completed", exitCode=0),

@@ -1646,6 +1646,42 @@ def test_a_snapshot_refuses_folders_nested_past_its_depth_and_copies_the_rest(tm
     assert len(os.listdir("/proc/self/fd")) == open_before
 
 
+def test_staging_never_writes_through_a_link_planted_in_the_workspace(tmp_path: Path) -> None:
+    # Defence R1, the write side (CVE-2024-28185/28189's class: a runner writing or chowning
+    # through a link the job planted). Staging runs as root before launch; a link already
+    # there (a stale tmpfs, a bug that stages late) must make it fail, never be followed.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    canary = outside / "canary"
+    canary.write_text("canary")
+    box = tmp_path / "box"
+    box.mkdir()
+    (box / "main.py").symlink_to(canary)
+    (box / "src").symlink_to(outside)
+    workspace = Workspace(tmp_path, "box", os.getuid() + 1, os.getgid() + 1)
+    for name in ("main.py", "src/p.py", "src/canary"):
+        with pytest.raises(WorkspaceError):
+            workspace.stage([(name, b"written through a link")])
+    assert canary.read_text() == "canary" and sorted(os.listdir(outside)) == ["canary"]
+    assert os.stat(canary).st_uid == os.getuid()  # (nothing chowned through the link either)
+
+
+def test_a_snapshot_reads_only_regular_files_and_never_follows_or_blocks(tmp_path: Path) -> None:
+    # What a compile left is read by root (defence R1): a link to a host file or folder is
+    # skipped, and a FIFO is never opened for reading (it would block the worker's thread).
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("host secret")
+    box = tmp_path / "box"
+    box.mkdir()
+    (box / "out.bin").write_bytes(b"built")
+    (box / "secret").symlink_to(outside / "secret")
+    (box / "dir").symlink_to(outside)
+    os.mkfifo(box / "fifo")
+    files, _ = Workspace(tmp_path, "box", os.getuid(), os.getgid()).snapshot(1 << 20)
+    assert files == [("out.bin", b"built")]
+
+
 def test_a_snapshot_refuses_a_path_longer_than_the_copier_can_open(tmp_path: Path) -> None:
     # A batch's copier opens each path whole (PATH_MAX): a longer one (each of its parts
     # allowed) is the submission's compile_error, not every case's internal_error.
