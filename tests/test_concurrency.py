@@ -46,6 +46,27 @@ def test_twenty_jobs_on_four_slots(api: Api, realtime: Realtime) -> None:
         assert api.status(job)["state"] == "done"
 
 
+def test_jobs_running_at_once_run_as_different_host_uids(api: Api, realtime: Realtime) -> None:
+    # Defence R4 says a uid per job, not one for all: jobs sharing a host uid would share
+    # its per-uid limits and could reach each other's 0700 workspaces. Four jobs that overlap
+    # (each holds its slot 1.5 s, so all four run at once) read the host uid they map to.
+    code = (
+        "import os, time\n"
+        "inside, outside, count = open('/proc/self/uid_map').read().split()\n"
+        "print(outside, count, os.getuid())\n"
+        "time.sleep(1.5)\n"
+    )
+    jobs = [api.execute(py_job(code)) for _ in range(4)]
+    followed = [realtime.follow(job) for job in jobs]
+    for job in jobs:
+        assert api.start(job).status_code == 202
+    results = [f.wait_result(timeout_s=60) for f in followed]
+    assert [r["outcome"] for r in results] == ["completed"] * 4, results
+    outside = [f.text("stdout").split()[0] for f in followed]
+    assert len(set(outside)) == 4 and all(int(uid) >= 100000 for uid in outside), outside
+    assert {f.text("stdout").split()[1] for f in followed} == {"1"}  # one uid mapped, no range
+
+
 def test_parallel_jobs_near_their_memory_limit_do_not_hurt_each_other(api: Api, realtime: Realtime) -> None:
     # G2: 32 jobs at once, each touching 80 % of its 128 MiB; with per-job cgroups none is
     # OOM-killed and no sandbox set-up fails, however many are launched side by side.

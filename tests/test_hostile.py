@@ -849,6 +849,23 @@ print("deep")
 
 CONTROL_SEQUENCES = "\x1b]0;owned\x07\x1b[2J\x1b[H\x1b[31mRED\x1b[0m\rHIDDEN\r\x1b[2K\x1b]8;;https://example.invalid\x1b\\click\x1b]8;;\x1b\\\n"
 
+GATE_FDS_PY = r"""
+import errno, os
+opened, refused = 0, set()
+for n in range(64):
+    try:
+        os.close(os.open(f"/proc/1/fd/{n}", os.O_WRONLY))
+        opened += 1
+    except OSError as e:
+        refused.add(errno.errorcode[e.errno])
+try:
+    os.listdir("/proc/1/fd")
+    listed = "listed"
+except OSError as e:
+    listed = errno.errorcode[e.errno]
+print(opened, ",".join(sorted(refused)), listed, os.getpid(), sep="|")
+"""
+
 # B5: 1 MiB files, then empty ones, until the place refuses more.
 FLOOD_PY = (
     "import os\nn = 0\ntry:\n    while True:\n        with open(f'{where}/blk{{n}}', 'wb') as f:\n"
@@ -1110,6 +1127,13 @@ CASES = [
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: [line.split(" ", 1)[1] for line in o["stdout"].splitlines()] == ["-1 1"] * 27 + ["0 0"],
                     "each refused with EPERM; the persona query answered"))),
+    # R12, directly: the gate (the jail's pid 1, which reports the program's end to the
+    # worker over its status socket) is not dumpable, so the program can neither list nor
+    # open its descriptors to forge a report. (D1's /proc/1/environ shows it only in passing.)
+    Case("R12-python-gate-descriptors", "python", GATE_FDS_PY,
+         both(expect(outcome="completed", exitCode=0),
+              where(lambda o: o["stdout"].split("|")[:3] == ["0", "EACCES", "EACCES"], "no descriptor of the gate reachable"),
+              where(lambda o: o["stdout"].split("|")[3].strip() != "1", "the program is not the jail's pid 1"))),
     Case("D1-python-mount-flags", "python", MOUNT_FLAGS_PY,
          both(expect(outcome="completed", exitCode=0),
               where(lambda o: all(f"{p} {f}\n" in o["stdout"] for p, f in [
