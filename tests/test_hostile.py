@@ -241,6 +241,54 @@ def _pids_events_file(lines: list[str], v2_root: Path | None, v1_roots: dict[str
     raise AssertionError(f"no pids cgroup in {lines}")
 
 
+def _watch_compile_memory(marker: str) -> Callable[[Stack, Followed], None]:
+    """F3: the memory cgroup of the compiler process whose command line starts with
+    `marker`: its limit, and the highest usage seen until it is gone."""
+
+    def act(stack: Stack, followed: Followed) -> None:
+        v2_root, v1_roots = cgroup_mounts(Path("/proc/self/mounts").read_text())
+        deadline = time.monotonic() + 15
+        folder: Path | None = None
+        while folder is None:
+            assert time.monotonic() < deadline, "the compiler never started"
+            for lines in _programs_of(stack, marker).values():
+                for line in lines:
+                    _, controllers, path = line.split(":", 2)
+                    if "memory" in controllers.split(",") and "memory" in v1_roots:
+                        folder = v1_roots["memory"] / path.lstrip("/")
+                    elif controllers == "" and v2_root is not None and "memory" not in v1_roots:
+                        folder = v2_root / path.lstrip("/")
+                break
+            else:
+                time.sleep(0.01)
+        v1 = "memory" in v1_roots
+        seen = SEEN.setdefault(followed.job["jobId"], {})
+        try:
+            limit = (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).read_text().strip()
+            seen["compile memory limit"] = int(limit) if limit.isdigit() else 1 << 62
+            usage = folder / ("memory.max_usage_in_bytes" if v1 else "memory.current")
+            while time.monotonic() < deadline:
+                seen["compile memory peak"] = max(seen.get("compile memory peak", 0), int(usage.read_text()))
+                time.sleep(0.02)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the compile ended and its cgroup went
+
+    return act
+
+
+def compile_memory_limit_hit(mib: int) -> Check:
+    """F3: the compile was ended by its own memory limit (`mib`, the manifest's), reached."""
+
+    def check(out: dict[str, Any], followed: Followed) -> None:
+        seen = SEEN.get(followed.job["jobId"], {})
+        limit, peak = seen.get("compile memory limit"), seen.get("compile memory peak", 0)
+        assert limit is not None and limit <= (mib + 64) << 20, f"the compile's memory limit: {seen}; {summary(out)}"
+        assert peak >= 0.9 * limit, f"the compile never neared its memory limit: {seen}; {summary(out)}"
+        assert out["compile"]["timedOut"] is False, summary(out)
+
+    return check
+
+
 def pids_limit_hit(out: dict[str, Any], followed: Followed) -> None:
     seen = SEEN.get(followed.job["jobId"], {})
     assert seen.get("pids.events max", 0) > 0, f"the pids cgroup never refused a fork: {seen}; {summary(out)}"
@@ -866,6 +914,9 @@ except OSError as e:
 print(opened, ",".join(sorted(refused)), listed, os.getpid(), sep="|")
 """
 
+# gcc's compiler proper, where the F3 macro bomb spends its memory.
+CC1 = subprocess.run(["gcc", "-print-prog-name=cc1"], capture_output=True, text=True, check=False).stdout.strip() or "cc1"
+
 # B5: 1 MiB files, then empty ones, until the place refuses more.
 FLOOD_PY = (
     "import os\nn = 0\ntry:\n    while True:\n        with open(f'{where}/blk{{n}}', 'wb') as f:\n"
@@ -1100,8 +1151,10 @@ CASES = [
     Case("F2-rust-include-host-files", "rust",
          'const SHADOW: &[u8] = include_bytes!("/etc/shadow");\nfn main() { println!("{}", SHADOW.len()); }\n',
          both(compile_failed)),
-    Case("F3-c-macro-bomb", "c", MACRO_BOMB, both(compile_failed)),
-    Case("F3-cpp-template-bomb", "cpp", TEMPLATE_BOMB, both(compile_failed)),
+    Case("F3-c-macro-bomb", "c", MACRO_BOMB, plus(both(compile_failed), compile_memory_limit_hit(512)),
+         during=_watch_compile_memory(CC1 + "\0")),
+    Case("F3-cpp-template-bomb", "cpp", TEMPLATE_BOMB,
+         both(compile_failed, where(lambda o: o["compile"]["timedOut"] is True, "the compile's clock ended it"))),
     Case("F4-cpp-diagnostic-flood", "cpp", DIAG_FLOOD,
          both(compile_failed, where(lambda o: o["compile"]["exitCode"] not in (0, None), "compiler said no"))),
     Case("F4-c-warning-flood", "c", WARNING_FLOOD_C,
@@ -1120,7 +1173,7 @@ CASES = [
     Case("F1-c-include-dev-urandom", "c", '#include "/dev/urandom"\nint main(void) { return 0; }\n',
          both(compile_failed)),
     Case("F5-c-giant-object-file", "c", "char big[1 << 30] = {1};\nint main(int argc, char **argv) { return big[argc * 4096]; }\n",
-         both(compile_failed)),
+         both(compile_failed, where(lambda o: "File size limit exceeded" in o["compile"]["output"], "the compile's file size limit"))),
     Case("D6-c-clone-into-namespaces", "c", D6_CLONE_C,
          both(expect(outcome="completed", exitCode=0, stdout="clone3 -1 38\nclone -1 1\n"))),
     Case("D5-c-errno-listed-calls", "c", D5_ERRNO_C,
