@@ -212,6 +212,8 @@ def test_a_job_is_charged_alike_in_a_prestarted_or_a_plain_jail(stacks: tuple[Ap
         "import sys\ndef hook(*exc): raise RuntimeError('the hook broke')\nsys.excepthook = hook\nraise ValueError('boom')\n",
         "import sys\nsys.excepthook = lambda *exc: print('hooked', exc[0].__name__, exc[2].tb_frame.f_code.co_filename)\n"
         "raise ValueError('boom')\n",
+        "x = 1\nprint(x)\x00\n",
+        "if 1:\n    x\x00 = 1\n",
     ],
     ids=[
         "exit-message",
@@ -225,6 +227,8 @@ def test_a_job_is_charged_alike_in_a_prestarted_or_a_plain_jail(stacks: tuple[Ap
         "sys-last-vars",
         "excepthook-raises",
         "excepthook-own",
+        "nul-byte",
+        "nul-byte-mid-line",
     ],
 )
 def test_python_exit_paths_match(stacks: tuple[Api, Api], code: str) -> None:

@@ -74,6 +74,11 @@ def _serve():
     except OSError as exc:
         sys.stderr.write(f"{argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
         raise SystemExit(2) from None
+    if b"\0" in source:
+        # The interpreter reads a file with NUL bytes its own way, which compile() does not
+        # (versions differ: one cuts each line at the NUL, a later one refuses the file):
+        # such a program runs as the plain command itself, this process replaced by it.
+        os.execv(argv[0], argv)
 
     # `site` looked for the user's site-packages (~/.local/..., HOME being the workspace) before
     # the job's files were there; `python3 main.py` finds it if the job brought one. It goes
