@@ -215,13 +215,13 @@ C_BIG = r"""
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
-static volatile char pad[4 << 20] = {1, [(4 << 20) - 1] = 2};  /* a 4 MiB program */
+static volatile char pad[12 << 20] = {1, [(12 << 20) - 1] = 2};  /* a 12 MiB program */
 int main(void) {
     struct stat st;
     if (stat("/proc/self/exe", &st) != 0) return 2;
     if (access("made.txt", F_OK) == 0) { puts("dirty"); return 0; }
     FILE *f = fopen("made.txt", "w"); if (!f) return 4; fclose(f);
-    printf("%d %o %d %d\n", pad[0] + pad[sizeof pad - 1], (int)(st.st_mode & 0777), st.st_uid == getuid(), st.st_size > (4 << 20));
+    printf("%d %o %d %d\n", pad[0] + pad[sizeof pad - 1], (int)(st.st_mode & 0777), st.st_uid == getuid(), st.st_size > (12 << 20));
     return 0;
 }
 """
@@ -229,10 +229,10 @@ int main(void) {
 
 @pytest.mark.slow
 def test_a_big_compiled_program_is_copied_into_every_case_whole_and_its_own(api: Api, realtime: Realtime) -> None:
-    # Past PACKED_FROM_BYTES the cases get their copy from a copier in their own jail's
-    # cgroups (test_jail_teardown checks the charge): each runs the whole program, mode
-    # 0755 and owned by the case, in a workspace it may write to, and no case's memory
-    # figure holds the copy (case 0 runs where the compile left it).
+    # Past PACKED_FROM_BYTES (8 MiB) the cases get their copy from a copier in a cgroup of
+    # its own (test_jail_teardown checks the charge): each runs the whole program, mode 0755
+    # and owned by the case, in a workspace it may write to, and no case's memory figure
+    # holds the copy (case 0 runs where the compile left it).
     body = {"language": "c", "files": [{"name": "main.c", "content": C_BIG}], "tests": [{"expectedOutput": "3 755 1 1\n"}] * 3}
     result, followed = run(api, realtime, body | {"collectOutput": True})
     assert [case["verdict"] for case in result["tests"]] == ["accepted"] * 3, followed.summary()
