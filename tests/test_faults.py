@@ -748,6 +748,11 @@ def _run_job_argv(stack: Stack, program: Path) -> list[str]:
     return [find_node(), str(REPO_ROOT / "clients/js/run-job.mjs"), stack.api_url, stack.api_token, "python", str(program)]
 
 
+def _started_run_job(stack: Stack, program: Path) -> subprocess.Popen[str]:
+    """run-job.mjs started on `program`, its stdout (one event a line) and stderr piped."""
+    return subprocess.Popen(_run_job_argv(stack, program), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _assert_whole_run(lines: list[str], stdout: str) -> None:
     """run-job.mjs printed every event once, in `seq` order, one `result` last (completed),
     and the stdout chunks make `stdout`."""
@@ -770,10 +775,7 @@ def test_the_example_pusher_js_client_reads_what_an_outage_hid_from_the_log(make
     program = tmp_path / "count.py"
     lines = 40
     program.write_text(f"import time\nfor i in range({lines}):\n    print(i, flush=True)\n    time.sleep(0.1)\n")
-    client = subprocess.Popen(
-        _run_job_argv(stack, program),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    client = _started_run_job(stack, program)
     try:
         assert client.stdout is not None
         seen = [client.stdout.readline() for _ in range(6)]  # (stages, then the first lines)
@@ -823,10 +825,7 @@ def test_the_example_pusher_js_client_ends_a_run_whose_live_view_went_silent(mak
     stack = make_stack()
     program = tmp_path / "two.py"
     program.write_text("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')\n")
-    client = subprocess.Popen(
-        _run_job_argv(stack, program),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    client = _started_run_job(stack, program)
     try:
         assert client.stdout is not None
         seen = []

@@ -32,7 +32,15 @@ from worker.isolation.jail import Jail, JailError, JailExit, JailSpec, Program, 
 from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.pool import SandboxPool
 from worker.isolation.sandbox import MAX_IDLE_S, Prime, StartupCost, StartupCosts, Uncharged, build_enter
-from worker.isolation.workspace import SnapshotTooBig, Unpacking, Workspace, WorkspaceError, pack, tmpfs_charge
+from worker.isolation.workspace import (
+    PACKED_FROM_BYTES,
+    SnapshotTooBig,
+    Unpacking,
+    Workspace,
+    WorkspaceError,
+    pack_if_big,
+    tmpfs_charge,
+)
 from worker.job.events import JobEvents
 from worker.job.outcome import judge_run
 from worker.job.output import StreamTail
@@ -1731,7 +1739,10 @@ async def test_a_stoppable_isolation_step_is_stopped_by_a_cancel_and_still_waite
 def test_tmpfs_charge_counts_whole_pages_and_an_inode_for_each_file_and_folder() -> None:
     files = [("a/b/c.class", b"x"), ("a/d", b"y" * 4097), ("top", b"")]
     assert tmpfs_charge(files) == 4096 + 8192 + 0 + (3 + 2) * 1024  # folders a and a/b
-    assert pack(files, frozenset()).charge_bytes == tmpfs_charge(files)
+    assert pack_if_big(files, frozenset()) is None  # (the worker writes these itself)
+    big = [("out/big", b"x" * (PACKED_FROM_BYTES - 4096)), *[(f"out/c{n}.class", b"c") for n in range(8)]]
+    packed = pack_if_big(big, frozenset())  # under the threshold in bytes, past it in charge
+    assert packed is not None and packed.charge_bytes == tmpfs_charge(big) >= PACKED_FROM_BYTES
 
 
 async def _swallows_a_cancel() -> None:

@@ -637,7 +637,28 @@ class JobCgroup:
     def copier_folder(self) -> str:
         """A memory cgroup beside this job's, under the ceiling all jobs share, for a copy
         into the job's workspace that the job's own limit must not hold (Sandbox.copy_in)."""
-        return (self.v1_dirs.get("memory") or self.v2_dir or "") + ".copy"
+        memory = self.v1_dirs.get("memory") or self.v2_dir
+        assert memory is not None  # (a layout without a memory controller is refused at start)
+        return memory + ".copy"
+
+    def make_copier_cgroup(self) -> str:
+        """Create the copier's folder (one left by a copy whose worker died is taken over:
+        it is empty, or this fails); its cgroup.procs. Raises OSError."""
+        folder = self.copier_folder()
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            os.rmdir(folder)
+            os.mkdir(folder)
+        return f"{folder}/cgroup.procs"
+
+    def remove_copier_cgroup(self) -> None:
+        """Remove the copier's folder once its copier is gone. What it wrote stays charged
+        under the ceiling (to the folder's parent) until the workspace goes."""
+        try:
+            os.rmdir(self.copier_folder())
+        except OSError as exc:
+            log.warning("job %s: cannot remove its copier's cgroup: %s", self.job_id, exc)
 
     def procs_files(self) -> list[str]:
         """Files a launcher writes its own pid into before it execs nsjail.

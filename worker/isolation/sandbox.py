@@ -541,24 +541,14 @@ class Sandbox:
         await off_loop_stoppable(lambda: self._copy_in(packed, unpacking), unpacking.stop)
 
     def _copy_in(self, packed: Packed, unpacking: Unpacking) -> None:
-        folder = self.cgroup.copier_folder()
         try:
-            try:
-                os.mkdir(folder)
-            except FileExistsError:
-                os.rmdir(folder)  # (left by a copy whose worker died: empty, or this fails)
-                os.mkdir(folder)
+            procs = self.cgroup.make_copier_cgroup()
         except OSError as exc:
             raise WorkspaceError(f"no cgroup for copying the compiled program: {exc}") from None
         try:
-            self.workspace.unpack(packed, [f"{folder}/cgroup.procs"], unpacking)
+            self.workspace.unpack(packed, [procs], unpacking)  # (which waits for its copier)
         finally:
-            # Its pages stay charged under the ceiling (to the folder's parent once it is
-            # gone) until the workspace goes; the copier has been waited for.
-            try:
-                os.rmdir(folder)
-            except OSError as exc:
-                log.warning("sandbox %s: cannot remove %s: %s", self.name, folder, exc)
+            self.cgroup.remove_copier_cgroup()
 
     def start(self, program: Program) -> bool:
         return self.jail.go(program)

@@ -5,8 +5,9 @@ descriptors opened with O_NOFOLLOW relative to the workspace's own descriptor, a
 by the job's uid from the moment it exists. (A test case's copy of a big compiled program
 is written by a copier, as the job's uid, in a cgroup of its own: `Workspace.unpack`.)
 After launch the worker only unmounts the tmpfs (a detach needs no walk of a tree the job
-could have booby-trapped) and reads files through no-follow descriptors (defence R1). Mounting, staging and unmounting take kernel
-locks, so the sandbox calls these methods on the isolation threads (offload.py).
+could have booby-trapped) and reads files through no-follow descriptors (defence R1).
+Mounting, staging and unmounting take kernel locks, so the sandbox calls these methods on
+the isolation threads (offload.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from worker.isolation.mounts import MS_NODEV, MS_NOSUID, MountError, detach, mou
 
 __all__ = [
     "PACKED_FROM_BYTES", "Packed", "SnapshotTooBig", "Unpacking", "Workspace", "WorkspaceError", "detach_workspace",
-    "missing_copier_tools", "pack", "tmpfs_charge",
+    "missing_copier_tools", "pack", "pack_if_big", "tmpfs_charge",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,19 @@ class Packed:
     charge_bytes: int
 
 
+def pack_if_big(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed | None:
+    """`files` packed when they take PACKED_FROM_BYTES or more of a tmpfs; else None (the
+    worker writes them into each case itself)."""
+    charge = tmpfs_charge(files)
+    return _pack(files, executable, charge) if charge >= PACKED_FROM_BYTES else None
+
+
 def pack(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed:
     """`files` (as `Workspace.snapshot` read them) as a tar of regular files only."""
+    return _pack(files, executable, tmpfs_charge(files))
+
+
+def _pack(files: list[tuple[str, bytes]], executable: frozenset[str], charge_bytes: int) -> Packed:
     buffer = io.BytesIO()
     # (Names as the listing gave them, undecodable bytes included: GNU tar keeps them.)
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tar:
@@ -97,7 +109,7 @@ def pack(files: list[tuple[str, bytes]], executable: frozenset[str]) -> Packed:
             info.size = len(data)
             info.mode = 0o755 if name in executable else 0o644
             tar.addfile(info, io.BytesIO(data))
-    return Packed(archive=buffer.getvalue(), charge_bytes=tmpfs_charge(files))
+    return Packed(archive=buffer.getvalue(), charge_bytes=charge_bytes)
 
 
 class Unpacking:

@@ -54,7 +54,7 @@ from worker.isolation.jail import JailError, Program
 from worker.isolation.offload import off_loop
 from worker.isolation.pool import BUILD_CHECK_S, call_off
 from worker.isolation.sandbox import Sandbox
-from worker.isolation.workspace import PACKED_FROM_BYTES, Packed, SnapshotTooBig, WorkspaceError, pack, tmpfs_charge
+from worker.isolation.workspace import Packed, SnapshotTooBig, WorkspaceError, pack_if_big
 from worker.job.artifacts import RedisArtifactStore, collect_artifacts, top_level_names
 from worker.job.batch import BatchProgress, BatchResult, run_batch, summarize
 from worker.job.blobs import Blob
@@ -991,9 +991,9 @@ class JobRun:
         if plan.compile is not None:
             try:
                 files, executable = await off_loop(first.workspace.snapshot, self.ctx.sandboxes.workspace_bytes)
-                if tmpfs_charge(files) >= PACKED_FROM_BYTES:
-                    # Copied into each case from one archive, charged under the ceiling.
-                    packed = await off_loop(pack, files, executable)
+                # A big one is copied into each case from one archive, charged under the ceiling.
+                packed = await off_loop(pack_if_big, files, executable)
+                if packed is not None:
                     files = []
             except SnapshotTooBig as exc:
                 # (A Java package of 70 components, say: it compiled, but cannot be copied.)
