@@ -198,7 +198,7 @@ def result_facts(cases: Sequence[CaseFacts]) -> list[CaseFacts]:
 
 
 def batch_ended_early(
-    tests: Sequence[TestCase], outcome: Outcome, message: str, ran: Sequence[CaseFacts | None] = ()
+    tests: Sequence[TestCase], outcome: Outcome, message: str | None, ran: Sequence[CaseFacts | None] = ()
 ) -> ResultEvent:
     """The result of a batch ended by the platform before all of its cases ran (seq filled
     in by the script that writes it): the cases in `ran` (by index) keep their facts."""

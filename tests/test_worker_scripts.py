@@ -933,8 +933,8 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     answer = await store.start(job, "")
     assert (answer.outcome, answer.state, answer.started) == ("ended", JobState.EXPIRED, False)
     assert not await redis.exists(keys.start_flag_key(job))
-    # Put back in the queue (say its worker died before ending it), the next claim is
-    # another attempt, which the mark does not hold for.
+    # Handed back to the queue, the next claim is another attempt, which the mark does not
+    # hold for. (Had its worker died instead, the reaper ends it expired: see below.)
     assert await queue.hand_back(job, claim.attempt)
     again = await queue.claim(1.0, 0.0)
     assert again is not None and again.spec.job_id == job
@@ -946,6 +946,51 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     # A kill that came too wins, as at every look at the flags.
     await redis.hset(keys.status_key(other.spec.job_id), "kill", "1")
     assert await queue.close_park(other.spec.job_id, other.attempt) == "kill"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_job_whose_worker_died_as_its_warm_up_ran_out_ends_expired_not_requeued(
+    redis: Redis, queue: WorkerQueue, batch: bool
+) -> None:
+    # Its claim took the last look at the start flag, so the API refuses a start as `expired`
+    # from then on, and its worker died before it stored that. The reaper put it back in the
+    # queue: the next claim, another attempt, lifted the refusal, and a client that tried its
+    # start again after the 409 got a 202 and a run.
+    store = JobStore(redis, RECORD_TTL_S)
+    spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="a"), TestCase()] if batch else [])
+    assert (await store.enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.spec.job_id == spec.job_id
+    assert await queue.close_park(spec.job_id, claim.attempt) == "expired"
+    reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+    ((job, raw),) = await reaper.reap_dead_workers([queue.worker_id])
+    status = await redis.hgetall(keys.status_key(spec.job_id))
+    assert job == spec.job_id and status[b"state"] == b"expired" and status[b"outcome"] == b"expired"
+    assert await redis.lrange(keys.QUEUE, 0, -1) == []
+    assert await redis.hget(keys.ENDED_COUNTS, "expired") == b"1" and not await redis.hexists(keys.ENDED_COUNTS, "lost")
+    answer = await store.start(spec.job_id, "")
+    assert (answer.outcome, answer.state) == ("ended", JobState.EXPIRED)
+    names = [f[b"name"] for _, f in await redis.xrange(keys.events_key(spec.job_id))]
+    assert names == [b"stage", b"result"]
+    # The result its worker would have stored (another job, ended expired by the worker's path).
+    twin = msgspec.structs.replace(spec, job_id=str(uuid.uuid4()))
+    assert (await store.enqueue(twin, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    twin_claim = await queue.claim(1.0, 0.0)
+    assert twin_claim is not None and twin_claim.spec.job_id == twin.job_id
+    await _job_run(queue, twin_claim)._end_unstarted("expired")
+    by_worker = json.loads(await redis.hget(keys.status_key(twin.job_id), "result"))
+    assert by_worker["outcome"] == "expired" and json.loads(raw) == by_worker
+    assert ("tests" in by_worker) is batch
+    # The mark holds only for that claim: one handed back since is another attempt, and its
+    # worker's death re-queues it as any unstarted job.
+    other = await _claimed(redis, queue)
+    assert await queue.close_park(other.spec.job_id, other.attempt) == "expired"
+    assert await queue.hand_back(other.spec.job_id, other.attempt)
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == other.spec.job_id
+    assert await reaper.reap_dead_workers([queue.worker_id]) == []
+    assert await redis.hget(keys.status_key(other.spec.job_id), "state") == b"queued"
+    assert (await store.start(other.spec.job_id, "")).outcome == "started"
 
 
 async def test_an_artifact_is_kept_only_for_the_claim_that_holds_the_job(redis: Redis, queue: WorkerQueue) -> None:
@@ -1713,17 +1758,17 @@ async def test_a_worker_that_comes_back_while_it_is_reaped_keeps_the_claims_not_
     first, second = await _claimed(redis, queue), await _claimed(redis, queue)
     await redis.delete(keys.worker_alive_key(queue.worker_id))  # the lease ran out
     reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
-    real = reaper._lost_template
+    real = reaper._recovery_templates
     walked: list[str] = []
 
-    async def w_returns_after_the_first(job_id: str) -> tuple[bytes, bytes]:
+    async def w_returns_after_the_first(job_id: str) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
         walked.append(job_id)
         if len(walked) == 2:
             await queue.heartbeat(worker.info(), 60_000)  # W is back...
             await redis.hset(keys.status_key(job_id), "started", "1")  # ...and starts it
         return await real(job_id)
 
-    reaper._lost_template = w_returns_after_the_first  # type: ignore[method-assign]
+    reaper._recovery_templates = w_returns_after_the_first  # type: ignore[method-assign]
     assert await reaper.reap_dead_workers(["w-dead-then-back", queue.worker_id]) == []
     reaped, kept = (first, second) if walked[0] == first.spec.job_id else (second, first)
     assert await redis.hget(keys.status_key(reaped.spec.job_id), "state") == b"queued"

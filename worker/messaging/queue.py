@@ -35,6 +35,7 @@ from shared.messages import (
     TestResultEvent,
     WorkerInfo,
     result_template,
+    result_without_run,
 )
 
 __all__ = [
@@ -141,7 +142,8 @@ QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
 # out, at both durable signals: 2 if a kill came (it wins, as in every look at the flags), 1
 # if its start came after all; else, for our own claim, the record says it is expiring (the
 # API's start script then refuses a start as `expired`; a later claim has another attempt,
-# which the mark does not hold for), and 0.
+# which the mark does not hold for, so should this worker die now, _REAP ends the job
+# `expired` rather than re-queue it), and 0.
 _CLOSE_PARK = """
 if redis.call('HGET', KEYS[1], 'kill') == '1' then return 2 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
@@ -366,10 +368,12 @@ return 1
 # callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts,
 # the claiming worker's liveness key. ARGV: job id, now ms, ttl s, result json before seq,
 # result json after seq, terminal state, "requeue" or "end", the call's token, '1' when the
-# claiming worker was judged dead. With "requeue", a job whose program never started goes
-# back to the queue; otherwise (or once started) it ends with the given result.
-# Returns 1 (re-queued), {2, seq, data} (ended), 0 (not ours to touch any more), or 3 (the
-# worker judged dead holds its lease again: a stall it came back from; its claim stays).
+# claiming worker was judged dead, the `expired` result's json before and after seq. With
+# "requeue", a job whose program never started goes back to the queue, unless that claim had
+# taken its last look at the start flag (see _CLOSE_PARK): then it ends `expired`, since the
+# API refuses its start from then on; otherwise (or once started) it ends with the given result.
+# Returns 1 (re-queued), {2, seq, data, state} (ended), 0 (not ours to touch any more), or 3
+# (the worker judged dead holds its lease again: a stall it came back from; its claim stays).
 _REAP = (
     _TERMINAL_LUA
     + CALLBACK_DUE_LUA
@@ -385,20 +389,27 @@ _REAP = (
 -- turn its answer into "came back", or the result it ended the job with is never published.
 local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
 if mine[1] == ARGV[8] .. '/requeued' then return 1 end
-if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3]} end
+if mine[1] == ARGV[8] and mine[3] then
+  return {2, tonumber(mine[2]) - 1, mine[3], redis.call('HGET', KEYS[1], 'state')}
+end
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local st = redis.call('HMGET', KEYS[1], 'state', 'started', 'attempt', 'expiringAttempt')
+local state = st[1]
 if (not state) or terminal[state] then return 0 end
+local started = st[2] == '1'
+local expiring = ARGV[7] == 'requeue' and (not started) and st[4] and st[4] == st[3]
 redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HDEL', KEYS[1], 'worker')
-if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
+if ARGV[7] ~= 'requeue' or started or expiring then
+  local before, after, ending = ARGV[4], ARGV[5], ARGV[6]
+  if expiring then before, after, ending = ARGV[10], ARGV[11], 'expired' end
   local seq = tonumber(redis.call('HGET', KEYS[1], 'nextSeq') or '0')
-  local data = ARGV[4] .. seq .. ARGV[5]
+  local data = before .. seq .. after
   redis.call('XADD', KEYS[4], '*', 'seq', seq, 'name', 'result', 'data', data)
-  redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
+  redis.call('HSET', KEYS[1], 'state', ending, 'updatedAtMs', ARGV[2], 'result', data, 'nextSeq', seq + 1,
              'reapedBy', ARGV[8], 'outcome', outcome_of(data))
-  redis.call('HINCRBY', KEYS[12], ARGV[6], 1)
+  redis.call('HINCRBY', KEYS[12], ending, 1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('DEL', KEYS[5])  -- its spec: an ended job's input is read no more
@@ -408,7 +419,7 @@ if ARGV[7] ~= 'requeue' or redis.call('HGET', KEYS[1], 'started') == '1' then
   callback_due(KEYS[7], KEYS[8], ARGV[2], ARGV[3], ARGV[1])
   result_landed(KEYS[9], ARGV[3], KEYS[4], KEYS[10])
   unstarted_gone(KEYS[1])
-  return {2, seq, data}
+  return {2, seq, data, ending}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2], 'reapedBy', ARGV[8] .. '/requeued')
 redis.call('RPUSH', KEYS[3], ARGV[1])
@@ -433,6 +444,8 @@ def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
 
 LOST_MESSAGE = "the worker running this job vanished after the program started; it is not re-run"
 _LOST = _result_template("lost", LOST_MESSAGE)
+# As its worker would have ended it (see _CLOSE_PARK): a job that never ran, with no message.
+_EXPIRED = result_template(result_without_run(Outcome.EXPIRED, None))
 UNREADABLE_MESSAGE = "the stored job could not be read by this worker"
 _UNREADABLE = _result_template("internal_error", UNREADABLE_MESSAGE)
 
@@ -856,10 +869,12 @@ class WorkerQueue:
         template: tuple[bytes, bytes],
         state: JobState,
         dead_worker: str | None = None,
-    ) -> tuple[str, bytes] | None:
-        """Run the recovery script on one claim; returns (job id, result json) when it ended the
-        job, and keeps that for take_recovered. Should the reply be lost, check_unanswered
-        later reads whether this run ended the job.
+        expired: tuple[bytes, bytes] = _EXPIRED,
+    ) -> tuple[str, bytes, str] | None:
+        """Run the recovery script on one claim; returns (job id, result json, state) when it
+        ended the job, and keeps the first two for take_recovered. `expired` is the result of a
+        requeued job whose claim had closed its warm-up. Should the reply be lost,
+        check_unanswered later reads whether this run ended the job.
 
         Raises:
             _CameBack: `dead_worker`, whose claim this is, holds its lease again.
@@ -885,7 +900,7 @@ class WorkerQueue:
                 # The token tells a re-sent run of this call (see _REAP) from another recovery.
                 args=[
                     job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token,
-                    "1" if dead_worker else "0",
+                    "1" if dead_worker else "0", expired[0], expired[1],
                 ],
             )  # fmt: skip
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
@@ -893,7 +908,7 @@ class WorkerQueue:
             raise
         if isinstance(outcome, list):
             self._recovered.append((job_id, bytes(outcome[2])))
-            return job_id, bytes(outcome[2])
+            return job_id, bytes(outcome[2]), bytes(outcome[3]).decode()
         if outcome == 3:
             raise _CameBack(dead_worker)
         if outcome == 1:
@@ -1007,20 +1022,22 @@ class WorkerQueue:
         count = await self.redis.hget(keys.status_key(job_id), "tests")
         return min(int(count), MAX_TESTS) if count and count.isdigit() else 0
 
-    async def _lost_template(self, job_id: str) -> tuple[bytes, bytes]:
-        """The `lost` result the job would end with. A test batch's lists every case: those
-        whose test_result its log holds keep their verdicts, the rest are skipped (a grader
-        finds its summary as for any batch). A spec or log that cannot be read gives the
-        cases the record counts, all skipped: recovery must not fail for it."""
+    async def _recovery_templates(self, job_id: str) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+        """The `lost` result the job would end with, and the `expired` one (see _REAP). A test
+        batch's lists every case: for `lost`, those whose test_result its log holds keep their
+        verdicts, the rest are skipped (a grader finds its summary as for any batch). A spec
+        or log that cannot be read gives the cases the record counts, all skipped: recovery
+        must not fail for it."""
         count = await self._case_count(job_id)
         if not count:
-            return _LOST
+            return _LOST, _EXPIRED
         try:
             raw = await self.redis.get(keys.spec_key(job_id))
             spec = decode_stored(JobSpec, raw) if raw is not None else None
             if spec is None or not spec.tests:
                 raise ValueError("no spec with its cases")
-            ran: list[CaseFacts | None] = [None] * len(spec.tests)
+            tests = spec.tests
+            ran: list[CaseFacts | None] = [None] * len(tests)
             for _seq, name, data in await self.event_log(job_id):
                 if name == "test_result":
                     event = decode_stored(TestResultEvent, data)
@@ -1028,8 +1045,11 @@ class WorkerQueue:
                         ran[event.index] = event
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.warning("job %s: its batch could not be read for its lost result (%s)", job_id, exc)
-            return result_template(batch_ended_early([TestCase()] * count, Outcome.LOST, LOST_MESSAGE))
-        return result_template(batch_ended_early(spec.tests, Outcome.LOST, LOST_MESSAGE, ran))
+            tests, ran = [TestCase()] * count, []
+        return (
+            result_template(batch_ended_early(tests, Outcome.LOST, LOST_MESSAGE, ran)),
+            result_template(batch_ended_early(tests, Outcome.EXPIRED, None)),
+        )
 
     async def claimed_ids(self, worker_id: str) -> list[str]:
         return [raw.decode() for raw in await self.redis.lrange(keys.worker_claimed_key(worker_id), 0, -1)]
@@ -1049,13 +1069,19 @@ class WorkerQueue:
         for job_id in await self.claimed_ids(worker_id):
             if only is not None and job_id not in only:
                 continue
-            template = await self._lost_template(job_id)
+            lost, expired = await self._recovery_templates(job_id)
             try:
-                result = await self._recover(claimed, job_id, "requeue", template, JobState.LOST, worker_id if dead else None)
+                result = await self._recover(
+                    claimed, job_id, "requeue", lost, JobState.LOST, worker_id if dead else None, expired
+                )
             except _CameBack:
                 log.warning("worker %s holds its lease again: the rest of its claims are left to it", worker_id)
                 break
             if result is not None:
-                log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
-                ended.append(result)
+                job, data, state = result
+                if state == JobState.EXPIRED:
+                    log.warning("job %s: worker %s lost it as its warm-up ran out; marked expired", job_id, worker_id)
+                else:
+                    log.warning("job %s: worker %s lost it after the program started; marked lost", job_id, worker_id)
+                ended.append((job, data))
         return ended
