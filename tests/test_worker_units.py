@@ -42,6 +42,7 @@ from worker.isolation.workspace import (
     tmpfs_charge,
 )
 from worker.job.events import JobEvents
+from worker.job.flusher import MAX_PENDING_BYTES, OutputFlusher
 from worker.job.outcome import judge_run
 from worker.job.output import StreamTail
 from worker.job.precompile import Precompile, PrecompileState
@@ -2198,6 +2199,45 @@ def test_a_pipe_held_open_by_someone_else_ends_with_what_it_holds(loop_kind: str
     assert got["took"] < 0.5, got["took"]
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("ending", ["closed", "take_rest"])
+def test_a_stream_that_ended_with_its_last_line_is_not_held_for_more(
+    loop_kind: str, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # print(1) then exit: "1\n" and the end come together. The pump handed the line over and
+    # then held the pipe to gather more, a whole hold (2 ms, 25 for a chatty step) on every
+    # step's end, though nothing more could come: its pause cannot hold a pipe at its end.
+    monkeypatch.setattr("worker.job.supervise.COALESCE_S", 1.0)
+    got: dict[str, Any] = {}
+
+    async def main() -> None:
+        read_fd, write_fd = os.pipe()
+        reader, transport = await read_pipe(read_fd)
+        taken: list[bytes] = []
+
+        async def on_data(data: bytes) -> None:
+            taken.append(data)
+
+        try:
+            os.write(write_fd, b"1\n")
+            if ending == "closed":
+                os.close(write_fd)
+            await asyncio.sleep(0.05)  # the transport reads the line (and the end)
+            if ending == "take_rest":
+                reader.take_rest()
+            started = time.monotonic()
+            await asyncio.wait_for(_pump(reader, on_data, Activity(asyncio.get_running_loop().time())), 5)
+            got["took"], got["taken"] = time.monotonic() - started, taken
+        finally:
+            transport.close()
+            if ending != "closed":
+                os.close(write_fd)
+
+    _run_on(loop_kind, main())
+    assert got["taken"] == [b"1\n"]
+    assert got["took"] < 0.5, got["took"]
+
+
 def _exhaust_seccomp_budget() -> None:
     """In a child before exec: stack allow-all filters until not even a one-instruction
     filter fits the kernel's instruction budget per call path, so the gate's is refused."""
@@ -2888,6 +2928,36 @@ async def test_output_held_up_on_the_workers_side_is_waited_for_past_the_exit_gr
     monkeypatch.setattr("worker.job.supervise.EXIT_GRACE_S", 0.1)
     facts, taken = await _slow_taker_step(0.3, _ExitsLate(0.02), idle_ms=None)
     assert facts.fired is None and taken == [b"line\n"], facts
+
+
+async def test_a_flusher_that_stopped_while_full_never_leaves_a_pump_waiting_for_room() -> None:
+    # Its append failed (fenced, or Redis away too long) with a full batch queued: the pump
+    # waiting then got the error, but the next hand-over (the other stream's, or what is left)
+    # filled it again, and no flush loop was left to make room: that pump waited forever, and
+    # the step with it, holding its slot until the worker stopped.
+    gate = asyncio.Event()
+
+    class FailingEvents:
+        job_id = "j1"
+
+        async def chunk_runs(self, _runs: list[tuple[str, str]]) -> None:
+            await gate.wait()
+            raise RuntimeError("the append failed")
+
+    flusher = OutputFlusher(FailingEvents())  # type: ignore[arg-type]
+    flusher.add("stdout", ["x"])
+    await _turns()  # (its batch taken: the append is in flight)
+    flusher.add("stdout", ["y" * 8192] * (MAX_PENDING_BYTES // 8192))
+    waiting = asyncio.create_task(flusher.room())
+    await _turns()
+    assert not waiting.done()
+    gate.set()
+    with pytest.raises(RuntimeError, match="append failed"):
+        await asyncio.wait_for(waiting, 1)
+    flusher.add("stderr", ["z"])
+    with pytest.raises(RuntimeError, match="append failed"):
+        await asyncio.wait_for(flusher.room(), 1)
+    assert not await flusher.drain(1)
 
 
 async def test_a_wait_for_a_sandbox_counts_failed_builds_from_the_last_success() -> None:

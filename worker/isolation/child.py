@@ -126,7 +126,11 @@ class PipeReader(asyncio.StreamReader):
 
     async def pause(self, seconds: float, release: bool = True) -> None:
         """Hold the pipe for `seconds`, or until `take_rest()` ends it, whichever is first
-        (and keep holding it after, with `release` False: see take_gathered)."""
+        (and keep holding it after, with `release` False: see take_gathered). At once for
+        a stream that has ended: nothing more can come to gather (a step whose last line
+        and end came together would otherwise end a whole hold later)."""
+        if self._eof:
+            return
         self.hold()
         loop = asyncio.get_running_loop()
         self._pause_end = waiter = loop.create_future()
