@@ -1972,9 +1972,28 @@ def test_the_two_streams_are_handed_over_in_the_order_they_were_written(loop_kin
     pytest.fail("\n".join(failures))
 
 
-def _hand_overs(loop_kind: str, writes: list[tuple[str, bytes, float]]) -> list[tuple[str, bytes]]:
-    """What two pumps hand over while another process makes `writes` to their pipes."""
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_the_two_streams_keep_their_order_while_a_hand_over_is_held_up(loop_kind: str) -> None:
+    # The first stderr hand-over takes 50 ms (the flusher full while Redis is slow), and the
+    # program writes on meanwhile: stdout's pump, waiting its turn with S1, then took what its
+    # reader had buffered since (S2) along with it, ahead of E2, written before S2.
+    writes = [("err", b"E1\n", 3), ("out", b"S1\n", 3), ("err", b"E2\n", 3), ("out", b"S2\n", 3)]
+    failures = []
+    for _attempt in range(3):
+        failure = _misordered(writes, _hand_overs(loop_kind, writes, slow_first={"err": 0.05}))
+        if failure is None:
+            return
+        failures.append(failure)
+    pytest.fail("\n".join(failures))
+
+
+def _hand_overs(
+    loop_kind: str, writes: list[tuple[str, bytes, float]], slow_first: dict[str, float] | None = None
+) -> list[tuple[str, bytes]]:
+    """What two pumps hand over while another process makes `writes` to their pipes; with
+    `slow_first`, a stream's first hand-over takes that many seconds."""
     handed: list[tuple[str, bytes]] = []
+    slow = dict(slow_first or {})
 
     async def main() -> None:
         from worker.job.supervise import _Pumps
@@ -1989,6 +2008,8 @@ def _hand_overs(loop_kind: str, writes: list[tuple[str, bytes, float]]) -> list[
 
         def taker(name: str) -> Any:
             async def on_data(data: bytes) -> None:
+                if name in slow:
+                    await asyncio.sleep(slow.pop(name))
                 handed.append((name, data))
 
             return on_data

@@ -229,12 +229,22 @@ class _Pump:
             dates.append(self.held_since)
         return min(dates, default=None)
 
-    def take(self) -> bytes:
-        """What this pump has and has not handed over: its partial line, what its reader has
-        buffered, and what its held pipe gathered (read here, the pipe still held). Safe
-        whatever the pump waits on: its read() takes an emptied buffer for "nothing yet"."""
+    def first_date(self) -> float | None:
+        """When the oldest piece of what this pump could hand over came: its partial line,
+        else what its reader has (see earliest)."""
+        return self.in_hand_since if self.in_hand else self.earliest()
+
+    def take_first(self, until: float | None) -> bytes:
+        """What this pump has and has not handed over, oldest first: its partial line, and
+        (or else) what its reader has buffered and its held pipe gathered (read here, the
+        pipe still held), when that came before `until` (None: whenever). Safe whatever
+        the pump waits on: its read() takes an emptied buffer for "nothing yet"."""
         data = bytes(self.in_hand)
         self.in_hand.clear()
+        if data and until is not None:
+            rest = self.earliest()
+            if rest is None or rest >= until:
+                return data
         if isinstance(self.reader, PipeReader):
             data += self.reader.take_gathered(READ_SIZE)[0]
             if self.held_since is not None:
@@ -272,7 +282,7 @@ async def _pump(
         if not data:
             if reader.at_eof():
                 return
-            continue  # (another pump took what had come: see _Pump.take)
+            continue  # (another pump took what had come: see _Pump.take_first)
         me.in_hand_since = reader.fed_at if isinstance(reader, PipeReader) else time.monotonic()
         me.in_hand += data
         at_end = await _rest_of_line(me)
@@ -357,7 +367,7 @@ async def _rest_of_line(me: _Pump) -> bool:
     reader = me.reader
     if isinstance(reader, PipeReader):
         # The rest is read out in this same step, never left in a read of its own in flight
-        # where another pump's _Pump.take could not see it.
+        # where another pump's _Pump.take_first could not see it.
         await reader.wait_buffered(PARTIAL_LINE_S)
         dated = reader.buffered_since()
         more, ended = reader.take_gathered(READ_SIZE - len(me.in_hand))
@@ -375,17 +385,33 @@ async def _rest_of_line(me: _Pump) -> bool:
 
 
 async def _hand_over_in_order(me: _Pump, pumps: _Pumps) -> int:
-    """Hand over what `me` has, after what the other pumps have from earlier; the size."""
+    """Hand over what `me` has, after what the other pumps have from earlier, piece by
+    piece in the order they came; the size `me` handed over.
+
+    `me`'s partial line always goes. What its reader gathered since goes with it only if
+    no other pump has anything older: otherwise it waits for `me`'s next turn. (A hand-over
+    can take long, the flusher full while Redis is slow, and both pipes are read meanwhile:
+    taking all `me` had would put its later writes ahead of the other stream's earlier ones.)
+    """
+    handed = 0
     async with pumps.lock:
         mine = me.earliest()
-        for other in pumps.members:
-            theirs = other.earliest() if other is not me else None
-            if theirs is not None and (mine is None or theirs < mine) and (data := other.take()):
-                await other.hand_over(data)
-        data = me.take() if me.in_hand else b""
-        if data:
-            await me.hand_over(data)
-        return len(data)
+        taken: set[int] = set()  # (one take a pump: what comes meanwhile waits for its turn)
+        while True:
+            dated = [(date, pump) for pump in pumps.members if id(pump) not in taken and (date := pump.first_date()) is not None]
+            if not dated:
+                break
+            date, pump = min(dated, key=lambda found: found[0])
+            if pump is not me and not me.in_hand and mine is not None and date >= mine:
+                break  # (nothing of the others' from before what `me` had)
+            until = min((found for found, other in dated if other is not pump), default=None)
+            data = pump.take_first(until)
+            taken.add(id(pump))
+            if data:
+                if pump is me:
+                    handed += len(data)
+                await pump.hand_over(data)
+    return handed
 
 
 # How often a step waiting for memory looks for a kill (only while it waits).
