@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.messages import ChunkEvent
+from shared.runresult import OutputGone
 
 __all__ = ["CHUNK_EVENTS", "COMPACT_MAX_BYTES", "COMPACT_MAX_ENTRIES", "LOG_PAGE", "RESULT_LANDED_LUA", "LoggedStreams", "XRange", "entry_json"]
 
@@ -76,7 +77,11 @@ class LoggedStreams:
     stream's chunks in order, LOG_PAGE entries at a time, never the whole log at once. For a
     job whose output no worker stored (lost with its worker), what it streamed is all there
     is. Reads go forward through a stream, as a RunResult's body reads it; a read from an
-    earlier offset starts that stream's pass again."""
+    earlier offset starts that stream's pass again.
+
+    Such a job's log ends with its result: a pass that runs out before it has met the result
+    found the log expired (or evicted) under it, and raises OutputGone, so that what was read
+    is broken off rather than passed as the whole stream."""
 
     def __init__(self, xrange: XRange, key: str) -> None:
         self._xrange = xrange
@@ -90,9 +95,13 @@ class LoggedStreams:
         while read.start + len(read.held) < offset + size and not read.ended:
             page = await self._xrange(self._key, min=b"(" + read.after if read.after else "-", count=LOG_PAGE)
             for _id, fields in page:
-                if bytes(fields.get(b"name", b"")) == read.name and b"chunk" in fields:
+                name = bytes(fields.get(b"name", b""))
+                if name == read.name and b"chunk" in fields:
                     read.held += fields[b"chunk"]
-            read.ended = len(page) < LOG_PAGE
+                elif name == b"result":
+                    read.ended = True
+            if len(page) < LOG_PAGE and not read.ended:
+                raise OutputGone(f"the log {self._key} ended before its result (it expired while being read)")
             if page:
                 read.after = bytes(page[-1][0])
         skip = offset - read.start

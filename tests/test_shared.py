@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -477,12 +478,9 @@ async def test_logged_streams_read_each_stream_of_a_log_in_pages() -> None:
         fields = {b"seq": b"%d" % i, b"name": name}
         fields[b"chunk" if name != b"stage" else b"data"] = f"{name.decode()} {i} é\n".encode() * rng.randint(1, 20)
         entries.append((b"%d-0" % i, fields))
+    entries.append((b"%d-0" % len(entries), {b"seq": b"%d" % len(entries), b"name": b"result", b"data": b"{}"}))
     pages: list[int] = []
-
-    async def xrange(_key: str, min: bytes | str, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        start = 0 if min == "-" else [entry_id for entry_id, _ in entries].index(bytes(min)[1:]) + 1
-        pages.append(start)
-        return entries[start : start + count]
+    xrange = _paged(entries, pages)
 
     logged = LoggedStreams(xrange, "job:x:events")
     for name in (b"stdout", b"stderr"):
@@ -493,6 +491,37 @@ async def test_logged_streams_read_each_stream_of_a_log_in_pages() -> None:
         assert got == expected
         assert await logged(name.decode(), 0, 10) == expected[:10]  # (from the start again)
     assert max(pages) <= len(entries) and len(pages) <= 4 * (len(entries) // LOG_PAGE + 1) + 2
+
+
+def _paged(entries: list[tuple[bytes, dict[bytes, bytes]]], pages: list[int], expires_after: int | None = None) -> Any:
+    """An XRANGE over `entries` (recording where each page starts); the log expires after
+    `expires_after` pages (every later page is empty)."""
+
+    async def xrange(_key: str, min: bytes | str, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        start = 0 if min == "-" else [entry_id for entry_id, _ in entries].index(bytes(min)[1:]) + 1
+        pages.append(start)
+        if expires_after is not None and len(pages) > expires_after:
+            return []
+        return entries[start : start + count]
+
+    return xrange
+
+
+@pytest.mark.parametrize("where", ["mid-read", "before the read"])
+async def test_a_lost_jobs_output_read_from_a_log_that_expires_breaks_off(where: str) -> None:
+    # A lost job's pulled output (or callback) is read from its log page by page: the log
+    # expiring under the read ended the stream there, and a short stdout went out as whole,
+    # valid JSON. The log ends with the result: a pass that runs out before it breaks off.
+    from shared.eventlog import LOG_PAGE, LoggedStreams
+    from shared.runresult import OutputGone, run_result_pieces
+
+    entries = [(b"%d-0" % i, {b"seq": b"%d" % i, b"name": b"stdout", b"chunk": b"x" * 100}) for i in range(LOG_PAGE * 3)]
+    entries.append((b"%d-0" % len(entries), {b"seq": b"%d" % len(entries), b"name": b"result", b"data": b"{}"}))
+    logged = LoggedStreams(_paged(entries, [], expires_after=2 if where == "mid-read" else 0), "job:x:events")
+    meta = b'{"outcome":"lost","stdoutBytes":null}'
+    with pytest.raises(OutputGone):
+        async for _piece in run_result_pieces(logged, meta):
+            pass
 
 
 @pytest.mark.parametrize(
