@@ -15,6 +15,7 @@ __all__ = [
     "ENDED_COUNTS",
     "OUTCOME_OF_LUA",
     "QUEUE",
+    "UNSTARTED_BACK_LUA",
     "UNSTARTED_GONE_LUA",
     "WORKERS",
     "artifact_data_key",
@@ -165,6 +166,28 @@ local function unstarted_gone(status)
   local bytes = tonumber(redis.call('HGET', sizes, id) or '0')
   if redis.call('HDEL', sizes, id) == 1 and bytes > 0 and redis.call('EXISTS', sizes) == 1 then
     redis.call('HINCRBY', sizes, '_total', -bytes)
+  end
+end
+"""
+
+# Lua: unstarted_back(status key, spec key, ttl s) puts a job that goes back to the queue
+# unstarted (a worker handed it back, or a dead one's was re-queued) in its owner's index
+# again, with its spec's bytes, if it had left it (it was marked starting): a started job
+# waiting in the queue holds its input like a parked one, and the recount never adds a job
+# back. The index and sizes live at least `ttl` from here, as an enqueue leaves them.
+UNSTARTED_BACK_LUA = f"""
+local function unstarted_back(status, spec, ttl)
+  local st = redis.call('HMGET', status, 'owner', 'createdAtMs')
+  if not st[1] then return end
+  local id = string.sub(status, {len(_STATUS_HEAD) + 1}, {-len(_STATUS_TAIL) - 1})
+  local index = '{_UNSTARTED_HEAD}' .. st[1] .. '{_UNSTARTED_TAIL}'
+  if redis.call('ZADD', index, 'NX', tonumber(st[2] or '0') or 0, id) == 0 then return end
+  local sizes = '{_UNSTARTED_HEAD}' .. st[1] .. '{_SIZES_TAIL}'
+  local bytes = redis.call('STRLEN', spec)
+  redis.call('HSET', sizes, id, bytes)
+  redis.call('HINCRBY', sizes, '_total', bytes)
+  for _, key in ipairs({{index, sizes}}) do
+    if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
   end
 end
 """

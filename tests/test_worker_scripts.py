@@ -993,6 +993,39 @@ async def test_a_job_whose_worker_died_as_its_warm_up_ran_out_ends_expired_not_r
     assert (await store.start(other.spec.job_id, "")).outcome == "started"
 
 
+@pytest.mark.parametrize("back", ["handed back", "re-queued by a reaper"])
+async def test_a_started_job_that_goes_back_to_the_queue_counts_again_as_unstarted(
+    redis: Redis, queue: WorkerQueue, back: str
+) -> None:
+    # Marked starting, a job leaves its owner's count of unstarted jobs (and the bytes its
+    # spec holds). Handed back before its program ran (its worker stopping mid-compile), or
+    # re-queued from a dead worker, it waits in the queue with its input stored, but nothing
+    # counted it again: a client could hold past MAX_PARKED_PER_PRINCIPAL and its byte bound.
+    claim = await _claimed(redis, queue)
+    job, owner = claim.spec.job_id, claim.spec.owner
+    index, sizes = keys.unstarted_key(owner), keys.unstarted_sizes_key(owner)
+    created = await redis.zscore(index, job)
+    size = await redis.strlen(keys.spec_key(job))
+    total = int(await redis.hget(sizes, "_total"))
+    assert created is not None and size > 0 and total >= size
+    await queue.advance(job, claim.attempt, [(1, "stage", "data", b'{"phase":"starting","seq":1}')], state=JobState.STARTING)
+    assert await redis.zscore(index, job) is None and int(await redis.hget(sizes, "_total")) == total - size
+    if back == "handed back":
+        assert await queue.hand_back(job, claim.attempt)
+    else:
+        reaper = WorkerQueue(redis, "w-reaper", RECORD_TTL_S, RESULT_TTL_S)
+        assert await reaper.reap_dead_workers([queue.worker_id]) == []
+    assert await redis.hget(keys.status_key(job), "state") == b"queued"
+    assert await redis.zscore(index, job) == created
+    assert int(await redis.hget(sizes, job)) == size and int(await redis.hget(sizes, "_total")) == total
+    assert await redis.ttl(index) > RECORD_TTL_S - 5 and await redis.ttl(sizes) > RECORD_TTL_S - 5
+    # A parked job never left the count: going back does not count it twice.
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job
+    assert await queue.hand_back(job, again.attempt)
+    assert await redis.zcard(index) == 1 and int(await redis.hget(sizes, "_total")) == total
+
+
 async def test_an_artifact_is_kept_only_for_the_claim_that_holds_the_job(redis: Redis, queue: WorkerQueue) -> None:
     store = RedisArtifactStore(redis)
     claim = await _claimed(redis, queue)

@@ -335,11 +335,13 @@ redis.call('SET', KEYS[3], ARGV[4], 'NX')
 return redis.call('GET', KEYS[3])
 """
 
-# KEYS: status, claimed, queue. ARGV: attempt, job id, now ms, "head" or "back", the seq its
-# log was published up to (liveSeq only grows). A parked job goes back to the queue with its
-# start flag untouched.
+# KEYS: status, claimed, queue, spec. ARGV: attempt, job id, now ms, "head" or "back", the seq
+# its log was published up to (liveSeq only grows), the record's ttl s. A parked job goes back
+# to the queue with its start flag untouched; one marked starting also goes back on its
+# owner's count of unstarted jobs (keys.UNSTARTED_BACK_LUA).
 _HAND_BACK = (
     _TERMINAL_LUA
+    + keys.UNSTARTED_BACK_LUA
     + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] or (not state) or terminal[state]
@@ -353,6 +355,7 @@ end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[3])
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('LREM', KEYS[2], 1, ARGV[2])
+unstarted_back(KEYS[1], KEYS[4], ARGV[6])
 if ARGV[4] == 'back' then
   -- Counted apart from attempts, so MAX_HANDOVERS means hand-overs, not claims.
   redis.call('HINCRBY', KEYS[1], 'handovers', 1)
@@ -368,7 +371,8 @@ return 1
 # callback record, the callbacks' due set, done, stdin stream, audience mark, ended counts,
 # the claiming worker's liveness key. ARGV: job id, now ms, ttl s, result json before seq,
 # result json after seq, terminal state, "requeue" or "end", the call's token, '1' when the
-# claiming worker was judged dead, the `expired` result's json before and after seq. With
+# claiming worker was judged dead, the `expired` result's json before and after seq, the
+# record's ttl s (for the owner's count of unstarted jobs a re-queued one goes back on). With
 # "requeue", a job whose program never started goes back to the queue, unless that claim had
 # taken its last look at the start flag (see _CLOSE_PARK): then it ends `expired`, since the
 # API refuses its start from then on; otherwise (or once started) it ends with the given result.
@@ -379,6 +383,7 @@ _REAP = (
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
+    + keys.UNSTARTED_BACK_LUA
     + keys.OUTCOME_OF_LUA
     + """
 -- This very script run again (its reply lost with a connection, the client sends it once
@@ -422,6 +427,7 @@ if ARGV[7] ~= 'requeue' or started or expiring then
   return {2, seq, data, ending}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updatedAtMs', ARGV[2], 'reapedBy', ARGV[8] .. '/requeued')
+unstarted_back(KEYS[1], KEYS[5], ARGV[12])
 redis.call('RPUSH', KEYS[3], ARGV[1])
 return 1
 """
@@ -786,8 +792,8 @@ class WorkerQueue:
         `published_to`: the log's events before this seq went to the job's live lane (see
         Claim.live_seq)."""
         ok = await self._hand_back(
-            keys=[keys.status_key(job_id), self._claimed, keys.QUEUE],
-            args=[attempt, job_id, now_ms(), "back" if to_back else "head", published_to],
+            keys=[keys.status_key(job_id), self._claimed, keys.QUEUE, keys.spec_key(job_id)],
+            args=[attempt, job_id, now_ms(), "back" if to_back else "head", published_to, self._record_ttl_s],
         )
         return bool(ok)
 
@@ -900,7 +906,7 @@ class WorkerQueue:
                 # The token tells a re-sent run of this call (see _REAP) from another recovery.
                 args=[
                     job_id, now_ms(), self._result_ttl_s, template[0], template[1], state.value, mode, token,
-                    "1" if dead_worker else "0", expired[0], expired[1],
+                    "1" if dead_worker else "0", expired[0], expired[1], self._record_ttl_s,
                 ],
             )  # fmt: skip
         except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
