@@ -47,6 +47,14 @@ __all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCa
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
+# Redis's clock in ms (the API processes' clocks may disagree).
+_NOW_MS_LUA = """
+local function now_ms()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+"""
+
 # KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, the job's
 # callback record, the owner's retained-output ledger and its sizes (api/quota.py), the sizes
 # of the owner's unstarted specs, and (only with an Idempotency-Key) the key's record. ARGV:
@@ -67,6 +75,7 @@ _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=t
 _ENQUEUE = (
     _TERMINAL_LUA
     + RETAINED_OUTPUT_LUA
+    + _NOW_MS_LUA
     + """
 if KEYS[10] then
   local rec = redis.call('HMGET', KEYS[10], 'jobId', 'bodySha256')
@@ -89,8 +98,15 @@ local function too_much(held)
   return max_bytes > 0 and held > 0 and held + size > max_bytes
 end
 local held = tonumber(redis.call('HGET', KEYS[9], '_total') or '0')
-local counted = tonumber(redis.call('HGET', KEYS[9], '_countedAtMs') or '0')
-if (redis.call('ZCARD', KEYS[4]) >= cap or too_much(held)) and tonumber(ARGV[3]) - counted >= 1000 then
+local function recount_due()
+  -- By Redis's clock: one API process's fast clock would have stamped a count ahead of the
+  -- others', which then believed a stale total until they caught up with it. (A stamp
+  -- ahead of Redis's clock, an older API's, is taken as due.)
+  local counted = tonumber(redis.call('HGET', KEYS[9], '_countedAtMs') or '0')
+  local now = now_ms()
+  return now - counted >= 1000 or counted > now
+end
+if (redis.call('ZCARD', KEYS[4]) >= cap or too_much(held)) and recount_due() then
   -- Jobs leave the index as they start or end (unstarted_gone). What that missed (an older
   -- API's jobs, with no sizes kept) is healed here by counting them all again: at most once
   -- a second, or a client held at its cap would have each refusal cost a look at every job.
@@ -111,7 +127,7 @@ if (redis.call('ZCARD', KEYS[4]) >= cap or too_much(held)) and tonumber(ARGV[3])
   -- for a MAX_PARKED_PER_PRINCIPAL in the thousands.
   for _, entry in ipairs(kept) do redis.call('HSET', KEYS[9], entry[1], entry[2]) end
   if #kept > 0 then
-    redis.call('HSET', KEYS[9], '_total', held, '_countedAtMs', ARGV[3])
+    redis.call('HSET', KEYS[9], '_total', held, '_countedAtMs', now_ms())
     redis.call('EXPIRE', KEYS[9], ARGV[4])
   end
 end
@@ -322,14 +338,6 @@ return {1}
 # Puts `debt` ('<job id>:<what>', one per publish: see OwedPublish) on the API's owed
 # publishes (keys.API_UNPUBLISHED), due `grace_ms` from now by Redis's clock; with `nx`, not
 # if it is there already.
-# Redis's clock in ms (the API processes' clocks may disagree).
-_NOW_MS_LUA = """
-local function now_ms()
-  local clock = redis.call('TIME')
-  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-end
-"""
-
 _OWE_PUBLISH_LUA = (
     _NOW_MS_LUA
     + """

@@ -310,6 +310,18 @@ async def test_enqueue_bounds_the_input_an_owners_unstarted_jobs_hold(store: Job
     assert (await store.enqueue(third, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))).outcome == "queued"
     assert await redis.hget(sizes, "_total") == str(2 * size).encode()
     assert set(await redis.zrange(keys.unstarted_key("owner-a"), 0, -1)) == {second.job_id.encode(), third.job_id.encode()}
+    # The count is stamped by Redis's clock, not by the API's (a submit's time): an API 10
+    # minutes fast stamped it ahead, and every other API believed a stale total for those
+    # 10 minutes. A stamp found ahead of Redis's clock (an older API's) is due at once.
+    redis_now_ms = int((await redis.time())[0]) * 1000
+    fourth = msgspec.structs.replace(big(), created_at_ms=redis_now_ms + 600_000)
+    await redis.hset(sizes, "_total", 10 * size)
+    assert (await store.enqueue(fourth, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))).outcome == "input"
+    assert abs(int(await redis.hget(sizes, "_countedAtMs")) - redis_now_ms) < 60_000
+    await redis.hset(sizes, "_total", 10 * size)
+    await redis.hset(sizes, "_countedAtMs", redis_now_ms + 600_000)
+    assert (await store.enqueue(fourth, 100, 100, RESULT_TTL_S, max_unstarted_bytes=int(2.5 * size))).outcome == "input"
+    assert await redis.hget(sizes, "_total") == str(2 * size).encode()  # (healed: counted again)
     # 0: no bound.
     assert (await store.enqueue(big(), 100, 100, RESULT_TTL_S)).outcome == "queued"
 
