@@ -1081,13 +1081,16 @@ async def test_a_claim_gives_the_record_its_whole_life_again_after_a_long_wait_i
     # with no result at all (its finish fenced, its reap finding nothing).
     spec = _spec()
     assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
-    record = [keys.status_key(spec.job_id), keys.spec_key(spec.job_id), keys.callback_key(spec.job_id)]
+    # Its stdin stream too: stdin sent before start would expire under the running job,
+    # accepted (200) and never delivered.
+    record = [keys.status_key(spec.job_id), keys.spec_key(spec.job_id), keys.callback_key(spec.job_id), keys.stdin_key(spec.job_id)]
     await redis.hset(record[2], "state", "pending")
+    await redis.xadd(record[3], {"n": 0, "kind": "data", "data": b"42\n"})
     for key in record:
         await redis.expire(key, 5)  # (as if it had waited nearly its whole life)
     claim = await queue.claim(1.0, 0.0)
     assert claim is not None and claim.spec.job_id == spec.job_id
-    assert [await redis.ttl(key) >= RECORD_TTL_S - 5 for key in record] == [True, True, True]
+    assert [await redis.ttl(key) >= RECORD_TTL_S - 5 for key in record] == [True, True, True, True]
 
 
 async def test_reap_sent_twice_recovers_once(redis: Redis, queue: WorkerQueue) -> None:

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # looks at the stream itself (a safety net: a healthy connection loses nothing).
 POLL_S = 10.0
 BATCH = 64
+# A count of written stdin that Redis did not take is tried again after this, doubling up
+# to RECORD_RETRY_MAX_S, for as long as the step lasts.
+RECORD_RETRY_S = 0.25
+RECORD_RETRY_MAX_S = 5.0
 
 
 async def write_to_program(writer: asyncio.StreamWriter, data: bytes) -> bool:
@@ -181,16 +185,26 @@ class StdinFeed:
         """Record what reached the program (frees the API's pending cap, trims the stream),
         the latest count only: a burst of frames costs one round trip or two, and a Redis
         that answers slowly never holds back a frame already in hand."""
+        retry_s = RECORD_RETRY_S
         while self._unrecorded is not None:
             (written, through), self._unrecorded = self._unrecorded, None
             try:
                 await self._queue.stdin_written(self._job_id, self._attempt, written, through)
             except (RedisError, OSError) as exc:
-                # The bytes reached the program; only the pending count lags until the next frame.
-                log.warning("job %s: recording written stdin failed: %s", self._job_id, exc)
+                # The bytes reached the program, but until the count is recorded the API
+                # holds them as pending: past its cap it refuses the next frame, which the
+                # program may be waiting for. So it is tried again (the latest count: one
+                # that came meanwhile replaces it; each is absolute, so a repeat is harmless).
+                if self._unrecorded is None:
+                    self._unrecorded = (written, through)
+                log.warning("job %s: recording written stdin failed (%s); again in %.2f s", self._job_id, exc, retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, RECORD_RETRY_MAX_S)
+                continue
             except Exception:
                 # (A task of its own: nothing would ever look at what it raised.)
                 log.exception("job %s: recording written stdin failed", self._job_id)
+            retry_s = RECORD_RETRY_S
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes, activity: Activity) -> None:
         if self._broken:

@@ -49,7 +49,7 @@ _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=t
 
 
 # KEYS: status, spec, claimed, start flag, events, the worker's liveness key, the job's
-# callback record. ARGV: worker id, job id, now ms, the `stage{queued}` event's JSON, the
+# callback record, its stdin stream. ARGV: worker id, job id, now ms, the `stage{queued}` event's JSON, the
 # record's ttl s, this process's incarnation.
 # A job's first claim also logs that event (seq 0), so claiming costs one round trip, not two.
 # Run twice (its reply lost with a connection), the second run finds the job parked by this
@@ -78,7 +78,7 @@ else
   -- The record's life (JOB_RECORD_TTL, checked to outlast a warm-up and the longest run)
   -- counts from here again: time spent in a backed-up queue must not expire it mid-run,
   -- which would leave the job with no result at all.
-  for _, key in ipairs({KEYS[1], KEYS[2], KEYS[7]}) do
+  for _, key in ipairs({KEYS[1], KEYS[2], KEYS[7], KEYS[8]}) do
     if redis.call('TTL', key) < tonumber(ARGV[5]) then redis.call('EXPIRE', key, ARGV[5]) end
   end
 end
@@ -601,6 +601,7 @@ class WorkerQueue:
                 keys.events_key(job_id),
                 keys.worker_alive_key(self.worker_id),
                 keys.callback_key(job_id),
+                keys.stdin_key(job_id),
             ],
             args=[self.worker_id, job_id, now_ms(), QUEUED_STAGE, self._record_ttl_s, self.incarnation],
         )
