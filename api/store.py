@@ -461,6 +461,11 @@ if state == 'queued' and redis.call('LREM', KEYS[2], 1, ARGV[1]) == 1 then
   if heard == 1 then owe_publish(KEYS[12], ARGV[1] .. ':kill', ARGV[9], false) end
   return {2, seq, data, earlier, heard}
 end
+-- Its worker's warm-up ran out and it took its last look at the flags: it ends the job
+-- expired now (as the start script says), so a kill is answered as that, not accepted and
+-- then never shown in a `killed` result.
+local marks = redis.call('HMGET', KEYS[1], 'attempt', 'expiringAttempt')
+if marks[2] and marks[2] == marks[1] then return {0, 'expired'} end
 local recent = {ARGV[8]}
 for rid in string.gmatch(redis.call('HGET', KEYS[1], 'killRequests') or '', '%S+') do
   if #recent < 8 then recent[#recent + 1] = rid end

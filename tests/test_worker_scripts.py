@@ -948,6 +948,24 @@ async def test_a_start_after_the_last_look_of_an_expiring_park_is_refused_not_dr
     assert await queue.close_park(other.spec.job_id, other.attempt) == "kill"
 
 
+async def test_a_kill_after_the_last_look_of_an_expiring_park_is_answered_expired(redis: Redis, queue: WorkerQueue) -> None:
+    # A kill there was answered 202 and its flag set, but the worker ends the job expired
+    # (or, dead, the reaper does): a kill's proof is a `killed` result, which never came.
+    store = JobStore(redis, RECORD_TTL_S)
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    assert await queue.close_park(job, claim.attempt) == "expired"
+    answer = await store.kill(job, RESULT_TTL_S)
+    assert answer.ended_state == "expired" and answer.result is None
+    assert await redis.hget(keys.status_key(job), "kill") is None
+    # A later claim (another attempt) is killed as any parked job.
+    assert await queue.hand_back(job, claim.attempt)
+    again = await queue.claim(1.0, 0.0)
+    assert again is not None and again.spec.job_id == job
+    assert (await store.kill(job, RESULT_TTL_S)).ended_state is None
+    assert await redis.hget(keys.status_key(job), "kill") == b"1"
+
+
 @pytest.mark.parametrize("batch", [False, True])
 async def test_a_job_whose_worker_died_as_its_warm_up_ran_out_ends_expired_not_requeued(
     redis: Redis, queue: WorkerQueue, batch: bool
