@@ -281,6 +281,58 @@ async def test_a_result_whose_numbering_waits_on_an_append_survives_a_cancel(red
     assert status[b"state"] == b"done" and json.loads(status[b"result"])["outcome"] == "completed", status
 
 
+async def test_an_interpreted_batch_started_as_its_worker_stops_goes_back_to_the_queue_whole(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # Its start came, then the worker's SIGTERM while it said `starting`. A compiled job
+    # in that spot goes back to the queue (the grace may not hold its program); a batch of
+    # Python cases began its cases all the same, and the grace's end cut them off: the job
+    # ended `killed` by a stop its client had nothing to do with.
+    spec = msgspec.structs.replace(_spec(), tests=[TestCase(name="a"), TestCase(name="b")])
+    assert (await JobStore(redis, RECORD_TTL_S).enqueue(spec, 100, 100, RESULT_TTL_S)).outcome == "queued"
+    claim = await queue.claim(1.0, 0.0)
+    assert claim is not None and claim.spec.job_id == spec.job_id
+    run = _job_run(queue, claim)
+    stopping = asyncio.Event()
+    run.ctx.stopping = stopping
+    run.ctx.grace_ends_at = asyncio.get_running_loop().time() + 3600
+    run.ctx.pool = SimpleNamespace(slots=1)
+    run.ctx.flag_sweep = SimpleNamespace(add=lambda *_a, **_k: None, discard=lambda *_a: None)
+    run.ctx.control = SimpleNamespace(generation=0, unsubscribe=lambda _sub: asyncio.sleep(0))
+    run.sub = SimpleNamespace(ctrl=asyncio.Queue(), stdin=None, generation=0)  # type: ignore[assignment]
+    plan = SimpleNamespace(compile=None, run=Program(argv=["python3", "main.py"], env={}), files=[])
+    ran: list[str] = []
+
+    async def nothing(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    async def park(_ctrl: Any) -> str:
+        stopping.set()  # (the SIGTERM comes right behind the start)
+        return "start"
+
+    async def acquire(*_args: Any, **_kwargs: Any) -> str:
+        run.sandbox = object()  # type: ignore[assignment]
+        return "start"
+
+    async def run_batch(*_args: Any) -> None:
+        ran.append("cases")
+
+    run._manifest = lambda: None  # type: ignore[method-assign]
+    run._plan = lambda _manifest, _blobs: plan  # type: ignore[method-assign,assignment,return-value]
+    run._blobs = nothing  # type: ignore[method-assign,assignment]
+    run._drop_spec_contents = lambda: None  # type: ignore[method-assign]
+    run._park = park  # type: ignore[method-assign]
+    run._acquire_sandbox = acquire  # type: ignore[method-assign]
+    run._load = nothing  # type: ignore[method-assign]
+    run._destroy = nothing  # type: ignore[method-assign]
+    run._run_batch = run_batch  # type: ignore[method-assign]
+    await run.execute()
+    assert ran == []
+    status = await redis.hgetall(keys.status_key(spec.job_id))
+    assert status[b"state"] == b"queued" and b"result" not in status and status.get(b"started") is None
+    assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
+
+
 async def test_a_compile_the_sandbox_failed_ends_internal_error_not_compile_error(redis: Redis, queue: WorkerQueue) -> None:
     # A grader reads compile_error as the submission's fault; a jail that failed under the
     # compiler is the platform's, and the job is safe to submit again.

@@ -344,6 +344,11 @@ class JobRun:
                     await self._end_unstarted("handback")
                     return
             if self.spec.tests:
+                if self._grace_too_short():
+                    # An interpreted batch started during the grace: as a compiled job above,
+                    # nothing of it has begun, and it goes back to the queue whole.
+                    await self._end_unstarted("handback")
+                    return
                 await self._run_batch(sub.ctrl, plan, compiled)
                 return
             # What is in the workspace before the run is not an artifact: the submitted files,
