@@ -333,6 +333,33 @@ async def test_an_interpreted_batch_started_as_its_worker_stops_goes_back_to_the
     assert await redis.lrange(keys.QUEUE, 0, -1) == [spec.job_id.encode()]
 
 
+async def test_a_kill_that_comes_while_a_failing_worker_says_starting_ends_the_job_killed(
+    redis: Redis, queue: WorkerQueue
+) -> None:
+    # A started job waits for a sandbox on a worker whose builds all fail. The kill came
+    # while its `starting` was being written; the wait then saw the failing builds and gave
+    # up as "broken", dropping the kill: the job could end internal_error, not killed.
+    claim = await _claimed(redis, queue)
+    run = _job_run(queue, claim)
+    ctrl: asyncio.Queue[CtrlMessage] = asyncio.Queue()
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    run.ctx.stopping = asyncio.Event()
+    run.ctx.pool = SimpleNamespace(
+        take_ready=lambda *_a: None, take=lambda *_a: never, build_mark=lambda: 0, failing=lambda _mark: True,
+        put_back=lambda _sandbox: None,
+    )  # fmt: skip
+
+    async def starting(*_args: Any, **_kwargs: Any) -> None:
+        ctrl.put_nowait(CtrlMessage(type="kill"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    run.events.state = starting  # type: ignore[method-assign]
+    run.events.go_live_within = lambda _s: None  # type: ignore[method-assign]
+    signal = await asyncio.wait_for(run._acquire_sandbox(ctrl, Program(argv=["main"], env={}), quiet_s=0.0), 5)
+    assert signal == "kill"
+
+
 async def test_a_compile_the_sandbox_failed_ends_internal_error_not_compile_error(redis: Redis, queue: WorkerQueue) -> None:
     # A grader reads compile_error as the submission's fault; a jail that failed under the
     # compiler is the platform's, and the job is safe to submit again.

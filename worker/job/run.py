@@ -556,7 +556,10 @@ class JobRun:
                 if pool.failing(mark):
                     # Every sandbox this worker tried to build since the job began waiting
                     # failed (a full disk, a broken cgroup tree...): waiting on would leave
-                    # the started job `starting` for as long as that lasts.
+                    # the started job `starting` for as long as that lasts. A kill that came
+                    # meanwhile (while `starting` was written) is what ends it, though.
+                    if message.done() and not message.cancelled() and message.result().type == "kill":
+                        return "kill"
                     return "broken"
         finally:
             stopping.cancel()
