@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from worker.job.precompile import Precompile, PrecompileState
 from worker.job.stdin import StdinFeed
 from worker.job.supervise import COALESCE_S, Activity, Clocks, StepFacts, _pump, cpu_clock_due_at, supervise
 from worker.messaging.queue import Advanced, LivePublish, StoredFrame
+from worker.tasks import cancel_and_wait
 from worker.worker import Worker
 
 HYBRID = """\
@@ -2815,6 +2817,39 @@ async def test_a_recalled_compile_that_swallows_its_cancel_still_gives_its_sandb
         await asyncio.sleep(0)
     assert precompile.state is PrecompileState.GONE and pool.given_back == [pool.sandbox]
     assert await precompile.settle(asyncio.Queue(), _SentEvents()) == "gone"
+    assert pool.given_back == [pool.sandbox]
+
+
+async def test_a_discarded_precompile_gives_its_sandbox_back_only_once_its_load_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A parked job's load waits behind slow work on the isolation threads (it finishes
+    # whatever a cancel says: off_loop), and the job is killed. The discard's wait is bounded:
+    # it gave the sandbox back anyway, its slot was rebuilt at the same mount point and uid,
+    # and the load's files landed in the next job's workspace.
+    monkeypatch.setattr("worker.job.precompile.cancel_and_wait", functools.partial(cancel_and_wait, timeout_s=0.05))
+    loading, load_over = asyncio.Event(), asyncio.Event()
+
+    async def load(sandbox: Any) -> None:
+        loading.set()
+        while not load_over.is_set():  # (as off_loop: a cancel waits for the thread)
+            with contextlib.suppress(asyncio.CancelledError):
+                await load_over.wait()
+        raise asyncio.CancelledError
+
+    async def compile_(inbox: Any, sandbox: Any, events: Any) -> Any:
+        raise AssertionError("never reached: the load is cancelled")
+
+    pool = _LendingPool()
+    precompile = Precompile("job", pool, load, compile_, Program(argv=["main"], env={}), "c")  # type: ignore[arg-type]
+    await asyncio.wait_for(loading.wait(), 1)
+    try:
+        await precompile.discard()
+        assert precompile.state is PrecompileState.GONE and pool.given_back == []
+    finally:
+        load_over.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
     assert pool.given_back == [pool.sandbox]
 
 

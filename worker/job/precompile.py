@@ -299,4 +299,12 @@ class Precompile:
         """The job will not use what was compiled (killed, expired, handed back)."""
         await cancel_and_wait([self._task])
         self.state = PrecompileState.GONE
-        self._release()
+        if self._task.done():
+            self._release()
+        else:
+            # A step that outlived the bounded wait (a load queued behind slow work on the
+            # isolation threads: it finishes whatever the cancel says) may still write into
+            # the sandbox. Given back now, it would be torn down and its slot rebuilt at the
+            # same mount point and uid, where that load's files would land in the next job's
+            # workspace: it goes back once the step is over.
+            self._task.add_done_callback(lambda _task: self._release())
