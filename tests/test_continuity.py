@@ -256,6 +256,23 @@ def test_only_other_workers_sandboxes_old_enough_to_sweep_make_their_owner_a_can
     assert not (work_root / "w-old.0.1").exists() and (work_root / "w-young.0.1").exists()
 
 
+async def test_a_dead_workers_copier_cgroup_is_swept_with_its_sandbox(tmp_path: Path) -> None:
+    # A worker killed while a batch case's copier ran left `<sandbox>.copy` beside the case's
+    # cgroup. Its name was no sandbox's to the janitor: it was never a candidate, and one
+    # memory cgroup leaked for good each time.
+    layout = CgroupLayout(mode=CgroupMode.V2, name="deployment", v2=tmp_path / "cgroup")
+    work_root = tmp_path / "work"
+    work_root.mkdir()
+    jobs = tmp_path / "cgroup" / "deployment" / "jobs"
+    old = time.time() - 60
+    for name in ("w-dead.0.5", "w-dead.0.5.copy", "w-live.0.5.copy"):
+        (jobs / name).mkdir(parents=True)
+        os.utime(jobs / name, (old, old))
+    assert owner_of("w-dead.0.5.copy") == "w-dead" and owner_of("w-dead.0.copy") is None
+    assert await sweep_orphans(layout, work_root, "w-me", dead={"w-dead"}, min_age_s=10) == 2
+    assert sorted(p.name for p in jobs.iterdir()) == ["w-live.0.5.copy"]
+
+
 def test_a_slots_kept_workspace_folder_is_as_young_as_the_slots_youngest_sandbox(tmp_path: Path) -> None:
     # A slot's workspace folder is named when the slot first builds and kept between its
     # sandboxes: the tmpfs on it is its newest sandbox's, so its age is that sandbox's.

@@ -79,8 +79,10 @@ class RuntimeFailed(JailError):
 
 
 def owner_of(name: str) -> str | None:
-    """The worker id inside a sandbox name `<workerId>.<slot>.<n>`, or None for other names."""
-    parts = name.rsplit(".", 2)
+    """The worker id inside a sandbox name `<workerId>.<slot>.<n>`, or None for other names.
+    A copier's cgroup (`<sandbox>.copy`, JobCgroup.copier_folder) is its sandbox's worker's:
+    one left by a worker that died mid-copy is swept with the rest of what it left."""
+    parts = name.removesuffix(".copy").rsplit(".", 2)
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         return None
     return parts[0]
