@@ -108,7 +108,11 @@ _NAT64 = _V6("64:ff9b::/96")
 # Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's prefix
 # length (RFC 6052), and what it reaches is the operator's network: a private destination.
 _LOCAL_NAT64 = _V6("64:ff9b:1::/48")
+_LINK_LOCAL_V4 = _V4("169.254.0.0/16")
 _TEREDO = _V6("2001::/32")
+# IETF protocol assignments (RFC 2928), Teredo aside: benchmarking (2001:2::/48), ORCHID
+# (2001:10::/28) and the rest, special-purpose addresses no receiver of ours lives at.
+_IETF_ASSIGNMENTS = _V6("2001::/23")
 _IPV4_COMPATIBLE = _V6("::/96")
 _GLOBAL_UNICAST_V6 = _V6("2000::/3")
 _PRIVATE_V6 = (_V6("fc00::/7"), _V6("fec0::/10"))  # unique local, and the deprecated site-local
@@ -118,6 +122,26 @@ _DNS_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 # What a host that only an IP parser would take looks like: digits, dots and hex forms
 # (`2130706433`, `127.1`, `0x7f.0.0.1`, `017.0.0.1`); only canonical dotted quads pass.
 _NUMERIC_LAST_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
+
+
+def _local_nat64_reaches_metadata(ip: ipaddress.IPv6Address) -> bool:
+    """Whether a local-use NAT64 address (RFC 8215) could stand for a cloud metadata or
+    link-local IPv4 address under any prefix length its operator may use (/48, /56, /64,
+    /96: RFC 6052 puts the IPv4 address at a different place for each, around the u octet)."""
+    n = int(ip)
+
+    def bits(start: int, length: int) -> int:
+        return (n >> (128 - start - length)) & ((1 << length) - 1)
+
+    candidates = (
+        (bits(48, 16) << 16) | bits(72, 16),
+        (bits(56, 8) << 24) | bits(72, 24),
+        bits(72, 32),
+        bits(96, 32),
+    )
+    return any(
+        (v4 := ipaddress.IPv4Address(candidate)) in _METADATA or v4 in _LINK_LOCAL_V4 for candidate in candidates
+    )
 
 
 def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -138,7 +162,10 @@ def address_refusal(ip: IPAddress, allow_private: bool) -> str | None:
         if ip.scope_id:
             return "a scoped (link-local) address"
         if ip in _LOCAL_NAT64:
-            return None if allow_private else "a local-use NAT64 address"
+            if not allow_private:
+                return "a local-use NAT64 address"
+            # (Allowed as private, but metadata and link-local stay refused, as everywhere.)
+            return "a local-use NAT64 address that may reach a metadata address" if _local_nat64_reaches_metadata(ip) else None
         inner = _embedded_v4(ip)
         if inner is not None:
             why = address_refusal(inner, allow_private)
@@ -157,6 +184,8 @@ def address_refusal(ip: IPAddress, allow_private: bool) -> str | None:
             return None if allow_private else "a private address"
         if ip in _TEREDO:
             return "a Teredo address"
+        if ip in _IETF_ASSIGNMENTS:
+            return "a reserved address"
         if any(ip in net for net in _DOCUMENTATION_V6):
             return "a documentation address"
         if ip not in _GLOBAL_UNICAST_V6:

@@ -195,6 +195,10 @@ REFUSED_ALWAYS = [
     "203.0.113.9", "198.18.0.1", "::", "fd00:ec2::254", "fe80::1", "ff02::1", "2001:db8::1",
     "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "2001:0:4136:e378::1", "::7f00:1",
     "100::1", "168.63.129.16", "::ffff:168.63.129.16",
+    # Special-purpose IPv6 (benchmarking, ORCHID) outside the Teredo block.
+    "2001:2::1", "2001:10::1",
+    # Local-use NAT64 that may stand for metadata or link-local, under a /96 or a /48 prefix.
+    "64:ff9b:1::a9fe:a9fe", "64:ff9b:1:a9fe:a9:fe00::",
 ]  # fmt: skip
 REFUSED_UNLESS_PRIVATE = [
     "127.0.0.1", "127.255.0.9", "10.0.0.1", "172.16.0.1", "172.31.255.255", "192.168.1.1", "100.64.0.1",
