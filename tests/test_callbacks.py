@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import ssl
+import sys
 import threading
 import time
 import uuid
@@ -815,6 +816,17 @@ async def test_a_receiver_that_cannot_be_reached_keeps_its_addresses_out_of_the_
     assert b"127.0.0.3" not in record[b"lastError"], record
     assert "127.0.0.3" in caplog.text
     await redis.zrem(keys.CALLBACKS_DUE, job_id)
+
+
+async def test_the_senders_client_leaves_the_bound_on_attempts_to_the_sender() -> None:
+    # httpcore 1.0.9 keeps a pooled connection for good when a request is cancelled between
+    # its assignment and its opening (encode/httpcore#1093), which an attempt's timeout can
+    # do: under a pool cap of CALLBACK_CONCURRENCY, enough of those failed every later
+    # delivery of the worker with PoolTimeout. The sender bounds its attempts itself.
+    settings = load_settings({"PUSHER_SECRET": "x", "CALLBACK_CONCURRENCY": "2"})
+    async with new_client(settings) as client:
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        assert pool._max_connections == sys.maxsize and pool._max_keepalive_connections == 0
 
 
 @pytest.mark.stack

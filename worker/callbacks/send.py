@@ -72,7 +72,12 @@ def new_client(settings: Settings, verify: ssl.SSLContext | bool = True) -> http
         timeout=httpx.Timeout(total_s, connect=settings.callback_connect_timeout_ms / 1000),
         follow_redirects=False,
         trust_env=False,
-        limits=httpx.Limits(max_connections=max(1, settings.callback_concurrency), max_keepalive_connections=0),
+        # No cap of the pool's own: the sender already bounds its attempts in flight, and
+        # httpcore 1.0.9's pool keeps a connection for good when a request is cancelled
+        # after the connection was assigned but before it opened (encode/httpcore#1093;
+        # an attempt's timeout can land there). With a cap, enough of those would fail every
+        # later delivery of this worker with PoolTimeout, until a restart.
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
     )
 
