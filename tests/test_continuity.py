@@ -44,6 +44,7 @@ from worker.isolation.memory import UNBOUNDED_BYTES, MemoryAdmission
 from worker.isolation.sandbox import owner_of
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.queue import WorkerQueue
+from worker.tasks import cancel_and_wait, raise_if_cancelled
 from worker.worker import Worker, command_redis
 
 __all__ = ["queue", "redis", "redis_stack"]  # fixtures shared with the script tests
@@ -358,6 +359,9 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
 
     async def renew() -> None:
         while True:
+            # (redis-py can swallow a cancel that lands mid-command: without this look, a
+            # failed run's clean-up waited on this loop for good, until the watchdog.)
+            raise_if_cancelled()
             await renewing.wait()
             async with renewal:
                 if renewing.is_set():
@@ -421,9 +425,7 @@ async def test_a_live_workers_lease_read_across_a_redis_stall_is_not_acted_on(
         assert await redis.lrange(keys.worker_claimed_key(queue.worker_id), 0, -1) == [job.encode()]
         assert await redis.hexists(keys.WORKERS, queue.worker_id)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks, timeout_s=5.0)
         await reaper_redis.aclose()
 
 
