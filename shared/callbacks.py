@@ -84,10 +84,11 @@ _METADATA = frozenset(
     ipaddress.ip_address(a)
     for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "168.63.129.16", "fd00:ec2::254")
 )
+_LINK_LOCAL_V4 = _V4("169.254.0.0/16")
 # (network, why) in the order they are judged. `private` ones yield to CALLBACK_ALLOW_PRIVATE.
 _ALWAYS_V4: tuple[tuple[_V4, str], ...] = (
     (_V4("0.0.0.0/8"), "an unspecified address"),
-    (_V4("169.254.0.0/16"), "a link-local address"),
+    (_LINK_LOCAL_V4, "a link-local address"),
     (_V4("224.0.0.0/4"), "a multicast address"),
     (_V4("240.0.0.0/4"), "a reserved address"),  # includes 255.255.255.255 (broadcast)
     (_V4("192.0.0.0/24"), "a reserved address"),
@@ -108,7 +109,6 @@ _NAT64 = _V6("64:ff9b::/96")
 # Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's prefix
 # length (RFC 6052), and what it reaches is the operator's network: a private destination.
 _LOCAL_NAT64 = _V6("64:ff9b:1::/48")
-_LINK_LOCAL_V4 = _V4("169.254.0.0/16")
 _TEREDO = _V6("2001::/32")
 # IETF protocol assignments (RFC 2928), Teredo aside: benchmarking (2001:2::/48), ORCHID
 # (2001:10::/28) and the rest, special-purpose addresses no receiver of ours lives at.

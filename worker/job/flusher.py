@@ -57,13 +57,13 @@ class OutputFlusher:
                 self._runs.append(_Run(name, text, size))
             self._pending_bytes += size
         if texts:
-            # (Once stopped, nothing ever takes the count down again: no pump may wait on it.)
-            if self._pending_bytes >= MAX_PENDING_BYTES and self._error is None:
+            if self._pending_bytes >= MAX_PENDING_BYTES:
                 self._room.clear()
             self._wakeup.set()
 
     async def room(self) -> None:
-        """Wait while the flusher is full; raises what stopped it (e.g. Fenced)."""
+        """Wait while the flusher is full; raises what stopped it (e.g. Fenced), at once:
+        once stopped, nothing takes its count down again, so its room may never come."""
         if self._error is None:
             await self._room.wait()
         if self._error is not None:

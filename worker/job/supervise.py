@@ -396,9 +396,9 @@ async def _hand_over_in_order(me: _Pump, pumps: _Pumps) -> int:
     handed = 0
     async with pumps.lock:
         mine = me.earliest()
-        taken: set[int] = set()  # (one take a pump: what comes meanwhile waits for its turn)
+        taken: list[_Pump] = []  # (one take a pump: what comes meanwhile waits for its turn)
         while True:
-            dated = [(date, pump) for pump in pumps.members if id(pump) not in taken and (date := pump.first_date()) is not None]
+            dated = [(date, pump) for pump in pumps.members if pump not in taken and (date := pump.first_date()) is not None]
             if not dated:
                 break
             date, pump = min(dated, key=lambda found: found[0])
@@ -406,7 +406,7 @@ async def _hand_over_in_order(me: _Pump, pumps: _Pumps) -> int:
                 break  # (nothing of the others' from before what `me` had)
             until = min((found for found, other in dated if other is not pump), default=None)
             data = pump.take_first(until)
-            taken.add(id(pump))
+            taken.append(pump)
             if data:
                 if pump is me:
                     handed += len(data)

@@ -392,11 +392,9 @@ _REAP = (
 -- of one it ended is still published live.
 -- Before the look at the worker's lease: one that came back since the first run must not
 -- turn its answer into "came back", or the result it ended the job with is never published.
-local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result')
+local mine = redis.call('HMGET', KEYS[1], 'reapedBy', 'nextSeq', 'result', 'state')
 if mine[1] == ARGV[8] .. '/requeued' then return 1 end
-if mine[1] == ARGV[8] and mine[3] then
-  return {2, tonumber(mine[2]) - 1, mine[3], redis.call('HGET', KEYS[1], 'state')}
-end
+if mine[1] == ARGV[8] and mine[3] then return {2, tonumber(mine[2]) - 1, mine[3], mine[4]} end
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[13]) == 1 then return 3 end
 if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
 local st = redis.call('HMGET', KEYS[1], 'state', 'started', 'attempt', 'expiringAttempt')
@@ -439,21 +437,14 @@ return 1
 MAX_RECOVERY_RETRIES = 100
 
 
-def _result_template(outcome: str, message: str) -> tuple[bytes, bytes]:
-    """A result event's JSON split around its seq, for scripts that pick the seq themselves."""
-    prefix = (
-        b'{"exitCode":null,"signal":null,"timedOut":false,"idleTimedOut":false,"truncated":false,'
-        b'"durationMs":0,"cpuMs":0,"memoryKb":0,"outcome":"' + outcome.encode() + b'","compile":null,"seq":'
-    )
-    return prefix, b',"message":' + msgspec.json.encode(message) + b"}"
-
-
+# The results recovery writes, split around their seq (the script picks it), as a worker's
+# own result_without_run would read.
 LOST_MESSAGE = "the worker running this job vanished after the program started; it is not re-run"
-_LOST = _result_template("lost", LOST_MESSAGE)
+_LOST = result_template(result_without_run(Outcome.LOST, LOST_MESSAGE))
 # As its worker would have ended it (see _CLOSE_PARK): a job that never ran, with no message.
 _EXPIRED = result_template(result_without_run(Outcome.EXPIRED, None))
 UNREADABLE_MESSAGE = "the stored job could not be read by this worker"
-_UNREADABLE = _result_template("internal_error", UNREADABLE_MESSAGE)
+_UNREADABLE = result_template(result_without_run(Outcome.INTERNAL_ERROR, UNREADABLE_MESSAGE))
 
 
 def now_ms() -> int:
