@@ -24,7 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 from api.quota import RETAINED_OUTPUT_LUA
 from leanredis.scripts import OomRefusedScript, OomTolerantScript
 from shared import keys
-from shared.callbacks import CALLBACK_DUE_LUA
+from shared.callbacks import CALLBACK_DUE_LUA, parse_callback_url
 from shared.codec import decode_stored, encode
 from shared.eventlog import RESULT_LANDED_LUA, LoggedStreams, entry_json
 from shared.messages import (
@@ -64,7 +64,7 @@ end
 # callback carries the output, '1' for a test batch (its stdin is per case: the job's own is
 # closed from the start), the most output bytes the owner's finished jobs may keep (0: no
 # bound), a test batch's number of cases ('' for none), the spec's bytes, the most bytes the
-# owner's unstarted specs may hold (0: no bound).
+# owner's unstarted specs may hold (0: no bound), the callback's receiver (`host:port`).
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
 # {4, bytes kept, earliest expiry ms} (the owner's finished jobs keep too much output),
 # {5, bytes held} (the owner's unstarted jobs hold too much input),
@@ -148,7 +148,7 @@ if ARGV[14] ~= '' then
   redis.call('HSET', KEYS[3], 'callback', '1')
   redis.call('DEL', KEYS[6])
   redis.call('HSET', KEYS[6], 'url', ARGV[14], 'collect', ARGV[15], 'state', 'pending', 'attempts', 0,
-             'createdAtMs', ARGV[3])
+             'createdAtMs', ARGV[3], 'host', ARGV[21])
   redis.call('EXPIRE', KEYS[6], ARGV[4])
 end
 -- Read by GET /output: a collecting job that ends before a worker stored any output
@@ -893,6 +893,7 @@ class JobStore:
             str(len(spec.tests)) if spec.tests else "",
             len(stored),
             max_unstarted_bytes,
+            parse_callback_url(spec.callback_url, allow_http=True).host_key if spec.callback_url else "",
         ]
         return ScriptCall(self._enqueue, script_keys, args)
 

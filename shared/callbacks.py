@@ -215,6 +215,12 @@ class CallbackTarget(msgspec.Struct, frozen=True, kw_only=True):
         default = 443 if self.scheme == "https" else 80
         return host if self.port == default else f"{host}:{self.port}"
 
+    @property
+    def host_key(self) -> str:
+        """The receiver a delivery goes to, `host:port`: what CALLBACK_MAX_PER_HOST counts by."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
     def url_for(self, ip: IPAddress) -> str:
         """The URL that connects to `ip` (one of the host's checked addresses)."""
         where = f"[{ip}]" if isinstance(ip, ipaddress.IPv6Address) else str(ip)

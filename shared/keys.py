@@ -10,6 +10,7 @@ import hashlib
 
 __all__ = [
     "CALLBACKS_DUE",
+    "CALLBACK_HOST_PREFIX",
     "CHANNEL_PREFIX",
     "DATASET",
     "ENDED_COUNTS",
@@ -55,6 +56,11 @@ CHANNEL_PREFIX = "private-run-"
 # Sorted set: job id -> when its callback is next due (ms). A sender that takes one moves it
 # a lease ahead, so a sender that dies leaves it due again for another.
 CALLBACKS_DUE = "callbacks:due"
+# Built by the delivery scripts from a callback record's `host` (`host:port`), so a record's
+# receiver is known only inside them. `<prefix><host>`: sorted set, job id -> when the lease
+# of its attempt in flight there ends. `<prefix><host>:waiting`: sorted set, job id -> when it
+# was due, for deliveries put off because that host had CALLBACK_MAX_PER_HOST in flight.
+CALLBACK_HOST_PREFIX = "callbacks:host:"
 # Hash: terminal state -> how many jobs ended in it, ever (counted by the scripts that end
 # jobs; served by GET /metrics).
 ENDED_COUNTS = "stats:ended"

@@ -182,7 +182,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     callback_backoff_max_ms: int = 60000
     callback_retry_for_s: int = 300
     # Deliveries one worker process sends at once.
-    callback_concurrency: int = 8
+    callback_concurrency: int = 16
+    # Deliveries to one receiver (host and port) in flight at once, across every worker
+    # (0: no bound). One receiver that never answers then holds this many attempts, not
+    # every worker's every slot; the rest wait for one of its attempts to end.
+    callback_max_per_host: int = 8
 
     log_level: str = "INFO"
 
@@ -422,6 +426,7 @@ ENV_NAMES: dict[str, tuple[str, Any]] = {
     "CALLBACK_BACKOFF_MAX_MS": ("callback_backoff_max_ms", _positive_int),
     "CALLBACK_RETRY_FOR_S": ("callback_retry_for_s", _positive_int),
     "CALLBACK_CONCURRENCY": ("callback_concurrency", _positive_int),
+    "CALLBACK_MAX_PER_HOST": ("callback_max_per_host", _non_negative_int),
     "LOG_LEVEL": ("log_level", _log_level),
 }
 

@@ -691,6 +691,43 @@ async def test_a_lost_jobs_run_result_callback_has_what_it_streamed(redis: Redis
     assert (body["stdoutEncoding"], body["stderrEncoding"]) == ("utf8", "utf8")
 
 
+@pytest.mark.stack
+async def test_one_receiver_has_at_most_its_bound_in_flight(redis: Redis) -> None:
+    """Past CALLBACK_MAX_PER_HOST attempts at one host:port, a delivery there is put off,
+    uncounted, until one of them ends; another receiver's goes at once. A lease that ran out
+    (its sender died) frees its place by itself."""
+    await redis.delete(keys.CALLBACKS_DUE)
+    slow = [await _killed_in_queue(redis, f"https://169.254.169.254:8443/never-sent/{i}") for i in range(4)]
+    other = await _killed_in_queue(redis, "https://169.254.169.253:8443/never-sent")
+    assert await redis.hget(keys.callback_key(slow[0]), "host") == b"169.254.169.254:8443"
+    deliveries = Deliveries(redis)
+    now = int(time.time() * 1000)
+    await redis.zadd(keys.CALLBACKS_DUE, {job_id: now - 10 + i for i, job_id in enumerate(slow)})  # (in order)
+    first = await deliveries.take(slow[0], now, 30_000, "tok-0", 2)
+    second = await deliveries.take(slow[1], now + 1, 10_000, "tok-1", 2)
+    assert isinstance(first, Delivery) and isinstance(second, Delivery)
+    assert await deliveries.take(slow[2], now + 2, 30_000, "tok-2", 2) == "put off"
+    assert await deliveries.take(slow[3], now + 3, 30_000, "tok-3", 2) == "put off"
+    # Due again when the first lease there ends (its sender may have died), not before.
+    assert await redis.zscore(keys.CALLBACKS_DUE, slow[2]) == now + 1 + 10_000
+    assert await deliveries.take(slow[2], now + 4, 30_000, "tok-2", 2) is None
+    assert await redis.hget(keys.callback_key(slow[2]), "attempts") == b"0"
+    assert isinstance(await deliveries.take(other, now + 5, 30_000, "tok-o", 2), Delivery)
+    # An attempt there ends: the delivery put off first is due at once, the next still waits.
+    assert await deliveries.report(first, "retry", now + 6, next_attempt_ms=now + 60_000)
+    assert await redis.zscore(keys.CALLBACKS_DUE, slow[2]) == now + 6
+    assert await redis.zscore(keys.CALLBACKS_DUE, slow[3]) == now + 1 + 10_000
+    third = await deliveries.take(slow[2], now + 7, 30_000, "tok-2", 2)
+    assert isinstance(third, Delivery) and third.attempt == 1
+    # The second attempt's sender died: when its lease runs out, its place is free again.
+    assert await deliveries.take(slow[3], now + 10_000, 30_000, "tok-3", 2) is None  # not due yet
+    fourth = await deliveries.take(slow[3], now + 1 + 10_000, 30_000, "tok-3", 2)
+    assert isinstance(fourth, Delivery) and fourth.attempt == 1
+    # With no bound, nothing is put off.
+    assert isinstance(await deliveries.take(slow[0], now + 60_000, 30_000, "tok-00", 0), Delivery)
+    await redis.delete(keys.CALLBACKS_DUE)
+
+
 def _sender_settings(stack: Stack, **env: str) -> Settings:
     return load_settings(
         {
@@ -792,6 +829,48 @@ async def test_a_full_sender_takes_the_next_delivery_as_soon_as_an_attempt_ends(
 
 
 @pytest.mark.stack
+async def test_a_receiver_that_never_answers_leaves_the_others_their_deliveries(
+    bare_stack: Stack, redis: Redis, receiver: Receiver
+) -> None:
+    """A tarpit (it takes the connection and never answers) is owed the first six deliveries;
+    a healthy receiver's three, queued behind them, still go out at once, not after the
+    tarpit's attempts have timed out and left the sender's slots."""
+    await redis.delete(keys.CALLBACKS_DUE)
+    tarpit = socket.socket()
+    tarpit.bind(("127.0.0.1", 0))
+    tarpit.listen(64)
+    stuck = [await _killed_in_queue(redis, f"http://127.0.0.1:{tarpit.getsockname()[1]}/hook") for _ in range(6)]
+    path = receiver.path()
+    healthy = [await _killed_in_queue(redis, receiver.url(path)) for _ in range(3)]
+    settings = _sender_settings(
+        bare_stack, CALLBACK_ALLOW_PRIVATE="1", CALLBACK_CONCURRENCY="4", CALLBACK_MAX_PER_HOST="2",
+        CALLBACK_TIMEOUT_MS="5000", CALLBACK_CONNECT_TIMEOUT_MS="1000",
+    )
+    began = time.monotonic()
+    try:
+        async with new_client(settings) as client:
+            sender = CallbackSender(settings, redis, client, "test")
+            running = asyncio.create_task(sender.run())
+            try:
+                while len(receiver.received(path)) < 3 and time.monotonic() - began < 4:
+                    await asyncio.sleep(0.02)
+                took = time.monotonic() - began
+                assert len(receiver.received(path)) == 3, "the healthy receiver waited on the tarpit"
+                assert took < 2.0, took
+                attempts = [await redis.hget(keys.callback_key(job_id), "attempts") for job_id in stuck]
+                assert sorted(attempts) == [b"0"] * 4 + [b"1"] * 2, attempts  # two held, four put off
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                await sender.stop()
+    finally:
+        tarpit.close()
+        await redis.delete(keys.CALLBACKS_DUE)
+    for job_id in healthy:
+        assert await redis.hget(keys.callback_key(job_id), "state") == b"delivered"
+
+
+@pytest.mark.stack
 async def test_a_receiver_that_cannot_be_reached_keeps_its_addresses_out_of_the_record(
     bare_stack: Stack, redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -841,8 +920,8 @@ async def test_a_claim_answered_too_late_to_send_within_its_lease_sends_nothing(
     settings = _sender_settings(bare_stack, CALLBACK_ALLOW_PRIVATE="1")
     take = Deliveries.take
 
-    async def slow_take(self: Deliveries, job_id: str, now_ms: int, lease_ms: int, token: str) -> Any:
-        delivery = await take(self, job_id, now_ms, lease_ms, token)
+    async def slow_take(self: Deliveries, job_id: str, now_ms: int, lease_ms: int, token: str, per_host: int) -> Any:
+        delivery = await take(self, job_id, now_ms, lease_ms, token, per_host)
         # (as if its answer came a whole attempt's time after the lease began)
         return msgspec.structs.replace(delivery, leased_at_ms=now_ms - settings.callback_timeout_ms)
 

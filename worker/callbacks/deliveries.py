@@ -9,6 +9,11 @@ claim token; only the holder of that token may report on the attempt. A sender t
 mid-attempt leaves the delivery due again once the lease runs out, and another sender takes
 it (the next attempt). So delivery is at least once: a receiver may see a job's result more
 than once, always with the same body.
+
+Taking one also books a place at its receiver (the record's `host`, `host:port`) for the
+lease, up to a bound across all senders. Past it, the delivery is put off without an
+attempt counted: due again when the receiver's first lease runs out, or at once when a
+report ends one of its attempts (which pulls the longest-waiting one forward).
 """
 
 from __future__ import annotations
@@ -28,33 +33,67 @@ from shared.runresult import OutputGone, run_result_pieces
 
 __all__ = ["CallbackBody", "Deliveries", "Delivery", "ResultGone"]
 
-# KEYS: due set, callback record. ARGV: job id, now ms, lease ms, claim token.
-# Returns false (not due, or nothing to send any more: then it leaves the due set) or
-# {attempt, url, collect, ended at ms}. Sent again with the same token (its reply lost), it
-# answers the same attempt.
+# KEYS: due set, callback record. ARGV: job id, now ms, lease ms, claim token, the host key
+# prefix, the most deliveries in flight to one receiver (0: no bound).
+# Returns false (not due, or nothing to send any more: then it leaves the due set), 0 (its
+# receiver has its bound in flight: put off until one of those attempts ends, or the first
+# lease there runs out should its sender have died), or {attempt, url, collect, ended at
+# ms}. Sent again with the same token (its reply lost), it answers the same attempt.
 _TAKE = """
-local cb = redis.call('HMGET', KEYS[2], 'url', 'collect', 'state', 'endedAtMs', 'claim', 'attempts')
+local cb = redis.call('HMGET', KEYS[2], 'url', 'collect', 'state', 'endedAtMs', 'claim', 'attempts', 'host')
 if cb[5] == ARGV[4] then return {tonumber(cb[6]), cb[1], cb[2] or '', cb[4]} end
+local now = tonumber(ARGV[2])
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return false end
+if not score or tonumber(score) > now then return false end
 if (not cb[1]) or cb[3] ~= 'pending' or (not cb[4]) then
   redis.call('ZREM', KEYS[1], ARGV[1])
   return false
 end
+local lease_ms = tonumber(ARGV[3])
+if tonumber(ARGV[6]) > 0 then
+  local held = ARGV[5] .. (cb[7] or cb[1])
+  local waiting = held .. ':waiting'
+  redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+  if redis.call('ZCARD', held) >= tonumber(ARGV[6]) then
+    local first = redis.call('ZRANGE', held, 0, 0, 'WITHSCORES')
+    redis.call('ZADD', KEYS[1], first[2], ARGV[1])
+    redis.call('ZADD', waiting, 'NX', score, ARGV[1])
+    redis.call('PEXPIRE', waiting, lease_ms)
+    return 0
+  end
+  redis.call('ZADD', held, now + lease_ms, ARGV[1])
+  if redis.call('PTTL', held) < lease_ms then redis.call('PEXPIRE', held, lease_ms) end
+  redis.call('ZREM', waiting, ARGV[1])
+end
 local attempt = redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 redis.call('HSET', KEYS[2], 'claim', ARGV[4], 'lastAttemptAtMs', ARGV[2])
 redis.call('HDEL', KEYS[2], 'nextAttemptAtMs')
-redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[1])
 return {attempt, cb[1], cb[2] or '', cb[4]}
 """
 
 # KEYS: due set, callback record. ARGV: job id, claim token, 'delivered' | 'retry' | 'failed',
-# now ms, next attempt ms (retry), HTTP status ('' for none), error ('' for none).
+# now ms, next attempt ms (retry), HTTP status ('' for none), error ('' for none), the host
+# key prefix.
 # Returns 1, or 0 when the token no longer holds the delivery (its lease ran out and another
-# sender took it, or this report was already made).
+# sender took it, or this report was already made). The attempt's place at its receiver is
+# free again: the delivery put off there longest is due now.
 _REPORT = """
-if redis.call('HGET', KEYS[2], 'claim') ~= ARGV[2] then return 0 end
+local cb = redis.call('HMGET', KEYS[2], 'claim', 'host', 'url')
+if cb[1] ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[2], 'claim')
+local held = ARGV[8] .. (cb[2] or cb[3] or '')
+if redis.call('ZREM', held, ARGV[1]) == 1 then
+  for _ = 1, 16 do
+    local next = redis.call('ZPOPMIN', held .. ':waiting')
+    if not next[1] then break end
+    local due = redis.call('ZSCORE', KEYS[1], next[1])
+    if due then
+      if tonumber(due) > tonumber(ARGV[4]) then redis.call('ZADD', KEYS[1], ARGV[4], next[1]) end
+      break
+    end
+  end
+end
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[2], 'lastStatus', ARGV[6]) else redis.call('HDEL', KEYS[2], 'lastStatus') end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[2], 'lastError', ARGV[7]) else redis.call('HDEL', KEYS[2], 'lastError') end
 if ARGV[3] == 'retry' then
@@ -159,12 +198,18 @@ class Deliveries:
         first = await self.redis.zrange(keys.CALLBACKS_DUE, 0, 0, withscores=True)
         return int(first[0][1]) if first else None
 
-    async def take(self, job_id: str, now_ms: int, lease_ms: int, token: str) -> Delivery | None:
+    async def take(
+        self, job_id: str, now_ms: int, lease_ms: int, token: str, per_host: int = 0
+    ) -> Delivery | Literal["put off"] | None:
         """Count an attempt at `job_id`'s callback and hold it for `lease_ms`; None when it is
-        not due (any more) or has nothing left to send."""
+        not due (any more) or has nothing left to send, "put off" when its receiver has
+        `per_host` attempts in flight already (0: no bound)."""
         raw = await self._take(
-            keys=[keys.CALLBACKS_DUE, keys.callback_key(job_id)], args=[job_id, now_ms, lease_ms, token]
+            keys=[keys.CALLBACKS_DUE, keys.callback_key(job_id)],
+            args=[job_id, now_ms, lease_ms, token, keys.CALLBACK_HOST_PREFIX, per_host],
         )
+        if raw == 0:
+            return "put off"
         if not raw:
             return None
         attempt, url, collect, ended = raw
@@ -190,7 +235,16 @@ class Deliveries:
         """Record how the attempt went; False when this sender no longer held it."""
         done = await self._report(
             keys=[keys.CALLBACKS_DUE, keys.callback_key(delivery.job_id)],
-            args=[delivery.job_id, delivery.token, outcome, now_ms, next_attempt_ms, status or "", error[:500]],
+            args=[
+                delivery.job_id,
+                delivery.token,
+                outcome,
+                now_ms,
+                next_attempt_ms,
+                status or "",
+                error[:500],
+                keys.CALLBACK_HOST_PREFIX,
+            ],
         )
         return bool(done)
 

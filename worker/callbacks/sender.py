@@ -13,6 +13,10 @@ A 2xx answer delivers it. Anything else (another status, no answer within
 CALLBACK_TIMEOUT_MS, no connection) is retried after CALLBACK_BACKOFF_MS, doubling up to
 CALLBACK_BACKOFF_MAX_MS, until CALLBACK_RETRY_FOR_S after the job ended; then it has
 failed. A host that resolves to a refused address fails at once.
+
+One receiver (host and port) has at most CALLBACK_MAX_PER_HOST attempts in flight across
+every sender: a receiver that never answers holds those, and the other receivers' deliveries
+go out beside them. Its other deliveries wait, uncounted, for one of its attempts to end.
 """
 
 from __future__ import annotations
@@ -106,13 +110,18 @@ class CallbackSender:
             return POLL_S
         now = now_ms()
         due, upcoming = await self.deliveries.due_and_next(now, free + len(self._inflight))
-        taken = False
+        taken = put_off = False
         for job_id in due:
             if job_id in self._inflight or free <= 0:
                 continue
             token = f"{self.sender_id}:{uuid.uuid4().hex[:12]}"
             # The lease counts from its own claim: earlier claims of the round may have been slow.
-            delivery = await self.deliveries.take(job_id, now_ms(), self._lease_ms, token)
+            delivery = await self.deliveries.take(
+                job_id, now_ms(), self._lease_ms, token, self.settings.callback_max_per_host
+            )
+            if delivery == "put off":
+                put_off = True
+                continue
             if delivery is None:
                 continue
             free -= 1
@@ -120,6 +129,9 @@ class CallbackSender:
             task = asyncio.create_task(self._deliver(delivery), name=f"callback-{job_id}")
             self._inflight[job_id] = task
             task.add_done_callback(lambda _t, job_id=job_id: self._attempt_over(job_id))
+        if put_off and free > 0:
+            # Those moved past now, out of the way of the ones behind them: look again at once.
+            return 0.0
         if taken:
             upcoming = await self.deliveries.next_due_ms()  # what was taken is leased now
         elif due:
