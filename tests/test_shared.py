@@ -135,6 +135,22 @@ def test_job_tokens() -> None:
     assert verify_job_token("s3cret", f"{job_id}.0{expires}.{signature}", now_s=1000) is None
 
 
+def test_a_job_token_does_not_confirm_a_guess_at_the_api_token() -> None:
+    """Without JOB_TOKEN_SECRET the job-token key comes from the API token through scrypt: a
+    browser holding a job token cannot check guesses at the API token with one fast hash."""
+    from api.auth import Authenticator
+
+    settings = load_settings({"PUSHER_SECRET": "x" * 16, "EXECUTOR_API_TOKEN": "correct-horse-battery"})
+    job = "ab" * 16
+    token = Authenticator(settings).mint(job)
+    fast = hashlib.sha256(b"jobtoken:correct-horse-battery").hexdigest()  # (the old key)
+    assert verify_job_token(fast, token, int(time.time())) is None
+    # Another API process with the same API token derives the same key.
+    again = Authenticator(settings)
+    assert verify_job_token(again._secret, token, int(time.time())) == job
+    assert Authenticator(load_settings({"PUSHER_SECRET": "x" * 16, "EXECUTOR_API_TOKEN": "y" * 21}))._secret != again._secret
+
+
 def test_pusher_signatures_match_the_protocol() -> None:
     # Channel auth: HMAC-SHA256 of "socket_id:channel" with the app secret.
     expected = hmac.new(b"sec", b"1234.5678:private-run-x", hashlib.sha256).hexdigest()
