@@ -12,7 +12,7 @@ from api.auth import Principal
 from api.errors import ApiError
 from shared.errors import FieldError
 
-__all__ = ["ANONYMOUS", "SMALL_BODY_BYTES", "BodyBudget", "holder_of", "read_body"]
+__all__ = ["ANONYMOUS", "SMALL_BODY_BYTES", "WEBHOOKS", "BodyBudget", "holder_of", "read_body"]
 
 # Bodies up to this size are counted apart from bigger ones: big uploads under way never
 # keep an IDE's job or a stdin frame out.
@@ -20,9 +20,12 @@ SMALL_BODY_BYTES = 256 * 1024
 RETRY_AFTER_MS = 1000
 # Whom a body is counted against besides its pool (BodyBudget.body's `holder`): None for the
 # API token's holder (the deployment's own backend), which may use either pool whole; a job
-# token's caller ("job:<id>"); or ANONYMOUS, a body read before any token (soketi's signed
-# webhooks, a channel auth with its token in the body).
+# token's caller ("job:<id>"); ANONYMOUS, a body read before any token (a channel auth with
+# its token in the body); or WEBHOOKS, soketi's signed webhooks, read before their signature
+# can be checked. Those two have a share each: bodies sent as webhooks by anyone (the app key
+# they name is public) must not keep a browser's channel auth out, nor the other way round.
 ANONYMOUS = "anonymous"
+WEBHOOKS = "webhooks"
 # Of each pool: what all job tokens' bodies may hold together, and one job token's; what all
 # bodies read before a token may hold. A browser's stdin frames trickled in over a few hundred
 # connections held the whole small pool (every execute a 503), and their request heads alone,
@@ -55,7 +58,7 @@ class BodyBudget:
         self.small_max_bytes = small_max_bytes
         self.held = 0
         self.small_held = 0
-        # (pool, "job tokens" / a job token's caller / ANONYMOUS) -> bytes held.
+        # (pool, "job tokens" / a job token's caller / ANONYMOUS / WEBHOOKS) -> bytes held.
         self._shares: dict[tuple[bool, str], int] = {}
 
     @contextlib.asynccontextmanager
@@ -101,8 +104,8 @@ class BodyBudget:
         pool = self.max_bytes if big else self.small_max_bytes
         if holder is None:
             return []
-        if holder == ANONYMOUS:
-            return [(ANONYMOUS, max(pool // ANONYMOUS_SHARE, body_limit))]
+        if holder in (ANONYMOUS, WEBHOOKS):
+            return [(holder, max(pool // ANONYMOUS_SHARE, body_limit))]
         return [
             ("job tokens", max(pool // JOB_TOKENS_SHARE, body_limit)),
             (holder, max(pool // ONE_JOB_TOKEN_SHARE, body_limit)),

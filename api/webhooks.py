@@ -25,7 +25,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.body import ANONYMOUS, BodyBudget
+from api.body import WEBHOOKS, BodyBudget
 from api.errors import ApiError
 from api.state import AppState
 from shared import keys
@@ -49,8 +49,8 @@ async def realtime_webhooks(request: Request) -> Response:
     state: AppState = request.app.state.coderunner
     settings = state.settings
     bodies: BodyBudget = request.app.state.request_bodies
-    # (Read before the signature can be checked: counted apart, ANONYMOUS.)
-    body = await bodies.read(request, MAX_WEBHOOK_BODY, holder=ANONYMOUS)
+    # (Read before the signature can be checked: counted apart, in a share of their own.)
+    body = await bodies.read(request, MAX_WEBHOOK_BODY, holder=WEBHOOKS)
     key = request.headers.get("x-pusher-key", "")
     signature = request.headers.get("x-pusher-signature", "")
     expected = webhook_signature(settings.pusher_secret, body)

@@ -8,6 +8,8 @@ import httpx
 import pytest
 import redis
 
+from api.body import ANONYMOUS, SMALL_BODY_BYTES, WEBHOOKS, BodyBudget
+from api.errors import ApiError
 from api.webhooks import MAX_WEBHOOK_BODY
 from shared import keys
 from shared.pusher import webhook_signature
@@ -62,3 +64,21 @@ def test_the_webhook_route_marks_known_jobs_and_only_for_soketi(make_stack: Stac
     finally:
         api.close()
         store.close()
+
+
+def test_bodies_sent_as_webhooks_leave_a_channel_auths_share_alone() -> None:
+    """A webhook is read before its signature can be checked, and the app key it names is
+    public: anyone may send bodies there. Held at once, they fill the webhooks' share of the
+    pool, not the one a browser's channel auth (its job token in the body) is counted in."""
+    budget = BodyBudget(64 * 2**20, 64 * 2**20)
+    piece = SMALL_BODY_BYTES
+    held = 0
+    with pytest.raises(ApiError) as refused:
+        for _ in range(64):
+            budget._take(False, piece, WEBHOOKS, piece)
+            held += piece
+    assert refused.value.status == 503 and held == 4 * 2**20
+    budget._take(False, 8192, ANONYMOUS, 8192)  # a channel auth still gets in
+    budget._give(False, held, WEBHOOKS)
+    budget._give(False, 8192, ANONYMOUS)
+    assert budget.small_held == 0 and not budget._shares
