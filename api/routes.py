@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.artifacts import download_artifact
+from api.auth import Principal
 from api.blobs import check_blobs, finalize_blobs, upload_blob
 from api.body import ANONYMOUS, SMALL_BODY_BYTES, BodyBudget, holder_of
 from api.callbacks import check_callback_url
@@ -689,12 +690,15 @@ async def channel_auth_route(request: Request) -> Response:
 
     The bearer token is checked before the body is read. Some clients send a job token in
     the body (`jobToken`) instead: only then is the body parsed first, size- and
-    depth-bounded, and a body that cannot be parsed is a 401 (no token), not a 400.
+    depth-bounded, and a body that cannot be parsed is a 403 (no token), not a 400.
+
+    A missing or unknown token is a 403 like any other refusal here (SPEC: "403 otherwise"),
+    not the 401 of the rest of the API.
     """
     state = _state(request)
     budget: BodyBudget = request.app.state.request_bodies
     if state.auth.has_bearer(request):
-        principal = state.auth.principal(request)
+        principal = _channel_principal(state, request)
         fields = _form_or_json(request, await budget.read(request, MAX_CHANNEL_AUTH_BODY, holder=holder_of(principal)))
     else:
         try:
@@ -703,7 +707,7 @@ async def channel_auth_route(request: Request) -> Response:
             if isinstance(exc, ApiError) and exc.status >= 500:
                 raise  # (too many bodies at once: a retry may pass, unlike a missing token)
             fields = {}
-        principal = state.auth.principal(request, fallback_token=fields.get("jobToken") or fields.get("job_token"))
+        principal = _channel_principal(state, request, fields.get("jobToken") or fields.get("job_token"))
     socket_id = fields.get("socket_id", "")
     channel = fields.get("channel_name", "")
     if not socket_id or not valid_socket_id(socket_id):
@@ -726,6 +730,15 @@ async def channel_auth_route(request: Request) -> Response:
         await state.store.mark_audience(job_id)
     settings = state.settings
     return _json({"auth": channel_auth(settings.pusher_key, settings.pusher_secret, socket_id, channel)})
+
+
+def _channel_principal(state: AppState, request: Request, body_token: str | None = None) -> Principal:
+    try:
+        return state.auth.principal(request, fallback_token=body_token)
+    except ApiError as exc:
+        if exc.status != 401:
+            raise
+        raise ApiError(403, f"Not allowed to subscribe: {exc.message[0].lower()}{exc.message[1:]}") from None
 
 
 # JSON strings (escapes included; an unterminated one runs to the end) and brackets: enough

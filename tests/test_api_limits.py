@@ -2,7 +2,7 @@
 
 - Event streams (`GET /v1/jobs/:id/events`) are bounded per job, per caller and per process;
   a refused stream is a 429/503 before any byte of it, and admitted streams never break.
-- Hostile bodies (5,000-deep JSON) are a 401 or 400, never a 500, and log no error.
+- Hostile bodies (5,000-deep JSON) are a 403 or 400, never a 500, and log no error.
 - Slow clients (headers or body a byte at a time, or never) are cut off by read timeouts
   while everyone else is served at once.
 """
@@ -445,26 +445,26 @@ DEEP = b"[" * 5000 + b"]" * 5000
 DEEP_OBJECT = b'{"a":' * 5000 + b"1" + b"}" * 5000
 
 
-def test_deep_json_to_channel_auth_is_401_without_token_and_400_with_one(api: Api, stack: Stack) -> None:
+def test_deep_json_to_channel_auth_is_403_without_token_and_400_with_one(api: Api, stack: Stack) -> None:
     before = len(stack.log("api").splitlines())
     job = api.execute(py_job("print(1)"))
     json_type = {"content-type": "application/json"}
     # 5,000 levels in 10 KB (under the 16 KiB body cap): a RecursionError for json.loads.
     for body in (DEEP, b'{"socket_id": "1.2", "x": ' + DEEP + b"}", b'{"x":{"y":' + DEEP + b"}}"):
-        # No token at all: a 401, whatever the body.
+        # No token at all: a 403 (SPEC: "403 otherwise"), whatever the body.
         response = api.client.post("/v1/channel-auth", content=body, headers=json_type)
-        assert response.status_code == 401, response.text
-        # A bad bearer token: 401 before the body is read.
+        assert response.status_code == 403, response.text
+        # A bad bearer token: 403 before the body is read.
         bad = api.client.post("/v1/channel-auth", content=body, headers={**json_type, "Authorization": "Bearer nope"})
-        assert bad.status_code == 401, bad.text
+        assert bad.status_code == 403, bad.text
         # A valid one: a 400 that names the body.
         response = api.post("/v1/channel-auth", content=body, headers=json_type)
         assert response.status_code == 400, response.text
         assert response.json()["details"][0]["field"] == "body"
         assert response.json()["error"].startswith("body is nested more than")
-    # The same depth with a token in the body: no token can be read from it, so a 401.
+    # The same depth with a token in the body: no token can be read from it, so a 403.
     body = b'{"jobToken": "' + job["jobToken"].encode() + b'", "x": ' + DEEP + b"}"
-    assert api.client.post("/v1/channel-auth", content=body, headers=json_type).status_code == 401
+    assert api.client.post("/v1/channel-auth", content=body, headers=json_type).status_code == 403
     # Modest nesting is fine, and a job token in a JSON body still works.
     body = json.dumps({"socket_id": "1.2", "channel_name": job["channel"], "jobToken": job["jobToken"], "x": [[{"y": 1}]]})
     ok = api.client.post("/v1/channel-auth", content=body.encode(), headers=json_type)

@@ -180,12 +180,13 @@ def test_odd_numbers_are_400_not_500(api: Api, path: str, params: dict, headers:
     api.start(job)
 
 
-def test_odd_tokens_are_401_not_500(api: Api) -> None:
+def test_odd_tokens_are_403_not_500(api: Api) -> None:
     job = api.execute(py_job("print(1)"))
     for token in (f"{job['jobId']}.\\u00b2.{'0' * 40}", f"{job['jobId']}.99999999999999999999.x", "\\ud800"):
         body = '{"socket_id": "1.2", "channel_name": "' + job["channel"] + '", "jobToken": "' + token + '"}'
         response = api.client.post("/v1/channel-auth", content=body.encode(), headers={"content-type": "application/json"})
-        assert response.status_code == 401, (token, response.text)
+        assert response.status_code == 403, (token, response.text)
+        assert response.json()["error"] == "Not allowed to subscribe: invalid or expired token"
     api.start(job)
 
 
