@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.state import AppState
-from api.store import JobStore
+from api.store import JobStore, StoredStatus
 from api.streams import EventPace, StreamSlot, StreamSlots
 from shared.errors import FieldError, ValidationError
 from shared.eventlog import entry_json
@@ -65,14 +65,12 @@ async def _stream(
                 return
         if backlog and not entries:
             backlog = False
-            status = await store.status(job_id)
-            if status is None or (status.state in TERMINAL_STATES and status.result is None):
+            if _over(await store.status(job_id), after_seq):
                 return
             continue
         if not entries:
             yield b": keep-alive\n\n"
-            status = await store.status(job_id)
-            if status is None:
+            if _over(await store.status(job_id), after_seq):
                 return
             continue
         await pace.spend(pace_key, len(entries))
@@ -82,6 +80,17 @@ async def _stream(
                 yield b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, name.encode(), entry_json(seq, fields))
             if name == "result":
                 return
+
+
+def _over(status: StoredStatus | None, after_seq: int) -> bool:
+    """Nothing more can come: the job is gone, ended without a result in its log, or ended
+    with its result at or before the client's cursor (the result landed between the 204
+    check and the seek, which then began past it)."""
+    if status is None:
+        return True
+    if status.state not in TERMINAL_STATES:
+        return False
+    return status.result is None or status.result.seq <= after_seq
 
 
 _HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -137,6 +137,52 @@ def test_one_job_token_gets_four_streams_and_others_keep_theirs(api: Api) -> Non
         client.close()
 
 
+async def test_a_stream_whose_seek_lands_past_the_result_ends_at_once() -> None:
+    """The result lands between the 204 check (no result yet) and the seek of a client at or
+    past its seq: the backlog after the cursor is empty and the job has ended. The stream
+    ends there; it used to send keep-alives, holding its slot and a blocking connection,
+    until the job's record expired."""
+    import msgspec
+
+    from api.events import _stream
+    from api.store import StoredStatus
+    from api.streams import EventPace
+    from shared.messages import JobState, ResultEvent
+
+    result = msgspec.json.decode(
+        b'{"exitCode":0,"signal":null,"timedOut":false,"idleTimedOut":false,"truncated":false,"durationMs":1,'
+        b'"cpuMs":1,"memoryKb":1,"outcome":"completed","compile":null,"seq":5}',
+        type=ResultEvent,
+    )
+    ended = StoredStatus(
+        job_id="a" * 32, state=JobState.DONE, updated_at_ms=0, language="python", version="3", owner="o",
+        started=True, result=result,
+    )
+
+    class Store:
+        reads = 0
+
+        async def seek_events(self, job_id: str, after_seq: int) -> str:
+            return "6-0"
+
+        async def events(self, job_id: str, cursor: str, block_ms: int | None) -> list[Any]:
+            self.reads += 1
+            await asyncio.sleep(0)
+            return []
+
+        async def status(self, job_id: str) -> StoredStatus:
+            return ended
+
+    store = Store()
+    sent = []
+    async with asyncio.timeout(5):
+        async for piece in _stream(store, ended.job_id, 7, EventPace(1000), "o"):  # type: ignore[arg-type]
+            sent.append(piece)
+            if len(sent) > 3:
+                break
+    assert sent == [] and store.reads == 1
+
+
 def test_a_head_of_the_event_stream_answers_at_once_and_holds_no_stream(api: Api) -> None:
     # Starlette answers HEAD on every GET route; run as a stream, it held a slot and its
     # keep-alive connection until the job ended (the next request on it waited as long).
