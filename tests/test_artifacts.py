@@ -218,6 +218,11 @@ def test_max_artifact_bytes_bounds_all_the_files_together(api: Api, realtime: Re
 def test_max_artifacts_zero_collects_nothing(api: Api, realtime: Realtime) -> None:
     result, announced, out = _run(api, realtime, py_job("open('x.txt','w').write('x')", limits={"maxArtifacts": 0}))
     assert result["outcome"] == "completed" and announced == [] and out["artifacts"] == []
+    # maxArtifactBytes 0 turns them off too: an empty file was kept, and a full one said truncated.
+    code = "open('empty.txt','w'); open('x.txt','w').write('x')"
+    result, announced, out = _run(api, realtime, py_job(code, limits={"maxArtifactBytes": 0}))
+    assert result["outcome"] == "completed" and announced == [] and out["artifacts"] == []
+    assert not out.get("artifactsTruncated")
 
 
 def _rss_kib(pid: int) -> int:

@@ -51,8 +51,9 @@ def top_level_names(path: str) -> set[bytes]:
 
 def collect_artifacts(path: str, before: set[bytes], max_count: int, max_bytes: int, max_total_bytes: int) -> Collected:
     """New regular files at the top of the workspace, at most `max_count`, each at most
-    `max_bytes`, together at most `max_total_bytes` (isolation threads only)."""
-    if max_count <= 0:
+    `max_bytes`, together at most `max_total_bytes` (isolation threads only). Either maximum
+    at 0 turns artifacts off: not even empty files are kept."""
+    if max_count <= 0 or max_total_bytes <= 0:
         return Collected([], False)
     files: list[tuple[str, bytes]] = []
     truncated = False
