@@ -26,6 +26,55 @@ JOB = "a" * 32
 # ---------------------------------------------------------------- the collector, on the host
 
 
+@pytest.mark.stack
+async def test_bulk_bytes_go_to_and_come_from_redis_a_piece_at_a_time(stack: Any) -> None:
+    """An artifact stored, and a blob fetched, in commands of at most a MiB each: the worker's
+    one command connection answers in order, so one 64 MiB command would hold every job's
+    events and the heartbeat behind it. A piece sent twice (a reply lost) changes nothing."""
+    from leanredis import LeanRedis
+    from shared import keys
+    from worker.job.artifacts import PIECE_BYTES, RedisArtifactStore, put_in_pieces
+    from worker.messaging.queue import BLOB_PIECE_BYTES, WorkerQueue
+
+    redis = LeanRedis.from_url(stack.redis_url)
+    sizes: list[int] = []
+    real_set, real_setrange, real_getrange = redis.set, redis.setrange, redis.getrange
+
+    async def set_(key: Any, value: Any, **kw: Any) -> Any:
+        sizes.append(len(value))
+        return await real_set(key, value, **kw)
+
+    async def setrange(key: Any, offset: int, value: Any) -> Any:
+        sizes.append(len(value))
+        return await real_setrange(key, offset, value)
+
+    async def getrange(key: Any, start: int, end: int) -> Any:
+        got = await real_getrange(key, start, end)
+        sizes.append(len(got))
+        return got
+
+    redis.set, redis.setrange, redis.getrange = set_, setrange, getrange  # type: ignore[method-assign]
+    data = os.urandom(3 * PIECE_BYTES + 12345)
+    job = os.urandom(16).hex()
+    try:
+        await RedisArtifactStore(redis).put(job, 1, 0, b"{}", data, 60)  # (fenced: no such job)
+        key = keys.artifact_data_key(job, 0)
+        assert await real_getrange(key, 0, -1) == data and 0 < await redis.ttl(key) <= 60
+        assert len(sizes) == 4 and max(sizes) == PIECE_BYTES
+        await put_in_pieces(redis, key, data, 60)  # again: the same bytes
+        assert await real_getrange(key, 0, -1) == data
+        sizes.clear()
+        owner = "owner-" + job
+        blob = os.urandom(2 * BLOB_PIECE_BYTES)  # (a whole number of pieces: one empty read ends it)
+        await real_set(keys.blob_key(owner, "d1"), blob, ex=60)
+        await real_set(keys.blob_key(owner, "d2"), b"", ex=60)
+        found = await WorkerQueue(redis, "w-" + job[:6], 86400, 600).blobs(owner, ["d1", "d2", "d3"])
+        assert found == {"d1": blob, "d2": b""}
+        assert max(sizes) <= BLOB_PIECE_BYTES and len(sizes) == 2  # (first pieces come pipelined)
+    finally:
+        await redis.aclose()
+
+
 def test_the_collector_reads_only_new_regular_files(tmp_path: Path) -> None:
     (tmp_path / "main.py").write_text("input")
     before = top_level_names(str(tmp_path))

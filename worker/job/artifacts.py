@@ -98,6 +98,22 @@ def _read_at_most(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
+# The most bytes one command carries to Redis or asks back. The worker's command connection
+# is pipelined and shared with every job's events and results and with the heartbeat, and
+# answers come in order: one 64 MiB SET would hold all of them behind it, and past the
+# connection's 5 s deadline on a slow link fail them all and the lease with them.
+PIECE_BYTES = 1 << 20
+
+
+async def put_in_pieces(redis: Redis, key: str, data: bytes, ttl_s: int) -> None:
+    """SET `key` to `data` (with its TTL) a piece at a time. Each piece is written at its
+    offset (SETRANGE), so one sent again (its reply lost) writes the same bytes."""
+    view = memoryview(data)
+    await redis.set(key, view[:PIECE_BYTES], ex=ttl_s)
+    for offset in range(PIECE_BYTES, len(data), PIECE_BYTES):
+        await redis.setrange(key, offset, view[offset : offset + PIECE_BYTES])  # type: ignore[arg-type]
+
+
 class ArtifactStore(Protocol):
     async def put(self, job_id: str, attempt: int, index: int, meta_json: bytes, data: bytes, ttl_s: int) -> bool:
         """Keep artifact `index` of `job_id` (its metadata and bytes) for `ttl_s` seconds,
@@ -125,10 +141,10 @@ class RedisArtifactStore:
         self._put = redis.register_script(_PUT)
 
     async def put(self, job_id: str, attempt: int, index: int, meta_json: bytes, data: bytes, ttl_s: int) -> bool:
-        # The bytes (megabytes, maybe) go in with a plain SET, not through the script's
+        # The bytes (megabytes, maybe) go in with plain commands, not through the script's
         # arguments, which Redis would copy into Lua and again into the key. Unlisted (the
         # claim was fenced) they are never read, and expire.
-        await self._redis.set(keys.artifact_data_key(job_id, index), data, ex=ttl_s)
+        await put_in_pieces(self._redis, keys.artifact_data_key(job_id, index), data, ttl_s)
         kept = await self._put(
             keys=[keys.status_key(job_id), keys.artifacts_key(job_id)],
             args=[attempt, index, meta_json, ttl_s],

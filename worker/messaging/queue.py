@@ -134,6 +134,8 @@ return 0
 
 # How many delivered jobs one heartbeat takes off the unpublished set (the rest: the next).
 MAX_DELIVERED_PER_BEAT = 1000
+# The most bytes of a blob one command asks for (see WorkerQueue.blobs).
+BLOB_PIECE_BYTES = 1 << 20
 
 # What a job's first claim logs as seq 0.
 QUEUED_STAGE = msgspec.json.encode(StageEvent(phase="queued", seq=0))
@@ -954,9 +956,26 @@ class WorkerQueue:
         return {raw.decode() for raw in await self.redis.hkeys(keys.WORKERS)}
 
     async def blobs(self, owner: str, digests: list[str]) -> dict[str, bytes]:
-        """The bytes of each of `digests` that `owner` keeps (uploaded blobs, `files[].ref`)."""
-        values = await self.redis.mget([keys.blob_key(owner, digest) for digest in digests])
-        return {digest: bytes(data) for digest, data in zip(digests, values, strict=True) if data is not None}
+        """The bytes of each of `digests` that `owner` keeps (uploaded blobs, `files[].ref`).
+
+        Read BLOB_PIECE_BYTES at a time: this connection is pipelined and shared with every
+        job's events and results and with the heartbeat, and one reply of 8 MiB would hold
+        them all behind it. (A blob that expires midway reads short; its digest says so.)"""
+        found: dict[str, bytes] = {}
+        for digest in digests:
+            key = keys.blob_key(owner, digest)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(key)
+                pipe.getrange(key, 0, BLOB_PIECE_BYTES - 1)
+                exists, piece = await pipe.execute()
+            if not exists:
+                continue
+            pieces = [bytes(piece)]
+            while len(pieces[-1]) == BLOB_PIECE_BYTES:
+                offset = len(pieces) * BLOB_PIECE_BYTES
+                pieces.append(bytes(await self.redis.getrange(key, offset, offset + BLOB_PIECE_BYTES - 1)))
+            found[digest] = b"".join(pieces)
+        return found
 
     async def worker_timings(self, worker_ids: Iterable[str]) -> dict[str, tuple[int, int] | None]:
         """The (lease ms, heartbeat ms) each of `worker_ids` advertises in the workers list;
