@@ -66,7 +66,7 @@ end
 # bound), a test batch's number of cases ('' for none), the spec's bytes, the most bytes the
 # owner's unstarted specs may hold (0: no bound), the callback's receiver (`host:port`).
 # Returns 1 (queued), 0 (queue full), -1 (the owner has too many jobs waiting for start),
-# {4, bytes kept, earliest expiry ms} (the owner's finished jobs keep too much output),
+# {4, bytes kept, ms until the first of them expires} (the owner's finished jobs keep too much output),
 # {5, bytes held} (the owner's unstarted jobs hold too much input),
 # {2, job id} (the key names a live job made from the same body) or {3, job id} (from another).
 # A job id is new for every request, so a record that exists already (or a key record naming
@@ -87,8 +87,10 @@ if KEYS[10] then
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
 if tonumber(ARGV[17]) > 0 then
-  local kept, first = retained_output(KEYS[7], KEYS[8], ARGV[3])
-  if kept >= tonumber(ARGV[17]) then return {4, kept, first} end
+  -- By Redis's clock, as the workers score the ledger: the hosts' clocks may disagree.
+  local now = now_ms()
+  local kept, first = retained_output(KEYS[7], KEYS[8], now)
+  if kept >= tonumber(ARGV[17]) then return {4, kept, first == '0' and 0 or math.max(0, tonumber(first) - now)} end
 end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 -- The owner's unstarted jobs, by count and by the bytes of their specs (a job alone is
@@ -933,9 +935,7 @@ class JobStore:
             if answer[0] == 5:
                 return EnqueueAnswer("input", spec.job_id, kept_bytes=int(answer[1]))
             if answer[0] == 4:
-                first_ms = int(float(answer[2]))
-                frees_in_ms = max(0, first_ms - spec.created_at_ms) if first_ms else 0
-                return EnqueueAnswer("retained", spec.job_id, kept_bytes=int(answer[1]), frees_in_ms=frees_in_ms)
+                return EnqueueAnswer("retained", spec.job_id, kept_bytes=int(answer[1]), frees_in_ms=int(answer[2]))
             return EnqueueAnswer("existing" if answer[0] == 2 else "conflict", answer[1].decode())
         code = int(answer)
         return EnqueueAnswer("queued" if code == 1 else "full" if code == 0 else "unstarted", spec.job_id)

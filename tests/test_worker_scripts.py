@@ -212,6 +212,21 @@ async def test_finish_refuses_a_seq_the_log_already_holds(redis: Redis, queue: W
     assert log == [(0, b"stage"), (1, b"stdout"), (2, b"stdout"), (3, b"result")]
 
 
+async def test_the_retained_output_ledger_runs_on_redis_clock(
+    redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose clock runs an hour fast scores its finished job's output by Redis's
+    clock all the same: its owner is not held to output that has already expired."""
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    monkeypatch.setattr("worker.messaging.queue.now_ms", lambda: int(time.time() * 1000) + 3_600_000)
+    await queue.finish(job, claim.attempt, JobState.DONE, 1, b'{"seq":1}', None, owner=claim.spec.owner, kept_bytes=500)
+    seconds, micros = await redis.time()
+    redis_now = seconds * 1000 + micros // 1000
+    expires = await redis.zscore(keys.retained_key(claim.spec.owner), job)
+    assert expires is not None and abs(expires - (redis_now + RESULT_TTL_S * 1000)) < 5_000, expires - redis_now
+
+
 class _Lane:
     """What a job publishes live, recorded (no soketi)."""
 

@@ -306,7 +306,10 @@ unstarted_gone(KEYS[1])
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
 if kept > 0 then
-  redis.call('ZADD', KEYS[10], tonumber(ARGV[4]) + 1000 * tonumber(ARGV[2]), ARGV[8])
+  -- Scored by Redis's clock, which expires the output and by which the API reads the ledger.
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  redis.call('ZADD', KEYS[10], now + 1000 * tonumber(ARGV[2]), ARGV[8])
   redis.call('HSET', KEYS[11], ARGV[8], kept)
   redis.call('HINCRBY', KEYS[11], '_total', kept)
   redis.call('EXPIRE', KEYS[10], ARGV[2])
