@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 import msgspec
 from starlette.requests import Request
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 # other subscribers' with the loop's (the sweep would mark them 2-4 s later).
 MAX_WEBHOOK_BODY = 1024 * 1024
 OCCUPIED = "channel_occupied"
+# How far a webhook's time_ms may be from this host's clock (soketi's and ours may differ a
+# little; a delivery soketi retried for longer than this was covered by the sweeper anyway).
+MAX_WEBHOOK_AGE_MS = 300_000
 
 _decoder = msgspec.json.Decoder(Webhook)
 
@@ -65,6 +69,9 @@ async def realtime_webhooks(request: Request) -> Response:
     except RecursionError:
         # (Skipping an unknown field nested a thousand deep recurses that far.)
         raise ValidationError([FieldError("events", "is not a webhook's event list (nested too deep)")]) from None
+    if webhook.time_ms is not None and abs(time.time() * 1000 - webhook.time_ms) > MAX_WEBHOOK_AGE_MS:
+        # A signed body captured once (plain-HTTP traffic, a log) is no use replayed later.
+        raise ApiError(401, f"Webhooks must be fresh: time_ms is more than {MAX_WEBHOOK_AGE_MS // 1000} s away")
     # soketi batches what it sends (SOKETI_WEBHOOKS_BATCHING): a client subscribing and
     # unsubscribing in a loop puts one job's channel in a batch many times. Once is enough.
     occupied = dict.fromkeys(event.channel for event in webhook.events if event.name == OCCUPIED)

@@ -57,6 +57,7 @@ class Webhook(msgspec.Struct, frozen=True):
     """What soketi POSTs to a webhook URL (only the fields read here)."""
 
     events: list[WebhookEvent]
+    time_ms: int | None = None  # when it was sent (every Pusher-protocol server says)
 
 
 def webhook_signature(secret: str, body: bytes) -> str:

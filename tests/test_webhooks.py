@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -30,7 +31,7 @@ def test_the_webhook_route_marks_known_jobs_and_only_for_soketi(make_stack: Stac
         return httpx.post(url, content=body, headers=headers, timeout=10)
 
     def occupied(*channels: str, name: str = "channel_occupied") -> bytes:
-        return json.dumps({"time_ms": 1, "events": [{"name": name, "channel": c} for c in channels]}).encode()
+        return json.dumps({"time_ms": int(time.time() * 1000), "events": [{"name": name, "channel": c} for c in channels]}).encode()
 
     try:
         job = api.execute(py_job("print(1)"))
@@ -57,6 +58,11 @@ def test_the_webhook_route_marks_known_jobs_and_only_for_soketi(make_stack: Stac
         assert post(occupied(job["channel"], name="channel_vacated")).status_code == 200
         assert post(occupied(f"private-run-{stranger}", "presence-lobby", "private-run-nope")).status_code == 200
         assert not store.exists(marked) and not store.exists(keys.audience_key(stranger))
+        # Signed, but sent long ago (a captured body replayed): refused, nothing marked.
+        stale = json.dumps({"time_ms": int(time.time() * 1000) - 600_000, "events": [{"name": "channel_occupied", "channel": job["channel"]}]})
+        refused = post(stale.encode())
+        assert refused.status_code == 401 and "fresh" in refused.json()["error"], refused.text
+        assert not store.exists(marked)
         # The real thing: marked, for as long as the job's record lives.
         answer = post(body)
         assert answer.status_code == 200 and answer.json() == {"ok": True}
