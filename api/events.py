@@ -46,7 +46,13 @@ def _after(request: Request) -> int:
 
 
 async def _stream(
-    store: JobStore, job_id: str, after_seq: int, pace: EventPace, pace_key: str, draining: asyncio.Event | None = None
+    store: JobStore,
+    job_id: str,
+    after_seq: int,
+    pace: EventPace,
+    pace_key: str,
+    draining: asyncio.Event | None = None,
+    caller: str | None = None,
 ) -> AsyncIterator[bytes]:
     draining = draining or asyncio.Event()
     # A resume starts where the client left off, not at the log's first entry.
@@ -73,7 +79,7 @@ async def _stream(
             if _over(await store.status(job_id), after_seq):
                 return
             continue
-        await pace.spend(pace_key, len(entries))
+        await pace.spend(pace_key, len(entries), caller)
         for entry_id, seq, name, fields in entries:
             cursor = entry_id
             if seq > after_seq:
@@ -135,10 +141,13 @@ async def job_events(request: Request) -> Response:
     slot = slots.acquire(status.job_id, principal.caller)
     pace: EventPace = request.app.state.event_pace
     # (Paced by the job's owner, whose token and every job token it was given share a
-    # bucket: keyed by caller, each job token's own full bucket multiplied the pace.)
+    # bucket: keyed by caller, each job token's own full bucket multiplied the pace. A job
+    # token spends a share of its own first, so that one cannot take all of it.)
     paced_as = status.owner or principal.caller
+    token = principal.caller if principal.job_id is not None else None
     draining: asyncio.Event = request.app.state.draining
-    return _AdmittedStream(_stream(state.store, status.job_id, after_seq, pace, paced_as, draining), slot)
+    body = _stream(state.store, status.job_id, after_seq, pace, paced_as, draining, token)
+    return _AdmittedStream(body, slot)
 
 
 async def _unless_draining(read: Coroutine[Any, Any, T], draining: asyncio.Event) -> T | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterator
 
 from api.errors import ApiError
 from shared.settings import Settings
@@ -142,18 +143,41 @@ def _refused(status: int, message: str) -> ApiError:
 class EventPace:
     """At most `per_s` events a second from the streams of one key (a job's owner) together,
     after a burst of as many (a bucket refilled at `per_s`): a stream past it waits before
-    sending on, which the key's other streams then wait behind too. Per API process, like
-    the slots."""
+    sending on, which the key's other streams then wait behind too. A job token's streams
+    are paced by a bucket of their own first, at a CALLER_SHARE of that: one browser
+    replaying a long log over and over takes at most that share of its owner's pace (with
+    one API token, everyone's), not all of it. Per API process, like the slots."""
 
     # Keys remembered before those whose bucket has refilled are forgotten (looked for at
     # most once a second: a scan at every spend, with that many buckets still refilling,
     # would cost each spend the whole table).
     KEEP = 1024
+    CALLER_SHARE = 4
 
     def __init__(self, per_s: int) -> None:
         self.per_s = per_s
+        self._buckets = _Buckets(per_s, self)
+        self._callers = _Buckets(max(1, per_s // self.CALLER_SHARE), self)
+
+    async def spend(self, key: str, events: int, caller: str | None = None) -> None:
+        """Count `events` sent for `key`; `caller`, a job token's, spends its own share first."""
+        if caller is not None:
+            await self._callers.spend(caller, events)
+        await self._buckets.spend(key, events)
+
+
+class _Buckets:
+    def __init__(self, per_s: int, owner: EventPace) -> None:
+        self.per_s = per_s
+        self._owner = owner  # (KEEP is read there, where tests change it)
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, when)
         self._pruned_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._buckets)
 
     def _refilled(self, key: str, now: float) -> float:
         tokens, at = self._buckets.get(key, (float(self.per_s), now))
@@ -163,7 +187,7 @@ class EventPace:
         now = asyncio.get_running_loop().time()
         tokens = self._refilled(key, now) - events
         self._buckets[key] = (tokens, now)
-        if len(self._buckets) > self.KEEP and now - self._pruned_at >= 1.0:
+        if len(self._buckets) > self._owner.KEEP and now - self._pruned_at >= 1.0:
             self._pruned_at = now
             for refilled in [k for k in self._buckets if self._refilled(k, now) >= self.per_s]:
                 del self._buckets[refilled]

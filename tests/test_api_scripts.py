@@ -816,6 +816,31 @@ async def test_a_callers_event_streams_are_paced_together_and_apart_from_others(
     assert max(together) >= 1.9, together  # (602 events: 200, then 402 at 200 a second)
 
 
+async def test_one_job_tokens_replays_take_only_its_share_of_the_owners_pace() -> None:
+    """A browser replaying a long log over and over through its job token spends a bucket of
+    its own first, at a quarter of the pace: the owner's bucket, which every other stream of
+    the owner waits on, keeps three quarters for them. (Before, the token took all of it.)"""
+    pace = EventPace(4000)
+    loop = asyncio.get_running_loop()
+
+    async def hog() -> None:
+        while True:
+            await pace.spend("owner", 64, "job:hog")
+
+    hogging = asyncio.create_task(hog())
+    try:
+        await asyncio.sleep(0.5)
+        began = loop.time()
+        await pace.spend("owner", 64, "job:other")
+        waited = loop.time() - began
+    finally:
+        hogging.cancel()
+        await asyncio.gather(hogging, return_exceptions=True)
+    assert waited < 0.05, waited
+    # The hog itself was held to its share: a burst of 1,000, then 1,000 a second.
+    assert pace._buckets._refilled("owner", loop.time()) > 2000
+
+
 async def test_an_event_pace_forgets_refilled_keys_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
     # (A scan at every spend, while more than KEEP buckets were refilling, cost each spend
     # the whole table.)
