@@ -212,6 +212,20 @@ async def test_finish_refuses_a_seq_the_log_already_holds(redis: Redis, queue: W
     assert log == [(0, b"stage"), (1, b"stdout"), (2, b"stdout"), (3, b"result")]
 
 
+async def test_a_finish_gives_the_jobs_artifacts_the_results_lifetime(redis: Redis, queue: WorkerQueue) -> None:
+    """Artifacts are stored when collected; the result may be written minutes later (Redis
+    away in between, FINISH_RETRY_S). They must not expire before it: links that 404 beside
+    a result that lists them."""
+    claim = await _claimed(redis, queue)
+    job = claim.spec.job_id
+    store = RedisArtifactStore(redis)
+    for index in range(2):
+        assert await store.put(job, claim.attempt, index, b'{"name":"a"}', b"bytes", 5)  # (collected long ago)
+    assert await queue.finish(job, claim.attempt, JobState.DONE, 1, b'{"seq":1}', None, artifacts=2)
+    for key in (keys.artifacts_key(job), keys.artifact_data_key(job, 0), keys.artifact_data_key(job, 1)):
+        assert RESULT_TTL_S <= await redis.ttl(key) <= RESULT_TTL_S + 60, key
+
+
 async def test_the_retained_output_ledger_runs_on_redis_clock(
     redis: Redis, queue: WorkerQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -967,7 +967,8 @@ class JobRun:
         self._artifacts_truncated = collected.truncated
         if not collected.files:
             return
-        expires = int(time.time()) + settings.run_result_ttl_s
+        # (Valid as long as the result: written later, at the latest FINISH_RETRY_S on.)
+        expires = int(time.time()) + settings.run_result_ttl_s + int(FINISH_RETRY_S)
         store = RedisArtifactStore(self.ctx.queue.redis)
         kept: list[ArtifactMeta] = []
         try:
@@ -1193,6 +1194,7 @@ class JobRun:
                 + (len(output_json) if output_json else 0)
                 + sum(meta.bytes for meta in self._artifacts),
                 publish=publish,
+                artifacts=len(self._artifacts),
             )
             if self.sandbox is not None:
                 # The jail's teardown (gate.c, linger) starts as the result goes out: after

@@ -237,7 +237,8 @@ return {heard, published}
 
 # KEYS: status, events, output, spec, start flag, claimed, stdin, stdout, stderr, the owner's
 # retained set and sizes, the job's callback record, the callbacks' due set, done, the audience
-# mark, the ended counts, this worker's unpublished set (keys.worker_unpublished_key). ARGV: attempt,
+# mark, the ended counts, this worker's unpublished set (keys.worker_unpublished_key), then
+# the artifacts' hash and each artifact's bytes, when it left any. ARGV: attempt,
 # ttl s, state, now ms, result json, seq, stored output json or '', job id, stdout, stderr,
 # bytes of output this job keeps, soketi's adapter channel ('' publishes nothing), '1' to
 # publish only when the audience mark is there, the result's adapter message. Returns 0 (not
@@ -303,6 +304,9 @@ redis.call('LREM', KEYS[6], 1, ARGV[8])
 callback_due(KEYS[12], KEYS[13], ARGV[4], ARGV[2], ARGV[8])
 result_landed(KEYS[14], ARGV[2], KEYS[2], KEYS[7])
 unstarted_gone(KEYS[1])
+-- Its artifacts live as long as the result: they were stored (with this TTL) when collected,
+-- which may have been minutes before this write when Redis was away in between.
+for i = 18, #KEYS do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[2]) + 60) end
 -- What this job keeps in Redis until it expires, on its owner's ledger (see api/quota.py).
 local kept = tonumber(ARGV[11])
 if kept > 0 then
@@ -729,8 +733,10 @@ class WorkerQueue:
         owner: str = "",
         kept_bytes: int = 0,
         publish: LivePublish | None = None,
+        artifacts: int = 0,
     ) -> Written | None:
         """Write the terminal state, the result event and the pullable output in one step.
+        The job's `artifacts` (stored already) are given the result's lifetime.
 
         `output_json` is the StoredOutput; `output` the raw stdout and stderr beside it.
         `kept_bytes` (the output in the log and beside the result) goes on `owner`'s ledger
@@ -760,6 +766,8 @@ class WorkerQueue:
                 keys.audience_key(job_id),
                 keys.ENDED_COUNTS,
                 self._unpublished,
+                *([keys.artifacts_key(job_id)] if artifacts else []),
+                *(keys.artifact_data_key(job_id, index) for index in range(artifacts)),
             ],
             args=[
                 attempt, self._result_ttl_s, state.value, now_ms(), result_json, seq, output_json or b"", job_id,
