@@ -30,7 +30,7 @@ from api.errors import ApiError
 from api.streams import StreamSlots
 from leanredis.scripts import OomRefusedScript
 from shared import keys
-from shared.blobs import UPLOAD_LINK_TTL_S, parse_ref, sign_upload, verify_upload
+from shared.blobs import HOLD_LUA, LENGTHEN_LUA, UPLOAD_LINK_TTL_S, parse_ref, sign_upload, verify_upload
 from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
 from shared.messages import BlobCheckAnswer, BlobFinalized, BlobHashes, BlobUpload
@@ -42,20 +42,12 @@ _encoder = msgspec.json.Encoder()
 # A check or finalize body: at most 100 references of 71 characters, with JSON around them.
 _HASHES_BODY_BYTES = 64 * 1024
 
-# A blob a job holds may live longer than BLOB_TTL_S (see BlobStore.hold): every script only
-# ever lengthens a life, and the index lives as long as its longest-lived blob.
-_LENGTHEN = """
-local function lengthen(key, ttl)
-  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
-end
-"""
-
 # KEYS: the blob, the owner's blob index. ARGV: digest, bytes, ttl s, most bytes the owner may
 # keep, most blobs, the owner's blob key prefix. Returns {1} (stored, or already there: its
 # TTL renewed), {0, blobs kept, ms until the soonest expires} (too many blobs) or {-1, bytes
 # kept, ms until the soonest expires} (too many bytes). Index entries whose blob has
 # expired are dropped on the way, so the sums count only live blobs.
-_PUT = _LENGTHEN + """
+_PUT = LENGTHEN_LUA + """
 local size = string.len(ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 1 then
   lengthen(KEYS[1], ARGV[3])
@@ -85,7 +77,7 @@ return {1}
 
 # KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Gives
 # each blob that exists at least `ttl` more and returns 1 or 0 per digest.
-_TOUCH = _LENGTHEN + """
+_TOUCH = LENGTHEN_LUA + """
 local out = {}
 for i = 3, #ARGV do
   local key = ARGV[2] .. ARGV[i]
@@ -100,27 +92,6 @@ for i = 3, #ARGV do
 end
 return out
 """
-
-# KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Each blob
-# that exists lives at least `ttl` from now (a longer life it has is kept) and is put back on
-# the index if it fell off; returns each one's size, -1 where missing.
-_HOLD = _LENGTHEN + """
-local out = {}
-for i = 3, #ARGV do
-  local key = ARGV[2] .. ARGV[i]
-  local size = redis.call('STRLEN', key)
-  if size > 0 or redis.call('EXISTS', key) == 1 then
-    lengthen(key, ARGV[1])
-    redis.call('HSET', KEYS[1], ARGV[i], size)
-    lengthen(KEYS[1], ARGV[1])
-    out[#out + 1] = size
-  else
-    out[#out + 1] = -1
-  end
-end
-return out
-"""
-
 
 class TooMuch(msgspec.Struct, frozen=True):
     """An upload the owner's storage has no room for."""
@@ -139,7 +110,7 @@ class BlobStore:
         # script would then grow Redis past its limit by a whole blob).
         self._put = OomRefusedScript(redis, _PUT)
         self._touch = redis.register_script(_TOUCH)
-        self._hold = redis.register_script(_HOLD)
+        self._hold = redis.register_script(HOLD_LUA)
 
     async def put(self, owner: str, digest: str, data: bytes) -> TooMuch | None:
         """Keep `data` (whose sha256 is `digest`) for `owner`; what stood in the way, if anything."""

@@ -23,7 +23,37 @@ import re
 
 from shared.tokens import EXPIRY
 
-__all__ = ["UPLOAD_LINK_TTL_S", "parse_ref", "sign_upload", "upload_path", "verify_upload"]
+__all__ = ["HOLD_LUA", "LENGTHEN_LUA", "UPLOAD_LINK_TTL_S", "parse_ref", "sign_upload", "upload_path", "verify_upload"]
+
+# A blob a job holds may live longer than BLOB_TTL_S: every script only ever lengthens a life,
+# and the owner's index lives as long as its longest-lived blob.
+LENGTHEN_LUA = """
+local function lengthen(key, ttl)
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
+end
+"""
+
+# KEYS: the owner's blob index. ARGV: ttl s, the owner's blob key prefix, digests. Each blob
+# that exists lives at least `ttl` from now (a longer life it has is kept) and is put back on
+# the index if it fell off; returns each one's size, -1 where missing. Run by the API when a
+# job naming them is submitted, and by the worker that claims it (its record's life starts
+# again then, and the blobs must last as long: the job may be handed back and claimed again).
+HOLD_LUA = LENGTHEN_LUA + """
+local out = {}
+for i = 3, #ARGV do
+  local key = ARGV[2] .. ARGV[i]
+  local size = redis.call('STRLEN', key)
+  if size > 0 or redis.call('EXISTS', key) == 1 then
+    lengthen(key, ARGV[1])
+    redis.call('HSET', KEYS[1], ARGV[i], size)
+    lengthen(KEYS[1], ARGV[1])
+    out[#out + 1] = size
+  else
+    out[#out + 1] = -1
+  end
+end
+return out
+"""
 
 # How long an upload link from /v1/blobs/check stays valid (the SDK PUTs at once).
 UPLOAD_LINK_TTL_S = 3600

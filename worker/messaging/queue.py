@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from leanredis.scripts import OomTolerantScript
 from shared import keys
+from shared.blobs import HOLD_LUA
 from shared.callbacks import CALLBACK_DUE_LUA
 from shared.codec import decode_stored, encode
 from shared.eventlog import RESULT_LANDED_LUA, entry_json
@@ -565,6 +566,7 @@ class WorkerQueue:
         self._heartbeat = OomTolerantScript(redis, _HEARTBEAT)
         self._owed_live = OomTolerantScript(redis, _OWED_LIVE)
         self._close_park = OomTolerantScript(redis, _CLOSE_PARK)
+        self._hold_blobs = OomTolerantScript(redis, HOLD_LUA)
         # Results this queue wrote outside a job's run (recovery, or a claim that ended an
         # unreadable job), for the worker to publish (take_recovered): kept here, not only
         # returned, so a later claim's failure in the same round cannot drop them.
@@ -972,19 +974,22 @@ class WorkerQueue:
         Read BLOB_PIECE_BYTES at a time: this connection is pipelined and shared with every
         job's events and results and with the heartbeat, and one reply of 8 MiB would hold
         them all behind it. (A blob that expires midway reads short; its digest says so.)"""
+        if not digests:
+            return {}
+        # Held first, as long as the job's record (which its claim has just renewed): should
+        # the job be handed back, its next claim still finds them.
+        sizes = await self._hold_blobs(
+            keys=[keys.blob_index_key(owner)], args=[self._record_ttl_s + 60, keys.blob_prefix(owner), *digests]
+        )
         found: dict[str, bytes] = {}
-        for digest in digests:
-            key = keys.blob_key(owner, digest)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.exists(key)
-                pipe.getrange(key, 0, BLOB_PIECE_BYTES - 1)
-                exists, piece = await pipe.execute()
-            if not exists:
+        for digest, size in zip(digests, sizes, strict=True):
+            if int(size) < 0:
                 continue
-            pieces = [bytes(piece)]
-            while len(pieces[-1]) == BLOB_PIECE_BYTES:
-                offset = len(pieces) * BLOB_PIECE_BYTES
-                pieces.append(bytes(await self.redis.getrange(key, offset, offset + BLOB_PIECE_BYTES - 1)))
+            key = keys.blob_key(owner, digest)
+            pieces = [
+                bytes(await self.redis.getrange(key, offset, offset + BLOB_PIECE_BYTES - 1))
+                for offset in range(0, int(size), BLOB_PIECE_BYTES)
+            ]
             found[digest] = b"".join(pieces)
         return found
 
