@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               "  up      run the whole stack (redis-server, soketi, API, workers) on this machine\n"
               "  api     serve the HTTP API (production: behind a load balancer)\n"
               "  worker  claim and run jobs under nsjail (production: on every execution host)\n"
-              "  node    run the Node.js >= 20 this checkout uses, e.g. node clients/js/run-job.mjs ...",
+              "  node    run the Node.js 20 this checkout uses, e.g. node clients/js/run-job.mjs ...",
               file=sys.stderr)  # fmt: skip
         return 2
     command, rest = argv[0], argv[1:]

