@@ -38,4 +38,7 @@ COPY --from=nsjail /build/.tools/nsjail/bin/nsjail-forkserver /usr/local/bin/nsj
 COPY --from=clients /build/clients/js/node_modules/pusher-js/dist/web/pusher.min.js \
      clients/js/node_modules/pusher-js/dist/web/pusher.min.js
 ENV SANDBOX_PROFILES_DIR=/app/sandbox-profiles NSJAIL_PATH=/usr/local/bin/nsjail
+# The API needs no privilege: docker-compose.yml runs it as this user (the worker, which
+# builds jails, stays root).
+RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin coderunner
 CMD ["coderunner", "api", "--host", "0.0.0.0"]

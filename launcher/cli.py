@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -99,6 +100,28 @@ def new_log_dir(root: Path, keep: int = KEEP_LOG_RUNS) -> Path:
     except OSError:
         pass
     return run
+
+
+def banner(stack: Stack, env: Mapping[str, str]) -> str:
+    """What `up` prints once the stack serves. The secrets it made up are shown (they are
+    how to reach it); those the operator gave it in the environment are not: they may be
+    real ones, and this lands in terminal scrollback, journald and CI logs."""
+    if env.get("EXECUTOR_API_TOKEN"):
+        playground = f"{stack.api_url}/#token=<your EXECUTOR_API_TOKEN>"
+        token = "yours, from EXECUTOR_API_TOKEN"
+    else:
+        playground, token = f"{stack.api_url}/#token={stack.api_token}", stack.api_token
+    secret = "your CALLBACK_SECRET" if env.get("CALLBACK_SECRET") else f"CALLBACK_SECRET={stack.callback_secret}"
+    return (
+        f"\n  API         {stack.api_url}\n"
+        f"  Playground  {playground}\n"
+        f"  API token   {token}\n"
+        f"  Callbacks   signed with {secret}\n"
+        f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
+        f"  Workers     {_workers_line(stack)}\n"
+        f"  Logs        {stack.log_dir}\n\n"
+        "  Ctrl-C stops everything (running jobs get the worker's grace; Ctrl-C again ends them at once).\n"
+    )
 
 
 def _up(argv: list[str]) -> int:
@@ -187,16 +210,7 @@ def _up(argv: list[str]) -> int:
         _say(f"coderunner: stopped; logs kept in {log_dir}")
         return 130
     try:
-        _say(
-            f"\n  API         {stack.api_url}\n"
-            f"  Playground  {stack.api_url}/#token={stack.api_token}\n"
-            f"  API token   {stack.api_token}\n"
-            f"  Callbacks   signed with CALLBACK_SECRET={stack.callback_secret}\n"
-            f"  soketi      ws://127.0.0.1:{stack.soketi_port} (key {stack.pusher_key})\n"
-            f"  Workers     {_workers_line(stack)}\n"
-            f"  Logs        {stack.log_dir}\n\n"
-            "  Ctrl-C stops everything (running jobs get the worker's grace; Ctrl-C again ends them at once).\n"
-        )
+        _say(banner(stack, os.environ))
         while not stopping:
             dead = stack.dead_children()
             if dead:

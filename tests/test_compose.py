@@ -64,9 +64,45 @@ def test_environment_names_exist_in_settings() -> None:
     assert services["api"]["environment"]["PUSHER_HOST"] == "soketi"
 
 
+def test_every_service_comes_back_and_waits_for_a_redis_that_answers() -> None:
+    services = _compose()["services"]
+    assert all(service.get("restart") == "unless-stopped" for service in services.values())
+    assert "healthcheck" in services["redis"]
+    for name in ("soketi", "api", "worker"):
+        assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
+    # /metrics on the published port is not for everyone.
+    assert services["api"]["environment"]["METRICS_TOKEN"].startswith("${METRICS_TOKEN:?")
+
+
+def test_the_api_runs_as_the_images_unprivileged_user_and_the_worker_as_root() -> None:
+    services = _compose()["services"]
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert services["api"]["user"] == "10001:10001" and "useradd --system --uid 10001 --user-group" in dockerfile
+    assert "user" not in services["worker"]  # (it builds jails)
+
+
+def test_the_build_context_leaves_out_local_state_and_secrets() -> None:
+    ignored = [line for line in (REPO_ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    for local in (".git", ".env", ".venv", ".tools", "**/node_modules", "test-output"):
+        assert local in ignored, local
+    # Nothing the Dockerfile copies is left out.
+    for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            for source in line.split()[1:-1]:
+                assert not any(source == i or source.startswith(i.rstrip("*") + "/") for i in ignored), source
+
+
+def test_the_package_data_holds_every_header_the_workers_c_includes() -> None:
+    listed = set(re.findall(r'"([a-z_]+\.[ch])"', (REPO_ROOT / "pyproject.toml").read_text()))
+    for source in ("gate.c", "enter.c"):
+        assert source in listed
+        for header in re.findall(r'#include "([^"]+)"', (REPO_ROOT / "worker" / "isolation" / source).read_text()):
+            assert header in listed, (source, header)
+
+
 def test_secrets_have_no_defaults() -> None:
     text = (REPO_ROOT / "docker-compose.yml").read_text()
-    for secret in ("REDIS_PASSWORD", "EXECUTOR_API_TOKEN", "PUSHER_SECRET", "PUSHER_KEY"):
+    for secret in ("REDIS_PASSWORD", "EXECUTOR_API_TOKEN", "PUSHER_SECRET", "PUSHER_KEY", "METRICS_TOKEN"):
         assert not re.search(r"\$\{" + secret + r":-", text), f"{secret} must not have a default"
 
 
@@ -260,6 +296,16 @@ def _run_redis_start(script: str, where: Path) -> None:
         info = conf.stat()
         assert (stat.S_IMODE(info.st_mode), info.st_uid) == (0o600, pwd.getpwnam("redis").pw_uid)
         client.close()
+        # The healthcheck, as compose runs it in the container: it passes with the password
+        # and fails without it (redis-cli here is pointed at this server's port).
+        (bin_dir / "redis-cli").write_text('#!/bin/sh\nexec /usr/bin/redis-cli -p "$TEST_PORT" "$@"\n')
+        (bin_dir / "redis-cli").chmod(0o755)
+        test = _compose()["services"]["redis"]["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL" and "REDIS_PASSWORD" not in test[1].split("redis-cli", 1)[1]
+        check = test[1].replace("$$", "$")
+        assert subprocess.run(["/bin/sh", "-c", check], env=env, timeout=10).returncode == 0
+        wrong = {**env, "REDIS_PASSWORD": password + "x"}
+        assert subprocess.run(["/bin/sh", "-c", check], env=wrong, timeout=10, stderr=subprocess.DEVNULL).returncode != 0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)

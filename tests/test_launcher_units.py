@@ -347,3 +347,22 @@ def test_what_a_test_starts_dies_with_the_test_process(tmp_path: Path) -> None:
         if alive(child):
             os.kill(child, signal.SIGKILL)
 
+
+
+def test_the_banner_shows_only_the_secrets_up_made_up() -> None:
+    """An EXECUTOR_API_TOKEN or CALLBACK_SECRET given in the environment may be a real one:
+    the banner (terminal scrollback, journald, CI logs) says it is yours, not what it is."""
+    from types import SimpleNamespace
+
+    from launcher.cli import banner
+
+    stack = SimpleNamespace(
+        api_url="http://127.0.0.1:8000", api_token="tok-made-up-0123456789", callback_secret="cb-made-up-0123456789",
+        soketi_port=6001, pusher_key="key", log_dir="/tmp/logs", worker_names=lambda: [], worker_ids={},
+    )  # fmt: skip
+    made_up = banner(stack, {})  # type: ignore[arg-type]
+    assert "#token=tok-made-up-0123456789" in made_up and "CALLBACK_SECRET=cb-made-up-0123456789" in made_up
+    stack.api_token, stack.callback_secret = "real-token-from-the-env", "real-secret-from-the-env"
+    given = banner(stack, {"EXECUTOR_API_TOKEN": stack.api_token, "CALLBACK_SECRET": stack.callback_secret})  # type: ignore[arg-type]
+    assert "real-token-from-the-env" not in given and "real-secret-from-the-env" not in given, given
+    assert "yours, from EXECUTOR_API_TOKEN" in given and "your CALLBACK_SECRET" in given
