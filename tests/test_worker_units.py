@@ -377,6 +377,25 @@ def gate_dir(tmp_path: Path) -> Any:
         subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
+async def test_a_language_whose_mounted_folder_is_missing_is_not_offered(tmp_path: Path) -> None:
+    """Java's manifest binds /etc/java-17-openjdk; on a host whose JDK is another (21, say)
+    javac still answers its version probe. The folder missing must drop Java alone: binding
+    it failed the worker's start, for every language."""
+    import msgspec
+
+    from shared.manifest import parse_manifest
+    from shared.paths import REPO_ROOT
+    from worker.runtimes import discover_runtimes
+
+    pdir = REPO_ROOT / "sandbox-profiles" / "languages"
+    python = parse_manifest((pdir / "python.toml").read_text(), "python.toml")
+    java = parse_manifest((pdir / "java.toml").read_text(), "java.toml")
+    elsewhere = msgspec.structs.replace(java, mounts=[str(tmp_path / "java-21-openjdk-is-here-instead")])
+    found = await discover_runtimes([python, elsewhere])
+    assert set(found) == {"python"}
+    assert set(await discover_runtimes([python, java])) == {"python", "java"}  # (this host's is 17)
+
+
 async def test_the_python_shim_runs_from_its_cache_as_from_its_source(tmp_path: Path, gate_dir: Path) -> None:
     """The bytecode made at start-up (python.toml's prestart_cache) serves a job exactly as
     the source does: same output, exit status, argv, and a traceback that starts at the

@@ -75,6 +75,14 @@ async def _probe(manifest: Manifest, timeout_s: float) -> Runtime | None:
     if match is None:
         log.info("language %s not offered: version probe %s gave %s: %r", manifest.language, manifest.version_probe[0], code, out[:200])
         return None
+    # A folder its manifest binds into every jail must be there (Java's /etc/java-17-openjdk
+    # on a host whose JDK is another): binding it would fail the worker's start for every
+    # language, where a missing toolchain only means this one is not offered.
+    for entry in manifest.mounts:
+        source = entry.partition(":")[0]
+        if not await asyncio.to_thread(os.path.isdir, source):
+            log.info("language %s not offered: %s, which its manifest mounts, is not a folder here", manifest.language, source)
+            return None
     return Runtime(manifest, match.group(1))
 
 
