@@ -146,6 +146,32 @@ async def test_a_fork_stays_a_zombie_of_the_server_until_the_worker_asks_it_reap
     assert await server.reap(pid) is None  # (reaped once: nothing left to reap)
 
 
+async def test_a_reap_asked_while_the_servers_socket_is_full_waits_its_turn(server: ForkServer) -> None:
+    """A server fallen behind (stopped here) until its socket is full: a reap asked then
+    used to be answered None at once, leaving the child a zombie in the server for good
+    and its status lost. It now waits until the server reads again, and gets the status."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    pid = await server.spawn(_sh("exit 7"), {0: devnull, 1: devnull, 2: devnull}, [])
+    os.close(devnull)
+    await _exited(pid)
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        fillers = []
+        for fake in range(4_000_000, 4_100_000):  # (pids no process has: the server answers None)
+            filler = server.reap(fake)
+            fillers.append(filler)
+            if filler.done() or getattr(server, "_late_reaps", None):
+                break  # the socket is full
+        real = server.reap(pid)
+        assert not real.done(), "a reap was refused while the server was merely behind"
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert os.waitstatus_to_exitcode(await asyncio.wait_for(real, 10)) == 7
+    await asyncio.wait_for(asyncio.gather(*fillers), 10)
+    assert not Path(f"/proc/{pid}").exists()
+
+
 async def _run_with_config(server: ForkServer, config: Path, script: str) -> tuple[int, bytes]:
     out_r, out_w = os.pipe()
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -75,6 +75,7 @@ class ForkServer:
         self._spawns: dict[int, asyncio.Future[int]] = {}
         self._reaps: dict[int, asyncio.Future[int | None]] = {}
         self._writable: asyncio.Future[None] | None = None
+        self._late_reaps: set[asyncio.Task[None]] = set()
 
     @property
     def pid(self) -> int | None:
@@ -127,12 +128,28 @@ class ForkServer:
             answer.set_result(None)
             return answer
         self._reaps[pid] = answer
+        request = b"R" + struct.pack("=I", pid)
         try:
-            self._sock.send(b"R" + struct.pack("=I", pid))
-        except OSError:  # (a 5-byte datagram: only a server gone or a full socket refuse it)
+            self._sock.send(request)
+        except BlockingIOError:
+            # The server is behind and its socket full: the request waits its turn, as a
+            # spawn's does. Answered None here, the child would stay a zombie in the server
+            # for its whole life, holding a pid, and its status would be lost.
+            late = loop.create_task(self._reap_late(pid, request))
+            self._late_reaps.add(late)
+            late.add_done_callback(self._late_reaps.discard)
+        except OSError:  # (the server is gone)
             self._reaps.pop(pid, None)
             answer.set_result(None)
         return answer
+
+    async def _reap_late(self, pid: int, request: bytes) -> None:
+        try:
+            await self._send(request, [])
+        except ForkServerError:
+            answer = self._reaps.pop(pid, None)
+            if answer is not None and not answer.done():
+                answer.set_result(None)
 
     def close(self) -> None:
         """Stop the server (its children get their SIGKILL) and fail what still waits."""
