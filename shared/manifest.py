@@ -193,7 +193,20 @@ def names_compiled_shim(manifest: Manifest, files: list[tuple[str, bytes]]) -> b
     a job runs in a plain jail, where its own class is the only one of that name.
     """
     name = compiled_shim_name(manifest)
-    return name is not None and any(name.encode() in data for _, data in files)
+    if name is None:
+        return False
+    wanted = name.encode()
+    return any(wanted in data or (b"\\u" in data and wanted in _unicode_unescaped(data)) for _, data in files)
+
+
+# Java reads `\uXXXX` (any number of u) as that character anywhere in a source, names
+# included: `\u0043oderunnerPrestart` is the shim's class too. (Taken as an escape even after
+# another backslash, where Java would not: that errs towards a plain jail, which is harmless.)
+_UNICODE_ESCAPE = re.compile(rb"\\u+([0-9a-fA-F]{4})")
+
+
+def _unicode_unescaped(data: bytes) -> bytes:
+    return _UNICODE_ESCAPE.sub(lambda m: chr(int(m[1], 16)).encode("utf-8", "surrogatepass"), data)
 
 
 def _check_templates(manifest: Manifest, origin: str) -> None:

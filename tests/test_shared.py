@@ -417,6 +417,10 @@ def test_a_job_naming_a_compiled_shims_class_is_found() -> None:
     plain = [("Main.java", b"public class Main {}")]
     assert not names_compiled_shim(java, plain)
     assert names_compiled_shim(java, [*plain, ("Util.java", f"class {shim} {{}}".encode())])
+    # javac reads unicode escapes anywhere: the same class, spelled so its bytes differ.
+    escaped = "class \\u0043oderunner\\uuu0050restart {}"
+    assert names_compiled_shim(java, [*plain, ("Util.java", escaped.encode())]), escaped
+    assert not names_compiled_shim(java, [*plain, ("Util.java", b"class \\u0044oderunnerPrestart {}")])
     assert not names_compiled_shim(python, [("main.py", b"CoderunnerPrestart = 1\npython = 2")])
 
 
