@@ -53,7 +53,15 @@ from shared.messages import (
 )
 from shared.pusher import channel_auth, valid_socket_id
 from shared.runresult import SLICE_BYTES, OutputGone, run_result_pieces
-from shared.validation import check_args, check_files, check_stdin, check_tests, file_refs, spec_files
+from shared.validation import (
+    check_args,
+    check_array_lengths,
+    check_files,
+    check_stdin,
+    check_tests,
+    file_refs,
+    spec_files,
+)
 
 __all__ = ["routes"]
 
@@ -154,6 +162,7 @@ async def _execute(request: Request, state: AppState, owner: str, idempotency_ke
         earlier = await state.store.idempotent_job(owner, idempotency_key, body_sha256)
         if earlier is not None:
             return await _replayed(state, earlier, idempotency_key)
+    check_array_lengths(body)
     req = decode_request(ExecuteRequest, body)
     manifest, version = await state.catalog.resolve(req.language, req.version)
     digests = file_refs(req.files)

@@ -87,6 +87,8 @@ class FileInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 MAX_TESTS = 100
+# Arguments a job, or a test case, may give its program.
+MAX_ARGS = 64
 # Hashes one blob check or finalize may name (as many as a job may have files).
 MAX_BLOB_HASHES = 100
 
@@ -95,7 +97,7 @@ class TestCase(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid
     """One case of a test batch: its input, arguments and, to be judged, the expected stdout."""
 
     stdin: str | None = None
-    args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=64)] = []
+    args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=MAX_ARGS)] = []
     expected_output: str | None = None
     name: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
@@ -108,7 +110,7 @@ class ExecuteRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel", 
     # EOF after the up-front stdin. Unset: yes when `stdin` is given (a grader's input),
     # no otherwise (an IDE keeps stdin open for POST /stdin until POST /stdin/close).
     close_stdin: bool | None = None
-    args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=64)] = []
+    args: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=MAX_ARGS)] = []
     limits: RequestedLimits | None = None
     collect_output: bool = False
     # Where the result is POSTed, signed, once the job ends (see shared/callbacks.py).

@@ -10,17 +10,20 @@ import base64
 import binascii
 import unicodedata
 from collections.abc import Callable, Mapping
+from typing import Any
 
+import msgspec
 from msgspec import UNSET
 
 from shared.blobs import parse_ref
 from shared.errors import FieldError, ValidationError
-from shared.messages import MAX_TESTS, FileInput, FileSpec, TestCase
+from shared.messages import MAX_ARGS, MAX_TESTS, FileInput, FileSpec, TestCase
 
 __all__ = [
     "MAX_FILES",
     "MAX_NAME_BYTES",
     "check_args",
+    "check_array_lengths",
     "check_file_name",
     "check_files",
     "check_stdin",
@@ -250,3 +253,78 @@ def check_tests(tests: list[TestCase], files_bytes: int, max_bytes: int) -> None
         total += len((case.stdin or "").encode()) + len((case.expected_output or "").encode())
     if total > max_bytes:
         raise ValidationError([FieldError("tests", f"inputs, expected outputs and files must total at most {max_bytes} bytes")])
+
+
+# msgspec checks an array's length only once it has built every element: a 16 MiB execute of
+# `"tests": [{}, {}, ...]` became 5.6 million cases (785 MB, and 3 s of the API's event loop)
+# before their cap refused it, and 16 such bodies fit the bodies' budget at once. A struct
+# decoded from an array (array_like) with N optional fields stops at element N+1, and Raw
+# builds nothing of what it skips: a first pass of such shapes checks the caps first.
+_ABSENT = msgspec.Raw(b"null")
+
+
+def _capped(name: str, size: int) -> type[msgspec.Struct]:
+    fields = [(f"e{i}", msgspec.Raw, _ABSENT) for i in range(size)]
+    return msgspec.defstruct(name, fields, array_like=True, forbid_unknown_fields=True)
+
+
+_ARGS = msgspec.json.Decoder(_capped("_Args", MAX_ARGS))
+_FILES = msgspec.json.Decoder(_capped("_Files", MAX_FILES))
+_CASES = msgspec.json.Decoder(_capped("_Cases", MAX_TESTS))
+# (Each array is taken whole first, then against its cap: the cap's error does not say where.)
+_EXECUTE = msgspec.json.Decoder(
+    msgspec.defstruct("_Execute", [(name, msgspec.Raw, _ABSENT) for name in ("files", "args", "tests")])
+)
+_CASE = msgspec.json.Decoder(msgspec.defstruct("_Case", [("args", msgspec.Raw, _ABSENT)]))
+_TOO_LONG = "Expected `array` of at most length"
+
+
+def check_array_lengths(body: bytes) -> None:
+    """An execute body's arrays (files, args, tests and each case's args) within their caps,
+    before the body is decoded. Anything else wrong with it is left to that decoding, which
+    says what.
+
+    Raises:
+        ValidationError: naming the first array past its cap, as the checks after decoding do.
+    """
+    shape = _shape(_EXECUTE, body)
+    if shape is None:
+        return
+    _within(_FILES, shape.files, "files")
+    _within(_ARGS, shape.args, "args")
+    cases = _within(_CASES, shape.tests, "tests")
+    if cases is None:
+        return
+    for index, raw in enumerate(getattr(cases, name) for name in cases.__struct_fields__):
+        case = _shape(_CASE, raw) if raw is not _ABSENT else None
+        if case is not None:
+            _within(_ARGS, case.args, f"tests[{index}].args")  # type: ignore[attr-defined]
+
+
+def _shape(decoder: msgspec.json.Decoder[Any], raw: bytes | msgspec.Raw) -> Any:
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # (the decoding proper says what is wrong with it)
+
+
+def _within(capped: msgspec.json.Decoder[Any], raw: msgspec.Raw, field: str) -> Any:
+    """`raw` (an array) decoded against its cap: None when absent or not an array."""
+    if raw is _ABSENT:
+        return None
+    try:
+        return capped.decode(raw)
+    except msgspec.ValidationError as exc:
+        if str(exc).startswith(_TOO_LONG):
+            raise ValidationError([_too_long(field)]) from None
+        return None
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _too_long(field: str) -> FieldError:
+    if field == "files":
+        return FieldError("files", f"must contain at most {MAX_FILES} files")
+    if field == "tests":
+        return FieldError("tests", f"must hold 1 to {MAX_TESTS} cases")
+    return FieldError(field, f"is invalid: Expected `array` of length <= {MAX_ARGS}")

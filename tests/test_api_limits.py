@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -934,9 +935,9 @@ def test_big_bodies_in_flight_are_bounded_small_ones_always_get_in(make_stack: S
         load_settings({"PUSHER_SECRET": "x", "MAX_BODIES_IN_FLIGHT_MB": "8"})  # under one MAX_REQUEST_BYTES
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, which: str = "VmRSS:") -> float:
     with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(which)) / 1024
 
 
 def _answered(sock: socket.socket, wait_s: float) -> bool:
@@ -951,6 +952,26 @@ def _connect_sending(stack: Stack, data: bytes, into: list[socket.socket], count
         sock.sendall(data)
         into.append(sock)
         time.sleep(pause_s)
+
+
+def test_arrays_past_their_caps_are_refused_before_they_are_built(api: Api) -> None:
+    """A 16 MiB execute of 5.6 million empty test cases: msgspec checks an array's length
+    only once every element is built, so the API made 5.6 million cases (785 MB, about 3 s
+    of its event loop) before their cap refused them. The caps are checked first now."""
+    pid = api.stack.procs["api"].pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # (its peak is its size now)
+    before = _rss_mb(pid)
+    many = (16 * 1024 * 1024 - 200) // 3
+    head = b'{"language": "python", "files": [{"name": "main.py", "content": "print(1)"}], '
+    for body, field in (
+        (head + b'"tests": [' + b",".join([b"{}"] * many) + b"]}", "tests"),
+        (b'{"language": "python", "files": [' + b",".join([b'{"name": ""}'] * (many // 5)) + b"]}", "files"),
+        (head + b'"tests": [{}, {"args": [' + b",".join([b'""'] * (many // 2)) + b"]}]}", "tests[1].args"),
+    ):
+        response = api.post("/v1/execute", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400 and response.json()["details"][0]["field"] == field, response.text[:300]
+    grown = _rss_mb(pid, "VmHWM:") - before  # (at its peak: what was built is freed again)
+    assert grown < 150, f"the API grew {grown:.0f} MB refusing them"
 
 
 def test_bodies_trickled_in_over_many_connections_hold_bounded_memory(make_stack: StackFactory) -> None:

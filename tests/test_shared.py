@@ -601,3 +601,24 @@ def test_the_playgrounds_policy_lets_in_exactly_its_own_inline_scripts_and_style
     assert directives["default-src"] == "'none'" and directives["frame-ancestors"] == "'none'"
     ipv6 = load_settings({"PUSHER_SECRET": "x", "PUSHER_WS_HOST": "::1", "PUSHER_WS_PORT": "6001"})
     assert "connect-src 'self' ws: wss:" in content_security_policy("", ipv6)
+
+
+def test_array_caps_are_checked_before_the_arrays_are_built() -> None:
+    from shared.validation import check_array_lengths
+
+    def refused(body: dict[str, Any]) -> str | None:
+        try:
+            check_array_lengths(json.dumps(body).encode())
+        except ValidationError as exc:
+            return f"{exc.details[0].field}: {exc.details[0].message}"
+        return None
+
+    assert refused({"files": [{}] * 100, "args": [""] * 64, "tests": [{"args": [""] * 64}] * 100}) is None
+    assert refused({"files": [{}] * 101}) == "files: must contain at most 100 files"
+    assert refused({"tests": [{}] * 101}) == "tests: must hold 1 to 100 cases"
+    assert refused({"args": [""] * 65}) == "args: is invalid: Expected `array` of length <= 64"
+    assert refused({"tests": [{}, {"args": [""] * 65}]}) == "tests[1].args: is invalid: Expected `array` of length <= 64"
+    # Anything else wrong is left to the decoding proper, which says what.
+    for other in ({"files": "x"}, {"tests": [5, {"args": 3}]}, {"x": [[[[]]]]}):
+        assert refused(other) is None
+    assert check_array_lengths(b"not json") is None
