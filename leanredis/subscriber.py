@@ -18,7 +18,8 @@ while Redis refuses it, as it does while loading its data), so what the
 owner reads then cannot miss a message the new connection would not carry. An idle
 connection is checked with a PING every `health_check_interval` (30 s unless the client
 says), and one that does not answer within `socket_timeout` is dropped and re-dialled, so a
-half-open connection cannot silently swallow messages for long.
+half-open connection cannot silently swallow messages for long; so is one that leaves any
+command (a SUBSCRIBE, an UNSUBSCRIBE, a PING) unanswered that long.
 
 A channel's confirmation reaches `on_message` only for the last SUBSCRIBE written for it: a
 channel subscribed, dropped and subscribed again before Redis answered gets the first
@@ -65,14 +66,22 @@ READY_AGAIN_S = 0.1
 
 
 class _Pushes(asyncio.Protocol):
-    def __init__(self, on_message: OnMessage, address: str, on_refused: OnRefused | None = None) -> None:
+    def __init__(
+        self, on_message: OnMessage, address: str, on_refused: OnRefused | None = None, answer_s: float = 5.0
+    ) -> None:
         self._on_message = on_message
         self._on_refused = on_refused
         self._address = address
         # Commands written and not yet fully answered, in order: [name, channels still to
-        # be answered] (a SUBSCRIBE or UNSUBSCRIBE is answered once per channel, a refusal
-        # once for the whole command; a PING once).
-        self._sent: collections.deque[tuple[bytes, list[bytes]]] = collections.deque()
+        # be answered, when written] (a SUBSCRIBE or UNSUBSCRIBE is answered once per
+        # channel, a refusal once for the whole command; a PING once).
+        self._sent: collections.deque[tuple[bytes, list[bytes], float]] = collections.deque()
+        # A command unanswered this long ends the connection (the keeper dials again): the
+        # commands' only deadline. Without it a half-open connection (the path to Redis gone
+        # without a FIN) held every SUBSCRIBE unanswered, and its owner believed itself
+        # subscribed, until the next health check, 30 to 65 s on.
+        self._answer_s = answer_s
+        self._deadline: asyncio.TimerHandle | None = None
         self._reader = hiredis.Reader(replyError=_error, notEnoughData=NOT_ENOUGH_DATA)
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -109,6 +118,21 @@ class _Pushes(asyncio.Protocol):
             else:  # a health check's pong
                 self._answered(b"PING")
 
+    def _check_deadline(self) -> None:
+        self._deadline = None
+        if not self._sent:
+            return
+        loop = asyncio.get_running_loop()
+        due = self._sent[0][2] + self._answer_s
+        if loop.time() < due:
+            self._deadline = loop.call_at(due, self._check_deadline)
+            return
+        log.warning(
+            "pub/sub connection to Redis at %s: no answer to %s within %.1f s; connecting again",
+            self._address, self._sent[0][0].decode(), self._answer_s,
+        )  # fmt: skip
+        self.close()
+
     def _answered(self, name: bytes, channel: bytes | None = None) -> None:
         """One answer to the oldest command (`channel`: which of its channels)."""
         if not self._sent or self._sent[0][0] != name:
@@ -122,7 +146,7 @@ class _Pushes(asyncio.Protocol):
 
     def awaits(self, name: bytes, channel: bytes) -> bool:
         """Whether a `name` command written for `channel` is still to be answered."""
-        return any(sent == name and channel in channels for sent, channels in self._sent)
+        return any(sent == name and channel in channels for sent, channels, _ in self._sent)
 
     def send(self, *command: bytes | str) -> None:
         """Write a SUBSCRIBE, UNSUBSCRIBE or PING, and expect its answers."""
@@ -132,10 +156,14 @@ class _Pushes(asyncio.Protocol):
         """Write these commands in one go (one send), and expect their answers."""
         if self.transport is None or self.transport.is_closing():
             return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         for command in commands:
             name = command[0].encode() if isinstance(command[0], str) else command[0]
             channels = [c for c in command[1:] if isinstance(c, bytes)] if name != b"PING" else []
-            self._sent.append((name, channels))
+            self._sent.append((name, channels, now))
+        if self._deadline is None and self._answer_s > 0:
+            self._deadline = loop.call_at(self._sent[0][2] + self._answer_s, self._check_deadline)
         self.transport.write(b"".join(_pack(command) for command in commands))
 
     def mark(self) -> None:
@@ -150,6 +178,8 @@ class _Pushes(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._again is not None:
             self._again.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -260,7 +290,7 @@ class Subscriber:
         # The handshake (AUTH, SELECT) as a plain RESP2 connection, then the transport goes
         # to a protocol that reads pushes.
         plain = await self._client._dial(resp3=False)
-        pushes = _Pushes(self._heard, plain._address, self._refused)
+        pushes = _Pushes(self._heard, plain._address, self._refused, self._answer_s)
         pushes.transport = plain.hand_over(pushes)
         self.connections += 1
         self._refused_again.clear()

@@ -628,6 +628,35 @@ async def test_a_quiet_subscriber_connection_is_checked_and_replaced(server: Ser
         await client.aclose()
 
 
+async def test_a_subscribe_left_unanswered_ends_the_connection_long_before_a_health_check(server: Server) -> None:
+    """A half-open connection (nothing answers: the path to Redis gone without a FIN) used to
+    keep a SUBSCRIBE unanswered, and its owner ready, until the next health check (30 s).
+    An unanswered command now ends it within socket_timeout, and the keeper dials again."""
+    client = LeanRedis.from_url(server.url, socket_timeout=0.3, health_check_interval=30)
+    try:
+        async with subscribed(client) as (subscriber, heard):
+            subscriber.subscribe("c")
+            await heard.wait_for((b"subscribe", b"c", 1))
+            server.pause()
+            subscriber.subscribe("d")
+            await asyncio.sleep(0.8)
+            assert not subscriber.ready, "still believed subscribed with its SUBSCRIBE unanswered"
+            server.resume()
+            deadline = asyncio.get_running_loop().time() + 10
+            while not (subscriber.ready and subscriber.connections >= 2):
+                assert asyncio.get_running_loop().time() < deadline, "never subscribed again"
+                await asyncio.sleep(0.05)
+            publisher = Redis.from_url(server.url)
+            try:
+                assert await publisher.publish("d", "hello") == 1
+            finally:
+                await publisher.aclose()
+            await heard.wait_for((b"message", b"d", b"hello"))
+    finally:
+        server.resume()
+        await client.aclose()
+
+
 async def test_blocking_reads_each_have_a_connection(server: Server, plain: Redis) -> None:
     pool = BlockingLeanRedis.from_url(server.url, max_connections=3, pool_timeout_s=0.3, socket_timeout=5)
     try:
