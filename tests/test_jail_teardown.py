@@ -549,6 +549,35 @@ async def test_a_plain_jail_whose_start_up_is_uncharged_has_room_for_it_under_it
     assert facts.fired == "cpu" and judge_run(facts).outcome.value == "timed_out", facts
 
 
+async def test_a_clock_kills_at_once_while_the_isolation_threads_are_busy() -> None:
+    """The wall clock fires while all four isolation threads are taken by slow work (a
+    teardown's retries, artifacts, big files): the kill does not wait for one of them. It
+    used to, and the program ran on, past its clock, for as long as they were busy."""
+    from worker.isolation.offload import off_loop_soon
+
+    async with _factory() as factory:
+        limits = msgspec.structs.replace(DEFAULT_LIMITS, wall_time_ms=300, idle_ms=None)
+        program = Program(argv=["/bin/sh", "-c", "while :; do :; done"], env={}, **factory.program_rlimits(limits))
+        sandbox = await factory.prepare("busy-threads", 0)
+        try:
+            await sandbox.load([("main.sh", b":")], limits, program)
+            busy = [off_loop_soon(lambda: time.sleep(4)) for _ in range(4)]
+            began = time.monotonic()
+            facts = await asyncio.wait_for(
+                supervise(
+                    sandbox.jail, sandbox.cgroup, program, Clocks(wall_ms=300, cpu_ms=limits.cpu_ms, idle_ms=None),
+                    [(sandbox.jail.stdout, _discard), (sandbox.jail.stderr, _discard)], asyncio.Queue(),
+                ),
+                30,
+            )  # fmt: skip
+            took = time.monotonic() - began
+            await asyncio.gather(*busy)
+        finally:
+            await sandbox.destroy()
+    assert facts.fired == "wall" and took < 2.0, (facts.fired, took)
+    assert facts.cpu_ms < 1500, facts.cpu_ms
+
+
 async def _a_step_after_the_jail_ended() -> tuple[object, object]:
     """A real sandbox whose jail is ended (its cgroup killed) before its go, then its step."""
     from worker.isolation.offload import off_loop

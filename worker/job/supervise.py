@@ -27,7 +27,7 @@ from worker.isolation.cgroups import CPU_PERIOD_US, JobCgroup
 from worker.isolation.child import PipeReader
 from worker.isolation.jail import BACKSTOP_MARGIN_S, Jail, JailExit, Program, cpu_backstop_room_s
 from worker.isolation.memory import MemoryAdmission
-from worker.isolation.offload import off_loop
+from worker.isolation.offload import off_loop, off_loop_quick
 from worker.isolation.sandbox import Uncharged
 from worker.job.output import StreamTail
 from worker.messaging.inbox import next_item
@@ -573,7 +573,10 @@ async def supervise(
             # took its pid namespace with it, and a read of its cgroup's process list usually
             # shows that here, cheaper than a trip to the isolation threads.
             if not jail.ended.done() or (not jail.reported and cgroup.may_hold_leftovers()):
-                await off_loop(cgroup.kill)
+                # On the thread kept for short steps: on the shared four it could wait behind
+                # a teardown's retries, artifacts or big files, and the program ran on,
+                # streaming and burning CPU past its clock, until a thread was free.
+                await off_loop_quick(cgroup.kill)
             killed = True
             try:
                 # (A gate that reported told how the program ended: no wait, and no task for one.)
@@ -594,7 +597,7 @@ async def supervise(
             # Also on cancellation: no pump or feeder may outlive the step and emit afterwards.
             try:
                 if not killed:
-                    await off_loop(cgroup.kill)
+                    await off_loop_quick(cgroup.kill)
             finally:
                 # (Even if cancelled again while the kill finished: the rest must still happen.)
                 if inbox_task.done() and not inbox_task.cancelled():
