@@ -40,6 +40,7 @@ from shared.codec import decode_request
 from shared.errors import FieldError, ValidationError
 from shared.grading import killed_batch_before_start
 from shared.limits import DEFAULT_LIMITS, resolve_limits, with_overrides
+from shared.manifest import Manifest
 from shared.messages import (
     TERMINAL_STATES,
     ExecuteAccepted,
@@ -118,15 +119,20 @@ async def _replayed(state: AppState, earlier: EnqueueAnswer, key: str) -> Respon
     return response
 
 
-def _check_batch(req: ExecuteRequest, files_bytes: int, max_bytes: int, run: list[str]) -> None:
+def _check_batch(req: ExecuteRequest, files_bytes: int, max_bytes: int, manifest: Manifest) -> None:
     """A test batch gives each case its own input and arguments: none at the top level."""
     assert req.tests is not None
-    for field, given in (("stdin", req.stdin is not None), ("args", bool(req.args)), ("closeStdin", req.close_stdin is not None)):
+    for field, given in (("stdin", req.stdin is not None), ("args", bool(req.args))):
         if given:
-            raise ValidationError([FieldError(field, "is given per case (tests[].stdin, tests[].args) in a test batch")])
+            raise ValidationError([FieldError(field, f"is given per case (tests[].{field}) in a test batch")])
+    if req.close_stdin is not None:
+        # (Each case's stdin is all given up front and closed after it: nothing to choose.)
+        raise ValidationError([FieldError("closeStdin", "does not apply to a test batch: each case's stdin is closed after its input")])
     check_tests(req.tests, files_bytes, max_bytes)
-    if any(case.args for case in req.tests) and "{args}" not in run:
-        raise ValidationError([FieldError("tests", "args are not supported for this language")])
+    if "{args}" not in manifest.run:
+        for index, case in enumerate(req.tests):
+            if case.args:
+                raise ValidationError([FieldError(f"tests[{index}].args", f"are not supported for {manifest.language}")])
 
 
 async def _sha256(body: bytes) -> str:
@@ -191,11 +197,11 @@ async def _execute(request: Request, state: AppState, owner: str, idempotency_ke
         # file's name or a test case must not renew the blobs it names.
         check_files(file_specs, state.settings.max_files_bytes, dict.fromkeys(digests, 0))
         if req.tests is not None:
-            _check_batch(req, 0, state.settings.max_files_bytes, manifest.run)
+            _check_batch(req, 0, state.settings.max_files_bytes, manifest)
     sizes = await state.blobs.hold(owner, digests, state.settings.job_record_ttl_s) if digests else {}
     files_bytes = check_files(file_specs, state.settings.max_files_bytes, sizes)
     if req.tests is not None:
-        _check_batch(req, files_bytes, state.settings.max_files_bytes, manifest.run)
+        _check_batch(req, files_bytes, state.settings.max_files_bytes, manifest)
 
     job_id = uuid.uuid4().hex
     spec = JobSpec(

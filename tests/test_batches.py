@@ -539,6 +539,19 @@ def test_bad_batches_are_refused_naming_the_field(api: Api, change: dict[str, An
     assert field in response.text
 
 
+def test_batch_refusals_name_the_field_itself(api: Api) -> None:
+    """A closeStdin in a batch, and a case's args for a language that takes none, are named
+    as what they are (the first was sent to tests[].stdin and tests[].args, which have no
+    closeStdin; the second named the whole of `tests`)."""
+    response = api.post("/v1/execute", json={**c_batch([{"stdin": "1 1\n"}]), "closeStdin": True})
+    assert response.status_code == 400 and response.json()["details"][0]["field"] == "closeStdin", response.text
+    assert "tests[]" not in response.json()["error"]
+    sql = {"language": "sqlite", "files": [{"name": "main.sql", "content": "select 1;"}]}
+    response = api.post("/v1/execute", json={**sql, "tests": [{}, {"args": ["x"]}]})
+    assert response.status_code == 400, response.text
+    assert response.json()["details"] == [{"field": "tests[1].args", "path": "tests.1.args", "message": "are not supported for sqlite"}]
+
+
 @pytest.mark.parametrize(("change", "field"), [({"compare": "lines"}, "compare"), ({"stopOnFirstFailure": False}, "stopOnFirstFailure")])
 def test_batch_options_without_tests_are_refused(api: Api, change: dict[str, Any], field: str) -> None:
     # Judging options on a job that has no cases would silently judge nothing.
