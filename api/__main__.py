@@ -13,7 +13,7 @@ import uvicorn
 
 from api.app import create_app
 from api.server import guarded_protocol
-from shared.errors import ConfigError
+from shared.errors import ConfigError, ManifestError
 from shared.logs import configure_logging
 from shared.settings import Settings, load_settings
 
@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(settings.log_level)
         raise_open_files(settings)
         app = create_app(settings)
-    except ConfigError as exc:
+    except (ConfigError, ManifestError) as exc:
+        print(f"coderunner api: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as exc:
+        # (The language manifests could not be read: an unreadable folder or file.)
         print(f"coderunner api: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(

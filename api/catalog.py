@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from api.store import JobStore
-from shared.errors import FieldError, ValidationError
+from shared.errors import FieldError, ManifestError, ValidationError
 from shared.manifest import Manifest, parse_manifest
 from shared.messages import LanguageInfo
 
@@ -25,7 +25,11 @@ def load_manifests(profiles_dir: Path) -> dict[str, Manifest]:
     """Every manifest in `<profiles_dir>/languages`, keyed by language name."""
     manifests: dict[str, Manifest] = {}
     for path in sorted((profiles_dir / "languages").glob("*.toml")):
-        manifest = parse_manifest(path.read_text(encoding="utf-8"), str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
+        manifest = parse_manifest(text, str(path))
         manifests[manifest.language] = manifest
     return manifests
 

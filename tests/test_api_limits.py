@@ -1085,6 +1085,27 @@ def test_the_api_raises_its_open_files_limit_to_what_its_caps_hold() -> None:
     assert "API_MAX_CONNECTIONS (2048)" in refused.stderr
 
 
+def test_a_bad_language_manifest_stops_the_api_with_one_line_not_a_traceback(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from shared.paths import REPO_ROOT
+
+    (tmp_path / "languages").mkdir()
+    env = {
+        **os.environ, "SANDBOX_PROFILES_DIR": str(tmp_path),
+        "EXECUTOR_API_TOKEN": "t" * 32, "PUSHER_SECRET": "s" * 32, "PUSHER_KEY": "key",
+    }  # fmt: skip
+    for content in (b'language = "x"\nrun = [', b"\xff\xfe not text"):
+        (tmp_path / "languages" / "bad.toml").write_bytes(content)
+        refused = subprocess.run(
+            [sys.executable, "-m", "api", "--port", "1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.startswith("coderunner api: ") and "bad.toml" in refused.stderr, refused.stderr
+
+
 def test_a_request_pipelined_behind_an_event_stream_ends_both_cleanly(slow_stack: Stack) -> None:
     # An event stream, then on the same connection a request whose body never comes. Its
     # body timeout closes the connection: the stream's handler must hear of it (and give its
