@@ -95,6 +95,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # request does (a 413 or 503 on its head alone), and the rest of the body that still
         # arrives is that request's, not the head of the next one.
         self._in_message = False
+        # Between a request's first byte and the end of its head.
+        self._in_head = False
         # The requests of this connection still being answered, oldest first: with
         # pipelining, one that is streaming (SSE) while the next waits its turn. uvicorn
         # itself knows only the newest. (It answers them one at a time, in order.)
@@ -155,7 +157,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is head:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")
+                self._refuse(
+                431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes", head=True
+            )
 
     def handle_websocket_upgrade(self) -> None:
         self._cancel_head()
@@ -166,6 +170,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._in_head = True
         self._parsed_head_bytes = 0
         super().on_message_begin()
         if self._head_timer is None:
@@ -185,17 +190,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _count_head(self, size: int) -> None:
         self._parsed_head_bytes += size
         if self._parsed_head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes")
+            self._refuse(
+                431, "Request Header Fields Too Large", f"Request headers must be at most {MAX_HEAD_BYTES} bytes", head=True
+            )
             raise _StopParsing  # stops the parser (uvicorn's 400 for that is not sent: see below)
 
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
             return  # refused already (a 431 from _count_head)
         # uvicorn's own answer is plain text; every error of the API has one JSON shape.
-        self.transport.write(_error_bytes(400, "Bad Request", _MALFORMED))
+        # (Unless it is not this request's to give: see _may_answer.)
+        if self._may_answer(head=self._in_head or not self._in_message):
+            self.transport.write(_error_bytes(400, "Bad Request", _MALFORMED))
+        self._disconnect_all()
         self.transport.close()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._cancel_head()
         self._head_bytes = 0
         self._request_bytes_seen = False
@@ -268,7 +279,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         log.info("closed a connection from %s: request headers not complete within %.1f s", self._peer(), self.header_timeout_s)
-        self._refuse(408, "Request Timeout", f"Request headers must arrive within {self.header_timeout_s:g} s")
+        self._refuse(408, "Request Timeout", f"Request headers must arrive within {self.header_timeout_s:g} s", head=True)
 
     def _body_expired(self) -> None:
         self._body_timer = None
@@ -277,21 +288,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         log.info("closed a connection from %s: request body not complete within %.1f s", self._peer(), self.body_timeout_s)
         self._refuse(408, "Request Timeout", f"The request body must arrive within {self.body_timeout_s:g} s")
 
-    def _refuse(self, status: int, reason: str, message: str) -> None:
-        """Answer `status` if no response is on the wire yet, tell a running handler the client is gone, close."""
+    def _refuse(self, status: int, reason: str, message: str, head: bool = False) -> None:
+        """Answer `status` if it is the refused request's to get (_may_answer), tell a running
+        handler the client is gone, close. `head`: what is refused is a request's head."""
         self._cancel_head()
         self._cancel_body()
-        cycle = self.cycle
-        # A request answered before its body ended (the body still arriving) has had its one
-        # response: this one would be a second.
-        answered_early = cycle is not None and cycle.response_complete and self._in_message
-        # A pipelined request behind one still answering (an event stream): its error would
-        # land inside that response's body.
-        behind = any(c is not cycle and not c.response_complete for c in self._cycles)
-        if not answered_early and not behind and (cycle is None or cycle.response_complete or not cycle.response_started):
+        if self._may_answer(head):
             self.transport.write(_error_bytes(status, reason, message))
         self._disconnect_all()
         self.transport.close()
+
+    def _may_answer(self, head: bool) -> bool:
+        """Whether an error written now would be read as the answer to the request refused.
+
+        Responses go out in the order of the requests. A head (its size, its time, its form)
+        is a new request's, pipelined behind `self.cycle` until that one is answered, and the
+        error would be read as that one's answer (an execute refused with a 431, whose job was
+        queued all the same): it gets one only once every earlier request is answered. A
+        body's trouble is the current request's: its answer, if none has started."""
+        cycle = self.cycle
+        # A pipelined request behind one still answering (an event stream): its error would
+        # land inside that response's body.
+        behind = any(c is not cycle and not c.response_complete for c in self._cycles)
+        if behind:
+            return False
+        if head:
+            return cycle is None or cycle.response_complete
+        # A request answered before its body ended (the body still arriving) has had its one
+        # response: this one would be a second.
+        answered_early = cycle is not None and cycle.response_complete and self._in_message
+        return not answered_early and (cycle is None or cycle.response_complete or not cycle.response_started)
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import select
@@ -1129,6 +1130,41 @@ def test_a_request_pipelined_behind_an_event_stream_ends_both_cleanly(slow_stack
             while (open_now := _gauge(client, "coderunner_api_event_streams")) != 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
         assert open_now == 0, "the stream's handler never heard its client was gone"
+    finally:
+        sock.close()
+        api.close()
+
+
+@pytest.mark.parametrize("second", ["oversized", "malformed"])
+def test_a_bad_head_pipelined_behind_a_request_still_waiting_is_not_sent_as_its_answer(
+    slow_stack: Stack, second: str
+) -> None:
+    """A long-poll whose answer has not started, then on the same connection a second
+    request whose head is refused (too big: 431; not HTTP: 400). Responses go in request
+    order, so that error would be read as the long-poll's answer (for an execute: a refusal
+    of a job that was queued all the same). The connection closes with no answer instead."""
+    stack = slow_stack
+    api = Api(stack)
+    job = api.execute(py_job("print(1)", collectOutput=True))  # no worker: it stays queued
+    bad = (
+        b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10) + b"\r\n\r\n"
+        if second == "oversized"
+        else b"NOT HTTP AT ALL\r\n\r\n"
+    )
+    sock = socket.create_connection((stack.api_host, stack.api_port), timeout=15)
+    try:
+        sock.sendall(
+            f"GET /v1/jobs/{job['jobId']}/output?waitMs=3000 HTTP/1.1\r\nHost: t\r\n"
+            f"Authorization: Bearer {stack.api_token}\r\n\r\n".encode()
+        )
+        time.sleep(0.3)  # (its handler is waiting)
+        with contextlib.suppress(OSError):
+            sock.sendall(bad)
+        said = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                said += chunk
+        assert not said.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), said[:200]
     finally:
         sock.close()
         api.close()
