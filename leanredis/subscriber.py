@@ -56,8 +56,9 @@ STABLE_S = 5.0
 # on_message(kind, channel, data): kind is b"message", b"subscribe" or b"unsubscribe"
 # (data is then the connection's subscription count).
 OnMessage = Callable[[bytes, bytes, bytes | int], None]
-# on_refused(channels): Redis answered a SUBSCRIBE of these with an error.
-OnRefused = Callable[[list[bytes]], None]
+# on_refused(command, channels): Redis answered a SUBSCRIBE or UNSUBSCRIBE of these with an
+# error.
+OnRefused = Callable[[bytes, list[bytes]], None]
 # The argument of the PING that follows a connection's SUBSCRIBE: its answer means the
 # subscriptions are in place (a subscribed connection answers [b"pong", arg], another arg).
 READY_MARK = b"coderunner:subscribed"
@@ -89,6 +90,8 @@ class _Pushes(asyncio.Protocol):
         self.last_heard = self.made_at = asyncio.get_running_loop().time()
         self._again: asyncio.TimerHandle | None = None
         self.refusals = 0
+        # Channels whose SUBSCRIBE was refused and not yet written again and answered.
+        self.refused_pending: set[bytes] = set()
 
     def data_received(self, data: bytes) -> None:
         self.last_heard = asyncio.get_running_loop().time()
@@ -97,8 +100,10 @@ class _Pushes(asyncio.Protocol):
         while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):
                 refused = self._sent.popleft() if self._sent else None
-                if refused is not None and refused[0] == b"SUBSCRIBE" and self._on_refused is not None:
-                    self._on_refused(refused[1])
+                if refused is not None and refused[0] in (b"SUBSCRIBE", b"UNSUBSCRIBE") and self._on_refused is not None:
+                    if refused[0] == b"SUBSCRIBE":
+                        self.refused_pending.update(refused[1])
+                    self._on_refused(refused[0], refused[1])
                 self.refusals += 1
                 level = logging.WARNING if self.refusals == 1 else logging.DEBUG  # (-LOADING, ten a second)
                 log.log(level, "Redis at %s refused a pub/sub command: %s", self._address, reply)
@@ -109,11 +114,18 @@ class _Pushes(asyncio.Protocol):
                     self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._mark_again)
             elif reply == READY_MARK or reply == [b"pong", READY_MARK]:
                 self._answered(b"PING")
-                if not self.ready.done():
+                # Every command written before the mark is answered now: it stands for the
+                # subscriptions only if no channel's SUBSCRIBE was refused without one written
+                # again and answered since (a script may end between a refusal and the mark).
+                # Else the SUBSCRIBE written again is followed by a mark of its own
+                # (Subscriber._subscribe_again).
+                if not self.ready.done() and not self.refused_pending:
                     self.ready.set_result(None)
             elif isinstance(reply, list) and len(reply) == 3 and reply[0] != b"pong":
                 if reply[0] in (b"subscribe", b"unsubscribe"):
                     self._answered(reply[0].upper(), reply[1])
+                    if reply[0] == b"subscribe" and not self.awaits(b"SUBSCRIBE", reply[1]):
+                        self.refused_pending.discard(reply[1])
                 self._on_message(reply[0], reply[1], reply[2])
             else:  # a health check's pong
                 self._answered(b"PING")
@@ -304,19 +316,32 @@ class Subscriber:
             pushes.ready.add_done_callback(lambda _: on_ready())
         return pushes
 
-    def _refused(self, channels: list[bytes]) -> None:
-        """Redis refused a SUBSCRIBE of `channels` (-BUSY: a script runs long): not awaited
-        any more, and written again shortly for those still wanted."""
+    def _refused(self, command: bytes, channels: list[bytes]) -> None:
+        """Redis refused a SUBSCRIBE or UNSUBSCRIBE of `channels` (-BUSY: a script runs long):
+        not awaited any more, and written again shortly, for those still wanted (a SUBSCRIBE)
+        or still not (an UNSUBSCRIBE: else the connection stayed subscribed to them until it
+        was replaced, Redis sending it their messages all along)."""
+        loop = asyncio.get_running_loop()
+        if command == b"UNSUBSCRIBE":
+            self._dropped.update(dict.fromkeys(c for c in channels if c not in self._wanted))
+            if self._dropped and self._drop_timer is None:
+                self._drop_timer = loop.call_later(READY_AGAIN_S, self._write_dropped)
+            return
         self._refused_again.update(channels)
         if self._again is None:
-            self._again = asyncio.get_running_loop().call_later(READY_AGAIN_S, self._subscribe_again)
+            self._again = loop.call_later(READY_AGAIN_S, self._subscribe_again)
 
     def _subscribe_again(self) -> None:
         self._again = None
         again = sorted(self._refused_again & self._wanted)
         self._refused_again.clear()
+        pushes = self._pushes
+        if pushes is not None:
+            pushes.refused_pending &= self._wanted  # (a channel dropped since: no longer owed)
         if again:
             self.subscribe(*(c.decode() for c in again))
+        if pushes is not None and not pushes.ready.done():
+            pushes.mark()  # (a mark before this SUBSCRIBE could not stand for it)
 
     def _heard(self, kind: bytes, channel: bytes, data: bytes | int) -> None:
         pushes = self._pushes

@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -552,6 +553,101 @@ async def test_a_subscribe_refused_while_a_script_runs_is_written_again(tmp_path
             subscriber.unsubscribe("a")
             subscriber.subscribe("a")
             await heard.wait_for((b"subscribe", b"a", 1), times=2)
+            assert subscriber.connections == 1
+            with contextlib.suppress(Exception):
+                await looping
+            await busy.aclose()
+    finally:
+        if looping is not None:
+            looping.cancel()
+        await plain.aclose()
+        await lean.aclose()
+        server.stop()
+
+
+async def test_a_ready_mark_answered_after_a_refused_subscribe_stands_for_nothing() -> None:
+    """SUBSCRIBE refused (-BUSY), then the script ends before the ready mark (a PING written
+    after it) is answered: the mark's answer used to make the connection ready, and its owner
+    re-read its durable state, with the channel not subscribed for another 0.1 s, a signal
+    published then lost until the next poll. Ready waits for the SUBSCRIBE written again."""
+    from leanredis.subscriber import READY_MARK, _Pushes
+
+    written: list[bytes] = []
+    transport = SimpleNamespace(write=written.append, is_closing=lambda: False, abort=lambda: None)
+    refused: list[tuple[bytes, list[bytes]]] = []
+    pushes = _Pushes(lambda *_: None, "test", lambda command, channels: refused.append((command, channels)))
+    pushes.transport = transport  # type: ignore[assignment]
+    mark = b"*2\r\n$4\r\npong\r\n$%d\r\n%s\r\n" % (len(READY_MARK), READY_MARK)
+    pushes.send("SUBSCRIBE", b"a")
+    pushes.mark()
+    pushes.data_received(b"-BUSY Redis is busy running a script\r\n" + mark)
+    assert refused == [(b"SUBSCRIBE", [b"a"])] and not pushes.ready.done()
+    pushes.send("SUBSCRIBE", b"a")  # (what Subscriber._subscribe_again writes, with a mark)
+    pushes.mark()
+    pushes.data_received(b"*3\r\n$9\r\nsubscribe\r\n$1\r\na\r\n:1\r\n" + mark)
+    assert pushes.ready.done()
+    pushes.connection_lost(None)
+
+
+async def test_a_subscriber_connecting_while_a_script_runs_gets_ready_once_it_ends(tmp_path: Path) -> None:
+    # Its SUBSCRIBE and its ready marks all refused, over and over: once the script is
+    # killed, the SUBSCRIBE written again and a mark after it make it ready.
+    server = Server(tmp_path, "--busy-reply-threshold", "50")
+    server.start()
+    lean = LeanRedis.from_url(server.url)
+    plain = Redis.from_url(server.url)
+    busy = Redis.from_url(server.url)
+    looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
+    try:
+        await asyncio.sleep(0.3)
+        heard = Heard()
+        subscriber = Subscriber(lean, heard, on_ready=lambda: heard(b"ready", b"", 0))
+        subscriber.subscribe("a")
+        await subscriber.start()
+        try:
+            await asyncio.sleep(0.5)
+            assert not subscriber.ready
+            await plain.script_kill()
+            await heard.wait_for((b"ready", b"", 0))
+            assert (b"subscribe", b"a", 1) in heard.items and subscriber.ready
+            assert await plain.publish("a", "through") == 1
+            await heard.wait_for((b"message", b"a", b"through"))
+        finally:
+            await subscriber.aclose()
+    finally:
+        looping.cancel()
+        with contextlib.suppress(BaseException):
+            await looping
+        await busy.aclose()
+        await plain.aclose()
+        await lean.aclose()
+        server.stop()
+
+
+async def test_an_unsubscribe_refused_while_a_script_runs_is_written_again(tmp_path: Path) -> None:
+    # Only a refused SUBSCRIBE was written again: a refused UNSUBSCRIBE left the connection
+    # subscribed to a finished job's channels until it was replaced, Redis sending it their
+    # messages all along.
+    server = Server(tmp_path, "--busy-reply-threshold", "50")
+    server.start()
+    lean = LeanRedis.from_url(server.url)
+    plain = Redis.from_url(server.url)
+    looping = None
+    try:
+        async with subscribed(lean) as (subscriber, heard):
+            subscriber.subscribe("a", "b")
+            await heard.wait_for((b"subscribe", b"b", 2))
+            busy = Redis.from_url(server.url)
+            looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
+            await asyncio.sleep(0.3)  # past the threshold: Redis answers -BUSY
+            subscriber.unsubscribe("a")
+            await asyncio.sleep(0.3)
+            await plain.script_kill()
+            deadline = asyncio.get_running_loop().time() + 5
+            while await plain.publish("a", "late") != 0:
+                assert asyncio.get_running_loop().time() < deadline, "still subscribed to a dropped channel"
+                await asyncio.sleep(0.05)
+            assert await plain.publish("b", "kept") == 1  # (the other one stays)
             assert subscriber.connections == 1
             with contextlib.suppress(Exception):
                 await looping
