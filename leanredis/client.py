@@ -258,6 +258,8 @@ class LeanRedis(Redis):
         # The dial under way, which every caller needing a connection meanwhile awaits.
         self._dialing: asyncio.Future[_Connection] | None = None
         self._closed = False
+        self._tls_made = False
+        self._tls_context: ssl.SSLContext | None = None
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         return _LeanPipeline(self, transaction)
@@ -353,7 +355,7 @@ class LeanRedis(Redis):
                         lambda: protocol,
                         options.get("host", "localhost"),
                         int(options.get("port", 6379)),
-                        ssl=self._ssl_context(),
+                        ssl=self._tls(),
                     )
                 for command in self._handshake(resp3):
                     await protocol.send(_pack(command))
@@ -367,6 +369,15 @@ class LeanRedis(Redis):
             protocol.close()
             raise
         return protocol
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """The TLS context, made at the first dial and kept: made afresh, it read the CA and
+        certificate files on the event loop at every dial (every blocking read a client gave
+        up on dials a new connection)."""
+        if not self._tls_made:
+            self._tls_context = self._ssl_context()
+            self._tls_made = True
+        return self._tls_context
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if not issubclass(self.connection_pool.connection_class, SSLConnection):
@@ -415,7 +426,9 @@ class LeanRedis(Redis):
         if resp3:
             commands.append(("HELLO", 3, "AUTH", *credentials) if credentials else ("HELLO", 3))
         elif credentials:
-            commands.append(("AUTH", *credentials))
+            # (AUTH with a password alone where no user is named: Redis before 6 knows no
+            # users, and refuses `AUTH default <password>`.)
+            commands.append(("AUTH", *credentials) if user else ("AUTH", password))
         if int(options.get("db") or 0):
             commands.append(("SELECT", int(options["db"])))
         if options.get("client_name"):

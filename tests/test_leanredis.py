@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -892,11 +893,36 @@ async def test_tls_from_a_rediss_url(tmp_path: Path) -> None:
                 await heard.wait_for((b"message", b"c", b"x"))
             with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
                 await unverified.get("k")
+            # Each blocking read given up on dials a new connection: the TLS context (its CA
+            # file read on the event loop) is made once per client, not at every dial.
+            made = []
+            real = ssl.create_default_context
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(1) or real(*a, **k))
+                fresh = BlockingLeanRedis.from_url(f"{url}?ssl_ca_certs={cert}", max_connections=1, socket_timeout=5)
+                try:
+                    for _ in range(3):
+                        read = asyncio.ensure_future(fresh.blpop(["nothing"], 5))
+                        await asyncio.sleep(0.05)
+                        read.cancel()  # (its connection is closed: the next read dials anew)
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await read
+                    assert await fresh.get("k") == b"over tls"
+                finally:
+                    await fresh.aclose()
+            assert len(made) == 1, made
         finally:
             for c in (client, pool, unverified):
                 await c.aclose()
     finally:
         server.stop()
+
+
+def test_auth_names_a_user_only_when_the_url_does() -> None:
+    # (Redis before 6 knows no users: `AUTH default <password>` is refused there.)
+    assert LeanRedis.from_url("redis://:pw@127.0.0.1/0")._handshake(resp3=False) == [("AUTH", "pw")]
+    assert LeanRedis.from_url("redis://me:pw@127.0.0.1/0")._handshake(resp3=False) == [("AUTH", "me", "pw")]
+    assert LeanRedis.from_url("redis://:pw@127.0.0.1/0")._handshake(resp3=True) == [("HELLO", 3, "AUTH", "default", "pw")]
 
 
 async def test_tls_options_are_applied_or_refused_never_ignored(tmp_path: Path) -> None:
