@@ -3,9 +3,12 @@ the same worker, next to the same on an idle worker (issue: park for free, run a
 
     .venv/bin/python bench/parked.py [--parked 1000] [-n 30] [--reps 3]
 
-Each repetition starts one stack with one worker (2 slots), measures n started jobs on
-the idle worker, parks `--parked` jobs (submitted, never started), measures n more, and
-also reports the worker's resident memory with and without the parked jobs.
+Each repetition starts one stack with one worker (2 slots), warms it up with 30 jobs, and
+measures n started jobs on the idle worker and n beside `--parked` parked jobs (submitted,
+never started). The two series take turns going first: odd repetitions park first, measure,
+kill every parked job and wait until each has ended, then measure the idle worker; so
+neither side is always the colder one. It also reports the worker's resident memory with
+and without the parked jobs, and fails if fewer than `--parked` jobs were parked.
 """
 
 from __future__ import annotations
@@ -34,6 +37,25 @@ def _series(api: Api, rt: Realtime, n: int) -> list[float]:
     return [time_job(api, rt, py_job("print(1)\n"), "1\n")[1] for _ in range(n)]
 
 
+ENDED = {"done", "killed", "error", "expired", "lost"}
+
+
+def _count_parked(stack: Stack, jobs: list[dict[str, str]]) -> int:
+    with stack.redis() as redis:
+        pipe = redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.hget(f"job:{job['jobId']}:status", "state")
+        return sum(state == b"parked" for state in pipe.execute())
+
+
+def _wait_parked(stack: Stack, jobs: list[dict[str, str]], timeout_s: float = 120) -> int:
+    """How many of `jobs` are parked, once all are (or `timeout_s` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (count := _count_parked(stack, jobs)) < len(jobs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parked", type=int, default=1000)
@@ -45,32 +67,40 @@ def main() -> int:
         stack = Stack(extra_env={
             "WORKER_MAX_SANDBOXES": "2", "LOG_LEVEL": "WARNING", "WORKER_WARMUP_MS": "600000",
             "MAX_PARKED_PER_PRINCIPAL": str(args.parked + 100), "MAX_QUEUE_DEPTH": str(args.parked + 100),
+            "WORKER_MAX_PARKED": str(args.parked + 100),
         })  # fmt: skip
         stack.start()
         api = Api(stack)
         rt = KeepAliveRealtime(stack, api)
         try:
             worker = stack.procs["worker"].pid
-            _series(api, rt, 5)  # warm-up
-            idle = _series(api, rt, args.n)
-            rss_idle = _rss_kb(worker)
+            _series(api, rt, 30)  # warm-up
+            idle_first = rep % 2 == 0
+            if idle_first:
+                idle = _series(api, rt, args.n)
+                rss_idle = _rss_kb(worker)
             t0 = time.monotonic()
             parked = [api.execute(py_job("print('never')")) for _ in range(args.parked)]
-            with stack.redis() as redis:
-                while True:
-                    states = [redis.hget(f"job:{j['jobId']}:status", "state") for j in parked[-10:]]
-                    if all(s == b"parked" for s in states):
-                        break
-                    time.sleep(0.1)
-                count = sum(1 for j in parked if redis.hget(f"job:{j['jobId']}:status", "state") == b"parked")
+            count = _wait_parked(stack, parked)
             took = time.monotonic() - t0
             busy = _series(api, rt, args.n)
             rss_parked = _rss_kb(worker)
+            still = _count_parked(stack, parked)
+            if min(count, still) < args.parked:
+                raise SystemExit(f"rep {rep + 1}: only {count} of {args.parked} jobs parked ({still} still parked after the series)")
+            if not idle_first:
+                for job in parked:
+                    api.post(f"/v1/jobs/{job['jobId']}/kill")
+                for job in parked:
+                    api.wait_state(job, ENDED, timeout_s=60)
+                idle = _series(api, rt, args.n)
+                rss_idle = _rss_kb(worker)
             rows["idle"].append(pct(idle, 50))
             rows["parked"].append(pct(busy, 50))
-            print(f"rep {rep + 1}: {count} parked in {took:.1f}s; start→result p50 idle {pct(idle, 50):.1f} ms "
+            order = "idle first" if idle_first else "parked first"
+            print(f"rep {rep + 1} ({order}): {count} parked in {took:.1f}s; start→result p50 idle {pct(idle, 50):.1f} ms "
                   f"(p90 {pct(idle, 90):.1f}), with {count} parked {pct(busy, 50):.1f} ms (p90 {pct(busy, 90):.1f}); "
-                  f"worker RSS {rss_idle / 1024:.0f} → {rss_parked / 1024:.0f} MiB", flush=True)  # fmt: skip
+                  f"worker RSS {rss_idle / 1024:.0f} (idle) and {rss_parked / 1024:.0f} MiB (parked)", flush=True)  # fmt: skip
         finally:
             rt.close()
             api.close()
