@@ -259,6 +259,76 @@ def test_a_result_waiting_on_a_probe_its_job_gave_up_on_goes_as_the_next_probe(m
     assert delivered == ["private-run-b"] and dropped == 0, (delivered, dropped)
 
 
+def test_a_result_soketi_surely_never_had_stays_owed_and_is_sent_again_from_the_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Job b's result waits on job a's probe in a pause; the probe times out and b's result
+    is shed, never sent. Its lane used to close saying nothing, and the worker stopped owing
+    it: a client that stayed subscribed waited for good. The lane now says it was lost, and
+    OwedResults sends it again from the log once soketi answers; a result that may have got
+    through (a timeout) is never sent twice."""
+    from worker.messaging import owed as owed_module
+    from worker.messaging.owed import OwedResults
+
+    monkeypatch.setattr(owed_module, "RETRY_S", (0.05, *[0.1] * 9))
+
+    async def main() -> tuple[bool, bool, list[str], list[str], int]:
+        monkeypatch.setattr(publisher_module, "BACKOFF_S", 5.0)
+        publisher = Publisher(load_settings({"PUSHER_SECRET": "s" * 16, "PUSHER_PUBLISH": "http", "PUSHER_TIMEOUT_MS": "200"}))
+        delivered: list[str] = []
+        mode = "stalled"
+
+        async def soketi(_path: str, _params: Any, body: bytes) -> tuple[int, bytes]:
+            if mode == "stalled":
+                await asyncio.sleep(60)  # (every request times out)
+            if mode == "refusing":
+                return 503, b"busy"
+            delivered.append(json.loads(body)["channel"])
+            return 200, b"{}"
+
+        monkeypatch.setattr(publisher, "_request", soketi)
+        await publisher.deliver(_result("first"))  # times out: the pause
+        lane_a, lane_b = publisher.lane("private-run-a"), publisher.lane("private-run-b")
+        for lane in (lane_a, lane_b):
+            lane._audience = True  # (followed: a client subscribed)
+        lane_a.send("result", b'{"seq":1}')  # the pause's probe: it times out (it may have got there)
+        await asyncio.sleep(0.05)
+        lane_b.send("result", b'{"seq":1}')  # waits on a's probe, and is shed when it fails
+        await asyncio.gather(lane_a.close(2), lane_b.close(2))
+        lost = (lane_a.result_lost, lane_b.result_lost)
+
+        class Queue:
+            gone: list[str] = []
+
+            async def last_result(self, job_id: str) -> bytes:
+                return b'{"seq":1,"outcome":"completed"}'
+
+            def delivered(self, job_id: str) -> None:
+                self.gone.append(job_id)
+
+        queue = Queue()
+        mode = "refusing"  # (the first attempt again: surely not had, so owed still)
+        publisher._down_until = 0.0
+        owed = OwedResults(queue, publisher, 2.0)  # type: ignore[arg-type]
+        runner = asyncio.create_task(owed.run())
+        owed.owe("b")
+        await asyncio.sleep(0.3)
+        assert queue.gone == [] and len(owed) == 1
+        mode = "answering"
+        for _ in range(100):
+            if queue.gone:
+                break
+            await asyncio.sleep(0.02)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await publisher.aclose()
+        return lost[0], lost[1], delivered, queue.gone, owed.sent_again
+
+    lost_a, lost_b, delivered, gone, sent_again = asyncio.run(main())
+    assert (lost_a, lost_b) == (False, True)  # (a's may have reached soketi: never sent twice)
+    assert delivered == ["private-run-b"] and gone == ["b"] and sent_again == 1, (delivered, gone, sent_again)
+
+
 def _deliver_five(stack_env: dict[str, str], channel: str) -> tuple[int, int, int]:
     """Deliver five stdout events one by one; (sent, of them through Redis, failed)."""
 

@@ -12,6 +12,7 @@ from worker.isolation.sandbox import SandboxFactory
 from worker.job.blobs import SharedBlobs
 from worker.messaging.control import ControlBus
 from worker.messaging.flagsweep import FlagSweep
+from worker.messaging.owed import OwedResults
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import WorkerQueue
 from worker.runtimes import Runtime
@@ -34,6 +35,9 @@ class WorkerContext:
     runtimes: dict[str, Runtime]
     # Reads the stored flags of every parked job at once (see worker.messaging.flagsweep).
     flag_sweep: FlagSweep
+    # Results a job's lane surely did not get to soketi, sent again from the log (None: a
+    # context of a test without one; the lane's word is then taken).
+    owed_results: OwedResults | None = None
     # Set on SIGTERM: parked jobs go back to the queue, nothing new is claimed.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # loop.time() at which the stop's grace for running jobs ends (0: no grace given).

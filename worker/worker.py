@@ -49,6 +49,7 @@ from worker.job.run import JobRun
 from worker.messaging.continuity import RedisContinuity
 from worker.messaging.control import ControlBus, Subscription
 from worker.messaging.flagsweep import FlagSweep
+from worker.messaging.owed import OwedResults
 from worker.messaging.probe import RedisProbe
 from worker.messaging.publisher import Publisher
 from worker.messaging.queue import Claim, WorkerQueue, WorkerSuperseded, now_ms
@@ -184,6 +185,7 @@ class Worker:
             pool=self.pool,
             runtimes=self.runtimes,
             flag_sweep=FlagSweep(queue, control),
+            owed_results=OwedResults(queue, publisher, settings.pusher_timeout_ms / 1000 + 1),
             stopping=self._stopping,
             hard_stop=self._hard_stop,
         )
@@ -220,6 +222,7 @@ class Worker:
                 asyncio.create_task(self._heartbeat(ctx), name="heartbeat"),
                 asyncio.create_task(self._upkeep(ctx), name="upkeep"),
                 asyncio.create_task(ctx.flag_sweep.run(), name="flag-sweep"),
+                asyncio.create_task(ctx.owed_results.run(), name="owed-results"),
             ]
             log.info(
                 "worker %s ready: %d slots, languages: %s",

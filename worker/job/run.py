@@ -394,9 +394,16 @@ class JobRun:
                 await self.events.drop_hold()
                 await self.lane.close(timeout_s=self.ctx.settings.pusher_timeout_ms / 1000 + 1)
                 if self._owes_result_live:
-                    # Handed to soketi (or given up on by a live worker): should this worker die
-                    # before, whoever reaps it publishes the result (keys.worker_unpublished_key).
-                    self.ctx.queue.delivered(self.job_id)
+                    owed = self.ctx.owed_results
+                    if self.lane.result_lost and owed is not None:
+                        # soketi surely never had it (shed in a pause, refused): still owed,
+                        # sent again from the log (worker/messaging/owed.py).
+                        owed.owe(self.job_id)
+                    else:
+                        # Handed to soketi (or given up on by a live worker): should this worker
+                        # die before, whoever reaps it publishes the result
+                        # (keys.worker_unpublished_key).
+                        self.ctx.queue.delivered(self.job_id)
 
     async def _cancelled(self) -> None:
         """Only a worker stopping cancels a job (after its grace period). A program that was

@@ -313,11 +313,14 @@ class Publisher:
     def lane(self, channel: str) -> JobLane:
         return JobLane(self, channel)
 
-    async def deliver(self, events: list[_Event]) -> None:
+    async def deliver(self, events: list[_Event]) -> bool:
+        """Hand `events` to soketi. False when they surely did not reach it (shed while
+        paused, or refused): a result among them can be sent again without being doubled.
+        True when they did, or may have (a request that timed out may have gone through)."""
         if self._publish_redis is not None:
             events = await self._publish_through_redis(self._publish_redis, events)
             if not events:
-                return
+                return True
         paused = time.monotonic() < self._down_until
         if paused:
             # Paused after a failure, output is shed; a stage or a result (another job's,
@@ -329,13 +332,13 @@ class Publisher:
             kept = [event for event in events if event.name not in CHUNK_EVENTS]
             self.dropped += len(events) - len(kept)
             if not kept:
-                return
+                return False
             events = kept
             while self._probe is not None:
                 outcome = await asyncio.shield(self._probe)
                 if outcome == "failed":
                     self.dropped += len(events)
-                    return
+                    return False
                 # "answered", or "cancelled" (its own job gave up on it, soketi told nothing):
                 # this goes, as the next probe if a pause is on again, unless another waiter
                 # became that probe first (a delivery failed as this one's answer came): then
@@ -364,7 +367,7 @@ class Publisher:
             # that stays down would be a line for every job.
             log.log(logging.DEBUG if paused else logging.WARNING,
                     "soketi unreachable (%s); live output shed for %.0fs", exc.__class__.__name__, BACKOFF_S)  # fmt: skip
-            return
+            return True  # (it may have got there: never sent twice)
         finally:
             if probe is not None:
                 if outcome == "answered":
@@ -376,8 +379,9 @@ class Publisher:
         if status >= 400:
             self.failed += len(events)
             log.warning("soketi refused %d events: %s %r", len(events), status, answer[:200])
-            return
+            return False
         self.sent += len(events)
+        return True
 
     @property
     def adapter(self) -> str | None:
@@ -469,6 +473,8 @@ class JobLane:
         self._cleared: bool | None = None
         self._claim_token: str | None = None
         self._refilled_at = time.monotonic()
+        # The result surely did not reach soketi (see Publisher.deliver): still owed.
+        self.result_lost = False
         self._task = asyncio.create_task(self._drain(), name=f"publish:{channel}")
 
     def send(self, name: str, data: bytes) -> None:
@@ -556,7 +562,12 @@ class JobLane:
             await self._pace(size)
             # Once a request may have reached soketi, sending it again could double a result.
             self._unsent = []
-            await self._publisher.deliver(batch)
+            await self._deliver(batch)
+
+    async def _deliver(self, batch: list[_Event]) -> None:
+        went = await self._publisher.deliver(batch)
+        if any(event.name == "result" for event in batch):
+            self.result_lost = not went
 
     async def _may_deliver(self) -> bool | None:
         """Whether to publish, a follower being known. A lane that let events go by unheard
@@ -727,6 +738,7 @@ class JobLane:
             may = await self._may_deliver()
         if may is None:
             self._publisher.failed += len(rest)
+            self.result_lost = any(event.name == "result" for event in rest)
             log.warning("channel %s: %d live events (the result among them) not delivered: "
                         "who publishes them could not be told", self._channel, len(rest))  # fmt: skip
             return
@@ -734,4 +746,4 @@ class JobLane:
             self._publisher.unheard += len(rest)
             return
         for start in range(0, len(rest), MAX_BATCH):
-            await self._publisher.deliver(rest[start : start + MAX_BATCH])
+            await self._deliver(rest[start : start + MAX_BATCH])

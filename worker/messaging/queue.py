@@ -838,6 +838,15 @@ class WorkerQueue:
         given up on by its lane: the next beat takes it off this worker's unpublished set."""
         self._delivered.append(job_id)
 
+    async def last_result(self, job_id: str) -> bytes | None:
+        """The job's `result` event as published (JSON), from the end of its log; None when
+        the log holds none (it expired)."""
+        last = await self.redis.xrevrange(keys.events_key(job_id), "+", "-", count=1)
+        if last and last[0][1].get(b"name") == b"result":
+            fields = last[0][1]
+            return entry_json(int(fields[b"seq"]), fields)
+        return None
+
     async def take_unpublished(self, worker_id: str, dead: bool = True) -> list[tuple[str, bytes]]:
         """The results `worker_id` stored for followers and never said it handed to soketi
         (it died first), as (job id, result event JSON), kept for the caller to publish
