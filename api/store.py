@@ -47,13 +47,6 @@ __all__ = ["EnqueueAnswer", "JobStore", "KillAnswer", "ReceiptCursor", "ScriptCa
 
 _TERMINAL_LUA = "local terminal = {done=true, killed=true, error=true, expired=true, lost=true}\n"
 
-# Redis's clock in ms (the API processes' clocks may disagree).
-_NOW_MS_LUA = """
-local function now_ms()
-  local clock = redis.call('TIME')
-  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-end
-"""
 
 # KEYS: queue, spec, status, the owner's unstarted set, the owner's job index, the job's
 # callback record, the owner's retained-output ledger and its sizes (api/quota.py), the sizes
@@ -75,7 +68,7 @@ end
 _ENQUEUE = (
     _TERMINAL_LUA
     + RETAINED_OUTPUT_LUA
-    + _NOW_MS_LUA
+    + keys.NOW_MS_LUA
     + """
 if KEYS[10] then
   local rec = redis.call('HMGET', KEYS[10], 'jobId', 'bodySha256')
@@ -258,6 +251,7 @@ return out
 # gets that frame's answer again and changes nothing, whatever happened to the job since.
 _STDIN = (
     _TERMINAL_LUA
+    + keys.NOW_MS_LUA
     + """
 local earlier = redis.call('ZSCORE', KEYS[4], ARGV[10])
 if earlier then return {1, tonumber(earlier)} end
@@ -269,8 +263,7 @@ if redis.call('HGET', KEYS[1], 'stdinClosed') == '1' then return {0, 'closed', '
 if ARGV[2] ~= 'close' and #ARGV[1] == 0 then return {1, -1} end
 -- Redis's clock, not the API's: the rate list is shared by every API process, whose clocks
 -- may disagree.
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now = now_ms()
 local max_frames = tonumber(ARGV[3])
 local window = tonumber(ARGV[4])
 -- EOF is never rate limited: it comes once and must not be lost behind a burst.
@@ -341,7 +334,7 @@ return {1}
 # publishes (keys.API_UNPUBLISHED), due `grace_ms` from now by Redis's clock; with `nx`, not
 # if it is there already.
 _OWE_PUBLISH_LUA = (
-    _NOW_MS_LUA
+    keys.NOW_MS_LUA
     + """
 local function owe_publish(key, debt, grace_ms, nx)
   local due = now_ms() + tonumber(grace_ms)
@@ -358,7 +351,7 @@ end
 # name as one a sweep holds (a result resent within the gap, '<job id>:gap', owed again while
 # the last one is being sent) waits where it is until that one is settled.
 _TAKE_OWED = (
-    _NOW_MS_LUA
+    keys.NOW_MS_LUA
     + """
 local now = now_ms()
 local until_ms = now + tonumber(ARGV[1])
@@ -380,7 +373,7 @@ return taken
 # KEYS: keys.API_UNPUBLISHED. ARGV: the debt, ms. 1 and the debt put off by `ms` if it is
 # still owed there (no sweep took it), else 0.
 _CONFIRM_OWED = (
-    _NOW_MS_LUA
+    keys.NOW_MS_LUA
     + """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now_ms() + tonumber(ARGV[2]), ARGV[1])

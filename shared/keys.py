@@ -14,6 +14,7 @@ __all__ = [
     "CHANNEL_PREFIX",
     "DATASET",
     "ENDED_COUNTS",
+    "NOW_MS_LUA",
     "OUTCOME_OF_LUA",
     "QUEUE",
     "UNSTARTED_BACK_LUA",
@@ -202,6 +203,15 @@ end
 # Lua: outcome_of(result JSON) is the result's `outcome`, kept beside it in the job's record
 # (field `outcome`) by every script that writes a result, so a page of receipts reads a word
 # a job, not its whole result (up to PUSHER_MAX_PAYLOAD_KB: a compile's log).
+# Lua for scripts: now_ms(), Redis's clock in ms (the hosts' clocks may disagree: whatever
+# several processes compare, or Redis expires, is timed by it).
+NOW_MS_LUA = """
+local function now_ms()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+"""
+
 OUTCOME_OF_LUA = """
 local function outcome_of(result)
   return string.match(result, '"outcome":"([%w_]+)"') or ''

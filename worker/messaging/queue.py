@@ -248,6 +248,7 @@ return {heard, published}
 # was PUBLISHed here and a soketi node heard it (it is then not owed: see below).
 _FINISH = (
     _TERMINAL_LUA
+    + keys.NOW_MS_LUA
     + CALLBACK_DUE_LUA
     + RESULT_LANDED_LUA
     + keys.UNSTARTED_GONE_LUA
@@ -312,9 +313,7 @@ for i = 18, #KEYS do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[2]) + 60) end
 local kept = tonumber(ARGV[11])
 if kept > 0 then
   -- Scored by Redis's clock, which expires the output and by which the API reads the ledger.
-  local clock = redis.call('TIME')
-  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-  redis.call('ZADD', KEYS[10], now + 1000 * tonumber(ARGV[2]), ARGV[8])
+  redis.call('ZADD', KEYS[10], now_ms() + 1000 * tonumber(ARGV[2]), ARGV[8])
   redis.call('HSET', KEYS[11], ARGV[8], kept)
   redis.call('HINCRBY', KEYS[11], '_total', kept)
   redis.call('EXPIRE', KEYS[10], ARGV[2])
@@ -455,6 +454,14 @@ _LOST = result_template(result_without_run(Outcome.LOST, LOST_MESSAGE))
 _EXPIRED = result_template(result_without_run(Outcome.EXPIRED, None))
 UNREADABLE_MESSAGE = "the stored job could not be read by this worker"
 _UNREADABLE = result_template(result_without_run(Outcome.INTERNAL_ERROR, UNREADABLE_MESSAGE))
+
+
+def _result_at_end(last: list[tuple[bytes, dict[bytes, bytes]]]) -> bytes | None:
+    """The `result` event (JSON) of a log's last entry (XREVRANGE ... COUNT 1), or None."""
+    if last and last[0][1].get(b"name") == b"result":
+        fields = last[0][1]
+        return entry_json(int(fields[b"seq"]), fields)
+    return None
 
 
 def now_ms() -> int:
@@ -841,11 +848,7 @@ class WorkerQueue:
     async def last_result(self, job_id: str) -> bytes | None:
         """The job's `result` event as published (JSON), from the end of its log; None when
         the log holds none (it expired)."""
-        last = await self.redis.xrevrange(keys.events_key(job_id), "+", "-", count=1)
-        if last and last[0][1].get(b"name") == b"result":
-            fields = last[0][1]
-            return entry_json(int(fields[b"seq"]), fields)
-        return None
+        return _result_at_end(await self.redis.xrevrange(keys.events_key(job_id), "+", "-", count=1))
 
     async def take_unpublished(self, worker_id: str, dead: bool = True) -> list[tuple[str, bytes]]:
         """The results `worker_id` stored for followers and never said it handed to soketi
@@ -864,9 +867,8 @@ class WorkerQueue:
             lasts = await pipe.execute()
         owed: list[tuple[str, bytes]] = []
         for job_id, last in zip(job_ids, lasts, strict=True):
-            if last and last[0][1].get(b"name") == b"result":
-                fields = last[0][1]
-                owed.append((job_id, entry_json(int(fields[b"seq"]), fields)))
+            if (result := _result_at_end(last)) is not None:
+                owed.append((job_id, result))
         self._recovered += owed  # (published with the round's recovered results: take_recovered)
         # Only now off the set: a round that fails before this leaves them to the next one (at
         # worst a result published twice, which a client skips by seq; never one lost).
