@@ -148,16 +148,12 @@ class EventPace:
     replaying a long log over and over takes at most that share of its owner's pace (with
     one API token, everyone's), not all of it. Per API process, like the slots."""
 
-    # Keys remembered before those whose bucket has refilled are forgotten (looked for at
-    # most once a second: a scan at every spend, with that many buckets still refilling,
-    # would cost each spend the whole table).
-    KEEP = 1024
     CALLER_SHARE = 4
 
     def __init__(self, per_s: int) -> None:
         self.per_s = per_s
-        self._buckets = _Buckets(per_s, self)
-        self._callers = _Buckets(max(1, per_s // self.CALLER_SHARE), self)
+        self._buckets = _Buckets(per_s)
+        self._callers = _Buckets(max(1, per_s // self.CALLER_SHARE))
 
     async def spend(self, key: str, events: int, caller: str | None = None) -> None:
         """Count `events` sent for `key`; `caller`, a job token's, spends its own share first."""
@@ -167,9 +163,15 @@ class EventPace:
 
 
 class _Buckets:
-    def __init__(self, per_s: int, owner: EventPace) -> None:
+    """Token buckets by key, each refilled at `per_s` up to as many."""
+
+    # Keys remembered before those whose bucket has refilled are forgotten (looked for at
+    # most once a second: a scan at every spend, with that many buckets still refilling,
+    # would cost each spend the whole table).
+    KEEP = 1024
+
+    def __init__(self, per_s: int) -> None:
         self.per_s = per_s
-        self._owner = owner  # (KEEP is read there, where tests change it)
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, when)
         self._pruned_at = 0.0
 
@@ -187,7 +189,7 @@ class _Buckets:
         now = asyncio.get_running_loop().time()
         tokens = self._refilled(key, now) - events
         self._buckets[key] = (tokens, now)
-        if len(self._buckets) > self._owner.KEEP and now - self._pruned_at >= 1.0:
+        if len(self._buckets) > self.KEEP and now - self._pruned_at >= 1.0:
             self._pruned_at = now
             for refilled in [k for k in self._buckets if self._refilled(k, now) >= self.per_s]:
                 del self._buckets[refilled]

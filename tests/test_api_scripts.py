@@ -844,7 +844,9 @@ async def test_one_job_tokens_replays_take_only_its_share_of_the_owners_pace() -
 async def test_an_event_pace_forgets_refilled_keys_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
     # (A scan at every spend, while more than KEEP buckets were refilling, cost each spend
     # the whole table.)
-    monkeypatch.setattr(EventPace, "KEEP", 10)
+    from api.streams import _Buckets
+
+    monkeypatch.setattr(_Buckets, "KEEP", 10)
     pace = EventPace(1000)
     for n in range(50):
         await pace.spend(f"job-token-{n}", 1)

@@ -40,7 +40,6 @@ class OwedResults:
         self._owed: dict[str, tuple[float, int]] = {}
         self._wakeup = asyncio.Event()
         self.sent_again = 0
-        self.given_up = 0
 
     def __len__(self) -> int:
         return len(self._owed)
@@ -70,28 +69,25 @@ class OwedResults:
 
     async def _attempt(self, job_id: str) -> None:
         _, attempts = self._owed[job_id]
+        attempts += 1
         try:
             result = await self._queue.last_result(job_id)
         except Exception as exc:  # (Redis away: the next attempt reads again)
             log.info("job %s: owed result could not be read (%s); trying again", job_id, exc)
-            result, went = None, False
+            went = False
         else:
-            went = result is None  # (nothing to send any more: the log expired)
-            if result is not None:
-                lane = self._publisher.lane(keys.realtime_channel(job_id))
-                lane.send("result", result)
-                await lane.close(self._lane_timeout_s)
-                went = not lane.result_lost
-        attempts += 1
-        if went:
-            self.sent_again += result is not None
-            del self._owed[job_id]
-            self._queue.delivered(job_id)
+            went = result is None or await self._send(job_id, result)  # (none: its log expired)
+        if not went and attempts < len(RETRY_S):
+            self._owed[job_id] = (asyncio.get_running_loop().time() + RETRY_S[attempts], attempts)
             return
-        if attempts >= len(RETRY_S):
-            self.given_up += 1
+        if not went:
             log.warning("job %s: its result could not be published live after %d attempts", job_id, attempts)
-            del self._owed[job_id]
-            self._queue.delivered(job_id)  # (its log and GET /output have it)
-            return
-        self._owed[job_id] = (asyncio.get_running_loop().time() + RETRY_S[attempts], attempts)
+        del self._owed[job_id]
+        self._queue.delivered(job_id)  # (sent, or given up: its log and GET /output have it)
+
+    async def _send(self, job_id: str, result: bytes) -> bool:
+        lane = self._publisher.lane(keys.realtime_channel(job_id))
+        lane.send("result", result)
+        await lane.close(self._lane_timeout_s)
+        self.sent_again += not lane.result_lost
+        return not lane.result_lost
