@@ -527,43 +527,58 @@ async def test_a_dropped_channel_is_unsubscribed_with_the_next_subscribe_or_afte
         assert await plain.publish("c", "gone") == 0
 
 
+class _BusyRedis:
+    """A Redis that answers -BUSY 50 ms into a script (busy-reply-threshold), with a lean and
+    a plain client on it, and a script that loops until killed."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.server = Server(tmp_path, "--busy-reply-threshold", "50")
+        self._looping: asyncio.Future[Any] | None = None
+        self._busy: Redis | None = None
+
+    async def __aenter__(self) -> _BusyRedis:
+        self.server.start()
+        self.lean = LeanRedis.from_url(self.server.url)
+        self.plain = Redis.from_url(self.server.url)
+        return self
+
+    async def loop_a_script(self) -> None:
+        """Start a script that runs until killed, and wait until Redis answers -BUSY."""
+        self._busy = Redis.from_url(self.server.url)
+        self._looping = asyncio.ensure_future(self._busy.eval("local i = 0 while true do i = i + 1 end", 0))
+        await asyncio.sleep(0.3)  # past the threshold
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if self._looping is not None:
+            self._looping.cancel()
+            with contextlib.suppress(BaseException):
+                await self._looping
+        for client in (self._busy, self.plain, self.lean):
+            if client is not None:
+                await client.aclose()
+        self.server.stop()
+
+
 async def test_a_subscribe_refused_while_a_script_runs_is_written_again(tmp_path: Path) -> None:
     # Redis refuses SUBSCRIBE with -BUSY while a script runs past busy-reply-threshold: one
     # error for the command, naming no channel. Its channel then waited for an answer that
     # never came (a job's subscription timed out, and every later one for the same channel
     # on this connection swallowed its own answer as the refused one's).
-    server = Server(tmp_path, "--busy-reply-threshold", "50")
-    server.start()
-    lean = LeanRedis.from_url(server.url)
-    plain = Redis.from_url(server.url)
-    looping = None
-    try:
-        async with subscribed(lean) as (subscriber, heard):
-            await heard.wait_for((b"ready", b"", 0))
-            busy = Redis.from_url(server.url)
-            looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
-            await asyncio.sleep(0.3)  # past the threshold: Redis answers -BUSY
-            subscriber.subscribe("a")
-            await asyncio.sleep(0.3)
-            assert (b"subscribe", b"a", 1) not in heard.items
-            await plain.script_kill()
-            await heard.wait_for((b"subscribe", b"a", 1))  # written again, answered
-            assert await plain.publish("a", "through") == 1
-            await heard.wait_for((b"message", b"a", b"through"))
-            # The channel's count is right: dropped and taken again, its answer comes.
-            subscriber.unsubscribe("a")
-            subscriber.subscribe("a")
-            await heard.wait_for((b"subscribe", b"a", 1), times=2)
-            assert subscriber.connections == 1
-            with contextlib.suppress(Exception):
-                await looping
-            await busy.aclose()
-    finally:
-        if looping is not None:
-            looping.cancel()
-        await plain.aclose()
-        await lean.aclose()
-        server.stop()
+    async with _BusyRedis(tmp_path) as redis, subscribed(redis.lean) as (subscriber, heard):
+        await heard.wait_for((b"ready", b"", 0))
+        await redis.loop_a_script()
+        subscriber.subscribe("a")
+        await asyncio.sleep(0.3)
+        assert (b"subscribe", b"a", 1) not in heard.items
+        await redis.plain.script_kill()
+        await heard.wait_for((b"subscribe", b"a", 1))  # written again, answered
+        assert await redis.plain.publish("a", "through") == 1
+        await heard.wait_for((b"message", b"a", b"through"))
+        # The channel's count is right: dropped and taken again, its answer comes.
+        subscriber.unsubscribe("a")
+        subscriber.subscribe("a")
+        await heard.wait_for((b"subscribe", b"a", 1), times=2)
+        assert subscriber.connections == 1
 
 
 async def test_a_ready_mark_answered_after_a_refused_subscribe_stands_for_nothing() -> None:
@@ -593,72 +608,41 @@ async def test_a_ready_mark_answered_after_a_refused_subscribe_stands_for_nothin
 async def test_a_subscriber_connecting_while_a_script_runs_gets_ready_once_it_ends(tmp_path: Path) -> None:
     # Its SUBSCRIBE and its ready marks all refused, over and over: once the script is
     # killed, the SUBSCRIBE written again and a mark after it make it ready.
-    server = Server(tmp_path, "--busy-reply-threshold", "50")
-    server.start()
-    lean = LeanRedis.from_url(server.url)
-    plain = Redis.from_url(server.url)
-    busy = Redis.from_url(server.url)
-    looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
-    try:
-        await asyncio.sleep(0.3)
+    async with _BusyRedis(tmp_path) as redis:
+        await redis.loop_a_script()
         heard = Heard()
-        subscriber = Subscriber(lean, heard, on_ready=lambda: heard(b"ready", b"", 0))
+        subscriber = Subscriber(redis.lean, heard, on_ready=lambda: heard(b"ready", b"", 0))
         subscriber.subscribe("a")
         await subscriber.start()
         try:
             await asyncio.sleep(0.5)
             assert not subscriber.ready
-            await plain.script_kill()
+            await redis.plain.script_kill()
             await heard.wait_for((b"ready", b"", 0))
             assert (b"subscribe", b"a", 1) in heard.items and subscriber.ready
-            assert await plain.publish("a", "through") == 1
+            assert await redis.plain.publish("a", "through") == 1
             await heard.wait_for((b"message", b"a", b"through"))
         finally:
             await subscriber.aclose()
-    finally:
-        looping.cancel()
-        with contextlib.suppress(BaseException):
-            await looping
-        await busy.aclose()
-        await plain.aclose()
-        await lean.aclose()
-        server.stop()
 
 
 async def test_an_unsubscribe_refused_while_a_script_runs_is_written_again(tmp_path: Path) -> None:
     # Only a refused SUBSCRIBE was written again: a refused UNSUBSCRIBE left the connection
     # subscribed to a finished job's channels until it was replaced, Redis sending it their
     # messages all along.
-    server = Server(tmp_path, "--busy-reply-threshold", "50")
-    server.start()
-    lean = LeanRedis.from_url(server.url)
-    plain = Redis.from_url(server.url)
-    looping = None
-    try:
-        async with subscribed(lean) as (subscriber, heard):
-            subscriber.subscribe("a", "b")
-            await heard.wait_for((b"subscribe", b"b", 2))
-            busy = Redis.from_url(server.url)
-            looping = asyncio.ensure_future(busy.eval("local i = 0 while true do i = i + 1 end", 0))
-            await asyncio.sleep(0.3)  # past the threshold: Redis answers -BUSY
-            subscriber.unsubscribe("a")
-            await asyncio.sleep(0.3)
-            await plain.script_kill()
-            deadline = asyncio.get_running_loop().time() + 5
-            while await plain.publish("a", "late") != 0:
-                assert asyncio.get_running_loop().time() < deadline, "still subscribed to a dropped channel"
-                await asyncio.sleep(0.05)
-            assert await plain.publish("b", "kept") == 1  # (the other one stays)
-            assert subscriber.connections == 1
-            with contextlib.suppress(Exception):
-                await looping
-            await busy.aclose()
-    finally:
-        if looping is not None:
-            looping.cancel()
-        await plain.aclose()
-        await lean.aclose()
-        server.stop()
+    async with _BusyRedis(tmp_path) as redis, subscribed(redis.lean) as (subscriber, heard):
+        subscriber.subscribe("a", "b")
+        await heard.wait_for((b"subscribe", b"b", 2))
+        await redis.loop_a_script()
+        subscriber.unsubscribe("a")
+        await asyncio.sleep(0.3)
+        await redis.plain.script_kill()
+        deadline = asyncio.get_running_loop().time() + 5
+        while await redis.plain.publish("a", "late") != 0:
+            assert asyncio.get_running_loop().time() < deadline, "still subscribed to a dropped channel"
+            await asyncio.sleep(0.05)
+        assert await redis.plain.publish("b", "kept") == 1  # (the other one stays)
+        assert subscriber.connections == 1
 
 
 async def test_subscriber_is_ready_only_once_its_channels_are_subscribed_again(lean: LeanRedis, plain: Redis) -> None:
@@ -701,12 +685,17 @@ async def test_subscriber_comes_back_with_its_channels(server: Server, lean: Lea
         server.start()
         await heard.wait_for((b"subscribe", b"kept", 1), times=3)
         assert subscriber.connections >= 3
-        fresh = Redis.from_url(server.url)
-        try:
-            assert await fresh.publish("kept", "again") == 1
-        finally:
-            await fresh.aclose()
-        await heard.wait_for((b"message", b"kept", b"again"))
+        await _published_and_heard(server, heard, "kept", "again")
+
+
+async def _published_and_heard(server: Server, heard: Heard, channel: str, data: str) -> None:
+    """Publish on a client of its own (one subscriber hears it), and wait until it is heard."""
+    publisher = Redis.from_url(server.url)
+    try:
+        assert await publisher.publish(channel, data) == 1
+    finally:
+        await publisher.aclose()
+    await heard.wait_for((b"message", channel.encode(), data.encode()))
 
 
 async def test_a_quiet_subscriber_connection_is_checked_and_replaced(server: Server) -> None:
@@ -743,12 +732,7 @@ async def test_a_subscribe_left_unanswered_ends_the_connection_long_before_a_hea
             while not (subscriber.ready and subscriber.connections >= 2):
                 assert asyncio.get_running_loop().time() < deadline, "never subscribed again"
                 await asyncio.sleep(0.05)
-            publisher = Redis.from_url(server.url)
-            try:
-                assert await publisher.publish("d", "hello") == 1
-            finally:
-                await publisher.aclose()
-            await heard.wait_for((b"message", b"d", b"hello"))
+            await _published_and_heard(server, heard, "d", "hello")
     finally:
         server.resume()
         await client.aclose()
